@@ -1,0 +1,1 @@
+"""Messages shared by several services (generation requests and chunks)."""

@@ -1,0 +1,59 @@
+"""Errors that are part of the API: each maps to one gRPC status code and carries an actionable message."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class RlsyncError(Exception):
+    """Base class; `code` is the gRPC status a servicer answers with."""
+
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+
+class InvalidArgument(RlsyncError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class FailedPrecondition(RlsyncError):
+    """The call is valid but not in the current state (asleep, paused, stale version)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class NotFound(RlsyncError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class PermissionDenied(RlsyncError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class DeadlineExceeded(RlsyncError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Unavailable(RlsyncError):
+    """Try again later or elsewhere: shutting down, no replica, peer gone."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Aborted(RlsyncError):
+    code = grpc.StatusCode.ABORTED
+
+
+class DataLoss(RlsyncError):
+    """Bytes arrived corrupted or truncated."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class EngineDead(RlsyncError):
+    """The inference engine failed and cannot serve; the replica must be restarted."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class AlreadyExists(RlsyncError):
+    code = grpc.StatusCode.ALREADY_EXISTS

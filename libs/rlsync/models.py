@@ -1,0 +1,128 @@
+"""The embedded default model: a tiny Qwen2 built locally and deterministically, cached once per machine.
+
+No download is ever needed: the tokenizer is a byte-level BPE trained on generated text, the weights
+are a seeded random init. `resolve_model("tiny")` builds it on first use (concurrent callers wait).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+TINY = "tiny"
+EOS = "<|endoftext|>"
+
+
+@dataclass(frozen=True)
+class TinyRecipe:
+    """Everything that determines the tiny model's bytes; its hash names the cache folder."""
+
+    hidden_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32  # vLLM's CPU attention rejects head_dim 16
+    intermediate_size: int = 384
+    vocab_size: int = 512
+    max_position_embeddings: int = 1024
+    seed: int = 0
+    corpus_lines: int = 4000
+    version: int = 1
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RLSYNC_CACHE", Path.home() / ".cache" / "rlsync"))
+
+
+def _corpus(n: int, seed: int) -> list[str]:
+    """Generated text with words, numbers and arithmetic: enough variety for a useful BPE."""
+    rng = random.Random(seed)
+    words = ("the model reads a token and writes the next one while weights move from trainer "
+             "to engine every step reward is high when the answer is right sum of two numbers "
+             "count letters alpha beta gamma delta yes no true false").split()
+    lines = []
+    for _ in range(n):
+        kind = rng.random()
+        if kind < 0.4:
+            lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))))
+        elif kind < 0.7:
+            a, b = rng.randint(0, 99), rng.randint(0, 99)
+            lines.append(f"{a}+{b}={a + b}")
+        else:
+            lines.append(" ".join(str(rng.randint(0, 9999)) for _ in range(rng.randint(2, 8))))
+    return lines
+
+
+def build_tiny_model(out: Path, recipe: TinyRecipe = TinyRecipe()) -> Path:
+    """Writes config, safetensors weights and tokenizer into `out` (a new folder)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=recipe.vocab_size, special_tokens=[EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(_corpus(recipe.corpus_lines, recipe.seed), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, bos_token=EOS, pad_token=EOS)
+    eos_id = tokenizer.convert_tokens_to_ids(EOS)
+
+    config = Qwen2Config(
+        vocab_size=recipe.vocab_size, hidden_size=recipe.hidden_size,
+        intermediate_size=recipe.intermediate_size, num_hidden_layers=recipe.num_hidden_layers,
+        num_attention_heads=recipe.num_attention_heads, num_key_value_heads=recipe.num_key_value_heads,
+        head_dim=recipe.head_dim, max_position_embeddings=recipe.max_position_embeddings,
+        tie_word_embeddings=True, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(recipe.seed)
+    model = Qwen2ForCausalLM(config)
+    out.mkdir(parents=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "rlsync_recipe.json").write_text(json.dumps(asdict(recipe), indent=2))
+    return out
+
+
+def ensure_tiny_model(recipe: TinyRecipe = TinyRecipe()) -> Path:
+    """The cached tiny model's folder, building it first if needed (safe across processes)."""
+    root = cache_dir() / "models"
+    target = root / f"tiny-qwen2-{recipe.key()}"
+    if (target / "rlsync_recipe.json").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "rlsync_recipe.json").exists():
+            tmp = Path(tempfile.mkdtemp(dir=root, prefix=".build-"))
+            try:
+                build_tiny_model(tmp / "model", recipe)
+                (tmp / "model").rename(target)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model(name: str) -> str:
+    """`tiny` -> the locally built default; anything else is a local path (or a hub id, offline)."""
+    return str(ensure_tiny_model()) if name == TINY else name
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="rlsync make-tiny-model", description=__doc__)
+    parser.parse_args(argv)
+    print(ensure_tiny_model())
+    return 0

@@ -1,0 +1,90 @@
+"""Client channels to rlsync services: token metadata, optional TLS, the same message limits as servers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+
+from rlsync.rpc.auth import HEADER
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+
+
+def _options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes)]
+
+
+def _credentials(tls_ca: str | None) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(Path(tls_ca).read_bytes() if tls_ca else None)
+
+
+class _TokenMetadata(grpc.AuthMetadataPlugin):
+    def __init__(self, token: str):
+        self._metadata = ((HEADER, f"Bearer {token}"),)
+
+    def __call__(self, context, callback):
+        callback(self._metadata, None)
+
+
+class _AioToken(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+    """Adds the token to every call on an insecure channel (call credentials need TLS)."""
+
+    def __init__(self, token: str):
+        self._pair = (HEADER, f"Bearer {token}")
+
+    def _with_token(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), self._pair)
+        return details._replace(metadata=metadata)
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(self._with_token(details), request)
+
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(self._with_token(details), request)
+
+
+def aio_channel(address: str, token: str = "", tls: bool = False, tls_ca: str | None = None,
+                max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
+    options = _options(max_message_bytes)
+    if tls:
+        creds = _credentials(tls_ca)
+        if token:
+            creds = grpc.composite_channel_credentials(creds, grpc.metadata_call_credentials(_TokenMetadata(token)))
+        return grpc.aio.secure_channel(address, creds, options=options)
+    interceptors = [_AioToken(token)] if token else None
+    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+
+
+class _SyncToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    def __init__(self, token: str):
+        self._pair = (HEADER, f"Bearer {token}")
+
+    def _with_token(self, details):
+        return _Details(details.method, details.timeout, [*(details.metadata or ()), self._pair],
+                        details.credentials, details.wait_for_ready, details.compression)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):
+        self.method, self.timeout, self.metadata = method, timeout, metadata
+        self.credentials, self.wait_for_ready, self.compression = credentials, wait_for_ready, compression
+
+
+def sync_channel(address: str, token: str = "", tls: bool = False, tls_ca: str | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.Channel:
+    options = _options(max_message_bytes)
+    if tls:
+        creds = _credentials(tls_ca)
+        if token:
+            creds = grpc.composite_channel_credentials(creds, grpc.metadata_call_credentials(_TokenMetadata(token)))
+        return grpc.secure_channel(address, creds, options=options)
+    channel = grpc.insecure_channel(address, options=options)
+    return grpc.intercept_channel(channel, _SyncToken(token)) if token else channel

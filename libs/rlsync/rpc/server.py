@@ -1,0 +1,109 @@
+"""The serving lifecycle every rlsync service shares: bind, health, reflection, auth, graceful shutdown.
+
+Shutdown order on SIGTERM/SIGINT: health NOT_SERVING -> the service ends in-flight work with a
+reason (streams finish with it instead of breaking) -> server.stop(grace) -> the service closes its
+engine or workers. The process then exits with nothing left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Protocol
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from rlsync.config import ServerConfig
+from rlsync.rpc.auth import TokenAuthInterceptor
+
+log = logging.getLogger(__name__)
+
+
+class Service(Protocol):
+    """What a service hands to `run_service`."""
+
+    #: Short name for logs ("rollout").
+    name: str
+    #: Full names of its gRPC services, for health and reflection.
+    service_names: list[str]
+
+    def add_to_server(self, server: grpc.aio.Server) -> None: ...
+
+    async def start(self) -> None:
+        """Brings up engines or workers; an exception here ends the process before it binds."""
+
+    async def drain(self, reason: str) -> None:
+        """Ends in-flight work (streams finish with `reason`)."""
+
+    async def close(self) -> None:
+        """Releases engines and workers once the server has stopped."""
+
+
+def server_options(cfg: ServerConfig) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", cfg.max_message_bytes),
+        ("grpc.max_send_message_length", cfg.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def _bind(server: grpc.aio.Server, cfg: ServerConfig) -> int:
+    address = f"{cfg.host}:{cfg.port}"
+    if bool(cfg.tls_cert) != bool(cfg.tls_key):
+        raise SystemExit("TLS needs both --tls-cert and --tls-key")
+    if cfg.tls_cert:
+        creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        raise SystemExit(f"cannot bind {address}: in use or not an address of this host")
+    return port
+
+
+async def run_service(cfg: ServerConfig, service: Service, stop: asyncio.Event | None = None) -> None:
+    """Serves `service` until SIGTERM/SIGINT (or `stop` is set), then shuts down in order."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    await service.start()
+    interceptors = [TokenAuthInterceptor(cfg.token)] if cfg.token else []
+    server = grpc.aio.server(interceptors=interceptors, options=server_options(cfg))
+    service.add_to_server(server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    for name in ["", *service.service_names]:
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        [*service.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME], server)
+    port = _bind(server, cfg)
+    await server.start()
+    # One machine-readable line on stdout: scripts and tests wait for it.
+    print(json.dumps({"event": "listening", "service": service.name, "address": f"{cfg.host}:{port}"}),
+          flush=True)
+    log.info("%s listening on %s:%d%s", service.name, cfg.host, port, " (TLS)" if cfg.tls_cert else "")
+
+    await stop.wait()
+    log.info("%s shutting down", service.name)
+    await health.enter_graceful_shutdown()
+    try:
+        await service.drain(f"{service.name} is shutting down")
+    finally:
+        await server.stop(cfg.grace_seconds)
+        await service.close()
+    log.info("%s stopped", service.name)
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(stream=sys.stderr, level=level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,50 @@
+"""Maps domain exceptions to gRPC statuses for servicer methods: thin servicers stay thin."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import grpc
+
+from rlsync.errors import RlsyncError
+
+log = logging.getLogger(__name__)
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+    if isinstance(exc, RlsyncError):
+        await context.abort(exc.code, str(exc))
+    log.exception("unexpected error in %s", method)
+    await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+def unary(method):
+    """For `async def Method(self, request, context) -> response`."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to a status, never swallowed
+            await _abort(context, exc, method.__qualname__)
+
+    return wrapper
+
+
+def streaming(method):
+    """For `async def Method(self, request, context)` that yields responses."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            async for item in method(self, request, context):
+                yield item
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await _abort(context, exc, method.__qualname__)
+
+    return wrapper

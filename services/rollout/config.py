@@ -1,0 +1,21 @@
+"""Rollout replica configuration (flags and RLSYNC_* environment variables map onto these fields)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from rlsync.config import ServerConfig, option
+
+DEFAULT_PORT = 50051
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    server: ServerConfig = dataclasses.field(default_factory=lambda: ServerConfig(port=DEFAULT_PORT))
+    engine: str = option("vllm", "inference engine", choices=("vllm", "hf"))
+    model: str = option("tiny", "model folder, or 'tiny' for the locally built default model")
+    engine_args: dict[str, Any] = option(factory=dict, help="JSON object of engine arguments, passed "
+                                         "through with the engine's own defaults (vLLM: tensor_parallel_size, "
+                                         "max_num_seqs, dtype, enforce_eager, ...)")
+    replica_id: str = option("", "name of this replica in logs and GetInfo; random when empty")

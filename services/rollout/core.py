@@ -1,0 +1,213 @@
+"""The rollout replica's logic: request lifecycle, serving state, weight version tagging. No gRPC here."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from rlsync.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from rlsync.rollout.engines.base import Engine
+from rlsync.rollout.types import (ALL_TAGS, Chunk, FinishReason, GenerationRequest, MemoryUsage,
+                                  PauseMode, SamplingParams, WakeTag)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _InFlight:
+    request: GenerationRequest
+    abort_reason: str | None = None  # set by whoever aborts, shown as the finish detail
+    started: bool = False  # the engine has produced output for it
+
+
+@dataclass(frozen=True)
+class Info:
+    engine: str
+    model: str
+    weight_version: int
+    state: str  # serving | paused | sleeping
+    in_flight: int
+    asleep: frozenset[WakeTag]
+    max_model_len: int
+    tensor_parallel_size: int
+    replica_id: str
+    vocab_size: int
+    memory: MemoryUsage
+
+
+class RolloutCore:
+    def __init__(self, engine: Engine, replica_id: str = ""):
+        self.engine = engine
+        self.replica_id = replica_id or uuid.uuid4().hex[:12]
+        self.weight_version = 0
+        self.paused = False
+        self.asleep: set[WakeTag] = set()
+        self.sleep_level = 0
+        self.in_flight: dict[str, _InFlight] = {}
+        self._control = asyncio.Lock()  # one state change (pause, sleep, update...) at a time
+        self._closed = asyncio.Condition()  # notified whenever a request leaves in_flight
+        self._closing: str | None = None
+
+    # ---- requests -------------------------------------------------------------------------------
+    def make_request(self, request_id: str, text: str | None, token_ids: list[int] | None,
+                     sampling: SamplingParams) -> GenerationRequest:
+        """Validates and tokenizes; raises InvalidArgument saying what to fix."""
+        if token_ids:
+            bad = [t for t in token_ids if not 0 <= t < self.engine.vocab_size]
+            if bad:
+                raise InvalidArgument(f"token ids {bad[:5]} are outside the vocabulary [0, {self.engine.vocab_size})")
+            prompt = tuple(token_ids)
+        elif text:
+            prompt = tuple(self.engine.tokenizer(text)["input_ids"])
+        else:
+            raise InvalidArgument("prompt is empty: set GenerateRequest.text or GenerateRequest.token_ids")
+        sampling.check(len(prompt), self.engine.max_model_len)
+        return GenerationRequest(request_id or uuid.uuid4().hex, prompt, sampling)
+
+    def _admit(self, request: GenerationRequest) -> _InFlight:
+        if self._closing:
+            raise Unavailable(f"{self._closing}: send the request to another replica")
+        if self.asleep:
+            tags = ", ".join(sorted(t.value for t in self.asleep))
+            raise FailedPrecondition(f"replica is asleep (Sleep level {self.sleep_level} released {tags}): "
+                                     "call WakeUp (tags weights and kv_cache, or none for both) before Generate")
+        problem = self.engine.not_ready()
+        if problem:
+            raise FailedPrecondition(problem)
+        if request.request_id in self.in_flight:
+            raise AlreadyExists(f"request id {request.request_id!r} is already in flight on this replica: "
+                                "use a new id, or leave it empty to get one")
+        entry = _InFlight(request)
+        self.in_flight[request.request_id] = entry
+        return entry
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+        """Streams the request's chunks, each tagged with the weight version that produced it."""
+        entry = self._admit(request)
+        spans: dict[int, list[tuple[int, int, int]]] = {}
+        produced: dict[int, int] = {}
+        open_ = set(range(request.sampling.n))
+        try:
+            async for d in self.engine.generate(request):
+                entry.started = True
+                version = self.weight_version
+                chunk = Chunk(d.index, d.token_ids, d.text, d.logprobs, d.finish, d.detail,
+                              request_id=request.request_id, weight_version=version)
+                if d.index not in produced:
+                    produced[d.index] = 0
+                    chunk.prompt_token_ids = list(request.prompt_token_ids)
+                if d.token_ids:
+                    _extend(spans.setdefault(d.index, []), version, produced[d.index], len(d.token_ids))
+                    produced[d.index] += len(d.token_ids)
+                if d.finish is not None:
+                    open_.discard(d.index)
+                    chunk.version_spans = spans.get(d.index, [])
+                    if d.finish is FinishReason.ABORT and entry.abort_reason:
+                        chunk.detail = entry.abort_reason
+                yield chunk
+        finally:
+            del self.in_flight[request.request_id]
+            async with self._closed:
+                self._closed.notify_all()
+            if open_:  # the caller went away (or the engine failed): stop spending compute on it
+                await asyncio.shield(self._abort_quietly(request.request_id))
+
+    async def _abort_quietly(self, request_id: str) -> None:
+        try:
+            await self.engine.abort(request_id)
+        except Exception:  # noqa: BLE001 - best effort for a stream nobody reads
+            log.debug("abort of abandoned request %s failed", request_id, exc_info=True)
+
+    async def abort(self, request_id: str, reason: str = "aborted by Abort") -> None:
+        entry = self.in_flight.get(request_id)
+        if entry is None:
+            raise NotFound(f"no request {request_id!r} is in flight on this replica (finished already, or never here)")
+        entry.abort_reason = entry.abort_reason or reason
+        await self.engine.abort(request_id)
+
+    def _mark_all(self, reason: str) -> int:
+        for entry in self.in_flight.values():
+            entry.abort_reason = entry.abort_reason or reason
+        return len(self.in_flight)
+
+    # ---- serving state --------------------------------------------------------------------------
+    async def pause(self, mode: PauseMode) -> tuple[int, int]:
+        """Returns (requests aborted, requests still open)."""
+        async with self._control:
+            aborted = self._mark_all("aborted by Pause(ABORT)") if mode is PauseMode.ABORT else 0
+            self.paused = True
+            await self.engine.pause(mode)
+            if mode is not PauseMode.KEEP:
+                # The engine is done with them; wait until their final chunks have gone out too.
+                # Requests that arrived while paused have not started and keep waiting for Resume.
+                await self._wait_closed(lambda: not any(e.started for e in self.in_flight.values()))
+            return aborted, len(self.in_flight)
+
+    async def resume(self) -> None:
+        async with self._control:
+            if self.paused:
+                await self.engine.resume()
+                self.paused = False
+
+    async def sleep(self, level: int) -> int:
+        """Returns the number of requests aborted."""
+        if level not in (1, 2):
+            raise InvalidArgument(f"sleep level must be 1 (offload weights, drop KV cache) or 2 "
+                                  f"(drop both), got {level}")
+        async with self._control:
+            if self.asleep and self.sleep_level >= level:
+                return 0
+            self.asleep = set(ALL_TAGS)
+            self.sleep_level = level
+            aborted = self._mark_all(f"aborted by Sleep(level={level})")
+            await self.engine.sleep(level)
+            return aborted
+
+    async def wake_up(self, tags: frozenset[WakeTag]) -> None:
+        tags = tags or ALL_TAGS
+        async with self._control:
+            to_wake = frozenset(tags & self.asleep)
+            if to_wake:
+                await self.engine.wake_up(to_wake)
+                self.asleep -= to_wake
+            if not self.asleep:
+                self.sleep_level = 0
+
+    async def info(self) -> Info:
+        state = "sleeping" if self.asleep else "paused" if self.paused else "serving"
+        e = self.engine
+        return Info(e.kind, e.model, self.weight_version, state, len(self.in_flight), frozenset(self.asleep),
+                    e.max_model_len, e.tensor_parallel_size, self.replica_id, e.vocab_size, await e.memory())
+
+    async def _wait_closed(self, done, timeout: float = 10.0) -> None:
+        """Waits until `done()` holds (re-checked as requests close), for at most `timeout` seconds;
+        a client that stops reading its stream must not hold the replica hostage."""
+        async with self._closed:
+            try:
+                await asyncio.wait_for(self._closed.wait_for(done), timeout)
+            except TimeoutError:
+                log.warning("streams still open after %.0fs: %s", timeout, sorted(self.in_flight))
+
+    async def drain(self, reason: str, timeout: float = 10.0) -> None:
+        """Ends every request with `reason` and waits (bounded) for their streams to close."""
+        self._closing = reason
+        for request_id in list(self.in_flight):
+            try:
+                await self.abort(request_id, reason)
+            except NotFound:
+                pass
+        if self.paused:  # frozen streams must run to deliver their final chunk
+            await self.engine.resume()
+        await self._wait_closed(lambda: not self.in_flight, timeout)
+
+
+def _extend(spans: list[tuple[int, int, int]], version: int, start: int, count: int) -> None:
+    """Appends `count` tokens made by `version` to a completion's version spans."""
+    if spans and spans[-1][0] == version:
+        v, s, n = spans[-1]
+        spans[-1] = (v, s, n + count)
+    else:
+        spans.append((version, start, count))

@@ -1,0 +1,64 @@
+"""The small interface every inference engine implements, so the core never knows which one it drives."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from typing import Any, ClassVar
+
+from rlsync.rollout.types import Delta, GenerationRequest, MemoryUsage, PauseMode, WakeTag
+
+
+class Engine(abc.ABC):
+    """One inference engine. Implementations are asyncio-friendly and own their worker threads/processes.
+
+    `generate` yields Deltas until every one of the request's n completions has finished; a
+    completion ended by `abort`, `pause(ABORT)` or `sleep` finishes with FinishReason.ABORT.
+    """
+
+    kind: ClassVar[str]
+
+    def __init__(self, model: str, engine_args: dict[str, Any]):
+        self.model = model
+        self.engine_args = dict(engine_args)
+
+    # Facts the core needs, valid after start().
+    tokenizer: Any
+    max_model_len: int
+    vocab_size: int
+    tensor_parallel_size: int = 1
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Loads the model; raises with the engine's own message when an argument is wrong."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Stops workers and frees memory; safe to call twice."""
+
+    @abc.abstractmethod
+    def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]: ...
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Ends the request's open completions with ABORT; unknown ids are ignored."""
+
+    @abc.abstractmethod
+    async def pause(self, mode: PauseMode) -> None: ...
+
+    @abc.abstractmethod
+    async def resume(self) -> None: ...
+
+    @abc.abstractmethod
+    async def sleep(self, level: int) -> None:
+        """Releases memory; called with no request in flight."""
+
+    @abc.abstractmethod
+    async def wake_up(self, tags: frozenset[WakeTag]) -> None: ...
+
+    @abc.abstractmethod
+    async def memory(self) -> MemoryUsage: ...
+
+    def not_ready(self) -> str | None:
+        """Why the engine cannot generate right now (say, weights dropped by Sleep(2)), or None."""
+        return None

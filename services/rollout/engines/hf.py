@@ -1,0 +1,305 @@
+"""The reference engine on transformers: batched decoding with a KV cache, abort, pause, real sleep.
+
+One engine thread owns the model and every sequence. Everything that touches them (new requests,
+aborts, pause, sleep, wake up, weight swaps) runs as a command on that thread between decode
+steps, so no step ever sees a half-changed state. Asyncio callers get results through futures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import gc
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import torch
+
+from rlsync.errors import EngineDead, InvalidArgument
+from rlsync.rollout.detokenize import IncrementalText
+from rlsync.rollout.engines.base import Engine
+from rlsync.rollout.engines.hf_batch import Batch, Sequence
+from rlsync.rollout.engines.hf_weights import Weights
+from rlsync.rollout.sampling import make_generator, sample
+from rlsync.rollout.types import (Delta, FinishReason, GenerationRequest, MemoryUsage, PauseMode,
+                                  WakeTag)
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class HFEngineArgs:
+    """Arguments of the hf engine (pass with --engine-args); unknown keys are refused."""
+
+    dtype: str = "auto"  # auto = the checkpoint's dtype; or float32, bfloat16, float16
+    device: str = "auto"  # auto = cuda when available, else cpu
+    max_num_seqs: int = 64  # completions decoded together; more wait in a queue
+    max_model_len: int = 0  # 0 = the model's max_position_embeddings
+    attn_implementation: str = "sdpa"
+    seed: int = 0  # seeds completions that do not bring their own seed
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any]) -> HFEngineArgs:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise InvalidArgument(f"unknown hf engine argument(s) {', '.join(unknown)}; "
+                                  f"valid: {', '.join(sorted(known))}")
+        return cls(**raw)
+
+
+class _Request:
+    """The asyncio side of one request: a queue the engine thread fills with Deltas."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
+
+    def put(self, item: Delta | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class HFEngine(Engine):
+    kind = "hf"
+
+    def __init__(self, model: str, engine_args: dict[str, Any]):
+        super().__init__(model, engine_args)
+        self.args = HFEngineArgs.parse(engine_args)
+        self._commands: deque[Callable[[], None]] = deque()
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._waiting: deque[tuple[GenerationRequest, _Request]] = deque()
+        self._frozen = False  # Pause(KEEP): no step at all
+        self._admitting = True  # Pause(ABORT|WAIT): running sequences go on, new ones wait
+        self._drained: list[concurrent.futures.Future] = []  # Pause(WAIT) callers
+        self._rng = torch.Generator().manual_seed(self.args.seed)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+        self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
+        self._thread.start()
+
+    def _load(self) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        device = self.args.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        config = AutoConfig.from_pretrained(self.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model)
+        self.eos_ids = self._eos_ids(config)
+        self.vocab_size = config.vocab_size
+        self.max_model_len = self.args.max_model_len or config.max_position_embeddings
+        self.weights = Weights.load(self.model, self.device, self.args.dtype, self.args.attn_implementation)
+        self.batch = Batch(self.weights.model, self.device)
+
+    def _eos_ids(self, config: Any) -> set[int]:
+        ids = config.eos_token_id
+        ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    async def shutdown(self) -> None:
+        if self._thread is None:
+            return
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+        self.weights.release()
+
+    # ---- the engine thread ----------------------------------------------------------------------
+    def _call(self, fn: Callable[[], Any]) -> asyncio.Future:
+        """Runs fn on the engine thread between steps; the returned future holds its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def command() -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                future.set_exception(e)
+
+        with self._cv:
+            if self._dead is not None:
+                future.set_exception(EngineDead(f"hf engine is dead: {self._dead!r}"))
+            else:
+                self._commands.append(command)
+                self._cv.notify()
+        return asyncio.wrap_future(future)
+
+    def _has_work(self) -> bool:
+        return not self._frozen and (bool(self.batch) or (self._admitting and bool(self._waiting)))
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._commands and not self._stopping and not self._has_work():
+                    self._cv.wait()
+                commands = list(self._commands)
+                self._commands.clear()
+                stopping = self._stopping
+            for command in commands:
+                command()
+            if stopping:
+                self._abort_all("engine shut down")
+                return
+            try:
+                if self._has_work():
+                    self._step()
+            except BaseException as e:  # noqa: BLE001 - a failed step kills the engine, loudly
+                log.exception("hf engine step failed; the engine is dead")
+                with self._cv:
+                    self._dead = e
+                self._fail_all(EngineDead(f"hf engine step failed: {e!r}"))
+                return
+
+    def _step(self) -> None:
+        """Admit waiting requests (prefill), then one decode step for every running sequence."""
+        while self._admitting and self._waiting and len(self.batch) < self.args.max_num_seqs:
+            self._admit(*self._waiting.popleft())
+        if self.batch:
+            logits = self.batch.step()
+            done = {s for s, row in zip(self.batch.seqs, logits) if self._advance(s, row)}
+            self.batch.remove(done)
+        if not self.batch and self._drained:
+            for future in self._drained:
+                future.set_result(None)
+            self._drained.clear()
+
+    def _admit(self, request: GenerationRequest, sink: _Request) -> None:
+        kv, logits = self.batch.prefill(list(request.prompt_token_ids))
+        params = request.sampling
+        base_seed = params.seed if params.seed is not None else int(torch.randint(1 << 62, (1,), generator=self._rng))
+        seqs = [Sequence(request.request_id, i, list(request.prompt_token_ids), params,
+                         make_generator(self.device, hash((base_seed, i))), IncrementalText(self.tokenizer, params.stop),
+                         sink) for i in range(params.n)]
+        running = [s for s in seqs if not self._advance(s, logits)]
+        if running:
+            self.batch.add(running, kv)
+
+    def _advance(self, seq: Sequence, logits: torch.Tensor) -> bool:
+        """Samples seq's next token from its logits row and emits it; True when seq has finished."""
+        token = sample(logits, seq.params, seq.generator)
+        logprobs = [float(torch.log_softmax(logits, -1)[token])] if seq.params.logprobs else None
+        seq.output.append(token)
+        seq.next_token = token
+        text = seq.text.add(token)
+        finish, detail = None, ""
+        if seq.text.stopped_by is not None:
+            finish, detail = FinishReason.STOP, f"stop string {seq.text.stopped_by!r}"
+        elif token in self.eos_ids and not seq.params.ignore_eos:
+            finish, detail = FinishReason.STOP, "end of sequence"
+        elif len(seq.output) >= seq.params.max_tokens:
+            finish = FinishReason.LENGTH
+        if finish is not None:
+            text += seq.text.flush()
+        seq.sink.put(Delta(seq.index, [token], text, logprobs, finish, detail))
+        return finish is not None
+
+    def _end(self, seqs: list[Sequence], detail: str) -> None:
+        for s in seqs:
+            s.sink.put(Delta(s.index, [], s.text.flush(), [] if s.params.logprobs else None,
+                             FinishReason.ABORT, detail))
+
+    def _abort_where(self, match: Callable[[str], bool], detail: str) -> int:
+        """Ends matching requests (running or waiting); returns how many requests ended."""
+        running = [s for s in self.batch.seqs if match(s.request_id)]
+        self.batch.remove(set(running))
+        self._end(running, detail)
+        ended = {s.request_id for s in running}
+        keep = deque()
+        for request, sink in self._waiting:
+            if match(request.request_id):
+                for i in range(request.sampling.n):
+                    sink.put(Delta(i, [], "", None, FinishReason.ABORT, detail))
+                ended.add(request.request_id)
+            else:
+                keep.append((request, sink))
+        self._waiting = keep
+        return len(ended)
+
+    def _abort_all(self, detail: str) -> int:
+        return self._abort_where(lambda _: True, detail)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        sinks = {id(s.sink): s.sink for s in self.batch.seqs}
+        sinks.update({id(sink): sink for _, sink in self._waiting})
+        for sink in sinks.values():
+            sink.put(exc)
+        for future in self._drained:
+            future.set_exception(exc)
+
+    # ---- requests -------------------------------------------------------------------------------
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        sink = _Request(asyncio.get_running_loop())
+        await self._call(lambda: self._waiting.append((request, sink)))
+        open_ = request.sampling.n
+        while open_:
+            item = await sink.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finish is not None:
+                open_ -= 1
+            yield item
+
+    async def abort(self, request_id: str) -> None:
+        await self._call(lambda: self._abort_where(lambda rid: rid == request_id, "aborted"))
+
+    async def pause(self, mode: PauseMode) -> None:
+        def apply() -> concurrent.futures.Future | None:
+            self._admitting = False
+            if mode is PauseMode.KEEP:
+                self._frozen = True
+            elif mode is PauseMode.ABORT:
+                self._abort_where(lambda rid: True, "aborted by Pause(ABORT)")
+            elif self.batch:  # WAIT with sequences still running
+                drained: concurrent.futures.Future = concurrent.futures.Future()
+                self._drained.append(drained)
+                return drained
+            return None
+
+        drained = await self._call(apply)
+        if drained is not None:
+            await asyncio.wrap_future(drained)
+
+    async def resume(self) -> None:
+        def apply() -> None:
+            self._frozen, self._admitting = False, True
+
+        await self._call(apply)
+
+    # ---- memory ---------------------------------------------------------------------------------
+    async def sleep(self, level: int) -> None:
+        def apply() -> None:
+            self._abort_all("aborted by Sleep")
+            self.batch.remove(set(self.batch.seqs))
+            self.weights.sleep(level)
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+        await self._call(apply)
+
+    async def wake_up(self, tags: frozenset[WakeTag]) -> None:
+        if WakeTag.WEIGHTS in tags:
+            await self._call(self.weights.wake_up)
+
+    def not_ready(self) -> str | None:
+        return self.weights.not_ready
+
+    async def memory(self) -> MemoryUsage:
+        def read() -> MemoryUsage:
+            reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+            return MemoryUsage(str(self.device), self.weights.device_bytes(), self.batch.kv_bytes(), reserved)
+
+        return await self._call(read)

@@ -1,0 +1,121 @@
+"""The hf engine's weights: parameters as views into one flat buffer per dtype.
+
+Flat storage makes sleep/wake one large copy per dtype, and lets a weight update land in a second
+set of buffers and become live by re-pointing the parameters (an O(1) swap between decode steps).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class FlatStore:
+    """Named tensors packed into one contiguous buffer per dtype."""
+
+    def __init__(self, specs: dict[str, tuple[torch.Size, torch.dtype]], device: torch.device,
+                 pin: bool = False):
+        sizes: dict[torch.dtype, int] = defaultdict(int)
+        offsets = {}
+        for name, (shape, dtype) in specs.items():
+            offsets[name] = sizes[dtype]
+            sizes[dtype] += shape.numel()
+        self.buffers = {dtype: torch.empty(n, dtype=dtype, device=device, pin_memory=pin)
+                        for dtype, n in sizes.items()}
+        self.views = {name: self.buffers[dtype][offsets[name]:offsets[name] + shape.numel()].view(shape)
+                      for name, (shape, dtype) in specs.items()}
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+    def copy_from(self, other: FlatStore) -> None:
+        for dtype, buf in self.buffers.items():
+            buf.copy_(other.buffers[dtype], non_blocking=True)
+
+
+class Weights:
+    """The model and where its parameters live: on the device, in host backup, or dropped."""
+
+    def __init__(self, model: torch.nn.Module, path: str, device: torch.device):
+        self.model = model
+        self.path = path
+        self.device = device
+        self.params = dict(model.named_parameters())  # tied parameters appear once
+        self.specs = {n: (p.shape, p.dtype) for n, p in self.params.items()}
+        self.store: FlatStore | None = None
+        self.backup: FlatStore | None = None  # Sleep(level=1) on an accelerator
+        self.from_checkpoint = True  # False once a weight update has replaced the checkpoint's values
+        self.not_ready: str | None = None
+        self._place(self._pack(self.params))
+
+    @classmethod
+    def load(cls, path: str, device: torch.device, dtype: str, attn_implementation: str) -> Weights:
+        from transformers import AutoModelForCausalLM
+
+        torch_dtype = "auto" if dtype == "auto" else _DTYPES.get(dtype)
+        if torch_dtype is None:
+            raise ValueError(f"unsupported dtype {dtype!r}: choose auto, {', '.join(_DTYPES)}")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
+                                                     attn_implementation=attn_implementation)
+        return cls(model.to(device).eval().requires_grad_(False), path, device)
+
+    def _pack(self, tensors: dict[str, torch.Tensor]) -> FlatStore:
+        store = FlatStore(self.specs, self.device)
+        for name, view in store.views.items():
+            view.copy_(tensors[name])
+        return store
+
+    def _place(self, store: FlatStore | None) -> None:
+        """Points every parameter at its view in `store` (or at an empty tensor when None)."""
+        self.store = store
+        for name, p in self.params.items():
+            p.data = store.views[name] if store is not None else torch.empty(0, dtype=p.dtype, device=self.device)
+
+    def device_bytes(self) -> int:
+        return self.store.nbytes() if self.store is not None else 0
+
+    def sleep(self, level: int) -> None:
+        if self.store is None:
+            return
+        if level == 1 and self.device.type != "cpu":
+            self.backup = FlatStore(self.specs, torch.device("cpu"), pin=True)
+            self.backup.copy_from(self.store)
+            torch.cuda.synchronize(self.device)
+        elif level == 1:
+            return  # already in host memory: nothing to move off the device
+        self._place(None)
+
+    def wake_up(self) -> None:
+        if self.store is not None:
+            return
+        if self.backup is not None:
+            store = FlatStore(self.specs, self.device)
+            store.copy_from(self.backup)
+            self.backup = None
+            self._place(store)
+        elif self.from_checkpoint:
+            self._place(self._pack(self._read_checkpoint()))
+        else:
+            self._place(FlatStore(self.specs, self.device))
+            self.not_ready = ("weights were dropped by Sleep(level=2) after a weight update: push the "
+                              "weights again (PrepareUpdate + CommitUpdate) before generating")
+
+    def _read_checkpoint(self) -> dict[str, torch.Tensor]:
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        tensors: dict[str, torch.Tensor] = {}
+        for f in sorted(Path(self.path).glob("*.safetensors")):
+            tensors.update(load_file(f))
+        missing = set(self.params) - set(tensors)
+        if missing:
+            raise RuntimeError(f"checkpoint {self.path} lacks {sorted(missing)[:3]}")
+        return tensors
+
+    def release(self) -> None:
+        self._place(None)
+        self.backup = None

@@ -1,0 +1,40 @@
+"""Wires the rollout core to gRPC and to the shared serving lifecycle."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from rlsync.config import describe
+from rlsync.models import resolve_model
+from rlsync.rollout.config import RolloutConfig
+from rlsync.rollout.core import RolloutCore
+from rlsync.rollout.engines import create_engine
+from rlsync.rollout.servicer import RolloutServicer
+from rlsync.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class RolloutService:
+    name = "rollout"
+    service_names = [rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name]
+
+    def __init__(self, cfg: RolloutConfig):
+        self.cfg = cfg
+        self.engine = create_engine(cfg.engine, resolve_model(cfg.model), cfg.engine_args)
+        self.core = RolloutCore(self.engine, cfg.replica_id)
+
+    async def start(self) -> None:
+        log.info("starting %s engine: %s", self.cfg.engine, describe(self.cfg))
+        await self.engine.start()
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(self.core), server)
+
+    async def drain(self, reason: str) -> None:
+        await self.core.drain(reason)
+
+    async def close(self) -> None:
+        await self.engine.shutdown()

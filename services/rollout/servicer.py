@@ -1,0 +1,105 @@
+"""gRPC face of the rollout core: protobuf <-> domain types, nothing else."""
+
+from __future__ import annotations
+
+import grpc
+
+from rlsync.common.v1 import generate_pb2 as gen_pb
+from rlsync.errors import InvalidArgument
+from rlsync.rollout.core import Info, RolloutCore
+from rlsync.rollout.types import (DEFAULT_MAX_TOKENS, Chunk, MemoryUsage, PauseMode, SamplingParams,
+                                  WakeTag)
+from rlsync.rollout.v1 import rollout_pb2 as pb
+from rlsync.rollout.v1 import rollout_pb2_grpc
+from rlsync.rpc import streaming, unary
+
+_PAUSE_MODES = {pb.PAUSE_MODE_ABORT: PauseMode.ABORT, pb.PAUSE_MODE_KEEP: PauseMode.KEEP,
+                pb.PAUSE_MODE_WAIT: PauseMode.WAIT}
+_TAGS = {pb.WAKE_TAG_WEIGHTS: WakeTag.WEIGHTS, pb.WAKE_TAG_KV_CACHE: WakeTag.KV_CACHE}
+_TAG_PROTO = {v: k for k, v in _TAGS.items()}
+_STATES = {"serving": pb.SERVING_STATE_SERVING, "paused": pb.SERVING_STATE_PAUSED,
+           "sleeping": pb.SERVING_STATE_SLEEPING}
+
+
+def sampling_from_proto(p: gen_pb.SamplingParams) -> SamplingParams:
+    def get(name, default):
+        return getattr(p, name) if p.HasField(name) else default
+
+    return SamplingParams(
+        max_tokens=get("max_tokens", DEFAULT_MAX_TOKENS), temperature=get("temperature", 1.0),
+        top_p=get("top_p", 1.0), top_k=get("top_k", 0), stop=tuple(p.stop), seed=get("seed", None),
+        ignore_eos=p.ignore_eos, n=get("n", 1), logprobs=p.logprobs)
+
+
+def chunk_to_proto(c: Chunk) -> gen_pb.GenerateChunk:
+    out = gen_pb.GenerateChunk(
+        request_id=c.request_id, index=c.index, token_ids=c.token_ids, text=c.text,
+        logprobs=c.logprobs or [], weight_version=c.weight_version,
+        finish_reason=int(c.finish) if c.finish is not None else 0, finish_detail=c.detail,
+        prompt_token_ids=c.prompt_token_ids)
+    if c.finish is not None:
+        out.version_spans.extend(gen_pb.VersionSpan(weight_version=v, start=s, length=n) for v, s, n in c.version_spans)
+        versions = [v for v, _, _ in c.version_spans] or [c.weight_version]
+        out.min_weight_version, out.max_weight_version = min(versions), max(versions)
+    return out
+
+
+def memory_to_proto(m: MemoryUsage) -> pb.MemoryUsage:
+    return pb.MemoryUsage(device=m.device, weights_bytes=m.weights_bytes, kv_cache_bytes=m.kv_cache_bytes,
+                          device_reserved_bytes=m.device_reserved_bytes)
+
+
+def info_to_proto(i: Info) -> pb.RolloutInfo:
+    return pb.RolloutInfo(
+        engine=i.engine, model=i.model, weight_version=i.weight_version, state=_STATES[i.state],
+        in_flight=i.in_flight, asleep=[_TAG_PROTO[t] for t in sorted(i.asleep, key=lambda t: t.value)],
+        max_model_len=i.max_model_len, tensor_parallel_size=i.tensor_parallel_size, replica_id=i.replica_id,
+        memory=memory_to_proto(i.memory), vocab_size=i.vocab_size)
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
+    def __init__(self, core: RolloutCore):
+        self.core = core
+
+    @streaming
+    async def Generate(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        kind = request.WhichOneof("prompt")
+        gen = self.core.make_request(
+            request.request_id, request.text if kind == "text" else None,
+            list(request.token_ids.ids) if kind == "token_ids" else None, sampling_from_proto(request.sampling))
+        async for chunk in self.core.generate(gen):
+            yield chunk_to_proto(chunk)
+
+    @unary
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        await self.core.abort(request.request_id)
+        return pb.AbortResponse()
+
+    @unary
+    async def Pause(self, request: pb.PauseRequest, context) -> pb.PauseResponse:
+        if request.mode not in _PAUSE_MODES:
+            raise InvalidArgument("Pause needs a mode: PAUSE_MODE_ABORT, PAUSE_MODE_KEEP or PAUSE_MODE_WAIT")
+        aborted, in_flight = await self.core.pause(_PAUSE_MODES[request.mode])
+        return pb.PauseResponse(aborted=aborted, in_flight=in_flight)
+
+    @unary
+    async def Resume(self, request: pb.ResumeRequest, context) -> pb.ResumeResponse:
+        await self.core.resume()
+        return pb.ResumeResponse()
+
+    @unary
+    async def Sleep(self, request: pb.SleepRequest, context) -> pb.SleepResponse:
+        aborted = await self.core.sleep(request.level)
+        return pb.SleepResponse(aborted=aborted, memory=memory_to_proto(await self.core.engine.memory()))
+
+    @unary
+    async def WakeUp(self, request: pb.WakeUpRequest, context) -> pb.WakeUpResponse:
+        unknown = [t for t in request.tags if t not in _TAGS]
+        if unknown:
+            raise InvalidArgument(f"unknown wake tag(s) {unknown}: use WAKE_TAG_WEIGHTS or WAKE_TAG_KV_CACHE")
+        await self.core.wake_up(frozenset(_TAGS[t] for t in request.tags))
+        return pb.WakeUpResponse(memory=memory_to_proto(await self.core.engine.memory()))
+
+    @unary
+    async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.RolloutInfo:
+        return info_to_proto(await self.core.info())

@@ -1,0 +1,140 @@
+from rlsync.common.v1 import generate_pb2 as _generate_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PauseMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PAUSE_MODE_UNSPECIFIED: _ClassVar[PauseMode]
+    PAUSE_MODE_ABORT: _ClassVar[PauseMode]
+    PAUSE_MODE_KEEP: _ClassVar[PauseMode]
+    PAUSE_MODE_WAIT: _ClassVar[PauseMode]
+
+class WakeTag(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WAKE_TAG_UNSPECIFIED: _ClassVar[WakeTag]
+    WAKE_TAG_WEIGHTS: _ClassVar[WakeTag]
+    WAKE_TAG_KV_CACHE: _ClassVar[WakeTag]
+
+class ServingState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SERVING_STATE_UNSPECIFIED: _ClassVar[ServingState]
+    SERVING_STATE_SERVING: _ClassVar[ServingState]
+    SERVING_STATE_PAUSED: _ClassVar[ServingState]
+    SERVING_STATE_SLEEPING: _ClassVar[ServingState]
+PAUSE_MODE_UNSPECIFIED: PauseMode
+PAUSE_MODE_ABORT: PauseMode
+PAUSE_MODE_KEEP: PauseMode
+PAUSE_MODE_WAIT: PauseMode
+WAKE_TAG_UNSPECIFIED: WakeTag
+WAKE_TAG_WEIGHTS: WakeTag
+WAKE_TAG_KV_CACHE: WakeTag
+SERVING_STATE_UNSPECIFIED: ServingState
+SERVING_STATE_SERVING: ServingState
+SERVING_STATE_PAUSED: ServingState
+SERVING_STATE_SLEEPING: ServingState
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PauseRequest(_message.Message):
+    __slots__ = ("mode",)
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    mode: PauseMode
+    def __init__(self, mode: _Optional[_Union[PauseMode, str]] = ...) -> None: ...
+
+class PauseResponse(_message.Message):
+    __slots__ = ("aborted", "in_flight")
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    aborted: int
+    in_flight: int
+    def __init__(self, aborted: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResumeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SleepRequest(_message.Message):
+    __slots__ = ("level",)
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    level: int
+    def __init__(self, level: _Optional[int] = ...) -> None: ...
+
+class SleepResponse(_message.Message):
+    __slots__ = ("aborted", "memory")
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    aborted: int
+    memory: MemoryUsage
+    def __init__(self, aborted: _Optional[int] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ...) -> None: ...
+
+class WakeUpRequest(_message.Message):
+    __slots__ = ("tags",)
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedScalarFieldContainer[WakeTag]
+    def __init__(self, tags: _Optional[_Iterable[_Union[WakeTag, str]]] = ...) -> None: ...
+
+class WakeUpResponse(_message.Message):
+    __slots__ = ("memory",)
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    memory: MemoryUsage
+    def __init__(self, memory: _Optional[_Union[MemoryUsage, _Mapping]] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MemoryUsage(_message.Message):
+    __slots__ = ("device", "weights_bytes", "kv_cache_bytes", "device_reserved_bytes")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    weights_bytes: int
+    kv_cache_bytes: int
+    device_reserved_bytes: int
+    def __init__(self, device: _Optional[str] = ..., weights_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., device_reserved_bytes: _Optional[int] = ...) -> None: ...
+
+class RolloutInfo(_message.Message):
+    __slots__ = ("engine", "model", "weight_version", "state", "in_flight", "asleep", "max_model_len", "tensor_parallel_size", "replica_id", "memory", "vocab_size")
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    ASLEEP_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    engine: str
+    model: str
+    weight_version: int
+    state: ServingState
+    in_flight: int
+    asleep: _containers.RepeatedScalarFieldContainer[WakeTag]
+    max_model_len: int
+    tensor_parallel_size: int
+    replica_id: str
+    memory: MemoryUsage
+    vocab_size: int
+    def __init__(self, engine: _Optional[str] = ..., model: _Optional[str] = ..., weight_version: _Optional[int] = ..., state: _Optional[_Union[ServingState, str]] = ..., in_flight: _Optional[int] = ..., asleep: _Optional[_Iterable[_Union[WakeTag, str]]] = ..., max_model_len: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., replica_id: _Optional[str] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ..., vocab_size: _Optional[int] = ...) -> None: ...
