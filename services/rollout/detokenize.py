@@ -27,7 +27,9 @@ class IncrementalText:
         return self._tok.decode(ids, skip_special_tokens=True)
 
     def add(self, token_id: int) -> str:
-        """Appends a token; returns the text that can be released now ('' if none)."""
+        """Appends a token; returns the text that can be released now ('' if none, or once stopped)."""
+        if self.stopped_by is not None:
+            return ""
         self._ids.append(token_id)
         before = self._decode(self._ids[self._prefix:self._read])
         after = self._decode(self._ids[self._prefix:])

@@ -1,0 +1,115 @@
+"""Rollout process lifecycle: shutdown on SIGTERM, access control, TLS, refused arguments, real sleep."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+
+import grpc
+import psutil
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from conftest import rollout_args
+from rlsync.client import RolloutClient, RpcError
+from rlsync.models import TinyRecipe, build_tiny_model
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_sigterm_ends_streams_with_reason_and_leaves_no_process(services, engine):
+    proc = services.start("rollout", rollout_args(engine), name=f"sigterm-{engine}")
+    family = psutil.Process(proc.proc.pid).children(recursive=True)
+    if engine == "vllm":
+        assert family, "vLLM runs its engine core in a child process"
+    client = RolloutClient(proc.address)
+    chunks, started = [], threading.Event()
+
+    def stream():
+        for c in client.generate("long", max_tokens=900, ignore_eos=True):
+            chunks.append(c)
+            started.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(30)
+    proc.proc.send_signal(signal.SIGTERM)
+    t.join(30)
+    assert chunks[-1].finish_reason == 3 and "shutting down" in chunks[-1].finish_detail
+    assert proc.proc.wait(60) == 0
+    gone, alive = psutil.wait_procs(family, timeout=15)
+    assert not alive, f"processes left behind: {alive}"
+
+
+def _health(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+
+
+def test_token_is_required_except_for_health(services):
+    proc = services.start("rollout", rollout_args("hf", "--token", "s3cret"), name="auth")
+    for token, fragment in (("", "missing"), ("wrong", "wrong token")):
+        with pytest.raises(RpcError) as e:
+            RolloutClient(proc.address, token=token).info()
+        assert e.value.code == grpc.StatusCode.UNAUTHENTICATED and fragment in e.value.message
+        with pytest.raises(RpcError) as e:  # streaming RPCs are guarded too
+            RolloutClient(proc.address, token=token).complete("hi", max_tokens=2)
+        assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+    ok = RolloutClient(proc.address, token="s3cret")
+    assert ok.info().engine == "hf"
+    assert ok.complete("hi", max_tokens=2, ignore_eos=True)[0].finish_reason == "length"
+    assert _health(proc.address) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_tls_from_cert_files(services, tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    proc = services.start("rollout", rollout_args("hf", "--tls-cert", str(cert), "--tls-key", str(key),
+                                                  "--token", "t"), name="tls")
+    client = RolloutClient(proc.address, token="t", tls=True, tls_ca=str(cert))
+    assert client.info().engine == "hf"
+    with pytest.raises(RpcError):
+        RolloutClient(proc.address, token="t", timeout=3).info()  # plaintext client cannot talk to it
+
+
+@pytest.mark.parametrize("engine, args, fragment", [
+    ("hf", ["--engine-args", '{"bogus": 1}'], "bogus"),
+    ("vllm", ["-E", "bogus_flag=1"], "bogus_flag"),
+    ("vllm", ["-E", "tensor_parallel_size=0"], "tensor_parallel_size"),
+])
+def test_wrong_engine_argument_is_refused_at_start(tiny_model, engine, args, fragment):
+    out = subprocess.run([sys.executable, "-m", "rlsync.rollout", "--engine", engine, "--port", "0", *args],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "rlsync rollout: error:" in out.stderr, out.stderr[-2000:]
+    assert fragment in out.stderr[out.stderr.index("rlsync rollout: error:"):]
+
+
+@pytest.fixture(scope="session")
+def small_model(tmp_path_factory):
+    """A model large enough (~60 MB) that freeing it shows in the process's resident memory."""
+    recipe = TinyRecipe(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                        head_dim=64, intermediate_size=1536)
+    return build_tiny_model(tmp_path_factory.mktemp("small") / "model", recipe)
+
+
+def test_hf_sleep_frees_memory_and_wake_up_restores_output(services, small_model):
+    proc = services.start("rollout", ["--engine", "hf", "--model", str(small_model)], name="hf-sleep")
+    client = RolloutClient(proc.address)
+    before = client.complete("memory", max_tokens=16, temperature=0, ignore_eos=True)[0]
+    awake = client.info().memory
+    rss_awake = psutil.Process(proc.proc.pid).memory_info().rss
+    assert awake.weights_bytes > 50e6
+
+    asleep = client.sleep(level=2).memory
+    rss_asleep = psutil.Process(proc.proc.pid).memory_info().rss
+    assert asleep.weights_bytes == 0 and asleep.kv_cache_bytes == 0
+    assert rss_awake - rss_asleep > 0.8 * awake.weights_bytes, (rss_awake, rss_asleep)
+
+    woke = client.wake_up().memory
+    assert woke.weights_bytes == awake.weights_bytes
+    after = client.complete("memory", max_tokens=16, temperature=0, ignore_eos=True)[0]
+    assert after.token_ids == before.token_ids

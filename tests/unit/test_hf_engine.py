@@ -1,0 +1,77 @@
+"""The hf engine driven directly (no gRPC): batched decoding must match transformers' own greedy decoding."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlsync.errors import InvalidArgument
+from rlsync.rollout.engines.hf import HFEngine
+from rlsync.rollout.types import FinishReason, GenerationRequest, PauseMode, SamplingParams
+
+PROMPTS = [[5, 6, 7], [100, 200, 300, 400, 17, 18, 19, 20], [42], [7, 7, 7, 7, 7]]
+
+
+async def _run(engine: HFEngine, request: GenerationRequest) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    async for d in engine.generate(request):
+        out.setdefault(d.index, []).extend(d.token_ids)
+    return out
+
+
+def test_batched_greedy_equals_transformers_generate(tiny_model):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    expected = []
+    for p in PROMPTS:
+        ids = model.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, min_new_tokens=20,
+                             pad_token_id=0)
+        expected.append(ids[0, len(p):].tolist())
+
+    async def main():
+        # max_num_seqs=3 < 4 prompts: sequences join and leave the batch while others decode.
+        engine = HFEngine(str(tiny_model), {"max_num_seqs": 3})
+        await engine.start()
+        try:
+            sampling = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+            results = await asyncio.gather(*(_run(engine, GenerationRequest(f"r{i}", tuple(p), sampling))
+                                             for i, p in enumerate(PROMPTS)))
+        finally:
+            await engine.shutdown()
+        return [r[0] for r in results]
+
+    assert asyncio.run(main()) == expected
+
+
+def test_pause_keep_then_abort_ends_frozen_sequences(tiny_model):
+    async def main():
+        engine = HFEngine(str(tiny_model), {})
+        await engine.start()
+        try:
+            request = GenerationRequest("frozen", (1, 2, 3), SamplingParams(max_tokens=900, ignore_eos=True, n=2))
+            deltas = []
+
+            async def consume():
+                async for d in engine.generate(request):
+                    deltas.append(d)
+
+            task = asyncio.create_task(consume())
+            while not deltas:
+                await asyncio.sleep(0.01)
+            await engine.pause(PauseMode.KEEP)
+            await engine.pause(PauseMode.ABORT)
+            await asyncio.wait_for(task, 10)
+            finals = [d for d in deltas if d.finish is not None]
+            assert sorted(d.index for d in finals) == [0, 1]
+            assert all(d.finish is FinishReason.ABORT for d in finals)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_unknown_engine_argument_is_refused(tiny_model):
+    with pytest.raises(InvalidArgument, match="unknown hf engine argument.*bogus.*valid: attn_implementation"):
+        HFEngine(str(tiny_model), {"bogus": 1})
