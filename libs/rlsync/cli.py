@@ -10,6 +10,8 @@ import sys
 COMMANDS = {
     "rollout": ("rlsync.rollout.__main__", "serve one inference engine (vLLM or hf) over gRPC"),
     "make-tiny-model": ("rlsync.models", "build the embedded default model and print its folder"),
+    "transfer-check": ("rlsync.transfer.check", "move a safetensors file to another process over one backend "
+                       "and verify it bit for bit"),
 }
 
 

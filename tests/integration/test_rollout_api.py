@@ -171,6 +171,7 @@ def test_pause_wait_lets_requests_finish(rollout):
     (dict(prompt="hi", stop=[""]), "stop strings"),
 ])
 def test_bad_generate_input_is_invalid_argument(rollout, kwargs, fragment):
+    kwargs = dict(kwargs)  # the parameter dict is shared by both engines' runs
     prompt = kwargs.pop("prompt")
     with pytest.raises(RpcError) as e:
         rollout.complete(prompt, **kwargs)

@@ -1,0 +1,192 @@
+"""Same-host channels through mapped memory: `shm` (CPU, memfd) and `cuda_ipc` (same GPU).
+
+Staged: the sender packs each bucket into one of two slots (double buffering) that every receiver
+maps; a receiver copies the bucket out and frees the slot. One-copy: the sender's tensors already
+live in mappable memory (a SharedArena on CPU, any CUDA storage on GPU), so each receiver maps
+them and copies every tensor exactly once — the physical limit of a device-to-device copy.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from rlsync.errors import DataLoss, FailedPrecondition
+from rlsync.transfer.backends.base import (ReceiveJob, SendJob, collect_results, expect, report_failure,
+                                           sync)
+from rlsync.transfer.checksum import checksum_bytes
+from rlsync.transfer.memory import SharedBuffer, export_cuda, import_cuda
+from rlsync.transfer.messages import Done, Freed, Ready, Result, Welcome
+from rlsync.transfer.v1 import transfer_pb2 as pb
+
+SLOTS = 2
+
+
+class _Mapped(abc.ABC):
+    """The staged and one-copy protocols; subclasses say how memory is shared."""
+
+    local = True
+    backend: int
+
+    @abc.abstractmethod
+    def make_slots(self, job: SendJob, nbytes: int) -> tuple[list[torch.Tensor], dict, list[int]]:
+        """Sender: SLOTS buffers of nbytes, the Welcome fields and descriptors that describe them."""
+
+    @abc.abstractmethod
+    def open_slots(self, job: ReceiveJob) -> list[torch.Tensor]:
+        """Receiver: maps the slots the Welcome describes."""
+
+    @abc.abstractmethod
+    def regions(self, job: SendJob) -> tuple[dict, list[int]]:
+        """Sender, one-copy: Welcome fields and descriptors of the memory its tensors live in."""
+
+    @abc.abstractmethod
+    def open_regions(self, job: ReceiveJob) -> list[torch.Tensor]:
+        """Receiver, one-copy: maps those regions."""
+
+    # -- sender ---------------------------------------------------------------------------------
+    def send(self, job: SendJob) -> None:
+        if job.one_copy:
+            fields, fds = self.regions(job)
+            for conn, _ in job.conns:
+                conn.send(Welcome(backend=self.backend, bucket_bytes=job.bucket_bytes, one_copy=True, **fields), fds)
+        else:
+            self._send_staged(job)
+        collect_results(job)
+
+    def _send_staged(self, job: SendJob) -> None:
+        slot_bytes = max(b.nbytes for b in job.plan) if job.plan else 1
+        slots, fields, fds = self.make_slots(job, slot_bytes)
+        for conn, _ in job.conns:
+            conn.send(Welcome(backend=self.backend, bucket_bytes=job.bucket_bytes, slot_bytes=slot_bytes,
+                              slots=SLOTS, **fields), fds)
+        in_slot: list[int | None] = [None] * SLOTS
+        for bucket in job.plan:
+            slot = bucket.index % SLOTS
+            if in_slot[slot] is not None:
+                self._await_freed(job, in_slot[slot])
+            view = slots[slot]
+            for s in bucket.slices:
+                view[s.dst:s.dst + s.length].copy_(job.sources[s.tensor][s.src:s.src + s.length], non_blocking=True)
+            sync(job.device)
+            cs = checksum_bytes(view[:bucket.nbytes]) if job.verify else ""
+            for conn, _ in job.conns:
+                conn.send(Ready(bucket.index, slot, cs))
+            in_slot[slot] = bucket.index
+        for pending in sorted(b for b in in_slot if b is not None):
+            self._await_freed(job, pending)
+        for conn, _ in job.conns:
+            conn.send(Done())
+
+    @staticmethod
+    def _await_freed(job: SendJob, bucket: int) -> None:
+        for conn, hello in job.conns:
+            msg, _ = expect(conn, Freed, job.deadline, f"waiting for {hello.receiver_id} to free bucket {bucket}")
+            if msg.bucket != bucket:
+                raise DataLoss(f"{hello.receiver_id} freed bucket {msg.bucket}, expected {bucket}")
+
+    # -- receiver -------------------------------------------------------------------------------
+    def receive(self, job: ReceiveJob) -> None:
+        try:
+            if job.welcome.one_copy:
+                self._receive_one_copy(job)
+            else:
+                self._receive_staged(job)
+            nbytes = job.writer.finish()
+            sync(job.device)
+        except Exception as exc:
+            report_failure(job.conn, exc)
+            raise
+        job.conn.send(Result(ok=True, nbytes=nbytes))
+
+    def _receive_staged(self, job: ReceiveJob) -> None:
+        slots = self.open_slots(job)
+        for bucket in job.plan:
+            msg, _ = expect(job.conn, Ready, job.deadline, f"waiting for bucket {bucket.index + 1}/{len(job.plan)}")
+            if msg.bucket != bucket.index:
+                raise DataLoss(f"sender sent bucket {msg.bucket}, expected {bucket.index}")
+            view = slots[msg.slot]
+            if msg.checksum and checksum_bytes(view[:bucket.nbytes]) != msg.checksum:
+                raise DataLoss(f"bucket {bucket.index} arrived corrupted (checksum mismatch): "
+                               "the destination must not be used")
+            for s in bucket.slices:
+                job.writer.write(s.tensor, s.src, view[s.dst:s.dst + s.length])
+            sync(job.device)
+            job.conn.send(Freed(bucket.index))
+        expect(job.conn, Done, job.deadline, "waiting for the end of the transfer")
+
+    def _receive_one_copy(self, job: ReceiveJob) -> None:
+        regions = self.open_regions(job)
+        if len(job.welcome.locations) != len(job.specs):
+            raise DataLoss(f"sender described {len(job.welcome.locations)} tensors, manifest has {len(job.specs)}")
+        for i, (spec, (region, offset)) in enumerate(zip(job.specs, job.welcome.locations)):
+            if spec.nbytes:
+                job.writer.write(i, 0, regions[region][offset:offset + spec.nbytes])
+
+
+class ShmChannel(_Mapped):
+    backend = pb.BACKEND_SHM
+
+    def make_slots(self, job, nbytes):
+        key = ("shm", nbytes)
+        if key not in job.cache:
+            job.cache[key] = SharedBuffer(nbytes * SLOTS)
+        buf = job.cache[key]
+        return [buf.tensor[i * nbytes:(i + 1) * nbytes] for i in range(SLOTS)], {}, [buf.fd]
+
+    def open_slots(self, job):
+        if len(job.fds) != 1:
+            raise FailedPrecondition(f"expected one shared-memory descriptor from the sender, got {len(job.fds)}")
+        n = job.welcome.slot_bytes
+        buf = SharedBuffer.attach(job.fds[0], n * job.welcome.slots)
+        return [buf.tensor[i * n:(i + 1) * n] for i in range(job.welcome.slots)]
+
+    def regions(self, job):
+        locations = [job.arena.locate(t) if s.nbytes else (0, 0) for t, s in zip(job.sources, job.specs)]
+        return ({"regions": [b.nbytes for b in job.arena.buffers], "locations": locations},
+                [b.fd for b in job.arena.buffers])
+
+    def open_regions(self, job):
+        sizes = job.welcome.regions
+        if len(job.fds) != len(sizes):
+            raise FailedPrecondition(f"expected {len(sizes)} shared-memory descriptors, got {len(job.fds)}")
+        return [SharedBuffer.attach(fd, n).tensor for fd, n in zip(job.fds, sizes)]
+
+
+class CudaIpcChannel(_Mapped):
+    backend = pb.BACKEND_CUDA_IPC
+
+    def make_slots(self, job, nbytes):
+        key = ("cuda", job.device, nbytes)
+        if key not in job.cache:
+            job.cache[key] = [torch.empty(nbytes, dtype=torch.uint8, device=job.device) for _ in range(SLOTS)]
+        slots = job.cache[key]
+        return slots, {"ipc": [export_cuda(s).SerializeToString() for s in slots]}, []
+
+    def open_slots(self, job):
+        return [import_cuda(_handle(raw), job.device) for raw in job.welcome.ipc]
+
+    def regions(self, job):
+        storages: dict[int, int] = {}  # storage pointer -> region index
+        handles, locations = [], []
+        for t in job.sources:
+            if t.numel() == 0:
+                locations.append((0, 0))
+                continue
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in storages:
+                storages[ptr] = len(handles)
+                handles.append(export_cuda(t).SerializeToString())
+            locations.append((storages[ptr], t.data_ptr() - ptr))
+        return {"ipc": handles, "locations": locations}, []
+
+    def open_regions(self, job):
+        return [import_cuda(_handle(raw), job.device) for raw in job.welcome.ipc]
+
+
+def _handle(raw: bytes) -> pb.CudaIpcHandle:
+    h = pb.CudaIpcHandle()
+    h.ParseFromString(raw)
+    return h

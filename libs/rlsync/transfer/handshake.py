@@ -1,0 +1,116 @@
+"""The handshake, pure: the sender offers backends and facts, the receiver picks a channel by topology.
+
+Same GPU -> cuda_ipc; GPUs elsewhere -> nccl; same host -> shm; anywhere -> gloo. A forced
+backend is honoured when it can work, and refused with the reason when it cannot.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from functools import cache
+
+import torch
+
+from rlsync.errors import FailedPrecondition
+from rlsync.transfer.v1 import transfer_pb2 as pb
+
+PROTOCOL_VERSION = 1
+B = pb.Backend
+NAMES = {B.BACKEND_CUDA_IPC: "cuda_ipc", B.BACKEND_NCCL: "nccl", B.BACKEND_SHM: "shm", B.BACKEND_GLOO: "gloo"}
+BY_NAME = {v: k for k, v in NAMES.items()}
+PREFERENCE = [B.BACKEND_CUDA_IPC, B.BACKEND_NCCL, B.BACKEND_SHM, B.BACKEND_GLOO]
+
+
+def backend_of(name: str) -> int:
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise FailedPrecondition(f"unknown backend {name!r}: choose one of {', '.join(BY_NAME)}") from None
+
+
+@cache
+def host_id() -> str:
+    """Equal for processes that can share memory and reach each other's abstract Unix sockets:
+    same kernel boot and same network namespace (two containers on one host differ)."""
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+        netns = os.stat("/proc/self/ns/net").st_ino
+        return f"{boot}/{netns}"
+    except OSError:  # not Linux: fall back to the hostname
+        return socket.gethostname()
+
+
+def local_facts(device: torch.device | str = "cpu") -> pb.Facts:
+    device = torch.device(device)
+    uuids = []
+    if device.type == "cuda":
+        uuids = [str(torch.cuda.get_device_properties(device).uuid)]
+    return pb.Facts(host_id=host_id(), device_type=device.type, gpu_uuids=uuids, hostname=socket.gethostname())
+
+
+def _feasible(backend: int, sender: pb.Facts, receiver: pb.Facts) -> str | None:
+    """None when `backend` can connect these two parties, else why not."""
+    same_host = sender.host_id == receiver.host_id
+    both_cuda = sender.device_type == "cuda" and receiver.device_type == "cuda"
+    if backend == B.BACKEND_CUDA_IPC:
+        if not both_cuda:
+            return "cuda_ipc needs CUDA tensors on both sides"
+        if not same_host:
+            return "cuda_ipc needs both processes on the same host"
+        if not set(sender.gpu_uuids) & set(receiver.gpu_uuids):
+            return (f"cuda_ipc needs the same GPU: sender on {', '.join(sender.gpu_uuids)}, "
+                    f"receiver on {', '.join(receiver.gpu_uuids)}")
+    elif backend == B.BACKEND_NCCL:
+        if not both_cuda:
+            return "nccl needs CUDA tensors on both sides"
+    elif backend == B.BACKEND_SHM:
+        if not same_host:
+            return (f"shm needs both processes on one host (sender on {sender.hostname}, "
+                    f"receiver on {receiver.hostname})")
+    return None
+
+
+def _reason(backend: int, sender: pb.Facts, receiver: pb.Facts) -> str:
+    return {
+        B.BACKEND_CUDA_IPC: f"same GPU ({', '.join(receiver.gpu_uuids)}): receiver maps the sender's memory",
+        B.BACKEND_NCCL: "GPUs on both sides, not the same GPU: NCCL broadcast",
+        B.BACKEND_SHM: "same host: shared memory",
+        B.BACKEND_GLOO: f"different hosts ({sender.hostname} -> {receiver.hostname}): gloo over TCP",
+    }[backend]
+
+
+def choose_backend(offer: pb.Offer, receiver: pb.Facts, available: set[int] | None = None,
+                   force: int | None = None) -> tuple[int, str]:
+    """(backend, why) for this receiver; raises FailedPrecondition saying what to change."""
+    if offer.protocol_version != PROTOCOL_VERSION:
+        raise FailedPrecondition(f"transfer protocol mismatch: sender speaks version {offer.protocol_version}, "
+                                 f"this receiver {PROTOCOL_VERSION}; run the same rlsync release on both sides")
+    offered = set(offer.backends)
+    available = set(PREFERENCE) if available is None else available
+    if force:
+        name = NAMES.get(force, str(force))
+        if force not in offered:
+            raise FailedPrecondition(f"backend {name} was forced but the sender offers only "
+                                     f"{', '.join(NAMES[b] for b in PREFERENCE if b in offered) or 'nothing'}")
+        if force not in available:
+            raise FailedPrecondition(f"backend {name} was forced but is not available on this receiver")
+        why_not = _feasible(force, offer.facts, receiver)
+        if why_not:
+            raise FailedPrecondition(f"backend {name} was forced but cannot work here: {why_not}")
+        return force, f"forced by the user ({name})"
+    refusals = []
+    for backend in PREFERENCE:
+        why_not = _feasible(backend, offer.facts, receiver)
+        if why_not is None and backend in offered and backend in available:
+            return backend, _reason(backend, offer.facts, receiver)
+        refusals.append(f"{NAMES[backend]}: " + (why_not or ("not offered by the sender" if backend not in offered
+                                                             else "not available on this receiver")))
+    raise FailedPrecondition("no transfer backend works between sender and receiver: " + "; ".join(refusals))
+
+
+def make_answer(offer: pb.Offer, receiver_id: str, facts: pb.Facts, ranks: int = 1,
+                available: set[int] | None = None, force: int | None = None, bucket_bytes: int = 0) -> pb.Answer:
+    backend, reason = choose_backend(offer, facts, available, force)
+    return pb.Answer(backend=backend, receiver_id=receiver_id, ranks=ranks, reason=reason, facts=facts,
+                     bucket_bytes=bucket_bytes or offer.bucket_bytes, transfer_id=offer.transfer_id)

@@ -1,0 +1,82 @@
+"""Manifests: what a transfer moves (names, dtypes, shapes, byte sizes, version), as protobuf."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from rlsync.errors import InvalidArgument
+from rlsync.transfer.checksum import checksum_tensor
+from rlsync.transfer.dtypes import dtype_name, dtype_of, itemsize
+from rlsync.transfer.v1 import transfer_pb2 as pb
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    checksum: str = ""
+
+    @classmethod
+    def of(cls, name: str, t: torch.Tensor, checksum: bool = False) -> Spec:
+        return cls(name, t.dtype, tuple(t.shape), t.numel() * t.element_size(),
+                   checksum_tensor(t) if checksum else "")
+
+
+def build_manifest(tensors: Mapping[str, torch.Tensor], version: int, checksums: bool = False) -> pb.Manifest:
+    return to_proto([Spec.of(n, t, checksums) for n, t in tensors.items()], version)
+
+
+def to_proto(specs: list[Spec], version: int) -> pb.Manifest:
+    return pb.Manifest(version=version, tensors=[
+        pb.TensorSpec(name=s.name, dtype=dtype_name(s.dtype), shape=list(s.shape), nbytes=s.nbytes,
+                      checksum=s.checksum) for s in specs])
+
+
+def from_proto(manifest: pb.Manifest) -> list[Spec]:
+    """Specs of a received manifest; refuses one that is inconsistent with itself."""
+    specs, seen = [], set()
+    for t in manifest.tensors:
+        if not t.name:
+            raise InvalidArgument("manifest has a tensor without a name")
+        if t.name in seen:
+            raise InvalidArgument(f"manifest names tensor {t.name!r} twice")
+        seen.add(t.name)
+        dtype = dtype_of(t.dtype)
+        if any(d < 0 for d in t.shape):
+            raise InvalidArgument(f"tensor {t.name!r} has a negative dimension {list(t.shape)}")
+        numel = 1
+        for d in t.shape:
+            numel *= d
+        if numel * itemsize(dtype) != t.nbytes:
+            raise InvalidArgument(f"tensor {t.name!r}: shape {list(t.shape)} of {t.dtype} is "
+                                  f"{numel * itemsize(dtype)} bytes, manifest says {t.nbytes}")
+        specs.append(Spec(t.name, dtype, tuple(t.shape), t.nbytes, t.checksum))
+    return specs
+
+
+def check_against(specs: list[Spec], expected: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]]) -> None:
+    """Refuses a manifest that does not fit a receiver: unknown names, missing names, wrong shapes
+    or (when the receiver pins one) wrong dtypes. Says every problem at once, so one fix suffices."""
+    problems = []
+    names = {s.name for s in specs}
+    for s in specs:
+        if s.name not in expected:
+            problems.append(f"unknown tensor {s.name!r}")
+            continue
+        shape, dtype = expected[s.name]
+        if tuple(shape) != s.shape:
+            problems.append(f"{s.name!r} has shape {list(s.shape)}, expected {list(shape)}")
+        if dtype is not None and dtype != s.dtype:
+            problems.append(f"{s.name!r} has dtype {dtype_name(s.dtype)}, expected {dtype_name(dtype)}")
+    missing = sorted(set(expected) - names)
+    if missing:
+        problems.append(f"missing {len(missing)} tensor(s): {', '.join(repr(m) for m in missing[:5])}"
+                        + (" ..." if len(missing) > 5 else ""))
+    if problems:
+        raise InvalidArgument("manifest does not match the receiver's model: " + "; ".join(problems[:10])
+                              + (f" (+{len(problems) - 10} more)" if len(problems) > 10 else ""))

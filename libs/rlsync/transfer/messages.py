@@ -1,0 +1,67 @@
+"""Control messages between the two ends of a transfer (msgspec on a socket; never pickle)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    """Receiver -> sender, first thing on the connection."""
+
+    protocol: int
+    transfer_id: str
+    token: str
+    receiver_id: str
+    rank: int  # local rank within the receiver (e.g. tensor-parallel worker)
+    ranks: int
+    backend: int
+
+
+class Reject(msgspec.Struct, tag="reject"):
+    reason: str
+    code: str  # an rlsync.errors class name
+
+
+class Welcome(msgspec.Struct, tag="welcome"):
+    """Sender -> each receiver rank once everyone is connected: how the bytes will come."""
+
+    backend: int
+    bucket_bytes: int
+    rank: int = 0  # global rank in the collective (sender is 0)
+    world: int = 0
+    store: str = ""  # "host:port" of the rendezvous store (gloo, nccl)
+    one_copy: bool = False
+    slot_bytes: int = 0  # staged: size of each slot
+    slots: int = 0
+    ipc: list[bytes] = []  # cuda_ipc: serialized CudaIpcHandle protos (slots, or regions in one-copy mode)
+    regions: list[int] = []  # shm one-copy: byte size of each region (sent as file descriptors)
+    locations: list[tuple[int, int]] = []  # one-copy: (region, byte offset) of each tensor
+    verify: bool = False  # collectives: per-bucket checksums follow in Done
+
+
+class Ready(msgspec.Struct, tag="ready"):
+    bucket: int
+    slot: int
+    checksum: str = ""
+
+
+class Freed(msgspec.Struct, tag="freed"):
+    bucket: int
+
+
+class Done(msgspec.Struct, tag="done"):
+    checksums: list[str] = []  # per bucket (collectives verify after the fact)
+
+
+class Result(msgspec.Struct, tag="result"):
+    ok: bool
+    nbytes: int = 0
+    error: str = ""
+    code: str = ""
+
+
+class Abort(msgspec.Struct, tag="abort"):
+    reason: str
+
+
+Message = Hello | Reject | Welcome | Ready | Freed | Done | Result | Abort

@@ -1,0 +1,122 @@
+"""A receiver or sender in its own process, driven over stdin/stdout with base64 protobuf lines.
+
+Used by `rlsync transfer-check` and by tests that need a real second process:
+
+    python -m rlsync.transfer.peer receive --file W.safetensors --device cpu   (stdin: offer [, answer])
+    python -m rlsync.transfer.peer send --file W.safetensors --backend shm     (stdout: offer; stdin: answers)
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import sys
+
+import torch
+from safetensors.torch import load_file
+
+from rlsync.transfer.checksum import as_bytes
+from rlsync.transfer.memory import SharedArena
+from rlsync.transfer.receiver import answer as make_answer
+from rlsync.transfer.receiver import receive
+from rlsync.transfer.sender import DEFAULT_BUCKET_BYTES, WeightSender
+from rlsync.transfer.v1 import transfer_pb2 as pb
+
+
+def encode(msg) -> str:
+    return base64.b64encode(msg.SerializeToString()).decode()
+
+
+def decode(cls, line: str):
+    msg = cls()
+    msg.ParseFromString(base64.b64decode(line.strip()))
+    return msg
+
+
+def load_tensors(path: str, device: str, arena: SharedArena | None = None) -> dict[str, torch.Tensor]:
+    tensors = load_file(path, device="cpu")
+    if arena is not None:  # CPU one-copy: the tensors live in shared memory
+        shared = {}
+        for name, t in tensors.items():
+            dst = arena.empty(t.numel(), t.dtype).view(t.shape)
+            dst.copy_(t)
+            shared[name] = dst
+        return shared
+    return {n: t.to(device) for n, t in tensors.items()}
+
+
+def emit(kind: str, payload: str) -> None:
+    print(f"{kind} {payload}", flush=True)
+
+
+def run_receive(args) -> int:
+    offer = decode(pb.Offer, sys.stdin.readline())
+    if args.rank == 0:
+        ans = make_answer(offer, args.receiver_id, device=args.device, ranks=args.ranks, force=args.backend,
+                          bucket_bytes=args.bucket_bytes)
+        emit("ANSWER", encode(ans))
+    else:
+        ans = decode(pb.Answer, sys.stdin.readline())
+    dest = {s.name: torch.empty(list(s.shape), dtype=_dtype(s.dtype), device=args.device)
+            for s in offer.manifest.tensors}
+    try:
+        report = receive(offer, ans, dest, rank=args.rank, timeout=args.timeout)
+    except Exception as e:  # noqa: BLE001 - reported to the driver as data
+        emit("RESULT", json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}))
+        return 1
+    verified = None
+    if args.file:
+        reference = load_file(args.file, device="cpu")
+        verified = all(torch.equal(as_bytes(dest[n].cpu()), as_bytes(t)) for n, t in reference.items())
+    emit("RESULT", json.dumps({"ok": True, "bytes": report.nbytes, "seconds": report.seconds,
+                               "verified": verified}))
+    return 0
+
+
+def run_send(args) -> int:
+    arena = SharedArena() if args.device == "cpu" and not args.staged else None
+    tensors = load_tensors(args.file, args.device, arena)
+    with WeightSender(tensors, bucket_bytes=args.bucket_bytes or DEFAULT_BUCKET_BYTES, checksums=args.checksums,
+                      arena=arena, backends=[args.backend] if args.backend else None) as sender:
+        offer = sender.offer(version=args.version)
+        emit("OFFER", encode(offer))
+        answers = [decode(pb.Answer, line) for line in sys.stdin.readline().split()]
+        try:
+            report = sender.send(offer, answers, timeout=args.timeout)
+        except Exception as e:  # noqa: BLE001
+            emit("RESULT", json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}))
+            return 1
+    emit("RESULT", json.dumps({"ok": True, "bytes": report.nbytes, "seconds": report.seconds}))
+    return 0
+
+
+def _dtype(name: str) -> torch.dtype:
+    from rlsync.transfer.dtypes import dtype_of
+
+    return dtype_of(name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("role", choices=("send", "receive"))
+    parser.add_argument("--file", default="")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--backend", default=None)
+    parser.add_argument("--bucket-bytes", type=int, default=0)
+    parser.add_argument("--receiver-id", default="peer")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--ranks", type=int, default=1)
+    parser.add_argument("--version", type=int, default=1)
+    parser.add_argument("--checksums", action="store_true")
+    parser.add_argument("--staged", action="store_true", help="sender: no one-copy even when possible")
+    parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--inject", default="", help="tests only: a module imported first (fault injection)")
+    args = parser.parse_args(argv)
+    if args.inject:
+        __import__(args.inject)
+    return run_send(args) if args.role == "send" else run_receive(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

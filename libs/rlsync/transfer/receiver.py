@@ -1,0 +1,60 @@
+"""The receiving end: answers an offer (choosing the channel), then receives into destinations."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+import torch
+
+from rlsync.errors import Aborted
+from rlsync.transfer.backends import available, channel
+from rlsync.transfer.backends.base import ReceiveJob, error_from
+from rlsync.transfer.control import Deadline, connect
+from rlsync.transfer.handshake import NAMES, PROTOCOL_VERSION, backend_of, local_facts, make_answer
+from rlsync.transfer.manifest import check_against, from_proto
+from rlsync.transfer.messages import Hello, Reject, Welcome
+from rlsync.transfer.plan import plan_buckets
+from rlsync.transfer.sender import Report
+from rlsync.transfer.v1 import transfer_pb2 as pb
+from rlsync.transfer.writer import Destination, DestWriter
+
+
+def answer(offer: pb.Offer, receiver_id: str, *, device: torch.device | str = "cpu", ranks: int = 1,
+           force: str | None = None, bucket_bytes: int = 0) -> pb.Answer:
+    """Chooses the channel for a receiver whose destination tensors live on `device`."""
+    return make_answer(offer, receiver_id, local_facts(device), ranks, available(),
+                       backend_of(force) if force else None, bucket_bytes)
+
+
+def receive(offer: pb.Offer, answer: pb.Answer, dest: Destination, *, rank: int = 0,
+            device: torch.device | str | None = None, timeout: float = 300.0,
+            expected: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]] | None = None) -> Report:
+    """Receives every tensor of the offer into `dest` (a name->tensor mapping written in place, or a
+    callable given each complete tensor). On any failure it raises, and `dest` must not be used:
+    receive into staging memory and switch only after this returns."""
+    specs = from_proto(offer.manifest)
+    if expected is not None:
+        check_against(specs, expected)
+    if device is None:
+        first = next(iter(dest.values()), None) if isinstance(dest, Mapping) else None
+        device = first.device if first is not None else torch.device(answer.facts.device_type or "cpu")
+    device = torch.device(device)
+    writer = DestWriter(specs, dest, device)
+    chan = channel(answer.backend)
+    deadline = Deadline(timeout, f"receiving transfer {offer.transfer_id[:8]} (version {offer.manifest.version})")
+    start = time.perf_counter()
+    conn = connect(offer.local_control if chan.local else offer.control_address, deadline, chan.local)
+    try:
+        conn.send(Hello(PROTOCOL_VERSION, offer.transfer_id, offer.token, answer.receiver_id, rank, answer.ranks,
+                        answer.backend))
+        msg, fds = conn.recv(deadline, "waiting for the sender to start the transfer")
+        if isinstance(msg, Reject):
+            raise error_from(msg.code, f"sender refused this receiver: {msg.reason}")
+        if not isinstance(msg, Welcome):
+            raise Aborted(f"protocol error: expected Welcome, got {type(msg).__name__}")
+        plan = plan_buckets([s.nbytes for s in specs], msg.bucket_bytes)
+        chan.receive(ReceiveJob(conn, msg, fds, specs, plan, writer, device, deadline, offer.transfer_id))
+    finally:
+        conn.close()
+    return Report(sum(s.nbytes for s in specs), time.perf_counter() - start, {NAMES[answer.backend]: 1})

@@ -1,0 +1,206 @@
+"""The sending end: offers a transfer, then moves the bytes to every receiver that answered."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from rlsync.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from rlsync.transfer.backends import available, channel
+from rlsync.transfer.backends.base import SendJob, expect
+from rlsync.transfer.checksum import as_bytes
+from rlsync.transfer.control import Conn, Deadline, Listener
+from rlsync.transfer.handshake import NAMES, PROTOCOL_VERSION, backend_of, local_facts
+from rlsync.transfer.manifest import Spec, from_proto, to_proto
+from rlsync.transfer.memory import SharedArena
+from rlsync.transfer.messages import Hello, Reject
+from rlsync.transfer.plan import plan_buckets
+from rlsync.transfer.v1 import transfer_pb2 as pb
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+
+
+@dataclass
+class Report:
+    nbytes: int
+    seconds: float
+    backends: dict[str, int]  # backend name -> receiver ranks served
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class WeightSender:
+    """Publishes a fixed set of named tensors (their current values at each send).
+
+        sender = WeightSender(model_state, checksums=True)
+        offer = sender.offer(version=step)          # give to each receiver (e.g. over gRPC)
+        sender.send(offer, answers, timeout=120)     # answers: what each receiver replied
+
+    Every offer has a new transfer id and single-use token. One-copy is used when the tensors
+    already live in memory a receiver can map: any contiguous CUDA tensors, or CPU tensors
+    allocated from `arena`.
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 host: str = "127.0.0.1", advertise: str | None = None, checksums: bool = False,
+                 arena: SharedArena | None = None, backends: list[str] | None = None):
+        plan_buckets([], bucket_bytes)  # refuses a bad bucket size now, not at send time
+        self.tensors = dict(tensors)
+        kinds = {t.device.type for t in self.tensors.values()}
+        if len(kinds) > 1:
+            raise InvalidArgument(f"tensors live on several device types ({', '.join(sorted(kinds))}): "
+                                  "send each device's tensors with its own sender")
+        self.device = next(iter(self.tensors.values())).device if self.tensors else torch.device("cpu")
+        self.bucket_bytes = bucket_bytes
+        self.checksums = checksums
+        self.arena = arena
+        self.host = host
+        self.listener = Listener(host, advertise)
+        self.cache: dict = {}
+        offered = available()
+        if self.device.type != "cuda":
+            offered -= {pb.BACKEND_CUDA_IPC, pb.BACKEND_NCCL}
+        if backends is not None:
+            offered &= {backend_of(b) for b in backends}
+        self.backends = [b for b in NAMES if b in offered]
+
+    def _one_copy(self) -> bool:
+        tensors = [t for t in self.tensors.values() if t.numel()]
+        if self.device.type == "cuda":
+            return all(t.is_contiguous() for t in tensors)
+        return self.arena is not None and all(self.arena.locate(t) is not None for t in tensors)
+
+    def offer(self, version: int) -> pb.Offer:
+        specs = [Spec.of(n, t, self.checksums) for n, t in self.tensors.items()]
+        return pb.Offer(
+            protocol_version=PROTOCOL_VERSION, manifest=to_proto(specs, version), facts=local_facts(self.device),
+            backends=self.backends, token=secrets.token_hex(16), control_address=self.listener.address,
+            local_control=self.listener.local_name, bucket_bytes=self.bucket_bytes, one_copy=self._one_copy(),
+            transfer_id=uuid.uuid4().hex)
+
+    def send(self, offer: pb.Offer, answers: list[pb.Answer], timeout: float = 300.0) -> Report:
+        """Moves the tensors to every answering receiver; returns once all confirmed receipt."""
+        deadline = Deadline(timeout, f"transfer {offer.transfer_id[:8]} (version {offer.manifest.version})")
+        expected = self._check_answers(offer, answers)
+        start = time.perf_counter()
+        conns = self._gather(offer, expected, deadline)
+        try:
+            self._run_groups(offer, answers, conns, deadline)
+        finally:
+            for conn, _ in conns:
+                conn.close()
+        seconds = time.perf_counter() - start
+        by_backend: dict[str, int] = defaultdict(int)
+        for a in answers:
+            by_backend[NAMES[a.backend]] += a.ranks
+        return Report(sum(s.nbytes for s in from_proto(offer.manifest)), seconds, dict(by_backend))
+
+    def _check_answers(self, offer: pb.Offer, answers: list[pb.Answer]) -> dict[tuple[str, int], pb.Answer]:
+        expected = {}
+        for a in answers:
+            if a.transfer_id != offer.transfer_id:
+                raise InvalidArgument(f"answer from {a.receiver_id!r} is for transfer {a.transfer_id!r}, "
+                                      f"not {offer.transfer_id!r}: pass the answers to this offer")
+            if a.backend not in offer.backends:
+                raise FailedPrecondition(f"{a.receiver_id!r} chose {NAMES.get(a.backend, a.backend)}, "
+                                         "which this offer does not include")
+            if a.ranks < 1:
+                raise InvalidArgument(f"{a.receiver_id!r} answered with {a.ranks} ranks; at least 1 is needed")
+            for rank in range(a.ranks):
+                if (a.receiver_id, rank) in expected:
+                    raise InvalidArgument(f"receiver id {a.receiver_id!r} appears twice among the answers")
+                expected[(a.receiver_id, rank)] = a
+        return expected
+
+    def _gather(self, offer: pb.Offer, expected: dict, deadline: Deadline) -> list[tuple[Conn, Hello]]:
+        """Accepts the receivers' connections; strays and wrong tokens are turned away."""
+        conns: dict[tuple[str, int], tuple[Conn, Hello]] = {}
+        while len(conns) < len(expected):
+            missing = sorted(set(expected) - set(conns))
+            doing = f"waiting for {len(missing)} receiver rank(s) to connect, e.g. {missing[0][0]!r}"
+            conn = self.listener.accept(deadline, doing)
+            try:
+                hello, _ = expect(conn, Hello, Deadline(min(10.0, deadline.remaining(doing)), "handshake"), "hello")
+            except Exception:  # noqa: BLE001 - a stray or broken connection must not end the transfer
+                conn.close()
+                continue
+            refusal = self._refuse(offer, hello, expected, conns)
+            if refusal:
+                conn.send(refusal)
+                conn.close()
+                continue
+            conns[(hello.receiver_id, hello.rank)] = (conn, hello)
+        return list(conns.values())
+
+    @staticmethod
+    def _refuse(offer: pb.Offer, hello: Hello, expected: dict, conns: dict) -> Reject | None:
+        if hello.protocol != PROTOCOL_VERSION:
+            return Reject(f"protocol mismatch: sender {PROTOCOL_VERSION}, receiver {hello.protocol}", "FailedPrecondition")
+        if hello.transfer_id != offer.transfer_id:
+            return Reject(f"this sender is running transfer {offer.transfer_id}, not {hello.transfer_id}: "
+                          "the offer you hold is stale; ask for a new one", "FailedPrecondition")
+        if not secrets.compare_digest(hello.token, offer.token):
+            return Reject("wrong transfer token: use the token of the Offer for this transfer", PermissionDenied.__name__)
+        key = (hello.receiver_id, hello.rank)
+        if key not in expected:
+            return Reject(f"receiver {hello.receiver_id!r} rank {hello.rank} is not among the answers of this "
+                          "transfer", "FailedPrecondition")
+        if key in conns:
+            return Reject(f"receiver {hello.receiver_id!r} rank {hello.rank} is already connected", "AlreadyExists")
+        return None
+
+    def _run_groups(self, offer: pb.Offer, answers: list[pb.Answer], conns: list[tuple[Conn, Hello]],
+                    deadline: Deadline) -> None:
+        specs = from_proto(offer.manifest)
+        sources = [as_bytes(t) for t in self.tensors.values()]
+        groups: dict[int, list[tuple[Conn, Hello]]] = defaultdict(list)
+        for conn, hello in conns:
+            groups[hello.backend].append((conn, hello))
+        jobs = []
+        for backend, members in groups.items():
+            ids = {h.receiver_id for _, h in members}
+            bucket = min([a.bucket_bytes or offer.bucket_bytes for a in answers if a.receiver_id in ids])
+            jobs.append((channel(backend), SendJob(
+                conns=members, specs=specs, sources=sources, plan=plan_buckets([s.nbytes for s in specs], bucket),
+                bucket_bytes=bucket, verify=self.checksums, deadline=deadline, device=self.device,
+                store_host=self.host, transfer_id=offer.transfer_id, one_copy=offer.one_copy and backend in
+                (pb.BACKEND_SHM, pb.BACKEND_CUDA_IPC), arena=self.arena, cache=self.cache)))
+        errors: list[BaseException] = []
+
+        def run(chan, job):
+            try:
+                chan.send(job)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=job) for job in jobs[1:]]
+        for t in threads:
+            t.start()
+        if jobs:
+            run(*jobs[0])
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        self.listener.close()
+        for value in self.cache.values():
+            if hasattr(value, "close"):
+                value.close()
+        self.cache.clear()
+
+    def __enter__(self) -> WeightSender:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
