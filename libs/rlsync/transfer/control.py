@@ -52,7 +52,24 @@ class Conn:
             else:
                 self.sock.sendall(frame)
         except OSError as e:
+            last_words = self._failure_report()
+            if last_words is not None:
+                raise last_words from e
             raise Unavailable(f"{self.peer} is gone ({e.strerror or e}): the transfer cannot continue") from e
+
+    def _failure_report(self) -> Exception | None:
+        """After a failed send: the failure the peer reported before it hung up, if it did."""
+        from rlsync.transfer.messages import Result, error_from
+
+        deadline = Deadline(0.5, "reading the peer's last message")
+        try:
+            for _ in range(1024):  # skip acknowledgements still queued before the report
+                msg, _ = self.recv(deadline)
+                if isinstance(msg, Result) and not msg.ok:
+                    return error_from(msg.code, f"{self.peer} failed: {msg.error}")
+        except Exception:  # noqa: BLE001 - nothing (more) to read
+            return None
+        return None
 
     def _read(self, n: int, deadline: Deadline, doing: str, fds: list[int]) -> bytes:
         buf = bytearray()

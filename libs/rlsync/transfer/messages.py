@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from rlsync import errors
+
 
 class Hello(msgspec.Struct, tag="hello"):
     """Receiver -> sender, first thing on the connection."""
@@ -65,3 +67,11 @@ class Abort(msgspec.Struct, tag="abort"):
 
 
 Message = Hello | Reject | Welcome | Ready | Freed | Done | Result | Abort
+
+
+def error_from(code: str, message: str) -> errors.RlsyncError:
+    """Rebuilds an error a peer reported, by its rlsync.errors class name."""
+    cls = getattr(errors, code, None)
+    if not (isinstance(cls, type) and issubclass(cls, errors.RlsyncError)):
+        cls = errors.Aborted
+    return cls(message)

@@ -9,11 +9,11 @@ import torch
 
 from rlsync.errors import Aborted
 from rlsync.transfer.backends import available, channel
-from rlsync.transfer.backends.base import ReceiveJob, error_from
+from rlsync.transfer.backends.base import ReceiveJob
 from rlsync.transfer.control import Deadline, connect
 from rlsync.transfer.handshake import NAMES, PROTOCOL_VERSION, backend_of, local_facts, make_answer
 from rlsync.transfer.manifest import check_against, from_proto
-from rlsync.transfer.messages import Hello, Reject, Welcome
+from rlsync.transfer.messages import Hello, Reject, Welcome, error_from
 from rlsync.transfer.plan import plan_buckets
 from rlsync.transfer.sender import Report
 from rlsync.transfer.v1 import transfer_pb2 as pb

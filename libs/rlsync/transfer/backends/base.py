@@ -11,7 +11,7 @@ from rlsync import errors
 from rlsync.transfer.control import Conn, Deadline
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.memory import SharedArena
-from rlsync.transfer.messages import Abort, Hello, Message, Result, Welcome
+from rlsync.transfer.messages import Abort, Hello, Message, Result, Welcome, error_from
 from rlsync.transfer.plan import Bucket
 from rlsync.transfer.writer import DestWriter
 
@@ -58,21 +58,13 @@ class Channel(Protocol):
     def receive(self, job: ReceiveJob) -> None: ...
 
 
-def error_from(code: str, message: str) -> errors.RlsyncError:
-    """Rebuilds an error a peer reported by class name."""
-    cls = getattr(errors, code, None)
-    if not (isinstance(cls, type) and issubclass(cls, errors.RlsyncError)):
-        cls = errors.Aborted
-    return cls(message)
-
-
 def expect(conn: Conn, kind: type, deadline: Deadline, doing: str) -> tuple[Message, list[int]]:
     """The next message, which must be of `kind`; a peer's failure report is raised as an error."""
     msg, fds = conn.recv(deadline, doing)
-    if isinstance(msg, kind):
-        return msg, fds
     if isinstance(msg, Result) and not msg.ok:
         raise error_from(msg.code, f"{conn.peer} failed: {msg.error}")
+    if isinstance(msg, kind):
+        return msg, fds
     if isinstance(msg, Abort):
         raise errors.Aborted(f"{conn.peer} aborted the transfer: {msg.reason}")
     raise errors.Aborted(f"protocol error: expected {kind.__name__} from {conn.peer}, got {type(msg).__name__}")

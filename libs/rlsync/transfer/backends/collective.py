@@ -15,7 +15,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from rlsync.errors import DataLoss, DeadlineExceeded
+from rlsync.errors import DataLoss, DeadlineExceeded, Unavailable
 from rlsync.transfer.backends.base import (ReceiveJob, SendJob, collect_results, expect, report_failure,
                                            sync)
 from rlsync.transfer.checksum import checksum_bytes
@@ -75,6 +75,8 @@ class _Broadcast(abc.ABC):
                 if work is not None:
                     work.wait()
             sync(slots[0].device)
+        except RuntimeError as e:  # the group failed: say which peer problem caused it
+            raise watchdog.error(e) from e
         finally:
             watchdog.stop()
             _shutdown(group)
@@ -121,6 +123,8 @@ class _Broadcast(abc.ABC):
                     sync(job.device)  # the slot is reused by the next broadcast
                 post(bucket.index + SLOTS)
             sync(job.device)
+        except RuntimeError as e:
+            raise watchdog.error(e) from e
         finally:
             watchdog.stop()
             _shutdown(group)
@@ -191,6 +195,13 @@ class _Watchdog:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+    def error(self, exc: BaseException) -> Exception:
+        """The rlsync error for a failed collective: a deadline, or a peer that is gone."""
+        self.stop()
+        if self.reason and "deadline" in self.reason:
+            return DeadlineExceeded(self.reason)
+        return Unavailable(f"{self.reason or 'a peer failed during the broadcast'} ({exc})")
 
 
 def _shutdown(group) -> None:

@@ -1,0 +1,283 @@
+"""The transfer library between real processes: shm and gloo on CPU, every dtype, many receivers,
+dead peers, wrong tokens, corruption, deadlines, and nothing left in /dev/shm."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from rlsync.errors import DataLoss, DeadlineExceeded, PermissionDenied, Unavailable
+from rlsync.transfer import SharedArena, WeightSender, answer, receive
+from rlsync.transfer.checksum import as_bytes
+from rlsync.transfer.peer import decode, encode
+from rlsync.transfer.v1 import transfer_pb2 as pb
+
+TESTS = Path(__file__).resolve().parents[1]
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+          torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+
+
+class Peer:
+    """`python -m rlsync.transfer.peer ...` in its own process, talked to line by line."""
+
+    def __init__(self, *args: str, env: dict | None = None):
+        self.proc = subprocess.Popen([sys.executable, "-m", "rlsync.transfer.peer", *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONPATH": str(TESTS), **(env or {})})
+
+    def line(self, kind: str, timeout: float = 60) -> str:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
+            if ready:
+                raw = self.proc.stdout.readline()
+                if not raw:
+                    break
+                if raw.startswith(kind + " "):
+                    return raw[len(kind) + 1:].strip()
+        raise AssertionError(f"peer gave no {kind} line (exit code {self.proc.poll()})")
+
+    def send(self, text: str) -> None:
+        self.proc.stdin.write(text + "\n")
+        self.proc.stdin.flush()
+
+    def result(self, timeout: float = 60) -> dict:
+        return json.loads(self.line("RESULT", timeout))
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def _shm_entries() -> set[str]:
+    # psm_*/sem.mp-* belong to Python multiprocessing (vLLM servers other tests may still run).
+    return {n for n in os.listdir("/dev/shm") if not n.startswith(("psm_", "sem.mp-"))}
+
+
+@pytest.fixture(autouse=True)
+def no_shm_leak():
+    before = _shm_entries()
+    yield
+    leaked = _shm_entries() - before
+    assert not leaked, f"shared memory left behind: {sorted(leaked)}"
+
+
+def zoo() -> dict[str, torch.Tensor]:
+    """Every dtype; odd, 0-dim, empty and large-ish shapes."""
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for dtype in DTYPES:
+        raw = torch.randint(0, 256, (5 * 7 * 3 * torch.empty(0, dtype=dtype).element_size(),), generator=g,
+                            dtype=torch.uint8)
+        t = raw.view(dtype).view(5, 7, 3)
+        name = str(dtype).removeprefix("torch.")
+        if dtype == torch.bool:
+            t = raw[:105] % 2 == 1
+            t = t.view(5, 7, 3)
+        out[f"layers.{name}.weight"] = t
+        out[f"layers.{name}.scalar"] = t[0, 0, 0].clone()
+        out[f"layers.{name}.empty"] = t[:0].clone()
+    out["big"] = torch.randn(257, 129, generator=g)
+    return out
+
+
+def scatter(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Same values, non-contiguous layouts (where a tensor has at least 2 dims)."""
+    return {n: t.t().contiguous().t() if t.dim() == 2 else
+            (t.transpose(0, 1).contiguous().transpose(0, 1) if t.dim() == 3 else t) for n, t in tensors.items()}
+
+
+@pytest.fixture(scope="module")
+def zoo_file(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
+    tensors = zoo()
+    path = tmp_path_factory.mktemp("zoo") / "zoo.safetensors"
+    save_file(tensors, str(path))
+    return path, tensors
+
+
+def _arena_copy(tensors, arena):
+    out = {}
+    for n, t in tensors.items():
+        out[n] = arena.empty(t.numel(), t.dtype).view(t.shape)
+        out[n].copy_(t)
+    return out
+
+
+@pytest.mark.parametrize("backend, mode, bucket", [
+    ("shm", "one_copy", 1 << 20), ("shm", "staged", 7), ("shm", "staged", 4096),
+    ("gloo", "staged", 7), ("gloo", "staged", 1 << 20),
+])
+def test_every_dtype_arrives_bit_exact(zoo_file, backend, mode, bucket):
+    path, tensors = zoo_file
+    arena = SharedArena() if mode == "one_copy" else None
+    source = _arena_copy(tensors, arena) if arena else scatter(tensors)
+    assert any(not t.is_contiguous() for t in source.values()) or arena
+    with WeightSender(source, bucket_bytes=bucket, checksums=True, arena=arena, backends=[backend]) as sender:
+        offer = sender.offer(version=3)
+        assert offer.one_copy == (mode == "one_copy")
+        peer = Peer("receive", "--file", str(path), "--backend", backend)
+        peer.send(encode(offer))
+        ans = decode(pb.Answer, peer.line("ANSWER"))
+        report = sender.send(offer, [ans], timeout=60)
+        result = peer.result()
+    assert result == {**result, "ok": True, "verified": True}
+    assert report.nbytes == sum(t.numel() * t.element_size() for t in tensors.values())
+    if arena:
+        arena.close()
+
+
+def test_one_sender_many_receivers_mixed_backends_and_ranks(zoo_file):
+    path, tensors = zoo_file
+    peers = {"a": [Peer("receive", "--file", str(path), "--receiver-id", "a")],
+             "b": [Peer("receive", "--file", str(path), "--receiver-id", "b", "--backend", "gloo")],
+             "tp": [Peer("receive", "--file", str(path), "--receiver-id", "tp", "--ranks", "2", "--backend", "gloo"),
+                    Peer("receive", "--file", str(path), "--receiver-id", "tp", "--ranks", "2", "--rank", "1")]}
+    with WeightSender(tensors, bucket_bytes=1000, checksums=True) as sender:
+        offer = sender.offer(version=1)
+        answers = []
+        for group in peers.values():
+            group[0].send(encode(offer))
+            answers.append(decode(pb.Answer, group[0].line("ANSWER")))
+            for extra in group[1:]:
+                extra.send(encode(offer))
+                extra.send(encode(answers[-1]))
+        report = sender.send(offer, answers, timeout=60)
+    assert [a.backend for a in answers] == [pb.BACKEND_SHM, pb.BACKEND_GLOO, pb.BACKEND_GLOO]
+    assert report.backends == {"shm": 1, "gloo": 3}
+    for group in peers.values():
+        for p in group:
+            assert p.result()["verified"] is True
+
+
+def test_wrong_token_is_refused_and_sender_waits_for_the_right_receiver(zoo_file):
+    _, tensors = zoo_file
+    with WeightSender(tensors) as sender:
+        offer = sender.offer(version=1)
+        forged = pb.Offer()
+        forged.CopyFrom(offer)
+        forged.token = "0" * 32
+        ans = answer(offer, "r")
+        errors = []
+        t = threading.Thread(target=lambda: errors.append(_catch(lambda: sender.send(offer, [ans], timeout=3))))
+        t.start()
+        with pytest.raises(PermissionDenied, match="wrong transfer token"):
+            receive(forged, ans, {n: torch.empty_like(v) for n, v in tensors.items()}, timeout=10)
+        t.join()
+    assert isinstance(errors[0], DeadlineExceeded) and "waiting for 1 receiver rank" in str(errors[0])
+
+
+def _catch(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return e
+    return None
+
+
+@pytest.fixture(scope="module")
+def big_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("big") / "big.safetensors"
+    save_file({f"w{i}": torch.randn(1024, 1024) for i in range(16)}, str(path))  # 64 MiB
+    return path
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_sender_killed_mid_transfer_fails_the_receiver_fast(big_file, backend):
+    sender = Peer("send", "--file", str(big_file), "--backend", backend, "--bucket-bytes", str(64 << 10), "--staged")
+    offer = decode(pb.Offer, sender.line("OFFER"))
+    ans = answer(offer, "victim", force=backend)
+    sender.send(encode(ans))
+    got = []
+
+    def on_tensor(name, tensor):
+        got.append(name)
+        if len(got) == 1:
+            os.kill(sender.proc.pid, signal.SIGKILL)
+
+    start = time.monotonic()
+    with pytest.raises((Unavailable, DeadlineExceeded)) as e:
+        receive(offer, ans, on_tensor, timeout=60)
+    assert time.monotonic() - start < 30
+    assert isinstance(e.value, Unavailable), f"a dead sender is noticed at once, not at the deadline: {e.value}"
+    assert 1 <= len(got) < 16
+    sender.kill()
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_receiver_killed_mid_transfer_fails_the_sender_fast(big_file, backend):
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(big_file))
+    with WeightSender(tensors, bucket_bytes=64 << 10, backends=[backend]) as sender:
+        offer = sender.offer(version=1)
+        peer = Peer("receive", "--backend", backend)
+        peer.send(encode(offer))
+        ans = decode(pb.Answer, peer.line("ANSWER"))
+        threading.Timer(1.0, peer.kill).start()
+        start = time.monotonic()
+        with pytest.raises(Unavailable):
+            sender.send(offer, [ans], timeout=60)
+        assert time.monotonic() - start < 30
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_corrupted_bucket_is_detected_before_the_data_is_used(zoo_file, backend):
+    path, tensors = zoo_file
+    sender = Peer("send", "--file", str(path), "--backend", backend, "--bucket-bytes", "512", "--staged",
+                  "--checksums", "--inject", "fault_injection")
+    offer = decode(pb.Offer, sender.line("OFFER"))
+    ans = answer(offer, "r", force=backend)
+    sender.send(encode(ans))
+    with pytest.raises(DataLoss, match="corrupted.*must not be used"):
+        receive(offer, ans, {n: torch.empty_like(t) for n, t in tensors.items()}, timeout=60)
+    result = sender.result()
+    assert not result["ok"] and "DataLoss" in result["error"]
+    sender.kill()
+
+
+def test_stalled_sender_hits_the_receiver_deadline(zoo_file):
+    _, tensors = zoo_file
+    with WeightSender(tensors) as sender:
+        offer = sender.offer(version=1)  # ... and never sends
+        ans = answer(offer, "r")
+        start = time.monotonic()
+        with pytest.raises(DeadlineExceeded, match="deadline of 2s passed while waiting for the sender"):
+            receive(offer, ans, {n: torch.empty_like(t) for n, t in tensors.items()}, timeout=2)
+        assert time.monotonic() - start < 5
+
+
+def test_destination_of_another_dtype_is_cast(zoo_file):
+    _, tensors = zoo_file
+    src = {"big": tensors["big"]}
+    with WeightSender(src, bucket_bytes=1 << 12) as sender:
+        offer = sender.offer(version=1)
+        ans = answer(offer, "r")
+        dest = {"big": torch.empty(257, 129, dtype=torch.bfloat16)}
+        t = threading.Thread(target=sender.send, args=(offer, [ans]))
+        t.start()
+        receive(offer, ans, dest, timeout=30)
+        t.join()
+    assert torch.equal(dest["big"], tensors["big"].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_transfer_check_cli(zoo_file, backend):
+    path, _ = zoo_file
+    out = subprocess.run([sys.executable, "-m", "rlsync.transfer.check", "--backend", backend, "--bucket-bytes",
+                          "333", "--checksums", str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["verified"] is True and report["backend"] == backend
+    assert set(report) >= {"backend", "bytes", "tensors", "seconds", "GB/s", "verified"}

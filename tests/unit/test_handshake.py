@@ -1,0 +1,68 @@
+"""Backend choice by topology, forced backends, and refusals that say what to fix."""
+
+import pytest
+
+from rlsync.errors import FailedPrecondition
+from rlsync.transfer.handshake import PROTOCOL_VERSION, choose_backend
+from rlsync.transfer.v1 import transfer_pb2 as pb
+
+ALL = [pb.BACKEND_CUDA_IPC, pb.BACKEND_NCCL, pb.BACKEND_SHM, pb.BACKEND_GLOO]
+
+
+def facts(host="h1", device="cpu", gpus=()):
+    return pb.Facts(host_id=host, device_type=device, gpu_uuids=list(gpus), hostname=host)
+
+
+def offer(sender, backends=ALL, protocol=PROTOCOL_VERSION):
+    return pb.Offer(protocol_version=protocol, facts=sender, backends=backends)
+
+
+@pytest.mark.parametrize("sender, receiver, want", [
+    (facts(device="cuda", gpus=["g0"]), facts(device="cuda", gpus=["g0"]), pb.BACKEND_CUDA_IPC),
+    (facts(device="cuda", gpus=["g0"]), facts(device="cuda", gpus=["g1"]), pb.BACKEND_NCCL),
+    (facts(device="cuda", gpus=["g0"]), facts("h2", device="cuda", gpus=["g0"]), pb.BACKEND_NCCL),
+    (facts(), facts(), pb.BACKEND_SHM),
+    (facts(device="cuda", gpus=["g0"]), facts(), pb.BACKEND_SHM),
+    (facts(), facts("h2"), pb.BACKEND_GLOO),
+    (facts(device="cuda", gpus=["g0"]), facts("h2"), pb.BACKEND_GLOO),
+])
+def test_topology_picks_the_fastest_channel(sender, receiver, want):
+    backend, reason = choose_backend(offer(sender), receiver)
+    assert backend == want and reason
+
+
+def test_falls_back_when_a_backend_is_missing_on_the_receiver():
+    cuda = facts(device="cuda", gpus=["g0"])
+    backend, _ = choose_backend(offer(cuda), cuda, available={pb.BACKEND_SHM, pb.BACKEND_GLOO})
+    assert backend == pb.BACKEND_SHM
+
+
+def test_forced_backend_is_honoured_when_it_can_work():
+    backend, reason = choose_backend(offer(facts()), facts(), force=pb.BACKEND_GLOO)
+    assert backend == pb.BACKEND_GLOO and "forced" in reason
+
+
+@pytest.mark.parametrize("sender, receiver, force, fragment", [
+    (facts(), facts("h2"), pb.BACKEND_SHM, "shm needs both processes on one host"),
+    (facts(device="cuda", gpus=["g0"]), facts(device="cuda", gpus=["g1"]), pb.BACKEND_CUDA_IPC,
+     "cuda_ipc needs the same GPU"),
+    (facts(), facts(), pb.BACKEND_NCCL, "nccl needs CUDA tensors on both sides"),
+])
+def test_forced_backend_that_cannot_work_says_why(sender, receiver, force, fragment):
+    with pytest.raises(FailedPrecondition, match=fragment):
+        choose_backend(offer(sender), receiver, force=force)
+
+
+def test_forced_backend_not_offered():
+    with pytest.raises(FailedPrecondition, match="sender offers only shm"):
+        choose_backend(offer(facts(), backends=[pb.BACKEND_SHM]), facts(), force=pb.BACKEND_GLOO)
+
+
+def test_protocol_mismatch_says_to_align_releases():
+    with pytest.raises(FailedPrecondition, match="protocol mismatch.*same rlsync release"):
+        choose_backend(offer(facts(), protocol=PROTOCOL_VERSION + 1), facts())
+
+
+def test_no_common_backend_lists_every_refusal():
+    with pytest.raises(FailedPrecondition, match="no transfer backend works.*shm: shm needs.*gloo: not offered"):
+        choose_backend(offer(facts(), backends=[pb.BACKEND_SHM]), facts("h2"))
