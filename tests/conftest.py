@@ -72,5 +72,18 @@ def module_services(logs_dir, tiny_model):
     s.stop_all()
 
 
+@pytest.fixture(scope="session")
+def zoo_file(tmp_path_factory) -> tuple[Path, dict]:
+    """A safetensors file of every dtype and awkward shape, and its tensors."""
+    from safetensors.torch import save_file
+
+    from transfer_helpers import zoo
+
+    tensors = zoo()
+    path = tmp_path_factory.mktemp("zoo") / "zoo.safetensors"
+    save_file(tensors, str(path))
+    return path, tensors
+
+
 def rollout_args(engine: str, *extra: str, **engine_extra) -> list[str]:
     return ["--engine", engine, "--engine-args", engine_args(engine, **engine_extra), *extra]

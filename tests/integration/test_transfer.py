@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -16,95 +15,20 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from transfer_helpers import Peer, scatter, shm_entries
 
 from rlsync.errors import DataLoss, DeadlineExceeded, PermissionDenied, Unavailable
 from rlsync.transfer import SharedArena, WeightSender, answer, receive
-from rlsync.transfer.checksum import as_bytes
 from rlsync.transfer.peer import decode, encode
 from rlsync.transfer.v1 import transfer_pb2 as pb
-
-TESTS = Path(__file__).resolve().parents[1]
-DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
-          torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
-
-
-class Peer:
-    """`python -m rlsync.transfer.peer ...` in its own process, talked to line by line."""
-
-    def __init__(self, *args: str, env: dict | None = None):
-        self.proc = subprocess.Popen([sys.executable, "-m", "rlsync.transfer.peer", *args], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONPATH": str(TESTS), **(env or {})})
-
-    def line(self, kind: str, timeout: float = 60) -> str:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
-            if ready:
-                raw = self.proc.stdout.readline()
-                if not raw:
-                    break
-                if raw.startswith(kind + " "):
-                    return raw[len(kind) + 1:].strip()
-        raise AssertionError(f"peer gave no {kind} line (exit code {self.proc.poll()})")
-
-    def send(self, text: str) -> None:
-        self.proc.stdin.write(text + "\n")
-        self.proc.stdin.flush()
-
-    def result(self, timeout: float = 60) -> dict:
-        return json.loads(self.line("RESULT", timeout))
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-
-
-def _shm_entries() -> set[str]:
-    # psm_*/sem.mp-* belong to Python multiprocessing (vLLM servers other tests may still run).
-    return {n for n in os.listdir("/dev/shm") if not n.startswith(("psm_", "sem.mp-"))}
 
 
 @pytest.fixture(autouse=True)
 def no_shm_leak():
-    before = _shm_entries()
+    before = shm_entries()
     yield
-    leaked = _shm_entries() - before
+    leaked = shm_entries() - before
     assert not leaked, f"shared memory left behind: {sorted(leaked)}"
-
-
-def zoo() -> dict[str, torch.Tensor]:
-    """Every dtype; odd, 0-dim, empty and large-ish shapes."""
-    g = torch.Generator().manual_seed(0)
-    out = {}
-    for dtype in DTYPES:
-        raw = torch.randint(0, 256, (5 * 7 * 3 * torch.empty(0, dtype=dtype).element_size(),), generator=g,
-                            dtype=torch.uint8)
-        t = raw.view(dtype).view(5, 7, 3)
-        name = str(dtype).removeprefix("torch.")
-        if dtype == torch.bool:
-            t = raw[:105] % 2 == 1
-            t = t.view(5, 7, 3)
-        out[f"layers.{name}.weight"] = t
-        out[f"layers.{name}.scalar"] = t[0, 0, 0].clone()
-        out[f"layers.{name}.empty"] = t[:0].clone()
-    out["big"] = torch.randn(257, 129, generator=g)
-    return out
-
-
-def scatter(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Same values, non-contiguous layouts (where a tensor has at least 2 dims)."""
-    return {n: t.t().contiguous().t() if t.dim() == 2 else
-            (t.transpose(0, 1).contiguous().transpose(0, 1) if t.dim() == 3 else t) for n, t in tensors.items()}
-
-
-@pytest.fixture(scope="module")
-def zoo_file(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
-    tensors = zoo()
-    path = tmp_path_factory.mktemp("zoo") / "zoo.safetensors"
-    save_file(tensors, str(path))
-    return path, tensors
 
 
 def _arena_copy(tensors, arena):
@@ -281,3 +205,19 @@ def test_transfer_check_cli(zoo_file, backend):
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["verified"] is True and report["backend"] == backend
     assert set(report) >= {"backend", "bytes", "tensors", "seconds", "GB/s", "verified"}
+
+
+def test_one_copy_hands_over_more_descriptors_than_one_message_can_carry(tmp_path):
+    tensors = {f"t{i}": torch.full((1024,), float(i)) for i in range(300)}
+    path = tmp_path / "many.safetensors"
+    save_file(tensors, str(path))
+    arena = SharedArena(chunk_bytes=4096)  # one region per tensor: 300 descriptors
+    source = _arena_copy(tensors, arena)
+    assert len(arena.buffers) == 300
+    with WeightSender(source, arena=arena, backends=["shm"]) as sender:
+        offer = sender.offer(version=1)
+        peer = Peer("receive", "--file", str(path))
+        peer.send(encode(offer))
+        sender.send(offer, [decode(pb.Answer, peer.line("ANSWER"))], timeout=60)
+        assert peer.result()["verified"] is True
+    arena.close()

@@ -38,10 +38,8 @@ def main(argv: list[str] | None = None) -> int:
 
     arena = SharedArena() if device == "cpu" and not args.staged else None
     tensors = load_tensors(args.file, device, arena)
-    if args.staged and gpu:  # scattered copies defeat one-copy detection: make them non-contiguous views
-        tensors = {n: t.unsqueeze(-1).expand(*t.shape, 2)[..., 0] if t.dim() else t for n, t in tensors.items()}
     with WeightSender(tensors, bucket_bytes=args.bucket_bytes, checksums=args.checksums, arena=arena,
-                      backends=[args.backend]) as sender:
+                      backends=[args.backend], one_copy=False if args.staged else None) as sender:
         offer = sender.offer(version=0)
         peer = subprocess.Popen([sys.executable, "-m", "rlsync.transfer.peer", "receive", "--file", args.file,
                                  "--device", receiver_device, "--backend", args.backend,

@@ -18,7 +18,7 @@ from rlsync.transfer.messages import Message
 _HEADER = struct.Struct("<I")
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)
-MAX_FDS = 64
+MAX_FDS = 250  # per sendmsg; the kernel allows 253 (SCM_MAX_FD)
 
 
 class Deadline:
@@ -46,11 +46,12 @@ class Conn:
         data = _ENCODER.encode(msg)
         frame = _HEADER.pack(len(data)) + data
         try:
-            if fds:
-                sent = socket.send_fds(self.sock, [frame[:1]], fds)
-                self.sock.sendall(frame[sent:])
-            else:
-                self.sock.sendall(frame)
+            batches = [fds[i:i + MAX_FDS] for i in range(0, len(fds or ()), MAX_FDS)]
+            if len(batches) > len(frame):
+                raise ValueError(f"too many descriptors ({len(fds)}) for one message")
+            for i, batch in enumerate(batches):  # one byte of the frame carries each batch
+                socket.send_fds(self.sock, [frame[i:i + 1]], batch)
+            self.sock.sendall(frame[len(batches):])
         except OSError as e:
             last_words = self._failure_report()
             if last_words is not None:
@@ -76,6 +77,8 @@ class Conn:
         while len(buf) < n:
             self.sock.settimeout(deadline.remaining(doing))
             try:
+                # A read never merges data that carried descriptors with data beyond it (Linux),
+                # so one batch of at most MAX_FDS arrives per call.
                 data, anc, _, _ = self.sock.recvmsg(n - len(buf), socket.CMSG_SPACE(MAX_FDS * 4))
             except TimeoutError:
                 continue  # the deadline check above raises when it is really over

@@ -43,16 +43,27 @@ class SharedBuffer:
 
 class SharedArena:
     """Allocates tensors in shared memory, so a same-host receiver can copy straight out of them
-    (shm one-copy). The trainer keeps its parameters here when it publishes over shm."""
+    (shm one-copy). The trainer keeps its parameters here when it publishes over shm.
 
-    def __init__(self):
+    Tensors are carved out of large chunks (few descriptors to hand over, few mappings)."""
+
+    ALIGN = 256
+
+    def __init__(self, chunk_bytes: int = 1 << 30):
+        self.chunk_bytes = chunk_bytes
         self.buffers: list[SharedBuffer] = []
+        self._used = 0  # bytes used in the last buffer
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         size = numel * torch.empty(0, dtype=dtype).element_size()
-        buf = SharedBuffer(size)
-        self.buffers.append(buf)
-        return buf.tensor.view(dtype) if size else torch.empty(0, dtype=dtype)
+        if size == 0:
+            return torch.empty(0, dtype=dtype)
+        start = -(-self._used // self.ALIGN) * self.ALIGN
+        if not self.buffers or start + size > self.buffers[-1].nbytes:
+            self.buffers.append(SharedBuffer(max(size, self.chunk_bytes)))
+            start = 0
+        self._used = start + size
+        return self.buffers[-1].tensor[start:start + size].view(dtype)
 
     def locate(self, t: torch.Tensor) -> tuple[int, int] | None:
         """(buffer index, byte offset) of a contiguous CPU tensor inside the arena, else None."""

@@ -51,27 +51,37 @@ def emit(kind: str, payload: str) -> None:
 
 
 def run_receive(args) -> int:
-    offer = decode(pb.Offer, sys.stdin.readline())
-    if args.rank == 0:
-        ans = make_answer(offer, args.receiver_id, device=args.device, ranks=args.ranks, force=args.backend,
-                          bucket_bytes=args.bucket_bytes)
-        emit("ANSWER", encode(ans))
-    else:
-        ans = decode(pb.Answer, sys.stdin.readline())
-    dest = {s.name: torch.empty(list(s.shape), dtype=_dtype(s.dtype), device=args.device)
-            for s in offer.manifest.tensors}
-    try:
-        report = receive(offer, ans, dest, rank=args.rank, timeout=args.timeout)
-    except Exception as e:  # noqa: BLE001 - reported to the driver as data
-        emit("RESULT", json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}))
-        return 1
-    verified = None
-    if args.file:
-        reference = load_file(args.file, device="cpu")
-        verified = all(torch.equal(as_bytes(dest[n].cpu()), as_bytes(t)) for n, t in reference.items())
-    emit("RESULT", json.dumps({"ok": True, "bytes": report.nbytes, "seconds": report.seconds,
-                               "verified": verified}))
-    return 0
+    """Receives one offer per stdin line (--loop: until stdin closes) into the same destination."""
+    dest = None
+    status = 0
+    for line in sys.stdin:
+        offer = decode(pb.Offer, line)
+        if args.rank == 0:
+            ans = make_answer(offer, args.receiver_id, device=args.device, ranks=args.ranks, force=args.backend,
+                              bucket_bytes=args.bucket_bytes)
+            emit("ANSWER", encode(ans))
+        else:
+            ans = decode(pb.Answer, sys.stdin.readline())
+        if dest is None:
+            dest = {s.name: torch.empty(list(s.shape), dtype=_dtype(s.dtype), device=args.device)
+                    for s in offer.manifest.tensors}
+        try:
+            report = receive(offer, ans, dest, rank=args.rank, timeout=args.timeout)
+        except Exception as e:  # noqa: BLE001 - reported to the driver as data
+            emit("RESULT", json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}))
+            status = 1
+            if not args.loop:
+                break
+            continue
+        verified = None
+        if args.file:
+            reference = load_file(args.file, device="cpu")
+            verified = all(torch.equal(as_bytes(dest[n].cpu()), as_bytes(t)) for n, t in reference.items())
+        emit("RESULT", json.dumps({"ok": True, "bytes": report.nbytes, "seconds": report.seconds,
+                                   "verified": verified}))
+        if not args.loop:
+            break
+    return status
 
 
 def run_send(args) -> int:
@@ -109,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, default=1)
     parser.add_argument("--version", type=int, default=1)
     parser.add_argument("--checksums", action="store_true")
+    parser.add_argument("--loop", action="store_true", help="receiver: one transfer per offer line until EOF")
     parser.add_argument("--staged", action="store_true", help="sender: no one-copy even when possible")
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--inject", default="", help="tests only: a module imported first (fault injection)")

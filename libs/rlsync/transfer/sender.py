@@ -45,14 +45,15 @@ class WeightSender:
         offer = sender.offer(version=step)          # give to each receiver (e.g. over gRPC)
         sender.send(offer, answers, timeout=120)     # answers: what each receiver replied
 
-    Every offer has a new transfer id and single-use token. One-copy is used when the tensors
-    already live in memory a receiver can map: any contiguous CUDA tensors, or CPU tensors
-    allocated from `arena`.
+    Every offer has a new transfer id and single-use token. One-copy is used (unless one_copy=False)
+    when the tensors already live in memory a receiver can map: any contiguous CUDA tensors, or
+    CPU tensors allocated from `arena`.
     """
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  host: str = "127.0.0.1", advertise: str | None = None, checksums: bool = False,
-                 arena: SharedArena | None = None, backends: list[str] | None = None):
+                 arena: SharedArena | None = None, backends: list[str] | None = None,
+                 one_copy: bool | None = None):
         plan_buckets([], bucket_bytes)  # refuses a bad bucket size now, not at send time
         self.tensors = dict(tensors)
         kinds = {t.device.type for t in self.tensors.values()}
@@ -63,6 +64,7 @@ class WeightSender:
         self.bucket_bytes = bucket_bytes
         self.checksums = checksums
         self.arena = arena
+        self.allow_one_copy = one_copy is not False  # None: whenever the memory allows it
         self.host = host
         self.listener = Listener(host, advertise)
         self.cache: dict = {}
@@ -74,6 +76,8 @@ class WeightSender:
         self.backends = [b for b in NAMES if b in offered]
 
     def _one_copy(self) -> bool:
+        if not self.allow_one_copy:
+            return False
         tensors = [t for t in self.tensors.values() if t.numel()]
         if self.device.type == "cuda":
             return all(t.is_contiguous() for t in tensors)

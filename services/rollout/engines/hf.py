@@ -179,9 +179,9 @@ class HFEngine(Engine):
     def _admit(self, request: GenerationRequest, sink: _Request) -> None:
         kv, logits = self.batch.prefill(list(request.prompt_token_ids))
         params = request.sampling
-        base_seed = params.seed if params.seed is not None else int(torch.randint(1 << 62, (1,), generator=self._rng))
+        seed = params.seed if params.seed is not None else int(torch.randint(1 << 62, (1,), generator=self._rng))
         seqs = [Sequence(request.request_id, i, list(request.prompt_token_ids), params,
-                         make_generator(self.device, hash((base_seed, i))), IncrementalText(self.tokenizer, params.stop),
+                         make_generator(self.device, hash((seed, i))), IncrementalText(self.tokenizer, params.stop),
                          sink) for i in range(params.n)]
         running = [s for s in seqs if not self._advance(s, logits)]
         if running:

@@ -1,0 +1,190 @@
+"""Weight-transfer benchmark: each channel's effective GB/s next to the physical limit measured in
+the same run, on a real model's bf16 state-dict shapes. Prints one JSON object.
+
+    python bench/transfer.py                       # CPU: shm one-copy, shm staged, gloo
+    python bench/transfer.py --device cuda         # GPU: cuda_ipc one-copy/staged, nccl (2+ GPUs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from models import preset_shapes  # noqa: E402
+
+from rlsync.transfer import SharedArena, WeightSender  # noqa: E402
+from rlsync.transfer.peer import decode, encode  # noqa: E402
+from rlsync.transfer.v1 import transfer_pb2 as pb  # noqa: E402
+
+GB = 1e9
+
+
+def make_tensors(shapes, device: str, arena: SharedArena | None) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, (name, shape) in enumerate(shapes.items()):
+        numel = 1
+        for d in shape:
+            numel *= d
+        t = arena.empty(numel, torch.bfloat16).view(shape) if arena else torch.empty(shape, dtype=torch.bfloat16,
+                                                                                      device=device)
+        t.fill_(float(i % 7) + 0.5)
+        out[name] = t
+    return out
+
+
+def _timed(fn, repeats: int) -> float:
+    """Median seconds of fn() after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def memcpy_limit(nbytes: int, threads: int) -> float:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    seconds = _timed(lambda: dst.copy_(src), 3)
+    torch.set_num_threads(previous)
+    return nbytes / seconds / GB
+
+
+def d2d_limit(nbytes: int, device: str) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+
+    def copy():
+        dst.copy_(src)
+        torch.cuda.synchronize(device)
+
+    return nbytes / _timed(copy, 5) / GB
+
+
+def nccl_limit(nbytes: int, world: int) -> float:
+    """Raw NCCL broadcast of `nbytes` from GPU 0 to GPUs 1..world-1, one process per GPU."""
+    script = Path(__file__).resolve().parent / "nccl_raw.py"
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000),
+           "WORLD_SIZE": str(world)}
+    procs = [subprocess.Popen([sys.executable, str(script), str(nbytes)], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, text=True) for r in range(world)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    return json.loads(outs[0].strip().splitlines()[-1])["GB/s"]
+
+
+class Receivers:
+    """Receiver processes that take one offer per line and report each transfer."""
+
+    def __init__(self, devices: list[str], backend: str):
+        self.procs = [subprocess.Popen([sys.executable, "-m", "rlsync.transfer.peer", "receive", "--loop",
+                                        "--device", d, "--backend", backend, "--receiver-id", f"r{i}",
+                                        "--timeout", "600"],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                      for i, d in enumerate(devices)]
+
+    def _line(self, proc, kind):
+        for raw in proc.stdout:
+            if raw.startswith(kind + " "):
+                return raw[len(kind) + 1:].strip()
+        raise RuntimeError(f"receiver exited ({proc.wait()}) without {kind}")
+
+    def answers(self, offer):
+        for p in self.procs:
+            p.stdin.write(encode(offer) + "\n")
+            p.stdin.flush()
+        return [decode(pb.Answer, self._line(p, "ANSWER")) for p in self.procs]
+
+    def results(self):
+        return [json.loads(self._line(p, "RESULT")) for p in self.procs]
+
+    def close(self):
+        for p in self.procs:
+            p.stdin.close()
+            p.wait(60)
+
+
+def run_channel(tensors, backend: str, one_copy: bool, receivers: list[str], bucket: int, repeats: int,
+                arena=None) -> dict:
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    group = Receivers(receivers, backend)
+    seconds = []
+    try:
+        with WeightSender(tensors, bucket_bytes=bucket, arena=arena, backends=[backend],
+                          one_copy=None if one_copy else False) as sender:
+            for i in range(repeats + 1):  # the first one warms up (group setup, page faults)
+                offer = sender.offer(version=i)
+                assert offer.one_copy == one_copy, "one-copy availability differs from what was asked"
+                report = sender.send(offer, group.answers(offer), timeout=600)
+                results = group.results()
+                if not all(r["ok"] for r in results):
+                    raise RuntimeError(f"{backend}: {results}")
+                if i:
+                    seconds.append(report.seconds)
+    finally:
+        group.close()
+    s = statistics.median(seconds)
+    return {"backend": backend, "mode": "one_copy" if one_copy else "staged", "receivers": len(receivers),
+            "bucket_bytes": bucket, "seconds": round(s, 4), "GB/s": round(nbytes / s / GB, 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--preset", default="qwen3-4b", help="qwen3-4b (8.8 GB bf16), qwen3-1.7b, small")
+    parser.add_argument("--bucket-mib", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", default="", help="comma-separated backends to run")
+    args = parser.parse_args()
+
+    shapes = preset_shapes(args.preset)
+    bucket = args.bucket_mib << 20
+    only = set(filter(None, args.only.split(",")))
+    out: dict = {"preset": args.preset, "device": args.device, "bucket_bytes": bucket, "limits": {}, "channels": []}
+    if args.device == "cpu":
+        arena = SharedArena()
+        tensors = make_tensors(shapes, "cpu", arena)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        out["limits"] = {"memcpy_1_thread": round(memcpy_limit(1 << 30, 1), 2),
+                         "memcpy_all_threads": round(memcpy_limit(1 << 30, os.cpu_count() or 1), 2)}
+        runs = [("shm", True, ["cpu"]), ("shm", False, ["cpu"]), ("gloo", False, ["cpu"])]
+        limit_of = {"shm": "memcpy_1_thread", "gloo": "memcpy_1_thread"}
+    else:
+        arena = None
+        tensors = make_tensors(shapes, "cuda:0", None)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        gpus = torch.cuda.device_count()
+        out["gpu"] = torch.cuda.get_device_name(0)
+        out["gpus"] = gpus
+        out["limits"] = {"d2d_copy": round(d2d_limit(4 << 30, "cuda:0"), 1)}
+        runs = [("cuda_ipc", True, ["cuda:0"]), ("cuda_ipc", False, ["cuda:0"])]
+        limit_of = {"cuda_ipc": "d2d_copy", "nccl": "nccl_broadcast"}
+        if gpus >= 2 and (not only or "nccl" in only):
+            out["limits"]["nccl_broadcast"] = round(nccl_limit(nbytes, gpus), 1)
+            runs.append(("nccl", False, [f"cuda:{i}" for i in range(1, gpus)]))
+    out["bytes"] = nbytes
+    out["tensors"] = len(tensors)
+    for backend, one_copy, receivers in runs:
+        if only and backend not in only:
+            continue
+        result = run_channel(tensors, backend, one_copy, receivers, bucket, args.repeats, arena)
+        limit = out["limits"][limit_of[backend]]
+        result.update(limit=limit_of[backend], ratio=round(result["GB/s"] / limit, 3))
+        out["channels"].append(result)
+        print(json.dumps(result), file=sys.stderr, flush=True)
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

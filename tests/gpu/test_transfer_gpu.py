@@ -1,0 +1,77 @@
+"""cuda_ipc and nccl between real processes (GPU machine only)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from transfer_helpers import Peer
+
+from rlsync.errors import Unavailable
+from rlsync.transfer import WeightSender, answer, receive
+from rlsync.transfer.checksum import checksum_tensor
+from rlsync.transfer.peer import decode, encode
+from rlsync.transfer.v1 import transfer_pb2 as pb
+
+pytestmark = pytest.mark.gpu
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+def _send_to_peer(tensors, path, backend, receiver_device, **sender_kw):
+    with WeightSender(tensors, backends=[backend], checksums=True, **sender_kw) as sender:
+        offer = sender.offer(version=5)
+        peer = Peer("receive", "--file", str(path), "--backend", backend, "--device", receiver_device)
+        peer.send(encode(offer))
+        ans = decode(pb.Answer, peer.line("ANSWER"))
+        report = sender.send(offer, [ans], timeout=120)
+        result = peer.result(120)
+        peer.kill()
+    return offer, report, result
+
+
+@pytest.mark.parametrize("one_copy, bucket", [(True, 1 << 20), (False, 7), (False, 1 << 20)])
+def test_cuda_ipc_every_dtype_bit_exact(zoo_file, one_copy, bucket):
+    path, tensors = zoo_file
+    gpu = {n: t.cuda() for n, t in tensors.items()}
+    offer, _, result = _send_to_peer(gpu, path, "cuda_ipc", "cuda:0", bucket_bytes=bucket,
+                                     one_copy=None if one_copy else False)
+    assert offer.one_copy == one_copy
+    assert result["ok"] and result["verified"], result
+
+
+@two_gpus
+@pytest.mark.parametrize("bucket", [7, 1 << 20])
+def test_nccl_every_dtype_bit_exact(zoo_file, bucket):
+    path, tensors = zoo_file
+    gpu = {n: t.cuda() for n, t in tensors.items()}
+    _, _, result = _send_to_peer(gpu, path, "nccl", "cuda:1", bucket_bytes=bucket)
+    assert result["ok"] and result["verified"], result
+
+
+def test_checksum_equal_on_cpu_and_gpu():
+    for t in (torch.randn(1001, 33).to(torch.bfloat16), torch.randint(0, 255, (77777,), dtype=torch.uint8)):
+        assert checksum_tensor(t) == checksum_tensor(t.cuda())
+
+
+@two_gpus
+def test_nccl_sender_killed_mid_transfer_fails_receiver(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "big.safetensors"
+    save_file({f"w{i}": torch.randn(2048, 2048) for i in range(32)}, str(path))  # 512 MiB
+    sender = Peer("send", "--file", str(path), "--backend", "nccl", "--device", "cuda:0",
+                  "--bucket-bytes", str(1 << 20))
+    offer = decode(pb.Offer, sender.line("OFFER"))
+    ans = answer(offer, "victim", device="cuda:1", force="nccl")
+    sender.send(encode(ans))
+    threading.Timer(2.0, lambda: os.kill(sender.proc.pid, signal.SIGKILL)).start()
+    dest = {f"w{i}": torch.empty(2048, 2048, device="cuda:1") for i in range(32)}
+    start = time.monotonic()
+    with pytest.raises(Unavailable):
+        receive(offer, ans, dest, timeout=120)
+    assert time.monotonic() - start < 60

@@ -1,0 +1,80 @@
+"""Helpers for transfer tests: a peer process driven line by line, and a zoo of tensors."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+TESTS = Path(__file__).resolve().parent  # on PYTHONPATH of peers: fault_injection lives here
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+          torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+
+
+class Peer:
+    """`python -m rlsync.transfer.peer ...` in its own process, talked to line by line."""
+
+    def __init__(self, *args: str, env: dict | None = None):
+        self.proc = subprocess.Popen([sys.executable, "-m", "rlsync.transfer.peer", *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONPATH": str(TESTS), **(env or {})})
+
+    def line(self, kind: str, timeout: float = 60) -> str:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
+            if ready:
+                raw = self.proc.stdout.readline()
+                if not raw:
+                    break
+                if raw.startswith(kind + " "):
+                    return raw[len(kind) + 1:].strip()
+        raise AssertionError(f"peer gave no {kind} line (exit code {self.proc.poll()})")
+
+    def send(self, text: str) -> None:
+        self.proc.stdin.write(text + "\n")
+        self.proc.stdin.flush()
+
+    def result(self, timeout: float = 60) -> dict:
+        return json.loads(self.line("RESULT", timeout))
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def shm_entries() -> set[str]:
+    # psm_*/sem.mp-* belong to Python multiprocessing (vLLM servers other tests may still run).
+    return {n for n in os.listdir("/dev/shm") if not n.startswith(("psm_", "sem.mp-"))}
+
+
+def zoo() -> dict[str, torch.Tensor]:
+    """Every dtype; odd, 0-dim, empty and large-ish shapes."""
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for dtype in DTYPES:
+        raw = torch.randint(0, 256, (5 * 7 * 3 * torch.empty(0, dtype=dtype).element_size(),), generator=g,
+                            dtype=torch.uint8)
+        t = raw.view(dtype).view(5, 7, 3)
+        name = str(dtype).removeprefix("torch.")
+        if dtype == torch.bool:
+            t = raw[:105] % 2 == 1
+            t = t.view(5, 7, 3)
+        out[f"layers.{name}.weight"] = t
+        out[f"layers.{name}.scalar"] = t[0, 0, 0].clone()
+        out[f"layers.{name}.empty"] = t[:0].clone()
+    out["big"] = torch.randn(257, 129, generator=g)
+    return out
+
+
+def scatter(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Same values, non-contiguous layouts (where a tensor has at least 2 dims)."""
+    return {n: t.t().contiguous().t() if t.dim() == 2 else
+            (t.transpose(0, 1).contiguous().transpose(0, 1) if t.dim() == 3 else t) for n, t in tensors.items()}
