@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv protos protos-check lint gpu-test bench clean
+.PHONY: demo test venv protos protos-check lint wheels gpu-setup gpu-test clean
 
 venv: $(STAMP)
 
@@ -29,6 +29,18 @@ demo: $(STAMP)
 
 test: $(STAMP) protos-check
 	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS) tests
+
+# The GPU machine has no network: `make wheels` here downloads what its image lacks (Python 3.12
+# wheels, into ./wheels, carried along), `make gpu-setup` there installs them and rlsync itself.
+GPU_WHEELS := msgspec protobuf==7.36.2 grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1
+
+wheels: $(STAMP)
+	$(BIN)/pip download -q -d wheels --only-binary=:all: --python-version 3.12 --implementation cp --no-deps \
+	    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 $(GPU_WHEELS)
+
+gpu-setup:
+	python3 -m pip install -q --no-index --find-links wheels $(GPU_WHEELS)
+	python3 -m pip install -q --no-deps --no-build-isolation -e .
 
 gpu-test:
 	python3 -m pytest -m gpu $(PYTEST_ARGS) tests

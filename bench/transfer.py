@@ -28,14 +28,31 @@ from rlsync.transfer.v1 import transfer_pb2 as pb  # noqa: E402
 GB = 1e9
 
 
-def make_tensors(shapes, device: str, arena: SharedArena | None) -> dict[str, torch.Tensor]:
-    out = {}
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def make_tensors(shapes, device: str, layout: str, arena: SharedArena | None = None) -> dict[str, torch.Tensor]:
+    """bf16 tensors of `shapes`: "flat" = views into one buffer (how rlsync's trainer keeps its
+    parameters), "scattered" = one allocation each (a plain state dict)."""
+    total = sum(_numel(s) for s in shapes.values())
+    if arena is not None:
+        flat = None
+    elif layout == "flat":
+        flat = torch.empty(total, dtype=torch.bfloat16, device=device)
+    out, offset = {}, 0
     for i, (name, shape) in enumerate(shapes.items()):
-        numel = 1
-        for d in shape:
-            numel *= d
-        t = arena.empty(numel, torch.bfloat16).view(shape) if arena else torch.empty(shape, dtype=torch.bfloat16,
-                                                                                      device=device)
+        n = _numel(shape)
+        if arena is not None:
+            t = arena.empty(n, torch.bfloat16).view(shape)
+        elif flat is not None:
+            t = flat[offset:offset + n].view(shape)
+        else:
+            t = torch.empty(shape, dtype=torch.bfloat16, device=device)
+        offset += n
         t.fill_(float(i % 7) + 0.5)
         out[name] = t
     return out
@@ -152,35 +169,36 @@ def main() -> None:
     bucket = args.bucket_mib << 20
     only = set(filter(None, args.only.split(",")))
     out: dict = {"preset": args.preset, "device": args.device, "bucket_bytes": bucket, "limits": {}, "channels": []}
+    nbytes = sum(_numel(s) * 2 for s in shapes.values())
     if args.device == "cpu":
         arena = SharedArena()
-        tensors = make_tensors(shapes, "cpu", arena)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        layouts = {"arena": make_tensors(shapes, "cpu", "flat", arena)}
         out["limits"] = {"memcpy_1_thread": round(memcpy_limit(1 << 30, 1), 2),
                          "memcpy_all_threads": round(memcpy_limit(1 << 30, os.cpu_count() or 1), 2)}
-        runs = [("shm", True, ["cpu"]), ("shm", False, ["cpu"]), ("gloo", False, ["cpu"])]
+        runs = [("shm", True, "arena", ["cpu"]), ("shm", False, "arena", ["cpu"]), ("gloo", False, "arena", ["cpu"])]
         limit_of = {"shm": "memcpy_1_thread", "gloo": "memcpy_1_thread"}
     else:
         arena = None
-        tensors = make_tensors(shapes, "cuda:0", None)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        layouts = {layout: make_tensors(shapes, "cuda:0", layout) for layout in ("flat", "scattered")}
         gpus = torch.cuda.device_count()
         out["gpu"] = torch.cuda.get_device_name(0)
         out["gpus"] = gpus
         out["limits"] = {"d2d_copy": round(d2d_limit(4 << 30, "cuda:0"), 1)}
-        runs = [("cuda_ipc", True, ["cuda:0"]), ("cuda_ipc", False, ["cuda:0"])]
+        runs = [("cuda_ipc", True, "flat", ["cuda:0"]), ("cuda_ipc", True, "scattered", ["cuda:0"]),
+                ("cuda_ipc", False, "scattered", ["cuda:0"])]
         limit_of = {"cuda_ipc": "d2d_copy", "nccl": "nccl_broadcast"}
         if gpus >= 2 and (not only or "nccl" in only):
             out["limits"]["nccl_broadcast"] = round(nccl_limit(nbytes, gpus), 1)
-            runs.append(("nccl", False, [f"cuda:{i}" for i in range(1, gpus)]))
+            receivers = [f"cuda:{i}" for i in range(1, gpus)]
+            runs += [("nccl", False, "flat", receivers), ("nccl", False, "scattered", receivers)]
     out["bytes"] = nbytes
-    out["tensors"] = len(tensors)
-    for backend, one_copy, receivers in runs:
+    out["tensors"] = len(shapes)
+    for backend, one_copy, layout, receivers in runs:
         if only and backend not in only:
             continue
-        result = run_channel(tensors, backend, one_copy, receivers, bucket, args.repeats, arena)
+        result = run_channel(layouts[layout], backend, one_copy, receivers, bucket, args.repeats, arena)
         limit = out["limits"][limit_of[backend]]
-        result.update(limit=limit_of[backend], ratio=round(result["GB/s"] / limit, 3))
+        result.update(layout=layout, limit=limit_of[backend], ratio=round(result["GB/s"] / limit, 3))
         out["channels"].append(result)
         print(json.dumps(result), file=sys.stderr, flush=True)
     print(json.dumps(out, indent=1))

@@ -1,17 +1,38 @@
-"""Imported by a peer process (`--inject fault_injection`) to corrupt what it sends: the sender
-announces a wrong checksum for its second bucket, as if the bytes had been damaged in flight."""
+"""Imported by a peer process (`--inject fault_injection`) to inject the fault RLSYNC_FAULT names:
 
+- `bad_checksum`: the sender announces a wrong checksum for its second bucket, as if the bytes
+  had been damaged in flight;
+- `die_after:N`: the process dies (SIGKILL-like, no cleanup) once N tensors have arrived.
+"""
+
+import os
+
+from rlsync.transfer import writer
 from rlsync.transfer.backends import collective, slots
 
-_calls = {"n": 0}
-_real = slots.checksum_bytes
+fault = os.environ.get("RLSYNC_FAULT", "")
 
+if fault == "bad_checksum":
+    _calls = {"n": 0}
+    _real = slots.checksum_bytes
 
-def _lying_checksum(data):
-    _calls["n"] += 1
-    value = _real(data)
-    return value[:-1] + ("0" if value[-1] != "0" else "1") if _calls["n"] == 2 else value
+    def _lying_checksum(data):
+        _calls["n"] += 1
+        value = _real(data)
+        return value[:-1] + ("0" if value[-1] != "0" else "1") if _calls["n"] == 2 else value
 
+    slots.checksum_bytes = _lying_checksum
+    collective.checksum_bytes = _lying_checksum
 
-slots.checksum_bytes = _lying_checksum
-collective.checksum_bytes = _lying_checksum
+elif fault.startswith("die_after:"):
+    _limit = int(fault.split(":")[1])
+    _done = {"n": 0}
+    _real_complete = writer.DestWriter._complete
+
+    def _complete_then_maybe_die(self, index):
+        _real_complete(self, index)
+        _done["n"] += 1
+        if _done["n"] >= _limit:
+            os._exit(9)
+
+    writer.DestWriter._complete = _complete_then_maybe_die

@@ -146,10 +146,10 @@ def test_receiver_killed_mid_transfer_fails_the_sender_fast(big_file, backend):
     tensors = load_file(str(big_file))
     with WeightSender(tensors, bucket_bytes=64 << 10, backends=[backend]) as sender:
         offer = sender.offer(version=1)
-        peer = Peer("receive", "--backend", backend)
+        peer = Peer("receive", "--backend", backend, "--inject", "fault_injection",
+                    env={"RLSYNC_FAULT": "die_after:3"})
         peer.send(encode(offer))
         ans = decode(pb.Answer, peer.line("ANSWER"))
-        threading.Timer(1.0, peer.kill).start()
         start = time.monotonic()
         with pytest.raises(Unavailable):
             sender.send(offer, [ans], timeout=60)
@@ -160,7 +160,7 @@ def test_receiver_killed_mid_transfer_fails_the_sender_fast(big_file, backend):
 def test_corrupted_bucket_is_detected_before_the_data_is_used(zoo_file, backend):
     path, tensors = zoo_file
     sender = Peer("send", "--file", str(path), "--backend", backend, "--bucket-bytes", "512", "--staged",
-                  "--checksums", "--inject", "fault_injection")
+                  "--checksums", "--inject", "fault_injection", env={"RLSYNC_FAULT": "bad_checksum"})
     offer = decode(pb.Offer, sender.line("OFFER"))
     ans = answer(offer, "r", force=backend)
     sender.send(encode(ans))
@@ -221,3 +221,19 @@ def test_one_copy_hands_over_more_descriptors_than_one_message_can_carry(tmp_pat
         sender.send(offer, [decode(pb.Answer, peer.line("ANSWER"))], timeout=60)
         assert peer.result()["verified"] is True
     arena.close()
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_repeated_transfers_reuse_the_channel_and_stay_exact(zoo_file, backend):
+    path, tensors = zoo_file
+    peer = Peer("receive", "--file", str(path), "--backend", backend, "--loop")
+    with WeightSender(tensors, bucket_bytes=999, checksums=True, backends=[backend]) as sender:
+        for version in (1, 2, 3):
+            offer = sender.offer(version=version)
+            peer.send(encode(offer))
+            sender.send(offer, [decode(pb.Answer, peer.line("ANSWER"))], timeout=60)
+            assert peer.result()["verified"] is True
+        groups = [k for k in sender.cache if k[0] == "group"]
+        assert len(groups) == (1 if backend == "gloo" else 0), "one broadcast group, built once, reused"
+    peer.proc.stdin.close()
+    assert peer.proc.wait(30) == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections import OrderedDict
 
 import torch
 
@@ -98,3 +99,32 @@ def import_cuda(h: pb.CudaIpcHandle, device: torch.device) -> torch.Tensor:
         h.storage_size_bytes, h.storage_offset_bytes, h.ref_counter_handle, h.ref_counter_offset,
         h.event_handle or None, h.event_sync_required)
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+_OPENED: OrderedDict[tuple[bytes, int], torch.Tensor] = OrderedDict()
+_OPENED_MAX = 256
+
+
+def open_cuda(raw: bytes, device: torch.device) -> torch.Tensor:
+    """import_cuda of a serialized handle, remembered: mapping is costly and a sender shares the
+    same storages (flat parameters, slots) transfer after transfer."""
+    key = (raw, device.index if device.index is not None else -1)
+    if key in _OPENED:
+        _OPENED.move_to_end(key)
+        return _OPENED[key]
+    h = pb.CudaIpcHandle()
+    h.ParseFromString(raw)
+    _OPENED[key] = import_cuda(h, device)
+    while len(_OPENED) > _OPENED_MAX:
+        _OPENED.popitem(last=False)
+    return _OPENED[key]
+
+
+def share_cuda(t: torch.Tensor, cache: dict) -> bytes:
+    """The serialized handle of t's storage, exported once per storage (the cache keeps the
+    storage alive, so its address cannot be reused by another allocation meanwhile)."""
+    storage = t.untyped_storage()
+    key = ("ipc", storage.data_ptr(), storage.nbytes())
+    if key not in cache:
+        cache[key] = (storage, export_cuda(t).SerializeToString())
+    return cache[key][1]

@@ -17,6 +17,7 @@ class Hello(msgspec.Struct, tag="hello"):
     rank: int  # local rank within the receiver (e.g. tensor-parallel worker)
     ranks: int
     backend: int
+    groups: list[str] = []  # broadcast groups this process still holds (they can be reused)
 
 
 class Reject(msgspec.Struct, tag="reject"):
@@ -39,6 +40,8 @@ class Welcome(msgspec.Struct, tag="welcome"):
     regions: list[int] = []  # shm one-copy: byte size of each region (sent as file descriptors)
     locations: list[tuple[int, int]] = []  # one-copy: (region, byte offset) of each tensor
     verify: bool = False  # collectives: per-bucket checksums follow in Done
+    group: str = ""  # collectives: the group's id ...
+    reuse: bool = False  # ... and whether the receiver's held group of that id is used again
 
 
 class Ready(msgspec.Struct, tag="ready"):

@@ -63,8 +63,7 @@ def run_receive(args) -> int:
         else:
             ans = decode(pb.Answer, sys.stdin.readline())
         if dest is None:
-            dest = {s.name: torch.empty(list(s.shape), dtype=_dtype(s.dtype), device=args.device)
-                    for s in offer.manifest.tensors}
+            dest = flat_destination(offer.manifest, args.device)
         try:
             report = receive(offer, ans, dest, rank=args.rank, timeout=args.timeout)
         except Exception as e:  # noqa: BLE001 - reported to the driver as data
@@ -101,10 +100,22 @@ def run_send(args) -> int:
     return 0
 
 
-def _dtype(name: str) -> torch.dtype:
-    from rlsync.transfer.dtypes import dtype_of
+def flat_destination(manifest: pb.Manifest, device: str) -> dict[str, torch.Tensor]:
+    """Empty tensors for a manifest, packed into one buffer per dtype (as an engine keeps weights)."""
+    from rlsync.transfer.manifest import from_proto
 
-    return dtype_of(name)
+    specs = from_proto(manifest)
+    sizes: dict[torch.dtype, int] = {}
+    for s in specs:
+        sizes[s.dtype] = sizes.get(s.dtype, 0) + s.nbytes // max(1, torch.empty(0, dtype=s.dtype).element_size())
+    flats = {d: torch.empty(n, dtype=d, device=device) for d, n in sizes.items()}
+    used = dict.fromkeys(sizes, 0)
+    dest = {}
+    for s in specs:
+        n = s.nbytes // torch.empty(0, dtype=s.dtype).element_size()
+        dest[s.name] = flats[s.dtype][used[s.dtype]:used[s.dtype] + n].view(s.shape)
+        used[s.dtype] += n
+    return dest
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@ import torch
 
 from rlsync.errors import Aborted
 from rlsync.transfer.backends import available, channel
+from rlsync.transfer.backends.collective import held_groups
 from rlsync.transfer.backends.base import ReceiveJob
 from rlsync.transfer.control import Deadline, connect
 from rlsync.transfer.handshake import NAMES, PROTOCOL_VERSION, backend_of, local_facts, make_answer
@@ -47,7 +48,7 @@ def receive(offer: pb.Offer, answer: pb.Answer, dest: Destination, *, rank: int 
     conn = connect(offer.local_control if chan.local else offer.control_address, deadline, chan.local)
     try:
         conn.send(Hello(PROTOCOL_VERSION, offer.transfer_id, offer.token, answer.receiver_id, rank, answer.ranks,
-                        answer.backend))
+                        answer.backend, held_groups() if not chan.local else []))
         msg, fds = conn.recv(deadline, "waiting for the sender to start the transfer")
         if isinstance(msg, Reject):
             raise error_from(msg.code, f"sender refused this receiver: {msg.reason}")

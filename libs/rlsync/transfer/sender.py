@@ -148,12 +148,14 @@ class WeightSender:
     @staticmethod
     def _refuse(offer: pb.Offer, hello: Hello, expected: dict, conns: dict) -> Reject | None:
         if hello.protocol != PROTOCOL_VERSION:
-            return Reject(f"protocol mismatch: sender {PROTOCOL_VERSION}, receiver {hello.protocol}", "FailedPrecondition")
+            return Reject(f"protocol mismatch: sender {PROTOCOL_VERSION}, receiver {hello.protocol}",
+                          "FailedPrecondition")
         if hello.transfer_id != offer.transfer_id:
             return Reject(f"this sender is running transfer {offer.transfer_id}, not {hello.transfer_id}: "
                           "the offer you hold is stale; ask for a new one", "FailedPrecondition")
         if not secrets.compare_digest(hello.token, offer.token):
-            return Reject("wrong transfer token: use the token of the Offer for this transfer", PermissionDenied.__name__)
+            return Reject("wrong transfer token: use the token of the Offer for this transfer",
+                          PermissionDenied.__name__)
         key = (hello.receiver_id, hello.rank)
         if key not in expected:
             return Reject(f"receiver {hello.receiver_id!r} rank {hello.rank} is not among the answers of this "

@@ -13,6 +13,7 @@ import torch
 from rlsync.errors import DataLoss, InvalidArgument
 from rlsync.transfer.checksum import checksum_bytes
 from rlsync.transfer.manifest import Spec
+from rlsync.transfer.spans import coalesce
 
 Destination = Mapping[str, torch.Tensor] | Callable[[str, torch.Tensor], None]
 
@@ -48,9 +49,33 @@ class DestWriter:
     def write(self, index: int, offset: int, data: torch.Tensor) -> None:
         n = data.numel()
         self.targets[index][offset:offset + n].copy_(data, non_blocking=True)
-        self.received[index] += n
+        self.mark(index, n)
+
+    def direct_view(self, index: int, offset: int, nbytes: int) -> torch.Tensor | None:
+        """Where bytes [offset, offset+nbytes) of tensor `index` land, if they land in place."""
+        return self.targets[index][offset:offset + nbytes] if self.direct[index] else None
+
+    def mark(self, index: int, nbytes: int) -> None:
+        """Records bytes that arrived (written through write(), or straight into direct_view())."""
+        self.received[index] += nbytes
         if self.received[index] == self.specs[index].nbytes:
             self._complete(index)
+
+    def write_all(self, sources: list[torch.Tensor | None]) -> None:
+        """Writes whole tensors (None: skip); runs that are contiguous on both sides become one copy."""
+        pairs, marks = [], []
+        for i, src in enumerate(sources):
+            if src is None or not src.numel():
+                continue
+            if self.direct[i]:
+                pairs.append((src, self.targets[i]))
+                marks.append(i)
+            else:
+                self.write(i, 0, src)
+        for src, dst in coalesce(pairs):
+            dst.copy_(src, non_blocking=True)
+        for i in marks:
+            self.mark(i, self.specs[i].nbytes)
 
     def _typed(self, index: int) -> torch.Tensor:
         spec = self.specs[index]

@@ -1,85 +1,131 @@
 """Broadcast channels: `gloo` (CPU, any host) and `nccl` (GPUs, any host), one sender to N ranks.
 
-Each transfer builds a process group of its own from a TCPStore the sender hosts, so a default
-group the user's process may have is never touched. Buckets are double-buffered: while bucket i
-is broadcast, bucket i+1 is packed (sender) or bucket i-1 copied out (receivers). Checksums,
-when asked for, are compared after the last bucket and before the receiver reports success.
+Process groups are built from a TCPStore the sender hosts, never touching a default group the
+user's process may have. A group outlives one transfer: when the same receiver ranks come back
+(they say which groups they still hold), it is reused, so NCCL's communicator setup is paid once.
+
+Buckets go two at a time. A bucket whose bytes are contiguous in the sender's memory (flat
+storage) is broadcast straight from there; one whose destination is contiguous lands straight in
+place; anything else goes through one of two staging slots.
 """
 
 from __future__ import annotations
 
 import abc
 import datetime
+import os
+import select
 import threading
+import uuid
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from rlsync.errors import DataLoss, DeadlineExceeded, Unavailable
-from rlsync.transfer.backends.base import (ReceiveJob, SendJob, collect_results, expect, report_failure,
-                                           sync)
+from rlsync.transfer.backends.base import ReceiveJob, SendJob, collect_results, expect, report_failure, sync
 from rlsync.transfer.checksum import checksum_bytes
 from rlsync.transfer.control import Deadline
 from rlsync.transfer.messages import Done, Result, Welcome
+from rlsync.transfer.spans import span
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
-SLOTS = 2
+SLOTS = 2  # buckets in flight
+
+
+@dataclass
+class _Session:
+    gid: str
+    store: dist.Store
+    group: object
+    slots: list[torch.Tensor] | None = None
+
+
+# Receiver side: sessions this process holds, by group id (a receiver may serve several senders).
+_HELD: OrderedDict[str, _Session] = OrderedDict()
+_HELD_MAX = 4
+
+
+def held_groups() -> list[str]:
+    return list(_HELD)
+
+
+def _drop(session: _Session | None) -> None:
+    if session is not None:
+        try:
+            session.group.shutdown()
+        except Exception:  # noqa: BLE001 - already broken; nothing more to release
+            pass
 
 
 class _Broadcast(abc.ABC):
     local = False
     backend: int
-    slot_device: str  # where slots live: "cpu" (gloo) or "cuda" (nccl)
+    slot_device: str  # where staging slots live: "cpu" (gloo) or "cuda" (nccl)
 
     @abc.abstractmethod
-    def _group(self, store: dist.Store, rank: int, world: int, deadline: Deadline, transfer_id: str):
-        """A process group of this backend over `store`, private to one transfer."""
+    def _group(self, store: dist.Store, rank: int, world: int, deadline: Deadline, gid: str):
+        """A process group of this backend over `store`, private to rlsync."""
 
-    def _slots(self, device: torch.device, nbytes: int, cache: dict | None) -> list[torch.Tensor]:
+    def _slots(self, session: _Session, device: torch.device, nbytes: int) -> list[torch.Tensor]:
         device = device if self.slot_device == "cuda" else torch.device("cpu")
-        key = (self.slot_device, device, nbytes)
-        if cache is not None and key in cache:
-            return cache[key]
-        slots = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(SLOTS)]
-        if cache is not None:
-            cache[key] = slots
-        return slots
+        if session.slots is None or session.slots[0].numel() < nbytes or session.slots[0].device != device:
+            session.slots = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(SLOTS)]
+        return [s[:nbytes] for s in session.slots]
 
     # -- sender ---------------------------------------------------------------------------------
-    def send(self, job: SendJob) -> None:
+    def _session(self, job: SendJob) -> tuple[_Session, bool]:
+        members = tuple(sorted((h.receiver_id, h.rank) for _, h in job.conns))
+        key = ("group", self.backend, members)
+        session = job.cache.get(key)
+        if session is not None and all(session.gid in h.groups for _, h in job.conns):
+            return session, True
+        _drop(job.cache.pop(key, None))
         timeout = datetime.timedelta(seconds=job.deadline.remaining("creating the process group"))
         store = dist.TCPStore(job.store_host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
-        world = 1 + len(job.conns)
-        for rank, (conn, _) in enumerate(job.conns, start=1):
+        session = _Session(uuid.uuid4().hex, store, None)
+        job.cache[key] = session
+        return session, False
+
+    def send(self, job: SendJob) -> None:
+        session, reuse = self._session(job)
+        members = sorted(job.conns, key=lambda c: (c[1].receiver_id, c[1].rank))
+        world = 1 + len(members)
+        for rank, (conn, _) in enumerate(members, start=1):
             conn.send(Welcome(backend=self.backend, bucket_bytes=job.bucket_bytes, rank=rank, world=world,
-                              store=f"{job.store_host}:{store.port}", verify=job.verify))
-        group = self._group(store, 0, world, job.deadline, job.transfer_id)
-        watchdog = _Watchdog(group, job.deadline, [c for c, _ in job.conns])
+                              store=f"{job.store_host}:{session.store.port}", verify=job.verify, group=session.gid,
+                              reuse=reuse))
+        if not reuse:
+            session.group = self._group(session.store, 0, world, job.deadline, session.gid)
+        watchdog = _Watchdog(session.group, job.deadline, [c for c, _ in job.conns])
+        checksums = []
         try:
-            slot_bytes = max((b.nbytes for b in job.plan), default=1)
-            slots = self._slots(job.device, slot_bytes, job.cache)
-            works: list = [None] * SLOTS
-            checksums = []
+            slots = self._slots(session, job.device, max((b.nbytes for b in job.plan), default=1))
+            inflight: deque = deque()
             for bucket in job.plan:
-                slot = bucket.index % SLOTS
-                if works[slot] is not None:
-                    works[slot].wait()
-                view = slots[slot][:bucket.nbytes]
-                for s in bucket.slices:
-                    view[s.dst:s.dst + s.length].copy_(job.sources[s.tensor][s.src:s.src + s.length],
-                                                       non_blocking=True)
+                if len(inflight) == SLOTS:
+                    inflight.popleft().wait()
+                view = span([job.sources[s.tensor][s.src:s.src + s.length] for s in bucket.slices])
+                if view is None or view.device.type != self.slot_device:
+                    view = slots[bucket.index % SLOTS][:bucket.nbytes]
+                    for s in bucket.slices:
+                        view[s.dst:s.dst + s.length].copy_(job.sources[s.tensor][s.src:s.src + s.length],
+                                                           non_blocking=True)
                 if job.verify:
                     checksums.append(checksum_bytes(view))
-                works[slot] = group.broadcast(view, 0)
-            for work in works:
-                if work is not None:
-                    work.wait()
+                inflight.append(session.group.broadcast(view, 0))
+            while inflight:
+                inflight.popleft().wait()
             sync(slots[0].device)
-        except RuntimeError as e:  # the group failed: say which peer problem caused it
-            raise watchdog.error(e) from e
+        except BaseException as e:
+            job.cache.pop(next((k for k, v in job.cache.items() if v is session), None), None)
+            _drop(session)
+            if isinstance(e, RuntimeError):  # the group failed: say which peer problem caused it
+                raise watchdog.error(e) from e
+            raise
         finally:
             watchdog.stop()
-            _shutdown(group)
         for conn, _ in job.conns:
             conn.send(Done(checksums=checksums))
         collect_results(job)
@@ -89,45 +135,63 @@ class _Broadcast(abc.ABC):
         try:
             nbytes = self._receive(job)
         except Exception as exc:
+            _drop(_HELD.pop(job.welcome.group, None))
             report_failure(job.conn, exc)
             raise
         job.conn.send(Result(ok=True, nbytes=nbytes))
 
-    def _receive(self, job: ReceiveJob) -> int:
+    def _join(self, job: ReceiveJob) -> _Session:
         w = job.welcome
+        if w.reuse:
+            _HELD.move_to_end(w.group)
+            return _HELD[w.group]
         host, _, port = w.store.rpartition(":")
         timeout = datetime.timedelta(seconds=job.deadline.remaining("joining the process group"))
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
-        group = self._group(store, w.rank, w.world, job.deadline, job.transfer_id)
-        watchdog = _Watchdog(group, job.deadline, [job.conn])
+        session = _Session(w.group, store, self._group(store, w.rank, w.world, job.deadline, w.group))
+        _HELD[w.group] = session
+        while len(_HELD) > _HELD_MAX:
+            _drop(_HELD.popitem(last=False)[1])
+        return session
+
+    def _receive(self, job: ReceiveJob) -> int:
+        session = self._join(job)
+        watchdog = _Watchdog(session.group, job.deadline, [job.conn])
         checksums = []
         try:
-            slot_bytes = max((b.nbytes for b in job.plan), default=1)
-            slots = self._slots(job.device, slot_bytes, None)
-            works: dict[int, object] = {}
+            slots = self._slots(session, job.device, max((b.nbytes for b in job.plan), default=1))
+            inflight: deque = deque()  # (bucket, work, view, in place?)
 
-            def post(i: int) -> None:
-                if i < len(job.plan):
-                    works[i] = group.broadcast(slots[i % SLOTS][:job.plan[i].nbytes], 0)
+            def post(bucket) -> None:
+                parts = [job.writer.direct_view(s.tensor, s.src, s.length) for s in bucket.slices]
+                view = span(parts) if all(p is not None for p in parts) else None
+                in_place = view is not None and view.device.type == self.slot_device
+                if not in_place:
+                    view = slots[bucket.index % SLOTS][:bucket.nbytes]
+                inflight.append((bucket, session.group.broadcast(view, 0), view, in_place))
 
-            for i in range(min(SLOTS, len(job.plan))):
-                post(i)
-            for bucket in job.plan:
-                works.pop(bucket.index).wait()
-                view = slots[bucket.index % SLOTS][:bucket.nbytes]
-                if w.verify:
+            pending = deque(job.plan)
+            while pending and len(inflight) < SLOTS:
+                post(pending.popleft())
+            while inflight:
+                bucket, work, view, in_place = inflight.popleft()
+                work.wait()
+                if job.welcome.verify:
                     checksums.append(checksum_bytes(view))
                 for s in bucket.slices:
-                    job.writer.write(s.tensor, s.src, view[s.dst:s.dst + s.length])
-                if view.device.type == "cpu":
+                    if in_place:
+                        job.writer.mark(s.tensor, s.length)
+                    else:
+                        job.writer.write(s.tensor, s.src, view[s.dst:s.dst + s.length])
+                if not in_place and view.device.type == "cpu":
                     sync(job.device)  # the slot is reused by the next broadcast
-                post(bucket.index + SLOTS)
+                if pending:
+                    post(pending.popleft())
             sync(job.device)
         except RuntimeError as e:
             raise watchdog.error(e) from e
         finally:
             watchdog.stop()
-            _shutdown(group)
         done, _ = expect(job.conn, Done, job.deadline, "waiting for the end of the transfer")
         for i, (sent, got) in enumerate(zip(done.checksums, checksums)):
             if sent != got:
@@ -139,19 +203,22 @@ class GlooChannel(_Broadcast):
     backend = pb.BACKEND_GLOO
     slot_device = "cpu"
 
-    def _group(self, store, rank, world, deadline, transfer_id):
+    def _group(self, store, rank, world, deadline, gid):
         timeout = datetime.timedelta(seconds=deadline.remaining("creating the gloo group"))
-        return dist.ProcessGroupGloo(dist.PrefixStore(transfer_id, store), rank, world, timeout)
+        return dist.ProcessGroupGloo(dist.PrefixStore(gid, store), rank, world, timeout)
 
 
 class NcclChannel(_Broadcast):
     backend = pb.BACKEND_NCCL
     slot_device = "cuda"
 
-    def _group(self, store, rank, world, deadline, transfer_id):
+    def _group(self, store, rank, world, deadline, gid):
+        # A dead peer must fail the transfer (our watchdog aborts the group), not make NCCL's own
+        # error handling tear the whole engine process down. A user's explicit setting wins.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = datetime.timedelta(seconds=deadline.remaining("creating the NCCL group"))
-        return dist.ProcessGroupNCCL(dist.PrefixStore(transfer_id, store), rank, world, options)
+        return dist.ProcessGroupNCCL(dist.PrefixStore(gid, store), rank, world, options)
 
 
 class _Watchdog:
@@ -166,8 +233,6 @@ class _Watchdog:
         self._thread.start()
 
     def _run(self) -> None:
-        import select
-
         socks = [c.sock for c in self._conns]
         while not self._stop.is_set():
             try:
@@ -202,10 +267,3 @@ class _Watchdog:
         if self.reason and "deadline" in self.reason:
             return DeadlineExceeded(self.reason)
         return Unavailable(f"{self.reason or 'a peer failed during the broadcast'} ({exc})")
-
-
-def _shutdown(group) -> None:
-    try:
-        group.shutdown()
-    except Exception:  # noqa: BLE001
-        pass

@@ -16,7 +16,7 @@ from rlsync.errors import DataLoss, FailedPrecondition
 from rlsync.transfer.backends.base import (ReceiveJob, SendJob, collect_results, expect, report_failure,
                                            sync)
 from rlsync.transfer.checksum import checksum_bytes
-from rlsync.transfer.memory import SharedBuffer, export_cuda, import_cuda
+from rlsync.transfer.memory import SharedBuffer, open_cuda, share_cuda
 from rlsync.transfer.messages import Done, Freed, Ready, Result, Welcome
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
@@ -120,9 +120,8 @@ class _Mapped(abc.ABC):
         regions = self.open_regions(job)
         if len(job.welcome.locations) != len(job.specs):
             raise DataLoss(f"sender described {len(job.welcome.locations)} tensors, manifest has {len(job.specs)}")
-        for i, (spec, (region, offset)) in enumerate(zip(job.specs, job.welcome.locations)):
-            if spec.nbytes:
-                job.writer.write(i, 0, regions[region][offset:offset + spec.nbytes])
+        job.writer.write_all([regions[region][offset:offset + spec.nbytes] if spec.nbytes else None
+                              for spec, (region, offset) in zip(job.specs, job.welcome.locations)])
 
 
 class ShmChannel(_Mapped):
@@ -162,10 +161,10 @@ class CudaIpcChannel(_Mapped):
         if key not in job.cache:
             job.cache[key] = [torch.empty(nbytes, dtype=torch.uint8, device=job.device) for _ in range(SLOTS)]
         slots = job.cache[key]
-        return slots, {"ipc": [export_cuda(s).SerializeToString() for s in slots]}, []
+        return slots, {"ipc": [share_cuda(s, job.cache) for s in slots]}, []
 
     def open_slots(self, job):
-        return [import_cuda(_handle(raw), job.device) for raw in job.welcome.ipc]
+        return [open_cuda(raw, job.device) for raw in job.welcome.ipc]
 
     def regions(self, job):
         storages: dict[int, int] = {}  # storage pointer -> region index
@@ -174,19 +173,12 @@ class CudaIpcChannel(_Mapped):
             if t.numel() == 0:
                 locations.append((0, 0))
                 continue
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
+            ptr = t.untyped_storage().data_ptr()
             if ptr not in storages:
                 storages[ptr] = len(handles)
-                handles.append(export_cuda(t).SerializeToString())
+                handles.append(share_cuda(t, job.cache))
             locations.append((storages[ptr], t.data_ptr() - ptr))
         return {"ipc": handles, "locations": locations}, []
 
     def open_regions(self, job):
-        return [import_cuda(_handle(raw), job.device) for raw in job.welcome.ipc]
-
-
-def _handle(raw: bytes) -> pb.CudaIpcHandle:
-    h = pb.CudaIpcHandle()
-    h.ParseFromString(raw)
-    return h
+        return [open_cuda(raw, job.device) for raw in job.welcome.ipc]
