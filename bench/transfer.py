@@ -39,10 +39,7 @@ def make_tensors(shapes, device: str, layout: str, arena: SharedArena | None = N
     """bf16 tensors of `shapes`: "flat" = views into one buffer (how rlsync's trainer keeps its
     parameters), "scattered" = one allocation each (a plain state dict)."""
     total = sum(_numel(s) for s in shapes.values())
-    if arena is not None:
-        flat = None
-    elif layout == "flat":
-        flat = torch.empty(total, dtype=torch.bfloat16, device=device)
+    flat = torch.empty(total, dtype=torch.bfloat16, device=device) if arena is None and layout == "flat" else None
     out, offset = {}, 0
     for i, (name, shape) in enumerate(shapes.items()):
         n = _numel(shape)
@@ -136,7 +133,7 @@ def run_channel(tensors, backend: str, one_copy: bool, receivers: list[str], buc
                 arena=None) -> dict:
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     group = Receivers(receivers, backend)
-    seconds = []
+    seconds, data_seconds = [], []
     try:
         with WeightSender(tensors, bucket_bytes=bucket, arena=arena, backends=[backend],
                           one_copy=None if one_copy else False) as sender:
@@ -149,11 +146,13 @@ def run_channel(tensors, backend: str, one_copy: bool, receivers: list[str], buc
                     raise RuntimeError(f"{backend}: {results}")
                 if i:
                     seconds.append(report.seconds)
+                    data_seconds.append(report.data_seconds)
     finally:
         group.close()
-    s = statistics.median(seconds)
+    s, d = statistics.median(seconds), statistics.median(data_seconds)
     return {"backend": backend, "mode": "one_copy" if one_copy else "staged", "receivers": len(receivers),
-            "bucket_bytes": bucket, "seconds": round(s, 4), "GB/s": round(nbytes / s / GB, 2)}
+            "bucket_bytes": bucket, "seconds": round(s, 4), "GB/s": round(nbytes / s / GB, 2),
+            "data_seconds": round(d, 4), "data_GB/s": round(nbytes / d / GB, 2)}
 
 
 def main() -> None:
@@ -198,7 +197,8 @@ def main() -> None:
             continue
         result = run_channel(layouts[layout], backend, one_copy, receivers, bucket, args.repeats, arena)
         limit = out["limits"][limit_of[backend]]
-        result.update(layout=layout, limit=limit_of[backend], ratio=round(result["GB/s"] / limit, 3))
+        result.update(layout=layout, limit=limit_of[backend], ratio=round(result["GB/s"] / limit, 3),
+                      data_ratio=round(result["data_GB/s"] / limit, 3))
         out["channels"].append(result)
         print(json.dumps(result), file=sys.stderr, flush=True)
     print(json.dumps(out, indent=1))

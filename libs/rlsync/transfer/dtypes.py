@@ -27,5 +27,8 @@ def dtype_of(name: str) -> torch.dtype:
         raise InvalidArgument(f"unknown dtype {name!r} in manifest (supported: {', '.join(DTYPES)})") from None
 
 
+ITEMSIZE: dict[torch.dtype, int] = {d: torch.empty(0, dtype=d).element_size() for d in DTYPES.values()}
+
+
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
+    return ITEMSIZE[dtype] if dtype in ITEMSIZE else torch.empty(0, dtype=dtype).element_size()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -41,21 +42,20 @@ def from_proto(manifest: pb.Manifest) -> list[Spec]:
     """Specs of a received manifest; refuses one that is inconsistent with itself."""
     specs, seen = [], set()
     for t in manifest.tensors:
-        if not t.name:
+        name, shape, nbytes = t.name, tuple(t.shape), t.nbytes
+        if not name:
             raise InvalidArgument("manifest has a tensor without a name")
-        if t.name in seen:
-            raise InvalidArgument(f"manifest names tensor {t.name!r} twice")
-        seen.add(t.name)
+        if name in seen:
+            raise InvalidArgument(f"manifest names tensor {name!r} twice")
+        seen.add(name)
         dtype = dtype_of(t.dtype)
-        if any(d < 0 for d in t.shape):
-            raise InvalidArgument(f"tensor {t.name!r} has a negative dimension {list(t.shape)}")
-        numel = 1
-        for d in t.shape:
-            numel *= d
-        if numel * itemsize(dtype) != t.nbytes:
-            raise InvalidArgument(f"tensor {t.name!r}: shape {list(t.shape)} of {t.dtype} is "
-                                  f"{numel * itemsize(dtype)} bytes, manifest says {t.nbytes}")
-        specs.append(Spec(t.name, dtype, tuple(t.shape), t.nbytes, t.checksum))
+        if shape and min(shape) < 0:
+            raise InvalidArgument(f"tensor {name!r} has a negative dimension {list(shape)}")
+        expected = math.prod(shape) * itemsize(dtype)
+        if expected != nbytes:
+            raise InvalidArgument(f"tensor {name!r}: shape {list(shape)} of {t.dtype} is {expected} bytes, "
+                                  f"manifest says {nbytes}")
+        specs.append(Spec(name, dtype, shape, nbytes, t.checksum))
     return specs
 
 

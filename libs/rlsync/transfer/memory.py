@@ -102,7 +102,7 @@ def import_cuda(h: pb.CudaIpcHandle, device: torch.device) -> torch.Tensor:
 
 
 _OPENED: OrderedDict[tuple[bytes, int], torch.Tensor] = OrderedDict()
-_OPENED_MAX = 256
+_OPENED_MAX = 4096
 
 
 def open_cuda(raw: bytes, device: torch.device) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from rlsync.errors import InvalidArgument
 
@@ -54,6 +55,12 @@ def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[Bucket]:
     if slices:
         buckets.append(Bucket(len(buckets), fill, tuple(slices)))
     return buckets
+
+
+@lru_cache(maxsize=64)
+def cached_plan(sizes: tuple[int, ...], bucket_bytes: int) -> tuple[Bucket, ...]:
+    """plan_buckets, remembered: both ends plan the same manifest again at every update."""
+    return tuple(plan_buckets(sizes, bucket_bytes))
 
 
 def bytes_per_tensor(buckets: Sequence[Bucket], count: int) -> list[int]:

@@ -15,7 +15,7 @@ from rlsync.transfer.control import Deadline, connect
 from rlsync.transfer.handshake import NAMES, PROTOCOL_VERSION, backend_of, local_facts, make_answer
 from rlsync.transfer.manifest import check_against, from_proto
 from rlsync.transfer.messages import Hello, Reject, Welcome, error_from
-from rlsync.transfer.plan import plan_buckets
+from rlsync.transfer.plan import cached_plan
 from rlsync.transfer.sender import Report
 from rlsync.transfer.v1 import transfer_pb2 as pb
 from rlsync.transfer.writer import Destination, DestWriter
@@ -54,7 +54,7 @@ def receive(offer: pb.Offer, answer: pb.Answer, dest: Destination, *, rank: int 
             raise error_from(msg.code, f"sender refused this receiver: {msg.reason}")
         if not isinstance(msg, Welcome):
             raise Aborted(f"protocol error: expected Welcome, got {type(msg).__name__}")
-        plan = plan_buckets([s.nbytes for s in specs], msg.bucket_bytes)
+        plan = list(cached_plan(tuple(s.nbytes for s in specs), msg.bucket_bytes))
         chan.receive(ReceiveJob(conn, msg, fds, specs, plan, writer, device, deadline, offer.transfer_id))
     finally:
         conn.close()

@@ -21,7 +21,7 @@ from rlsync.transfer.handshake import NAMES, PROTOCOL_VERSION, backend_of, local
 from rlsync.transfer.manifest import Spec, from_proto, to_proto
 from rlsync.transfer.memory import SharedArena
 from rlsync.transfer.messages import Hello, Reject
-from rlsync.transfer.plan import plan_buckets
+from rlsync.transfer.plan import cached_plan, plan_buckets
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -30,12 +30,17 @@ DEFAULT_BUCKET_BYTES = 256 << 20
 @dataclass
 class Report:
     nbytes: int
-    seconds: float
+    seconds: float  # end to end: from send() to every receiver's confirmation
     backends: dict[str, int]  # backend name -> receiver ranks served
+    data_seconds: float = 0.0  # from the first Welcome on (connections and handshakes excluded)
 
     @property
     def gbps(self) -> float:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def data_gbps(self) -> float:
+        return self.nbytes / self.data_seconds / 1e9 if self.data_seconds > 0 else 0.0
 
 
 class WeightSender:
@@ -68,6 +73,10 @@ class WeightSender:
         self.host = host
         self.listener = Listener(host, advertise)
         self.cache: dict = {}
+        # Byte views of the tensors, made once when they are contiguous (values are read at send time).
+        self._views = [as_bytes(t) for t in self.tensors.values()] \
+            if all(t.is_contiguous() for t in self.tensors.values()) else None
+        self._specs: dict[str, list[Spec]] = {}  # transfer id -> specs of its manifest (the latest few)
         offered = available()
         if self.device.type != "cuda":
             offered -= {pb.BACKEND_CUDA_IPC, pb.BACKEND_NCCL}
@@ -85,11 +94,15 @@ class WeightSender:
 
     def offer(self, version: int) -> pb.Offer:
         specs = [Spec.of(n, t, self.checksums) for n, t in self.tensors.items()]
+        transfer_id = uuid.uuid4().hex
+        self._specs[transfer_id] = specs
+        while len(self._specs) > 4:
+            self._specs.pop(next(iter(self._specs)))
         return pb.Offer(
             protocol_version=PROTOCOL_VERSION, manifest=to_proto(specs, version), facts=local_facts(self.device),
             backends=self.backends, token=secrets.token_hex(16), control_address=self.listener.address,
             local_control=self.listener.local_name, bucket_bytes=self.bucket_bytes, one_copy=self._one_copy(),
-            transfer_id=uuid.uuid4().hex)
+            transfer_id=transfer_id)
 
     def send(self, offer: pb.Offer, answers: list[pb.Answer], timeout: float = 300.0) -> Report:
         """Moves the tensors to every answering receiver; returns once all confirmed receipt."""
@@ -97,16 +110,20 @@ class WeightSender:
         expected = self._check_answers(offer, answers)
         start = time.perf_counter()
         conns = self._gather(offer, expected, deadline)
+        gathered = time.perf_counter()
         try:
             self._run_groups(offer, answers, conns, deadline)
         finally:
             for conn, _ in conns:
                 conn.close()
-        seconds = time.perf_counter() - start
+        end = time.perf_counter()
         by_backend: dict[str, int] = defaultdict(int)
         for a in answers:
             by_backend[NAMES[a.backend]] += a.ranks
-        return Report(sum(s.nbytes for s in from_proto(offer.manifest)), seconds, dict(by_backend))
+        return Report(sum(s.nbytes for s in self._specs_of(offer)), end - start, dict(by_backend), end - gathered)
+
+    def _specs_of(self, offer: pb.Offer) -> list[Spec]:
+        return self._specs.get(offer.transfer_id) or from_proto(offer.manifest)
 
     def _check_answers(self, offer: pb.Offer, answers: list[pb.Answer]) -> dict[tuple[str, int], pb.Answer]:
         expected = {}
@@ -166,8 +183,9 @@ class WeightSender:
 
     def _run_groups(self, offer: pb.Offer, answers: list[pb.Answer], conns: list[tuple[Conn, Hello]],
                     deadline: Deadline) -> None:
-        specs = from_proto(offer.manifest)
-        sources = [as_bytes(t) for t in self.tensors.values()]
+        specs = self._specs_of(offer)
+        sources = self._views or [as_bytes(t) for t in self.tensors.values()]
+        sizes = tuple(s.nbytes for s in specs)
         groups: dict[int, list[tuple[Conn, Hello]]] = defaultdict(list)
         for conn, hello in conns:
             groups[hello.backend].append((conn, hello))
@@ -176,7 +194,7 @@ class WeightSender:
             ids = {h.receiver_id for _, h in members}
             bucket = min([a.bucket_bytes or offer.bucket_bytes for a in answers if a.receiver_id in ids])
             jobs.append((channel(backend), SendJob(
-                conns=members, specs=specs, sources=sources, plan=plan_buckets([s.nbytes for s in specs], bucket),
+                conns=members, specs=specs, sources=sources, plan=list(cached_plan(sizes, bucket)),
                 bucket_bytes=bucket, verify=self.checksums, deadline=deadline, device=self.device,
                 store_host=self.host, transfer_id=offer.transfer_id, one_copy=offer.one_copy and backend in
                 (pb.BACKEND_SHM, pb.BACKEND_CUDA_IPC), arena=self.arena, cache=self.cache)))

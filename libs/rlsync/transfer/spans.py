@@ -25,27 +25,31 @@ def span(parts: list[torch.Tensor]) -> torch.Tensor | None:
     return _view(storage, first.data_ptr() - base, ptr - first.data_ptr(), first.device)
 
 
-def coalesce(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Merges consecutive (src, dst) uint8 view pairs that continue each other on both sides."""
+def coalesce(pairs: list[tuple[torch.Tensor, int, torch.Tensor, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Merges consecutive (src, src storage pointer, dst, dst storage pointer) uint8 views that
+    continue each other on both sides into single (src, dst) pairs. Storage pointers are passed in
+    because looking them up per view costs more than the copy for small tensors."""
     out: list[tuple[torch.Tensor, torch.Tensor]] = []
-    run: list[tuple[torch.Tensor, torch.Tensor]] = []
+    run: list[tuple[torch.Tensor, int, torch.Tensor, int]] = []
 
     def close() -> None:
         if len(run) == 1:
-            out.append(run[0])
+            out.append((run[0][0], run[0][2]))
         elif run:
-            out.append((span([s for s, _ in run]), span([d for _, d in run])))
+            (src, sbase, dst, dbase), last = run[0], run[-1]
+            nbytes = last[0].data_ptr() + last[0].numel() - src.data_ptr()
+            out.append((_view(src.untyped_storage(), src.data_ptr() - sbase, nbytes, src.device),
+                        _view(dst.untyped_storage(), dst.data_ptr() - dbase, nbytes, dst.device)))
         run.clear()
 
-    for src, dst in pairs:
+    for item in pairs:
         if run:
-            last_src, last_dst = run[-1]
-            continues = (src.data_ptr() == last_src.data_ptr() + last_src.numel()
-                         and dst.data_ptr() == last_dst.data_ptr() + last_dst.numel()
-                         and src.untyped_storage().data_ptr() == last_src.untyped_storage().data_ptr()
-                         and dst.untyped_storage().data_ptr() == last_dst.untyped_storage().data_ptr())
-            if not continues:
+            src, sbase, dst, dbase = item
+            last_src, last_sbase, last_dst, last_dbase = run[-1]
+            if not (sbase == last_sbase and dbase == last_dbase
+                    and src.data_ptr() == last_src.data_ptr() + last_src.numel()
+                    and dst.data_ptr() == last_dst.data_ptr() + last_dst.numel()):
                 close()
-        run.append((src, dst))
+        run.append(item)
     close()
     return out

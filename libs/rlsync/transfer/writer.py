@@ -13,7 +13,7 @@ import torch
 from rlsync.errors import DataLoss, InvalidArgument
 from rlsync.transfer.checksum import checksum_bytes
 from rlsync.transfer.manifest import Spec
-from rlsync.transfer.spans import coalesce
+from rlsync.transfer.spans import coalesce, span
 
 Destination = Mapping[str, torch.Tensor] | Callable[[str, torch.Tensor], None]
 
@@ -30,6 +30,10 @@ class DestWriter:
             target, direct = self._target(spec)
             self.targets.append(target)
             self.direct.append(direct)
+        self.bases = [t.untyped_storage().data_ptr() if t.numel() else 0 for t in self.targets]
+        # All destinations back to back in one buffer (flat engine weights): one view of them all.
+        self.whole = span([t for t, direct in zip(self.targets, self.direct) if t.numel()]) \
+            if all(self.direct) else None
         for i, spec in enumerate(specs):
             if spec.nbytes == 0:
                 self._complete(i)
@@ -61,17 +65,25 @@ class DestWriter:
         if self.received[index] == self.specs[index].nbytes:
             self._complete(index)
 
-    def write_all(self, sources: list[torch.Tensor | None]) -> None:
-        """Writes whole tensors (None: skip); runs that are contiguous on both sides become one copy."""
+    def write_whole(self, data: torch.Tensor) -> None:
+        """All tensors at once, when both sides lay them out back to back (see `whole`)."""
+        self.whole.copy_(data, non_blocking=True)
+        for i, spec in enumerate(self.specs):
+            if spec.nbytes:
+                self.mark(i, spec.nbytes)
+
+    def write_all(self, sources: list[tuple[torch.Tensor, int] | None]) -> None:
+        """Writes whole tensors, given as (bytes, storage pointer of those bytes) or None to skip;
+        runs that are contiguous on both sides become one copy."""
         pairs, marks = [], []
-        for i, src in enumerate(sources):
-            if src is None or not src.numel():
+        for i, item in enumerate(sources):
+            if item is None or not item[0].numel():
                 continue
             if self.direct[i]:
-                pairs.append((src, self.targets[i]))
+                pairs.append((item[0], item[1], self.targets[i], self.bases[i]))
                 marks.append(i)
             else:
-                self.write(i, 0, src)
+                self.write(i, 0, item[0])
         for src, dst in coalesce(pairs):
             dst.copy_(src, non_blocking=True)
         for i in marks:

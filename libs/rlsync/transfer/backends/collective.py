@@ -15,6 +15,7 @@ import abc
 import datetime
 import os
 import select
+import socket
 import threading
 import uuid
 from collections import OrderedDict, deque
@@ -227,6 +228,7 @@ class _Watchdog:
 
     def __init__(self, group, deadline: Deadline, conns):
         self._stop = threading.Event()
+        self._wake_r, self._wake_w = socket.socketpair()  # stop() must not wait out a select()
         self._group, self._deadline, self._conns = group, deadline, conns
         self.reason: str | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -240,7 +242,9 @@ class _Watchdog:
             except DeadlineExceeded as e:
                 self.reason = str(e)
                 break
-            readable, _, _ = select.select(socks, [], [], min(0.2, left))
+            readable, _, _ = select.select([*socks, self._wake_r], [], [], min(1.0, left))
+            if self._wake_r in readable:
+                break
             for sock in readable:
                 try:
                     if sock.recv(1, 0x2) == b"":  # MSG_PEEK: EOF means the peer is gone
@@ -258,8 +262,12 @@ class _Watchdog:
                 pass
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
+        if not self._stop.is_set():
+            self._stop.set()
+            self._wake_w.send(b"x")
+            self._thread.join()
+            self._wake_r.close()
+            self._wake_w.close()
 
     def error(self, exc: BaseException) -> Exception:
         """The rlsync error for a failed collective: a deadline, or a peer that is gone."""

@@ -118,9 +118,16 @@ class _Mapped(abc.ABC):
 
     def _receive_one_copy(self, job: ReceiveJob) -> None:
         regions = self.open_regions(job)
-        if len(job.welcome.locations) != len(job.specs):
-            raise DataLoss(f"sender described {len(job.welcome.locations)} tensors, manifest has {len(job.specs)}")
-        job.writer.write_all([regions[region][offset:offset + spec.nbytes] if spec.nbytes else None
+        locations = job.welcome.locations
+        if len(locations) != len(job.specs):
+            raise DataLoss(f"sender described {len(locations)} tensors, manifest has {len(job.specs)}")
+        whole = _contiguous(job.specs, locations)
+        if whole is not None and job.writer.whole is not None:  # flat on both sides: one copy
+            region, start, nbytes = whole
+            job.writer.write_whole(regions[region][start:start + nbytes])
+            return
+        bases = [r.untyped_storage().data_ptr() for r in regions]
+        job.writer.write_all([(regions[region][offset:offset + spec.nbytes], bases[region]) if spec.nbytes else None
                               for spec, (region, offset) in zip(job.specs, job.welcome.locations)])
 
 
@@ -142,8 +149,10 @@ class ShmChannel(_Mapped):
         return [buf.tensor[i * n:(i + 1) * n] for i in range(job.welcome.slots)]
 
     def regions(self, job):
-        locations = [job.arena.locate(t) if s.nbytes else (0, 0) for t, s in zip(job.sources, job.specs)]
-        return ({"regions": [b.nbytes for b in job.arena.buffers], "locations": locations},
+        key = ("shm-regions", tuple(t.data_ptr() for t in job.sources))
+        if key not in job.cache:
+            job.cache[key] = [job.arena.locate(t) if s.nbytes else (0, 0) for t, s in zip(job.sources, job.specs)]
+        return ({"regions": [b.nbytes for b in job.arena.buffers], "locations": job.cache[key]},
                 [b.fd for b in job.arena.buffers])
 
     def open_regions(self, job):
@@ -167,6 +176,12 @@ class CudaIpcChannel(_Mapped):
         return [open_cuda(raw, job.device) for raw in job.welcome.ipc]
 
     def regions(self, job):
+        key = ("ipc-regions", tuple(t.data_ptr() for t in job.sources))
+        if key not in job.cache:
+            job.cache[key] = self._regions(job)
+        return job.cache[key], []
+
+    def _regions(self, job) -> dict:
         storages: dict[int, int] = {}  # storage pointer -> region index
         handles, locations = [], []
         for t in job.sources:
@@ -178,7 +193,21 @@ class CudaIpcChannel(_Mapped):
                 storages[ptr] = len(handles)
                 handles.append(share_cuda(t, job.cache))
             locations.append((storages[ptr], t.data_ptr() - ptr))
-        return {"ipc": handles, "locations": locations}, []
+        return {"ipc": handles, "locations": locations}
 
     def open_regions(self, job):
         return [open_cuda(raw, job.device) for raw in job.welcome.ipc]
+
+
+def _contiguous(specs, locations) -> tuple[int, int, int] | None:
+    """(region, start, bytes) when the tensors lie back to back in one region, in manifest order."""
+    items = [(loc, s.nbytes) for s, loc in zip(specs, locations) if s.nbytes]
+    if not items:
+        return None
+    (region, start), _ = items[0]
+    end = start
+    for (r, offset), nbytes in items:
+        if r != region or offset != end:
+            return None
+        end += nbytes
+    return region, start, end - start
