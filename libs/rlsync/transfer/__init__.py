@@ -13,9 +13,9 @@ from rlsync.transfer.handshake import local_facts
 from rlsync.transfer.manifest import Spec, build_manifest, check_against, from_proto
 from rlsync.transfer.memory import SharedArena
 from rlsync.transfer.plan import Bucket, Slice, plan_buckets
-from rlsync.transfer.receiver import answer, receive
+from rlsync.transfer.receiver import Receiver, answer, receive
 from rlsync.transfer.sender import DEFAULT_BUCKET_BYTES, Report, WeightSender
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "Report", "SharedArena", "Slice", "Spec", "WeightSender", "answer",
-           "build_manifest", "check_against", "checksum_tensor", "from_proto", "local_facts", "plan_buckets",
-           "receive"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "Receiver", "Report", "SharedArena", "Slice", "Spec", "WeightSender",
+           "answer", "build_manifest", "check_against", "checksum_tensor", "from_proto", "local_facts",
+           "plan_buckets", "receive"]

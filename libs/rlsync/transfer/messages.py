@@ -37,11 +37,18 @@ class Welcome(msgspec.Struct, tag="welcome"):
     slot_bytes: int = 0  # staged: size of each slot
     slots: int = 0
     ipc: list[bytes] = []  # cuda_ipc: serialized CudaIpcHandle protos (slots, or regions in one-copy mode)
+    events: list[bytes] = []  # cuda_ipc staged: IPC handles of the events that mark each slot packed
     regions: list[int] = []  # shm one-copy: byte size of each region (sent as file descriptors)
     locations: list[tuple[int, int]] = []  # one-copy: (region, byte offset) of each tensor
     verify: bool = False  # collectives: per-bucket checksums follow in Done
     group: str = ""  # collectives: the group's id ...
     reuse: bool = False  # ... and whether the receiver's held group of that id is used again
+
+
+class Events(msgspec.Struct, tag="events"):
+    """Receiver -> sender (cuda_ipc staged): IPC handles of the events that mark its slots free."""
+
+    handles: list[bytes]
 
 
 class Ready(msgspec.Struct, tag="ready"):
@@ -69,7 +76,7 @@ class Abort(msgspec.Struct, tag="abort"):
     reason: str
 
 
-Message = Hello | Reject | Welcome | Ready | Freed | Done | Result | Abort
+Message = Hello | Reject | Welcome | Events | Ready | Freed | Done | Result | Abort
 
 
 def error_from(code: str, message: str) -> errors.RlsyncError:

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from rlsync.transfer.checksum import as_bytes
 from rlsync.transfer.memory import SharedArena
 from rlsync.transfer.receiver import answer as make_answer
-from rlsync.transfer.receiver import receive
+from rlsync.transfer.receiver import Receiver
 from rlsync.transfer.sender import DEFAULT_BUCKET_BYTES, WeightSender
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
@@ -59,13 +59,15 @@ def run_receive(args) -> int:
         if args.rank == 0:
             ans = make_answer(offer, args.receiver_id, device=args.device, ranks=args.ranks, force=args.backend,
                               bucket_bytes=args.bucket_bytes)
-            emit("ANSWER", encode(ans))
         else:
             ans = decode(pb.Answer, sys.stdin.readline())
         if dest is None:
             dest = flat_destination(offer.manifest, args.device)
         try:
-            report = receive(offer, ans, dest, rank=args.rank, timeout=args.timeout)
+            receiver = Receiver(offer, ans, dest, rank=args.rank, timeout=args.timeout)  # ready before answering
+            if args.rank == 0:
+                emit("ANSWER", encode(ans))
+            report = receiver.run()
         except Exception as e:  # noqa: BLE001 - reported to the driver as data
             emit("RESULT", json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}))
             status = 1

@@ -28,34 +28,54 @@ def answer(offer: pb.Offer, receiver_id: str, *, device: torch.device | str = "c
                        backend_of(force) if force else None, bucket_bytes)
 
 
-def receive(offer: pb.Offer, answer: pb.Answer, dest: Destination, *, rank: int = 0,
-            device: torch.device | str | None = None, timeout: float = 300.0,
-            expected: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]] | None = None) -> Report:
-    """Receives every tensor of the offer into `dest` (a name->tensor mapping written in place, or a
-    callable given each complete tensor). On any failure it raises, and `dest` must not be used:
-    receive into staging memory and switch only after this returns."""
-    specs = from_proto(offer.manifest)
-    if expected is not None:
-        check_against(specs, expected)
-    if device is None:
-        first = next(iter(dest.values()), None) if isinstance(dest, Mapping) else None
-        device = first.device if first is not None else torch.device(answer.facts.device_type or "cpu")
-    device = torch.device(device)
-    writer = DestWriter(specs, dest, device)
-    chan = channel(answer.backend)
-    deadline = Deadline(timeout, f"receiving transfer {offer.transfer_id[:8]} (version {offer.manifest.version})")
-    start = time.perf_counter()
-    conn = connect(offer.local_control if chan.local else offer.control_address, deadline, chan.local)
-    try:
-        conn.send(Hello(PROTOCOL_VERSION, offer.transfer_id, offer.token, answer.receiver_id, rank, answer.ranks,
-                        answer.backend, held_groups() if not chan.local else []))
-        msg, fds = conn.recv(deadline, "waiting for the sender to start the transfer")
-        if isinstance(msg, Reject):
-            raise error_from(msg.code, f"sender refused this receiver: {msg.reason}")
-        if not isinstance(msg, Welcome):
-            raise Aborted(f"protocol error: expected Welcome, got {type(msg).__name__}")
-        plan = list(cached_plan(tuple(s.nbytes for s in specs), msg.bucket_bytes))
-        chan.receive(ReceiveJob(conn, msg, fds, specs, plan, writer, device, deadline, offer.transfer_id))
-    finally:
-        conn.close()
-    return Report(sum(s.nbytes for s in specs), time.perf_counter() - start, {NAMES[answer.backend]: 1})
+class Receiver:
+    """One receiving end, prepared ahead: parsing the manifest, laying out the destination and
+    connecting happen here, so the sender's clock starts with everything ready; run() moves the bytes.
+
+    On any failure run() raises, and `dest` must not be used: receive into staging memory and
+    switch only after run() returns (rlsync's engines do)."""
+
+    def __init__(self, offer: pb.Offer, answer: pb.Answer, dest: Destination, *, rank: int = 0,
+                 device: torch.device | str | None = None, timeout: float = 300.0,
+                 expected: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]] | None = None):
+        self.offer, self.answer = offer, answer
+        self.specs = from_proto(offer.manifest)
+        if expected is not None:
+            check_against(self.specs, expected)
+        if device is None:
+            first = next(iter(dest.values()), None) if isinstance(dest, Mapping) else None
+            device = first.device if first is not None else torch.device(answer.facts.device_type or "cpu")
+        self.device = torch.device(device)
+        self.writer = DestWriter(self.specs, dest, self.device)
+        self.channel = channel(answer.backend)
+        self.deadline = Deadline(timeout, f"receiving transfer {offer.transfer_id[:8]} "
+                                          f"(version {offer.manifest.version})")
+        self.start = time.perf_counter()
+        local = self.channel.local
+        self.conn = connect(offer.local_control if local else offer.control_address, self.deadline, local)
+        self.conn.send(Hello(PROTOCOL_VERSION, offer.transfer_id, offer.token, answer.receiver_id, rank,
+                             answer.ranks, answer.backend, held_groups() if not local else []))
+
+    def run(self) -> Report:
+        try:
+            msg, fds = self.conn.recv(self.deadline, "waiting for the sender to start the transfer")
+            if isinstance(msg, Reject):
+                raise error_from(msg.code, f"sender refused this receiver: {msg.reason}")
+            if not isinstance(msg, Welcome):
+                raise Aborted(f"protocol error: expected Welcome, got {type(msg).__name__}")
+            plan = list(cached_plan(tuple(s.nbytes for s in self.specs), msg.bucket_bytes))
+            self.channel.receive(ReceiveJob(self.conn, msg, fds, self.specs, plan, self.writer, self.device,
+                                            self.deadline, self.offer.transfer_id))
+        finally:
+            self.conn.close()
+        return Report(sum(s.nbytes for s in self.specs), time.perf_counter() - self.start,
+                      {NAMES[self.answer.backend]: 1})
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def receive(offer: pb.Offer, answer: pb.Answer, dest: Destination, **kwargs) -> Report:
+    """Receiver(offer, answer, dest, **kwargs).run(): every tensor of the offer into `dest` (a
+    name->tensor mapping written in place, or a callable given each complete tensor)."""
+    return Receiver(offer, answer, dest, **kwargs).run()

@@ -33,6 +33,7 @@ class SendJob:
     one_copy: bool = False
     arena: SharedArena | None = None
     cache: dict = field(default_factory=dict)  # buffers kept across transfers by the sender
+    scratch: dict = field(default_factory=dict)  # the channel's state for this one transfer
 
 
 @dataclass
@@ -46,6 +47,7 @@ class ReceiveJob:
     device: torch.device
     deadline: Deadline
     transfer_id: str
+    scratch: dict = field(default_factory=dict)  # the channel's state for this one transfer
 
 
 class Channel(Protocol):

@@ -17,7 +17,7 @@ from rlsync.transfer.backends.base import (ReceiveJob, SendJob, collect_results,
                                            sync)
 from rlsync.transfer.checksum import checksum_bytes
 from rlsync.transfer.memory import SharedBuffer, open_cuda, share_cuda
-from rlsync.transfer.messages import Done, Freed, Ready, Result, Welcome
+from rlsync.transfer.messages import Done, Events, Freed, Ready, Result, Welcome
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 SLOTS = 2
@@ -45,6 +45,27 @@ class _Mapped(abc.ABC):
     def open_regions(self, job: ReceiveJob) -> list[torch.Tensor]:
         """Receiver, one-copy: maps those regions."""
 
+    # Ordering of slot use between the two processes. Plain memory: copies are complete when
+    # they return (after a sync), and the messages alone order them. CUDA overrides these with
+    # IPC events, so neither process ever blocks on the GPU in the loop.
+    def peer_events(self, job: SendJob) -> list | None:
+        return None
+
+    def own_events(self, job: ReceiveJob) -> list | None:
+        return None
+
+    def before_pack(self, job: SendJob, slot: int, peers) -> None:  # noqa: B027 - deliberately empty
+        """The Freed messages already ordered this slot's reuse."""
+
+    def after_pack(self, job: SendJob, slot: int) -> None:
+        sync(job.device)
+
+    def before_unpack(self, job: ReceiveJob, slot: int) -> None:  # noqa: B027 - deliberately empty
+        """The Ready message already says the slot is packed."""
+
+    def after_unpack(self, job: ReceiveJob, slot: int, own) -> None:
+        sync(job.device)
+
     # -- sender ---------------------------------------------------------------------------------
     def send(self, job: SendJob) -> None:
         if job.one_copy:
@@ -61,15 +82,17 @@ class _Mapped(abc.ABC):
         for conn, _ in job.conns:
             conn.send(Welcome(backend=self.backend, bucket_bytes=job.bucket_bytes, slot_bytes=slot_bytes,
                               slots=SLOTS, **fields), fds)
+        peers = self.peer_events(job)
         in_slot: list[int | None] = [None] * SLOTS
         for bucket in job.plan:
             slot = bucket.index % SLOTS
             if in_slot[slot] is not None:
                 self._await_freed(job, in_slot[slot])
+                self.before_pack(job, slot, peers)
             view = slots[slot]
             for s in bucket.slices:
                 view[s.dst:s.dst + s.length].copy_(job.sources[s.tensor][s.src:s.src + s.length], non_blocking=True)
-            sync(job.device)
+            self.after_pack(job, slot)
             cs = checksum_bytes(view[:bucket.nbytes]) if job.verify else ""
             for conn, _ in job.conns:
                 conn.send(Ready(bucket.index, slot, cs))
@@ -102,17 +125,19 @@ class _Mapped(abc.ABC):
 
     def _receive_staged(self, job: ReceiveJob) -> None:
         slots = self.open_slots(job)
+        own = self.own_events(job)
         for bucket in job.plan:
             msg, _ = expect(job.conn, Ready, job.deadline, f"waiting for bucket {bucket.index + 1}/{len(job.plan)}")
             if msg.bucket != bucket.index:
                 raise DataLoss(f"sender sent bucket {msg.bucket}, expected {bucket.index}")
+            self.before_unpack(job, msg.slot)
             view = slots[msg.slot]
             if msg.checksum and checksum_bytes(view[:bucket.nbytes]) != msg.checksum:
                 raise DataLoss(f"bucket {bucket.index} arrived corrupted (checksum mismatch): "
                                "the destination must not be used")
             for s in bucket.slices:
                 job.writer.write(s.tensor, s.src, view[s.dst:s.dst + s.length])
-            sync(job.device)
+            self.after_unpack(job, msg.slot, own)
             job.conn.send(Freed(bucket.index))
         expect(job.conn, Done, job.deadline, "waiting for the end of the transfer")
 
@@ -169,11 +194,42 @@ class CudaIpcChannel(_Mapped):
         key = ("cuda", job.device, nbytes)
         if key not in job.cache:
             job.cache[key] = [torch.empty(nbytes, dtype=torch.uint8, device=job.device) for _ in range(SLOTS)]
-        slots = job.cache[key]
-        return slots, {"ipc": [share_cuda(s, job.cache) for s in slots]}, []
+            job.cache[("cuda-events", job.device)] = [
+                torch.cuda.Event(interprocess=True) for _ in range(SLOTS)]
+        slots, events = job.cache[key], job.cache[("cuda-events", job.device)]
+        job.scratch["packed"] = events
+        return slots, {"ipc": [share_cuda(s, job.cache) for s in slots],
+                       "events": [e.ipc_handle() for e in events]}, []
 
     def open_slots(self, job):
+        job.scratch["packed"] = [torch.cuda.Event.from_ipc_handle(job.device, h) for h in job.welcome.events]
         return [open_cuda(raw, job.device) for raw in job.welcome.ipc]
+
+    def peer_events(self, job):
+        peers = []
+        for conn, hello in job.conns:
+            msg, _ = expect(conn, Events, job.deadline, f"waiting for {hello.receiver_id}'s slot events")
+            peers.append([torch.cuda.Event.from_ipc_handle(job.device, h) for h in msg.handles])
+        return peers
+
+    def own_events(self, job):
+        own = [torch.cuda.Event(interprocess=True) for _ in range(job.welcome.slots)]
+        job.conn.send(Events([e.ipc_handle() for e in own]))
+        return own
+
+    def before_pack(self, job, slot, peers):
+        stream = torch.cuda.current_stream(job.device)
+        for events in peers:  # every receiver has copied the slot out
+            stream.wait_event(events[slot])
+
+    def after_pack(self, job, slot):
+        job.scratch["packed"][slot].record(torch.cuda.current_stream(job.device))
+
+    def before_unpack(self, job, slot):
+        torch.cuda.current_stream(job.device).wait_event(job.scratch["packed"][slot])
+
+    def after_unpack(self, job, slot, own):
+        own[slot].record(torch.cuda.current_stream(job.device))
 
     def regions(self, job):
         key = ("ipc-regions", tuple(t.data_ptr() for t in job.sources))
