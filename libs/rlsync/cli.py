@@ -9,6 +9,7 @@ import sys
 # subcommand -> (module with main(argv), one-line help)
 COMMANDS = {
     "rollout": ("rlsync.rollout.__main__", "serve one inference engine (vLLM or hf) over gRPC"),
+    "trainer": ("rlsync.trainer.__main__", "serve a policy: GRPO-style steps, offload/onload, weight publishing"),
     "make-tiny-model": ("rlsync.models", "build the embedded default model and print its folder"),
     "transfer-check": ("rlsync.transfer.check", "move a safetensors file to another process over one backend "
                        "and verify it bit for bit"),

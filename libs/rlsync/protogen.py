@@ -34,6 +34,8 @@ def generate(out: Path) -> dict[Path, Path]:
         raise SystemExit("protoc failed (see the messages above)")
     placed = {}
     for path in sorted(out.rglob("*.py*")):
+        if path.name.endswith("_pb2_grpc.py") and "Stub" not in path.read_text():
+            continue  # a proto without services: no gRPC module
         rel = path.relative_to(out)  # rlsync/<area>/v1/<name>
         _, area, version, name = rel.parts
         placed[path] = area_dir(area) / version / name

@@ -19,6 +19,7 @@ class RolloutConfig:
                                          "through with the engine's own defaults (vLLM: tensor_parallel_size, "
                                          "max_num_seqs, dtype, enforce_eager, ...)")
     replica_id: str = option("", "name of this replica in logs and GetInfo; random when empty")
+    update_timeout: float = option(300.0, "seconds a weight update may take to arrive")
     coordinator: str = option("", "coordinator address (host:port) to register with; empty = standalone")
     advertise: str = option("", "address (host:port) the coordinator should use to reach this replica; "
                                 "empty = this host's address and the bound port")

@@ -8,10 +8,12 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from rlsync.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from rlsync.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, RlsyncError, Unavailable
 from rlsync.rollout.engines.base import Engine
 from rlsync.rollout.types import (ALL_TAGS, Chunk, FinishReason, GenerationRequest, MemoryUsage,
                                   PauseMode, SamplingParams, WakeTag)
+from rlsync.transfer import check_against, from_proto
+from rlsync.transfer.v1.transfer_pb2 import Answer, Offer
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +38,22 @@ class Info:
     replica_id: str
     vocab_size: int
     memory: MemoryUsage
+    pending_version: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    version: int
+    wait_seconds: float
+    switch_seconds: float
+    changed: bool
 
 
 class RolloutCore:
-    def __init__(self, engine: Engine, replica_id: str = ""):
+    def __init__(self, engine: Engine, replica_id: str = "", update_timeout: float = 300.0):
         self.engine = engine
+        self.update_timeout = update_timeout
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
         self.weight_version = 0
         self.paused = False
@@ -48,6 +61,7 @@ class RolloutCore:
         self.sleep_level = 0
         self.in_flight: dict[str, _InFlight] = {}
         self._control = asyncio.Lock()  # one state change (pause, sleep, update...) at a time
+        self.pending: int | None = None  # version of a prepared update not yet committed
         self._closed = asyncio.Condition()  # notified whenever a request leaves in_flight
         self._closing: str | None = None
 
@@ -93,7 +107,7 @@ class RolloutCore:
         try:
             async for d in self.engine.generate(request):
                 entry.started = True
-                version = self.weight_version
+                version = d.version if d.version is not None else self.weight_version
                 chunk = Chunk(d.index, d.token_ids, d.text, d.logprobs, d.finish, d.detail,
                               request_id=request.request_id, weight_version=version)
                 if d.index not in produced:
@@ -180,7 +194,70 @@ class RolloutCore:
         state = "sleeping" if self.asleep else "paused" if self.paused else "serving"
         e = self.engine
         return Info(e.kind, e.model, self.weight_version, state, len(self.in_flight), frozenset(self.asleep),
-                    e.max_model_len, e.tensor_parallel_size, self.replica_id, e.vocab_size, await e.memory())
+                    e.max_model_len, e.tensor_parallel_size, self.replica_id, e.vocab_size, await e.memory(),
+                    -1 if self.pending is None else self.pending, e.dtype)
+
+    # ---- weight updates -------------------------------------------------------------------------
+    async def prepare_update(self, offer: Offer, force_backend: str = "", timeout: float = 0,
+                             force: bool = False) -> Answer:
+        """Checks the manifest (nothing is written for a bad one), then starts receiving into staging."""
+        async with self._control:
+            if self.pending is not None:
+                raise FailedPrecondition(f"an update to version {self.pending} is already prepared: CommitUpdate or "
+                                         "AbortUpdate it first")
+            if WakeTag.WEIGHTS in self.asleep:
+                raise FailedPrecondition("weights are asleep: WakeUp(weights) before PrepareUpdate")
+            version = offer.manifest.version
+            if version < self.weight_version and not force:
+                raise FailedPrecondition(f"version {version} is older than the served version {self.weight_version}: "
+                                         "set force to roll back")
+            check_against(from_proto(offer.manifest), self.engine.expected_tensors())
+            answer = await self.engine.prepare_update(offer, self.replica_id, force_backend,
+                                                      timeout or self.update_timeout)
+            self.pending = version
+            return answer
+
+    async def commit_update(self, version: int, force: bool = False, timeout: float = 0) -> CommitResult:
+        """Waits for the prepared update's bytes, then switches. A failure leaves the served version."""
+        async with self._control:
+            if self.pending is None:
+                if version == self.weight_version:
+                    return CommitResult(version, 0.0, 0.0, False)  # idempotent
+                raise FailedPrecondition(f"no update is prepared: PrepareUpdate (and have the trainer publish "
+                                         f"version {version}) before CommitUpdate")
+            if version != self.pending:
+                raise InvalidArgument(f"CommitUpdate({version}), but the prepared update is version {self.pending}")
+            if version < self.weight_version and not force:
+                await self._drop_pending()
+                raise FailedPrecondition(f"version {version} is older than the served version {self.weight_version}; "
+                                         "the prepared update was dropped (set force to roll back)")
+            try:
+                waited = await self.engine.finish_update(timeout or self.update_timeout)
+            except RlsyncError as e:
+                await self._drop_pending()
+                raise type(e)(f"update to version {version} failed, still serving version {self.weight_version}: "
+                              f"{e}") from e
+            start = asyncio.get_running_loop().time()
+            await self.engine.commit_update(version)
+            self.weight_version, self.pending = version, None
+            return CommitResult(version, waited, asyncio.get_running_loop().time() - start, True)
+
+    async def abort_update(self) -> bool:
+        async with self._control:
+            had = self.pending is not None
+            await self._drop_pending()
+            return had
+
+    async def _drop_pending(self) -> None:
+        self.pending = None
+        try:
+            await self.engine.abort_update()
+        except Exception:  # noqa: BLE001 - the staging memory goes either way
+            log.warning("dropping the prepared update failed", exc_info=True)
+
+    async def checksums(self) -> tuple[int, dict, str]:
+        sums, source = await self.engine.checksums()
+        return self.weight_version, sums, source
 
     async def _wait_closed(self, done, timeout: float = 10.0) -> None:
         """Waits until `done()` holds (re-checked as requests close), for at most `timeout` seconds;

@@ -24,7 +24,7 @@ class RolloutService:
     def __init__(self, cfg: RolloutConfig):
         self.cfg = cfg
         self.engine = create_engine(cfg.engine, resolve_model(cfg.model), cfg.engine_args)
-        self.core = RolloutCore(self.engine, cfg.replica_id)
+        self.core = RolloutCore(self.engine, cfg.replica_id, cfg.update_timeout)
 
     async def start(self) -> None:
         log.info("starting %s engine: %s", self.cfg.engine, describe(self.cfg))

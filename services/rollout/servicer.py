@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from rlsync.common.audit import to_proto as checksums_to_proto
 from rlsync.common.v1 import generate_pb2 as gen_pb
 from rlsync.errors import InvalidArgument
 from rlsync.rollout.core import Info, RolloutCore
@@ -54,7 +55,7 @@ def info_to_proto(i: Info) -> pb.RolloutInfo:
         engine=i.engine, model=i.model, weight_version=i.weight_version, state=_STATES[i.state],
         in_flight=i.in_flight, asleep=[_TAG_PROTO[t] for t in sorted(i.asleep, key=lambda t: t.value)],
         max_model_len=i.max_model_len, tensor_parallel_size=i.tensor_parallel_size, replica_id=i.replica_id,
-        memory=memory_to_proto(i.memory), vocab_size=i.vocab_size)
+        memory=memory_to_proto(i.memory), vocab_size=i.vocab_size, pending_version=i.pending_version, dtype=i.dtype)
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
@@ -103,3 +104,25 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     @unary
     async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.RolloutInfo:
         return info_to_proto(await self.core.info())
+
+    @unary
+    async def PrepareUpdate(self, request: pb.PrepareUpdateRequest, context) -> pb.PrepareUpdateResponse:
+        if not request.HasField("offer"):
+            raise InvalidArgument("PrepareUpdate needs the trainer's offer (TrainerService.OfferWeights)")
+        answer = await self.core.prepare_update(request.offer, request.force_backend, request.timeout, request.force)
+        return pb.PrepareUpdateResponse(answer=answer)
+
+    @unary
+    async def CommitUpdate(self, request: pb.CommitUpdateRequest, context) -> pb.CommitUpdateResponse:
+        r = await self.core.commit_update(request.version, request.force, request.timeout)
+        return pb.CommitUpdateResponse(version=r.version, wait_seconds=r.wait_seconds, switch_seconds=r.switch_seconds,
+                                       changed=r.changed)
+
+    @unary
+    async def AbortUpdate(self, request, context) -> pb.AbortUpdateResponse:
+        return pb.AbortUpdateResponse(aborted=await self.core.abort_update())
+
+    @unary
+    async def GetWeightChecksums(self, request, context):
+        version, sums, source = await self.core.checksums()
+        return checksums_to_proto(version, sums, source)

@@ -88,6 +88,7 @@ class Delta:
     logprobs: list[float] | None = None
     finish: FinishReason | None = None
     detail: str = ""
+    version: int | None = None  # weight version that produced these tokens, when the engine knows it
 
 
 @dataclass

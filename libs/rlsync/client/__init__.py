@@ -1,7 +1,14 @@
-"""rlsync's client SDK: typed, blocking and asyncio clients of the rlsync services."""
+"""rlsync's client SDK: typed, blocking and asyncio clients of the rlsync services.
+
+Blocking clients return responses; asyncio clients (Async*) return awaitables with the same
+names. Every failed call raises RpcError carrying the gRPC status code and the server's message.
+"""
 
 from rlsync.client.completion import Completion, collect, generate_request
 from rlsync.client.errors import RpcError
 from rlsync.client.rollout import AsyncRolloutClient, RolloutClient
+from rlsync.client.trainer import AsyncTrainerClient, TrainerClient, trajectory
+from rlsync.client.weights import PushReport, push_weights, push_weights_async
 
-__all__ = ["AsyncRolloutClient", "Completion", "RolloutClient", "RpcError", "collect", "generate_request"]
+__all__ = ["AsyncRolloutClient", "AsyncTrainerClient", "Completion", "PushReport", "RolloutClient", "RpcError",
+           "TrainerClient", "collect", "generate_request", "push_weights", "push_weights_async", "trajectory"]

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 
+from rlsync.client.base import AsyncClient, SyncClient
 from rlsync.client.completion import Completion, collect, generate_request
 from rlsync.client.errors import translated
 from rlsync.common.v1 import generate_pb2 as gen_pb
+from rlsync.common.v1 import weights_pb2
 from rlsync.rollout.v1 import rollout_pb2 as pb
 from rlsync.rollout.v1.rollout_pb2_grpc import RolloutServiceStub
-from rlsync.rpc.channel import aio_channel, sync_channel
+from rlsync.transfer.v1 import transfer_pb2
 
 PAUSE_MODES = {"abort": pb.PAUSE_MODE_ABORT, "keep": pb.PAUSE_MODE_KEEP, "wait": pb.PAUSE_MODE_WAIT}
 WAKE_TAGS = {"weights": pb.WAKE_TAG_WEIGHTS, "kv_cache": pb.WAKE_TAG_KV_CACHE}
@@ -28,19 +30,46 @@ def wake_request(tags: tuple[str, ...]) -> pb.WakeUpRequest:
     return pb.WakeUpRequest(tags=[WAKE_TAGS[t] for t in tags])
 
 
-class RolloutClient:
+class _RolloutMethods:
+    """Unary RPCs; each returns the response (blocking client) or an awaitable (asyncio client)."""
+
+    stub_class = RolloutServiceStub
+
+    def abort(self, request_id: str):
+        return self._call("Abort", pb.AbortRequest(request_id=request_id))
+
+    def pause(self, mode: str = "abort"):
+        return self._call("Pause", pause_request(mode))
+
+    def resume(self):
+        return self._call("Resume", pb.ResumeRequest())
+
+    def sleep(self, level: int = 1):
+        return self._call("Sleep", pb.SleepRequest(level=level))
+
+    def wake_up(self, *tags: str):
+        return self._call("WakeUp", wake_request(tags))
+
+    def info(self):
+        return self._call("GetInfo", pb.GetInfoRequest())
+
+    def prepare_update(self, offer: transfer_pb2.Offer, force_backend: str = "", timeout: float = 0):
+        return self._call("PrepareUpdate", pb.PrepareUpdateRequest(offer=offer, force_backend=force_backend,
+                                                                   timeout=timeout))
+
+    def commit_update(self, version: int, force: bool = False, timeout: float = 0):
+        return self._call("CommitUpdate", pb.CommitUpdateRequest(version=version, force=force, timeout=timeout),
+                          timeout=(timeout or 300) + 30)
+
+    def abort_update(self):
+        return self._call("AbortUpdate", pb.AbortUpdateRequest())
+
+    def checksums(self):
+        return self._call("GetWeightChecksums", weights_pb2.GetWeightChecksumsRequest())
+
+
+class RolloutClient(_RolloutMethods, SyncClient):
     """Blocking client. Errors raise rlsync.client.RpcError with the status code and message."""
-
-    def __init__(self, address: str, *, token: str = "", tls: bool = False, tls_ca: str | None = None,
-                 timeout: float | None = 120.0):
-        self.address = address
-        self.channel = sync_channel(address, token, tls, tls_ca)
-        self.stub = RolloutServiceStub(self.channel)
-        self.timeout = timeout
-
-    def _call(self, method: str, request, timeout: float | None = None):
-        with translated(method):
-            return getattr(self.stub, method)(request, timeout=timeout or self.timeout)
 
     def generate(self, prompt: str | list[int], **kwargs) -> Iterator[gen_pb.GenerateChunk]:
         """Streams chunks; kwargs: request_id, session_id and any SamplingParams field."""
@@ -54,47 +83,9 @@ class RolloutClient:
     def complete(self, prompt: str | list[int], **kwargs) -> list[Completion]:
         return collect(self.generate(prompt, **kwargs))
 
-    def abort(self, request_id: str) -> None:
-        self._call("Abort", pb.AbortRequest(request_id=request_id))
 
-    def pause(self, mode: str = "abort") -> pb.PauseResponse:
-        return self._call("Pause", pause_request(mode))
-
-    def resume(self) -> None:
-        self._call("Resume", pb.ResumeRequest())
-
-    def sleep(self, level: int = 1) -> pb.SleepResponse:
-        return self._call("Sleep", pb.SleepRequest(level=level))
-
-    def wake_up(self, *tags: str) -> pb.WakeUpResponse:
-        return self._call("WakeUp", wake_request(tags))
-
-    def info(self) -> pb.RolloutInfo:
-        return self._call("GetInfo", pb.GetInfoRequest())
-
-    def close(self) -> None:
-        self.channel.close()
-
-    def __enter__(self) -> RolloutClient:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class AsyncRolloutClient:
-    """asyncio client with the same methods as RolloutClient."""
-
-    def __init__(self, address: str, *, token: str = "", tls: bool = False, tls_ca: str | None = None,
-                 timeout: float | None = 120.0):
-        self.address = address
-        self.channel = aio_channel(address, token, tls, tls_ca)
-        self.stub = RolloutServiceStub(self.channel)
-        self.timeout = timeout
-
-    async def _call(self, method: str, request, timeout: float | None = None):
-        with translated(method):
-            return await getattr(self.stub, method)(request, timeout=timeout or self.timeout)
+class AsyncRolloutClient(_RolloutMethods, AsyncClient):
+    """asyncio client: `await client.info()`, `async for chunk in client.generate(...)`."""
 
     async def generate(self, prompt: str | list[int], **kwargs) -> AsyncIterator[gen_pb.GenerateChunk]:
         call = self.stub.Generate(generate_request(prompt, **kwargs))
@@ -107,30 +98,3 @@ class AsyncRolloutClient:
 
     async def complete(self, prompt: str | list[int], **kwargs) -> list[Completion]:
         return collect([c async for c in self.generate(prompt, **kwargs)])
-
-    async def abort(self, request_id: str) -> None:
-        await self._call("Abort", pb.AbortRequest(request_id=request_id))
-
-    async def pause(self, mode: str = "abort") -> pb.PauseResponse:
-        return await self._call("Pause", pause_request(mode))
-
-    async def resume(self) -> None:
-        await self._call("Resume", pb.ResumeRequest())
-
-    async def sleep(self, level: int = 1) -> pb.SleepResponse:
-        return await self._call("Sleep", pb.SleepRequest(level=level))
-
-    async def wake_up(self, *tags: str) -> pb.WakeUpResponse:
-        return await self._call("WakeUp", wake_request(tags))
-
-    async def info(self) -> pb.RolloutInfo:
-        return await self._call("GetInfo", pb.GetInfoRequest())
-
-    async def close(self) -> None:
-        await self.channel.close()
-
-    async def __aenter__(self) -> AsyncRolloutClient:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()

@@ -103,21 +103,10 @@ def run_send(args) -> int:
 
 
 def flat_destination(manifest: pb.Manifest, device: str) -> dict[str, torch.Tensor]:
-    """Empty tensors for a manifest, packed into one buffer per dtype (as an engine keeps weights)."""
+    from rlsync.flat import flat_like
     from rlsync.transfer.manifest import from_proto
 
-    specs = from_proto(manifest)
-    sizes: dict[torch.dtype, int] = {}
-    for s in specs:
-        sizes[s.dtype] = sizes.get(s.dtype, 0) + s.nbytes // max(1, torch.empty(0, dtype=s.dtype).element_size())
-    flats = {d: torch.empty(n, dtype=d, device=device) for d, n in sizes.items()}
-    used = dict.fromkeys(sizes, 0)
-    dest = {}
-    for s in specs:
-        n = s.nbytes // torch.empty(0, dtype=s.dtype).element_size()
-        dest[s.name] = flats[s.dtype][used[s.dtype]:used[s.dtype] + n].view(s.shape)
-        used[s.dtype] += n
-    return dest
+    return flat_like(from_proto(manifest), device)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Mapping
 
@@ -72,6 +73,11 @@ class Receiver:
                       {NAMES[self.answer.backend]: 1})
 
     def close(self) -> None:
+        """Ends the transfer from another thread too: run() then fails instead of waiting on."""
+        try:
+            self.conn.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.conn.close()
 
 

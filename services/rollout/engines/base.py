@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
 from rlsync.rollout.types import Delta, GenerationRequest, MemoryUsage, PauseMode, WakeTag
+from rlsync.transfer.v1.transfer_pb2 import Answer, Offer
 
 
 class Engine(abc.ABC):
@@ -62,3 +63,34 @@ class Engine(abc.ABC):
     def not_ready(self) -> str | None:
         """Why the engine cannot generate right now (say, weights dropped by Sleep(2)), or None."""
         return None
+
+    # ---- weight updates: staged, then switched atomically ----------------------------------------
+    #: The weight version the engine serves; it tags the tokens it produces.
+    version: int = 0
+    #: The dtype the engine computes in.
+    dtype: str = ""
+
+    @abc.abstractmethod
+    def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], None]]:
+        """Names and shapes of the checkpoint tensors the engine loads (dtype: any, it casts)."""
+
+    @abc.abstractmethod
+    async def prepare_update(self, offer: Offer, receiver_id: str, force_backend: str, timeout: float) -> Answer:
+        """Picks the channel and starts receiving into staging memory; returns the answer."""
+
+    @abc.abstractmethod
+    async def finish_update(self, timeout: float) -> float:
+        """Waits for the prepared transfer to complete and verify; returns seconds waited.
+        Raises (DataLoss, Unavailable, DeadlineExceeded...) when it failed."""
+
+    @abc.abstractmethod
+    async def commit_update(self, version: int) -> None:
+        """Makes the received weights live, atomically with respect to generation."""
+
+    @abc.abstractmethod
+    async def abort_update(self) -> None:
+        """Drops a prepared update and its staging memory."""
+
+    @abc.abstractmethod
+    async def checksums(self) -> tuple[dict[str, tuple[str, tuple[int, ...], str]], str]:
+        """({name: (dtype, shape, checksum)}, what they cover) of the weights being served."""

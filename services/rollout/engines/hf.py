@@ -13,18 +13,22 @@ import dataclasses
 import gc
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import torch
 
-from rlsync.errors import EngineDead, InvalidArgument
+from rlsync.errors import EngineDead, FailedPrecondition, InvalidArgument
+from rlsync.flat import FlatStore
 from rlsync.rollout.detokenize import IncrementalText
 from rlsync.rollout.engines.base import Engine
 from rlsync.rollout.engines.hf_batch import Batch, Sequence
 from rlsync.rollout.engines.hf_weights import Weights
 from rlsync.rollout.sampling import make_generator, sample
+from rlsync.rollout.staging import StagedUpdate
+from rlsync.transfer import answer
 from rlsync.rollout.types import (Delta, FinishReason, GenerationRequest, MemoryUsage, PauseMode,
                                   WakeTag)
 
@@ -99,7 +103,9 @@ class HFEngine(Engine):
         self.vocab_size = config.vocab_size
         self.max_model_len = self.args.max_model_len or config.max_position_embeddings
         self.weights = Weights.load(self.model, self.device, self.args.dtype, self.args.attn_implementation)
+        self.dtype = str(next(iter(self.weights.specs.values()))[1]).removeprefix("torch.")
         self.batch = Batch(self.weights.model, self.device)
+        self._update: tuple[StagedUpdate, FlatStore] | None = None
 
     def _eos_ids(self, config: Any) -> set[int]:
         ids = config.eos_token_id
@@ -203,7 +209,7 @@ class HFEngine(Engine):
             finish = FinishReason.LENGTH
         if finish is not None:
             text += seq.text.flush()
-        seq.sink.put(Delta(seq.index, [token], text, logprobs, finish, detail))
+        seq.sink.put(Delta(seq.index, [token], text, logprobs, finish, detail, self.weights.version))
         return finish is not None
 
     def _end(self, seqs: list[Sequence], detail: str) -> None:
@@ -303,3 +309,44 @@ class HFEngine(Engine):
             return MemoryUsage(str(self.device), self.weights.device_bytes(), self.batch.kv_bytes(), reserved)
 
         return await self._call(read)
+
+    # ---- weight updates -------------------------------------------------------------------------
+    def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], None]]:
+        return {n: (tuple(shape), None) for n, (shape, _) in self.weights.specs.items()}
+
+    async def prepare_update(self, offer, receiver_id: str, force_backend: str, timeout: float):
+        if self.weights.store is None:
+            raise FailedPrecondition("weights are asleep: WakeUp(weights) before PrepareUpdate (the update replaces "
+                                     "them)")
+        ans = answer(offer, receiver_id, device=self.device, force=force_backend or None)
+        staging = FlatStore(self.weights.specs, self.device)  # receives in the engine's dtype (cast on arrival)
+        update = await asyncio.to_thread(StagedUpdate, offer, ans, staging.views, 0, self.device, timeout)
+        self._update = (update, staging)
+        return ans
+
+    async def finish_update(self, timeout: float) -> float:
+        update, _ = self._update
+        start = time.perf_counter()
+        await asyncio.to_thread(update.wait, timeout)
+        return time.perf_counter() - start
+
+    async def commit_update(self, version: int) -> None:
+        _, staging = self._update
+        self._update = None
+
+        def swap() -> None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.weights.swap(staging, version)
+
+        await self._call(swap)  # between two decode steps: no step sees a mix
+        self.version = version
+
+    async def abort_update(self) -> None:
+        if self._update is not None:
+            update, _ = self._update
+            self._update = None
+            await asyncio.to_thread(update.abort)
+
+    async def checksums(self):
+        return await self._call(self.weights.checksums), "live parameters"

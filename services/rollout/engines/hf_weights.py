@@ -6,34 +6,11 @@ set of buffers and become live by re-pointing the parameters (an O(1) swap betwe
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 
+from rlsync.flat import FlatStore
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class FlatStore:
-    """Named tensors packed into one contiguous buffer per dtype."""
-
-    def __init__(self, specs: dict[str, tuple[torch.Size, torch.dtype]], device: torch.device,
-                 pin: bool = False):
-        sizes: dict[torch.dtype, int] = defaultdict(int)
-        offsets = {}
-        for name, (shape, dtype) in specs.items():
-            offsets[name] = sizes[dtype]
-            sizes[dtype] += shape.numel()
-        self.buffers = {dtype: torch.empty(n, dtype=dtype, device=device, pin_memory=pin)
-                        for dtype, n in sizes.items()}
-        self.views = {name: self.buffers[dtype][offsets[name]:offsets[name] + shape.numel()].view(shape)
-                      for name, (shape, dtype) in specs.items()}
-
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
-
-    def copy_from(self, other: FlatStore) -> None:
-        for dtype, buf in self.buffers.items():
-            buf.copy_(other.buffers[dtype], non_blocking=True)
 
 
 class Weights:
@@ -49,6 +26,7 @@ class Weights:
         self.backup: FlatStore | None = None  # Sleep(level=1) on an accelerator
         self.from_checkpoint = True  # False once a weight update has replaced the checkpoint's values
         self.not_ready: str | None = None
+        self.version = 0
         self._place(self._pack(self.params))
 
     @classmethod
@@ -115,6 +93,20 @@ class Weights:
         if missing:
             raise RuntimeError(f"checkpoint {self.path} lacks {sorted(missing)[:3]}")
         return tensors
+
+    def swap(self, store: FlatStore, version: int) -> None:
+        """Makes a fully received update live: the parameters point at it (O(1)); the old store is freed."""
+        self._place(store)
+        self.backup = None
+        self.from_checkpoint = False
+        self.not_ready = None
+        self.version = version
+
+    def checksums(self) -> dict[str, tuple[str, tuple[int, ...], str]]:
+        from rlsync.transfer import checksum_tensor
+
+        return {n: (str(p.dtype).removeprefix("torch."), tuple(p.shape), checksum_tensor(p.data))
+                for n, p in self.params.items()}
 
     def release(self) -> None:
         self._place(None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,6 +17,9 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from rlsync.errors import EngineDead, InvalidArgument
+from rlsync.rollout.staging import raise_failure
+from rlsync.transfer.handshake import PREFERENCE
+from rlsync.transfer.v1 import transfer_pb2
 from rlsync.rollout.engines.base import Engine
 from rlsync.rollout.types import Delta, FinishReason, GenerationRequest, MemoryUsage, PauseMode, WakeTag
 
@@ -52,6 +56,7 @@ class VLLMEngine(Engine):
             from transformers import AutoTokenizer
             self.tokenizer = AutoTokenizer.from_pretrained(self.model)
         self.max_model_len = config.model_config.max_model_len
+        self.dtype = str(config.model_config.dtype).removeprefix("torch.")
         self.vocab_size = config.model_config.get_vocab_size()
         self.tensor_parallel_size = config.parallel_config.tensor_parallel_size
 
@@ -76,8 +81,9 @@ class VLLMEngine(Engine):
         except EngineDeadError as e:
             raise EngineDead(f"vllm engine is dead: {e}") from e
 
-    @staticmethod
-    def _deltas(out, want_logprobs: bool) -> list[Delta]:
+    def _deltas(self, out, want_logprobs: bool) -> list[Delta]:
+        # Updates switch while the engine is paused, so outputs arriving now are the live version's.
+        version = self.version
         deltas = []
         for c in out.outputs:
             logprobs = None
@@ -87,7 +93,7 @@ class VLLMEngine(Engine):
             detail = ""
             if finish is FinishReason.STOP:
                 detail = f"stop string {c.stop_reason!r}" if isinstance(c.stop_reason, str) else "end of sequence"
-            deltas.append(Delta(c.index, list(c.token_ids), c.text, logprobs, finish, detail))
+            deltas.append(Delta(c.index, list(c.token_ids), c.text, logprobs, finish, detail, version))
         return deltas
 
     async def abort(self, request_id: str) -> None:
@@ -113,3 +119,81 @@ class VLLMEngine(Engine):
         return MemoryUsage(device, sum(w["weights_bytes"] for w in per_worker),
                            sum(w["kv_cache_bytes"] for w in per_worker),
                            sum(w["reserved_bytes"] for w in per_worker))
+
+    # ---- weight updates -------------------------------------------------------------------------
+    def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], None]]:
+        from pathlib import Path
+
+        from safetensors import safe_open
+
+        out = {}
+        for f in sorted(Path(self.model).glob("*.safetensors")):
+            with safe_open(str(f), "pt") as st:
+                for name in st.keys():
+                    out[name] = (tuple(st.get_slice(name).get_shape()), None)
+        return out
+
+    async def prepare_update(self, offer, receiver_id: str, force_backend: str, timeout: float):
+        raw = offer.SerializeToString()
+        tp = self.tensor_parallel_size
+        answers = [transfer_pb2.Answer.FromString(a) for a in
+                   await self.llm.collective_rpc("rlsync_answer", args=(raw, receiver_id, tp, force_backend))]
+        if len({a.backend for a in answers}) > 1:  # workers on different GPUs: one channel that suits all
+            common = max((a.backend for a in answers), key=PREFERENCE.index)
+            from rlsync.transfer.handshake import NAMES
+            answers = [transfer_pb2.Answer.FromString(a) for a in await self.llm.collective_rpc(
+                "rlsync_answer", args=(raw, receiver_id, tp, NAMES[common]))]
+        ans = answers[0]
+        await self.llm.collective_rpc("rlsync_begin", args=(raw, ans.SerializeToString(), timeout))
+        return ans
+
+    async def finish_update(self, timeout: float) -> float:
+        # Poll instead of one blocking call: a worker blocked in an RPC would stall generation.
+        start = time.perf_counter()
+        while True:
+            states = await self.llm.collective_rpc("rlsync_poll")
+            if all(s["state"] != "running" for s in states):
+                for s in states:
+                    raise_failure(s)
+                return time.perf_counter() - start
+            if time.perf_counter() - start > timeout:
+                await self.abort_update()
+                from rlsync.errors import DeadlineExceeded
+                raise DeadlineExceeded(f"weight transfer did not finish within {timeout:.0f}s")
+            await asyncio.sleep(0.005)
+
+    async def commit_update(self, version: int) -> None:
+        was_paused = await self.llm.is_paused()
+        if not was_paused:  # freeze requests in place; they continue on the new weights
+            await self.llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            await self.llm.collective_rpc("rlsync_commit")
+            await self.llm.reset_prefix_cache()
+            await self.llm.update_weight_version(str(version))
+            self.version = version
+        finally:
+            if not was_paused:
+                await self.llm.resume_generation()
+
+    async def abort_update(self) -> None:
+        await self.llm.collective_rpc("rlsync_abort")
+
+    async def checksums(self):
+        applied = (await self.llm.collective_rpc("rlsync_applied"))[0]
+        if applied is None:  # still the checkpoint it started from
+            return await asyncio.to_thread(_checkpoint_checksums, self.model), "checkpoint loaded at start"
+        return {n: (d, tuple(s), c) for n, (d, s, c) in applied.items()}, "tensors applied by the last commit"
+
+
+def _checkpoint_checksums(model: str) -> dict[str, tuple[str, tuple[int, ...], str]]:
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from rlsync.transfer import checksum_tensor
+
+    out = {}
+    for f in sorted(Path(model).glob("*.safetensors")):
+        for n, t in load_file(f).items():
+            out[n] = (str(t.dtype).removeprefix("torch."), tuple(t.shape), checksum_tensor(t))
+    return out

@@ -1,7 +1,9 @@
 """rlsync's vLLM worker extension: methods vLLM mixes into each worker, reached with collective_rpc.
 
-Registered through vLLM's public `worker_extension_cls` engine argument; arguments and results are
-plain ints, strings and dicts (tensors do not cross the engine's process boundary).
+Registered through vLLM's public `worker_extension_cls` engine argument. Arguments and results are
+plain ints, strings, bytes and dicts (tensors do not cross the engine's process boundary): each
+worker receives the weights itself, straight from the trainer, into its own staging memory, and
+loads them through the worker's reload path at commit.
 """
 
 from __future__ import annotations
@@ -10,9 +12,20 @@ from typing import Any
 
 import torch
 
+from rlsync.flat import flat_like
+from rlsync.rollout.staging import StagedUpdate
+from rlsync.transfer import answer, checksum_tensor, from_proto
+from rlsync.transfer.v1 import transfer_pb2 as pb
+
+
+def _offer(raw: bytes) -> pb.Offer:
+    offer = pb.Offer()
+    offer.ParseFromString(raw)
+    return offer
+
 
 class RlsyncWorkerExtension:
-    """Mixed into vLLM's Worker class: `self` is the worker (self.model_runner, self.device, ...)."""
+    """Mixed into vLLM's Worker class: `self` is the worker (self.model_runner, self.device, self.rank...)."""
 
     def rlsync_memory(self) -> dict[str, Any]:
         model = self.model_runner.get_model()
@@ -24,3 +37,43 @@ class RlsyncWorkerExtension:
         device = next(model.parameters()).device
         reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
         return {"device": str(device), "weights_bytes": weights, "kv_cache_bytes": kv, "reserved_bytes": reserved}
+
+    def _rlsync_device(self) -> torch.device:
+        return next(self.model_runner.get_model().parameters()).device
+
+    def rlsync_answer(self, offer: bytes, receiver_id: str, ranks: int, force: str) -> bytes:
+        """This worker's choice of channel (its own device decides: same GPU as the trainer or not)."""
+        ans = answer(_offer(offer), receiver_id, device=self._rlsync_device(), ranks=ranks, force=force or None)
+        return ans.SerializeToString()
+
+    def rlsync_begin(self, offer: bytes, answer_bytes: bytes, timeout: float) -> None:
+        """Starts receiving the whole checkpoint into staging memory, in the background."""
+        o = _offer(offer)
+        ans = pb.Answer()
+        ans.ParseFromString(answer_bytes)
+        device = self._rlsync_device()
+        staging = flat_like(from_proto(o.manifest), device)
+        self._rlsync_update = StagedUpdate(o, ans, staging, self.rank, device, timeout)
+
+    def rlsync_poll(self) -> dict:
+        update = getattr(self, "_rlsync_update", None)
+        return update.poll() if update is not None else {"state": "none"}
+
+    def rlsync_commit(self) -> None:
+        """Loads the received tensors through vLLM's reload path, and remembers their checksums
+        (vLLM's CPU build prepacks linear weights, so the live ones cannot be read back)."""
+        update = self._rlsync_update
+        self._rlsync_update = None
+        staging = update.staging
+        self.reload_weights(weights_iterator=iter(staging.items()))
+        self._rlsync_applied = {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape), checksum_tensor(t))
+                                for n, t in staging.items()}
+
+    def rlsync_abort(self) -> None:
+        update = getattr(self, "_rlsync_update", None)
+        self._rlsync_update = None
+        if update is not None:
+            update.abort()
+
+    def rlsync_applied(self) -> dict | None:
+        return getattr(self, "_rlsync_applied", None)

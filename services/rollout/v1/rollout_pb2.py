@@ -23,47 +23,61 @@ _sym_db = _symbol_database.Default()
 
 
 from rlsync.common.v1 import generate_pb2 as rlsync_dot_common_dot_v1_dot_generate__pb2
+from rlsync.common.v1 import weights_pb2 as rlsync_dot_common_dot_v1_dot_weights__pb2
+from rlsync.transfer.v1 import transfer_pb2 as rlsync_dot_transfer_dot_v1_dot_transfer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frlsync/rollout/v1/rollout.proto\x12\x11rlsync.rollout.v1\x1a\x1frlsync/common/v1/generate.proto\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\":\n\x0cPauseRequest\x12*\n\x04mode\x18\x01 \x01(\x0e\x32\x1c.rlsync.rollout.v1.PauseMode\"3\n\rPauseResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x05\x12\x11\n\tin_flight\x18\x02 \x01(\x05\"\x0f\n\rResumeRequest\"\x10\n\x0eResumeResponse\"\x1d\n\x0cSleepRequest\x12\r\n\x05level\x18\x01 \x01(\x05\"P\n\rSleepResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x05\x12.\n\x06memory\x18\x02 \x01(\x0b\x32\x1e.rlsync.rollout.v1.MemoryUsage\"9\n\rWakeUpRequest\x12(\n\x04tags\x18\x01 \x03(\x0e\x32\x1a.rlsync.rollout.v1.WakeTag\"@\n\x0eWakeUpResponse\x12.\n\x06memory\x18\x01 \x01(\x0b\x32\x1e.rlsync.rollout.v1.MemoryUsage\"\x10\n\x0eGetInfoRequest\"k\n\x0bMemoryUsage\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x15\n\rweights_bytes\x18\x02 \x01(\x03\x12\x16\n\x0ekv_cache_bytes\x18\x03 \x01(\x03\x12\x1d\n\x15\x64\x65vice_reserved_bytes\x18\x04 \x01(\x03\"\xc0\x02\n\x0bRolloutInfo\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12.\n\x05state\x18\x04 \x01(\x0e\x32\x1f.rlsync.rollout.v1.ServingState\x12\x11\n\tin_flight\x18\x05 \x01(\x05\x12*\n\x06\x61sleep\x18\x06 \x03(\x0e\x32\x1a.rlsync.rollout.v1.WakeTag\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\x05\x12\x12\n\nreplica_id\x18\t \x01(\t\x12.\n\x06memory\x18\n \x01(\x0b\x32\x1e.rlsync.rollout.v1.MemoryUsage\x12\x12\n\nvocab_size\x18\x0b \x01(\x05*g\n\tPauseMode\x12\x1a\n\x16PAUSE_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10PAUSE_MODE_ABORT\x10\x01\x12\x13\n\x0fPAUSE_MODE_KEEP\x10\x02\x12\x13\n\x0fPAUSE_MODE_WAIT\x10\x03*P\n\x07WakeTag\x12\x18\n\x14WAKE_TAG_UNSPECIFIED\x10\x00\x12\x14\n\x10WAKE_TAG_WEIGHTS\x10\x01\x12\x15\n\x11WAKE_TAG_KV_CACHE\x10\x02*~\n\x0cServingState\x12\x1d\n\x19SERVING_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15SERVING_STATE_SERVING\x10\x01\x12\x18\n\x14SERVING_STATE_PAUSED\x10\x02\x12\x1a\n\x16SERVING_STATE_SLEEPING\x10\x03\x32\xb2\x04\n\x0eRolloutService\x12P\n\x08Generate\x12!.rlsync.common.v1.GenerateRequest\x1a\x1f.rlsync.common.v1.GenerateChunk0\x01\x12J\n\x05\x41\x62ort\x12\x1f.rlsync.rollout.v1.AbortRequest\x1a .rlsync.rollout.v1.AbortResponse\x12J\n\x05Pause\x12\x1f.rlsync.rollout.v1.PauseRequest\x1a .rlsync.rollout.v1.PauseResponse\x12M\n\x06Resume\x12 .rlsync.rollout.v1.ResumeRequest\x1a!.rlsync.rollout.v1.ResumeResponse\x12J\n\x05Sleep\x12\x1f.rlsync.rollout.v1.SleepRequest\x1a .rlsync.rollout.v1.SleepResponse\x12M\n\x06WakeUp\x12 .rlsync.rollout.v1.WakeUpRequest\x1a!.rlsync.rollout.v1.WakeUpResponse\x12L\n\x07GetInfo\x12!.rlsync.rollout.v1.GetInfoRequest\x1a\x1e.rlsync.rollout.v1.RolloutInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frlsync/rollout/v1/rollout.proto\x12\x11rlsync.rollout.v1\x1a\x1frlsync/common/v1/generate.proto\x1a\x1erlsync/common/v1/weights.proto\x1a!rlsync/transfer/v1/transfer.proto\"w\n\x14PrepareUpdateRequest\x12(\n\x05offer\x18\x01 \x01(\x0b\x32\x19.rlsync.transfer.v1.Offer\x12\x15\n\rforce_backend\x18\x02 \x01(\t\x12\x0f\n\x07timeout\x18\x03 \x01(\x01\x12\r\n\x05\x66orce\x18\x04 \x01(\x08\"C\n\x15PrepareUpdateResponse\x12*\n\x06\x61nswer\x18\x01 \x01(\x0b\x32\x1a.rlsync.transfer.v1.Answer\"F\n\x13\x43ommitUpdateRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\x12\x0f\n\x07timeout\x18\x03 \x01(\x01\"f\n\x14\x43ommitUpdateResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\x12\x16\n\x0eswitch_seconds\x18\x03 \x01(\x01\x12\x0f\n\x07\x63hanged\x18\x04 \x01(\x08\"\x14\n\x12\x41\x62ortUpdateRequest\"&\n\x13\x41\x62ortUpdateResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\":\n\x0cPauseRequest\x12*\n\x04mode\x18\x01 \x01(\x0e\x32\x1c.rlsync.rollout.v1.PauseMode\"3\n\rPauseResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x05\x12\x11\n\tin_flight\x18\x02 \x01(\x05\"\x0f\n\rResumeRequest\"\x10\n\x0eResumeResponse\"\x1d\n\x0cSleepRequest\x12\r\n\x05level\x18\x01 \x01(\x05\"P\n\rSleepResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x05\x12.\n\x06memory\x18\x02 \x01(\x0b\x32\x1e.rlsync.rollout.v1.MemoryUsage\"9\n\rWakeUpRequest\x12(\n\x04tags\x18\x01 \x03(\x0e\x32\x1a.rlsync.rollout.v1.WakeTag\"@\n\x0eWakeUpResponse\x12.\n\x06memory\x18\x01 \x01(\x0b\x32\x1e.rlsync.rollout.v1.MemoryUsage\"\x10\n\x0eGetInfoRequest\"k\n\x0bMemoryUsage\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x15\n\rweights_bytes\x18\x02 \x01(\x03\x12\x16\n\x0ekv_cache_bytes\x18\x03 \x01(\x03\x12\x1d\n\x15\x64\x65vice_reserved_bytes\x18\x04 \x01(\x03\"\xe8\x02\n\x0bRolloutInfo\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12.\n\x05state\x18\x04 \x01(\x0e\x32\x1f.rlsync.rollout.v1.ServingState\x12\x11\n\tin_flight\x18\x05 \x01(\x05\x12*\n\x06\x61sleep\x18\x06 \x03(\x0e\x32\x1a.rlsync.rollout.v1.WakeTag\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\x05\x12\x12\n\nreplica_id\x18\t \x01(\t\x12.\n\x06memory\x18\n \x01(\x0b\x32\x1e.rlsync.rollout.v1.MemoryUsage\x12\x12\n\nvocab_size\x18\x0b \x01(\x05\x12\x17\n\x0fpending_version\x18\x0c \x01(\x03\x12\r\n\x05\x64type\x18\r \x01(\t*g\n\tPauseMode\x12\x1a\n\x16PAUSE_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10PAUSE_MODE_ABORT\x10\x01\x12\x13\n\x0fPAUSE_MODE_KEEP\x10\x02\x12\x13\n\x0fPAUSE_MODE_WAIT\x10\x03*P\n\x07WakeTag\x12\x18\n\x14WAKE_TAG_UNSPECIFIED\x10\x00\x12\x14\n\x10WAKE_TAG_WEIGHTS\x10\x01\x12\x15\n\x11WAKE_TAG_KV_CACHE\x10\x02*~\n\x0cServingState\x12\x1d\n\x19SERVING_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15SERVING_STATE_SERVING\x10\x01\x12\x18\n\x14SERVING_STATE_PAUSED\x10\x02\x12\x1a\n\x16SERVING_STATE_SLEEPING\x10\x03\x32\xbb\x07\n\x0eRolloutService\x12P\n\x08Generate\x12!.rlsync.common.v1.GenerateRequest\x1a\x1f.rlsync.common.v1.GenerateChunk0\x01\x12J\n\x05\x41\x62ort\x12\x1f.rlsync.rollout.v1.AbortRequest\x1a .rlsync.rollout.v1.AbortResponse\x12J\n\x05Pause\x12\x1f.rlsync.rollout.v1.PauseRequest\x1a .rlsync.rollout.v1.PauseResponse\x12M\n\x06Resume\x12 .rlsync.rollout.v1.ResumeRequest\x1a!.rlsync.rollout.v1.ResumeResponse\x12J\n\x05Sleep\x12\x1f.rlsync.rollout.v1.SleepRequest\x1a .rlsync.rollout.v1.SleepResponse\x12M\n\x06WakeUp\x12 .rlsync.rollout.v1.WakeUpRequest\x1a!.rlsync.rollout.v1.WakeUpResponse\x12L\n\x07GetInfo\x12!.rlsync.rollout.v1.GetInfoRequest\x1a\x1e.rlsync.rollout.v1.RolloutInfo\x12\x62\n\rPrepareUpdate\x12\'.rlsync.rollout.v1.PrepareUpdateRequest\x1a(.rlsync.rollout.v1.PrepareUpdateResponse\x12_\n\x0c\x43ommitUpdate\x12&.rlsync.rollout.v1.CommitUpdateRequest\x1a\'.rlsync.rollout.v1.CommitUpdateResponse\x12\\\n\x0b\x41\x62ortUpdate\x12%.rlsync.rollout.v1.AbortUpdateRequest\x1a&.rlsync.rollout.v1.AbortUpdateResponse\x12\x64\n\x12GetWeightChecksums\x12+.rlsync.common.v1.GetWeightChecksumsRequest\x1a!.rlsync.common.v1.WeightChecksumsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlsync.rollout.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PAUSEMODE']._serialized_start=976
-  _globals['_PAUSEMODE']._serialized_end=1079
-  _globals['_WAKETAG']._serialized_start=1081
-  _globals['_WAKETAG']._serialized_end=1161
-  _globals['_SERVINGSTATE']._serialized_start=1163
-  _globals['_SERVINGSTATE']._serialized_end=1289
-  _globals['_ABORTREQUEST']._serialized_start=87
-  _globals['_ABORTREQUEST']._serialized_end=121
-  _globals['_ABORTRESPONSE']._serialized_start=123
-  _globals['_ABORTRESPONSE']._serialized_end=138
-  _globals['_PAUSEREQUEST']._serialized_start=140
-  _globals['_PAUSEREQUEST']._serialized_end=198
-  _globals['_PAUSERESPONSE']._serialized_start=200
-  _globals['_PAUSERESPONSE']._serialized_end=251
-  _globals['_RESUMEREQUEST']._serialized_start=253
-  _globals['_RESUMEREQUEST']._serialized_end=268
-  _globals['_RESUMERESPONSE']._serialized_start=270
-  _globals['_RESUMERESPONSE']._serialized_end=286
-  _globals['_SLEEPREQUEST']._serialized_start=288
-  _globals['_SLEEPREQUEST']._serialized_end=317
-  _globals['_SLEEPRESPONSE']._serialized_start=319
-  _globals['_SLEEPRESPONSE']._serialized_end=399
-  _globals['_WAKEUPREQUEST']._serialized_start=401
-  _globals['_WAKEUPREQUEST']._serialized_end=458
-  _globals['_WAKEUPRESPONSE']._serialized_start=460
-  _globals['_WAKEUPRESPONSE']._serialized_end=524
-  _globals['_GETINFOREQUEST']._serialized_start=526
-  _globals['_GETINFOREQUEST']._serialized_end=542
-  _globals['_MEMORYUSAGE']._serialized_start=544
-  _globals['_MEMORYUSAGE']._serialized_end=651
-  _globals['_ROLLOUTINFO']._serialized_start=654
-  _globals['_ROLLOUTINFO']._serialized_end=974
-  _globals['_ROLLOUTSERVICE']._serialized_start=1292
-  _globals['_ROLLOUTSERVICE']._serialized_end=1854
+  _globals['_PAUSEMODE']._serialized_start=1511
+  _globals['_PAUSEMODE']._serialized_end=1614
+  _globals['_WAKETAG']._serialized_start=1616
+  _globals['_WAKETAG']._serialized_end=1696
+  _globals['_SERVINGSTATE']._serialized_start=1698
+  _globals['_SERVINGSTATE']._serialized_end=1824
+  _globals['_PREPAREUPDATEREQUEST']._serialized_start=154
+  _globals['_PREPAREUPDATEREQUEST']._serialized_end=273
+  _globals['_PREPAREUPDATERESPONSE']._serialized_start=275
+  _globals['_PREPAREUPDATERESPONSE']._serialized_end=342
+  _globals['_COMMITUPDATEREQUEST']._serialized_start=344
+  _globals['_COMMITUPDATEREQUEST']._serialized_end=414
+  _globals['_COMMITUPDATERESPONSE']._serialized_start=416
+  _globals['_COMMITUPDATERESPONSE']._serialized_end=518
+  _globals['_ABORTUPDATEREQUEST']._serialized_start=520
+  _globals['_ABORTUPDATEREQUEST']._serialized_end=540
+  _globals['_ABORTUPDATERESPONSE']._serialized_start=542
+  _globals['_ABORTUPDATERESPONSE']._serialized_end=580
+  _globals['_ABORTREQUEST']._serialized_start=582
+  _globals['_ABORTREQUEST']._serialized_end=616
+  _globals['_ABORTRESPONSE']._serialized_start=618
+  _globals['_ABORTRESPONSE']._serialized_end=633
+  _globals['_PAUSEREQUEST']._serialized_start=635
+  _globals['_PAUSEREQUEST']._serialized_end=693
+  _globals['_PAUSERESPONSE']._serialized_start=695
+  _globals['_PAUSERESPONSE']._serialized_end=746
+  _globals['_RESUMEREQUEST']._serialized_start=748
+  _globals['_RESUMEREQUEST']._serialized_end=763
+  _globals['_RESUMERESPONSE']._serialized_start=765
+  _globals['_RESUMERESPONSE']._serialized_end=781
+  _globals['_SLEEPREQUEST']._serialized_start=783
+  _globals['_SLEEPREQUEST']._serialized_end=812
+  _globals['_SLEEPRESPONSE']._serialized_start=814
+  _globals['_SLEEPRESPONSE']._serialized_end=894
+  _globals['_WAKEUPREQUEST']._serialized_start=896
+  _globals['_WAKEUPREQUEST']._serialized_end=953
+  _globals['_WAKEUPRESPONSE']._serialized_start=955
+  _globals['_WAKEUPRESPONSE']._serialized_end=1019
+  _globals['_GETINFOREQUEST']._serialized_start=1021
+  _globals['_GETINFOREQUEST']._serialized_end=1037
+  _globals['_MEMORYUSAGE']._serialized_start=1039
+  _globals['_MEMORYUSAGE']._serialized_end=1146
+  _globals['_ROLLOUTINFO']._serialized_start=1149
+  _globals['_ROLLOUTINFO']._serialized_end=1509
+  _globals['_ROLLOUTSERVICE']._serialized_start=1827
+  _globals['_ROLLOUTSERVICE']._serialized_end=2782
 # @@protoc_insertion_point(module_scope)

@@ -1,4 +1,6 @@
 from rlsync.common.v1 import generate_pb2 as _generate_pb2
+from rlsync.common.v1 import weights_pb2 as _weights_pb2
+from rlsync.transfer.v1 import transfer_pb2 as _transfer_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -38,6 +40,56 @@ SERVING_STATE_UNSPECIFIED: ServingState
 SERVING_STATE_SERVING: ServingState
 SERVING_STATE_PAUSED: ServingState
 SERVING_STATE_SLEEPING: ServingState
+
+class PrepareUpdateRequest(_message.Message):
+    __slots__ = ("offer", "force_backend", "timeout", "force")
+    OFFER_FIELD_NUMBER: _ClassVar[int]
+    FORCE_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    offer: _transfer_pb2.Offer
+    force_backend: str
+    timeout: float
+    force: bool
+    def __init__(self, offer: _Optional[_Union[_transfer_pb2.Offer, _Mapping]] = ..., force_backend: _Optional[str] = ..., timeout: _Optional[float] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class PrepareUpdateResponse(_message.Message):
+    __slots__ = ("answer",)
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    answer: _transfer_pb2.Answer
+    def __init__(self, answer: _Optional[_Union[_transfer_pb2.Answer, _Mapping]] = ...) -> None: ...
+
+class CommitUpdateRequest(_message.Message):
+    __slots__ = ("version", "force", "timeout")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    force: bool
+    timeout: float
+    def __init__(self, version: _Optional[int] = ..., force: _Optional[bool] = ..., timeout: _Optional[float] = ...) -> None: ...
+
+class CommitUpdateResponse(_message.Message):
+    __slots__ = ("version", "wait_seconds", "switch_seconds", "changed")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    wait_seconds: float
+    switch_seconds: float
+    changed: bool
+    def __init__(self, version: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., switch_seconds: _Optional[float] = ..., changed: _Optional[bool] = ...) -> None: ...
+
+class AbortUpdateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AbortUpdateResponse(_message.Message):
+    __slots__ = ("aborted",)
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    aborted: bool
+    def __init__(self, aborted: _Optional[bool] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -114,7 +166,7 @@ class MemoryUsage(_message.Message):
     def __init__(self, device: _Optional[str] = ..., weights_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., device_reserved_bytes: _Optional[int] = ...) -> None: ...
 
 class RolloutInfo(_message.Message):
-    __slots__ = ("engine", "model", "weight_version", "state", "in_flight", "asleep", "max_model_len", "tensor_parallel_size", "replica_id", "memory", "vocab_size")
+    __slots__ = ("engine", "model", "weight_version", "state", "in_flight", "asleep", "max_model_len", "tensor_parallel_size", "replica_id", "memory", "vocab_size", "pending_version", "dtype")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +178,8 @@ class RolloutInfo(_message.Message):
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PENDING_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     engine: str
     model: str
     weight_version: int
@@ -137,4 +191,6 @@ class RolloutInfo(_message.Message):
     replica_id: str
     memory: MemoryUsage
     vocab_size: int
-    def __init__(self, engine: _Optional[str] = ..., model: _Optional[str] = ..., weight_version: _Optional[int] = ..., state: _Optional[_Union[ServingState, str]] = ..., in_flight: _Optional[int] = ..., asleep: _Optional[_Iterable[_Union[WakeTag, str]]] = ..., max_model_len: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., replica_id: _Optional[str] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    pending_version: int
+    dtype: str
+    def __init__(self, engine: _Optional[str] = ..., model: _Optional[str] = ..., weight_version: _Optional[int] = ..., state: _Optional[_Union[ServingState, str]] = ..., in_flight: _Optional[int] = ..., asleep: _Optional[_Iterable[_Union[WakeTag, str]]] = ..., max_model_len: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., replica_id: _Optional[str] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ..., vocab_size: _Optional[int] = ..., pending_version: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from rlsync.common.v1 import generate_pb2 as rlsync_dot_common_dot_v1_dot_generate__pb2
+from rlsync.common.v1 import weights_pb2 as rlsync_dot_common_dot_v1_dot_weights__pb2
 from rlsync.rollout.v1 import rollout_pb2 as rlsync_dot_rollout_dot_v1_dot_rollout__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -70,6 +71,26 @@ class RolloutServiceStub:
                 request_serializer=rlsync_dot_rollout_dot_v1_dot_rollout__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=rlsync_dot_rollout_dot_v1_dot_rollout__pb2.RolloutInfo.FromString,
                 _registered_method=True)
+        self.PrepareUpdate = channel.unary_unary(
+                '/rlsync.rollout.v1.RolloutService/PrepareUpdate',
+                request_serializer=rlsync_dot_rollout_dot_v1_dot_rollout__pb2.PrepareUpdateRequest.SerializeToString,
+                response_deserializer=rlsync_dot_rollout_dot_v1_dot_rollout__pb2.PrepareUpdateResponse.FromString,
+                _registered_method=True)
+        self.CommitUpdate = channel.unary_unary(
+                '/rlsync.rollout.v1.RolloutService/CommitUpdate',
+                request_serializer=rlsync_dot_rollout_dot_v1_dot_rollout__pb2.CommitUpdateRequest.SerializeToString,
+                response_deserializer=rlsync_dot_rollout_dot_v1_dot_rollout__pb2.CommitUpdateResponse.FromString,
+                _registered_method=True)
+        self.AbortUpdate = channel.unary_unary(
+                '/rlsync.rollout.v1.RolloutService/AbortUpdate',
+                request_serializer=rlsync_dot_rollout_dot_v1_dot_rollout__pb2.AbortUpdateRequest.SerializeToString,
+                response_deserializer=rlsync_dot_rollout_dot_v1_dot_rollout__pb2.AbortUpdateResponse.FromString,
+                _registered_method=True)
+        self.GetWeightChecksums = channel.unary_unary(
+                '/rlsync.rollout.v1.RolloutService/GetWeightChecksums',
+                request_serializer=rlsync_dot_common_dot_v1_dot_weights__pb2.GetWeightChecksumsRequest.SerializeToString,
+                response_deserializer=rlsync_dot_common_dot_v1_dot_weights__pb2.WeightChecksums.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -122,6 +143,37 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareUpdate(self, request, context):
+        """Weight update, step 1: checks the offer's manifest against the engine (refused before anything
+        is written), picks the channel, and starts receiving into staging memory. Returns the answer
+        the trainer needs. The engine keeps serving its current version meanwhile.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitUpdate(self, request, context):
+        """Step 2: waits for the bytes, then switches atomically: tokens after it carry the new version.
+        A failed transfer leaves the current version serving and says why.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortUpdate(self, request, context):
+        """Drops a prepared update (its staging memory) without switching.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetWeightChecksums(self, request, context):
+        """Per-tensor checksums of the weights being served (audit).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -159,6 +211,26 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=rlsync_dot_rollout_dot_v1_dot_rollout__pb2.GetInfoRequest.FromString,
                     response_serializer=rlsync_dot_rollout_dot_v1_dot_rollout__pb2.RolloutInfo.SerializeToString,
+            ),
+            'PrepareUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareUpdate,
+                    request_deserializer=rlsync_dot_rollout_dot_v1_dot_rollout__pb2.PrepareUpdateRequest.FromString,
+                    response_serializer=rlsync_dot_rollout_dot_v1_dot_rollout__pb2.PrepareUpdateResponse.SerializeToString,
+            ),
+            'CommitUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitUpdate,
+                    request_deserializer=rlsync_dot_rollout_dot_v1_dot_rollout__pb2.CommitUpdateRequest.FromString,
+                    response_serializer=rlsync_dot_rollout_dot_v1_dot_rollout__pb2.CommitUpdateResponse.SerializeToString,
+            ),
+            'AbortUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortUpdate,
+                    request_deserializer=rlsync_dot_rollout_dot_v1_dot_rollout__pb2.AbortUpdateRequest.FromString,
+                    response_serializer=rlsync_dot_rollout_dot_v1_dot_rollout__pb2.AbortUpdateResponse.SerializeToString,
+            ),
+            'GetWeightChecksums': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetWeightChecksums,
+                    request_deserializer=rlsync_dot_common_dot_v1_dot_weights__pb2.GetWeightChecksumsRequest.FromString,
+                    response_serializer=rlsync_dot_common_dot_v1_dot_weights__pb2.WeightChecksums.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -350,6 +422,114 @@ class RolloutService:
             '/rlsync.rollout.v1.RolloutService/GetInfo',
             rlsync_dot_rollout_dot_v1_dot_rollout__pb2.GetInfoRequest.SerializeToString,
             rlsync_dot_rollout_dot_v1_dot_rollout__pb2.RolloutInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlsync.rollout.v1.RolloutService/PrepareUpdate',
+            rlsync_dot_rollout_dot_v1_dot_rollout__pb2.PrepareUpdateRequest.SerializeToString,
+            rlsync_dot_rollout_dot_v1_dot_rollout__pb2.PrepareUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlsync.rollout.v1.RolloutService/CommitUpdate',
+            rlsync_dot_rollout_dot_v1_dot_rollout__pb2.CommitUpdateRequest.SerializeToString,
+            rlsync_dot_rollout_dot_v1_dot_rollout__pb2.CommitUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlsync.rollout.v1.RolloutService/AbortUpdate',
+            rlsync_dot_rollout_dot_v1_dot_rollout__pb2.AbortUpdateRequest.SerializeToString,
+            rlsync_dot_rollout_dot_v1_dot_rollout__pb2.AbortUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetWeightChecksums(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlsync.rollout.v1.RolloutService/GetWeightChecksums',
+            rlsync_dot_common_dot_v1_dot_weights__pb2.GetWeightChecksumsRequest.SerializeToString,
+            rlsync_dot_common_dot_v1_dot_weights__pb2.WeightChecksums.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,61 @@
+"""Pushing the trainer's weights into rollout replicas: offer -> prepare on every replica ->
+publish -> commit on every replica. The coordinator wraps this in its sync sequences; scripts
+and tests can call it directly."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from rlsync.client.rollout import AsyncRolloutClient, RolloutClient
+from rlsync.client.trainer import AsyncTrainerClient, TrainerClient
+
+
+@dataclass
+class PushReport:
+    version: int
+    bytes: int
+    backends: dict[str, int]
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase
+
+
+def push_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version: int | None = None,
+                 force_backend: str = "", timeout: float = 0) -> PushReport:
+    phases, t = {}, time.perf_counter()
+    offer = trainer.offer_weights(version)
+    answers = [r.prepare_update(offer, force_backend, timeout).answer for r in rollouts]
+    phases["prepare"], t = time.perf_counter() - t, time.perf_counter()
+    try:
+        pub = trainer.publish_weights(offer.transfer_id, answers, timeout)
+    except Exception:
+        for r in rollouts:
+            r.abort_update()
+        raise
+    phases["transfer"], t = time.perf_counter() - t, time.perf_counter()
+    for r in rollouts:
+        r.commit_update(offer.manifest.version, timeout=timeout)
+    phases["commit"] = time.perf_counter() - t
+    return PushReport(pub.version, pub.bytes, dict(pub.backends), phases)
+
+
+async def push_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncRolloutClient],
+                             version: int | None = None, force_backend: str = "", timeout: float = 0) -> PushReport:
+    phases, t = {}, time.perf_counter()
+    offer = await trainer.offer_weights(version)
+    prepared = await asyncio.gather(*(r.prepare_update(offer, force_backend, timeout) for r in rollouts),
+                                    return_exceptions=True)
+    failed = [p for p in prepared if isinstance(p, BaseException)]
+    if failed:
+        await asyncio.gather(*(r.abort_update() for r in rollouts), return_exceptions=True)
+        raise failed[0]
+    phases["prepare"], t = time.perf_counter() - t, time.perf_counter()
+    try:
+        pub = await trainer.publish_weights(offer.transfer_id, [p.answer for p in prepared], timeout)
+    except Exception:
+        await asyncio.gather(*(r.abort_update() for r in rollouts), return_exceptions=True)
+        raise
+    phases["transfer"], t = time.perf_counter() - t, time.perf_counter()
+    await asyncio.gather(*(r.commit_update(offer.manifest.version, timeout=timeout) for r in rollouts))
+    phases["commit"] = time.perf_counter() - t
+    return PushReport(pub.version, pub.bytes, dict(pub.backends), phases)

@@ -1,0 +1,26 @@
+"""Weight audits: per-tensor checksums as protobuf, and comparing two of them."""
+
+from __future__ import annotations
+
+from rlsync.common.v1 import weights_pb2 as pb
+
+
+def to_proto(version: int, sums: dict[str, tuple[str, tuple[int, ...], str]], source: str) -> pb.WeightChecksums:
+    """sums: {name: (dtype, shape, checksum)}."""
+    return pb.WeightChecksums(version=version, source=source, tensors=[
+        pb.TensorChecksum(name=n, dtype=d, shape=list(s), checksum=c) for n, (d, s, c) in sums.items()])
+
+
+def differences(expected: pb.WeightChecksums, actual: pb.WeightChecksums) -> list[str]:
+    """What differs between two audits ([] means the same weights, tensor for tensor)."""
+    want = {t.name: t for t in expected.tensors}
+    got = {t.name: t for t in actual.tensors}
+    out = [f"missing {n!r}" for n in sorted(set(want) - set(got))]
+    out += [f"unexpected {n!r}" for n in sorted(set(got) - set(want))]
+    for name in sorted(set(want) & set(got)):
+        a, b = want[name], got[name]
+        if a.dtype != b.dtype:
+            out.append(f"{name!r}: dtype {a.dtype} vs {b.dtype} (ask the trainer for dtype={b.dtype!r})")
+        elif a.checksum != b.checksum:
+            out.append(f"{name!r}: checksum {a.checksum} vs {b.checksum}")
+    return out

@@ -1,0 +1,48 @@
+"""Named tensors packed into one contiguous buffer per dtype ("flat storage").
+
+The trainer keeps its parameters this way (a colocated receiver maps them in one piece and copies
+once), and the hf engine too (sleep/wake is one copy per dtype; an update lands in a second store
+and goes live by re-pointing the parameters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+Allocator = Callable[[int, torch.dtype], torch.Tensor]  # (numel, dtype) -> 1-D tensor
+
+
+class FlatStore:
+    def __init__(self, specs: dict[str, tuple[torch.Size, torch.dtype]], device: torch.device | str = "cpu",
+                 pin: bool = False, allocate: Allocator | None = None):
+        sizes: dict[torch.dtype, int] = {}
+        offsets = {}
+        for name, (shape, dtype) in specs.items():
+            offsets[name] = sizes.get(dtype, 0)
+            sizes[dtype] = offsets[name] + torch.Size(shape).numel()
+        if allocate is None:
+            def allocate(n: int, dtype: torch.dtype) -> torch.Tensor:
+                return torch.empty(n, dtype=dtype, device=device, pin_memory=pin)
+        self.buffers = {dtype: allocate(n, dtype) for dtype, n in sizes.items()}
+        self.views = {name: self.buffers[dtype][offsets[name]:offsets[name] + torch.Size(shape).numel()].view(shape)
+                      for name, (shape, dtype) in specs.items()}
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+    def copy_from(self, other: FlatStore) -> None:
+        for dtype, buf in self.buffers.items():
+            buf.copy_(other.buffers[dtype], non_blocking=True)
+
+
+def specs_of(params: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    return {n: (p.shape, p.dtype) for n, p in params.items()}
+
+
+def flat_like(specs, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Empty tensors for manifest specs (name, dtype, shape), packed into one buffer per dtype:
+    how an engine keeps weights, and what lets a one-copy transfer land in a single copy."""
+    store = FlatStore({s.name: (torch.Size(s.shape), s.dtype) for s in specs}, device)
+    return store.views

@@ -1,0 +1,69 @@
+"""A weight update received in the background into staging tensors, so the engine keeps serving
+its current weights until the new ones are complete and verified (used by both engines)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+import torch
+
+from rlsync.errors import Aborted, DeadlineExceeded, RlsyncError
+from rlsync.transfer import Receiver, Report
+from rlsync.transfer.v1 import transfer_pb2 as pb
+
+
+class StagedUpdate:
+    def __init__(self, offer: pb.Offer, answer: pb.Answer, staging: dict[str, torch.Tensor], rank: int,
+                 device: torch.device, timeout: float, expected=None):
+        self.version = offer.manifest.version
+        self.staging = staging
+        self.receiver = Receiver(offer, answer, staging, rank=rank, device=device, timeout=timeout,
+                                 expected=expected)
+        self.future: concurrent.futures.Future[Report] = concurrent.futures.Future()
+        self.started = time.perf_counter()
+        threading.Thread(target=self._run, name=f"rlsync-update-v{self.version}", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self.future.set_result(self.receiver.run())
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            self.future.set_exception(e)
+
+    def poll(self) -> dict:
+        """Plain data for callers across a process boundary (vLLM workers)."""
+        if not self.future.done():
+            return {"state": "running"}
+        exc = self.future.exception()
+        if exc is None:
+            r = self.future.result()
+            return {"state": "done", "bytes": r.nbytes, "seconds": r.seconds}
+        code = type(exc).__name__ if isinstance(exc, RlsyncError) else "Aborted"
+        return {"state": "failed", "code": code, "error": str(exc)}
+
+    def wait(self, timeout: float) -> Report:
+        try:
+            return self.future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            self.abort()
+            raise DeadlineExceeded(f"weight transfer for version {self.version} did not finish within {timeout:.0f}s "
+                                   "(is the trainer publishing it?)") from None
+
+    def abort(self) -> None:
+        self.receiver.close()
+        try:
+            self.future.result(10)
+        except Exception:  # noqa: BLE001 - it failed because we closed it; that is the point
+            pass
+        self.staging = {}
+
+
+def raise_failure(state: dict) -> None:
+    """Re-raises a failure that poll() reported."""
+    from rlsync.transfer.messages import error_from
+
+    if state.get("state") == "failed":
+        raise error_from(state.get("code", "Aborted"), state.get("error", "weight transfer failed"))
+    if state.get("state") != "done":
+        raise Aborted(f"weight transfer is {state.get('state')}")

@@ -1,0 +1,153 @@
+"""The policy's memory: parameters in flat storage, optimizer state, an optional frozen reference,
+and offload/onload that really frees the training device (GPU -> pinned host memory; CPU -> a
+spool file on disk, so the process's resident memory drops too)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from pathlib import Path
+
+import torch
+
+from rlsync.flat import FlatStore, specs_of
+from rlsync.transfer import SharedArena
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class _Stash:
+    """Where an offloaded tensor waits: pinned host memory for a GPU tensor, a file for a CPU one."""
+
+    def __init__(self, t: torch.Tensor, spool: Path):
+        self.dtype, self.shape, self.device = t.dtype, t.shape, t.device
+        if t.device.type == "cuda":
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.host.copy_(t)
+            self.path = None
+        else:
+            self.host = None
+            self.path = spool / f"{uuid.uuid4().hex}.bin"
+            t.contiguous().reshape(-1).view(torch.uint8).numpy().tofile(self.path)
+
+    def restore_into(self, out: torch.Tensor) -> torch.Tensor:
+        if self.host is not None:
+            out.copy_(self.host, non_blocking=False)
+        else:
+            with open(self.path, "rb") as f:
+                f.readinto(out.reshape(-1).view(torch.uint8).numpy())
+            self.path.unlink()
+        return out
+
+    def restore(self) -> torch.Tensor:
+        return self.restore_into(torch.empty(self.shape, dtype=self.dtype, device=self.device))
+
+
+class Policy:
+    def __init__(self, model_path: str, device: str, dtype: str, lr: float, weight_decay: float, spool_dir: str):
+        from transformers import AutoModelForCausalLM
+
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        torch_dtype = "auto" if dtype == "auto" else _DTYPES[dtype]
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device)
+        self.model.train()
+        self.params = dict(self.model.named_parameters())  # tied parameters appear once
+        self.specs = specs_of(self.params)
+        self.arena: SharedArena | None = None
+        self.store = self._new_store()
+        for name, view in self.store.views.items():
+            view.copy_(self.params[name].data)
+        self._point(self.store)
+        self.optimizer = torch.optim.AdamW(self.params.values(), lr=lr, weight_decay=weight_decay)
+        self.reference: FlatStore | None = None
+        self.offloaded = False
+        self._stashed: dict = {}
+        self.spool = Path(spool_dir) if spool_dir else Path(tempfile.mkdtemp(prefix="rlsync-spool-"))
+        self.spool.mkdir(parents=True, exist_ok=True)
+
+    def _new_store(self) -> FlatStore:
+        """Flat parameter storage; on CPU inside shared memory, so a same-host receiver copies once."""
+        if self.device.type == "cpu":
+            self.arena = SharedArena()
+            return FlatStore(self.specs, allocate=self.arena.empty)
+        return FlatStore(self.specs, self.device)
+
+    def _point(self, store: FlatStore | None) -> None:
+        for name, p in self.params.items():
+            p.data = store.views[name] if store is not None else torch.empty(0, dtype=p.dtype, device=self.device)
+
+    def reference_model_params(self) -> dict[str, torch.Tensor]:
+        """A frozen copy of the parameters as they are now (made once, for the KL penalty)."""
+        if self.reference is None:
+            self.reference = FlatStore(self.specs, self.device)
+            self.reference.copy_from(self.store)
+        return self.reference.views
+
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params.values())
+
+    def device_bytes(self) -> int:
+        """Parameters, gradients, optimizer state and reference resident on the training device."""
+        total = self.store.nbytes() if self.store is not None else 0
+        total += self.reference.nbytes() if self.reference is not None else 0
+        for p in self.params.values():
+            if p.grad is not None:
+                total += p.grad.numel() * p.grad.element_size()
+        for state in self.optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.device == self.device:
+                    total += v.numel() * v.element_size()
+        return total
+
+    # ---- offload / onload ----------------------------------------------------------------------
+    def offload(self) -> None:
+        if self.offloaded:
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        self._stashed["params"] = {d: _Stash(b, self.spool) for d, b in self.store.buffers.items()}
+        if self.reference is not None:
+            self._stashed["reference"] = {d: _Stash(b, self.spool) for d, b in self.reference.buffers.items()}
+            self.reference = None
+        self._stashed["optimizer"] = {}
+        for i, state in enumerate(self.optimizer.state.values()):
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and v.device == self.device and v.dim() > 0:
+                    self._stashed["optimizer"][(i, k)] = _Stash(v, self.spool)
+                    state[k] = torch.empty(0, dtype=v.dtype, device=self.device)
+        self._point(None)
+        self.store = None
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+        self.offloaded = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        if not self.offloaded:
+            return
+        self.store = self._new_store()
+        for dtype, stash in self._stashed.pop("params").items():
+            stash.restore_into(self.store.buffers[dtype])
+        self._point(self.store)
+        if "reference" in self._stashed:
+            self.reference = FlatStore(self.specs, self.device)
+            for dtype, stash in self._stashed.pop("reference").items():
+                stash.restore_into(self.reference.buffers[dtype])
+        states = list(self.optimizer.state.values())
+        for (i, k), stash in self._stashed.pop("optimizer").items():
+            states[i][k] = stash.restore()
+        self.offloaded = False
+
+    def close(self) -> None:
+        for group in self._stashed.values():
+            for stash in group.values():
+                if stash.path is not None and stash.path.exists():
+                    os.unlink(stash.path)
+        if self.arena is not None:
+            self._point(None)
+            self.store = None
+            self.arena.close()
