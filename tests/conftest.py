@@ -85,5 +85,15 @@ def zoo_file(tmp_path_factory) -> tuple[Path, dict]:
     return path, tensors
 
 
+@pytest.fixture(scope="session")
+def small_model(tmp_path_factory):
+    """A bigger model (~90 MB float32): freeing it shows in resident memory, moving it takes time."""
+    from rlsync.models import TinyRecipe, build_tiny_model
+
+    recipe = TinyRecipe(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                        head_dim=64, intermediate_size=1536)
+    return build_tiny_model(tmp_path_factory.mktemp("small") / "model", recipe)
+
+
 def rollout_args(engine: str, *extra: str, **engine_extra) -> list[str]:
     return ["--engine", engine, "--engine-args", engine_args(engine, **engine_extra), *extra]

@@ -53,7 +53,7 @@ class StagedUpdate:
     def abort(self) -> None:
         self.receiver.close()
         try:
-            self.future.result(10)
+            self.future.result(5)
         except Exception:  # noqa: BLE001 - it failed because we closed it; that is the point
             pass
         self.staging = {}

@@ -52,7 +52,8 @@ def make_batch(prompts: list[list[int]], completions: list[list[int]], behavior:
         attn[i, :len(seq)] = 1
         # position t predicts token t+1: completion tokens are predicted from len(p)-1 onwards
         tmask[i, len(p) - 1:len(seq) - 1] = 1
-        beh[i, len(p) - 1:len(seq) - 1] = torch.tensor(lp, dtype=torch.float32)
+        if lp:  # none given: filled with the current policy's logprobs by the caller (on-policy)
+            beh[i, len(p) - 1:len(seq) - 1] = torch.tensor(lp, dtype=torch.float32)
     return Batch(ids.to(device), attn.to(device), tmask.to(device), ids[:, 1:].to(device), beh.to(device),
                  torch.tensor(advantages, dtype=torch.float32, device=device),
                  torch.tensor(weights, dtype=torch.float32, device=device))

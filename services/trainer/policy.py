@@ -98,7 +98,7 @@ class Policy:
                 total += p.grad.numel() * p.grad.element_size()
         for state in self.optimizer.state.values():
             for v in state.values():
-                if isinstance(v, torch.Tensor) and v.device == self.device:
+                if isinstance(v, torch.Tensor) and v.device == self.device and v.dim() > 0:  # not step counters
                     total += v.numel() * v.element_size()
         return total
 

@@ -14,7 +14,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import rollout_args
 from rlsync.client import RolloutClient, RpcError
-from rlsync.models import TinyRecipe, build_tiny_model
 
 
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
@@ -86,14 +85,6 @@ def test_wrong_engine_argument_is_refused_at_start(tiny_model, engine, args, fra
     assert out.returncode == 2, out.stderr[-2000:]
     assert "rlsync rollout: error:" in out.stderr, out.stderr[-2000:]
     assert fragment in out.stderr[out.stderr.index("rlsync rollout: error:"):]
-
-
-@pytest.fixture(scope="session")
-def small_model(tmp_path_factory):
-    """A model large enough (~60 MB) that freeing it shows in the process's resident memory."""
-    recipe = TinyRecipe(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                        head_dim=64, intermediate_size=1536)
-    return build_tiny_model(tmp_path_factory.mktemp("small") / "model", recipe)
 
 
 def test_hf_sleep_frees_memory_and_wake_up_restores_output(services, small_model):

@@ -18,6 +18,27 @@ from rlsync.transfer import answer, checksum_tensor, from_proto
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 
+def refresh_tied(model: torch.nn.Module) -> int:
+    """Re-runs weight post-processing for modules that share a weight with another module.
+
+    vLLM's reload path re-processes the layers that received tensors. A tied LM head receives none
+    (the checkpoint has no lm_head.weight), so on the CPU build its prepacked copy of the embedding
+    would keep the old values while the embedding itself is new. Processing it again (its quant
+    method's public process_weights_after_loading) repacks it from the shared, updated weight."""
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
+        if weight is not None and getattr(module, "quant_method", None) is not None:
+            owners.setdefault(id(weight), []).append(module)
+    refreshed = 0
+    for modules in owners.values():
+        if len(modules) > 1:
+            for module in modules:
+                module.quant_method.process_weights_after_loading(module)
+                refreshed += 1
+    return refreshed
+
+
 def _offer(raw: bytes) -> pb.Offer:
     offer = pb.Offer()
     offer.ParseFromString(raw)
@@ -66,6 +87,7 @@ class RlsyncWorkerExtension:
         self._rlsync_update = None
         staging = update.staging
         self.reload_weights(weights_iterator=iter(staging.items()))
+        refresh_tied(self.model_runner.get_model())
         self._rlsync_applied = {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape), checksum_tensor(t))
                                 for n, t in staging.items()}
 

@@ -98,7 +98,8 @@ class _Broadcast(abc.ABC):
                               store=f"{job.store_host}:{session.store.port}", verify=job.verify, group=session.gid,
                               reuse=reuse))
         if not reuse:
-            session.group = self._group(session.store, 0, world, job.deadline, session.gid)
+            session.group = _bounded(lambda: self._group(session.store, 0, world, job.deadline, session.gid),
+                                     [c for c, _ in job.conns], job.deadline, "forming the process group")
         watchdog = _Watchdog(session.group, job.deadline, [c for c, _ in job.conns])
         checksums = []
         try:
@@ -147,9 +148,14 @@ class _Broadcast(abc.ABC):
             _HELD.move_to_end(w.group)
             return _HELD[w.group]
         host, _, port = w.store.rpartition(":")
-        timeout = datetime.timedelta(seconds=job.deadline.remaining("joining the process group"))
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
-        session = _Session(w.group, store, self._group(store, w.rank, w.world, job.deadline, w.group))
+
+        def join():
+            timeout = datetime.timedelta(seconds=job.deadline.remaining("joining the process group"))
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+            return store, self._group(store, w.rank, w.world, job.deadline, w.group)
+
+        store, group = _bounded(join, [job.conn], job.deadline, "joining the process group")
+        session = _Session(w.group, store, group)
         _HELD[w.group] = session
         while len(_HELD) > _HELD_MAX:
             _drop(_HELD.popitem(last=False)[1])
@@ -220,6 +226,44 @@ class NcclChannel(_Broadcast):
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = datetime.timedelta(seconds=deadline.remaining("creating the NCCL group"))
         return dist.ProcessGroupNCCL(dist.PrefixStore(gid, store), rank, world, options)
+
+
+def _gone(conns) -> str | None:
+    """Which peer's control connection has closed, without waiting."""
+    readable, _, _ = select.select([c.sock for c in conns], [], [], 0)
+    for conn in conns:
+        if conn.sock in readable:
+            try:
+                if conn.sock.recv(1, socket.MSG_PEEK) == b"":
+                    return conn.peer
+            except OSError:
+                return conn.peer
+    return None
+
+
+def _bounded(fn, conns, deadline: Deadline, doing: str):
+    """Runs a blocking collective setup (store connect, group rendezvous) so that a peer dying
+    meanwhile fails it at once, not when the setup's own timeout runs out. The abandoned attempt
+    ends by itself at that timeout."""
+    result: dict = {}
+    done = threading.Event()
+
+    def run():
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            result["error"] = e
+        done.set()
+
+    threading.Thread(target=run, daemon=True, name="rlsync-collective-setup").start()
+    while not done.wait(0.05):
+        peer = _gone(conns)
+        if peer:
+            raise Unavailable(f"{peer} disconnected while {doing} (process died?)")
+        deadline.remaining(doing)
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 class _Watchdog:

@@ -1,0 +1,188 @@
+"""Versioned, atomic weight updates from a real trainer process into real rollout processes
+(hf and vLLM's CPU build), over shm and gloo."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import rollout_args
+from rlsync.client import RolloutClient, RpcError, TrainerClient, push_weights, trajectory
+from rlsync.common.audit import differences
+from rlsync.transfer.v1 import transfer_pb2 as tpb
+
+# vLLM computes in float32 here so that its audit and its greedy output compare exactly.
+ENGINE_EXTRA = {"vllm": {"dtype": "float32"}, "hf": {}}
+
+
+def _trainer_args(*extra: str) -> list[str]:
+    return ["--checksums", "--lr", "0.01", *extra]
+
+
+def _train_once(trainer: TrainerClient, rollout: RolloutClient, seed: int = 1) -> None:
+    """One real step on the rollout's own samples, so the weights differ from the checkpoint."""
+    done = rollout.complete("3+4=", max_tokens=8, logprobs=True, ignore_eos=True, n=4, seed=seed)
+    trainer.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])
+
+
+def _audit(trainer: TrainerClient, rollout: RolloutClient) -> list[str]:
+    served = rollout.checksums()
+    dtype = served.tensors[0].dtype if served.source == "live parameters" else ""
+    return differences(trainer.checksums(dtype=dtype), served)
+
+
+@pytest.fixture(scope="module", params=["hf", "vllm"])
+def pair(request, module_services):
+    engine = request.param
+    trainer = module_services.start("trainer", _trainer_args(), name=f"trainer-for-{engine}")
+    rollout = module_services.start("rollout", rollout_args(engine, **ENGINE_EXTRA[engine]), name=f"rollout-{engine}")
+    t, r = TrainerClient(trainer.address), RolloutClient(rollout.address)
+    r.engine = engine
+    yield t, r, trainer, rollout
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_update_makes_engine_weights_bit_identical_to_the_trainer(pair, backend):
+    trainer, rollout, _, _ = pair
+    _train_once(trainer, rollout)
+    assert _audit(trainer, rollout), "a step must change the weights (or this test proves nothing)"
+    report = push_weights(trainer, [rollout], force_backend=backend)
+    assert report.backends == {backend: 1}
+    info = rollout.info()
+    assert info.weight_version == report.version == trainer.state().step and info.pending_version == -1
+    assert _audit(trainer, rollout) == []
+    tokens = rollout.complete("after", max_tokens=6, ignore_eos=True)[0]
+    assert set(tokens.token_versions) == {report.version}
+
+
+def test_greedy_output_equals_transformers_on_the_trainers_weights(pair, tmp_path):
+    trainer, rollout, _, _ = pair
+    _train_once(trainer, rollout, seed=2)
+    push_weights(trainer, [rollout])
+    path = trainer.save_checkpoint(str(tmp_path / "ckpt")).path
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = rollout.complete("the model reads", max_tokens=1)[0].prompt_token_ids
+    want = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+    got = rollout.complete(prompt, max_tokens=12, temperature=0, ignore_eos=True)[0].token_ids
+    assert got == want
+
+
+def _grow_first_tensor(m: tpb.Manifest) -> None:
+    """A consistent manifest (bytes match the shape) whose first tensor has one row too many."""
+    t = m.tensors[0]
+    row = t.nbytes // t.shape[0]
+    t.shape[0] += 1
+    t.nbytes += row
+
+
+@pytest.mark.parametrize("corrupt, fragment", [
+    (_grow_first_tensor, "has shape"),
+    (lambda m: m.tensors.add(name="model.extra.weight", dtype="float32", shape=[2], nbytes=8), "unknown tensor"),
+    (lambda m: m.tensors.pop(), "missing 1 tensor"),
+])
+def test_manifest_that_does_not_fit_is_refused_before_anything_is_written(pair, corrupt, fragment):
+    trainer, rollout, _, _ = pair
+    before_out = rollout.complete("stable", max_tokens=8, temperature=0, ignore_eos=True)[0].token_ids
+    before_sums = rollout.checksums()
+    offer = trainer.offer_weights()
+    bad = tpb.Offer()
+    bad.CopyFrom(offer)
+    corrupt(bad.manifest)
+    with pytest.raises(RpcError) as e:
+        rollout.prepare_update(bad)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and fragment in e.value.message
+    assert rollout.info().pending_version == -1
+    assert rollout.complete("stable", max_tokens=8, temperature=0, ignore_eos=True)[0].token_ids == before_out
+    assert differences(before_sums, rollout.checksums()) == []
+
+
+def test_versions_regression_refused_equal_idempotent_missing_uses_step(pair):
+    trainer, rollout, _, _ = pair
+    _train_once(trainer, rollout, seed=3)
+    step = trainer.state().step
+    report = push_weights(trainer, [rollout])  # no version given: the trainer's step
+    assert report.version == step
+    again = rollout.commit_update(step)
+    assert again.version == step and not again.changed
+    old = trainer.offer_weights(version=step - 1)
+    with pytest.raises(RpcError) as e:
+        rollout.prepare_update(old)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "set force to roll back" in e.value.message
+    with pytest.raises(RpcError) as e:
+        rollout.commit_update(step + 5)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "no update is prepared" in e.value.message
+    assert rollout.info().weight_version == step
+
+
+def test_new_tokens_carry_the_new_version_after_commit(pair):
+    trainer, rollout, _, _ = pair
+    _train_once(trainer, rollout, seed=4)
+    chunks, started = [], threading.Event()
+
+    def stream():
+        for c in rollout.generate("long", max_tokens=700, ignore_eos=True):
+            chunks.append(c)
+            stamps.append(time.monotonic())
+            started.set()
+
+    stamps: list[float] = []
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(30)
+    old = rollout.info().weight_version
+    pushed_at = time.monotonic()
+    report = push_weights(trainer, [rollout])  # commits while the stream runs: vLLM/hf switch atomically
+    t.join(120)
+    versions = [c.weight_version for c in chunks if c.token_ids]
+    assert versions[0] == old and versions[-1] == report.version, (
+        f"stream ran {stamps[0] - pushed_at:.3f}..{stamps[-1] - pushed_at:.3f}s around the push {report.phases}")
+    assert versions == sorted(versions), "a stream never goes back to an older version"
+    spans = [(s.weight_version, s.start, s.length) for s in chunks[-1].version_spans]
+    assert [v for v, _, _ in spans] == [old, report.version]
+    assert sum(n for _, _, n in spans) == 700
+
+
+def test_trainer_killed_mid_transfer_leaves_engine_on_its_version(services, small_model):
+    trainer = services.start("trainer", ["--model", str(small_model), "--bucket-bytes", "4096"], name="doomed")
+    rollout = services.start("rollout", ["--engine", "hf", "--model", str(small_model)], name="survivor")
+    t, r = TrainerClient(trainer.address), RolloutClient(rollout.address)
+    before = r.complete("steady", max_tokens=8, temperature=0, ignore_eos=True)[0].token_ids
+    offer = t.offer_weights(version=1)
+    ans = r.prepare_update(offer, force_backend="gloo").answer
+    threading.Timer(0.3, trainer.kill).start()  # ~90 MB in 4 KiB buckets: well under way by then
+    with pytest.raises(RpcError):
+        t.publish_weights(offer.transfer_id, [ans])
+    with pytest.raises(RpcError) as e:
+        r.commit_update(1)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE and "still serving version 0" in e.value.message
+    info = r.info()
+    assert info.weight_version == 0 and info.pending_version == -1
+    after = r.complete("steady", max_tokens=8, temperature=0, ignore_eos=True)[0]
+    assert after.token_ids == before and set(after.token_versions) == {0}
+    fresh = services.start("trainer", ["--model", str(small_model)], name="fresh")
+    report = push_weights(TrainerClient(fresh.address), [r], version=2)
+    assert r.info().weight_version == report.version == 2
+
+
+def test_vllm_tensor_parallel_replica_every_worker_receives(services, tmp_path):
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    trainer = TrainerClient(services.start("trainer", _trainer_args(), name="trainer-tp").address)
+    rollout = RolloutClient(services.start("rollout", rollout_args("vllm", tensor_parallel_size=2, dtype="float32"),
+                                           env=env, name="rollout-tp2").address)
+    assert rollout.info().tensor_parallel_size == 2
+    _train_once(trainer, rollout)
+    report = push_weights(trainer, [rollout])
+    assert report.backends == {"shm": 2}, "each tensor-parallel worker receives the weights itself"
+    assert _audit(trainer, rollout) == []
+    model = AutoModelForCausalLM.from_pretrained(trainer.save_checkpoint(str(tmp_path / "c")).path).eval()
+    prompt = rollout.complete("the model reads", max_tokens=1)[0].prompt_token_ids
+    want = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+    assert rollout.complete(prompt, max_tokens=12, temperature=0, ignore_eos=True)[0].token_ids == want
