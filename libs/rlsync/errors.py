@@ -57,3 +57,11 @@ class EngineDead(RlsyncError):
 
 class AlreadyExists(RlsyncError):
     code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class Relayed(RlsyncError):
+    """An error another service answered with, passed on with its own status code."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code

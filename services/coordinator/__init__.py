@@ -1,1 +1,1 @@
-"""x"""
+"""The coordinator: the fleet's registry, the weight-sync sequences, and the generation gateway."""

@@ -7,6 +7,8 @@ import logging
 import grpc
 
 from rlsync.config import describe
+from rlsync.coordinator.v1.coordinator_pb2 import ROLE_ROLLOUT
+from rlsync.rpc.registrar import Registrar, advertised
 from rlsync.models import resolve_model
 from rlsync.rollout.config import RolloutConfig
 from rlsync.rollout.core import RolloutCore
@@ -33,7 +35,16 @@ class RolloutService:
     def add_to_server(self, server: grpc.aio.Server) -> None:
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(self.core), server)
 
+    async def serving(self, host: str, port: int) -> None:
+        self.registrar = None
+        if self.cfg.coordinator:
+            self.registrar = Registrar(self.cfg.coordinator, ROLE_ROLLOUT, advertised(host, port, self.cfg.advertise),
+                                       self.core.replica_id, self.cfg.server.token)
+            self.registrar.start()
+
     async def drain(self, reason: str) -> None:
+        if getattr(self, "registrar", None) is not None:
+            await self.registrar.stop()  # out of rotation first: no new requests arrive
         await self.core.drain(reason)
 
     async def close(self) -> None:

@@ -8,6 +8,8 @@ import logging
 import grpc
 
 from rlsync.config import describe
+from rlsync.coordinator.v1.coordinator_pb2 import ROLE_TRAINER
+from rlsync.rpc.registrar import Registrar, advertised
 from rlsync.trainer.config import TrainerConfig
 from rlsync.trainer.core import TrainerCore
 from rlsync.trainer.servicer import TrainerServicer
@@ -31,7 +33,16 @@ class TrainerService:
     def add_to_server(self, server: grpc.aio.Server) -> None:
         trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(self.core), server)
 
+    async def serving(self, host: str, port: int) -> None:
+        self.registrar = None
+        if self.cfg.coordinator:
+            address = advertised(host, port, self.cfg.advertise and f"{self.cfg.advertise}:{port}")
+            self.registrar = Registrar(self.cfg.coordinator, ROLE_TRAINER, address, "trainer", self.cfg.server.token)
+            self.registrar.start()
+
     async def drain(self, reason: str) -> None:
+        if getattr(self, "registrar", None) is not None:
+            await self.registrar.stop()
         async with self.core.lock:  # let a running step or publish finish
             pass
 

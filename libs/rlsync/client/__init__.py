@@ -5,10 +5,12 @@ names. Every failed call raises RpcError carrying the gRPC status code and the s
 """
 
 from rlsync.client.completion import Completion, collect, generate_request
+from rlsync.client.coordinator import AsyncCoordinatorClient, CoordinatorClient
 from rlsync.client.errors import RpcError
 from rlsync.client.rollout import AsyncRolloutClient, RolloutClient
 from rlsync.client.trainer import AsyncTrainerClient, TrainerClient, trajectory
 from rlsync.client.weights import PushReport, push_weights, push_weights_async
 
-__all__ = ["AsyncRolloutClient", "AsyncTrainerClient", "Completion", "PushReport", "RolloutClient", "RpcError",
-           "TrainerClient", "collect", "generate_request", "push_weights", "push_weights_async", "trajectory"]
+__all__ = ["AsyncCoordinatorClient", "AsyncRolloutClient", "AsyncTrainerClient", "Completion", "CoordinatorClient",
+           "PushReport", "RolloutClient", "RpcError", "TrainerClient", "collect", "generate_request", "push_weights",
+           "push_weights_async", "trajectory"]

@@ -3,7 +3,11 @@ which is the response for a blocking client and an awaitable for an asyncio one.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterator
+
+from rlsync.client.completion import Completion, collect, generate_request
 from rlsync.client.errors import translated
+from rlsync.common.v1 import generate_pb2 as gen_pb
 from rlsync.rpc.channel import aio_channel, sync_channel
 
 
@@ -53,3 +57,44 @@ class AsyncClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+class SyncGenerating:
+    """Generate/stream/complete for blocking clients of services that generate."""
+
+    def generate(self, prompt: str | list[int], **kwargs) -> Iterator[gen_pb.GenerateChunk]:
+        """Streams chunks; kwargs: request_id, session_id and any SamplingParams field."""
+        return self.stream(generate_request(prompt, **kwargs))
+
+    def stream(self, request: gen_pb.GenerateRequest) -> Iterator[gen_pb.GenerateChunk]:
+        """Streams the chunks of a prebuilt request."""
+        call = self.stub.Generate(request)
+        try:
+            with translated("Generate"):
+                yield from call
+        finally:
+            call.cancel()
+
+    def complete(self, prompt: str | list[int], **kwargs) -> list[Completion]:
+        """Every completion of one request, assembled (token ids, text, logprobs, versions)."""
+        return collect(self.generate(prompt, **kwargs))
+
+
+class AsyncGenerating:
+    """The same for asyncio clients: `async for chunk in client.generate(...)`."""
+
+    async def generate(self, prompt: str | list[int], **kwargs) -> AsyncIterator[gen_pb.GenerateChunk]:
+        async for chunk in self.stream(generate_request(prompt, **kwargs)):
+            yield chunk
+
+    async def stream(self, request: gen_pb.GenerateRequest) -> AsyncIterator[gen_pb.GenerateChunk]:
+        call = self.stub.Generate(request)
+        try:
+            with translated("Generate"):
+                async for chunk in call:
+                    yield chunk
+        finally:
+            call.cancel()
+
+    async def complete(self, prompt: str | list[int], **kwargs) -> list[Completion]:
+        return collect([c async for c in self.generate(prompt, **kwargs)])

@@ -41,6 +41,7 @@ class Completion:
     min_weight_version: int = 0
     max_weight_version: int = 0
     resubmissions: int = 0
+    stale: bool = False
     chunks: int = 0
 
     def add(self, c: pb.GenerateChunk) -> None:
@@ -56,6 +57,7 @@ class Completion:
             self.finish_detail = c.finish_detail
             self.min_weight_version, self.max_weight_version = c.min_weight_version, c.max_weight_version
             self.resubmissions = c.resubmissions
+            self.stale = c.stale
 
     @property
     def finished(self) -> bool:

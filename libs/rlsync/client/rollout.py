@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
-
-from rlsync.client.base import AsyncClient, SyncClient
-from rlsync.client.completion import Completion, collect, generate_request
-from rlsync.client.errors import translated
-from rlsync.common.v1 import generate_pb2 as gen_pb
+from rlsync.client.base import AsyncClient, AsyncGenerating, SyncClient, SyncGenerating
 from rlsync.common.v1 import weights_pb2
 from rlsync.rollout.v1 import rollout_pb2 as pb
 from rlsync.rollout.v1.rollout_pb2_grpc import RolloutServiceStub
@@ -68,33 +63,9 @@ class _RolloutMethods:
         return self._call("GetWeightChecksums", weights_pb2.GetWeightChecksumsRequest())
 
 
-class RolloutClient(_RolloutMethods, SyncClient):
+class RolloutClient(_RolloutMethods, SyncGenerating, SyncClient):
     """Blocking client. Errors raise rlsync.client.RpcError with the status code and message."""
 
-    def generate(self, prompt: str | list[int], **kwargs) -> Iterator[gen_pb.GenerateChunk]:
-        """Streams chunks; kwargs: request_id, session_id and any SamplingParams field."""
-        call = self.stub.Generate(generate_request(prompt, **kwargs))
-        try:
-            with translated("Generate"):
-                yield from call
-        finally:
-            call.cancel()
 
-    def complete(self, prompt: str | list[int], **kwargs) -> list[Completion]:
-        return collect(self.generate(prompt, **kwargs))
-
-
-class AsyncRolloutClient(_RolloutMethods, AsyncClient):
+class AsyncRolloutClient(_RolloutMethods, AsyncGenerating, AsyncClient):
     """asyncio client: `await client.info()`, `async for chunk in client.generate(...)`."""
-
-    async def generate(self, prompt: str | list[int], **kwargs) -> AsyncIterator[gen_pb.GenerateChunk]:
-        call = self.stub.Generate(generate_request(prompt, **kwargs))
-        try:
-            with translated("Generate"):
-                async for chunk in call:
-                    yield chunk
-        finally:
-            call.cancel()
-
-    async def complete(self, prompt: str | list[int], **kwargs) -> list[Completion]:
-        return collect([c async for c in self.generate(prompt, **kwargs)])

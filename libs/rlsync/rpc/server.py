@@ -39,6 +39,9 @@ class Service(Protocol):
     async def start(self) -> None:
         """Brings up engines or workers; an exception here ends the process before it binds."""
 
+    async def serving(self, host: str, port: int) -> None:
+        """Called once the server listens (services register with the coordinator here)."""
+
     async def drain(self, reason: str) -> None:
         """Ends in-flight work (streams finish with `reason`)."""
 
@@ -92,6 +95,7 @@ async def run_service(cfg: ServerConfig, service: Service, stop: asyncio.Event |
     print(json.dumps({"event": "listening", "service": service.name, "address": f"{cfg.host}:{port}"}),
           flush=True)
     log.info("%s listening on %s:%d%s", service.name, cfg.host, port, " (TLS)" if cfg.tls_cert else "")
+    await service.serving(cfg.host, port)
 
     await stop.wait()
     log.info("%s shutting down", service.name)

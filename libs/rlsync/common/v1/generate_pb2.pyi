@@ -71,7 +71,7 @@ class VersionSpan(_message.Message):
     def __init__(self, weight_version: _Optional[int] = ..., start: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("request_id", "index", "token_ids", "text", "logprobs", "weight_version", "finish_reason", "finish_detail", "prompt_token_ids", "version_spans", "min_weight_version", "max_weight_version", "resubmissions")
+    __slots__ = ("request_id", "index", "token_ids", "text", "logprobs", "weight_version", "finish_reason", "finish_detail", "prompt_token_ids", "version_spans", "min_weight_version", "max_weight_version", "resubmissions", "stale")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class GenerateChunk(_message.Message):
     MIN_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     RESUBMISSIONS_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -98,4 +99,5 @@ class GenerateChunk(_message.Message):
     min_weight_version: int
     max_weight_version: int
     resubmissions: int
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., finish_detail: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., min_weight_version: _Optional[int] = ..., max_weight_version: _Optional[int] = ..., resubmissions: _Optional[int] = ...) -> None: ...
+    stale: bool
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., finish_detail: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., min_weight_version: _Optional[int] = ..., max_weight_version: _Optional[int] = ..., resubmissions: _Optional[int] = ..., stale: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,72 @@
+"""Member side of the coordinator's registry: register, heartbeat, register again after a
+coordinator restart, deregister on shutdown. Services with --coordinator run one."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+from rlsync.coordinator.v1 import coordinator_pb2 as pb
+from rlsync.coordinator.v1.coordinator_pb2_grpc import CoordinatorServiceStub
+from rlsync.rpc.channel import aio_channel
+
+log = logging.getLogger(__name__)
+
+
+def advertised(host: str, port: int, advertise: str = "") -> str:
+    """The address others should dial: --advertise, else this host's address when bound to all."""
+    if advertise:
+        return advertise
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostbyname(socket.gethostname())
+    return f"{host}:{port}"
+
+
+class Registrar:
+    def __init__(self, coordinator: str, role: int, address: str, name: str = "", token: str = ""):
+        self.coordinator, self.role, self.address, self.name = coordinator, role, address, name
+        self.channel = aio_channel(coordinator, token)
+        self.stub = CoordinatorServiceStub(self.channel)
+        self.member_id = ""
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def _register(self) -> float:
+        r = await self.stub.Register(pb.RegisterRequest(role=self.role, address=self.address, name=self.name),
+                                     timeout=10)
+        self.member_id = r.member_id
+        log.info("registered with the coordinator at %s as %s", self.coordinator, r.member_id)
+        return r.heartbeat_interval
+
+    async def _run(self) -> None:
+        interval, warned = 1.0, False
+        while True:
+            try:
+                if not self.member_id:
+                    interval = await self._register()
+                    warned = False
+                beat = await self.stub.Heartbeat(pb.HeartbeatRequest(member_id=self.member_id), timeout=10)
+                if not beat.known:
+                    self.member_id = ""
+                    continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the coordinator may be down or not up yet: keep trying
+                if not warned:
+                    log.warning("coordinator at %s unreachable (%s); retrying", self.coordinator, e)
+                    warned = True
+                self.member_id = ""
+            await asyncio.sleep(interval)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        if self.member_id:
+            try:
+                await self.stub.Deregister(pb.DeregisterRequest(member_id=self.member_id), timeout=3)
+            except Exception:  # noqa: BLE001 - leaving anyway; the lease expires it
+                pass
+        await self.channel.close()

@@ -1,0 +1,29 @@
+"""Coordinator configuration (flags and RLSYNC_* environment variables map onto these fields)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rlsync.config import ServerConfig, option
+
+DEFAULT_PORT = 50050
+
+
+@dataclasses.dataclass
+class CoordinatorConfig:
+    server: ServerConfig = dataclasses.field(default_factory=lambda: ServerConfig(port=DEFAULT_PORT))
+    sync_mode: str = option("async", "weight-sync sequence: colocated (sleep/wake, offload/onload around each "
+                                     "phase) or async (pause, broadcast, commit, resume)",
+                            choices=("colocated", "async"))
+    trainer: str = option("", "trainer address, for a trainer that does not register itself")
+    rollouts: list[str] = option(factory=list, help="rollout addresses (comma-separated), for replicas that do "
+                                                    "not register themselves")
+    max_staleness: int = option(-1, "versions a trajectory's oldest token may lag the trainer (< 0: unbounded); "
+                                    "flagged on the gateway's final chunk and passed to Train")
+    stale_policy: str = option("drop", "what Train does with stale trajectories",
+                               choices=("keep", "drop", "downweight"))
+    heartbeat_interval: float = option(1.0, "seconds between a member's heartbeats")
+    lease: float = option(3.0, "seconds without a heartbeat before a member leaves the rotation")
+    force_backend: str = option("", "transfer backend for every sync (empty: chosen by topology)")
+    update_timeout: float = option(300.0, "seconds a weight transfer may take")
+    max_resubmissions: int = option(50, "times the gateway resubmits one completion before giving up")

@@ -1,0 +1,194 @@
+"""The generation gateway: routes each completion to a replica and, when a weight update (or a dying
+replica) cuts it short, resubmits prompt + tokens so far, so the caller sees one continuous stream
+in which every token names the weight version that produced it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from rlsync.client import RpcError
+from rlsync.common.v1 import generate_pb2 as pb
+from rlsync.coordinator.config import CoordinatorConfig
+from rlsync.coordinator.registry import Member, Registry
+from rlsync.coordinator.sync import Syncer
+from rlsync.errors import InvalidArgument, NotFound, Relayed, Unavailable
+
+log = logging.getLogger(__name__)
+DEFAULT_MAX_TOKENS = 16
+# Failures of one replica that another replica can make good (anything else is the request's fault).
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.CANCELLED,
+              grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+class Gateway:
+    def __init__(self, registry: Registry, syncer: Syncer, cfg: CoordinatorConfig):
+        self.registry, self.syncer, self.cfg = registry, syncer, cfg
+        self.sessions: dict[str, str] = {}  # session id -> member id
+        self.in_flight = 0
+        self.resubmissions = 0
+        self._aborted: set[str] = set()  # gateway request ids the caller ended
+        self._running: dict[str, tuple[Member, str]] = {}  # "request:index" -> (replica, its request id)
+
+    # ---- routing --------------------------------------------------------------------------------
+    async def _pick(self, session: str, timeout: float = 60.0) -> Member:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            await self.syncer.ready.wait()
+            ready = self.registry.rollouts("ready")
+            sticky = self.registry.members.get(self.sessions.get(session, ""))
+            if sticky is not None and sticky in ready:
+                return sticky
+            if ready:
+                member = min(ready, key=lambda m: m.in_flight)
+                if session:
+                    self.sessions[session] = member.id
+                return member
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                raise Unavailable("no rollout replica is ready: start one (with --coordinator) or wait for it")
+            self.registry.changed.clear()
+            try:
+                await asyncio.wait_for(self.registry.changed.wait(), min(left, 1.0))
+            except TimeoutError:
+                pass
+
+    # ---- requests -------------------------------------------------------------------------------
+    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateChunk]:
+        base = pb.GenerateRequest()
+        base.CopyFrom(request)  # the caller's request is never modified
+        if not base.request_id:
+            base.request_id = uuid.uuid4().hex
+        if base.WhichOneof("prompt") is None:
+            raise InvalidArgument("prompt is empty: set GenerateRequest.text or GenerateRequest.token_ids")
+        n = base.sampling.n if base.sampling.HasField("n") else 1
+        if n <= 0:
+            raise InvalidArgument(f"n must be >= 1, got {n}")
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(self._completion(base, i, n, queue)) for i in range(n)]
+        self.in_flight += 1
+        try:
+            finished = 0
+            while finished < n:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finish_reason:
+                    finished += 1
+                yield item
+        finally:
+            self.in_flight -= 1
+            self._aborted.discard(base.request_id)
+            for t in tasks:
+                t.cancel()
+
+    def _sub_request(self, base: pb.GenerateRequest, index: int, n: int, attempt: int, prompt: list[int] | None,
+                     produced: list[int]) -> pb.GenerateRequest:
+        req = pb.GenerateRequest()
+        req.CopyFrom(base)
+        req.request_id = f"{base.request_id}:{index}:{attempt}"
+        req.sampling.n = 1
+        if n > 1 and base.sampling.HasField("seed"):
+            req.sampling.seed = base.sampling.seed + index  # the n completions must differ
+        if produced:  # a resubmission: the prompt so far is the prompt plus what was generated
+            req.token_ids.ids[:] = prompt + produced
+            req.sampling.max_tokens = _budget(base) - len(produced)
+        return req
+
+    async def _completion(self, base: pb.GenerateRequest, index: int, n: int, out: asyncio.Queue) -> None:
+        try:
+            await self._run_completion(base, index, n, out)
+        except RpcError as e:
+            out.put_nowait(Relayed(e.code, e.message))
+        except Exception as e:  # noqa: BLE001 - delivered to the caller's stream
+            out.put_nowait(e)
+
+    async def _run_completion(self, base: pb.GenerateRequest, index: int, n: int, out: asyncio.Queue) -> None:
+        key = f"{base.request_id}:{index}"
+        prompt: list[int] | None = None
+        produced: list[int] = []
+        spans: list[pb.VersionSpan] = []
+        attempt = 0
+        while True:
+            member = await self._pick(base.session_id)
+            req = self._sub_request(base, index, n, attempt, prompt, produced)
+            member.in_flight += 1
+            self._running[key] = (member, req.request_id)
+            final = None
+            try:
+                async for chunk in member.client.stream(req):
+                    if prompt is None:
+                        prompt = list(chunk.prompt_token_ids)
+                    emit = pb.GenerateChunk(request_id=base.request_id, index=index, token_ids=chunk.token_ids,
+                                            text=chunk.text, logprobs=chunk.logprobs,
+                                            weight_version=chunk.weight_version)
+                    if not produced and attempt == 0 and chunk.prompt_token_ids:
+                        emit.prompt_token_ids[:] = chunk.prompt_token_ids
+                    if chunk.token_ids:
+                        _extend(spans, chunk.weight_version, len(produced), len(chunk.token_ids))
+                        produced += chunk.token_ids
+                    if chunk.finish_reason:
+                        final = (chunk, emit)
+                    elif emit.token_ids or emit.text or emit.prompt_token_ids:
+                        out.put_nowait(emit)
+            except RpcError as e:
+                if e.code not in _RETRYABLE or base.request_id in self._aborted:
+                    raise
+                log.info("replica %s failed %s (%s); resubmitting", member.name, req.request_id, e.code.name)
+                await asyncio.sleep(min(1.0, 0.05 * (attempt + 1)))  # let the registry notice a dead replica
+            finally:
+                member.in_flight -= 1
+                self._running.pop(key, None)
+            if final is not None:
+                chunk, emit = final
+                cut_short = chunk.finish_reason == pb.FINISH_REASON_ABORT and base.request_id not in self._aborted
+                if not cut_short:
+                    self._finish(emit, chunk, spans, attempt)
+                    out.put_nowait(emit)
+                    return
+                if len(produced) >= _budget(base):  # cut at the very end: it is complete
+                    chunk.finish_reason, chunk.finish_detail = pb.FINISH_REASON_LENGTH, ""
+                    self._finish(emit, chunk, spans, attempt)
+                    out.put_nowait(emit)
+                    return
+                if emit.token_ids or emit.text:
+                    out.put_nowait(emit)  # tokens made before the abort still count
+            attempt += 1
+            self.resubmissions += 1
+            if attempt > self.cfg.max_resubmissions:
+                raise Unavailable(f"request {base.request_id} was cut short {attempt} times; giving up")
+
+    def _finish(self, emit: pb.GenerateChunk, chunk: pb.GenerateChunk, spans: list, attempt: int) -> None:
+        emit.finish_reason, emit.finish_detail = chunk.finish_reason, chunk.finish_detail
+        emit.version_spans.extend(spans)
+        versions = [s.weight_version for s in spans] or [chunk.weight_version]
+        emit.min_weight_version, emit.max_weight_version = min(versions), max(versions)
+        emit.resubmissions = attempt
+        bound = self.cfg.max_staleness
+        emit.stale = bound >= 0 and self.syncer.trainer_step - emit.min_weight_version > bound
+
+    async def abort(self, request_id: str) -> None:
+        running = [(k, v) for k, v in self._running.items() if k.rsplit(":", 1)[0] == request_id]
+        if not running:
+            raise NotFound(f"no gateway request {request_id!r} is in flight")
+        self._aborted.add(request_id)
+        for _, (member, sub_id) in running:
+            try:
+                await member.client.abort(sub_id)
+            except RpcError:
+                pass  # finished meanwhile
+
+
+def _budget(base: pb.GenerateRequest) -> int:
+    return base.sampling.max_tokens if base.sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+
+
+def _extend(spans: list[pb.VersionSpan], version: int, start: int, count: int) -> None:
+    if spans and spans[-1].weight_version == version:
+        spans[-1].length += count
+    else:
+        spans.append(pb.VersionSpan(weight_version=version, start=start, length=count))

@@ -1,0 +1,86 @@
+"""Who is in the fleet: members register and heartbeat; a silent one leaves the rotation."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from rlsync.client import AsyncRolloutClient, AsyncTrainerClient
+from rlsync.coordinator.v1 import coordinator_pb2 as pb
+from rlsync.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Member:
+    id: str
+    role: int
+    address: str
+    name: str
+    client: AsyncRolloutClient | AsyncTrainerClient
+    last_seen: float = field(default_factory=time.monotonic)
+    state: str = "syncing"  # rollouts: syncing (being brought up to date) -> ready; gone when lost
+    weight_version: int = 0
+    in_flight: int = 0  # gateway streams on it
+    static: bool = False  # configured by address: never expires
+
+
+class Registry:
+    def __init__(self, token: str, lease: float):
+        self.token = token
+        self.lease = lease
+        self.members: dict[str, Member] = {}
+        self.changed = asyncio.Event()  # a rollout became ready or left
+        self.on_join = None  # async callback(member) for a rollout that needs catching up
+
+    def add(self, role: int, address: str, name: str = "", static: bool = False) -> Member:
+        if role not in (pb.ROLE_ROLLOUT, pb.ROLE_TRAINER):
+            raise InvalidArgument("Register needs role ROLE_ROLLOUT or ROLE_TRAINER")
+        if not address:
+            raise InvalidArgument("Register needs the address the coordinator can reach the service at")
+        for m in list(self.members.values()):  # a restarted service registers again: replace it
+            if m.address == address or (name and m.name == name and m.role == role):
+                self.remove(m.id, "registered again")
+        client_cls = AsyncRolloutClient if role == pb.ROLE_ROLLOUT else AsyncTrainerClient
+        member = Member(uuid.uuid4().hex[:12], role, address, name or address,
+                        client_cls(address, token=self.token, timeout=None), static=static)
+        if role == pb.ROLE_TRAINER:
+            member.state = "ready"
+        self.members[member.id] = member
+        log.info("%s joined: %s at %s", "rollout" if role == pb.ROLE_ROLLOUT else "trainer", member.name, address)
+        if role == pb.ROLE_ROLLOUT and self.on_join is not None:
+            asyncio.create_task(self.on_join(member))
+        return member
+
+    def heartbeat(self, member_id: str) -> bool:
+        member = self.members.get(member_id)
+        if member is None:
+            return False
+        member.last_seen = time.monotonic()
+        return True
+
+    def remove(self, member_id: str, why: str) -> None:
+        member = self.members.pop(member_id, None)
+        if member is not None:
+            member.state = "gone"
+            log.warning("%s left the fleet: %s", member.name, why)
+            self.changed.set()
+            asyncio.create_task(member.client.close())
+
+    async def expire_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease / 3)
+            now = time.monotonic()
+            for m in list(self.members.values()):
+                if not m.static and now - m.last_seen > self.lease:
+                    self.remove(m.id, f"no heartbeat for {now - m.last_seen:.1f}s")
+
+    def rollouts(self, state: str | None = "ready") -> list[Member]:
+        return [m for m in self.members.values() if m.role == pb.ROLE_ROLLOUT and (state is None or m.state == state)]
+
+    def trainer(self) -> Member | None:
+        return next((m for m in self.members.values() if m.role == pb.ROLE_TRAINER), None)

@@ -1,0 +1,185 @@
+"""The weight-sync sequences. Each is one short, numbered function: read it top to bottom to know
+exactly what happens to every replica and the trainer, in which order."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from rlsync.client import push_weights_async
+from rlsync.common.audit import differences
+from rlsync.coordinator.config import CoordinatorConfig
+from rlsync.coordinator.registry import Member, Registry
+from rlsync.errors import FailedPrecondition
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SyncResult:
+    version: int
+    phases: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+    replicas: int = 0
+    bytes: int = 0
+    backends: dict[str, int] = field(default_factory=dict)
+    verified: bool = False
+
+
+class Phases:
+    """Times the numbered steps of a sequence."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def done(self, name: str) -> None:
+        now = time.perf_counter()
+        self.times[name] = now - self._t
+        self._t = now
+
+    def add(self, sub: dict[str, float]) -> None:
+        """Sub-phases timed elsewhere (prepare, transfer, commit of a push)."""
+        self.times.update(sub)
+        self._t = time.perf_counter()
+
+
+class Syncer:
+    def __init__(self, registry: Registry, cfg: CoordinatorConfig):
+        self.registry, self.cfg = registry, cfg
+        self.version = 0  # what the fleet serves
+        self.trainer_step = 0
+        self.syncs = 0
+        self.lock = asyncio.Lock()  # one sync, train or catch-up at a time
+        self.ready = asyncio.Event()  # set while replicas may take generation requests
+        self.ready.set()
+
+    def _trainer(self) -> Member:
+        trainer = self.registry.trainer()
+        if trainer is None:
+            raise FailedPrecondition("no trainer is registered: start one with --coordinator, or give the "
+                                     "coordinator --trainer")
+        return trainer
+
+    def _replicas(self) -> list[Member]:
+        replicas = self.registry.rollouts("ready")
+        if not replicas:
+            raise FailedPrecondition("no rollout replica is ready")
+        return replicas
+
+    # ---- colocated: trainer and engines share the GPUs -------------------------------------------
+    async def before_train(self) -> dict[str, float]:
+        """Colocated, before each training step: engines release the GPU, the trainer takes it."""
+        async with self.lock:
+            trainer, replicas, p = self._trainer(), self._replicas(), Phases()
+            self.ready.clear()  # the gateway holds new requests until the next sync wakes the engines
+            # 1. Put the engines to sleep (requests in flight are aborted; the gateway resubmits them).
+            await asyncio.gather(*(r.client.sleep(level=1) for r in replicas))
+            p.done("sleep")
+            # 2. Bring the trainer back onto the GPU.
+            await trainer.client.onload()
+            p.done("onload")
+            return p.times
+
+    async def _colocated(self, trainer: Member, replicas: list[Member], version: int | None, backend: str) -> tuple:
+        p = Phases()
+        # 1. Wake the engines' weights: memory to receive the update into.
+        await asyncio.gather(*(r.client.wake_up("weights") for r in replicas))
+        p.done("wake_weights")
+        # 2. Handshake + transfer (CUDA IPC / shm), 3. commit on every engine.
+        push = await push_weights_async(trainer.client, [r.client for r in replicas], version, backend,
+                                        self.cfg.update_timeout)
+        p.add(push.phases)
+        # 4. Offload the trainer: its GPU memory goes to the engines' KV cache.
+        await trainer.client.offload()
+        p.done("offload")
+        # 5. Wake the KV cache: generation can start on the new weights.
+        await asyncio.gather(*(r.client.wake_up("kv_cache") for r in replicas))
+        p.done("wake_kv_cache")
+        self.ready.set()
+        return push, p.times
+
+    # ---- async: separate GPUs or hosts ---------------------------------------------------------------
+    async def _async(self, trainer: Member, replicas: list[Member], version: int | None, backend: str) -> tuple:
+        p = Phases()
+        # 1. Pause every replica, aborting requests in flight; returns once none still runs on the old
+        #    weights (an acknowledged barrier). The gateway resubmits the aborted requests after step 4.
+        self.ready.clear()
+        await asyncio.gather(*(r.client.pause("abort") for r in replicas))
+        p.done("pause")
+        try:
+            # 2. Handshake + broadcast to every replica at once (NCCL / gloo / shm), 3. commit everywhere.
+            push = await push_weights_async(trainer.client, [r.client for r in replicas], version, backend,
+                                            self.cfg.update_timeout)
+            p.add(push.phases)
+        finally:
+            # 4. Resume: new tokens carry the new version.
+            await asyncio.gather(*(r.client.resume() for r in replicas), return_exceptions=True)
+            p.done("resume")
+            self.ready.set()
+        return push, p.times
+
+    async def sync(self, version: int | None = None, backend: str = "", verify: bool = False) -> SyncResult:
+        async with self.lock:
+            start = time.perf_counter()
+            trainer, replicas = self._trainer(), self._replicas()
+            sequence = self._colocated if self.cfg.sync_mode == "colocated" else self._async
+            push, phases = await sequence(trainer, replicas, version, backend or self.cfg.force_backend)
+            self.version = push.version
+            for r in replicas:
+                r.weight_version = push.version
+            self.syncs += 1
+            result = SyncResult(push.version, phases, time.perf_counter() - start, len(replicas), push.bytes,
+                                push.backends)
+            if verify:
+                result.verified = await self._verify(trainer, replicas)
+            return result
+
+    async def _verify(self, trainer: Member, replicas: list[Member]) -> bool:
+        if trainer.state == "ready" and self.cfg.sync_mode == "colocated":
+            await trainer.client.onload()  # checksums need the weights; the next train step needs them anyway
+        for r in replicas:
+            served = await r.client.checksums()
+            dtype = served.tensors[0].dtype if served.tensors and served.source == "live parameters" else ""
+            problems = differences(await trainer.client.checksums(dtype), served)
+            if problems:
+                log.error("replica %s does not serve the trainer's weights: %s", r.name, problems[:3])
+                return False
+        return True
+
+    # ---- late joiners --------------------------------------------------------------------------------
+    async def catch_up(self, member: Member) -> None:
+        """Brings a replica that joined late to the trainer's weights before it takes traffic."""
+        try:
+            await self._catch_up(member)
+        except Exception:  # noqa: BLE001 - it stays out of rotation; its next registration retries
+            log.exception("could not bring %s up to date; it stays out of rotation", member.name)
+
+    async def _catch_up(self, member: Member) -> None:
+        async with self.lock:
+            if member.state == "gone":
+                return
+            info = await member.client.info()
+            if info.weight_version != self.version:
+                trainer = self.registry.trainer()
+                if trainer is None:  # trainer_joined() tries again
+                    log.warning("%s serves version %d, the fleet %d, and no trainer is registered: it waits",
+                                member.name, info.weight_version, self.version)
+                    return
+                state = await trainer.client.state()  # colocated: the trainer may be offloaded
+                if state.offloaded:
+                    await trainer.client.onload()
+                push = await push_weights_async(trainer.client, [member.client], None, self.cfg.force_backend,
+                                                self.cfg.update_timeout)
+                if state.offloaded:
+                    await trainer.client.offload()
+                member.weight_version = push.version
+                log.info("%s caught up to version %d", member.name, push.version)
+            member.state = "ready"
+            self.registry.changed.set()
+
+    async def trainer_joined(self) -> None:
+        for member in self.registry.rollouts("syncing"):
+            asyncio.create_task(self.catch_up(member))
