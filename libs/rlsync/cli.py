@@ -8,6 +8,7 @@ import sys
 
 # subcommand -> (module with main(argv), one-line help)
 COMMANDS = {
+    "demo": ("rlsync.demo.run", "run the RL demo on the tiny model (coordinator, trainer, replicas)"),
     "coordinator": ("rlsync.coordinator.__main__", "registry, weight-sync sequences and generation gateway"),
     "rollout": ("rlsync.rollout.__main__", "serve one inference engine (vLLM or hf) over gRPC"),
     "trainer": ("rlsync.trainer.__main__", "serve a policy: GRPO-style steps, offload/onload, weight publishing"),
