@@ -1,0 +1,124 @@
+"""The coordinator with real trainer and replica processes: registry, late joiners, the gateway's
+transparent resume through updates and dead replicas, aborts, bad input, staleness."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from conftest import rollout_args
+from rlsync.client import CoordinatorClient, RolloutClient, RpcError, TrainerClient, trajectory
+from rlsync.common.audit import differences
+from rlsync.coordinator.v1 import coordinator_pb2 as pb
+
+
+def start_fleet(services, mode="async", replicas=2, extra=()):
+    co = services.start("coordinator", ["--sync-mode", mode, "--lease", "1.5", "--heartbeat-interval", "0.3", *extra],
+                        name="coordinator")
+    tr = services.start("trainer", ["--coordinator", co.address, "--checksums"], name="trainer")
+    ros = [services.start("rollout", [*rollout_args("hf"), "--coordinator", co.address, "--replica-id", f"r{i}"],
+                          name=f"r{i}") for i in range(replicas)]
+    client = CoordinatorClient(co.address)
+    wait_ready(client, replicas + 1)
+    return client, tr, ros
+
+
+def wait_ready(client: CoordinatorClient, count: int, timeout: float = 60) -> list[pb.Member]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready = [m for m in client.status().members if m.state == "ready"]
+        if len(ready) == count:
+            return ready
+        time.sleep(0.1)
+    raise AssertionError(f"expected {count} ready members, have {client.status()}")
+
+
+def step(client: CoordinatorClient, seed: int = 0):
+    done = client.complete("3+4=", n=4, max_tokens=8, temperature=1.0, logprobs=True, seed=seed)
+    client.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])
+    return client.sync_weights(verify=True)
+
+
+def test_registry_late_joiner_caught_up_and_dead_replica_leaves(services):
+    client, tr, ros = start_fleet(services, replicas=1)
+    sync = step(client)
+    assert sync.version == 1 and sync.verified and sync.replicas == 1
+    late = services.start("rollout", [*rollout_args("hf"), "--coordinator", client.address, "--replica-id", "late"],
+                          name="late")
+    wait_ready(client, 3)
+    info = RolloutClient(late.address).info()
+    assert info.weight_version == 1, "a late joiner gets the current weights before it takes traffic"
+    assert differences(TrainerClient(tr.address).checksums(), RolloutClient(late.address).checksums()) == []
+    ros[0].kill()
+    start = time.monotonic()
+    wait_ready(client, 2, timeout=10)
+    assert time.monotonic() - start < 5, "a replica that stops heartbeating leaves within the lease"
+    assert client.complete("still", max_tokens=4, ignore_eos=True)[0].finish_reason == "length"
+
+
+def test_gateway_resumes_through_updates_and_a_dead_replica(services):
+    client, _, ros = start_fleet(services, replicas=2)
+    by_address = {p.address: p for p in ros}
+    result, started = {}, threading.Event()
+
+    def long_stream():
+        chunks = []
+        for c in client.generate("long", session_id="sticky", max_tokens=900, ignore_eos=True):
+            chunks.append(c)
+            started.set()
+        result["chunks"] = chunks
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    assert started.wait(30)
+    step(client, seed=1)  # an update mid-stream: paused, aborted, resubmitted on version 1
+    serving = [m for m in client.status().members if m.role == pb.ROLE_ROLLOUT and m.in_flight > 0]
+    assert len(serving) == 1
+    by_address[serving[0].address].kill()  # ... and then its replica dies
+    t.join(120)
+    chunks = result["chunks"]
+    tokens = [tok for c in chunks for tok in c.token_ids]
+    final = chunks[-1]
+    assert final.finish_reason == 2 and len(tokens) == 900, "nothing lost, nothing duplicated"
+    assert final.resubmissions >= 2
+    assert [s.weight_version for s in final.version_spans][0] == 0 and final.max_weight_version == 1
+    assert sum(s.length for s in final.version_spans) == 900
+    assert chunks[0].prompt_token_ids and not any(c.prompt_token_ids for c in chunks[1:])
+
+
+def test_gateway_relays_bad_input_and_aborts_on_request(services):
+    client, _, _ = start_fleet(services, replicas=1)
+    with pytest.raises(RpcError) as e:
+        client.complete("hi", max_tokens=0)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in e.value.message
+    with pytest.raises(RpcError) as e:
+        client.abort("nope")
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    chunks, started = [], threading.Event()
+
+    def stream():
+        for c in client.generate("x", request_id="mine", max_tokens=900, ignore_eos=True):
+            chunks.append(c)
+            started.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(30)
+    client.abort("mine")
+    t.join(30)
+    assert chunks[-1].finish_reason == 3 and chunks[-1].resubmissions == 0
+    assert 0 < sum(len(c.token_ids) for c in chunks) < 900
+
+
+def test_staleness_is_flagged_and_passed_to_training(services):
+    client, _, _ = start_fleet(services, replicas=1, extra=("--max-staleness", "0"))
+    old = client.complete("3+4=", n=4, max_tokens=6, temperature=1.0, logprobs=True, seed=3)
+    assert not any(c.stale for c in old)
+    client.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(old)])  # step 1, no sync
+    again = client.complete("3+4=", max_tokens=4, ignore_eos=True)[0]
+    assert again.stale and again.max_weight_version == 0
+    r = client.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(old)])
+    assert r.stale == 4 and r.dropped == 4, "older than max_staleness: dropped by the configured policy"
