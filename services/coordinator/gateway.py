@@ -123,18 +123,17 @@ class Gateway:
                 async for chunk in member.client.stream(req):
                     if prompt is None:
                         prompt = list(chunk.prompt_token_ids)
-                    emit = pb.GenerateChunk(request_id=base.request_id, index=index, token_ids=chunk.token_ids,
-                                            text=chunk.text, logprobs=chunk.logprobs,
-                                            weight_version=chunk.weight_version)
-                    if not produced and attempt == 0 and chunk.prompt_token_ids:
-                        emit.prompt_token_ids[:] = chunk.prompt_token_ids
-                    if chunk.token_ids:
-                        _extend(spans, chunk.weight_version, len(produced), len(chunk.token_ids))
+                    if produced or attempt:  # the continuation's prompt is not the caller's prompt
+                        del chunk.prompt_token_ids[:]
+                    chunk.request_id, chunk.index = base.request_id, index  # forwarded as is otherwise
+                    count = len(chunk.token_ids)
+                    if count:
+                        _extend(spans, chunk.weight_version, len(produced), count)
                         produced += chunk.token_ids
                     if chunk.finish_reason:
-                        final = (chunk, emit)
-                    elif emit.token_ids or emit.text or emit.prompt_token_ids:
-                        out.put_nowait(emit)
+                        final = chunk
+                    elif count or chunk.text or chunk.prompt_token_ids:
+                        out.put_nowait(chunk)
             except RpcError as e:
                 if e.code not in _RETRYABLE or base.request_id in self._aborted:
                     raise
@@ -144,28 +143,27 @@ class Gateway:
                 member.in_flight -= 1
                 self._running.pop(key, None)
             if final is not None:
-                chunk, emit = final
-                cut_short = chunk.finish_reason == pb.FINISH_REASON_ABORT and base.request_id not in self._aborted
+                cut_short = final.finish_reason == pb.FINISH_REASON_ABORT and base.request_id not in self._aborted
+                if cut_short and len(produced) >= _budget(base):  # cut at the very end: it is complete
+                    final.finish_reason, final.finish_detail, cut_short = pb.FINISH_REASON_LENGTH, "", False
                 if not cut_short:
-                    self._finish(emit, chunk, spans, attempt)
-                    out.put_nowait(emit)
+                    self._finish(final, spans, attempt)
+                    out.put_nowait(final)
                     return
-                if len(produced) >= _budget(base):  # cut at the very end: it is complete
-                    chunk.finish_reason, chunk.finish_detail = pb.FINISH_REASON_LENGTH, ""
-                    self._finish(emit, chunk, spans, attempt)
-                    out.put_nowait(emit)
-                    return
-                if emit.token_ids or emit.text:
-                    out.put_nowait(emit)  # tokens made before the abort still count
+                if final.token_ids or final.text:  # tokens made before the abort still count
+                    final.finish_reason, final.finish_detail = 0, ""
+                    del final.version_spans[:]
+                    out.put_nowait(final)
             attempt += 1
             self.resubmissions += 1
             if attempt > self.cfg.max_resubmissions:
                 raise Unavailable(f"request {base.request_id} was cut short {attempt} times; giving up")
 
-    def _finish(self, emit: pb.GenerateChunk, chunk: pb.GenerateChunk, spans: list, attempt: int) -> None:
-        emit.finish_reason, emit.finish_detail = chunk.finish_reason, chunk.finish_detail
+    def _finish(self, emit: pb.GenerateChunk, spans: list, attempt: int) -> None:
+        """Completes the final chunk: spans, versions and resubmissions across every attempt."""
+        del emit.version_spans[:]
         emit.version_spans.extend(spans)
-        versions = [s.weight_version for s in spans] or [chunk.weight_version]
+        versions = [s.weight_version for s in spans] or [emit.weight_version]
         emit.min_weight_version, emit.max_weight_version = min(versions), max(versions)
         emit.resubmissions = attempt
         bound = self.cfg.max_staleness

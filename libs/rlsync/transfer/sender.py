@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+import socket
 import threading
 import time
 import uuid
@@ -70,8 +71,9 @@ class WeightSender:
         self.checksums = checksums
         self.arena = arena
         self.allow_one_copy = one_copy is not False  # None: whenever the memory allows it
-        self.host = host
-        self.listener = Listener(host, advertise)
+        # Where receivers dial: the bind host, or this host's address when bound to every interface.
+        self.host = advertise or (socket.gethostbyname(socket.gethostname()) if host in ("0.0.0.0", "::") else host)
+        self.listener = Listener(host, self.host)
         self.cache: dict = {}
         # Byte views of the tensors, made once when they are contiguous (values are read at send time).
         self._views = [as_bytes(t) for t in self.tensors.values()] \

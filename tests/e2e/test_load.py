@@ -1,0 +1,22 @@
+"""The gateway under load (bench/gateway_load.py): 200 concurrent streams, 3 weight updates mid-flight.
+Asserts correctness only; the benchmark reports the latencies."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "gateway_load.py"
+
+
+def test_no_stream_lost_or_duplicated_through_three_updates(tmp_path):
+    out = subprocess.run([sys.executable, str(BENCH), "--streams", "200", "--updates", "3", "--max-tokens", "32",
+                          "--logs", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    result = json.loads(out.stdout)
+    load = result["load"]
+    assert out.returncode == 0 and load["lost_or_wrong"] == 0, load["problems"]
+    assert load["streams"] == 200 and [u["version"] for u in load["updates"]] == [1, 2, 3]
+    assert load["resubmissions"] > 0, "updates landed while streams were in flight"
+    assert set(load["versions_seen"]) >= {0, 3}
