@@ -49,7 +49,7 @@ async def overhead(coordinator: str, replicas: list[str], streams: int, max_toke
             await c.complete("warm up", max_tokens=2)
         for load, concurrency in (("sequential", 1), ("concurrent", streams)):
             for name in ("direct", "gateway"):
-                def client(i):
+                def client(i, name=name):
                     return gateway if name == "gateway" else directs[i % len(directs)]
 
                 runs = []

@@ -119,10 +119,50 @@ def resolve_model(name: str) -> str:
     return str(ensure_tiny_model()) if name == TINY else name
 
 
+# Real model families' shapes with random weights, for GPU benchmarks (tokenizer: the tiny one's;
+# ids it does not know decode to nothing, which generation does not mind).
+PRESETS = {
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=4096,
+                       tie_word_embeddings=True),
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=4096,
+                     tie_word_embeddings=True),
+}
+
+
+def build_preset(out: Path, preset: str, device: str = "cpu", dtype: str = "bfloat16", seed: int = 0) -> Path:
+    """A Qwen3 model of a real size with random weights, written like a checkpoint."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if (out / "config.json").exists():
+        return out
+    tiny = ensure_tiny_model()
+    eos = json.loads((tiny / "config.json").read_text())["eos_token_id"]
+    config = Qwen3Config(**PRESETS[preset], bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, torch_dtype=dtype)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(getattr(torch, dtype))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny / name, out / name)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="rlsync make-tiny-model", description=__doc__)
-    parser.parse_args(argv)
-    print(ensure_tiny_model())
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="instead: a real-size model with random weights")
+    parser.add_argument("--out", help="folder for --preset")
+    parser.add_argument("--device", default="cpu", help="where --preset initializes its weights")
+    args = parser.parse_args(argv)
+    if args.preset:
+        if not args.out:
+            parser.error("--preset needs --out")
+        print(build_preset(Path(args.out), args.preset, args.device))
+    else:
+        print(ensure_tiny_model())
     return 0

@@ -44,14 +44,15 @@ class Coordinator:
         trainer = self.registry.trainer()
         if trainer is None:
             raise FailedPrecondition("no trainer is registered")
-        if self.cfg.sync_mode == "colocated":
-            await self.syncer.before_train()
+        phases = await self.syncer.before_train() if self.cfg.sync_mode == "colocated" else {}
         if not request.HasField("max_staleness") and self.cfg.max_staleness >= 0:
             request.max_staleness = self.cfg.max_staleness
         if not request.stale_policy:
             request.stale_policy = _STALE[self.cfg.stale_policy]
         response = await trainer.client._call("Train", request, timeout=3600)
         self.syncer.trainer_step = response.step
+        for name, seconds in phases.items():  # colocated: what preceded the step (sleep, onload)
+            response.metrics[f"{name}_seconds"] = seconds
         return response
 
     def status(self) -> pb.FleetStatus:

@@ -1,0 +1,57 @@
+"""Weight updates on the GPU: trainer and hf replica share a GPU (cuda_ipc, one copy), or not (nccl)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlsync.client import RolloutClient, TrainerClient, push_weights, trajectory
+from rlsync.common.audit import differences
+
+pytestmark = pytest.mark.gpu
+GPU_ENGINE = json.dumps({"device": "cuda", "dtype": "float32"})
+
+
+def _fleet(services, trainer_gpu: str, replica_gpu: str):
+    tr = services.start("trainer", ["--device", "cuda", "--checksums", "--lr", "0.01"],
+                        env={"CUDA_VISIBLE_DEVICES": trainer_gpu}, name="gpu-trainer")
+    ro = services.start("rollout", ["--engine", "hf", "--engine-args", GPU_ENGINE],
+                        env={"CUDA_VISIBLE_DEVICES": replica_gpu}, name="gpu-rollout")
+    return TrainerClient(tr.address), RolloutClient(ro.address)
+
+
+def _check(trainer: TrainerClient, rollout: RolloutClient, backend: str, tmp_path) -> None:
+    done = rollout.complete("3+4=", max_tokens=8, logprobs=True, ignore_eos=True, n=4, seed=1)
+    trainer.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])
+    report = push_weights(trainer, [rollout])
+    assert report.backends == {backend: 1}
+    assert differences(trainer.checksums(), rollout.checksums()) == []
+    model = AutoModelForCausalLM.from_pretrained(trainer.save_checkpoint(str(tmp_path / "c")).path).cuda().eval()
+    prompt = done[0].prompt_token_ids
+    want = model.generate(torch.tensor([prompt]).cuda(), max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+    assert rollout.complete(prompt, max_tokens=10, temperature=0, ignore_eos=True)[0].token_ids == want
+
+
+def test_same_gpu_update_over_cuda_ipc(services, tmp_path):
+    _check(*_fleet(services, "0", "0"), "cuda_ipc", tmp_path)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_other_gpu_update_over_nccl(services, tmp_path):
+    _check(*_fleet(services, "0", "1"), "nccl", tmp_path)
+
+
+def test_sleep_frees_gpu_memory_and_wake_restores(services):
+    ro = services.start("rollout", ["--engine", "hf", "--engine-args", GPU_ENGINE], env={"CUDA_VISIBLE_DEVICES": "0"},
+                        name="gpu-sleeper")
+    r = RolloutClient(ro.address)
+    before = r.complete("sleep", max_tokens=12, temperature=0, ignore_eos=True)[0].token_ids
+    awake = r.info().memory
+    asleep = r.sleep(level=1).memory
+    assert asleep.weights_bytes == 0 and asleep.device_reserved_bytes < awake.device_reserved_bytes
+    r.wake_up()
+    assert r.complete("sleep", max_tokens=12, temperature=0, ignore_eos=True)[0].token_ids == before
