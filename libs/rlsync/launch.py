@@ -21,6 +21,8 @@ class ServiceProcess:
         self.name = name or service
         cmd = [sys.executable, "-m", f"rlsync.{service}", *args]
         self.log_path = Path(log_path) if log_path else None
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log,
                                      env={**os.environ, **(env or {})}, start_new_session=True)

@@ -20,10 +20,13 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class _Stash:
     """Where an offloaded tensor waits: pinned host memory for a GPU tensor, a file for a CPU one."""
 
-    def __init__(self, t: torch.Tensor, spool: Path):
+    def __init__(self, t: torch.Tensor, spool: Path, pinned: dict):
         self.dtype, self.shape, self.device = t.dtype, t.shape, t.device
         if t.device.type == "cuda":
-            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            key = (tuple(t.shape), t.dtype)  # pinned buffers are reused: allocating them is slow
+            free = pinned.setdefault(key, [])
+            self.host = free.pop() if free else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._pool = free
             self.host.copy_(t)
             self.path = None
         else:
@@ -34,6 +37,7 @@ class _Stash:
     def restore_into(self, out: torch.Tensor) -> torch.Tensor:
         if self.host is not None:
             out.copy_(self.host, non_blocking=False)
+            self._pool.append(self.host)
         else:
             with open(self.path, "rb") as f:
                 f.readinto(out.reshape(-1).view(torch.uint8).numpy())
@@ -65,6 +69,7 @@ class Policy:
         self.reference: FlatStore | None = None
         self.offloaded = False
         self._stashed: dict = {}
+        self._pinned: dict = {}
         self.spool = Path(spool_dir) if spool_dir else Path(tempfile.mkdtemp(prefix="rlsync-spool-"))
         self.spool.mkdir(parents=True, exist_ok=True)
 
@@ -107,15 +112,15 @@ class Policy:
         if self.offloaded:
             return
         self.optimizer.zero_grad(set_to_none=True)
-        self._stashed["params"] = {d: _Stash(b, self.spool) for d, b in self.store.buffers.items()}
-        if self.reference is not None:
-            self._stashed["reference"] = {d: _Stash(b, self.spool) for d, b in self.reference.buffers.items()}
-            self.reference = None
+        for group, store in {"params": self.store, "reference": self.reference}.items():
+            if store is not None:
+                self._stashed[group] = {d: _Stash(b, self.spool, self._pinned) for d, b in store.buffers.items()}
+        self.reference = None
         self._stashed["optimizer"] = {}
         for i, state in enumerate(self.optimizer.state.values()):
             for k, v in state.items():
                 if isinstance(v, torch.Tensor) and v.device == self.device and v.dim() > 0:
-                    self._stashed["optimizer"][(i, k)] = _Stash(v, self.spool)
+                    self._stashed["optimizer"][(i, k)] = _Stash(v, self.spool, self._pinned)
                     state[k] = torch.empty(0, dtype=v.dtype, device=self.device)
         self._point(None)
         self.store = None

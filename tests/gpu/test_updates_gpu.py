@@ -55,3 +55,26 @@ def test_sleep_frees_gpu_memory_and_wake_restores(services):
     assert asleep.weights_bytes == 0 and asleep.device_reserved_bytes < awake.device_reserved_bytes
     r.wake_up()
     assert r.complete("sleep", max_tokens=12, temperature=0, ignore_eos=True)[0].token_ids == before
+
+
+def test_colocated_update_lands_in_the_woken_weights_and_a_failed_one_keeps_the_old(services, tmp_path):
+    trainer, rollout = _fleet(services, "0", "0")
+    before = rollout.complete("keep", max_tokens=10, temperature=0, ignore_eos=True)[0].token_ids
+    # A failed update while asleep-then-woken: the weights come back from the host backup.
+    rollout.sleep(level=1)
+    rollout.wake_up("weights")
+    offer = trainer.offer_weights(version=1)
+    rollout.prepare_update(offer)
+    rollout.abort_update()
+    rollout.wake_up()
+    assert rollout.complete("keep", max_tokens=10, temperature=0, ignore_eos=True)[0].token_ids == before
+    assert rollout.info().weight_version == 0
+    # The colocated order: sleep, wake weights, update (straight into them), wake the KV cache.
+    done = rollout.complete("3+4=", max_tokens=8, logprobs=True, ignore_eos=True, n=4, seed=2)
+    trainer.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])
+    rollout.sleep(level=1)
+    rollout.wake_up("weights")
+    report = push_weights(trainer, [rollout])
+    rollout.wake_up("kv_cache")
+    assert report.backends == {"cuda_ipc": 1} and rollout.info().weight_version == report.version
+    assert differences(trainer.checksums(), rollout.checksums()) == []

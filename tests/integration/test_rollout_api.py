@@ -182,6 +182,7 @@ def test_bad_generate_input_is_invalid_argument(rollout, kwargs, fragment):
 def test_duplicate_request_id_is_refused(rollout):
     s = _stream_in_thread(rollout, "dup", request_id="same-id", **LONG)
     assert s["first"].wait(30)
+    assert "error" not in s and not s["chunks"][-1].finish_reason, (s.get("error"), s["chunks"][-1:])
     with pytest.raises(RpcError) as e:
         rollout.complete("dup", request_id="same-id", max_tokens=4)
     assert e.value.code == grpc.StatusCode.ALREADY_EXISTS

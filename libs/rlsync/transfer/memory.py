@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import mmap
 import os
-from collections import OrderedDict
 
 import torch
 
@@ -101,23 +100,13 @@ def import_cuda(h: pb.CudaIpcHandle, device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
 
-_OPENED: OrderedDict[tuple[bytes, int], torch.Tensor] = OrderedDict()
-_OPENED_MAX = 4096
-
-
 def open_cuda(raw: bytes, device: torch.device) -> torch.Tensor:
-    """import_cuda of a serialized handle, remembered: mapping is costly and a sender shares the
-    same storages (flat parameters, slots) transfer after transfer."""
-    key = (raw, device.index if device.index is not None else -1)
-    if key in _OPENED:
-        _OPENED.move_to_end(key)
-        return _OPENED[key]
+    """import_cuda of a serialized handle. Mappings are not cached: while a receiver maps a storage
+    the sender cannot free it (torch keeps shared memory alive for its consumers), and a trainer
+    that offloads must be able to."""
     h = pb.CudaIpcHandle()
     h.ParseFromString(raw)
-    _OPENED[key] = import_cuda(h, device)
-    while len(_OPENED) > _OPENED_MAX:
-        _OPENED.popitem(last=False)
-    return _OPENED[key]
+    return import_cuda(h, device)
 
 
 def share_cuda(t: torch.Tensor, cache: dict) -> bytes:

@@ -144,7 +144,9 @@ class HFEngine(Engine):
         return asyncio.wrap_future(future)
 
     def _has_work(self) -> bool:
-        return not self._frozen and (bool(self.batch) or (self._admitting and bool(self._waiting)))
+        if self._frozen or self.weights.receiving_in_place:  # the latter: requests wait for the commit
+            return False
+        return bool(self.batch) or (self._admitting and bool(self._waiting))
 
     def _run(self) -> None:
         while True:
@@ -171,6 +173,7 @@ class HFEngine(Engine):
 
     def _step(self) -> None:
         """Admit waiting requests (prefill), then one decode step for every running sequence."""
+        self.weights.ensure_restored()
         while self._admitting and self._waiting and len(self.batch) < self.args.max_num_seqs:
             self._admit(*self._waiting.popleft())
         if self.batch:
@@ -319,10 +322,24 @@ class HFEngine(Engine):
             raise FailedPrecondition("weights are asleep: WakeUp(weights) before PrepareUpdate (the update replaces "
                                      "them)")
         ans = answer(offer, receiver_id, device=self.device, force=force_backend or None)
-        staging = FlatStore(self.weights.specs, self.device)  # receives in the engine's dtype (cast on arrival)
-        update = await asyncio.to_thread(StagedUpdate, offer, ans, staging.views, 0, self.device, timeout)
+
+        def staging_store() -> FlatStore:
+            if self.weights.pending_restore:  # woken, not refilled: the update lands right there
+                self.weights.receiving_in_place = True  # (the backup still holds the current version)
+                return self.weights.store
+            return FlatStore(self.weights.specs, self.device)  # in the engine's dtype (cast on arrival)
+
+        staging = await self._call(staging_store)
+        try:
+            update = await asyncio.to_thread(StagedUpdate, offer, ans, staging.views, 0, self.device, timeout)
+        except BaseException:
+            await self._call(self._stop_in_place)
+            raise
         self._update = (update, staging)
         return ans
+
+    def _stop_in_place(self) -> None:
+        self.weights.receiving_in_place = False
 
     async def finish_update(self, timeout: float) -> float:
         update, _ = self._update
@@ -347,6 +364,7 @@ class HFEngine(Engine):
             update, _ = self._update
             self._update = None
             await asyncio.to_thread(update.abort)
+            await self._call(self._stop_in_place)  # the backup refills the weights when they are next used
 
     async def checksums(self):
         return await self._call(self.weights.checksums), "live parameters"

@@ -23,7 +23,12 @@ class Weights:
         self.params = dict(model.named_parameters())  # tied parameters appear once
         self.specs = {n: (p.shape, p.dtype) for n, p in self.params.items()}
         self.store: FlatStore | None = None
-        self.backup: FlatStore | None = None  # Sleep(level=1) on an accelerator
+        self.backup: FlatStore | None = None  # Sleep(level=1) on an accelerator: the weights, in host memory
+        self._host: FlatStore | None = None  # pinned host memory for backups, allocated once
+        # Woken but not yet refilled from the backup: the copy happens only if the weights are used
+        # before an update replaces them (the colocated cycle never pays it).
+        self.pending_restore = False
+        self.receiving_in_place = False  # an update is landing straight in the woken store
         self.from_checkpoint = True  # False once a weight update has replaced the checkpoint's values
         self.not_ready: str | None = None
         self.version = 0
@@ -59,21 +64,23 @@ class Weights:
         if self.store is None:
             return
         if level == 1 and self.device.type != "cpu":
-            self.backup = FlatStore(self.specs, torch.device("cpu"), pin=True)
-            self.backup.copy_from(self.store)
-            torch.cuda.synchronize(self.device)
+            if not self.pending_restore:  # else the backup still holds the weights
+                self._host = self._host or FlatStore(self.specs, torch.device("cpu"), pin=True)
+                self._host.copy_from(self.store)
+                torch.cuda.synchronize(self.device)
+                self.backup = self._host
         elif level == 1:
             return  # already in host memory: nothing to move off the device
+        else:
+            self.backup, self.pending_restore = None, False
         self._place(None)
 
     def wake_up(self) -> None:
         if self.store is not None:
             return
         if self.backup is not None:
-            store = FlatStore(self.specs, self.device)
-            store.copy_from(self.backup)
-            self.backup = None
-            self._place(store)
+            self._place(FlatStore(self.specs, self.device))
+            self.pending_restore = True
         elif self.from_checkpoint:
             self._place(self._pack(self._read_checkpoint()))
         else:
@@ -94,10 +101,16 @@ class Weights:
             raise RuntimeError(f"checkpoint {self.path} lacks {sorted(missing)[:3]}")
         return tensors
 
+    def ensure_restored(self) -> None:
+        """Refills woken weights from the backup, before anything reads them."""
+        if self.pending_restore and not self.receiving_in_place:
+            self.store.copy_from(self.backup)
+            self.backup, self.pending_restore = None, False
+
     def swap(self, store: FlatStore, version: int) -> None:
         """Makes a fully received update live: the parameters point at it (O(1)); the old store is freed."""
         self._place(store)
-        self.backup = None
+        self.backup, self.pending_restore, self.receiving_in_place = None, False, False
         self.from_checkpoint = False
         self.not_ready = None
         self.version = version
@@ -105,6 +118,7 @@ class Weights:
     def checksums(self) -> dict[str, tuple[str, tuple[int, ...], str]]:
         from rlsync.transfer import checksum_tensor
 
+        self.ensure_restored()
         return {n: (str(p.dtype).removeprefix("torch."), tuple(p.shape), checksum_tensor(p.data))
                 for n, p in self.params.items()}
 
