@@ -129,6 +129,7 @@ class Policy:
             self.arena = None
         self.offloaded = True
         if self.device.type == "cuda":
+            torch.cuda.ipc_collect()  # memory receivers mapped (CUDA IPC) is only freed once collected
             torch.cuda.empty_cache()
 
     def onload(self) -> None:
