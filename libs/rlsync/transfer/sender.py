@@ -158,7 +158,10 @@ class WeightSender:
                 continue
             refusal = self._refuse(offer, hello, expected, conns)
             if refusal:
-                conn.send(refusal)
+                try:
+                    conn.send(refusal)
+                except Exception:  # noqa: BLE001 - a stray from an aborted transfer may be gone already
+                    pass
                 conn.close()
                 continue
             conns[(hello.receiver_id, hello.rank)] = (conn, hello)
