@@ -55,6 +55,8 @@ class Policy:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" != "cuda:0" when comparing
+            self.device = torch.device("cuda", torch.cuda.current_device())
         torch_dtype = "auto" if dtype == "auto" else _DTYPES[dtype]
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device)
         self.model.train()
