@@ -21,6 +21,12 @@ def live(tag):
     big = sorted(((t.untyped_storage().nbytes(), tuple(t.shape), str(t.dtype)) for t in tensors), reverse=True)[:5]
     print(tag, "allocated", torch.cuda.memory_allocated() >> 20, "MiB reserved", torch.cuda.memory_reserved() >> 20,
           "MiB, live cuda tensors:", len(tensors), big, flush=True)
+    if tag.startswith("after offload") and tensors:
+        t = max(tensors, key=lambda x: x.untyped_storage().nbytes())
+        for ref in gc.get_referrers(t)[:6]:
+            keys = [k for k, v in ref.items() if v is t][:3] if isinstance(ref, dict) else ""
+            print("   held by", type(ref).__name__, keys, str(ref)[:160] if not isinstance(ref, dict) else "",
+                  flush=True)
 
 
 async def main(publish: bool):
@@ -30,7 +36,7 @@ async def main(publish: bool):
     live("after train")
     if publish:
         offer = core.offer()
-        peer = subprocess.Popen([sys.executable, "-m", "rlsync.transfer.peer", "receive", "--device", "cuda"],
+        peer = subprocess.Popen([sys.executable, "-m", "rlsync.transfer.peer", "receive", "--device", "cuda", "--loop"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         peer.stdin.write(encode(offer) + "\n")
         peer.stdin.flush()
@@ -46,6 +52,6 @@ async def main(publish: bool):
     live("after 2nd offload")
 
 
-for publish in (False, True):
+for publish in (True,):
     print("publish:", publish)
     asyncio.run(main(publish))

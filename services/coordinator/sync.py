@@ -83,7 +83,8 @@ class Syncer:
             p.done("onload")
             return p.times
 
-    async def _colocated(self, trainer: Member, replicas: list[Member], version: int | None, backend: str) -> tuple:
+    async def _colocated(self, trainer: Member, replicas: list[Member], version: int | None, backend: str,
+                         verify: bool) -> tuple:
         p = Phases()
         # 1. Wake the engines' weights: memory to receive the update into.
         await asyncio.gather(*(r.client.wake_up("weights") for r in replicas))
@@ -92,6 +93,8 @@ class Syncer:
         push = await push_weights_async(trainer.client, [r.client for r in replicas], version, backend,
                                         self.cfg.update_timeout)
         p.add(push.phases)
+        verified = await self._verify(trainer, replicas) if verify else False  # while the trainer is on the GPU
+        p.done("verify")
         # 4. Offload the trainer: its GPU memory goes to the engines' KV cache.
         await trainer.client.offload()
         p.done("offload")
@@ -99,10 +102,11 @@ class Syncer:
         await asyncio.gather(*(r.client.wake_up("kv_cache") for r in replicas))
         p.done("wake_kv_cache")
         self.ready.set()
-        return push, p.times
+        return push, p.times, verified
 
     # ---- async: separate GPUs or hosts ---------------------------------------------------------------
-    async def _async(self, trainer: Member, replicas: list[Member], version: int | None, backend: str) -> tuple:
+    async def _async(self, trainer: Member, replicas: list[Member], version: int | None, backend: str,
+                     verify: bool) -> tuple:
         p = Phases()
         # 1. Pause every replica, aborting requests in flight; returns once none still runs on the old
         #    weights (an acknowledged barrier). The gateway resubmits the aborted requests after step 4.
@@ -119,27 +123,27 @@ class Syncer:
             await asyncio.gather(*(r.client.resume() for r in replicas), return_exceptions=True)
             p.done("resume")
             self.ready.set()
-        return push, p.times
+        verified = await self._verify(trainer, replicas) if verify else False  # after the pause window
+        p.done("verify")
+        return push, p.times, verified
 
     async def sync(self, version: int | None = None, backend: str = "", verify: bool = False) -> SyncResult:
         async with self.lock:
             start = time.perf_counter()
             trainer, replicas = self._trainer(), self._replicas()
             sequence = self._colocated if self.cfg.sync_mode == "colocated" else self._async
-            push, phases = await sequence(trainer, replicas, version, backend or self.cfg.force_backend)
+            push, phases, verified = await sequence(trainer, replicas, version, backend or self.cfg.force_backend,
+                                                    verify)
+            verify_seconds = phases.pop("verify")  # an audit, not part of the sync itself
             self.version = push.version
             for r in replicas:
                 r.weight_version = push.version
             self.syncs += 1
-            result = SyncResult(push.version, phases, time.perf_counter() - start, len(replicas), push.bytes,
-                                push.backends)
-            if verify:
-                result.verified = await self._verify(trainer, replicas)
-            return result
+            seconds = time.perf_counter() - start - verify_seconds
+            return SyncResult(push.version, phases, seconds, len(replicas), push.bytes, push.backends, verified)
 
     async def _verify(self, trainer: Member, replicas: list[Member]) -> bool:
-        if trainer.state == "ready" and self.cfg.sync_mode == "colocated":
-            await trainer.client.onload()  # checksums need the weights; the next train step needs them anyway
+        """Trainer and replica checksums, tensor for tensor (the trainer must be on its device)."""
         for r in replicas:
             served = await r.client.checksums()
             dtype = served.tensors[0].dtype if served.tensors and served.source == "live parameters" else ""
