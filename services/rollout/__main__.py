@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import json
 import sys
 
-from rlsync.config import add_arguments, build
-from rlsync.errors import RlsyncError
 from rlsync.rollout.config import RolloutConfig
-from rlsync.rpc.server import run_service, setup_logging
+from rlsync.rpc.server import serve_main
 
 
 def parse_engine_arg(item: str) -> tuple[str, object]:
@@ -23,23 +19,23 @@ def parse_engine_arg(item: str) -> tuple[str, object]:
         return key.replace("-", "_"), raw
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rlsync rollout", description=__doc__)
-    add_arguments(parser, RolloutConfig)
+def _engine_arg_flag(parser) -> None:
     parser.add_argument("-E", "--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="one engine argument (repeatable; VALUE parsed as JSON when it can be)")
-    args = parser.parse_args(argv)
-    cfg = build(RolloutConfig, args)
+
+
+def _merge_engine_args(cfg: RolloutConfig, args) -> None:
     cfg.engine_args.update(dict(parse_engine_arg(item) for item in args.engine_arg))
-    setup_logging(cfg.server.log_level)
+
+
+def _service(cfg: RolloutConfig):
     from rlsync.rollout.server import RolloutService
 
-    try:
-        asyncio.run(run_service(cfg.server, RolloutService(cfg)))
-    except RlsyncError as e:
-        print(f"rlsync rollout: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return RolloutService(cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return serve_main("rlsync rollout", __doc__, RolloutConfig, _service, argv, _engine_arg_flag, _merge_engine_args)
 
 
 if __name__ == "__main__":

@@ -111,3 +111,29 @@ async def run_service(cfg: ServerConfig, service: Service, stop: asyncio.Event |
 def setup_logging(level: str) -> None:
     logging.basicConfig(stream=sys.stderr, level=level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def serve_main(prog: str, doc: str | None, config_cls: type, make_service, argv: list[str] | None = None,
+               extra_arguments=None, adjust=None) -> int:
+    """The `python -m rlsync.<service>` entry point every service shares: flags -> typed config ->
+    serve until SIGTERM. A refused argument exits with status 2 and the reason."""
+    import argparse
+
+    from rlsync.config import add_arguments, build
+    from rlsync.errors import RlsyncError
+
+    parser = argparse.ArgumentParser(prog=prog, description=doc)
+    add_arguments(parser, config_cls)
+    if extra_arguments:
+        extra_arguments(parser)
+    args = parser.parse_args(argv)
+    cfg = build(config_cls, args)
+    if adjust:
+        adjust(cfg, args)
+    setup_logging(cfg.server.log_level)
+    try:
+        asyncio.run(run_service(cfg.server, make_service(cfg)))
+    except RlsyncError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
