@@ -1,4 +1,4 @@
-"""Control messages between the two ends of a transfer (msgspec on a socket; never pickle)."""
+"""Control messages between the two ends of a transfer: typed msgspec structs on a socket, nothing else."""
 
 from __future__ import annotations
 
