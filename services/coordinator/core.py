@@ -37,7 +37,7 @@ class Coordinator:
     def register(self, role: int, address: str, name: str) -> str:
         member = self.registry.add(role, address, name)
         if role == pb.ROLE_TRAINER:
-            asyncio.create_task(self.syncer.trainer_joined())
+            self.registry.spawn(self.syncer.trainer_joined())
         return member.id
 
     async def train(self, request: trainer_pb2.TrainRequest) -> trainer_pb2.TrainResponse:

@@ -47,6 +47,8 @@ class Gateway:
                 member = min(ready, key=lambda m: m.in_flight)
                 if session:
                     self.sessions[session] = member.id
+                    if len(self.sessions) > 100_000:  # forget the oldest sessions
+                        self.sessions.pop(next(iter(self.sessions)))
                 return member
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:

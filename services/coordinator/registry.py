@@ -36,6 +36,13 @@ class Registry:
         self.members: dict[str, Member] = {}
         self.changed = asyncio.Event()  # a rollout became ready or left
         self.on_join = None  # async callback(member) for a rollout that needs catching up
+        self._background: set[asyncio.Task] = set()
+
+    def spawn(self, coro) -> None:
+        """Runs a coroutine in the background, keeping a reference until it is done."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def add(self, role: int, address: str, name: str = "", static: bool = False) -> Member:
         if role not in (pb.ROLE_ROLLOUT, pb.ROLE_TRAINER):
@@ -53,7 +60,7 @@ class Registry:
         self.members[member.id] = member
         log.info("%s joined: %s at %s", "rollout" if role == pb.ROLE_ROLLOUT else "trainer", member.name, address)
         if role == pb.ROLE_ROLLOUT and self.on_join is not None:
-            asyncio.create_task(self.on_join(member))
+            self.spawn(self.on_join(member))
         return member
 
     def heartbeat(self, member_id: str) -> bool:
@@ -69,7 +76,7 @@ class Registry:
             member.state = "gone"
             log.warning("%s left the fleet: %s", member.name, why)
             self.changed.set()
-            asyncio.create_task(member.client.close())
+            self.spawn(member.client.close())
 
     async def expire_forever(self) -> None:
         while True:

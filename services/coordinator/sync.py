@@ -186,4 +186,4 @@ class Syncer:
 
     async def trainer_joined(self) -> None:
         for member in self.registry.rollouts("syncing"):
-            asyncio.create_task(self.catch_up(member))
+            self.registry.spawn(self.catch_up(member))
