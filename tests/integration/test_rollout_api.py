@@ -87,6 +87,25 @@ def _stream_in_thread(client, prompt, **kw):
     return result
 
 
+def _frozen_streams(rollout, prompts: list[str]) -> list[dict]:
+    """Long streams, each with tokens out and all still open, frozen with Pause(KEEP).
+
+    vLLM's engine process keeps generating while the replica's own process waits for a CPU core,
+    so on two busy cores a long stream can be complete before its first chunk arrives; such a
+    round is simply tried again."""
+    for _ in range(5):
+        streams = [_stream_in_thread(rollout, p, **LONG) for p in prompts]
+        for s in streams:
+            assert s["first"].wait(30)
+        rollout.pause("keep")
+        if rollout.info().in_flight == len(prompts):
+            return streams
+        rollout.resume()
+        for s in streams:
+            s["thread"].join(60)
+    raise AssertionError("streams kept finishing before they could be paused")
+
+
 def test_abort_ends_one_stream_with_partial_tokens_others_run_on(rollout):
     a = _stream_in_thread(rollout, "alpha", request_id="abort-me", **LONG)
     b = _stream_in_thread(rollout, "beta", request_id="keep-me", max_tokens=40, ignore_eos=True)
@@ -125,9 +144,7 @@ def test_pause_keep_freezes_and_resume_continues_same_stream(rollout):
 
 
 def test_pause_abort_ends_streams_and_new_requests_wait_for_resume(rollout):
-    streams = [_stream_in_thread(rollout, p, **LONG) for p in ("one", "two")]
-    for s in streams:
-        assert s["first"].wait(30)
+    streams = _frozen_streams(rollout, ["one", "two"])
     resp = rollout.pause("abort")
     assert resp.aborted == 2
     for s in streams:
@@ -180,13 +197,16 @@ def test_bad_generate_input_is_invalid_argument(rollout, kwargs, fragment):
 
 
 def test_duplicate_request_id_is_refused(rollout):
+    rollout.pause("keep")  # the first request stays in flight, deterministically
     s = _stream_in_thread(rollout, "dup", request_id="same-id", **LONG)
-    assert s["first"].wait(30)
-    assert "error" not in s and not s["chunks"][-1].finish_reason, (s.get("error"), s["chunks"][-1:])
+    deadline = time.monotonic() + 30
+    while rollout.info().in_flight < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
     with pytest.raises(RpcError) as e:
         rollout.complete("dup", request_id="same-id", max_tokens=4)
     assert e.value.code == grpc.StatusCode.ALREADY_EXISTS
     rollout.abort("same-id")
+    rollout.resume()
     s["thread"].join(30)
 
 
