@@ -125,7 +125,7 @@ def test_new_tokens_carry_the_new_version_after_commit(pair):
     for _ in range(5):  # vLLM's engine process can finish a stream before its first chunk arrives: retry
         chunks, started = [], threading.Event()
 
-        def stream():
+        def stream(chunks=chunks, started=started):
             for c in rollout.generate("long", max_tokens=700, ignore_eos=True):
                 chunks.append(c)
                 started.set()
@@ -143,7 +143,7 @@ def test_new_tokens_carry_the_new_version_after_commit(pair):
     assert versions == sorted(versions), "a stream never goes back to an older version"
     spans = [(s.weight_version, s.start, s.length) for s in chunks[-1].version_spans]
     assert [v for v, _, _ in spans] == [old, report.version]
-    assert sum(n for _, n, _ in spans) == 700
+    assert sum(n for _, _, n in spans) == 700
 
 
 def test_trainer_killed_mid_transfer_leaves_engine_on_its_version(services, small_model):
