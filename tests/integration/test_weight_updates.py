@@ -121,8 +121,8 @@ def test_versions_regression_refused_equal_idempotent_missing_uses_step(pair):
 
 def test_new_tokens_carry_the_new_version_after_commit(pair):
     trainer, rollout, _, _ = pair
-    _train_once(trainer, rollout, seed=4)
-    for _ in range(5):  # vLLM's engine process can finish a stream before its first chunk arrives: retry
+    for attempt in range(5):  # vLLM's engine process can finish a stream before its first chunk arrives: retry
+        _train_once(trainer, rollout, seed=4 + attempt)  # a new version to commit
         chunks, started = [], threading.Event()
 
         def stream(chunks=chunks, started=started):
