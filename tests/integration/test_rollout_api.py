@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 
 import grpc
 import pytest
@@ -21,6 +22,14 @@ def rollout(request, module_services) -> RolloutClient:
 
 
 LONG = dict(max_tokens=900, ignore_eos=True, temperature=1.0)
+
+
+@pytest.fixture(autouse=True)
+def serving_again(rollout):
+    """A test that fails while the replica is paused or asleep must not leave it so for the next one."""
+    yield
+    rollout.wake_up()
+    rollout.resume()
 
 
 def test_generation_streams_tokens_tagged_with_version(rollout):
@@ -70,7 +79,7 @@ def test_stop_string_ends_completion_and_is_not_returned(rollout):
 
 
 def _stream_in_thread(client, prompt, **kw):
-    result = {"chunks": [], "first": threading.Event()}
+    result = {"chunks": [], "first": threading.Event(), "request_id": kw.get("request_id", "")}
 
     def run():
         try:
@@ -94,7 +103,7 @@ def _frozen_streams(rollout, prompts: list[str]) -> list[dict]:
     so on two busy cores a long stream can be complete before its first chunk arrives; such a
     round is simply tried again."""
     for _ in range(5):
-        streams = [_stream_in_thread(rollout, p, **LONG) for p in prompts]
+        streams = [_stream_in_thread(rollout, p, request_id=f"{p}-{uuid.uuid4().hex[:6]}", **LONG) for p in prompts]
         for s in streams:
             assert s["first"].wait(30)
         rollout.pause("keep")
@@ -107,17 +116,16 @@ def _frozen_streams(rollout, prompts: list[str]) -> list[dict]:
 
 
 def test_abort_ends_one_stream_with_partial_tokens_others_run_on(rollout):
-    a = _stream_in_thread(rollout, "alpha", request_id="abort-me", **LONG)
-    b = _stream_in_thread(rollout, "beta", request_id="keep-me", max_tokens=40, ignore_eos=True)
-    assert a["first"].wait(30)
-    rollout.abort("abort-me")
+    a, b = _frozen_streams(rollout, ["alpha", "beta"])
+    rollout.abort(a["request_id"])
+    rollout.resume()
     a["thread"].join(30)
     b["thread"].join(60)
     final_a = a["chunks"][-1]
     assert final_a.finish_reason == 3 and "Abort" in final_a.finish_detail  # ABORT
     assert 0 < sum(len(c.token_ids) for c in a["chunks"]) < LONG["max_tokens"]
     assert b["chunks"][-1].finish_reason == 2
-    assert sum(len(c.token_ids) for c in b["chunks"]) == 40
+    assert sum(len(c.token_ids) for c in b["chunks"]) == LONG["max_tokens"]
 
 
 def test_abort_unknown_request_is_not_found(rollout):
@@ -127,10 +135,7 @@ def test_abort_unknown_request_is_not_found(rollout):
 
 
 def test_pause_keep_freezes_and_resume_continues_same_stream(rollout):
-    s = _stream_in_thread(rollout, "gamma", **LONG)
-    assert s["first"].wait(30)
-    resp = rollout.pause("keep")
-    assert resp.in_flight == 1
+    (s,) = _frozen_streams(rollout, ["gamma"])  # paused with KEEP while the stream runs
     time.sleep(0.3)  # chunks produced before the pause may still be on the wire
     frozen_at = len(s["chunks"])
     time.sleep(1.0)

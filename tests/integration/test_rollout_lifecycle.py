@@ -23,16 +23,22 @@ def test_sigterm_ends_streams_with_reason_and_leaves_no_process(services, engine
     if engine == "vllm":
         assert family, "vLLM runs its engine core in a child process"
     client = RolloutClient(proc.address)
-    chunks, started = [], threading.Event()
+    for _ in range(5):  # vLLM's engine can finish a stream before its first chunk arrives: try again
+        chunks, started = [], threading.Event()
 
-    def stream():
-        for c in client.generate("long", max_tokens=900, ignore_eos=True):
-            chunks.append(c)
-            started.set()
+        def stream(chunks=chunks, started=started):
+            for c in client.generate("long", max_tokens=900, ignore_eos=True):
+                chunks.append(c)
+                started.set()
 
-    t = threading.Thread(target=stream)
-    t.start()
-    assert started.wait(30)
+        t = threading.Thread(target=stream)
+        t.start()
+        assert started.wait(30)
+        client.pause("keep")  # the stream is surely still open when the signal arrives
+        if client.info().in_flight == 1:
+            break
+        client.resume()
+        t.join(60)
     proc.proc.send_signal(signal.SIGTERM)
     t.join(30)
     assert chunks[-1].finish_reason == 3 and "shutting down" in chunks[-1].finish_detail

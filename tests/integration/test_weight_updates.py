@@ -121,8 +121,8 @@ def test_versions_regression_refused_equal_idempotent_missing_uses_step(pair):
 
 def test_new_tokens_carry_the_new_version_after_commit(pair):
     trainer, rollout, _, _ = pair
-    for attempt in range(5):  # vLLM's engine process can finish a stream before its first chunk arrives: retry
-        _train_once(trainer, rollout, seed=4 + attempt)  # a new version to commit
+    _train_once(trainer, rollout, seed=4)  # a new version to commit
+    for _ in range(5):  # vLLM's engine process can finish a stream before its first chunk arrives: retry
         chunks, started = [], threading.Event()
 
         def stream(chunks=chunks, started=started):
@@ -133,12 +133,16 @@ def test_new_tokens_carry_the_new_version_after_commit(pair):
         t = threading.Thread(target=stream)
         t.start()
         assert started.wait(30)
-        old = rollout.info().weight_version
-        report = push_weights(trainer, [rollout])  # commits while the stream runs: the switch is atomic
-        t.join(120)
-        versions = [c.weight_version for c in chunks if c.token_ids]
-        if versions[-1] != old:
+        rollout.pause("keep")  # freeze the stream mid-way, as a KEEP-mode sync does
+        if rollout.info().in_flight == 1:
             break
+        rollout.resume()
+        t.join(120)
+    old = rollout.info().weight_version
+    report = push_weights(trainer, [rollout])  # commits under the open stream: the switch is atomic
+    rollout.resume()
+    t.join(120)
+    versions = [c.weight_version for c in chunks if c.token_ids]
     assert versions[0] == old and versions[-1] == report.version
     assert versions == sorted(versions), "a stream never goes back to an older version"
     spans = [(s.weight_version, s.start, s.length) for s in chunks[-1].version_spans]
