@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import threading
 import time
-import uuid
 
 import grpc
 import pytest
 
 from conftest import rollout_args
 from rlsync.client import RolloutClient, RpcError
+from streams import Stream, frozen_streams, wait_in_flight
 
 
 @pytest.fixture(scope="module", params=["hf", "vllm"])
@@ -78,54 +77,17 @@ def test_stop_string_ends_completion_and_is_not_returned(rollout):
     assert out.text == free.text[:free.text.find(stop)]
 
 
-def _stream_in_thread(client, prompt, **kw):
-    result = {"chunks": [], "first": threading.Event(), "request_id": kw.get("request_id", "")}
-
-    def run():
-        try:
-            for c in client.generate(prompt, **kw):
-                result["chunks"].append(c)
-                result["first"].set()
-        except RpcError as e:
-            result["error"] = e
-        result["first"].set()
-
-    t = threading.Thread(target=run)
-    t.start()
-    result["thread"] = t
-    return result
-
-
-def _frozen_streams(rollout, prompts: list[str]) -> list[dict]:
-    """Long streams, each with tokens out and all still open, frozen with Pause(KEEP).
-
-    vLLM's engine process keeps generating while the replica's own process waits for a CPU core,
-    so on two busy cores a long stream can be complete before its first chunk arrives; such a
-    round is simply tried again."""
-    for _ in range(5):
-        streams = [_stream_in_thread(rollout, p, request_id=f"{p}-{uuid.uuid4().hex[:6]}", **LONG) for p in prompts]
-        for s in streams:
-            assert s["first"].wait(30)
-        rollout.pause("keep")
-        if rollout.info().in_flight == len(prompts):
-            return streams
-        rollout.resume()
-        for s in streams:
-            s["thread"].join(60)
-    raise AssertionError("streams kept finishing before they could be paused")
-
-
 def test_abort_ends_one_stream_with_partial_tokens_others_run_on(rollout):
-    a, b = _frozen_streams(rollout, ["alpha", "beta"])
-    rollout.abort(a["request_id"])
+    a, b = frozen_streams(rollout, ["alpha", "beta"], **LONG)
+    rollout.abort(a.request_id)
     rollout.resume()
-    a["thread"].join(30)
-    b["thread"].join(60)
-    final_a = a["chunks"][-1]
+    a.thread.join(30)
+    b.thread.join(60)
+    final_a = a.chunks[-1]
     assert final_a.finish_reason == 3 and "Abort" in final_a.finish_detail  # ABORT
-    assert 0 < sum(len(c.token_ids) for c in a["chunks"]) < LONG["max_tokens"]
-    assert b["chunks"][-1].finish_reason == 2
-    assert sum(len(c.token_ids) for c in b["chunks"]) == LONG["max_tokens"]
+    assert 0 < a.tokens < LONG["max_tokens"]
+    assert b.chunks[-1].finish_reason == 2
+    assert b.tokens == LONG["max_tokens"]
 
 
 def test_abort_unknown_request_is_not_found(rollout):
@@ -134,45 +96,55 @@ def test_abort_unknown_request_is_not_found(rollout):
     assert e.value.code == grpc.StatusCode.NOT_FOUND and "no-such-request" in e.value.message
 
 
+def _settled(s: Stream, quiet: float = 1.0, timeout: float = 30.0) -> int:
+    """The stream's chunk count once no chunk arrived for `quiet` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        seen = len(s.chunks)
+        time.sleep(quiet)
+        if len(s.chunks) == seen:
+            return seen
+    raise AssertionError(f"chunks kept arriving for {timeout}s")
+
+
 def test_pause_keep_freezes_and_resume_continues_same_stream(rollout):
-    (s,) = _frozen_streams(rollout, ["gamma"])  # paused with KEEP while the stream runs
-    time.sleep(0.3)  # chunks produced before the pause may still be on the wire
-    frozen_at = len(s["chunks"])
+    (s,) = frozen_streams(rollout, ["gamma"], **LONG)  # paused with KEEP while the stream runs
+    frozen_at = _settled(s)  # chunks made before the pause may still be on the way
     time.sleep(1.0)
-    assert len(s["chunks"]) == frozen_at, "no token may be produced while paused with KEEP"
+    assert len(s.chunks) == frozen_at, "no token may be produced while paused with KEEP"
     info = rollout.info()
     assert info.state == 2 and info.in_flight == 1  # PAUSED
     rollout.resume()
-    s["thread"].join(120)
-    assert s["chunks"][-1].finish_reason == 2
-    assert sum(len(c.token_ids) for c in s["chunks"]) == LONG["max_tokens"]
+    s.thread.join(120)
+    assert s.chunks[-1].finish_reason == 2
+    assert s.tokens == LONG["max_tokens"]
 
 
 def test_pause_abort_ends_streams_and_new_requests_wait_for_resume(rollout):
-    streams = _frozen_streams(rollout, ["one", "two"])
+    streams = frozen_streams(rollout, ["one", "two"], **LONG)
     resp = rollout.pause("abort")
     assert resp.aborted == 2
     for s in streams:
-        s["thread"].join(30)
-        final = s["chunks"][-1]
+        s.thread.join(30)
+        final = s.chunks[-1]
         assert final.finish_reason == 3 and "Pause(ABORT)" in final.finish_detail
-        assert 0 < sum(len(c.token_ids) for c in s["chunks"]) < LONG["max_tokens"]
-    waiting = _stream_in_thread(rollout, "three", max_tokens=5, ignore_eos=True)
+        assert 0 < s.tokens < LONG["max_tokens"]
+    waiting = Stream(rollout, "three", max_tokens=5, ignore_eos=True)
     time.sleep(0.5)
-    assert not waiting["chunks"], "a request sent while paused waits for Resume"
+    assert not waiting.chunks, "a request sent while paused waits for Resume"
     rollout.resume()
-    waiting["thread"].join(30)
-    assert waiting["chunks"][-1].finish_reason == 2
+    waiting.thread.join(30)
+    assert waiting.chunks[-1].finish_reason == 2
 
 
 def test_pause_wait_lets_requests_finish(rollout):
-    s = _stream_in_thread(rollout, "delta", max_tokens=200, ignore_eos=True)
-    assert s["first"].wait(30)
+    s = Stream(rollout, "delta", max_tokens=200, ignore_eos=True)
+    assert s.first.wait(30)
     resp = rollout.pause("wait")
     assert resp.in_flight == 0
-    s["thread"].join(30)
-    assert s["chunks"][-1].finish_reason == 2
-    assert sum(len(c.token_ids) for c in s["chunks"]) == 200
+    s.thread.join(30)
+    assert s.chunks[-1].finish_reason == 2
+    assert s.tokens == 200
     rollout.resume()
     assert rollout.info().state == 1
 
@@ -203,16 +175,14 @@ def test_bad_generate_input_is_invalid_argument(rollout, kwargs, fragment):
 
 def test_duplicate_request_id_is_refused(rollout):
     rollout.pause("keep")  # the first request stays in flight, deterministically
-    s = _stream_in_thread(rollout, "dup", request_id="same-id", **LONG)
-    deadline = time.monotonic() + 30
-    while rollout.info().in_flight < 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    s = Stream(rollout, "dup", request_id="same-id", **LONG)
+    wait_in_flight(rollout, 1)
     with pytest.raises(RpcError) as e:
         rollout.complete("dup", request_id="same-id", max_tokens=4)
     assert e.value.code == grpc.StatusCode.ALREADY_EXISTS
     rollout.abort("same-id")
     rollout.resume()
-    s["thread"].join(30)
+    s.thread.join(30)
 
 
 def test_oversized_message_is_refused_and_service_stays_up(rollout):

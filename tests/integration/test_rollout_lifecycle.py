@@ -5,7 +5,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import threading
 
 import grpc
 import psutil
@@ -14,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import rollout_args
 from rlsync.client import RolloutClient, RpcError
+from streams import frozen_streams
 
 
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
@@ -23,25 +23,11 @@ def test_sigterm_ends_streams_with_reason_and_leaves_no_process(services, engine
     if engine == "vllm":
         assert family, "vLLM runs its engine core in a child process"
     client = RolloutClient(proc.address)
-    for _ in range(5):  # vLLM's engine can finish a stream before its first chunk arrives: try again
-        chunks, started = [], threading.Event()
-
-        def stream(chunks=chunks, started=started):
-            for c in client.generate("long", max_tokens=900, ignore_eos=True):
-                chunks.append(c)
-                started.set()
-
-        t = threading.Thread(target=stream)
-        t.start()
-        assert started.wait(30)
-        client.pause("keep")  # the stream is surely still open when the signal arrives
-        if client.info().in_flight == 1:
-            break
-        client.resume()
-        t.join(60)
+    (stream,) = frozen_streams(client, ["long"], max_tokens=900, ignore_eos=True)  # open when the signal comes
     proc.proc.send_signal(signal.SIGTERM)
-    t.join(30)
-    assert chunks[-1].finish_reason == 3 and "shutting down" in chunks[-1].finish_detail
+    stream.thread.join(30)
+    final = stream.chunks[-1]
+    assert final.finish_reason == 3 and "shutting down" in final.finish_detail
     assert proc.proc.wait(60) == 0
     gone, alive = psutil.wait_procs(family, timeout=15)
     assert not alive, f"processes left behind: {alive}"

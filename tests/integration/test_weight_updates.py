@@ -14,6 +14,7 @@ from conftest import rollout_args
 from rlsync.client import RolloutClient, RpcError, TrainerClient, push_weights, trajectory
 from rlsync.common.audit import differences
 from rlsync.transfer.v1 import transfer_pb2 as tpb
+from streams import frozen_streams
 
 # vLLM computes in float32 here so that its audit and its greedy output compare exactly.
 ENGINE_EXTRA = {"vllm": {"dtype": "float32"}, "hf": {}}
@@ -122,27 +123,12 @@ def test_versions_regression_refused_equal_idempotent_missing_uses_step(pair):
 def test_new_tokens_carry_the_new_version_after_commit(pair):
     trainer, rollout, _, _ = pair
     _train_once(trainer, rollout, seed=4)  # a new version to commit
-    for _ in range(5):  # vLLM's engine process can finish a stream before its first chunk arrives: retry
-        chunks, started = [], threading.Event()
-
-        def stream(chunks=chunks, started=started):
-            for c in rollout.generate("long", max_tokens=700, ignore_eos=True):
-                chunks.append(c)
-                started.set()
-
-        t = threading.Thread(target=stream)
-        t.start()
-        assert started.wait(30)
-        rollout.pause("keep")  # freeze the stream mid-way, as a KEEP-mode sync does
-        if rollout.info().in_flight == 1:
-            break
-        rollout.resume()
-        t.join(120)
+    (stream,) = frozen_streams(rollout, ["long"], max_tokens=700, ignore_eos=True)  # as a KEEP-mode sync does
     old = rollout.info().weight_version
     report = push_weights(trainer, [rollout])  # commits under the open stream: the switch is atomic
     rollout.resume()
-    t.join(120)
-    versions = [c.weight_version for c in chunks if c.token_ids]
+    stream.thread.join(120)
+    chunks, versions = stream.chunks, stream.versions()
     assert versions[0] == old and versions[-1] == report.version
     assert versions == sorted(versions), "a stream never goes back to an older version"
     spans = [(s.weight_version, s.start, s.length) for s in chunks[-1].version_spans]
