@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -60,6 +61,30 @@ def memory(trainer: TrainerClient, replicas: list[RolloutClient]) -> dict:
             "gpu_used_gib": gpu_used()}
 
 
+def transfer_figures(sync, limit: float, vs: str) -> dict:
+    """GB/s of the whole transfer phase (as the coordinator saw it) and of the bytes' own move on
+    the receiver, each against the limit, with the profile that says where the rest went."""
+    profile = dict(sync.transfer_profile)
+    moved = profile.get("receiver_copy") or profile.get("receiver_broadcast") or 0.0
+    gbps = sync.bytes / sync.phases["transfer"] / 1e9
+    data = sync.bytes / moved / 1e9 if moved else 0.0
+    return {"transfer_GB/s": round(gbps, 1), f"transfer_vs_{vs}": round(gbps / limit, 3),
+            "copy_GB/s": round(data, 1), f"copy_vs_{vs}": round(data / limit, 3),
+            "transfer_profile_ms": {k: round(v * 1e3, 3) for k, v in profile.items()}}
+
+
+def steady(cycles: list[dict], vs: str) -> dict:
+    """Medians over the cycles after the first (which pays one-time setup)."""
+    rest = cycles[1:] or cycles
+    keys = ["transfer_GB/s", f"transfer_vs_{vs}", "copy_GB/s", f"copy_vs_{vs}"]
+    out = {k: statistics.median(c[k] for c in rest) for k in keys}
+    stages = {k for c in rest for k in c["transfer_profile_ms"]}
+    out["transfer_profile_ms"] = {k: round(statistics.median(c["transfer_profile_ms"].get(k, 0.0) for c in rest), 3)
+                                  for k in sorted(stages)}
+    out["transfer_ms"] = round(statistics.median(c["phases_s"]["transfer"] * 1e3 for c in rest), 3)
+    return out
+
+
 async def generate(address: str, prompts: int, group: int, max_tokens: int):
     async with AsyncCoordinatorClient(address, timeout=None) as c:
         return await asyncio.gather(*(c.complete(f"prompt {i}", n=group, max_tokens=max_tokens, ignore_eos=True,
@@ -86,17 +111,15 @@ def colocated(model: str, cycles: int, logs: Path, limit: float) -> dict:
             phases = {"generate": gen, "sleep": step.metrics.get("sleep_seconds", 0.0),
                       "onload": step.metrics.get("onload_seconds", 0.0),
                       "train": time.perf_counter() - t1 - sync.seconds, **dict(sync.phases)}
-            gbps = sync.bytes / sync.phases["transfer"] / 1e9
             out.append({"cycle": cycle + 1, "version": sync.version, "verified": sync.verified,
                         "phases_s": {k: round(v, 4) for k, v in phases.items()},
-                        "transfer_GB/s": round(gbps, 1), "transfer_vs_d2d": round(gbps / limit, 3),
-                        "backends": dict(sync.backends), "bytes": sync.bytes,
+                        **transfer_figures(sync, limit, "d2d"), "backends": dict(sync.backends), "bytes": sync.bytes,
                         "memory": {"generating": m_generate, "training": m_train, "after_sync": m_sync}})
             print(json.dumps(out[-1]), file=sys.stderr, flush=True)
     finally:
         for p in reversed(fleet):
             p.stop()
-    return {"cycles": out}
+    return {"steady": steady(out, "d2d"), "cycles": out}
 
 
 def disaggregated(model: str, cycles: int, logs: Path, gpus: int, limit: float) -> dict:
@@ -124,12 +147,10 @@ def disaggregated(model: str, cycles: int, logs: Path, gpus: int, limit: float) 
                      for i, comp in enumerate(comps)]
             await loop.run_in_executor(None, c.train, batch)
             sync = await loop.run_in_executor(None, lambda: c.sync_weights(verify=True))
-            gbps = sync.bytes / sync.phases["transfer"] / 1e9
             out.append({"cycle": cycle + 1, "version": sync.version, "verified": sync.verified,
                         "pause_window_s": round(sync.seconds, 4),
                         "phases_s": {k: round(v, 4) for k, v in sync.phases.items()},
-                        "transfer_GB/s": round(gbps, 1), "transfer_vs_nccl": round(gbps / limit, 3),
-                        "backends": dict(sync.backends)})
+                        **transfer_figures(sync, limit, "nccl"), "backends": dict(sync.backends)})
             print(json.dumps(out[-1]), file=sys.stderr, flush=True)
         stop.set()
         await bg
@@ -140,8 +161,8 @@ def disaggregated(model: str, cycles: int, logs: Path, gpus: int, limit: float) 
     finally:
         for p in reversed(fleet):
             p.stop()
-    return {"cycles": out, "background_streams": streams["done"], "lost_or_short": streams["bad"],
-            "aborted_and_resumed": status.resubmissions}
+    return {"steady": steady(out, "nccl"), "cycles": out, "background_streams": streams["done"],
+            "lost_or_short": streams["bad"], "aborted_and_resumed": status.resubmissions}
 
 
 def main() -> None:

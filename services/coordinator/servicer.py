@@ -33,7 +33,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                                         request.force_backend, request.verify)
         mode = pb.SYNC_MODE_COLOCATED if self.core.cfg.sync_mode == "colocated" else pb.SYNC_MODE_ASYNC
         return pb.SyncWeightsResponse(version=r.version, mode=mode, phases=r.phases, seconds=r.seconds,
-                                      replicas=r.replicas, bytes=r.bytes, backends=r.backends, verified=r.verified)
+                                      replicas=r.replicas, bytes=r.bytes, backends=r.backends, verified=r.verified,
+                                      transfer_profile=r.transfer_profile)
 
     @unary
     async def GetStatus(self, request, context) -> pb.FleetStatus:

@@ -26,6 +26,7 @@ class SyncResult:
     bytes: int = 0
     backends: dict[str, int] = field(default_factory=dict)
     verified: bool = False
+    transfer_profile: dict[str, float] = field(default_factory=dict)
 
 
 class Phases:
@@ -140,7 +141,8 @@ class Syncer:
                 r.weight_version = push.version
             self.syncs += 1
             seconds = time.perf_counter() - start - verify_seconds
-            return SyncResult(push.version, phases, seconds, len(replicas), push.bytes, push.backends, verified)
+            return SyncResult(push.version, phases, seconds, len(replicas), push.bytes, push.backends, verified,
+                              push.profile)
 
     async def _verify(self, trainer: Member, replicas: list[Member]) -> bool:
         """Trainer and replica checksums, tensor for tensor (the trainer must be on its device)."""

@@ -70,7 +70,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     async def PublishWeights(self, request: pb.PublishWeightsRequest, context) -> pb.PublishWeightsResponse:
         version, report = await self.core.publish(request.transfer_id, list(request.answers), request.timeout)
         return pb.PublishWeightsResponse(version=version, bytes=report.nbytes, seconds=report.seconds,
-                                         data_seconds=report.data_seconds, backends=report.backends)
+                                         data_seconds=report.data_seconds, backends=report.backends,
+                                         profile=report.profile)
 
     @unary
     async def GetWeightChecksums(self, request: weights_pb2.GetWeightChecksumsRequest, context):

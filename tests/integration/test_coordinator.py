@@ -46,6 +46,7 @@ def test_registry_late_joiner_caught_up_and_dead_replica_leaves(services):
     client, tr, ros = start_fleet(services, replicas=1)
     sync = step(client)
     assert sync.version == 1 and sync.verified and sync.replicas == 1
+    assert {"rpc", "connect", "data", "receiver_copy"} <= set(sync.transfer_profile)  # where the transfer's time went
     late = services.start("rollout", [*rollout_args("hf"), "--coordinator", client.address, "--replica-id", "late"],
                           name="late")
     wait_ready(client, 3)

@@ -80,6 +80,9 @@ def test_one_sender_many_receivers_mixed_backends_and_ranks(zoo_file):
         report = sender.send(offer, answers, timeout=60)
     assert [a.backend for a in answers] == [pb.BACKEND_SHM, pb.BACKEND_GLOO, pb.BACKEND_GLOO]
     assert report.backends == {"shm": 1, "gloo": 3}
+    stages = {"connect", "data", "receiver_map", "receiver_copy", "receiver_release", "receiver_verify",
+              "receiver_join", "receiver_broadcast"}
+    assert set(report.profile) == stages and all(v >= 0 for v in report.profile.values())
     for group in peers.values():
         for p in group:
             assert p.result()["verified"] is True

@@ -53,6 +53,8 @@ def test_update_makes_engine_weights_bit_identical_to_the_trainer(pair, backend)
     assert _audit(trainer, rollout), "a step must change the weights (or this test proves nothing)"
     report = push_weights(trainer, [rollout], force_backend=backend)
     assert report.backends == {backend: 1}
+    copied = "receiver_copy" if backend == "shm" else "receiver_broadcast"
+    assert {"rpc", "connect", "data", copied} <= set(report.profile), report.profile
     info = rollout.info()
     assert info.weight_version == report.version == trainer.state().step and info.pending_version == -1
     assert _audit(trainer, rollout) == []

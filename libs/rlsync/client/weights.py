@@ -18,6 +18,13 @@ class PushReport:
     bytes: int
     backends: dict[str, int]
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase
+    profile: dict[str, float] = field(default_factory=dict)  # the transfer phase broken down
+
+
+def _report(pub, phases: dict[str, float]) -> PushReport:
+    """rpc: the transfer phase as this caller saw it, less the trainer's own send() time."""
+    profile = {"rpc": max(phases["transfer"] - pub.seconds, 0.0), **dict(pub.profile)}
+    return PushReport(pub.version, pub.bytes, dict(pub.backends), phases, profile)
 
 
 def push_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version: int | None = None,
@@ -36,7 +43,7 @@ def push_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version:
     for r in rollouts:
         r.commit_update(offer.manifest.version, timeout=timeout)
     phases["commit"] = time.perf_counter() - t
-    return PushReport(pub.version, pub.bytes, dict(pub.backends), phases)
+    return _report(pub, phases)
 
 
 async def push_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncRolloutClient],
@@ -58,4 +65,4 @@ async def push_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncRo
     phases["transfer"], t = time.perf_counter() - t, time.perf_counter()
     await asyncio.gather(*(r.commit_update(offer.manifest.version, timeout=timeout) for r in rollouts))
     phases["commit"] = time.perf_counter() - t
-    return PushReport(pub.version, pub.bytes, dict(pub.backends), phases)
+    return _report(pub, phases)

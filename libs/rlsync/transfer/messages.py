@@ -70,6 +70,7 @@ class Result(msgspec.Struct, tag="result"):
     nbytes: int = 0
     error: str = ""
     code: str = ""
+    stages: dict[str, float] = {}  # seconds per stage on the receiver (map, copy, release, verify...)
 
 
 class Abort(msgspec.Struct, tag="abort"):

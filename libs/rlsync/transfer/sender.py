@@ -9,7 +9,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,7 @@ class Report:
     seconds: float  # end to end: from send() to every receiver's confirmation
     backends: dict[str, int]  # backend name -> receiver ranks served
     data_seconds: float = 0.0  # from the first Welcome on (connections and handshakes excluded)
+    profile: dict[str, float] = field(default_factory=dict)  # seconds per stage (see WeightSender.send)
 
     @property
     def gbps(self) -> float:
@@ -114,7 +115,7 @@ class WeightSender:
         conns = self._gather(offer, expected, deadline)
         gathered = time.perf_counter()
         try:
-            self._run_groups(offer, answers, conns, deadline)
+            reported = self._run_groups(offer, answers, conns, deadline)
         finally:
             for conn, _ in conns:
                 conn.close()
@@ -122,7 +123,14 @@ class WeightSender:
         by_backend: dict[str, int] = defaultdict(int)
         for a in answers:
             by_backend[NAMES[a.backend]] += a.ranks
-        return Report(sum(s.nbytes for s in self._specs_of(offer)), end - start, dict(by_backend), end - gathered)
+        # The profile: sender stages, then each receiver stage at its slowest receiver.
+        profile = {"connect": gathered - start, "data": end - gathered}
+        for stages in reported:
+            for stage, seconds in stages.items():
+                key = f"receiver_{stage}"
+                profile[key] = max(profile.get(key, 0.0), seconds)
+        return Report(sum(s.nbytes for s in self._specs_of(offer)), end - start, dict(by_backend), end - gathered,
+                      profile)
 
     def _specs_of(self, offer: pb.Offer) -> list[Spec]:
         return self._specs.get(offer.transfer_id) or from_proto(offer.manifest)
@@ -187,7 +195,8 @@ class WeightSender:
         return None
 
     def _run_groups(self, offer: pb.Offer, answers: list[pb.Answer], conns: list[tuple[Conn, Hello]],
-                    deadline: Deadline) -> None:
+                    deadline: Deadline) -> list[dict[str, float]]:
+        """Runs each backend's share (concurrently); returns every receiver's stage profile."""
         specs = self._specs_of(offer)
         sources = self._views or [as_bytes(t) for t in self.tensors.values()]
         sizes = tuple(s.nbytes for s in specs)
@@ -220,6 +229,7 @@ class WeightSender:
             t.join()
         if errors:
             raise errors[0]
+        return [stages for _, job in jobs for stages in job.reported]
 
     def close(self) -> None:
         self.listener.close()

@@ -48,7 +48,7 @@ class SyncWeightsRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., force_backend: _Optional[str] = ..., verify: _Optional[bool] = ...) -> None: ...
 
 class SyncWeightsResponse(_message.Message):
-    __slots__ = ("version", "mode", "phases", "seconds", "replicas", "bytes", "backends", "verified")
+    __slots__ = ("version", "mode", "phases", "seconds", "replicas", "bytes", "backends", "verified", "transfer_profile")
     class PhasesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,13 @@ class SyncWeightsResponse(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class TransferProfileEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     PHASES_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +78,7 @@ class SyncWeightsResponse(_message.Message):
     BYTES_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_PROFILE_FIELD_NUMBER: _ClassVar[int]
     version: int
     mode: SyncMode
     phases: _containers.ScalarMap[str, float]
@@ -79,7 +87,8 @@ class SyncWeightsResponse(_message.Message):
     bytes: int
     backends: _containers.ScalarMap[str, int]
     verified: bool
-    def __init__(self, version: _Optional[int] = ..., mode: _Optional[_Union[SyncMode, str]] = ..., phases: _Optional[_Mapping[str, float]] = ..., seconds: _Optional[float] = ..., replicas: _Optional[int] = ..., bytes: _Optional[int] = ..., backends: _Optional[_Mapping[str, int]] = ..., verified: _Optional[bool] = ...) -> None: ...
+    transfer_profile: _containers.ScalarMap[str, float]
+    def __init__(self, version: _Optional[int] = ..., mode: _Optional[_Union[SyncMode, str]] = ..., phases: _Optional[_Mapping[str, float]] = ..., seconds: _Optional[float] = ..., replicas: _Optional[int] = ..., bytes: _Optional[int] = ..., backends: _Optional[_Mapping[str, int]] = ..., verified: _Optional[bool] = ..., transfer_profile: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()

@@ -158,7 +158,7 @@ class PublishWeightsRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., answers: _Optional[_Iterable[_Union[_transfer_pb2.Answer, _Mapping]]] = ..., timeout: _Optional[float] = ...) -> None: ...
 
 class PublishWeightsResponse(_message.Message):
-    __slots__ = ("version", "bytes", "seconds", "data_seconds", "backends")
+    __slots__ = ("version", "bytes", "seconds", "data_seconds", "backends", "profile")
     class BackendsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -166,14 +166,23 @@ class PublishWeightsResponse(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ProfileEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     DATA_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
     version: int
     bytes: int
     seconds: float
     data_seconds: float
     backends: _containers.ScalarMap[str, int]
-    def __init__(self, version: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., data_seconds: _Optional[float] = ..., backends: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    profile: _containers.ScalarMap[str, float]
+    def __init__(self, version: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., data_seconds: _Optional[float] = ..., backends: _Optional[_Mapping[str, int]] = ..., profile: _Optional[_Mapping[str, float]] = ...) -> None: ...

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -14,6 +15,20 @@ from rlsync.transfer.memory import SharedArena
 from rlsync.transfer.messages import Abort, Hello, Message, Result, Welcome, error_from
 from rlsync.transfer.plan import Bucket
 from rlsync.transfer.writer import DestWriter
+
+
+class Stopwatch:
+    """Seconds spent in each named stage of one end of a transfer: the profile it reports."""
+
+    def __init__(self):
+        self.stages: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        """Charges the time since the previous lap to `stage`."""
+        now = time.perf_counter()
+        self.stages[stage] = self.stages.get(stage, 0.0) + now - self._t
+        self._t = now
 
 
 @dataclass
@@ -34,6 +49,7 @@ class SendJob:
     arena: SharedArena | None = None
     cache: dict = field(default_factory=dict)  # buffers kept across transfers by the sender
     scratch: dict = field(default_factory=dict)  # the channel's state for this one transfer
+    reported: list[dict[str, float]] = field(default_factory=list)  # each receiver's stage profile
 
 
 @dataclass
@@ -48,6 +64,7 @@ class ReceiveJob:
     deadline: Deadline
     transfer_id: str
     scratch: dict = field(default_factory=dict)  # the channel's state for this one transfer
+    clock: Stopwatch = field(default_factory=Stopwatch)
 
 
 class Channel(Protocol):
@@ -75,7 +92,8 @@ def expect(conn: Conn, kind: type, deadline: Deadline, doing: str) -> tuple[Mess
 def collect_results(job: SendJob) -> None:
     """Waits for every receiver rank's final report; raises the first failure."""
     for conn, hello in job.conns:
-        expect(conn, Result, job.deadline, f"waiting for {hello.receiver_id} rank {hello.rank} to finish")
+        msg, _ = expect(conn, Result, job.deadline, f"waiting for {hello.receiver_id} rank {hello.rank} to finish")
+        job.reported.append(msg.stages)
 
 
 def report_failure(conn: Conn, exc: BaseException) -> None:

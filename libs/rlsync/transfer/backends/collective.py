@@ -140,7 +140,7 @@ class _Broadcast(abc.ABC):
             _drop(_HELD.pop(job.welcome.group, None))
             report_failure(job.conn, exc)
             raise
-        job.conn.send(Result(ok=True, nbytes=nbytes))
+        job.conn.send(Result(ok=True, nbytes=nbytes, stages=job.clock.stages))
 
     def _join(self, job: ReceiveJob) -> _Session:
         w = job.welcome
@@ -163,6 +163,7 @@ class _Broadcast(abc.ABC):
 
     def _receive(self, job: ReceiveJob) -> int:
         session = self._join(job)
+        job.clock.lap("join")
         watchdog = _Watchdog(session.group, job.deadline, [job.conn])
         checksums = []
         try:
@@ -199,11 +200,14 @@ class _Broadcast(abc.ABC):
             raise watchdog.error(e) from e
         finally:
             watchdog.stop()
+        job.clock.lap("broadcast")
         done, _ = expect(job.conn, Done, job.deadline, "waiting for the end of the transfer")
         for i, (sent, got) in enumerate(zip(done.checksums, checksums)):
             if sent != got:
                 raise DataLoss(f"bucket {i} arrived corrupted (checksum mismatch): the destination must not be used")
-        return job.writer.finish()
+        nbytes = job.writer.finish()
+        job.clock.lap("verify")
+        return nbytes
 
 
 class GlooChannel(_Broadcast):

@@ -116,15 +116,18 @@ class _Mapped(abc.ABC):
                 self._receive_one_copy(job)
             else:
                 self._receive_staged(job)
+            job.clock.lap("release")  # the mappings close as they go out of scope
             nbytes = job.writer.finish()
             sync(job.device)
+            job.clock.lap("verify")
         except Exception as exc:
             report_failure(job.conn, exc)
             raise
-        job.conn.send(Result(ok=True, nbytes=nbytes))
+        job.conn.send(Result(ok=True, nbytes=nbytes, stages=job.clock.stages))
 
     def _receive_staged(self, job: ReceiveJob) -> None:
         slots = self.open_slots(job)
+        job.clock.lap("map")
         own = self.own_events(job)
         for bucket in job.plan:
             msg, _ = expect(job.conn, Ready, job.deadline, f"waiting for bucket {bucket.index + 1}/{len(job.plan)}")
@@ -140,9 +143,12 @@ class _Mapped(abc.ABC):
             self.after_unpack(job, msg.slot, own)
             job.conn.send(Freed(bucket.index))
         expect(job.conn, Done, job.deadline, "waiting for the end of the transfer")
+        sync(job.device)
+        job.clock.lap("copy")
 
     def _receive_one_copy(self, job: ReceiveJob) -> None:
         regions = self.open_regions(job)
+        job.clock.lap("map")
         locations = job.welcome.locations
         if len(locations) != len(job.specs):
             raise DataLoss(f"sender described {len(locations)} tensors, manifest has {len(job.specs)}")
@@ -150,10 +156,13 @@ class _Mapped(abc.ABC):
         if whole is not None and job.writer.whole is not None:  # flat on both sides: one copy
             region, start, nbytes = whole
             job.writer.write_whole(regions[region][start:start + nbytes])
-            return
-        bases = [r.untyped_storage().data_ptr() for r in regions]
-        job.writer.write_all([(regions[region][offset:offset + spec.nbytes], bases[region]) if spec.nbytes else None
-                              for spec, (region, offset) in zip(job.specs, job.welcome.locations)])
+        else:
+            bases = [r.untyped_storage().data_ptr() for r in regions]
+            job.writer.write_all([(regions[region][offset:offset + spec.nbytes], bases[region])
+                                  if spec.nbytes else None
+                                  for spec, (region, offset) in zip(job.specs, job.welcome.locations)])
+        sync(job.device)
+        job.clock.lap("copy")
 
 
 class ShmChannel(_Mapped):
