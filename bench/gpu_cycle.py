@@ -77,7 +77,7 @@ def steady(cycles: list[dict], vs: str) -> dict:
     """Medians over the cycles after the first (which pays one-time setup)."""
     rest = cycles[1:] or cycles
     keys = ["transfer_GB/s", f"transfer_vs_{vs}", "copy_GB/s", f"copy_vs_{vs}"]
-    out = {k: statistics.median(c[k] for c in rest) for k in keys}
+    out = {k: round(statistics.median(c[k] for c in rest), 3) for k in keys}
     stages = {k for c in rest for k in c["transfer_profile_ms"]}
     out["transfer_profile_ms"] = {k: round(statistics.median(c["transfer_profile_ms"].get(k, 0.0) for c in rest), 3)
                                   for k in sorted(stages)}
