@@ -82,8 +82,8 @@ async def under_updates(coordinator: str, streams: int, max_tokens: int, updates
                                             reward=rng.random(), group_id=str(u)) for _ in range(4)]
             await c.train(batch)
             s = await c.sync_weights()
-            syncs.append({"version": s.version, "seconds": s.seconds, "phases": dict(s.phases)})
-            await asyncio.sleep(0.3)
+            syncs.append({"version": s.version, "seconds": s.seconds, "phases": dict(s.phases),
+                          "streams_open": sum(not t.done() for t in tasks)})  # > 0: it landed mid-flight
         runs = await asyncio.gather(*tasks)
         status = await c.status()
     problems, resubmitted, versions_seen = [], 0, set()
@@ -117,6 +117,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--updates", type=int, default=3)
     parser.add_argument("--logs", default="runs/gateway_load")
+    parser.add_argument("--no-latency", action="store_true", help="only the correctness run under updates")
     args = parser.parse_args()
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
@@ -136,9 +137,10 @@ def main() -> None:
             while sum(m.state == "ready" for m in c.status().members) < args.replicas + 1:
                 time.sleep(0.2)
         result = {"engine": args.engine, "replicas": args.replicas,
-                  "load": asyncio.run(under_updates(co, args.streams, args.max_tokens, args.updates, 500)),
-                  "latency": asyncio.run(overhead(co, [p.address for p in fleet[2:]], args.streams,
-                                                  args.max_tokens))}
+                  "load": asyncio.run(under_updates(co, args.streams, args.max_tokens, args.updates, 500))}
+        if not args.no_latency:
+            result["latency"] = asyncio.run(overhead(co, [p.address for p in fleet[2:]], args.streams,
+                                                     args.max_tokens))
     finally:
         for p in reversed(fleet):
             p.stop()

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from rlsync.client import push_weights_async
 from rlsync.common.audit import differences
+from rlsync.common.timing import Stopwatch
 from rlsync.coordinator.config import CoordinatorConfig
 from rlsync.coordinator.registry import Member, Registry
 from rlsync.errors import FailedPrecondition
@@ -27,24 +28,6 @@ class SyncResult:
     backends: dict[str, int] = field(default_factory=dict)
     verified: bool = False
     transfer_profile: dict[str, float] = field(default_factory=dict)
-
-
-class Phases:
-    """Times the numbered steps of a sequence."""
-
-    def __init__(self):
-        self.times: dict[str, float] = {}
-        self._t = time.perf_counter()
-
-    def done(self, name: str) -> None:
-        now = time.perf_counter()
-        self.times[name] = now - self._t
-        self._t = now
-
-    def add(self, sub: dict[str, float]) -> None:
-        """Sub-phases timed elsewhere (prepare, transfer, commit of a push)."""
-        self.times.update(sub)
-        self._t = time.perf_counter()
 
 
 class Syncer:
@@ -74,46 +57,46 @@ class Syncer:
     async def before_train(self) -> dict[str, float]:
         """Colocated, before each training step: engines release the GPU, the trainer takes it."""
         async with self.lock:
-            trainer, replicas, p = self._trainer(), self._replicas(), Phases()
+            trainer, replicas, p = self._trainer(), self._replicas(), Stopwatch()
             self.ready.clear()  # the gateway holds new requests until the next sync wakes the engines
             # 1. Put the engines to sleep (requests in flight are aborted; the gateway resubmits them).
             await asyncio.gather(*(r.client.sleep(level=1) for r in replicas))
-            p.done("sleep")
+            p.lap("sleep")
             # 2. Bring the trainer back onto the GPU.
             await trainer.client.onload()
-            p.done("onload")
-            return p.times
+            p.lap("onload")
+            return p.stages
 
     async def _colocated(self, trainer: Member, replicas: list[Member], version: int | None, backend: str,
                          verify: bool) -> tuple:
-        p = Phases()
+        p = Stopwatch()
         # 1. Wake the engines' weights: memory to receive the update into.
         await asyncio.gather(*(r.client.wake_up("weights") for r in replicas))
-        p.done("wake_weights")
+        p.lap("wake_weights")
         # 2. Handshake + transfer (CUDA IPC / shm), 3. commit on every engine.
         push = await push_weights_async(trainer.client, [r.client for r in replicas], version, backend,
                                         self.cfg.update_timeout)
         p.add(push.phases)
         verified = await self._verify(trainer, replicas) if verify else False  # while the trainer is on the GPU
-        p.done("verify")
+        p.lap("verify")
         # 4. Offload the trainer: its GPU memory goes to the engines' KV cache.
         await trainer.client.offload()
-        p.done("offload")
+        p.lap("offload")
         # 5. Wake the KV cache: generation can start on the new weights.
         await asyncio.gather(*(r.client.wake_up("kv_cache") for r in replicas))
-        p.done("wake_kv_cache")
+        p.lap("wake_kv_cache")
         self.ready.set()
-        return push, p.times, verified
+        return push, p.stages, verified
 
     # ---- async: separate GPUs or hosts ---------------------------------------------------------------
     async def _async(self, trainer: Member, replicas: list[Member], version: int | None, backend: str,
                      verify: bool) -> tuple:
-        p = Phases()
+        p = Stopwatch()
         # 1. Pause every replica, aborting requests in flight; returns once none still runs on the old
         #    weights (an acknowledged barrier). The gateway resubmits the aborted requests after step 4.
         self.ready.clear()
         await asyncio.gather(*(r.client.pause("abort") for r in replicas))
-        p.done("pause")
+        p.lap("pause")
         try:
             # 2. Handshake + broadcast to every replica at once (NCCL / gloo / shm), 3. commit everywhere.
             push = await push_weights_async(trainer.client, [r.client for r in replicas], version, backend,
@@ -122,11 +105,11 @@ class Syncer:
         finally:
             # 4. Resume: new tokens carry the new version.
             await asyncio.gather(*(r.client.resume() for r in replicas), return_exceptions=True)
-            p.done("resume")
+            p.lap("resume")
             self.ready.set()
         verified = await self._verify(trainer, replicas) if verify else False  # after the pause window
-        p.done("verify")
-        return push, p.times, verified
+        p.lap("verify")
+        return push, p.stages, verified
 
     async def sync(self, version: int | None = None, backend: str = "", verify: bool = False) -> SyncResult:
         async with self.lock:

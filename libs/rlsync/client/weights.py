@@ -5,11 +5,11 @@ and tests can call it directly."""
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 
 from rlsync.client.rollout import AsyncRolloutClient, RolloutClient
 from rlsync.client.trainer import AsyncTrainerClient, TrainerClient
+from rlsync.common.timing import Stopwatch
 
 
 @dataclass
@@ -29,26 +29,26 @@ def _report(pub, phases: dict[str, float]) -> PushReport:
 
 def push_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version: int | None = None,
                  force_backend: str = "", timeout: float = 0) -> PushReport:
-    phases, t = {}, time.perf_counter()
+    clock = Stopwatch()
     offer = trainer.offer_weights(version)
     answers = [r.prepare_update(offer, force_backend, timeout).answer for r in rollouts]
-    phases["prepare"], t = time.perf_counter() - t, time.perf_counter()
+    clock.lap("prepare")
     try:
         pub = trainer.publish_weights(offer.transfer_id, answers, timeout)
     except Exception:
         for r in rollouts:
             r.abort_update()
         raise
-    phases["transfer"], t = time.perf_counter() - t, time.perf_counter()
+    clock.lap("transfer")
     for r in rollouts:
         r.commit_update(offer.manifest.version, timeout=timeout)
-    phases["commit"] = time.perf_counter() - t
-    return _report(pub, phases)
+    clock.lap("commit")
+    return _report(pub, clock.stages)
 
 
 async def push_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncRolloutClient],
                              version: int | None = None, force_backend: str = "", timeout: float = 0) -> PushReport:
-    phases, t = {}, time.perf_counter()
+    clock = Stopwatch()
     offer = await trainer.offer_weights(version)
     prepared = await asyncio.gather(*(r.prepare_update(offer, force_backend, timeout) for r in rollouts),
                                     return_exceptions=True)
@@ -56,13 +56,13 @@ async def push_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncRo
     if failed:
         await asyncio.gather(*(r.abort_update() for r in rollouts), return_exceptions=True)
         raise failed[0]
-    phases["prepare"], t = time.perf_counter() - t, time.perf_counter()
+    clock.lap("prepare")
     try:
         pub = await trainer.publish_weights(offer.transfer_id, [p.answer for p in prepared], timeout)
     except Exception:
         await asyncio.gather(*(r.abort_update() for r in rollouts), return_exceptions=True)
         raise
-    phases["transfer"], t = time.perf_counter() - t, time.perf_counter()
+    clock.lap("transfer")
     await asyncio.gather(*(r.commit_update(offer.manifest.version, timeout=timeout) for r in rollouts))
-    phases["commit"] = time.perf_counter() - t
-    return _report(pub, phases)
+    clock.lap("commit")
+    return _report(pub, clock.stages)

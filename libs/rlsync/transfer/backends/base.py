@@ -2,33 +2,19 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from rlsync import errors
+from rlsync.common.timing import Stopwatch
 from rlsync.transfer.control import Conn, Deadline
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.memory import SharedArena
 from rlsync.transfer.messages import Abort, Hello, Message, Result, Welcome, error_from
 from rlsync.transfer.plan import Bucket
 from rlsync.transfer.writer import DestWriter
-
-
-class Stopwatch:
-    """Seconds spent in each named stage of one end of a transfer: the profile it reports."""
-
-    def __init__(self):
-        self.stages: dict[str, float] = {}
-        self._t = time.perf_counter()
-
-    def lap(self, stage: str) -> None:
-        """Charges the time since the previous lap to `stage`."""
-        now = time.perf_counter()
-        self.stages[stage] = self.stages.get(stage, 0.0) + now - self._t
-        self._t = now
 
 
 @dataclass
