@@ -17,14 +17,18 @@ ENGINES = {"vllm": {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20, "
            "hf": {"max_num_seqs": 256}}
 
 
-async def measure(address: str, streams: int, max_tokens: int) -> dict:
+async def measure(address: str, streams: int, max_tokens: int, repeats: int = 3) -> dict:
+    """Median of `repeats` rounds of `streams` concurrent requests (sampled at temperature 1,
+    unseeded: a per-request seed costs vLLM a generator of its own)."""
     async with AsyncRolloutClient(address, timeout=None) as c:
         await c.complete("warm up", max_tokens=8, ignore_eos=True)
-        start = time.perf_counter()
-        done = await asyncio.gather(*(c.complete(f"prompt {i}", max_tokens=max_tokens, ignore_eos=True, seed=i)
-                                      for i in range(streams)))
-        seconds = time.perf_counter() - start
-    tokens = sum(len(d[0].token_ids) for d in done)
+        rounds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            done = await asyncio.gather(*(c.complete(f"prompt {i}", max_tokens=max_tokens, ignore_eos=True)
+                                          for i in range(streams)))
+            rounds.append((time.perf_counter() - start, sum(len(d[0].token_ids) for d in done)))
+    seconds, tokens = sorted(rounds)[len(rounds) // 2]
     return {"streams": streams, "max_tokens": max_tokens, "tokens": tokens, "seconds": round(seconds, 3),
             "tokens_per_s": round(tokens / seconds, 1)}
 
@@ -36,7 +40,7 @@ def main() -> None:
                               log_path=f"runs/throughput/{engine}.log")
         try:
             address = proc.wait_ready(300)
-            out[engine] = {"single": asyncio.run(measure(address, 1, 256)),
+            out[engine] = {"single": asyncio.run(measure(address, 1, 512)),
                            "concurrent": asyncio.run(measure(address, 64, 128))}
         finally:
             proc.stop()
