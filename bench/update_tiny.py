@@ -37,7 +37,8 @@ def main() -> None:
     out = {"limits": {"memcpy_1_thread_GB/s": round(memcpy_limit(1 << 28, 1), 2)}, "engines": {}}
     for engine, engine_args in ENGINES.items():
         trainer = ServiceProcess("trainer", ["--port", "0"], log_path=f"{args.logs}/trainer-{engine}.log")
-        rollout = ServiceProcess("rollout", ["--port", "0", "--engine", engine, "--engine-args", json.dumps(engine_args)],
+        rollout = ServiceProcess("rollout", ["--port", "0", "--engine", engine,
+                                             "--engine-args", json.dumps(engine_args)],
                                  log_path=f"{args.logs}/rollout-{engine}.log")
         try:
             t, r = TrainerClient(trainer.wait_ready(300)), RolloutClient(rollout.wait_ready(300))
