@@ -114,6 +114,20 @@ def ensure_tiny_model(recipe: TinyRecipe = TinyRecipe()) -> Path:
     return target
 
 
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def torch_dtype(name: str):
+    """A parameter dtype option as `from_pretrained` takes it: "auto" (the checkpoint's) or a torch dtype."""
+    if name == "auto":
+        return "auto"
+    if name not in MODEL_DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}: choose auto, {', '.join(MODEL_DTYPES)}")
+    import torch
+
+    return getattr(torch, name)
+
+
 def resolve_model(name: str) -> str:
     """`tiny` -> the locally built default; anything else is a local path (or a hub id, offline)."""
     return str(ensure_tiny_model()) if name == TINY else name

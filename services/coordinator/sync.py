@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from rlsync.client import push_weights_async
-from rlsync.common.audit import differences
+from rlsync.common.audit import differences, trainer_dtype
 from rlsync.common.timing import Stopwatch
 from rlsync.coordinator.config import CoordinatorConfig
 from rlsync.coordinator.registry import Member, Registry
@@ -131,8 +131,7 @@ class Syncer:
         """Trainer and replica checksums, tensor for tensor (the trainer must be on its device)."""
         for r in replicas:
             served = await r.client.checksums()
-            dtype = served.tensors[0].dtype if served.tensors and served.source == "live parameters" else ""
-            problems = differences(await trainer.client.checksums(dtype), served)
+            problems = differences(await trainer.client.checksums(trainer_dtype(served)), served)
             if problems:
                 log.error("replica %s does not serve the trainer's weights: %s", r.name, problems[:3])
                 return False

@@ -18,7 +18,7 @@ from rlsync.trainer import checkpoint
 from rlsync.trainer.config import TrainerConfig
 from rlsync.trainer.grpo import grpo_loss, group_advantages, make_batch, token_logprobs
 from rlsync.trainer.policy import Policy
-from rlsync.transfer import Report, WeightSender, checksum_tensor
+from rlsync.transfer import Report, WeightSender, audit_entry
 from rlsync.transfer.dtypes import dtype_of
 from rlsync.transfer.v1 import transfer_pb2 as tpb
 
@@ -62,6 +62,10 @@ class TrainerCore:
         self._sender: WeightSender | None = None
         self._offers: dict[str, tpb.Offer] = {}
 
+    def _require_on_device(self, action: str) -> None:
+        if self.policy.offloaded:
+            raise FailedPrecondition(f"trainer is offloaded: call Onload before {action}")
+
     # ---- training -------------------------------------------------------------------------------
     def _check(self, trajectories: list[Trajectory]) -> None:
         if not trajectories:
@@ -90,8 +94,7 @@ class TrainerCore:
                     stale_policy: str | None = None, stale_weight: float | None = None) -> StepResult:
         self._check(trajectories)
         async with self.lock:
-            if self.policy.offloaded:
-                raise FailedPrecondition("trainer is offloaded: call Onload before Train")
+            self._require_on_device("Train")
             bound = self.cfg.max_staleness if max_staleness is None else max_staleness
             return await asyncio.to_thread(self._train, trajectories, bound, stale_policy or self.cfg.stale_policy,
                                            self.cfg.stale_weight if stale_weight is None else stale_weight)
@@ -169,8 +172,7 @@ class TrainerCore:
         if not path:
             raise InvalidArgument("SaveCheckpoint needs a path")
         async with self.lock:
-            if self.policy.offloaded:
-                raise FailedPrecondition("trainer is offloaded: call Onload before SaveCheckpoint")
+            self._require_on_device("SaveCheckpoint")
             out = await asyncio.to_thread(checkpoint.save, path, self.policy, self.step, self.model_path)
             return str(out)
 
@@ -195,8 +197,7 @@ class TrainerCore:
         return self._sender
 
     def offer(self, version: int | None = None) -> tpb.Offer:
-        if self.policy.offloaded:
-            raise FailedPrecondition("trainer is offloaded: call Onload before publishing weights")
+        self._require_on_device("publishing weights")
         offer = self._sender_now().offer(self.step if version is None else version)
         self._offers[offer.transfer_id] = offer
         while len(self._offers) > 8:
@@ -210,8 +211,7 @@ class TrainerCore:
         if not answers:
             raise InvalidArgument("PublishWeights needs at least one answer (from PrepareUpdate)")
         async with self.lock:
-            if self.policy.offloaded:
-                raise FailedPrecondition("trainer is offloaded: call Onload before publishing weights")
+            self._require_on_device("publishing weights")
             sender = self._sender_now()
             report = await asyncio.to_thread(sender.send, offer, answers, timeout or self.cfg.transfer_timeout)
             self._offers.pop(transfer_id, None)
@@ -219,8 +219,7 @@ class TrainerCore:
 
     def checksums(self, dtype: str = "") -> dict[str, tuple[str, tuple[int, ...], str]]:
         """{name: (dtype, shape, checksum)} of the current weights, cast to `dtype` when given."""
-        if self.policy.offloaded:
-            raise FailedPrecondition("trainer is offloaded: call Onload before GetWeightChecksums")
+        self._require_on_device("GetWeightChecksums")
         target = dtype_of(dtype) if dtype else None
         out = {}
         with torch.no_grad():
@@ -228,7 +227,7 @@ class TrainerCore:
                 t = p.detach()
                 if target is not None and t.is_floating_point():
                     t = t.to(target)
-                out[name] = (str(t.dtype).removeprefix("torch."), tuple(t.shape), checksum_tensor(t))
+                out[name] = audit_entry(t)
         return out
 
     def close(self) -> None:

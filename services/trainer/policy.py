@@ -12,9 +12,8 @@ from pathlib import Path
 import torch
 
 from rlsync.flat import FlatStore, specs_of
+from rlsync.models import torch_dtype
 from rlsync.transfer import SharedArena
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class _Stash:
@@ -57,8 +56,7 @@ class Policy:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" != "cuda:0" when comparing
             self.device = torch.device("cuda", torch.cuda.current_device())
-        torch_dtype = "auto" if dtype == "auto" else _DTYPES[dtype]
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype(dtype)).to(self.device)
         self.model.train()
         self.params = dict(self.model.named_parameters())  # tied parameters appear once
         self.specs = specs_of(self.params)

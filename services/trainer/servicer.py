@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rlsync.common.audit import LIVE
 from rlsync.common.audit import to_proto as checksums_to_proto
 from rlsync.common.v1 import weights_pb2
 from rlsync.rpc import unary
@@ -75,4 +76,4 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
     @unary
     async def GetWeightChecksums(self, request: weights_pb2.GetWeightChecksumsRequest, context):
-        return checksums_to_proto(self.core.step, self.core.checksums(request.dtype), "live parameters")
+        return checksums_to_proto(self.core.step, self.core.checksums(request.dtype), LIVE)

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import rollout_args
 from rlsync.client import RolloutClient, RpcError, TrainerClient, push_weights, trajectory
-from rlsync.common.audit import differences
+from rlsync.common.audit import differences, trainer_dtype
 from rlsync.transfer.v1 import transfer_pb2 as tpb
 from streams import frozen_streams
 
@@ -32,8 +32,7 @@ def _train_once(trainer: TrainerClient, rollout: RolloutClient, seed: int = 1) -
 
 def _audit(trainer: TrainerClient, rollout: RolloutClient) -> list[str]:
     served = rollout.checksums()
-    dtype = served.tensors[0].dtype if served.source == "live parameters" else ""
-    return differences(trainer.checksums(dtype=dtype), served)
+    return differences(trainer.checksums(dtype=trainer_dtype(served)), served)
 
 
 @pytest.fixture(scope="module", params=["hf", "vllm"])

@@ -3,7 +3,7 @@ which is the response for a blocking client and an awaitable for an asyncio one.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from rlsync.client.completion import Completion, collect, generate_request
 from rlsync.client.errors import translated
@@ -11,15 +11,22 @@ from rlsync.common.v1 import generate_pb2 as gen_pb
 from rlsync.rpc.channel import aio_channel, sync_channel
 
 
-class SyncClient:
+class _Client:
+    """What blocking and asyncio clients share: the channel (of the kind `make_channel` opens) and stub."""
+
     stub_class: type
+    make_channel: Callable
 
     def __init__(self, address: str, *, token: str = "", tls: bool = False, tls_ca: str | None = None,
                  timeout: float | None = 120.0):
         self.address = address
-        self.channel = sync_channel(address, token, tls, tls_ca)
+        self.channel = self.make_channel(address, token, tls, tls_ca)
         self.stub = self.stub_class(self.channel)
         self.timeout = timeout
+
+
+class SyncClient(_Client):
+    make_channel = staticmethod(sync_channel)
 
     def _call(self, method: str, request, timeout: float | None = None):
         with translated(method):
@@ -35,15 +42,8 @@ class SyncClient:
         self.close()
 
 
-class AsyncClient:
-    stub_class: type
-
-    def __init__(self, address: str, *, token: str = "", tls: bool = False, tls_ca: str | None = None,
-                 timeout: float | None = 120.0):
-        self.address = address
-        self.channel = aio_channel(address, token, tls, tls_ca)
-        self.stub = self.stub_class(self.channel)
-        self.timeout = timeout
+class AsyncClient(_Client):
+    make_channel = staticmethod(aio_channel)
 
     async def _call(self, method: str, request, timeout: float | None = None):
         with translated(method):

@@ -4,6 +4,14 @@ from __future__ import annotations
 
 from rlsync.common.v1 import weights_pb2 as pb
 
+LIVE = "live parameters"  # the source of an audit read from the weights in use
+
+
+def trainer_dtype(served: pb.WeightChecksums) -> str:
+    """The dtype to ask the trainer's audit in, to compare with `served`: live parameters are in the
+    engine's dtype; tensors applied by an update ("" here) are as the trainer sent them."""
+    return served.tensors[0].dtype if served.tensors and served.source == LIVE else ""
+
 
 def to_proto(version: int, sums: dict[str, tuple[str, tuple[int, ...], str]], source: str) -> pb.WeightChecksums:
     """sums: {name: (dtype, shape, checksum)}."""

@@ -8,7 +8,7 @@ handshake (cuda_ipc, nccl, shm, gloo). Manifests and handshakes are protobuf; no
     sender.send(offer, [ans])                            # ... in the sender process
 """
 
-from rlsync.transfer.checksum import checksum_tensor
+from rlsync.transfer.checksum import audit_entry, checksum_tensor
 from rlsync.transfer.handshake import local_facts
 from rlsync.transfer.manifest import Spec, build_manifest, check_against, from_proto
 from rlsync.transfer.memory import SharedArena
@@ -17,5 +17,5 @@ from rlsync.transfer.receiver import Receiver, answer, receive
 from rlsync.transfer.sender import DEFAULT_BUCKET_BYTES, Report, WeightSender
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "Receiver", "Report", "SharedArena", "Slice", "Spec", "WeightSender",
-           "answer", "build_manifest", "check_against", "checksum_tensor", "from_proto", "local_facts",
+           "answer", "audit_entry", "build_manifest", "check_against", "checksum_tensor", "from_proto", "local_facts",
            "plan_buckets", "receive"]

@@ -56,3 +56,8 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def checksum_tensor(t: torch.Tensor) -> str:
     return checksum_bytes(as_bytes(t))
+
+
+def audit_entry(t: torch.Tensor) -> tuple[str, tuple[int, ...], str]:
+    """(dtype, shape, checksum) of one tensor: a row of a weight audit (rlsync.common.audit)."""
+    return str(t.dtype).removeprefix("torch."), tuple(t.shape), checksum_tensor(t)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from rlsync.common.audit import LIVE
 from rlsync.errors import EngineDead, FailedPrecondition, InvalidArgument
 from rlsync.flat import FlatStore
 from rlsync.rollout.detokenize import IncrementalText
@@ -367,4 +368,4 @@ class HFEngine(Engine):
             await self._call(self._stop_in_place)  # the backup refills the weights when they are next used
 
     async def checksums(self):
-        return await self._call(self.weights.checksums), "live parameters"
+        return await self._call(self.weights.checksums), LIVE

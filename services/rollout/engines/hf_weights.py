@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from rlsync.flat import FlatStore
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from rlsync.flat import FlatStore, specs_of
+from rlsync.models import torch_dtype
 
 
 class Weights:
@@ -21,7 +20,7 @@ class Weights:
         self.path = path
         self.device = device
         self.params = dict(model.named_parameters())  # tied parameters appear once
-        self.specs = {n: (p.shape, p.dtype) for n, p in self.params.items()}
+        self.specs = specs_of(self.params)
         self.store: FlatStore | None = None
         self.backup: FlatStore | None = None  # Sleep(level=1) on an accelerator: the weights, in host memory
         self._host: FlatStore | None = None  # pinned host memory for backups, allocated once
@@ -38,10 +37,7 @@ class Weights:
     def load(cls, path: str, device: torch.device, dtype: str, attn_implementation: str) -> Weights:
         from transformers import AutoModelForCausalLM
 
-        torch_dtype = "auto" if dtype == "auto" else _DTYPES.get(dtype)
-        if torch_dtype is None:
-            raise ValueError(f"unsupported dtype {dtype!r}: choose auto, {', '.join(_DTYPES)}")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype),
                                                      attn_implementation=attn_implementation)
         return cls(model.to(device).eval().requires_grad_(False), path, device)
 
@@ -116,11 +112,10 @@ class Weights:
         self.version = version
 
     def checksums(self) -> dict[str, tuple[str, tuple[int, ...], str]]:
-        from rlsync.transfer import checksum_tensor
+        from rlsync.transfer import audit_entry
 
         self.ensure_restored()
-        return {n: (str(p.dtype).removeprefix("torch."), tuple(p.shape), checksum_tensor(p.data))
-                for n, p in self.params.items()}
+        return {n: audit_entry(p.data) for n, p in self.params.items()}
 
     def release(self) -> None:
         self._place(None)

@@ -190,10 +190,6 @@ def _checkpoint_checksums(model: str) -> dict[str, tuple[str, tuple[int, ...], s
 
     from safetensors.torch import load_file
 
-    from rlsync.transfer import checksum_tensor
+    from rlsync.transfer import audit_entry
 
-    out = {}
-    for f in sorted(Path(model).glob("*.safetensors")):
-        for n, t in load_file(f).items():
-            out[n] = (str(t.dtype).removeprefix("torch."), tuple(t.shape), checksum_tensor(t))
-    return out
+    return {n: audit_entry(t) for f in sorted(Path(model).glob("*.safetensors")) for n, t in load_file(f).items()}

@@ -14,7 +14,7 @@ import torch
 
 from rlsync.flat import flat_like
 from rlsync.rollout.staging import StagedUpdate
-from rlsync.transfer import answer, checksum_tensor, from_proto
+from rlsync.transfer import answer, audit_entry, from_proto
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 
@@ -88,8 +88,7 @@ class RlsyncWorkerExtension:
         staging = update.staging
         self.reload_weights(weights_iterator=iter(staging.items()))
         refresh_tied(self.model_runner.get_model())
-        self._rlsync_applied = {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape), checksum_tensor(t))
-                                for n, t in staging.items()}
+        self._rlsync_applied = {n: audit_entry(t) for n, t in staging.items()}
 
     def rlsync_abort(self) -> None:
         update = getattr(self, "_rlsync_update", None)
