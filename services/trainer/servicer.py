@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from rlsync.common.audit import LIVE
-from rlsync.common.audit import to_proto as checksums_to_proto
+from rlsync.common.audit import LIVE, to_proto as checksums_to_proto
 from rlsync.common.v1 import weights_pb2
 from rlsync.rpc import unary
 from rlsync.trainer.core import Trajectory, TrainerCore

@@ -70,8 +70,9 @@ async def run_loop(coordinator: str, task: DigitsTask, cfg: LoopConfig, token: s
 
 
 def summarize(records: list[StepRecord], **meta) -> dict:
-    first = [r.reward_mean for r in records[:5]]
-    last = [r.reward_mean for r in records[-5:]]
-    return {**meta, "steps": [asdict(r) for r in records],
-            "reward_first5": sum(first) / max(1, len(first)), "reward_last5": sum(last) / max(1, len(last)),
-            "improvement": sum(last) / max(1, len(last)) - sum(first) / max(1, len(first))}
+    def mean(rs: list[StepRecord]) -> float:
+        return sum(r.reward_mean for r in rs) / max(1, len(rs))
+
+    first, last = mean(records[:5]), mean(records[-5:])
+    return {**meta, "steps": [asdict(r) for r in records], "reward_first5": first, "reward_last5": last,
+            "improvement": last - first}

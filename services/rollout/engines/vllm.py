@@ -16,9 +16,9 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from rlsync.errors import EngineDead, InvalidArgument
+from rlsync.errors import DeadlineExceeded, EngineDead, InvalidArgument
 from rlsync.rollout.staging import raise_failure
-from rlsync.transfer.handshake import PREFERENCE
+from rlsync.transfer.handshake import NAMES, PREFERENCE
 from rlsync.transfer.v1 import transfer_pb2
 from rlsync.rollout.engines.base import Engine
 from rlsync.rollout.types import Delta, FinishReason, GenerationRequest, MemoryUsage, PauseMode, WakeTag
@@ -140,7 +140,6 @@ class VLLMEngine(Engine):
                    await self.llm.collective_rpc("rlsync_answer", args=(raw, receiver_id, tp, force_backend))]
         if len({a.backend for a in answers}) > 1:  # workers on different GPUs: one channel that suits all
             common = max((a.backend for a in answers), key=PREFERENCE.index)
-            from rlsync.transfer.handshake import NAMES
             answers = [transfer_pb2.Answer.FromString(a) for a in await self.llm.collective_rpc(
                 "rlsync_answer", args=(raw, receiver_id, tp, NAMES[common]))]
         ans = answers[0]
@@ -158,7 +157,6 @@ class VLLMEngine(Engine):
                 return time.perf_counter() - start
             if time.perf_counter() - start > timeout:
                 await self.abort_update()
-                from rlsync.errors import DeadlineExceeded
                 raise DeadlineExceeded(f"weight transfer did not finish within {timeout:.0f}s")
             await asyncio.sleep(0.005)
 

@@ -39,12 +39,6 @@ def refresh_tied(model: torch.nn.Module) -> int:
     return refreshed
 
 
-def _offer(raw: bytes) -> pb.Offer:
-    offer = pb.Offer()
-    offer.ParseFromString(raw)
-    return offer
-
-
 class RlsyncWorkerExtension:
     """Mixed into vLLM's Worker class: `self` is the worker (self.model_runner, self.device, self.rank...)."""
 
@@ -64,14 +58,13 @@ class RlsyncWorkerExtension:
 
     def rlsync_answer(self, offer: bytes, receiver_id: str, ranks: int, force: str) -> bytes:
         """This worker's choice of channel (its own device decides: same GPU as the trainer or not)."""
-        ans = answer(_offer(offer), receiver_id, device=self._rlsync_device(), ranks=ranks, force=force or None)
+        ans = answer(pb.Offer.FromString(offer), receiver_id, device=self._rlsync_device(), ranks=ranks,
+                     force=force or None)
         return ans.SerializeToString()
 
     def rlsync_begin(self, offer: bytes, answer_bytes: bytes, timeout: float) -> None:
         """Starts receiving the whole checkpoint into staging memory, in the background."""
-        o = _offer(offer)
-        ans = pb.Answer()
-        ans.ParseFromString(answer_bytes)
+        o, ans = pb.Offer.FromString(offer), pb.Answer.FromString(answer_bytes)
         device = self._rlsync_device()
         staging = flat_like(from_proto(o.manifest), device)
         self._rlsync_update = StagedUpdate(o, ans, staging, self.rank, device, timeout)
