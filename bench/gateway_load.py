@@ -134,8 +134,7 @@ def main() -> None:
         from rlsync.client import CoordinatorClient
 
         with CoordinatorClient(co) as c:
-            while sum(m.state == "ready" for m in c.status().members) < args.replicas + 1:
-                time.sleep(0.2)
+            c.wait_ready(args.replicas + 1, timeout=300)
         result = {"engine": args.engine, "replicas": args.replicas,
                   "load": asyncio.run(under_updates(co, args.streams, args.max_tokens, args.updates, 500))}
         if not args.no_latency:

@@ -50,8 +50,7 @@ def start(logs: Path, mode: str, model: str, trainer_gpu: str, replica_gpus: lis
     for p in fleet[1:]:
         p.wait_ready(600)
     with CoordinatorClient(address) as c:
-        while sum(m.state == "ready" for m in c.status().members) < len(fleet) - 1:
-            time.sleep(0.2)
+        c.wait_ready(len(fleet) - 1, timeout=600)
     return fleet
 
 

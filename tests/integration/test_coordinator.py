@@ -22,18 +22,8 @@ def start_fleet(services, mode="async", replicas=2, extra=()):
     ros = [services.start("rollout", [*rollout_args("hf"), "--coordinator", co.address, "--replica-id", f"r{i}"],
                           name=f"r{i}") for i in range(replicas)]
     client = CoordinatorClient(co.address)
-    wait_ready(client, replicas + 1)
+    client.wait_ready(replicas + 1)
     return client, tr, ros
-
-
-def wait_ready(client: CoordinatorClient, count: int, timeout: float = 60) -> list[pb.Member]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ready = [m for m in client.status().members if m.state == "ready"]
-        if len(ready) == count:
-            return ready
-        time.sleep(0.1)
-    raise AssertionError(f"expected {count} ready members, have {client.status()}")
 
 
 def step(client: CoordinatorClient, seed: int = 0):
@@ -49,13 +39,13 @@ def test_registry_late_joiner_caught_up_and_dead_replica_leaves(services):
     assert {"rpc", "connect", "data", "receiver_copy"} <= set(sync.transfer_profile)  # where the transfer's time went
     late = services.start("rollout", [*rollout_args("hf"), "--coordinator", client.address, "--replica-id", "late"],
                           name="late")
-    wait_ready(client, 3)
+    client.wait_ready(3)
     info = RolloutClient(late.address).info()
     assert info.weight_version == 1, "a late joiner gets the current weights before it takes traffic"
     assert differences(TrainerClient(tr.address).checksums(), RolloutClient(late.address).checksums()) == []
     ros[0].kill()
     start = time.monotonic()
-    wait_ready(client, 2, timeout=10)
+    client.wait_ready(2, timeout=10)
     assert time.monotonic() - start < 5, "a replica that stops heartbeating leaves within the lease"
     assert client.complete("still", max_tokens=4, ignore_eos=True)[0].finish_reason == "length"
 

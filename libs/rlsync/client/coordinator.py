@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from rlsync.client.base import AsyncClient, AsyncGenerating, SyncClient, SyncGenerating
@@ -34,6 +35,18 @@ class _CoordinatorMethods:
 
 class CoordinatorClient(_CoordinatorMethods, SyncGenerating, SyncClient):
     """Blocking client: generation through the gateway, training, weight syncs, fleet status."""
+
+    def wait_ready(self, count: int, timeout: float = 60.0) -> list[pb.Member]:
+        """Waits until exactly `count` members (trainer and replicas) are ready; returns them."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ready = [m for m in self.status().members if m.state == "ready"]
+            if len(ready) == count:
+                return ready
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"expected {count} ready members within {timeout:.0f}s, have {len(ready)}: "
+                                   f"{[(m.name, m.state) for m in self.status().members]}")
+            time.sleep(0.1)
 
 
 class AsyncCoordinatorClient(_CoordinatorMethods, AsyncGenerating, AsyncClient):

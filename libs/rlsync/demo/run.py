@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from rlsync.client import CoordinatorClient
 from rlsync.demo.loop import LoopConfig, StepRecord, run_loop, summarize
 from rlsync.demo.task import DigitsTask
 from rlsync.launch import ServiceProcess
@@ -37,18 +38,6 @@ def start_fleet(args, logs: Path) -> list[ServiceProcess]:
     for proc in fleet[1:]:
         proc.wait_ready(timeout=300)
     return fleet
-
-
-def wait_for_members(address: str, expected: int, timeout: float = 120) -> None:
-    from rlsync.client import CoordinatorClient
-
-    with CoordinatorClient(address) as c:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if sum(m.state == "ready" for m in c.status().members) >= expected:
-                return
-            time.sleep(0.2)
-    raise SystemExit(f"the fleet did not come up within {timeout:.0f}s (see the logs)")
 
 
 def plot(records: list[StepRecord], path: Path, title: str) -> None:
@@ -98,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     fleet = start_fleet(args, out / "logs")
     try:
-        wait_for_members(fleet[0].address, args.replicas + 1)
+        with CoordinatorClient(fleet[0].address) as c:
+            try:
+                c.wait_ready(args.replicas + 1, timeout=120)
+            except TimeoutError as e:
+                raise SystemExit(f"the fleet did not come up ({e}); see the logs in {out / 'logs'}") from None
         bar = tqdm(total=args.steps, desc="GRPO", unit="step", file=sys.stdout)
 
         def progress(r: StepRecord) -> None:
