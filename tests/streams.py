@@ -11,12 +11,13 @@ import time
 import uuid
 
 from rlsync.client import RolloutClient, RpcError
+from rlsync.client.base import SyncGenerating
 
 
 class Stream:
-    """One generation, read to its end in a thread."""
+    """One generation (from a replica or the gateway), read to its end in a thread."""
 
-    def __init__(self, client: RolloutClient, prompt: str, **kw):
+    def __init__(self, client: SyncGenerating, prompt: str, **kw):
         self.request_id = kw.setdefault("request_id", f"{prompt}-{uuid.uuid4().hex[:8]}")
         self.chunks: list = []
         self.error: RpcError | None = None
@@ -24,7 +25,7 @@ class Stream:
         self.thread = threading.Thread(target=self._read, args=(client, prompt, kw), daemon=True)
         self.thread.start()
 
-    def _read(self, client: RolloutClient, prompt: str, kw: dict) -> None:
+    def _read(self, client: SyncGenerating, prompt: str, kw: dict) -> None:
         try:
             for c in client.generate(prompt, **kw):
                 self.chunks.append(c)

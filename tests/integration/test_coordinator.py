@@ -3,7 +3,6 @@ transparent resume through updates and dead replicas, aborts, bad input, stalene
 
 from __future__ import annotations
 
-import threading
 import time
 
 import grpc
@@ -13,6 +12,7 @@ from conftest import rollout_args
 from rlsync.client import CoordinatorClient, RolloutClient, RpcError, TrainerClient, trajectory
 from rlsync.common.audit import differences
 from rlsync.coordinator.v1 import coordinator_pb2 as pb
+from streams import Stream
 
 
 def start_fleet(services, mode="async", replicas=2, extra=()):
@@ -53,24 +53,14 @@ def test_registry_late_joiner_caught_up_and_dead_replica_leaves(services):
 def test_gateway_resumes_through_updates_and_a_dead_replica(services):
     client, _, ros = start_fleet(services, replicas=2)
     by_address = {p.address: p for p in ros}
-    result, started = {}, threading.Event()
-
-    def long_stream():
-        chunks = []
-        for c in client.generate("long", session_id="sticky", max_tokens=900, ignore_eos=True):
-            chunks.append(c)
-            started.set()
-        result["chunks"] = chunks
-
-    t = threading.Thread(target=long_stream)
-    t.start()
-    assert started.wait(30)
+    stream = Stream(client, "long", session_id="sticky", max_tokens=900, ignore_eos=True)
+    assert stream.first.wait(30)
     step(client, seed=1)  # an update mid-stream: paused, aborted, resubmitted on version 1
     serving = [m for m in client.status().members if m.role == pb.ROLE_ROLLOUT and m.in_flight > 0]
     assert len(serving) == 1
     by_address[serving[0].address].kill()  # ... and then its replica dies
-    t.join(120)
-    chunks = result["chunks"]
+    stream.thread.join(120)
+    chunks = stream.chunks
     tokens = [tok for c in chunks for tok in c.token_ids]
     final = chunks[-1]
     assert final.finish_reason == 2 and len(tokens) == 900, "nothing lost, nothing duplicated"
@@ -88,20 +78,12 @@ def test_gateway_relays_bad_input_and_aborts_on_request(services):
     with pytest.raises(RpcError) as e:
         client.abort("nope")
     assert e.value.code == grpc.StatusCode.NOT_FOUND
-    chunks, started = [], threading.Event()
-
-    def stream():
-        for c in client.generate("x", request_id="mine", max_tokens=900, ignore_eos=True):
-            chunks.append(c)
-            started.set()
-
-    t = threading.Thread(target=stream)
-    t.start()
-    assert started.wait(30)
+    stream = Stream(client, "x", request_id="mine", max_tokens=900, ignore_eos=True)
+    assert stream.first.wait(30)
     client.abort("mine")
-    t.join(30)
-    assert chunks[-1].finish_reason == 3 and chunks[-1].resubmissions == 0
-    assert 0 < sum(len(c.token_ids) for c in chunks) < 900
+    stream.thread.join(30)
+    assert stream.chunks[-1].finish_reason == 3 and stream.chunks[-1].resubmissions == 0
+    assert 0 < stream.tokens < 900
 
 
 def test_staleness_is_flagged_and_passed_to_training(services):
