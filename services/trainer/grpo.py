@@ -16,9 +16,9 @@ def group_advantages(rewards: list[float], groups: list[str], eps: float = 1e-6)
         members[g].append(i)
     out = [0.0] * len(rewards)
     for idx in members.values():
-        r = torch.tensor([rewards[i] for i in idx], dtype=torch.float64)
         if len(idx) < 2:
             continue
+        r = torch.tensor([rewards[i] for i in idx], dtype=torch.float64)
         norm = (r - r.mean()) / (r.std(unbiased=False) + eps)
         for i, a in zip(idx, norm.tolist()):
             out[i] = a
