@@ -10,14 +10,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import sys
 import time
 from pathlib import Path
 
 from rlsync.client import AsyncCoordinatorClient, AsyncRolloutClient
 from rlsync.launch import ServiceProcess
-from rlsync.trainer.v1 import trainer_pb2
 
 VLLM_ARGS = {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 256}
 
@@ -69,21 +67,19 @@ async def overhead(coordinator: str, replicas: list[str], streams: int, max_toke
     return out
 
 
-async def under_updates(coordinator: str, streams: int, max_tokens: int, updates: int, vocab: int) -> dict:
-    rng = random.Random(0)
+async def under_updates(coordinator: str, streams: int, max_tokens: int, updates: int) -> dict:
+    """Syncs `updates` new versions (explicit version numbers, no training step in between: a step
+    competes with the streams for the CPU and could let them finish first) while every stream runs."""
     async with AsyncCoordinatorClient(coordinator, timeout=None) as c:
         tasks = [asyncio.create_task(timed(c.generate(f"stream {i}", request_id=f"load-{i}", max_tokens=max_tokens,
                                                       ignore_eos=True, seed=i))) for i in range(streams)]
         syncs = []
         await asyncio.sleep(0.5)
         for u in range(updates):
-            batch = [trainer_pb2.Trajectory(prompt_ids=[rng.randrange(1, vocab) for _ in range(4)],
-                                            completion_ids=[rng.randrange(1, vocab) for _ in range(4)],
-                                            reward=rng.random(), group_id=str(u)) for _ in range(4)]
-            await c.train(batch)
-            s = await c.sync_weights()
+            open_at_start = sum(not t.done() for t in tasks)  # > 0: the update lands mid-flight
+            s = await c.sync_weights(version=u + 1)
             syncs.append({"version": s.version, "seconds": s.seconds, "phases": dict(s.phases),
-                          "streams_open": sum(not t.done() for t in tasks)})  # > 0: it landed mid-flight
+                          "streams_open": open_at_start})
         runs = await asyncio.gather(*tasks)
         status = await c.status()
     problems, resubmitted, versions_seen = [], 0, set()
@@ -136,7 +132,7 @@ def main() -> None:
         with CoordinatorClient(co) as c:
             c.wait_ready(args.replicas + 1, timeout=300)
         result = {"engine": args.engine, "replicas": args.replicas,
-                  "load": asyncio.run(under_updates(co, args.streams, args.max_tokens, args.updates, 500))}
+                  "load": asyncio.run(under_updates(co, args.streams, args.max_tokens, args.updates))}
         if not args.no_latency:
             result["latency"] = asyncio.run(overhead(co, [p.address for p in fleet[2:]], args.streams,
                                                      args.max_tokens))

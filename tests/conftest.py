@@ -37,9 +37,13 @@ def logs_dir(tmp_path_factory) -> Path:
 class Services:
     """Starts services on free ports, logs each to its own file, stops them all at the end."""
 
-    def __init__(self, logs: Path):
+    live: list[Services] = []  # every Services whose processes are up, for the checks below
+
+    def __init__(self, logs: Path, shared: bool = False):
         self.logs = logs
+        self.shared = shared  # several tests use these: each checks first that they are up
         self.started: list[ServiceProcess] = []
+        Services.live.append(self)
 
     def start(self, service: str, args: list[str], env: dict | None = None, wait: bool = True,
               name: str | None = None) -> ServiceProcess:
@@ -51,7 +55,12 @@ class Services:
             proc.wait_ready()
         return proc
 
+    def down(self) -> list[str]:
+        """What is wrong with each started service (exited, killed by a signal, NOT_SERVING)."""
+        return [why for proc in self.started if (why := proc.why_down())]
+
     def stop_all(self) -> None:
+        Services.live.remove(self)
         for proc in reversed(self.started):
             proc.stop()
 
@@ -66,10 +75,30 @@ def services(logs_dir, tiny_model):
 
 @pytest.fixture(scope="module")
 def module_services(logs_dir, tiny_model):
-    """Module-scoped Services, for servers that several tests share."""
-    s = Services(logs_dir)
+    """Module-scoped Services, for servers that several tests share: each test first checks they
+    are still up, so one dead replica fails with its cause instead of as a cascade of timeouts."""
+    s = Services(logs_dir, shared=True)
     yield s
     s.stop_all()
+
+
+@pytest.fixture(autouse=True)
+def shared_services_up():
+    for s in Services.live:
+        problems = s.down() if s.shared else []
+        if problems:
+            pytest.fail("a service this test shares is down:\n" + "\n".join(problems), pytrace=False)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report says which services were down and why (exit signal, log path)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and Services.live:
+        problems = [why for s in Services.live for why in s.down()]
+        if problems:
+            report.sections.append(("rlsync services down", "\n".join(problems)))
 
 
 @pytest.fixture(scope="session")

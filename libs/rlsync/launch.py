@@ -7,54 +7,96 @@ import os
 import signal
 import subprocess
 import sys
-import threading
+import tempfile
 import time
 from pathlib import Path
 
 
+def exit_status(returncode: int) -> str:
+    """"exited with status 2" / "was killed by SIGILL (signal 4)"."""
+    try:
+        if returncode < 0:
+            return f"was killed by {signal.Signals(-returncode).name} (signal {-returncode})"
+        if returncode > 128:  # a shell's way of saying the same
+            return f"exited with status {returncode} ({signal.Signals(returncode - 128).name})"
+    except ValueError:
+        pass
+    return f"exited with status {returncode}"
+
+
 class ServiceProcess:
-    """One service in its own process (and process group), e.g. ServiceProcess("rollout", ["--engine", "hf"])."""
+    """One service in its own process (and process group), e.g. ServiceProcess("rollout", ["--engine", "hf"]).
+
+    The child and everything it starts (engine workers too) get explicit descriptors: stdin from
+    /dev/null, stdout and stderr into the service's log, so nothing depends on the parent's (a closed
+    terminal, pytest's capture). The service announces its address with one JSON line in that log.
+    """
 
     def __init__(self, service: str, args: list[str], env: dict[str, str] | None = None,
                  log_path: str | Path | None = None, name: str | None = None):
         self.service = service
         self.name = name or service
         cmd = [sys.executable, "-m", f"rlsync.{service}", *args]
-        self.log_path = Path(log_path) if log_path else None
-        if self.log_path:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix=f"rlsync-{self.name}-", suffix=".log")
+            os.close(fd)
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, **(env or {})}, start_new_session=True)
         self.address: str | None = None
-        self._listening = threading.Event()
-        self._stdout_tail: list[str] = []
-        threading.Thread(target=self._read_stdout, daemon=True).start()
 
-    def _read_stdout(self) -> None:
-        for raw in self.proc.stdout:
-            line = raw.decode(errors="replace").rstrip()
-            if line.startswith("{") and '"listening"' in line:
-                self.address = json.loads(line)["address"]
-                self._listening.set()
-            else:
-                self._stdout_tail = (self._stdout_tail + [line])[-50:]
-        self._listening.set()  # process exited: wake a waiter so it can report
+    def _find_address(self) -> str | None:
+        with open(self.log_path, "rb") as f:
+            f.seek(self._log_start)
+            for raw in f:
+                line = raw.decode(errors="replace").strip()
+                if line.startswith("{") and '"listening"' in line:
+                    return json.loads(line)["address"]
+        return None
 
     def wait_ready(self, timeout: float = 180.0) -> str:
         """Blocks until the service listens; returns its address, or raises with its log tail."""
         deadline = time.monotonic() + timeout
-        while not self._listening.wait(0.1):
+        while self.address is None:
+            self.address = self._find_address()
+            if self.address is not None:
+                break
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} {exit_status(self.proc.returncode)} before listening "
+                                   f"(log: {self.log_path}):\n{self.log_tail()}")
             if time.monotonic() > deadline:
                 self.kill()
-                raise TimeoutError(f"{self.name} did not start within {timeout}s:\n{self.log_tail()}")
-        if self.address is None:
-            raise RuntimeError(f"{self.name} exited with {self.proc.wait()} before listening:\n{self.log_tail()}")
+                raise TimeoutError(f"{self.name} did not start within {timeout}s (log: {self.log_path}):\n"
+                                   f"{self.log_tail()}")
+            time.sleep(0.05)
         return self.address
 
     def log_tail(self, lines: int = 40) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
-        return "\n".join((text.splitlines() + self._stdout_tail)[-lines:])
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def why_down(self, timeout: float = 5.0) -> str | None:
+        """None while the process runs and its health is SERVING; otherwise what happened, for a
+        person: the exit status (signal name) or NOT_SERVING, and where the log is."""
+        if self.proc.poll() is not None:
+            return f"{self.name} {exit_status(self.proc.returncode)}; log: {self.log_path}\n{self.log_tail(20)}"
+        if self.address is None:
+            return None
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with grpc.insecure_channel(self.address) as channel:
+            try:
+                status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            except grpc.RpcError as e:
+                return f"{self.name} does not answer its health check ({e.code().name}); log: {self.log_path}"
+        if status.status != health_pb2.HealthCheckResponse.SERVING:
+            return (f"{self.name} is {health_pb2.HealthCheckResponse.ServingStatus.Name(status.status)}; "
+                    f"log: {self.log_path}\n{self.log_tail(20)}")
+        return None
 
     def stop(self, timeout: float = 30.0, sig: int = signal.SIGTERM) -> int:
         """Asks the service to shut down gracefully; kills its process group if it does not."""

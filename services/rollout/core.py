@@ -8,7 +8,8 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from rlsync.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, RlsyncError, Unavailable
+from rlsync.errors import (AlreadyExists, EngineDead, FailedPrecondition, InvalidArgument, NotFound, RlsyncError,
+                           Unavailable)
 from rlsync.rollout.engines.base import Engine
 from rlsync.rollout.types import (ALL_TAGS, Chunk, FinishReason, GenerationRequest, MemoryUsage,
                                   PauseMode, SamplingParams, WakeTag)
@@ -30,7 +31,7 @@ class Info:
     engine: str
     model: str
     weight_version: int
-    state: str  # serving | paused | sleeping
+    state: str  # serving | paused | sleeping | dead
     in_flight: int
     asleep: frozenset[WakeTag]
     max_model_len: int
@@ -40,6 +41,7 @@ class Info:
     memory: MemoryUsage
     pending_version: int
     dtype: str
+    dead_reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,9 @@ class RolloutCore:
         return GenerationRequest(request_id or uuid.uuid4().hex, prompt, sampling)
 
     def _admit(self, request: GenerationRequest) -> _InFlight:
+        dead = self.engine.dead()
+        if dead:
+            raise EngineDead(dead)
         if self._closing:
             raise Unavailable(f"{self._closing}: send the request to another replica")
         if self.asleep:
@@ -191,11 +196,13 @@ class RolloutCore:
                 self.sleep_level = 0
 
     async def info(self) -> Info:
-        state = "sleeping" if self.asleep else "paused" if self.paused else "serving"
         e = self.engine
+        dead = e.dead()
+        state = "dead" if dead else "sleeping" if self.asleep else "paused" if self.paused else "serving"
+        memory = MemoryUsage("", 0, 0, 0) if dead else await e.memory()
         return Info(e.kind, e.model, self.weight_version, state, len(self.in_flight), frozenset(self.asleep),
-                    e.max_model_len, e.tensor_parallel_size, self.replica_id, e.vocab_size, await e.memory(),
-                    -1 if self.pending is None else self.pending, e.dtype)
+                    e.max_model_len, e.tensor_parallel_size, self.replica_id, e.vocab_size, memory,
+                    -1 if self.pending is None else self.pending, e.dtype, dead or "")
 
     # ---- weight updates -------------------------------------------------------------------------
     async def prepare_update(self, offer: Offer, force_backend: str = "", timeout: float = 0,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -41,6 +42,14 @@ class RolloutService:
             self.registrar = Registrar(self.cfg.coordinator, ROLE_ROLLOUT, advertised(host, port, self.cfg.advertise),
                                        self.core.replica_id, self.cfg.server.token)
             self.registrar.start()
+
+    async def failure(self) -> str:
+        """Returns once the engine is dead, after taking this replica out of the coordinator's rotation."""
+        while not (reason := self.engine.dead()):
+            await asyncio.sleep(0.5)
+        if self.registrar is not None:
+            await self.registrar.stop()
+        return reason
 
     async def drain(self, reason: str) -> None:
         if getattr(self, "registrar", None) is not None:

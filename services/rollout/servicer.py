@@ -19,7 +19,7 @@ _PAUSE_MODES = {pb.PAUSE_MODE_ABORT: PauseMode.ABORT, pb.PAUSE_MODE_KEEP: PauseM
 _TAGS = {pb.WAKE_TAG_WEIGHTS: WakeTag.WEIGHTS, pb.WAKE_TAG_KV_CACHE: WakeTag.KV_CACHE}
 _TAG_PROTO = {v: k for k, v in _TAGS.items()}
 _STATES = {"serving": pb.SERVING_STATE_SERVING, "paused": pb.SERVING_STATE_PAUSED,
-           "sleeping": pb.SERVING_STATE_SLEEPING}
+           "sleeping": pb.SERVING_STATE_SLEEPING, "dead": pb.SERVING_STATE_DEAD}
 
 
 def sampling_from_proto(p: gen_pb.SamplingParams) -> SamplingParams:
@@ -55,7 +55,8 @@ def info_to_proto(i: Info) -> pb.RolloutInfo:
         engine=i.engine, model=i.model, weight_version=i.weight_version, state=_STATES[i.state],
         in_flight=i.in_flight, asleep=[_TAG_PROTO[t] for t in sorted(i.asleep, key=lambda t: t.value)],
         max_model_len=i.max_model_len, tensor_parallel_size=i.tensor_parallel_size, replica_id=i.replica_id,
-        memory=memory_to_proto(i.memory), vocab_size=i.vocab_size, pending_version=i.pending_version, dtype=i.dtype)
+        memory=memory_to_proto(i.memory), vocab_size=i.vocab_size, pending_version=i.pending_version, dtype=i.dtype,
+        dead_reason=i.dead_reason)
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):

@@ -12,7 +12,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "gateway_load.py"
 
 
 def test_no_stream_lost_or_duplicated_through_three_updates(tmp_path):
-    # Streams long enough to outlast the three train + sync rounds, so each update lands mid-flight.
+    # Three syncs back to back, each started while the streams run (they last seconds; a sync ~0.1 s).
     out = subprocess.run([sys.executable, str(BENCH), "--streams", "200", "--updates", "3", "--max-tokens", "128",
                           "--no-latency", "--logs", str(tmp_path)], capture_output=True, text=True, timeout=900)
     result = json.loads(out.stdout)

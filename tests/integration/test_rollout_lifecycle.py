@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 import subprocess
 import sys
 
@@ -96,3 +97,35 @@ def test_hf_sleep_frees_memory_and_wake_up_restores_output(services, small_model
     assert woke.weights_bytes == awake.weights_bytes
     after = client.complete("memory", max_tokens=16, temperature=0, ignore_eos=True)[0]
     assert after.token_ids == before.token_ids
+
+
+def test_a_dead_vllm_engine_says_why_and_leaves_the_rotation(services):
+    """A worker killed by a fatal signal: the replica stays up to say which process died of which
+    signal and where its log is, reports NOT_SERVING, and the coordinator stops routing to it."""
+    from rlsync.client import CoordinatorClient
+    from rlsync.rollout.v1 import rollout_pb2
+
+    co = services.start("coordinator", ["--sync-mode", "async"], name="co-dead")
+    proc = services.start("rollout", rollout_args("vllm", "--coordinator", co.address), name="vllm-dead")
+    client = RolloutClient(proc.address)
+    with CoordinatorClient(co.address) as fleet:
+        fleet.wait_ready(1)
+        assert len(client.complete("hi", max_tokens=4, ignore_eos=True)[0].token_ids) == 4
+        # The process that runs the model (where vLLM's AMX kernel died): vLLM's worker, a grandchild.
+        family = psutil.Process(proc.proc.pid).children(recursive=True)
+        (worker,) = [p for p in family if "Worker" in p.name()]
+        worker.send_signal(signal.SIGILL)
+
+        with pytest.raises(RpcError) as e:
+            client.complete("hi", max_tokens=4)
+        assert e.value.code == grpc.StatusCode.INTERNAL
+        assert f"pid {worker.pid} died of SIGILL" in e.value.message, e.value.message
+        assert str(proc.log_path) in e.value.message
+
+        info = client.info()
+        assert info.state == rollout_pb2.SERVING_STATE_DEAD and "SIGILL" in info.dead_reason
+        deadline = time.monotonic() + 10
+        while _health(proc.address) != health_pb2.HealthCheckResponse.NOT_SERVING or fleet.status().members:
+            assert time.monotonic() < deadline, "the dead replica should be NOT_SERVING and out of the fleet"
+            time.sleep(0.1)
+        assert "NOT_SERVING" in proc.why_down() and str(proc.log_path) in proc.why_down()

@@ -45,7 +45,7 @@ class CoordinatorClient(_CoordinatorMethods, SyncGenerating, SyncClient):
                 return ready
             if time.monotonic() > deadline:
                 raise TimeoutError(f"expected {count} ready members within {timeout:.0f}s, have {len(ready)}: "
-                                   f"{[(m.name, m.state) for m in self.status().members]}")
+                                   f"{[(m.address, m.state) for m in self.status().members]}")
             time.sleep(0.1)
 
 

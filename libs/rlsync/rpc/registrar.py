@@ -62,11 +62,14 @@ class Registrar:
             await asyncio.sleep(interval)
 
     async def stop(self) -> None:
+        """Leaves the fleet; safe to call twice."""
         if self._task is not None:
             self._task.cancel()
-        if self.member_id:
+            self._task = None
+        member_id, self.member_id = self.member_id, ""
+        if member_id:
             try:
-                await self.stub.Deregister(pb.DeregisterRequest(member_id=self.member_id), timeout=3)
+                await self.stub.Deregister(pb.DeregisterRequest(member_id=member_id), timeout=3)
             except Exception:  # noqa: BLE001 - leaving anyway; the lease expires it
                 pass
         await self.channel.close()

@@ -2,12 +2,14 @@
 
 Shutdown order on SIGTERM/SIGINT: health NOT_SERVING -> the service ends in-flight work with a
 reason (streams finish with it instead of breaking) -> server.stop(grace) -> the service closes its
-engine or workers. The process then exits with nothing left behind.
+engine or workers. The process then exits with nothing left behind. A service whose `failure()`
+returns (its engine died) turns NOT_SERVING at once and stays up to say why.
 """
 
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
 import logging
 import signal
@@ -47,6 +49,9 @@ class Service(Protocol):
 
     async def close(self) -> None:
         """Releases engines and workers once the server has stopped."""
+
+    # Optional: `async def failure(self) -> str` returns (with the reason) once the service can no
+    # longer do its work; run_service then reports NOT_SERVING.
 
 
 def server_options(cfg: ServerConfig) -> list[tuple[str, int]]:
@@ -96,8 +101,11 @@ async def run_service(cfg: ServerConfig, service: Service, stop: asyncio.Event |
           flush=True)
     log.info("%s listening on %s:%d%s", service.name, cfg.host, port, " (TLS)" if cfg.tls_cert else "")
     await service.serving(cfg.host, port)
+    watch = asyncio.create_task(_not_serving_on_failure(service, health)) if hasattr(service, "failure") else None
 
     await stop.wait()
+    if watch is not None:
+        watch.cancel()
     log.info("%s shutting down", service.name)
     await health.enter_graceful_shutdown()
     try:
@@ -106,6 +114,13 @@ async def run_service(cfg: ServerConfig, service: Service, stop: asyncio.Event |
         await server.stop(cfg.grace_seconds)
         await service.close()
     log.info("%s stopped", service.name)
+
+
+async def _not_serving_on_failure(service: Service, health: HealthServicer) -> None:
+    reason = await service.failure()
+    log.error("%s can no longer serve: %s", service.name, reason)
+    for name in ["", *service.service_names]:
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
 def setup_logging(level: str) -> None:
@@ -131,6 +146,7 @@ def serve_main(prog: str, doc: str | None, config_cls: type, make_service, argv:
     if adjust:
         adjust(cfg, args)
     setup_logging(cfg.server.log_level)
+    faulthandler.enable(all_threads=True)  # a fatal signal leaves its name and stacks in the log
     try:
         asyncio.run(run_service(cfg.server, make_service(cfg)))
     except RlsyncError as e:

@@ -64,6 +64,11 @@ class Engine(abc.ABC):
         """Why the engine cannot generate right now (say, weights dropped by Sleep(2)), or None."""
         return None
 
+    def dead(self) -> str | None:
+        """Why the engine can never serve again (a worker died), or None while it can; the replica
+        then reports NOT_SERVING and must be restarted."""
+        return None
+
     # ---- weight updates: staged, then switched atomically ----------------------------------------
     #: The weight version the engine serves; it tags the tokens it produces.
     version: int = 0

@@ -138,7 +138,7 @@ class HFEngine(Engine):
 
         with self._cv:
             if self._dead is not None:
-                future.set_exception(EngineDead(f"hf engine is dead: {self._dead!r}"))
+                future.set_exception(EngineDead(self.dead()))
             else:
                 self._commands.append(command)
                 self._cv.notify()
@@ -306,6 +306,9 @@ class HFEngine(Engine):
 
     def not_ready(self) -> str | None:
         return self.weights.not_ready
+
+    def dead(self) -> str | None:
+        return None if self._dead is None else f"hf engine is dead: its step failed with {self._dead!r}"
 
     async def memory(self) -> MemoryUsage:
         def read() -> MemoryUsage:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,6 +19,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from rlsync.errors import DeadlineExceeded, EngineDead, InvalidArgument
+from rlsync.rollout.engines.process import CRASH_DIR_ENV, crash_reports, own_log
 from rlsync.rollout.staging import raise_failure
 from rlsync.transfer.handshake import NAMES, PREFERENCE
 from rlsync.transfer.v1 import transfer_pb2
@@ -44,6 +47,9 @@ class VLLMEngine(Engine):
         super().__init__(model, engine_args)
         self.args = _engine_args(model, engine_args)
         self.llm: AsyncLLM | None = None
+        # Engine processes inherit this and write a report there if a fatal signal kills them.
+        self.crash_dir = tempfile.TemporaryDirectory(prefix="rlsync-vllm-crash-")
+        os.environ[CRASH_DIR_ENV] = self.crash_dir.name
 
     async def start(self) -> None:
         try:
@@ -65,6 +71,15 @@ class VLLMEngine(Engine):
             llm, self.llm = self.llm, None
             await asyncio.to_thread(llm.shutdown)
 
+    def dead(self) -> str | None:
+        if self.llm is None or not self.llm.errored:
+            return None
+        reports = crash_reports(self.crash_dir.name) or [
+            "no engine process reported a fatal signal (killed from outside, e.g. SIGKILL by the OOM killer?)"]
+        log_file = own_log()
+        return ("vllm engine is dead: " + "; ".join(reports)
+                + (f"; the replica's log: {log_file}" if log_file else "") + "; restart the replica")
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         p = request.sampling
         params = VLLMSamplingParams(
@@ -79,7 +94,7 @@ class VLLMEngine(Engine):
         except VLLMClientError as e:
             raise InvalidArgument(f"vllm refused the request: {e}") from e
         except EngineDeadError as e:
-            raise EngineDead(f"vllm engine is dead: {e}") from e
+            raise EngineDead(self.dead() or f"vllm engine is dead: {e}") from e
 
     def _deltas(self, out, want_logprobs: bool) -> list[Delta]:
         # Updates switch while the engine is paused, so outputs arriving now are the live version's.

@@ -13,9 +13,13 @@ from typing import Any
 import torch
 
 from rlsync.flat import flat_like
+from rlsync.rollout.engines.process import prepare_engine_process
 from rlsync.rollout.staging import StagedUpdate
 from rlsync.transfer import answer, audit_entry, from_proto
 from rlsync.transfer.v1 import transfer_pb2 as pb
+
+# vLLM imports this module in every worker process while it builds the worker, before any forward.
+prepare_engine_process()
 
 
 def refresh_tied(model: torch.nn.Module) -> int:

@@ -29,6 +29,7 @@ class ServingState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SERVING_STATE_SERVING: _ClassVar[ServingState]
     SERVING_STATE_PAUSED: _ClassVar[ServingState]
     SERVING_STATE_SLEEPING: _ClassVar[ServingState]
+    SERVING_STATE_DEAD: _ClassVar[ServingState]
 PAUSE_MODE_UNSPECIFIED: PauseMode
 PAUSE_MODE_ABORT: PauseMode
 PAUSE_MODE_KEEP: PauseMode
@@ -40,6 +41,7 @@ SERVING_STATE_UNSPECIFIED: ServingState
 SERVING_STATE_SERVING: ServingState
 SERVING_STATE_PAUSED: ServingState
 SERVING_STATE_SLEEPING: ServingState
+SERVING_STATE_DEAD: ServingState
 
 class PrepareUpdateRequest(_message.Message):
     __slots__ = ("offer", "force_backend", "timeout", "force")
@@ -166,7 +168,7 @@ class MemoryUsage(_message.Message):
     def __init__(self, device: _Optional[str] = ..., weights_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., device_reserved_bytes: _Optional[int] = ...) -> None: ...
 
 class RolloutInfo(_message.Message):
-    __slots__ = ("engine", "model", "weight_version", "state", "in_flight", "asleep", "max_model_len", "tensor_parallel_size", "replica_id", "memory", "vocab_size", "pending_version", "dtype")
+    __slots__ = ("engine", "model", "weight_version", "state", "in_flight", "asleep", "max_model_len", "tensor_parallel_size", "replica_id", "memory", "vocab_size", "pending_version", "dtype", "dead_reason")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +182,7 @@ class RolloutInfo(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     PENDING_VERSION_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEAD_REASON_FIELD_NUMBER: _ClassVar[int]
     engine: str
     model: str
     weight_version: int
@@ -193,4 +196,5 @@ class RolloutInfo(_message.Message):
     vocab_size: int
     pending_version: int
     dtype: str
-    def __init__(self, engine: _Optional[str] = ..., model: _Optional[str] = ..., weight_version: _Optional[int] = ..., state: _Optional[_Union[ServingState, str]] = ..., in_flight: _Optional[int] = ..., asleep: _Optional[_Iterable[_Union[WakeTag, str]]] = ..., max_model_len: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., replica_id: _Optional[str] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ..., vocab_size: _Optional[int] = ..., pending_version: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    dead_reason: str
+    def __init__(self, engine: _Optional[str] = ..., model: _Optional[str] = ..., weight_version: _Optional[int] = ..., state: _Optional[_Union[ServingState, str]] = ..., in_flight: _Optional[int] = ..., asleep: _Optional[_Iterable[_Union[WakeTag, str]]] = ..., max_model_len: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., replica_id: _Optional[str] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ..., vocab_size: _Optional[int] = ..., pending_version: _Optional[int] = ..., dtype: _Optional[str] = ..., dead_reason: _Optional[str] = ...) -> None: ...
