@@ -35,20 +35,20 @@ async def main(publish: bool):
     await core.train(traj)
     live("after train")
     if publish:
-        offer = core.offer()
+        offer = await core.publisher.offer(core.step)
         peer = subprocess.Popen([sys.executable, "-m", "rlsync.transfer.peer", "receive", "--device", "cuda", "--loop"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         peer.stdin.write(encode(offer) + "\n")
         peer.stdin.flush()
         ans = next(decode(pb.Answer, line.split(" ", 1)[1]) for line in peer.stdout if line.startswith("ANSWER"))
-        await core.publish(offer.transfer_id, [ans])
+        await core.publisher.publish(offer.transfer_id, [ans])
         print(next(line for line in peer.stdout if line.startswith("RESULT")).strip())
         live("after publish")
-    await core.offload()
+    await core.publisher.offload()
     live("after offload")
-    await core.onload()
+    await core.publisher.onload()
     await core.train(traj)
-    await core.offload()
+    await core.publisher.offload()
     live("after 2nd offload")
 
 

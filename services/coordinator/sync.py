@@ -120,6 +120,7 @@ class Syncer:
                                                     verify)
             verify_seconds = phases.pop("verify")  # an audit, not part of the sync itself
             self.version = push.version
+            self.trainer_step = max(self.trainer_step, push.version)  # a trainer with its own loop never calls Train
             for r in replicas:
                 r.weight_version = push.version
             self.syncs += 1

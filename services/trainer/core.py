@@ -1,7 +1,8 @@
-"""The trainer's logic: train steps, state, offload/onload, checkpoints, publishing. No gRPC here.
+"""The trainer's logic: train steps, state, offload/onload, checkpoints. No gRPC here.
 
 One asyncio lock orders everything that touches the weights (a step, an offload, a publish), and
-the heavy work runs in a thread so the server keeps answering health checks meanwhile.
+the heavy work runs in a thread so the server keeps answering health checks meanwhile. Publishing
+goes through rlsync.publish, the same path a user's own training loop takes.
 """
 
 from __future__ import annotations
@@ -12,15 +13,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlsync.errors import FailedPrecondition, InvalidArgument, NotFound
+from rlsync.errors import FailedPrecondition, InvalidArgument
 from rlsync.models import resolve_model
+from rlsync.publish.core import PublisherCore, in_thread
 from rlsync.trainer import checkpoint
 from rlsync.trainer.config import TrainerConfig
 from rlsync.trainer.grpo import grpo_loss, group_advantages, make_batch, token_logprobs
 from rlsync.trainer.policy import Policy
-from rlsync.transfer import Report, WeightSender, audit_entry
-from rlsync.transfer.dtypes import dtype_of
-from rlsync.transfer.v1 import transfer_pb2 as tpb
+from rlsync.transfer.source import ResidentSource
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,12 @@ class TrainerCore:
         self.max_len = self.policy.model.config.max_position_embeddings
         self.step = 0
         self.lock = asyncio.Lock()
-        self._sender: WeightSender | None = None
-        self._offers: dict[str, tpb.Offer] = {}
+        # The parameters as they live in the flat store (CPU: in a shared arena a receiver maps).
+        self.publisher = PublisherCore(
+            lambda: ResidentSource(self.policy.params, arena=self.policy.arena), in_thread(self.lock),
+            bucket_bytes=cfg.bucket_bytes, host=cfg.server.host, advertise=cfg.advertise or None,
+            checksums=cfg.checksums, transfer_timeout=cfg.transfer_timeout,
+            offload=self.policy.offload, onload=self.policy.onload)
 
     def _require_on_device(self, action: str) -> None:
         if self.policy.offloaded:
@@ -150,15 +154,6 @@ class TrainerCore:
         return StepResult(self.step, metrics, len(keep), stale, len(trajectories) - len(keep))
 
     # ---- memory ---------------------------------------------------------------------------------
-    async def offload(self) -> None:
-        async with self.lock:
-            self._drop_sender()
-            await asyncio.to_thread(self.policy.offload)
-
-    async def onload(self) -> None:
-        async with self.lock:
-            await asyncio.to_thread(self.policy.onload)
-
     def device_reserved(self) -> int:
         d = self.policy.device
         if d.type == "cuda":
@@ -181,57 +176,8 @@ class TrainerCore:
             self.step = await asyncio.to_thread(checkpoint.load, path, self.policy)
             return self.step
 
-    # ---- publishing -----------------------------------------------------------------------------
-    def _drop_sender(self) -> None:
-        if self._sender is not None:
-            self._sender.close()
-            self._sender = None
-            self._offers.clear()
-
-    def _sender_now(self) -> WeightSender:
-        if self._sender is None:
-            cfg = self.cfg
-            self._sender = WeightSender(dict(self.policy.params), bucket_bytes=cfg.bucket_bytes,
-                                        host=cfg.server.host, advertise=cfg.advertise or None,
-                                        checksums=cfg.checksums, arena=self.policy.arena)
-        return self._sender
-
-    def offer(self, version: int | None = None) -> tpb.Offer:
-        self._require_on_device("publishing weights")
-        offer = self._sender_now().offer(self.step if version is None else version)
-        self._offers[offer.transfer_id] = offer
-        while len(self._offers) > 8:
-            self._offers.pop(next(iter(self._offers)))
-        return offer
-
-    async def publish(self, transfer_id: str, answers: list[tpb.Answer], timeout: float = 0) -> tuple[int, Report]:
-        offer = self._offers.get(transfer_id)
-        if offer is None:
-            raise NotFound(f"no offer {transfer_id!r} (expired, or the trainer offloaded since): call OfferWeights")
-        if not answers:
-            raise InvalidArgument("PublishWeights needs at least one answer (from PrepareUpdate)")
-        async with self.lock:
-            self._require_on_device("publishing weights")
-            sender = self._sender_now()
-            report = await asyncio.to_thread(sender.send, offer, answers, timeout or self.cfg.transfer_timeout)
-            self._offers.pop(transfer_id, None)
-            return offer.manifest.version, report
-
-    def checksums(self, dtype: str = "") -> dict[str, tuple[str, tuple[int, ...], str]]:
-        """{name: (dtype, shape, checksum)} of the current weights, cast to `dtype` when given."""
-        self._require_on_device("GetWeightChecksums")
-        target = dtype_of(dtype) if dtype else None
-        out = {}
-        with torch.no_grad():
-            for name, p in self.policy.params.items():
-                t = p.detach()
-                if target is not None and t.is_floating_point():
-                    t = t.to(target)
-                out[name] = audit_entry(t)
-        return out
-
     def close(self) -> None:
-        self._drop_sender()
+        self.publisher.close()
         self.policy.close()
 
 

@@ -7,6 +7,7 @@ import logging
 
 import grpc
 
+from rlsync.client.errors import RpcError
 from rlsync.errors import RlsyncError
 
 log = logging.getLogger(__name__)
@@ -15,6 +16,8 @@ log = logging.getLogger(__name__)
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
     if isinstance(exc, RlsyncError):
         await context.abort(exc.code, str(exc))
+    if isinstance(exc, RpcError):  # another service's answer, passed on with its own status
+        await context.abort(exc.code, f"{exc.method}: {exc.message}" if exc.method else exc.message)
     log.exception("unexpected error in %s", method)
     await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 

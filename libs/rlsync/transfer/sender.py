@@ -16,13 +16,13 @@ import torch
 from rlsync.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from rlsync.transfer.backends import available, channel
 from rlsync.transfer.backends.base import SendJob, expect
-from rlsync.transfer.checksum import as_bytes
 from rlsync.transfer.control import Conn, Deadline, Listener
 from rlsync.transfer.handshake import NAMES, PROTOCOL_VERSION, backend_of, local_facts
 from rlsync.transfer.manifest import Spec, from_proto, to_proto
 from rlsync.transfer.memory import SharedArena
 from rlsync.transfer.messages import Hello, Reject
 from rlsync.transfer.plan import cached_plan, plan_buckets
+from rlsync.transfer.source import ResidentSource, StreamedSource
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -52,33 +52,29 @@ class WeightSender:
         offer = sender.offer(version=step)          # give to each receiver (e.g. over gRPC)
         sender.send(offer, answers, timeout=120)     # answers: what each receiver replied
 
-    Every offer has a new transfer id and single-use token. One-copy is used (unless one_copy=False)
-    when the tensors already live in memory a receiver can map: any contiguous CUDA tensors, or
-    CPU tensors allocated from `arena`.
+    `tensors` is a mapping of whole tensors, or a source (rlsync.transfer.source) whose tensors are
+    produced while the transfer runs (gathered from shards, cast on the fly). Every offer has a new
+    transfer id and single-use token. One-copy is used (unless one_copy=False) when the tensors
+    already live in memory a receiver can map: any contiguous CUDA tensors, or CPU tensors
+    allocated from `arena`.
     """
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    def __init__(self, tensors: Mapping[str, torch.Tensor] | ResidentSource | StreamedSource, *,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  host: str = "127.0.0.1", advertise: str | None = None, checksums: bool = False,
                  arena: SharedArena | None = None, backends: list[str] | None = None,
                  one_copy: bool | None = None):
         plan_buckets([], bucket_bytes)  # refuses a bad bucket size now, not at send time
-        self.tensors = dict(tensors)
-        kinds = {t.device.type for t in self.tensors.values()}
-        if len(kinds) > 1:
-            raise InvalidArgument(f"tensors live on several device types ({', '.join(sorted(kinds))}): "
-                                  "send each device's tensors with its own sender")
-        self.device = next(iter(self.tensors.values())).device if self.tensors else torch.device("cpu")
+        self.source = tensors if isinstance(tensors, (ResidentSource, StreamedSource)) else ResidentSource(tensors)
+        self.device = self.source.device
         self.bucket_bytes = bucket_bytes
         self.checksums = checksums
-        self.arena = arena
+        self.arena = arena if arena is not None else getattr(self.source, "arena", None)
         self.allow_one_copy = one_copy is not False  # None: whenever the memory allows it
         # Where receivers dial: the bind host, or this host's address when bound to every interface.
         self.host = advertise or (socket.gethostbyname(socket.gethostname()) if host in ("0.0.0.0", "::") else host)
         self.listener = Listener(host, self.host)
         self.cache: dict = {}
-        # Byte views of the tensors, made once when they are contiguous (values are read at send time).
-        self._views = [as_bytes(t) for t in self.tensors.values()] \
-            if all(t.is_contiguous() for t in self.tensors.values()) else None
         self._specs: dict[str, list[Spec]] = {}  # transfer id -> specs of its manifest (the latest few)
         offered = available()
         if self.device.type != "cuda":
@@ -88,15 +84,15 @@ class WeightSender:
         self.backends = [b for b in NAMES if b in offered]
 
     def _one_copy(self) -> bool:
-        if not self.allow_one_copy:
-            return False
-        tensors = [t for t in self.tensors.values() if t.numel()]
+        if not self.allow_one_copy or not isinstance(self.source, ResidentSource):
+            return False  # streamed tensors exist one at a time: nothing stays put for a receiver to map
+        tensors = [t for t in self.source.tensors.values() if t.numel()]
         if self.device.type == "cuda":
             return all(t.is_contiguous() for t in tensors)
         return self.arena is not None and all(self.arena.locate(t) is not None for t in tensors)
 
     def offer(self, version: int) -> pb.Offer:
-        specs = [Spec.of(n, t, self.checksums) for n, t in self.tensors.items()]
+        specs = self.source.specs(self.checksums)
         transfer_id = uuid.uuid4().hex
         self._specs[transfer_id] = specs
         while len(self._specs) > 4:
@@ -196,9 +192,11 @@ class WeightSender:
 
     def _run_groups(self, offer: pb.Offer, answers: list[pb.Answer], conns: list[tuple[Conn, Hello]],
                     deadline: Deadline) -> list[dict[str, float]]:
-        """Runs each backend's share (concurrently); returns every receiver's stage profile."""
+        """Runs each backend's share; returns every receiver's stage profile. Resident tensors go to all
+        backends at once; a streamed source makes one pass per backend, one backend after another (a
+        pass may be a collective of the trainer's ranks, which must all walk the same sequence)."""
         specs = self._specs_of(offer)
-        sources = self._views or [as_bytes(t) for t in self.tensors.values()]
+        resident = self.source.resident()
         sizes = tuple(s.nbytes for s in specs)
         groups: dict[int, list[tuple[Conn, Hello]]] = defaultdict(list)
         for conn, hello in conns:
@@ -208,10 +206,18 @@ class WeightSender:
             ids = {h.receiver_id for _, h in members}
             bucket = min([a.bucket_bytes or offer.bucket_bytes for a in answers if a.receiver_id in ids])
             jobs.append((channel(backend), SendJob(
-                conns=members, specs=specs, sources=sources, plan=list(cached_plan(sizes, bucket)),
+                conns=members, specs=specs, sources=resident, plan=list(cached_plan(sizes, bucket)),
                 bucket_bytes=bucket, verify=self.checksums, deadline=deadline, device=self.device,
                 store_host=self.host, transfer_id=offer.transfer_id, one_copy=offer.one_copy and backend in
                 (pb.BACKEND_SHM, pb.BACKEND_CUDA_IPC), arena=self.arena, cache=self.cache)))
+        if resident is None:
+            for chan, job in jobs:
+                job.sources = self.source.stream()
+                try:
+                    chan.send(job)
+                finally:
+                    _finish_quietly(job.sources)
+            return [stages for _, job in jobs for stages in job.reported]
         errors: list[BaseException] = []
 
         def run(chan, job):
@@ -243,3 +249,12 @@ class WeightSender:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _finish_quietly(pass_) -> None:
+    """Ends a streamed pass that a failed send left part way, so the trainer's other ranks are not
+    left waiting in a gather; when that fails too (a rank died), the send's own error is the one told."""
+    try:
+        pass_.finish()
+    except Exception:  # noqa: BLE001 - see above
+        pass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -23,7 +24,9 @@ class SendJob:
 
     conns: list[tuple[Conn, Hello]]
     specs: list[Spec]
-    sources: list[torch.Tensor]  # each tensor's bytes (flat uint8), in manifest order
+    # Each tensor's bytes (flat uint8), in manifest order: whole tensors, or a streamed pass that
+    # produces them in order (rlsync.transfer.source; then one_copy is False).
+    sources: Sequence[torch.Tensor]
     plan: list[Bucket]
     bucket_bytes: int
     verify: bool

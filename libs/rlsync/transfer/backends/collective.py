@@ -108,12 +108,13 @@ class _Broadcast(abc.ABC):
             for bucket in job.plan:
                 if len(inflight) == SLOTS:
                     inflight.popleft().wait()
-                view = span([job.sources[s.tensor][s.src:s.src + s.length] for s in bucket.slices])
+                # Each slice read once, in order: a streamed source produces its tensors only forward.
+                parts = [job.sources[s.tensor][s.src:s.src + s.length] for s in bucket.slices]
+                view = span(parts)
                 if view is None or view.device.type != self.slot_device:
                     view = slots[bucket.index % SLOTS][:bucket.nbytes]
-                    for s in bucket.slices:
-                        view[s.dst:s.dst + s.length].copy_(job.sources[s.tensor][s.src:s.src + s.length],
-                                                           non_blocking=True)
+                    for s, part in zip(bucket.slices, parts):
+                        view[s.dst:s.dst + s.length].copy_(part, non_blocking=True)
                 if job.verify:
                     checksums.append(checksum_bytes(view))
                 inflight.append(session.group.broadcast(view, 0))

@@ -1,0 +1,258 @@
+"""Publishing from a user's model (rlsync.publish): seconds, GB/s and the ratio to the limit measured in
+the same run, per case (ranks, layout, backend), with the peak extra memory each rank needed against
+the bound (two buckets plus the largest tensor). Prints one JSON line per case, then a summary.
+
+    python bench/publish.py                       # CPU: 1 rank (as is / cast on the fly), 2 ranks FSDP2 (gloo)
+    python bench/publish.py --device cuda         # GPU: cuda_ipc to GPU 0; nccl to GPU 1 with 2+ GPUs
+
+Layouts: "module" = a plain module's parameters, one allocation each, sent as they are; "cast" = fp32
+parameters published as bf16 (produced tensor by tensor); "fsdp2" = fully_shard over the ranks
+(gathered tensor by tensor, cast before the gather).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from models import preset_shapes  # noqa: E402
+from transfer import Receivers, d2d_limit, memcpy_limit  # noqa: E402
+
+from rlsync.publish import WeightMap  # noqa: E402
+from rlsync.publish.source import module_source  # noqa: E402
+from rlsync.transfer import WeightSender  # noqa: E402
+from rlsync.transfer.source import StreamedSource, run_pass  # noqa: E402
+
+GB = 1e9
+
+
+def build_module(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: str) -> nn.Module:
+    """A module whose parameters have exactly these dotted names and shapes."""
+    root = nn.Module()
+    for i, (name, shape) in enumerate(shapes.items()):
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, nn.Parameter(torch.full(shape, float(i % 7) + 0.5, dtype=dtype,
+                                                                device=device)))
+    return root
+
+
+class Peak:
+    """Peak memory above what was in use at the start: CUDA's allocator peak, or sampled RSS on CPU."""
+
+    def __init__(self, device: str):
+        self.device, self.cuda = device, device.startswith("cuda")
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+            self.start = torch.cuda.memory_allocated(device)
+            return
+        import psutil
+
+        self.process, self.start = psutil.Process(), psutil.Process().memory_info().rss
+        self.top, self.running = self.start, True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def _sample(self) -> None:
+        while self.running:
+            self.top = max(self.top, self.process.memory_info().rss)
+            time.sleep(0.002)
+
+    def extra(self) -> int:
+        if self.cuda:
+            return torch.cuda.max_memory_allocated(self.device) - self.start
+        self.running = False
+        self.thread.join()
+        return self.top - self.start
+
+
+def run_case(model: nn.Module, weights: WeightMap, backend: str, receivers: list[str], bucket: int, repeats: int,
+             device: str, ranks: int, rank: int) -> dict | None:
+    source, _ = module_source(model, weights)
+    passes = 1 if isinstance(source, StreamedSource) else 0
+    produce_seconds = [0.0]
+    if passes:  # time spent making the tensors (gather from shards, cast) apart from moving them
+        produce = source.produce
+
+        def timed(i):
+            start = time.perf_counter()
+            t = produce(i)
+            produce_seconds[0] += time.perf_counter() - start
+            return t
+
+        source.produce = timed
+    peak = Peak(device)
+    if rank != 0:  # only takes part in the gathers, one pass per transfer
+        for _ in range(repeats + 1):
+            for _ in range(passes):
+                run_pass(source)
+        return {"rank": rank, "peak_extra_bytes": peak.extra()}
+    group = Receivers(receivers, backend)
+    seconds = []
+    try:
+        with WeightSender(source, bucket_bytes=bucket, backends=[backend]) as sender:
+            nbytes = sum(s.nbytes for s in source.specs())
+            largest = max(s.nbytes for s in source.specs())
+            for i in range(repeats + 1):  # the first one warms up
+                offer = sender.offer(version=i)
+                report = sender.send(offer, group.answers(offer), timeout=600)
+                if not all(r["ok"] for r in group.results()):
+                    raise RuntimeError(f"{backend}: a receiver failed")
+                if i:
+                    seconds.append(report.seconds)
+                else:
+                    produce_seconds[0] = 0.0
+    finally:
+        group.close()
+    s = statistics.median(seconds)
+    return {"ranks": ranks, "backend": backend, "mode": "one_copy" if offer.one_copy else "staged",
+            "streamed": bool(passes), "bytes": nbytes, "tensors": len(source.specs()), "seconds": round(s, 4),
+            "GB/s": round(nbytes / s / GB, 3), "peak_extra_bytes": {0: peak.extra()},
+            "bound_bytes": 2 * bucket + largest, "produce_seconds": round(produce_seconds[0] / repeats, 4)}
+
+
+def single_rank(args, shapes, bucket) -> list[dict]:
+    device = "cuda:0" if args.device == "cuda" else "cpu"
+    cases = []
+    if args.device == "cpu":
+        limit = {"memcpy_1_thread": round(memcpy_limit(1 << 30, 1), 2)}
+        plan = [("module", torch.bfloat16, None, "shm", ["cpu"]), ("module", torch.bfloat16, None, "gloo", ["cpu"]),
+                ("cast", torch.float32, torch.bfloat16, "shm", ["cpu"])]
+        key = "memcpy_1_thread"
+    else:
+        limit = {"d2d_copy": round(d2d_limit(4 << 30, device), 1)}
+        plan = [("module", torch.bfloat16, None, "cuda_ipc", [device]),
+                ("cast", torch.float32, torch.bfloat16, "cuda_ipc", [device])]
+        key = "d2d_copy"
+    for layout, dtype, out, backend, receivers in plan:
+        model = build_module(shapes, dtype, device)
+        r = run_case(model, WeightMap(dtype=out), backend, receivers, bucket, args.repeats, device, 1, 0)
+        r.update(layout=layout, limit=key, limit_GB_s=limit[key], ratio=round(r["GB/s"] / limit[key], 3))
+        print(json.dumps(r), flush=True)
+        cases.append(r)
+        del model
+    return cases
+
+
+def _nbytes(shape, dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def raw_gather(nbytes: int, device: str) -> float:
+    """GB/s of one plain dist.gather of `nbytes` (split over the ranks) to rank 0: the floor of
+    collecting shards, whatever publishes them."""
+    world = dist.get_world_size()
+    part = torch.ones(nbytes // world, dtype=torch.uint8, device=device)
+    out = [torch.empty_like(part) for _ in range(world)] if dist.get_rank() == 0 else None
+    times = []
+    for _ in range(4):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.gather(part, out, dst=0)
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times[1:]) / GB
+
+
+def multi_rank_worker(args, shapes, bucket) -> None:
+    """One rank of the FSDP2 case (started by this script with RANK/WORLD_SIZE set)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    cuda = args.device == "cuda"
+    rank = int(os.environ["RANK"])
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = f"cuda:{rank}" if cuda else "cpu"
+    model = build_module(shapes, torch.float32, device)
+    fully_shard(model, mesh=init_device_mesh("cuda" if cuda else "cpu", (dist.get_world_size(),)))
+    backend, receivers = ("nccl", [f"cuda:{dist.get_world_size()}"]) if cuda else ("gloo", ["cpu"])
+    if cuda and torch.cuda.device_count() <= dist.get_world_size():
+        backend, receivers = "cuda_ipc", ["cuda:0"]
+    gather_limit = raw_gather(sum(_nbytes(shape, torch.bfloat16) for shape in shapes.values()), device)
+    r = run_case(model, WeightMap(dtype=torch.bfloat16), backend, receivers, bucket, args.repeats, device,
+                 dist.get_world_size(), rank)
+    gathered = [None] * dist.get_world_size()
+    peak = torch.tensor([r["peak_extra_bytes"] if rank else r["peak_extra_bytes"][0]], dtype=torch.int64,
+                        device=device)
+    all_peaks = [torch.zeros_like(peak) for _ in gathered]
+    dist.all_gather(all_peaks, peak)
+    if rank == 0:
+        r["peak_extra_bytes"] = {i: int(p) for i, p in enumerate(all_peaks)}
+        r["raw_gather_GB_s"] = round(gather_limit, 3)
+        print("RESULT " + json.dumps(r), flush=True)
+    dist.destroy_process_group()
+
+
+def multi_rank(args, ranks: int) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(ranks),
+           "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, __file__, "--worker", "--device", args.device, "--preset", args.preset,
+           "--bucket-mib", str(args.bucket_mib), "--repeats", str(args.repeats)]
+    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              text=True) for r in range(ranks)]
+    outs = [p.communicate(timeout=1800)[0] for p in procs]
+    line = next((x for x in outs[0].splitlines() if x.startswith("RESULT ")), None)
+    if line is None or any(p.returncode for p in procs):
+        raise RuntimeError(f"a rank failed: {[p.returncode for p in procs]}, result: {line}")
+    return json.loads(line[len("RESULT "):])
+
+
+def main() -> None:
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
+        # Large blocks straight from mmap and back to the OS when freed, so resident memory shows what
+        # a publish holds (glibc otherwise raises its threshold and keeps freed blocks).
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--preset", default="", help="model shapes (default: small on CPU, qwen3-4b on GPU)")
+    parser.add_argument("--bucket-mib", type=int, default=0, help="default: 32 on CPU, 512 on GPU")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ranks", type=int, default=2, help="ranks of the FSDP2 case (0: skip it)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.preset = args.preset or ("small" if args.device == "cpu" else "qwen3-4b")
+    args.bucket_mib = args.bucket_mib or (32 if args.device == "cpu" else 512)
+    shapes, bucket = preset_shapes(args.preset), args.bucket_mib << 20
+    if args.worker:
+        multi_rank_worker(args, shapes, bucket)
+        return
+    cases = single_rank(args, shapes, bucket)
+    if args.ranks > 1:
+        r = multi_rank(args, args.ranks)
+        key = "memcpy_1_thread" if args.device == "cpu" else ("d2d_copy" if r["backend"] == "cuda_ipc" else "")
+        limit = cases[0]["limit_GB_s"] if key == cases[0]["limit"] else None
+        r.update(layout="fsdp2", limit=key or "none measured", limit_GB_s=limit,
+                 ratio=round(r["GB/s"] / limit, 3) if limit else None,
+                 ratio_to_raw_gather=round(r["GB/s"] / r["raw_gather_GB_s"], 3),
+                 within_bound=all(v <= r["bound_bytes"] for v in r["peak_extra_bytes"].values()))
+        print(json.dumps(r), flush=True)
+        cases.append(r)
+    print(json.dumps({"preset": args.preset, "device": args.device, "bucket_bytes": bucket, "cases": cases}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""The trainer's half of a weight sync, over any source: offer, publish, checksums, offload/onload.
+
+rlsync's trainer service and a user's own loop (WeightPublisher) both answer the coordinator
+through this class; they differ only in *where* the work runs (`run`): in a thread under the
+trainer's lock, or at the publish points of a loop whose ranks must all take part.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import torch
+
+from rlsync.errors import FailedPrecondition, InvalidArgument, NotFound
+from rlsync.publish.ranks import OFFLOAD, ONLOAD, PASSES, PublishPoints
+from rlsync.transfer import Report, WeightSender, audit_entry
+from rlsync.transfer.dtypes import dtype_of
+from rlsync.transfer.source import ResidentSource, StreamedSource
+from rlsync.transfer.v1 import transfer_pb2 as tpb
+
+Source = ResidentSource | StreamedSource
+#: run(fn, op, passes) -> fn's result, run where the trainer allows it.
+Runner = Callable[[Callable[[], object], int, int], Awaitable[object]]
+Audit = dict[str, tuple[str, tuple[int, ...], str]]
+
+
+def in_thread(lock: asyncio.Lock) -> Runner:
+    """For a single-process trainer: the work runs in a thread while `lock` keeps training out."""
+    async def run(fn, op=PASSES, passes=0):
+        async with lock:
+            return await asyncio.to_thread(fn)
+    return run
+
+
+def at_publish_points(points: PublishPoints) -> Runner:
+    """For a user's loop (any number of ranks): the work waits for the loop's next publish point."""
+    async def run(fn, op=PASSES, passes=0):
+        return await asyncio.wrap_future(points.submit(fn, op, passes))
+    return run
+
+
+class PublisherCore:
+    def __init__(self, source: Callable[[], Source], run: Runner, *, bucket_bytes: int, host: str = "127.0.0.1",
+                 advertise: str | None = None, checksums: bool = False, transfer_timeout: float = 300.0,
+                 offload: Callable[[], None] | None = None, onload: Callable[[], None] | None = None):
+        self.source, self.run = source, run
+        self.bucket_bytes, self.host, self.advertise = bucket_bytes, host, advertise
+        self.checksums_in_manifest, self.transfer_timeout = checksums, transfer_timeout
+        self.hooks = {OFFLOAD: offload, ONLOAD: onload}
+        self.offloaded = False
+        self.published = 0  # the last version published
+        self._sender: WeightSender | None = None
+        self._offers: dict[str, tpb.Offer] = {}
+
+    def _require_on_device(self, action: str) -> None:
+        if self.offloaded:
+            raise FailedPrecondition(f"trainer is offloaded: call Onload before {action}")
+
+    def _sender_now(self) -> WeightSender:
+        if self._sender is None:
+            self._sender = WeightSender(self.source(), bucket_bytes=self.bucket_bytes, host=self.host,
+                                        advertise=self.advertise, checksums=self.checksums_in_manifest)
+        return self._sender
+
+    def drop_sender(self) -> None:
+        """Forgets the sender and its offers (the parameters' memory is about to move)."""
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
+            self._offers.clear()
+
+    def _streamed(self) -> bool:
+        return isinstance(self._sender_now().source, StreamedSource)
+
+    # ---- what the coordinator calls ---------------------------------------------------------------
+    async def offer(self, version: int) -> tpb.Offer:
+        self._require_on_device("publishing weights")
+        passes = 1 if self.checksums_in_manifest and self._streamed() else 0
+        offer = await self.run(lambda: self._sender_now().offer(version), PASSES, passes)
+        self._offers[offer.transfer_id] = offer
+        while len(self._offers) > 8:
+            self._offers.pop(next(iter(self._offers)))
+        return offer
+
+    async def publish(self, transfer_id: str, answers: list[tpb.Answer], timeout: float = 0) -> tuple[int, Report]:
+        offer = self._offers.get(transfer_id)
+        if offer is None:
+            raise NotFound(f"no offer {transfer_id!r} (expired, or the trainer offloaded since): call OfferWeights")
+        if not answers:
+            raise InvalidArgument("PublishWeights needs at least one answer (from PrepareUpdate)")
+        self._require_on_device("publishing weights")
+        sender = self._sender_now()
+        passes = len({a.backend for a in answers}) if self._streamed() else 0  # a streamed pass per channel
+
+        def send() -> Report:
+            return sender.send(offer, answers, timeout or self.transfer_timeout)
+
+        report = await self.run(send, PASSES, passes)
+        self._offers.pop(transfer_id, None)
+        self.published = offer.manifest.version
+        return offer.manifest.version, report
+
+    async def checksums(self, dtype: str = "") -> Audit:
+        """{name: (dtype, shape, checksum)} of what would be sent now, cast to `dtype` when given."""
+        self._require_on_device("GetWeightChecksums")
+        target = dtype_of(dtype) if dtype else None
+
+        def audit() -> Audit:
+            out = {}
+            with torch.no_grad():
+                for name, t in self._sender_now().source.items():
+                    t = t.detach()
+                    out[name] = audit_entry(t.to(target) if target is not None and t.is_floating_point() else t)
+            return out
+
+        return await self.run(audit, PASSES, 1 if self._streamed() else 0)
+
+    async def offload(self) -> None:
+        def offload() -> None:
+            self.drop_sender()
+            if self.hooks[OFFLOAD] is not None:
+                self.hooks[OFFLOAD]()
+            self.offloaded = True
+        await self.run(offload, OFFLOAD, 0)
+
+    async def onload(self) -> None:
+        def onload() -> None:
+            if self.hooks[ONLOAD] is not None:
+                self.hooks[ONLOAD]()
+            self.offloaded = False
+        await self.run(onload, ONLOAD, 0)
+
+    def close(self) -> None:
+        self.drop_sender()

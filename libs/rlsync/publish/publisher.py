@@ -1,0 +1,142 @@
+"""WeightPublisher: rlsync's trainer role inside any PyTorch training loop, sharded models included.
+
+    pub = WeightPublisher(model, coordinator="host:50050")    # registers as the fleet's trainer
+    for step, batch in enumerate(loader, 1):
+        loss.backward(); opt.step()
+        pub.publish(step)        # every replica serves step's weights when this returns
+
+Every rank calls `publish`; rank 0 serves the trainer's gRPC API (on a thread of its own) and asks
+the coordinator to sync, and the coordinator's requests (offer, publish, checksums, offload) run while
+the ranks sit in `publish`, each rank gathering its shards bucket by bucket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from torch import nn
+
+from rlsync.client import CoordinatorClient
+from rlsync.coordinator.v1.coordinator_pb2 import ROLE_TRAINER
+from rlsync.publish.core import PublisherCore, at_publish_points
+from rlsync.publish.mapping import WeightMap
+from rlsync.publish.ranks import PublishPoints, Ranks
+from rlsync.publish.servicer import PublisherServicer
+from rlsync.publish.source import module_source, module_tensors
+from rlsync.rpc.auth import TokenAuthInterceptor
+from rlsync.rpc.registrar import Registrar, advertised
+from rlsync.trainer.v1 import trainer_pb2_grpc
+from rlsync.transfer.sender import DEFAULT_BUCKET_BYTES
+
+log = logging.getLogger(__name__)
+
+
+class WeightPublisher:
+    """Publishes `model`'s weights to the fleet behind `coordinator`, from the user's own loop.
+
+    weights: how trainer names and dtypes become the engine's (rlsync.publish.WeightMap).
+    offload / onload: colocation hooks every rank runs when the coordinator asks (say, moving the
+        model and optimizer state off the GPU while the engines generate).
+    group: the process group of the model's ranks (default: the whole world, if torch.distributed
+        is initialised). Rank 0 of it sends; the others only take part in gathers.
+    """
+
+    def __init__(self, model: nn.Module, coordinator: str, *, weights: WeightMap | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, host: str = "127.0.0.1", port: int = 0,
+                 advertise: str = "", token: str = "", checksums: bool = False, transfer_timeout: float = 300.0,
+                 offload: Callable[[], None] | None = None, onload: Callable[[], None] | None = None,
+                 group=None, name: str = "trainer", register_timeout: float = 60.0):
+        self.model, self.weights = model, weights or WeightMap()
+        self.ranks = Ranks(group)
+        module_source(model, self.weights)  # a name or dtype problem is refused now, on every rank
+        self.core = PublisherCore(lambda: module_source(self.model, self.weights, self.ranks.src)[0], None,
+                                  bucket_bytes=bucket_bytes, host=host, advertise=advertise or None,
+                                  checksums=checksums, transfer_timeout=transfer_timeout,
+                                  offload=offload, onload=onload)
+        self.points = PublishPoints(self.ranks, lambda: self.core._sender_now().source, offload, onload)
+        self.core.run = at_publish_points(self.points)
+        self.coordinator = None
+        if self.ranks.rank == 0:
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self._loop.run_forever, name="rlsync-publisher", daemon=True)
+            self._thread.start()
+            self.address = self._call(self._serve(coordinator, host, port, advertise, token, name))
+            self.coordinator = CoordinatorClient(coordinator, token=token, timeout=None)
+            self._syncs = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlsync-sync")
+            self._wait_registered(register_timeout)
+
+    # ---- the loop's API ------------------------------------------------------------------------
+    def publish(self, step: int, verify: bool = False):
+        """Makes `step`'s weights live on every replica; every rank calls it. Returns the coordinator's
+        SyncWeightsResponse on rank 0 (None elsewhere); raises on every rank if the sync failed, and
+        the replicas then keep serving the previous version."""
+        done = None
+        if self.ranks.rank == 0:
+            done = self._syncs.submit(self.coordinator.sync_weights, version=step, verify=verify)
+        try:
+            self.points.serve_until(done)
+            return done.result() if done is not None else None
+        except Exception as e:
+            e.add_note(f"rlsync: publishing step {step} failed on rank {self.ranks.rank} of {self.ranks.world}; "
+                       "the replicas keep serving the version they had")
+            raise
+
+    def close(self) -> None:
+        if self.ranks.rank == 0 and self._loop.is_running():
+            self._call(self._stop())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            self.coordinator.close()
+            self._syncs.shutdown(wait=False)
+        self.core.close()
+
+    def __enter__(self) -> WeightPublisher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- rank 0's server -----------------------------------------------------------------------
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _describe(self) -> dict:
+        tensors = module_tensors(self.model)
+        first = next(iter(tensors.values()))
+        return {"device": str(first.device), "parameters": sum(t.numel() for t in tensors.values()),
+                "dtype": str(first.dtype).removeprefix("torch."), "model": type(self.model).__name__}
+
+    async def _serve(self, coordinator: str, host: str, port: int, advertise: str, token: str, name: str) -> str:
+        self._server = grpc.aio.server(interceptors=[TokenAuthInterceptor(token)] if token else [])
+        trainer_pb2_grpc.add_TrainerServiceServicer_to_server(PublisherServicer(self.core, self._describe),
+                                                              self._server)
+        health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, self._server)
+        bound = self._server.add_insecure_port(f"{host}:{port}")
+        await self._server.start()
+        await health.set("", health_pb2.HealthCheckResponse.SERVING)
+        address = advertised(host, bound, advertise and f"{advertise}:{bound}")
+        self._registrar = Registrar(coordinator, ROLE_TRAINER, address, name, token)
+        self._registrar.start()
+        log.info("weight publisher serving on %s, registering with %s", address, coordinator)
+        return address
+
+    async def _stop(self) -> None:
+        await self._registrar.stop()
+        await self._server.stop(2)
+
+    def _wait_registered(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self._registrar.member_id:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"could not register with the coordinator at {self.coordinator.address} "
+                                   f"within {timeout:.0f}s: is it running, and is the token right?")
+            time.sleep(0.05)

@@ -1,0 +1,138 @@
+"""Runs the coordinator's requests on every rank of a sharded trainer, at the points its loop allows.
+
+Requests reach rank 0 (the one that serves gRPC) at any time; gathering a sharded weight needs every
+rank. So rank 0 queues each request, and while the loop sits in `publish()` every rank serves them in
+step: rank 0 broadcasts what comes next (an op and a count, as an int64 tensor; an error's text as
+bytes: no pickle), then all ranks run it. A request is a number of passes over the source (see
+rlsync.transfer.source), or an offload/onload hook.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from rlsync.errors import Unavailable
+from rlsync.transfer.source import StreamedSource, run_pass
+
+log = logging.getLogger(__name__)
+
+PASSES, OFFLOAD, ONLOAD, DONE, FAILED = range(5)
+
+
+@dataclass
+class Job:
+    fn: Callable[[], object]  # rank 0's work
+    op: int = PASSES
+    passes: int = 0  # how many passes over the source `fn` makes (the other ranks make as many blind)
+    future: concurrent.futures.Future | None = None
+
+
+class Ranks:
+    """This process's place among the trainer's ranks (one rank when torch.distributed is not set up)."""
+
+    def __init__(self, group=None):
+        self.group = group
+        on = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(group) if on else 0
+        self.world = dist.get_world_size(group) if on else 1
+        self.src = dist.get_global_rank(group, 0) if on and group is not None else 0
+        backend = dist.get_backend(group) if on else "gloo"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    def broadcast(self, op: int, count: int = 0, text: str = "") -> tuple[int, int, str]:
+        if self.world == 1:
+            return op, count, text
+        head = torch.tensor([op, count, len(text.encode())], dtype=torch.int64, device=self.device)
+        dist.broadcast(head, self.src, group=self.group)
+        op, count, size = (int(x) for x in head.tolist())
+        if not size:
+            return op, count, ""
+        body = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).to(self.device) if self.rank == 0 \
+            else torch.empty(size, dtype=torch.uint8, device=self.device)
+        dist.broadcast(body, self.src, group=self.group)
+        return op, count, bytes(body.cpu().tolist()).decode(errors="replace")
+
+
+class PublishPoints:
+    """Rank 0 queues requests (`submit`, from any thread); every rank serves them inside `serve_until`."""
+
+    def __init__(self, ranks: Ranks, source: Callable[[], StreamedSource | object],
+                 offload: Callable[[], None] | None = None, onload: Callable[[], None] | None = None):
+        self.ranks, self.source = ranks, source
+        self.hooks = {OFFLOAD: offload, ONLOAD: onload}
+        self.jobs: queue.Queue[Job] = queue.Queue()
+
+    def submit(self, fn: Callable[[], object], op: int = PASSES, passes: int = 0) -> concurrent.futures.Future:
+        job = Job(fn, op, passes, concurrent.futures.Future())
+        self.jobs.put(job)
+        return job.future
+
+    def serve_until(self, done: concurrent.futures.Future | None) -> None:
+        """Rank 0: serves queued requests until `done` completes, then tells the others (raising its
+        error everywhere). Other ranks: mirror rank 0 until it says done."""
+        if self.ranks.rank == 0:
+            self._lead(done)
+        else:
+            self._follow()
+
+    def _lead(self, done: concurrent.futures.Future) -> None:
+        while True:
+            try:
+                job = self.jobs.get(timeout=0.01)
+            except queue.Empty:
+                job = None
+            if job is None:
+                if done.done():
+                    return self._end(done.exception())
+                continue
+            self.ranks.broadcast(job.op, job.passes)
+            source = self.source()
+            started = getattr(source, "passes", 0)
+            try:
+                job.future.set_result(job.fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the requester
+                job.future.set_exception(e)
+            finally:
+                self._finish_passes(source, job.passes - (getattr(source, "passes", 0) - started))
+
+    def _end(self, error: BaseException | None) -> None:
+        """Tells the other ranks the publish is over (and how it failed), then raises its error here."""
+        try:
+            self.ranks.broadcast(FAILED if error else DONE, text=str(error or ""))
+        except Exception:  # a rank is gone: the sync's own error says more, if there is one
+            if error is None:
+                raise
+        if error is not None:
+            raise error
+
+    def _follow(self) -> None:
+        while True:
+            op, count, text = self.ranks.broadcast(DONE)
+            if op == DONE:
+                return
+            if op == FAILED:
+                raise Unavailable(f"rank 0 reports: {text}")
+            if op in self.hooks:
+                if self.hooks[op] is not None:
+                    self.hooks[op]()
+                continue
+            source = self.source()
+            for _ in range(count):
+                run_pass(source)
+
+    @staticmethod
+    def _finish_passes(source, left: int) -> None:
+        """A request that failed part way still runs the passes the other ranks are waiting in."""
+        for _ in range(max(left, 0)):
+            try:
+                run_pass(source)
+            except Exception:  # noqa: BLE001 - the request's own error is what matters
+                log.debug("finishing a pass after a failed request", exc_info=True)
+                return

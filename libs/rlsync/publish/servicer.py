@@ -1,0 +1,63 @@
+"""The weight RPCs of TrainerService over a PublisherCore: protobuf <-> domain types, nothing else.
+
+rlsync's trainer service extends this with Train and checkpoints; a user's loop serves it as is
+(Train answers FAILED_PRECONDITION: that trainer trains in its own loop).
+"""
+
+from __future__ import annotations
+
+from rlsync.common.audit import LIVE, to_proto as checksums_to_proto
+from rlsync.common.v1 import weights_pb2
+from rlsync.errors import FailedPrecondition
+from rlsync.publish.core import PublisherCore
+from rlsync.rpc import unary
+from rlsync.trainer.v1 import trainer_pb2 as pb
+from rlsync.trainer.v1 import trainer_pb2_grpc
+
+
+class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
+    def __init__(self, publisher: PublisherCore, describe=None):
+        self.publisher = publisher
+        self.describe = describe  # () -> dict of TrainerState fields beside step and offloaded
+
+    def state(self) -> pb.TrainerState:
+        return pb.TrainerState(step=self.publisher.published, offloaded=self.publisher.offloaded,
+                               **(self.describe() if self.describe else {}))
+
+    def step(self) -> int:
+        """The version the trainer's current weights would be published as."""
+        return self.publisher.published
+
+    @unary
+    async def Train(self, request, context):
+        raise FailedPrecondition("this trainer trains in its own loop (rlsync.publish.WeightPublisher): send "
+                                 "trajectories to it directly, not through the coordinator's Train")
+
+    @unary
+    async def GetState(self, request, context) -> pb.TrainerState:
+        return self.state()
+
+    @unary
+    async def Offload(self, request, context) -> pb.OffloadResponse:
+        await self.publisher.offload()
+        return pb.OffloadResponse(state=self.state())
+
+    @unary
+    async def Onload(self, request, context) -> pb.OnloadResponse:
+        await self.publisher.onload()
+        return pb.OnloadResponse(state=self.state())
+
+    @unary
+    async def OfferWeights(self, request: pb.OfferWeightsRequest, context):
+        return await self.publisher.offer(request.version if request.HasField("version") else self.step())
+
+    @unary
+    async def PublishWeights(self, request: pb.PublishWeightsRequest, context) -> pb.PublishWeightsResponse:
+        version, report = await self.publisher.publish(request.transfer_id, list(request.answers), request.timeout)
+        return pb.PublishWeightsResponse(version=version, bytes=report.nbytes, seconds=report.seconds,
+                                         data_seconds=report.data_seconds, backends=report.backends,
+                                         profile=report.profile)
+
+    @unary
+    async def GetWeightChecksums(self, request: weights_pb2.GetWeightChecksumsRequest, context):
+        return checksums_to_proto(self.step(), await self.publisher.checksums(request.dtype), LIVE)

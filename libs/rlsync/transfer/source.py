@@ -1,0 +1,134 @@
+"""What a sender sends: named tensors described up front, their bytes produced when a transfer runs.
+
+Two kinds, one interface for the channels (`job.sources[i]` is tensor i's bytes, flat uint8):
+- ResidentSource: whole tensors already in memory (a flat parameter store, a state dict). Channels
+  index them in any order, several backends at once; a receiver may map them (one copy).
+- StreamedSource: each tensor is produced on demand, in manifest order, and dropped when the next
+  one is asked for: gathered from shards (FSDP2, tensor parallel) or cast on the fly. A pass walks
+  every tensor exactly once, so ranks that take part in a gather can run the same sequence blind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from rlsync.errors import InvalidArgument, Unavailable
+from rlsync.transfer.checksum import as_bytes, checksum_tensor
+from rlsync.transfer.dtypes import dtype_name
+from rlsync.transfer.manifest import Spec
+from rlsync.transfer.memory import SharedArena
+
+
+class ResidentSource:
+    """`arena`: the shared memory the CPU tensors were allocated from, if any (receivers map it)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], arena: SharedArena | None = None):
+        self.tensors = dict(tensors)
+        self.arena = arena
+        kinds = {t.device.type for t in self.tensors.values()}
+        if len(kinds) > 1:
+            raise InvalidArgument(f"tensors live on several device types ({', '.join(sorted(kinds))}): "
+                                  "send each device's tensors with its own sender")
+        self.device = next(iter(self.tensors.values())).device if self.tensors else torch.device("cpu")
+        # Byte views made once when the tensors are contiguous (values are read at send time).
+        self._views = [as_bytes(t) for t in self.tensors.values()] \
+            if all(t.is_contiguous() for t in self.tensors.values()) else None
+
+    def specs(self, checksums: bool = False) -> list[Spec]:
+        return [Spec.of(n, t, checksums) for n, t in self.tensors.items()]
+
+    def resident(self) -> list[torch.Tensor]:
+        """Every tensor's bytes, now: channels may read them in any order and map them."""
+        return self._views or [as_bytes(t) for t in self.tensors.values()]
+
+    def items(self):
+        """(name, tensor) for audits."""
+        return self.tensors.items()
+
+
+class StreamedSource:
+    """Tensors made one at a time by `produce(i)` (for `specs[i]`), in order.
+
+    `produce` may be a collective (every rank of a sharded model calls it for the same i): a pass
+    therefore always runs from the first tensor to the last, whatever the channel asked for.
+    """
+
+    def __init__(self, specs: list[Spec], device: torch.device, produce: Callable[[int], torch.Tensor]):
+        self._specs = specs
+        self.device = device
+        self.produce = produce
+        self.passes = 0  # passes started, so a caller can finish the ones its peers expect
+
+    def specs(self, checksums: bool = False) -> list[Spec]:
+        if not checksums:
+            return list(self._specs)
+        sums = {s.name: checksum_tensor(t) for s, t in zip(self._specs, self.stream().tensors())}
+        return [Spec(s.name, s.dtype, s.shape, s.nbytes, sums[s.name]) for s in self._specs]
+
+    def resident(self) -> None:
+        return None
+
+    def stream(self) -> Pass:
+        self.passes += 1
+        return Pass(self._specs, self.produce)
+
+    def items(self):
+        """(name, tensor) for audits: one pass."""
+        return zip((s.name for s in self._specs), self.stream().tensors())
+
+
+class Pass(Sequence):
+    """One walk over a StreamedSource: `pass_[i]` is tensor i's bytes; indices only move forward.
+    Holds one tensor at a time (the current one), so memory stays at the largest tensor."""
+
+    def __init__(self, specs: list[Spec], produce: Callable[[int], torch.Tensor]):
+        self.specs, self.produce = specs, produce
+        self.next = 0
+        self.index, self.tensor, self.view = -1, None, None
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.index:
+            return self.view
+        if i < self.index:
+            raise RuntimeError(f"streamed tensors are read in order: asked for {i} after {self.index}")
+        self.tensor = self.view = None  # let the previous tensor go before the next one is made
+        while self.next <= i:  # every tensor in between is produced too (peers run the same sequence)
+            tensor = self._produce(self.next)
+            self.next += 1
+        self.index, self.tensor, self.view = i, tensor, as_bytes(tensor)
+        return self.view
+
+    def _produce(self, i: int) -> torch.Tensor:
+        s = self.specs[i]
+        try:
+            t = self.produce(i)
+        except RuntimeError as e:  # a gather whose peer rank died, most often
+            raise Unavailable(f"producing {s.name!r} for the transfer failed (did a rank of the trainer die?): "
+                              f"{e}") from e
+        if tuple(t.shape) != s.shape or t.dtype != s.dtype:
+            raise InvalidArgument(f"{s.name!r} was described as {dtype_name(s.dtype)}{list(s.shape)} but produced "
+                                  f"as {dtype_name(t.dtype)}{list(t.shape)}")
+        return t.contiguous()
+
+    def tensors(self):
+        """Every tensor in order (the pass ends complete)."""
+        for i in range(len(self.specs)):
+            self[i]
+            yield self.tensor
+
+    def finish(self) -> None:
+        """Produces whatever is left, so every rank ends the pass on the same tensor."""
+        self.tensor = self.view = None
+        while self.next < len(self.specs):
+            self._produce(self.next)
+            self.next += 1
+
+
+def run_pass(source: StreamedSource) -> None:
+    """A rank's share of one pass it does not consume (it only takes part in the gathers)."""
+    source.stream().finish()

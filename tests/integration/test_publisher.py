@@ -1,0 +1,123 @@
+"""Bring your own trainer: a user's loop publishes through rlsync.publish to real replicas behind a real
+coordinator; sharded (FSDP2 over 2 gloo ranks, separate processes), renamed, cast, and a rank that dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from conftest import rollout_args
+from rlsync.client import CoordinatorClient, RolloutClient, RpcError
+from rlsync.common.audit import LIVE, differences, to_proto, trainer_dtype
+from rlsync.publish import WeightMap, WeightPublisher
+from rlsync.transfer import audit_entry
+from rlsync.transfer.dtypes import dtype_of
+
+WORKER = Path(__file__).resolve().parents[1] / "publish_worker.py"
+
+
+@pytest.fixture
+def fleet(services, tiny_model):
+    """A coordinator (async sync) and one replica of the engine asked for; no rlsync trainer."""
+    def start(engine: str):
+        co = services.start("coordinator", ["--sync-mode", "async"], name=f"co-{engine}")
+        replica = services.start("rollout", rollout_args(engine, "--coordinator", co.address), name=f"pub-{engine}")
+        with CoordinatorClient(co.address) as c:
+            c.wait_ready(1)
+        return co.address, RolloutClient(replica.address)
+    return start
+
+
+def serves_exactly(replica: RolloutClient, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Differences between what the replica serves and `tensors` (cast as the replica computes)."""
+    served = replica.checksums()
+    dtype = dtype_of(trainer_dtype(served)) if trainer_dtype(served) else None
+    names = {t.name for t in served.tensors}
+    expected = {n: audit_entry(t.to(dtype) if dtype and t.is_floating_point() else t)
+                for n, t in tensors.items() if n in names}
+    return differences(to_proto(served.version, expected, LIVE), served)
+
+
+def start_ranks(tmp_path: Path, args: list[str], world: int = 2, fault: dict[int, str] | None = None):
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1",
+               "RLSYNC_FAULT": (fault or {}).get(rank, "")}
+        out = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 - closed with the process
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), *args], env=env, stdin=subprocess.DEVNULL,
+                                      stdout=out, stderr=subprocess.STDOUT))
+    return procs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_fsdp2_over_two_ranks_publishes_bit_exact(fleet, tmp_path, engine):
+    coordinator, replica = fleet(engine)
+    saved = tmp_path / "full.safetensors"
+    procs = start_ranks(tmp_path, ["--coordinator", coordinator, "--steps", "2", "--verify", "--save", str(saved),
+                                   "--bucket-bytes", "65536"])
+    codes = [p.wait(240) for p in procs]
+    log = (tmp_path / "rank0.log").read_text()
+    assert codes == [0, 0], log[-3000:]
+    steps = _lines(tmp_path / "rank0.log")
+    assert [s["version"] for s in steps] == [1, 2] and all(s["verified"] for s in steps), steps
+    assert replica.info().weight_version == 2
+    assert serves_exactly(replica, load_file(saved)) == [], "the replica serves the unsharded state dict, bit for bit"
+
+
+def test_renamed_and_cast_model_publishes_and_a_mismatch_is_refused_by_name(fleet, tiny_model):
+    coordinator, replica = fleet("hf")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    wrapped = torch.nn.ModuleDict({"policy": model})  # names gain a "policy." prefix the engine does not know
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1.5)
+    to_engine = WeightMap(rename=lambda n: n.removeprefix("policy."), dtype=torch.bfloat16)
+    with WeightPublisher(wrapped, coordinator, weights=to_engine) as pub:
+        sync = pub.publish(1, verify=True)
+        assert sync.version == 1 and sync.verified
+    sent = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
+    assert serves_exactly(replica, sent) == [], "bf16 on the wire, as the engine computes"
+
+    with WeightPublisher(wrapped, coordinator) as pub:  # no rename: every name is unknown to the engine
+        with pytest.raises(RpcError) as e:
+            pub.publish(2)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unknown tensor 'policy.model.embed_tokens.weight'" in e.value.message
+    assert replica.info().weight_version == 1, "nothing moved: the replica keeps the version it had"
+
+
+def test_a_rank_killed_mid_publish_fails_cleanly_and_the_old_version_stays(fleet, tmp_path):
+    coordinator, replica = fleet("hf")
+    # Tiny model: 26 tensors. Rank 1 dies half way through gathering step 2's tensors.
+    procs = start_ranks(tmp_path, ["--coordinator", coordinator, "--steps", "2", "--bucket-bytes", "65536"],
+                        fault={1: "die_after_gathers:39"})
+    codes = [p.wait(240) for p in procs]
+    log = (tmp_path / "rank0.log").read_text()
+    assert codes[1] == 9 and codes[0] != 0, (codes, log[-3000:])
+    assert [s["version"] for s in _lines(tmp_path / "rank0.log")] == [1]
+    assert "publishing step 2 failed" in log, log[-3000:]
+    assert replica.info().weight_version == 1
+    assert replica.complete("still serving", max_tokens=4, ignore_eos=True)[0].token_ids, "the replica serves on"
+    with CoordinatorClient(coordinator) as c:
+        assert c.status().members, "the coordinator is up and still has the replica"

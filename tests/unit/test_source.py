@@ -1,0 +1,58 @@
+"""Transfer sources: streamed passes produce every tensor once, in order, whatever the reader skips."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlsync.errors import InvalidArgument
+from rlsync.transfer.manifest import Spec
+from rlsync.transfer.source import StreamedSource
+
+TENSORS = [torch.arange(6, dtype=torch.float32).view(2, 3), torch.zeros(0), torch.ones(4, dtype=torch.bfloat16)]
+
+
+def source(produced: list[int], tensors=TENSORS) -> StreamedSource:
+    specs = [Spec.of(f"t{i}", t) for i, t in enumerate(TENSORS)]
+
+    def produce(i):
+        produced.append(i)
+        return tensors[i]
+
+    return StreamedSource(specs, torch.device("cpu"), produce)
+
+
+def test_a_pass_produces_each_tensor_once_in_order_even_when_the_reader_skips():
+    produced = []
+    p = source(produced).stream()
+    assert torch.equal(p[0], TENSORS[0].view(-1).view(torch.uint8))
+    assert p[0] is p[0], "the current tensor is kept while it is read"
+    assert torch.equal(p[2], TENSORS[2].view(torch.uint8))  # tensor 1 (zero bytes) is produced in between
+    assert produced == [0, 1, 2]
+    with pytest.raises(RuntimeError, match="in order"):
+        p[1]
+    p.finish()
+    assert produced == [0, 1, 2], "finish produces only what is left"
+
+
+def test_finish_completes_a_pass_that_stopped_early():
+    produced = []
+    s = source(produced)
+    p = s.stream()
+    p[0]
+    p.finish()
+    assert produced == [0, 1, 2] and s.passes == 1
+
+
+def test_checksums_in_specs_take_one_pass_and_match_the_tensors():
+    produced = []
+    s = source(produced)
+    specs = s.specs(checksums=True)
+    assert produced == [0, 1, 2]
+    assert [x.checksum for x in specs] == [Spec.of("x", t, True).checksum for t in TENSORS]
+
+
+def test_a_tensor_produced_unlike_its_spec_is_refused():
+    wrong = [TENSORS[0].double(), TENSORS[1], TENSORS[2]]
+    with pytest.raises(InvalidArgument, match="'t0' was described as float32"):
+        source([], wrong).stream()[0]
