@@ -34,3 +34,5 @@ class TrainerConfig:
     transfer_timeout: float = option(300.0, "seconds a weight transfer may take")
     spool_dir: str = option("", "where a CPU trainer offloads to (default: a temporary folder)")
     coordinator: str = option("", "coordinator address (host:port) to register with; empty = standalone")
+    nproc: int = option(1, "ranks to train with: > 1 shards the model over that many processes with FSDP2 "
+                           "(gloo on CPU; NCCL with one GPU per rank)")

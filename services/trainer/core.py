@@ -2,24 +2,31 @@
 
 One asyncio lock orders everything that touches the weights (a step, an offload, a publish), and
 the heavy work runs in a thread so the server keeps answering health checks meanwhile. Publishing
-goes through rlsync.publish, the same path a user's own training loop takes.
+goes through rlsync.publish, the same path a user's own training loop takes. With --nproc N the
+policy is sharded over N ranks (one process each, FSDP2), and everything that touches the weights
+runs on all of them in the order rank 0 serves it (rlsync.publish.ranks).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import threading
 from dataclasses import dataclass, field
 
 import torch
 
 from rlsync.errors import FailedPrecondition, InvalidArgument
 from rlsync.models import resolve_model
-from rlsync.publish.core import PublisherCore, in_thread
+from rlsync.publish.core import PublisherCore, at_publish_points, in_thread
+from rlsync.publish.ranks import TRAIN, PublishPoints, Ranks, hooks
+from rlsync.publish.source import module_source
 from rlsync.trainer import checkpoint
 from rlsync.trainer.config import TrainerConfig
 from rlsync.trainer.grpo import grpo_loss, group_advantages, make_batch, token_logprobs
 from rlsync.trainer.policy import Policy
+from rlsync.trainer.v1 import trainer_pb2 as pb
 from rlsync.transfer.source import ResidentSource
 
 log = logging.getLogger(__name__)
@@ -34,6 +41,17 @@ class Trajectory:
     behavior_logprobs: list[float] = field(default_factory=list)
     token_versions: list[int] = field(default_factory=list)
     group_id: str = ""
+
+    @classmethod
+    def from_proto(cls, t: pb.Trajectory) -> Trajectory:
+        return cls(list(t.prompt_ids), list(t.completion_ids), t.reward,
+                   t.advantage if t.HasField("advantage") else None, list(t.behavior_logprobs),
+                   list(t.token_versions), t.group_id)
+
+    def to_proto(self) -> pb.Trajectory:
+        return pb.Trajectory(prompt_ids=self.prompt_ids, completion_ids=self.completion_ids, reward=self.reward,
+                             advantage=self.advantage, behavior_logprobs=self.behavior_logprobs,
+                             token_versions=self.token_versions, group_id=self.group_id)
 
 
 @dataclass
@@ -50,7 +68,19 @@ class TrainerCore:
         self.cfg = cfg
         self.model_path = resolve_model(cfg.model)
         torch.manual_seed(cfg.seed)
-        self.policy = Policy(self.model_path, cfg.device, cfg.dtype, cfg.lr, cfg.weight_decay, cfg.spool_dir)
+        self.sharded = cfg.nproc > 1
+        self.rank_procs = []
+        if self.sharded:
+            from rlsync.trainer import ranks
+            from rlsync.trainer.sharded import ShardedPolicy
+
+            if cfg.kl_coef > 0:
+                raise InvalidArgument("--kl-coef > 0 needs --nproc 1: the KL reference is not sharded yet")
+            if not torch.distributed.is_initialized():  # rank 0; the other ranks joined in ranks.follow
+                self.rank_procs = ranks.start_ranks(cfg)
+            self.policy = ShardedPolicy(self.model_path, cfg.device, cfg.dtype, cfg.lr, cfg.weight_decay)
+        else:
+            self.policy = Policy(self.model_path, cfg.device, cfg.dtype, cfg.lr, cfg.weight_decay, cfg.spool_dir)
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(self.model_path)
@@ -59,12 +89,26 @@ class TrainerCore:
         self.max_len = self.policy.model.config.max_position_embeddings
         self.step = 0
         self.lock = asyncio.Lock()
-        # The parameters as they live in the flat store (CPU: in a shared arena a receiver maps).
+        if self.sharded:  # shards gathered tensor by tensor; every rank serves what rank 0 queues
+            source = lambda: module_source(self.policy.model)[0]  # noqa: E731
+            handlers = {**hooks(self.policy.offload, self.policy.onload),
+                        TRAIN: lambda payload: self._train(*ranks.parse_train_payload(payload))}
+            rank = Ranks()
+            self.points = PublishPoints(rank, lambda: self.publisher._sender_now().source
+                                        if rank.rank == 0 else source(), handlers)
+            run = at_publish_points(self.points)
+        else:  # the parameters as they live in the flat store (CPU: in a shared arena a receiver maps)
+            source = lambda: ResidentSource(self.policy.params, arena=self.policy.arena)  # noqa: E731
+            run = in_thread(self.lock)
         self.publisher = PublisherCore(
-            lambda: ResidentSource(self.policy.params, arena=self.policy.arena), in_thread(self.lock),
-            bucket_bytes=cfg.bucket_bytes, host=cfg.server.host, advertise=cfg.advertise or None,
+            source, run, bucket_bytes=cfg.bucket_bytes, host=cfg.server.host, advertise=cfg.advertise or None,
             checksums=cfg.checksums, transfer_timeout=cfg.transfer_timeout,
             offload=self.policy.offload, onload=self.policy.onload)
+        self._serving: concurrent.futures.Future | None = None
+        if self.sharded and rank.rank == 0:  # rank 0 serves the queue for good; the others follow it
+            self._serving = concurrent.futures.Future()
+            threading.Thread(target=self.points.serve_until, args=(self._serving,), name="rlsync-ranks",
+                             daemon=True).start()
 
     def _require_on_device(self, action: str) -> None:
         if self.policy.offloaded:
@@ -97,11 +141,16 @@ class TrainerCore:
     async def train(self, trajectories: list[Trajectory], max_staleness: int | None = None,
                     stale_policy: str | None = None, stale_weight: float | None = None) -> StepResult:
         self._check(trajectories)
+        self._require_on_device("Train")
+        args = (trajectories, self.cfg.max_staleness if max_staleness is None else max_staleness,
+                stale_policy or self.cfg.stale_policy, self.cfg.stale_weight if stale_weight is None else stale_weight)
+        if self.sharded:  # every rank takes the same step
+            from rlsync.trainer.ranks import train_payload
+
+            return await self.publisher.run(lambda: self._train(*args), TRAIN, 0, train_payload(*args))
         async with self.lock:
             self._require_on_device("Train")
-            bound = self.cfg.max_staleness if max_staleness is None else max_staleness
-            return await asyncio.to_thread(self._train, trajectories, bound, stale_policy or self.cfg.stale_policy,
-                                           self.cfg.stale_weight if stale_weight is None else stale_weight)
+            return await asyncio.to_thread(self._train, *args)
 
     def _train(self, trajectories: list[Trajectory], bound: int, policy: str, stale_weight: float) -> StepResult:
         groups = [t.group_id or ",".join(map(str, t.prompt_ids)) for t in trajectories]
@@ -143,8 +192,8 @@ class TrainerCore:
             sums["clip_frac"] += stats["clip_frac"] * share
             sums["kl_sum"] += stats["kl_sum"]
         if self.cfg.max_grad_norm > 0:
-            metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.policy.params.values(),
-                                                                        self.cfg.max_grad_norm))
+            norm = torch.nn.utils.clip_grad_norm_(self.policy.params.values(), self.cfg.max_grad_norm)
+            metrics["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         self.step += 1
@@ -166,12 +215,16 @@ class TrainerCore:
     async def save(self, path: str) -> str:
         if not path:
             raise InvalidArgument("SaveCheckpoint needs a path")
+        if self.sharded:
+            raise FailedPrecondition("checkpoints of a sharded trainer (--nproc > 1) are not written by rlsync yet")
         async with self.lock:
             self._require_on_device("SaveCheckpoint")
             out = await asyncio.to_thread(checkpoint.save, path, self.policy, self.step, self.model_path)
             return str(out)
 
     async def load(self, path: str) -> int:
+        if self.sharded:
+            raise FailedPrecondition("checkpoints of a sharded trainer (--nproc > 1) are not read by rlsync yet")
         async with self.lock:
             self.step = await asyncio.to_thread(checkpoint.load, path, self.policy)
             return self.step
@@ -179,6 +232,11 @@ class TrainerCore:
     def close(self) -> None:
         self.publisher.close()
         self.policy.close()
+        if self._serving is not None:  # the other ranks leave their loop, then the group closes
+            self._serving.set_result(None)
+            for proc in self.rank_procs:
+                proc.wait(60)
+            torch.distributed.destroy_process_group()
 
 
 class _swapped:

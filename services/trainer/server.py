@@ -8,6 +8,7 @@ import logging
 import grpc
 
 from rlsync.config import describe
+from rlsync.launch import exit_status
 from rlsync.coordinator.v1.coordinator_pb2 import ROLE_TRAINER
 from rlsync.rpc.registrar import Registrar, advertised
 from rlsync.trainer.config import TrainerConfig
@@ -39,6 +40,14 @@ class TrainerService:
             address = advertised(host, port, self.cfg.advertise and f"{self.cfg.advertise}:{port}")
             self.registrar = Registrar(self.cfg.coordinator, ROLE_TRAINER, address, "trainer", self.cfg.server.token)
             self.registrar.start()
+
+    async def failure(self) -> str:
+        """Returns when a rank of a sharded trainer (--nproc > 1) has died: the others cannot go on."""
+        while True:
+            for i, proc in enumerate(self.core.rank_procs, 1):
+                if proc.poll() is not None:
+                    return f"trainer rank {i} {exit_status(proc.returncode)}: restart the trainer"
+            await asyncio.sleep(0.5)
 
     async def drain(self, reason: str) -> None:
         if getattr(self, "registrar", None) is not None:

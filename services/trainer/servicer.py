@@ -6,15 +6,9 @@ from __future__ import annotations
 from rlsync.publish.servicer import PublisherServicer
 from rlsync.rpc import unary
 from rlsync.trainer.core import Trajectory, TrainerCore
+from rlsync.trainer.ranks import STALE_POLICIES
 from rlsync.trainer.v1 import trainer_pb2 as pb
 
-_STALE = {pb.STALE_POLICY_KEEP: "keep", pb.STALE_POLICY_DROP: "drop", pb.STALE_POLICY_DOWNWEIGHT: "downweight"}
-
-
-def trajectory_from_proto(t: pb.Trajectory) -> Trajectory:
-    return Trajectory(list(t.prompt_ids), list(t.completion_ids), t.reward,
-                      t.advantage if t.HasField("advantage") else None, list(t.behavior_logprobs),
-                      list(t.token_versions), t.group_id)
 
 
 class TrainerServicer(PublisherServicer):
@@ -36,9 +30,10 @@ class TrainerServicer(PublisherServicer):
     @unary
     async def Train(self, request: pb.TrainRequest, context) -> pb.TrainResponse:
         r = await self.core.train(
-            [trajectory_from_proto(t) for t in request.trajectories],
+            [Trajectory.from_proto(t) for t in request.trajectories],
             request.max_staleness if request.HasField("max_staleness") else None,
-            _STALE.get(request.stale_policy), request.stale_weight if request.HasField("stale_weight") else None)
+            STALE_POLICIES.get(request.stale_policy),
+            request.stale_weight if request.HasField("stale_weight") else None)
         return pb.TrainResponse(step=r.step, metrics=r.metrics, trajectories_used=r.used, stale=r.stale,
                                 dropped=r.dropped)
 

@@ -4,6 +4,7 @@ really frees memory and resumes exactly, and checkpoints that resume bit-exactly
 from __future__ import annotations
 
 import random
+import time
 
 import grpc
 import psutil
@@ -100,3 +101,37 @@ def test_checkpoint_resumes_bit_exactly(services, tmp_path):
     with pytest.raises(RpcError) as e:
         b.load_checkpoint(str(tmp_path / "nothing-here"))
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "not an rlsync checkpoint" in e.value.message
+
+
+def test_two_rank_trainer_trains_like_one_and_its_syncs_verify(services):
+    """--nproc 2: the policy sharded with FSDP2 over two processes (gloo). The same steps give the
+    same weights, bit for bit, as one rank (without gradient clipping, whose norm sums in another
+    order); the shards are gathered on the way to the replica."""
+    from conftest import rollout_args
+    from rlsync.client import CoordinatorClient
+
+    co = services.start("coordinator", ["--sync-mode", "async"], name="co-nproc")
+    two = services.start("trainer", ["--nproc", "2", "--max-grad-norm", "0", "--coordinator", co.address],
+                         name="trainer-nproc2")
+    services.start("rollout", rollout_args("hf", "--coordinator", co.address), name="rollout-nproc")
+    one = TrainerClient(services.start("trainer", ["--max-grad-norm", "0"], name="trainer-nproc1").address)
+    with CoordinatorClient(co.address) as fleet:
+        fleet.wait_ready(2)
+        for step in (1, 2):
+            assert fleet.train(batch(step)).step == step
+            assert one.train(batch(step)).step == step
+            sync = fleet.sync_weights(verify=True)
+            assert sync.version == step and sync.verified, "the replica serves the gathered shards"
+    sharded = TrainerClient(two.address)
+    assert differences(one.checksums(), sharded.checksums()) == []
+    assert sharded.state().parameters == one.state().parameters
+    with pytest.raises(RpcError) as e:
+        sharded.save_checkpoint("/tmp/nope")
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "--nproc" in e.value.message
+    (rank1,) = psutil.Process(two.proc.pid).children()
+    rank1.kill()
+    deadline = time.monotonic() + 10
+    while "NOT_SERVING" not in (two.why_down() or ""):
+        assert time.monotonic() < deadline, "a trainer that lost a rank should say NOT_SERVING"
+        time.sleep(0.1)
+    assert "trainer rank 1 was killed by SIGKILL" in two.log_path.read_text()

@@ -20,14 +20,15 @@ from rlsync.transfer.source import ResidentSource, StreamedSource
 from rlsync.transfer.v1 import transfer_pb2 as tpb
 
 Source = ResidentSource | StreamedSource
-#: run(fn, op, passes) -> fn's result, run where the trainer allows it.
-Runner = Callable[[Callable[[], object], int, int], Awaitable[object]]
+#: run(fn, op, passes, payload) -> fn's result, run where the trainer allows it (on every rank: the
+#: others get op, passes and payload).
+Runner = Callable[..., Awaitable[object]]
 Audit = dict[str, tuple[str, tuple[int, ...], str]]
 
 
 def in_thread(lock: asyncio.Lock) -> Runner:
     """For a single-process trainer: the work runs in a thread while `lock` keeps training out."""
-    async def run(fn, op=PASSES, passes=0):
+    async def run(fn, op=PASSES, passes=0, payload=b""):
         async with lock:
             return await asyncio.to_thread(fn)
     return run
@@ -35,8 +36,8 @@ def in_thread(lock: asyncio.Lock) -> Runner:
 
 def at_publish_points(points: PublishPoints) -> Runner:
     """For a user's loop (any number of ranks): the work waits for the loop's next publish point."""
-    async def run(fn, op=PASSES, passes=0):
-        return await asyncio.wrap_future(points.submit(fn, op, passes))
+    async def run(fn, op=PASSES, passes=0, payload=b""):
+        return await asyncio.wrap_future(points.submit(fn, op, passes, payload))
     return run
 
 

@@ -28,7 +28,7 @@ from rlsync.client import CoordinatorClient
 from rlsync.coordinator.v1.coordinator_pb2 import ROLE_TRAINER
 from rlsync.publish.core import PublisherCore, at_publish_points
 from rlsync.publish.mapping import WeightMap
-from rlsync.publish.ranks import PublishPoints, Ranks
+from rlsync.publish.ranks import PublishPoints, Ranks, hooks
 from rlsync.publish.servicer import PublisherServicer
 from rlsync.publish.source import module_source, module_tensors
 from rlsync.rpc.auth import TokenAuthInterceptor
@@ -61,7 +61,7 @@ class WeightPublisher:
                                   bucket_bytes=bucket_bytes, host=host, advertise=advertise or None,
                                   checksums=checksums, transfer_timeout=transfer_timeout,
                                   offload=offload, onload=onload)
-        self.points = PublishPoints(self.ranks, lambda: self.core._sender_now().source, offload, onload)
+        self.points = PublishPoints(self.ranks, lambda: self.core._sender_now().source, hooks(offload, onload))
         self.core.run = at_publish_points(self.points)
         self.coordinator = None
         if self.ranks.rank == 0:

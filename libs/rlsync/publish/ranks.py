@@ -2,9 +2,10 @@
 
 Requests reach rank 0 (the one that serves gRPC) at any time; gathering a sharded weight needs every
 rank. So rank 0 queues each request, and while the loop sits in `publish()` every rank serves them in
-step: rank 0 broadcasts what comes next (an op and a count, as an int64 tensor; an error's text as
-bytes: no pickle), then all ranks run it. A request is a number of passes over the source (see
-rlsync.transfer.source), or an offload/onload hook.
+step: rank 0 broadcasts what comes next (an op and a count as an int64 tensor, then any payload as
+bytes, protobuf or text: no pickle), then all ranks run it. A request is a number of passes over the
+source (see rlsync.transfer.source), or a handler every rank runs with the payload (offload, onload,
+a training step of a sharded trainer).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from rlsync.transfer.source import StreamedSource, run_pass
 
 log = logging.getLogger(__name__)
 
-PASSES, OFFLOAD, ONLOAD, DONE, FAILED = range(5)
+PASSES, OFFLOAD, ONLOAD, DONE, FAILED, TRAIN = range(6)
 
 
 @dataclass
@@ -31,6 +32,7 @@ class Job:
     fn: Callable[[], object]  # rank 0's work
     op: int = PASSES
     passes: int = 0  # how many passes over the source `fn` makes (the other ranks make as many blind)
+    payload: bytes = b""  # what the other ranks' handler for `op` gets
     future: concurrent.futures.Future | None = None
 
 
@@ -46,31 +48,39 @@ class Ranks:
         backend = dist.get_backend(group) if on else "gloo"
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
-    def broadcast(self, op: int, count: int = 0, text: str = "") -> tuple[int, int, str]:
+    def broadcast(self, op: int, count: int = 0, payload: bytes = b"") -> tuple[int, int, bytes]:
         if self.world == 1:
-            return op, count, text
-        head = torch.tensor([op, count, len(text.encode())], dtype=torch.int64, device=self.device)
+            return op, count, payload
+        head = torch.tensor([op, count, len(payload)], dtype=torch.int64, device=self.device)
         dist.broadcast(head, self.src, group=self.group)
         op, count, size = (int(x) for x in head.tolist())
         if not size:
-            return op, count, ""
-        body = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).to(self.device) if self.rank == 0 \
+            return op, count, b""
+        body = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device) if self.rank == 0 \
             else torch.empty(size, dtype=torch.uint8, device=self.device)
         dist.broadcast(body, self.src, group=self.group)
-        return op, count, bytes(body.cpu().tolist()).decode(errors="replace")
+        return op, count, body.cpu().numpy().tobytes()
+
+
+def hooks(offload: Callable[[], None] | None, onload: Callable[[], None] | None) -> dict:
+    """Handlers for a trainer's colocation hooks (they take no payload)."""
+    return {op: (lambda _, fn=fn: fn()) if fn else None for op, fn in ((OFFLOAD, offload), (ONLOAD, onload))}
 
 
 class PublishPoints:
-    """Rank 0 queues requests (`submit`, from any thread); every rank serves them inside `serve_until`."""
+    """Rank 0 queues requests (`submit`, from any thread); every rank serves them inside `serve_until`.
+
+    handlers: what the other ranks run for an op other than PASSES, given rank 0's payload."""
 
     def __init__(self, ranks: Ranks, source: Callable[[], StreamedSource | object],
-                 offload: Callable[[], None] | None = None, onload: Callable[[], None] | None = None):
+                 handlers: dict[int, Callable[[bytes], object]] | None = None):
         self.ranks, self.source = ranks, source
-        self.hooks = {OFFLOAD: offload, ONLOAD: onload}
+        self.handlers = handlers or {}
         self.jobs: queue.Queue[Job] = queue.Queue()
 
-    def submit(self, fn: Callable[[], object], op: int = PASSES, passes: int = 0) -> concurrent.futures.Future:
-        job = Job(fn, op, passes, concurrent.futures.Future())
+    def submit(self, fn: Callable[[], object], op: int = PASSES, passes: int = 0,
+               payload: bytes = b"") -> concurrent.futures.Future:
+        job = Job(fn, op, passes, payload, concurrent.futures.Future())
         self.jobs.put(job)
         return job.future
 
@@ -92,7 +102,7 @@ class PublishPoints:
                 if done.done():
                     return self._end(done.exception())
                 continue
-            self.ranks.broadcast(job.op, job.passes)
+            self.ranks.broadcast(job.op, job.passes, job.payload)
             source = self.source()
             started = getattr(source, "passes", 0)
             try:
@@ -105,7 +115,7 @@ class PublishPoints:
     def _end(self, error: BaseException | None) -> None:
         """Tells the other ranks the publish is over (and how it failed), then raises its error here."""
         try:
-            self.ranks.broadcast(FAILED if error else DONE, text=str(error or ""))
+            self.ranks.broadcast(FAILED if error else DONE, payload=str(error or "").encode())
         except Exception:  # a rank is gone: the sync's own error says more, if there is one
             if error is None:
                 raise
@@ -114,14 +124,14 @@ class PublishPoints:
 
     def _follow(self) -> None:
         while True:
-            op, count, text = self.ranks.broadcast(DONE)
+            op, count, payload = self.ranks.broadcast(DONE)
             if op == DONE:
                 return
             if op == FAILED:
-                raise Unavailable(f"rank 0 reports: {text}")
-            if op in self.hooks:
-                if self.hooks[op] is not None:
-                    self.hooks[op]()
+                raise Unavailable(f"rank 0 reports: {payload.decode(errors='replace')}")
+            if op != PASSES:
+                if self.handlers.get(op) is not None:
+                    self.handlers[op](payload)
                 continue
             source = self.source()
             for _ in range(count):
