@@ -121,3 +121,17 @@ def test_a_rank_killed_mid_publish_fails_cleanly_and_the_old_version_stays(fleet
     assert replica.complete("still serving", max_tokens=4, ignore_eos=True)[0].token_ids, "the replica serves on"
     with CoordinatorClient(coordinator) as c:
         assert c.status().members, "the coordinator is up and still has the replica"
+
+
+def test_every_dtensor_placement_is_gathered_whole_and_cast(tmp_path):
+    """Dim-0 shards (uneven, empty, fewer rows than ranks), dim-1 shards (tensor parallel),
+    replicated and plain tensors, over 2 gloo ranks: each arrives whole on rank 0, cast to bf16."""
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, str(WORKER.parent / "dtensor_worker.py")], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                   "RANK": str(r), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}) for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    (result,) = [json.loads(line) for line in outs[0].splitlines() if line.startswith("{")]
+    assert result["wrong"] == [] and len(result["checked"]) == 6
