@@ -39,6 +39,12 @@ class Unavailable(RlsyncError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class ResourceExhausted(RlsyncError):
+    """Out of memory (or another resource) on the serving side."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class Aborted(RlsyncError):
     code = grpc.StatusCode.ABORTED
 

@@ -39,8 +39,15 @@ def start_ranks(cfg: TrainerConfig) -> list[subprocess.Popen]:
                               env={**os.environ, **common, "RANK": str(r), "LOCAL_RANK": str(r)})
              for r in range(1, cfg.nproc)]  # their output goes where the service's goes: its log
     os.environ.update(common, RANK="0", LOCAL_RANK="0")
-    dist.init_process_group(backend(cfg))
+    _init(cfg)
     return procs
+
+
+def _init(cfg: TrainerConfig) -> None:
+    if backend(cfg) == "nccl":  # one GPU per rank, chosen before anything touches CUDA
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    # Ranks 1..N-1 wait in a broadcast between requests: rank 0 keeps them alive (KEEPALIVE_SECONDS).
+    dist.init_process_group(backend(cfg))
 
 
 def train_payload(trajectories, bound: int, policy: str, weight: float) -> bytes:
@@ -64,7 +71,7 @@ def follow(config: str) -> None:
 
     raw = json.loads(config)
     cfg = TrainerConfig(**{**raw, "server": ServerConfig(**raw["server"])})
-    dist.init_process_group(backend(cfg))
+    _init(cfg)
     core = TrainerCore(cfg)
     try:
         core.points.serve_until(None)

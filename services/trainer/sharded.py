@@ -20,10 +20,10 @@ class ShardedPolicy:
         from torch.distributed.fsdp import fully_shard
         from transformers import AutoModelForCausalLM
 
-        rank, world = dist.get_rank(), dist.get_world_size()
+        world = dist.get_world_size()
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device("cuda", rank) if device == "cuda" else torch.device(device)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype(dtype)).to(self.device)
         mesh = init_device_mesh(self.device.type, (world,))
         for layer in getattr(getattr(model, "model", None), "layers", []):  # decoder blocks: one unit each

@@ -60,3 +60,13 @@ def test_mapping_mistakes_are_refused_with_the_tensor_named(wm, fragment):
         wm.plan(PARAMS[:3] if "differ" not in fragment else
                 [("model.q.weight", (4, 4), F32), ("model.embed.weight", (8, 5), F32)])
     assert fragment in str(e.value)
+
+
+def test_wrapper_names_are_whole_components_not_substrings():
+    wm = WeightMap()
+    assert wm.engine_name("module._orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.weight") == \
+        "model.layers.0.mlp.weight"
+    assert wm.engine_name("vision_tower.submodule.weight") == "vision_tower.submodule.weight"
+    assert wm.engine_name("adapter_module.proj") == "adapter_module.proj"
+    assert wm.engine_name("encoder.module.weight") == "encoder.module.weight", "only DDP's leading 'module'"
+    assert wm.engine_name("module.weight") == "weight"

@@ -51,6 +51,7 @@ class PublisherCore:
         self.hooks = {OFFLOAD: offload, ONLOAD: onload}
         self.offloaded = False
         self.published = 0  # the last version published
+        self.current = 0  # the version the weights are now (an offer without a version gets it)
         self._sender: WeightSender | None = None
         self._offers: dict[str, tpb.Offer] = {}
 
@@ -71,14 +72,20 @@ class PublisherCore:
             self._sender = None
             self._offers.clear()
 
-    def _streamed(self) -> bool:
-        return isinstance(self._sender_now().source, StreamedSource)
+    def _passes(self, per_send: int) -> int:
+        """Passes a request makes over a streamed source (none over a resident one). Asked on the
+        thread that runs the request, when the model is at rest between steps."""
+        return per_send if isinstance(self._sender_now().source, StreamedSource) else 0
 
     # ---- what the coordinator calls ---------------------------------------------------------------
+    # Each request checks the state and builds the sender inside the work `run` schedules: by then an
+    # offload queued before it has happened, and a sharded model is not in the middle of a step.
     async def offer(self, version: int) -> tpb.Offer:
-        self._require_on_device("publishing weights")
-        passes = 1 if self.checksums_in_manifest and self._streamed() else 0
-        offer = await self.run(lambda: self._sender_now().offer(version), PASSES, passes)
+        def offer() -> tpb.Offer:
+            self._require_on_device("publishing weights")
+            return self._sender_now().offer(version)
+
+        offer = await self.run(offer, PASSES, lambda: self._passes(1 if self.checksums_in_manifest else 0))
         self._offers[offer.transfer_id] = offer
         while len(self._offers) > 8:
             self._offers.pop(next(iter(self._offers)))
@@ -90,24 +97,25 @@ class PublisherCore:
             raise NotFound(f"no offer {transfer_id!r} (expired, or the trainer offloaded since): call OfferWeights")
         if not answers:
             raise InvalidArgument("PublishWeights needs at least one answer (from PrepareUpdate)")
-        self._require_on_device("publishing weights")
-        sender = self._sender_now()
-        passes = len({a.backend for a in answers}) if self._streamed() else 0  # a streamed pass per channel
 
         def send() -> Report:
-            return sender.send(offer, answers, timeout or self.transfer_timeout)
+            self._require_on_device("publishing weights")
+            if transfer_id not in self._offers:  # an offload dropped the sender that made it
+                raise NotFound(f"offer {transfer_id!r} was dropped when the trainer offloaded: call OfferWeights")
+            return self._sender_now().send(offer, answers, timeout or self.transfer_timeout)
 
-        report = await self.run(send, PASSES, passes)
+        # A streamed source makes one pass per channel.
+        report = await self.run(send, PASSES, lambda: self._passes(len({a.backend for a in answers})))
         self._offers.pop(transfer_id, None)
         self.published = offer.manifest.version
         return offer.manifest.version, report
 
     async def checksums(self, dtype: str = "") -> Audit:
         """{name: (dtype, shape, checksum)} of what would be sent now, cast to `dtype` when given."""
-        self._require_on_device("GetWeightChecksums")
         target = dtype_of(dtype) if dtype else None
 
         def audit() -> Audit:
+            self._require_on_device("GetWeightChecksums")
             out = {}
             with torch.no_grad():
                 for name, t in self._sender_now().source.items():
@@ -115,7 +123,7 @@ class PublisherCore:
                     out[name] = audit_entry(t.to(target) if target is not None and t.is_floating_point() else t)
             return out
 
-        return await self.run(audit, PASSES, 1 if self._streamed() else 0)
+        return await self.run(audit, PASSES, lambda: self._passes(1))
 
     async def offload(self) -> None:
         def offload() -> None:

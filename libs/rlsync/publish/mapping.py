@@ -12,9 +12,10 @@ import torch
 
 from rlsync.errors import InvalidArgument
 
-# Prefixes that wrappers add to parameter names and engines never expect: torch.compile,
-# activation checkpointing, FSDP1 and DDP.
-WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "module.")
+# Name components that wrappers add and engines never expect (whole components, never substrings):
+# torch.compile, activation checkpointing and FSDP1 anywhere in a name; DDP's "module" in front.
+WRAPPERS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+LEADING_WRAPPERS = WRAPPERS | {"module"}
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,10 @@ class WeightMap:
     tied: Mapping[str, str] = field(default_factory=dict)
 
     def engine_name(self, name: str) -> str | None:
-        for prefix in WRAPPER_PREFIXES:
-            name = name.replace(prefix, "")
+        parts = name.split(".")
+        while len(parts) > 1 and parts[0] in LEADING_WRAPPERS:
+            parts.pop(0)
+        name = ".".join([p for p in parts[:-1] if p not in WRAPPERS] + parts[-1:])
         if self.rename is None:
             return name
         if callable(self.rename):

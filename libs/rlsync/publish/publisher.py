@@ -25,10 +25,11 @@ from grpc_health.v1._async import HealthServicer
 from torch import nn
 
 from rlsync.client import CoordinatorClient
-from rlsync.coordinator.v1.coordinator_pb2 import ROLE_TRAINER
+from rlsync.coordinator.v1.coordinator_pb2 import ROLE_TRAINER, SYNC_MODE_COLOCATED
+from rlsync.errors import FailedPrecondition, Unavailable
 from rlsync.publish.core import PublisherCore, at_publish_points
 from rlsync.publish.mapping import WeightMap
-from rlsync.publish.ranks import PublishPoints, Ranks, hooks
+from rlsync.publish.ranks import DONE, FAILED, PublishPoints, Ranks, hooks
 from rlsync.publish.servicer import PublisherServicer
 from rlsync.publish.source import module_source, module_tensors
 from rlsync.rpc.auth import TokenAuthInterceptor
@@ -43,8 +44,9 @@ class WeightPublisher:
     """Publishes `model`'s weights to the fleet behind `coordinator`, from the user's own loop.
 
     weights: how trainer names and dtypes become the engine's (rlsync.publish.WeightMap).
-    offload / onload: colocation hooks every rank runs when the coordinator asks (say, moving the
-        model and optimizer state off the GPU while the engines generate).
+    offload / onload: hooks every rank runs when the coordinator asks the trainer to leave or take
+        back its device (say, catching up a replica while the trainer is offloaded). Colocated
+        syncs need the coordinator's Train RPC and are refused; publish to an async coordinator.
     group: the process group of the model's ranks (default: the whole world, if torch.distributed
         is initialised). Rank 0 of it sends; the others only take part in gathers.
     """
@@ -61,17 +63,37 @@ class WeightPublisher:
                                   bucket_bytes=bucket_bytes, host=host, advertise=advertise or None,
                                   checksums=checksums, transfer_timeout=transfer_timeout,
                                   offload=offload, onload=onload)
-        self.points = PublishPoints(self.ranks, lambda: self.core._sender_now().source, hooks(offload, onload))
+        # Rank 0 sends from its sender's source; the others only take part in its gathers.
+        source = (lambda: self.core._sender_now().source) if self.ranks.rank == 0 else \
+            (lambda: module_source(self.model, self.weights, self.ranks.src)[0])
+        self.points = PublishPoints(self.ranks, source, hooks(offload, onload))
         self.core.run = at_publish_points(self.points)
         self.coordinator = None
         if self.ranks.rank == 0:
-            self._loop = asyncio.new_event_loop()
-            self._thread = threading.Thread(target=self._loop.run_forever, name="rlsync-publisher", daemon=True)
-            self._thread.start()
-            self.address = self._call(self._serve(coordinator, host, port, advertise, token, name))
-            self.coordinator = CoordinatorClient(coordinator, token=token, timeout=None)
-            self._syncs = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlsync-sync")
-            self._wait_registered(register_timeout)
+            try:
+                self._start(coordinator, host, port, advertise, token, name, register_timeout)
+            except Exception as e:  # the other ranks must hear it, or they would wait at their first publish
+                self.ranks.broadcast(FAILED, payload=f"{type(e).__name__}: {e}".encode())
+                raise
+            self.ranks.broadcast(DONE)
+        else:
+            op, _, why = self.ranks.broadcast(DONE)
+            if op == FAILED:
+                raise Unavailable(f"rank 0 could not start the publisher: {why.decode(errors='replace')}")
+
+    def _start(self, coordinator: str, host: str, port: int, advertise: str, token: str, name: str,
+               register_timeout: float) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rlsync-publisher", daemon=True)
+        self._thread.start()
+        self.address = self._call(self._serve(coordinator, host, port, advertise, token, name))
+        self.coordinator = CoordinatorClient(coordinator, token=token, timeout=None)
+        self._syncs = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlsync-sync")
+        self._wait_registered(register_timeout)
+        if self.coordinator.status().mode == SYNC_MODE_COLOCATED:
+            raise FailedPrecondition("the coordinator runs the colocated sequence, whose trainer steps go through "
+                                     "its Train RPC (engines sleep, the trainer onloads first); a loop of your own "
+                                     "publishes to an async coordinator (--sync-mode async)")
 
     # ---- the loop's API ------------------------------------------------------------------------
     def publish(self, step: int, verify: bool = False):
@@ -79,6 +101,7 @@ class WeightPublisher:
         SyncWeightsResponse on rank 0 (None elsewhere); raises on every rank if the sync failed, and
         the replicas then keep serving the previous version."""
         done = None
+        self.core.current = step  # what a replica joining meanwhile is caught up with
         if self.ranks.rank == 0:
             done = self._syncs.submit(self.coordinator.sync_weights, version=step, verify=verify)
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import queue
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,14 +25,19 @@ from rlsync.transfer.source import StreamedSource, run_pass
 
 log = logging.getLogger(__name__)
 
-PASSES, OFFLOAD, ONLOAD, DONE, FAILED, TRAIN = range(6)
+PASSES, OFFLOAD, ONLOAD, DONE, FAILED, TRAIN, KEEPALIVE = range(7)
+# Idle ranks wait in a broadcast, which times out with the process group (gloo: 30 min by
+# default): rank 0 says "still here" well before that.
+KEEPALIVE_SECONDS = 60.0
 
 
 @dataclass
 class Job:
     fn: Callable[[], object]  # rank 0's work
     op: int = PASSES
-    passes: int = 0  # how many passes over the source `fn` makes (the other ranks make as many blind)
+    # How many passes over the source `fn` makes (the other ranks make as many blind); a callable is
+    # asked on rank 0's serving thread, right before the job runs.
+    passes: int | Callable[[], int] = 0
     payload: bytes = b""  # what the other ranks' handler for `op` gets
     future: concurrent.futures.Future | None = None
 
@@ -78,7 +84,7 @@ class PublishPoints:
         self.handlers = handlers or {}
         self.jobs: queue.Queue[Job] = queue.Queue()
 
-    def submit(self, fn: Callable[[], object], op: int = PASSES, passes: int = 0,
+    def submit(self, fn: Callable[[], object], op: int = PASSES, passes: int | Callable[[], int] = 0,
                payload: bytes = b"") -> concurrent.futures.Future:
         job = Job(fn, op, passes, payload, concurrent.futures.Future())
         self.jobs.put(job)
@@ -93,24 +99,44 @@ class PublishPoints:
             self._follow()
 
     def _lead(self, done: concurrent.futures.Future) -> None:
-        while True:
-            try:
-                job = self.jobs.get(timeout=0.01)
-            except queue.Empty:
-                job = None
-            if job is None:
-                if done.done():
-                    return self._end(done.exception())
-                continue
-            self.ranks.broadcast(job.op, job.passes, job.payload)
+        try:
+            idle_since = time.monotonic()
+            while True:
+                try:
+                    job = self.jobs.get(timeout=0.01)
+                except queue.Empty:
+                    job = None
+                if job is None:
+                    if done.done():
+                        return self._end(done.exception())
+                    if time.monotonic() - idle_since > KEEPALIVE_SECONDS:
+                        self.ranks.broadcast(KEEPALIVE)
+                        idle_since = time.monotonic()
+                    continue
+                if job.future.set_running_or_notify_cancel():  # its caller may have given up meanwhile
+                    self._run(job)
+                idle_since = time.monotonic()
+        finally:  # nobody serves the queue any more: what waits in it fails instead of hanging
+            while not self.jobs.empty():
+                job = self.jobs.get_nowait()
+                if job.future.set_running_or_notify_cancel():
+                    job.future.set_exception(Unavailable("the trainer's ranks stopped serving requests"))
+
+    def _run(self, job: Job) -> None:
+        """Rank 0: one job, with the other ranks in step. Whatever fails is the job's answer, and the
+        passes the other ranks are waiting in are finished."""
+        source, started, passes = None, 0, 0
+        try:
+            passes = job.passes() if callable(job.passes) else job.passes
+            self.ranks.broadcast(job.op, passes, job.payload)
             source = self.source()
             started = getattr(source, "passes", 0)
-            try:
-                job.future.set_result(job.fn())
-            except BaseException as e:  # noqa: BLE001 - handed to the requester
-                job.future.set_exception(e)
-            finally:
-                self._finish_passes(source, job.passes - (getattr(source, "passes", 0) - started))
+            job.future.set_result(job.fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the requester
+            job.future.set_exception(e)
+        finally:
+            if source is not None:
+                self._finish_passes(source, passes - (getattr(source, "passes", 0) - started))
 
     def _end(self, error: BaseException | None) -> None:
         """Tells the other ranks the publish is over (and how it failed), then raises its error here."""
@@ -129,6 +155,8 @@ class PublishPoints:
                 return
             if op == FAILED:
                 raise Unavailable(f"rank 0 reports: {payload.decode(errors='replace')}")
+            if op == KEEPALIVE:
+                continue
             if op != PASSES:
                 if self.handlers.get(op) is not None:
                     self.handlers[op](payload)

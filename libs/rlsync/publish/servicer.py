@@ -26,7 +26,7 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
     def step(self) -> int:
         """The version the trainer's current weights would be published as."""
-        return self.publisher.published
+        return self.publisher.current
 
     @unary
     async def Train(self, request, context):

@@ -212,11 +212,8 @@ class WeightSender:
                 (pb.BACKEND_SHM, pb.BACKEND_CUDA_IPC), arena=self.arena, cache=self.cache)))
         if resident is None:
             for chan, job in jobs:
-                job.sources = self.source.stream()
-                try:
+                with self.source.stream() as job.sources:  # a pass left part way is finished: peers wait in it
                     chan.send(job)
-                finally:
-                    _finish_quietly(job.sources)
             return [stages for _, job in jobs for stages in job.reported]
         errors: list[BaseException] = []
 
@@ -249,12 +246,3 @@ class WeightSender:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _finish_quietly(pass_) -> None:
-    """Ends a streamed pass that a failed send left part way, so the trainer's other ranks are not
-    left waiting in a gather; when that fails too (a rank died), the send's own error is the one told."""
-    try:
-        pass_.finish()
-    except Exception:  # noqa: BLE001 - see above
-        pass

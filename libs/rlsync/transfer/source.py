@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from rlsync.errors import InvalidArgument, Unavailable
+from rlsync.errors import InvalidArgument, ResourceExhausted, Unavailable
 from rlsync.transfer.checksum import as_bytes, checksum_tensor
 from rlsync.transfer.dtypes import dtype_name
 from rlsync.transfer.manifest import Spec
@@ -64,7 +64,8 @@ class StreamedSource:
     def specs(self, checksums: bool = False) -> list[Spec]:
         if not checksums:
             return list(self._specs)
-        sums = {s.name: checksum_tensor(t) for s, t in zip(self._specs, self.stream().tensors())}
+        with self.stream() as pass_:
+            sums = {s.name: checksum_tensor(t) for s, t in zip(self._specs, pass_.tensors())}
         return [Spec(s.name, s.dtype, s.shape, s.nbytes, sums[s.name]) for s in self._specs]
 
     def resident(self) -> None:
@@ -75,13 +76,14 @@ class StreamedSource:
         return Pass(self._specs, self.produce)
 
     def items(self):
-        """(name, tensor) for audits: one pass."""
-        return zip((s.name for s in self._specs), self.stream().tensors())
+        """(name, tensor) for audits: one pass, finished even if the reader stops early."""
+        with self.stream() as pass_:
+            yield from zip((s.name for s in self._specs), pass_.tensors())
 
 
 class Pass(Sequence):
     """One walk over a StreamedSource: `pass_[i]` is tensor i's bytes; indices only move forward.
-    Holds one tensor at a time (the current one), so memory stays at the largest tensor."""
+    Holds the current tensor (a channel may keep a few more alive while their buckets are in flight)."""
 
     def __init__(self, specs: list[Spec], produce: Callable[[int], torch.Tensor]):
         self.specs, self.produce = specs, produce
@@ -98,8 +100,8 @@ class Pass(Sequence):
             raise RuntimeError(f"streamed tensors are read in order: asked for {i} after {self.index}")
         self.tensor = self.view = None  # let the previous tensor go before the next one is made
         while self.next <= i:  # every tensor in between is produced too (peers run the same sequence)
-            tensor = self._produce(self.next)
-            self.next += 1
+            self.next += 1  # counted before it is checked: a bad tensor was still gathered
+            tensor = self._produce(self.next - 1)
         self.index, self.tensor, self.view = i, tensor, as_bytes(tensor)
         return self.view
 
@@ -107,6 +109,9 @@ class Pass(Sequence):
         s = self.specs[i]
         try:
             t = self.produce(i)
+        except torch.OutOfMemoryError as e:
+            raise ResourceExhausted(f"out of memory producing {s.name!r} ({s.nbytes} bytes) for the transfer: "
+                                    "use smaller buckets, or free memory before publishing") from e
         except RuntimeError as e:  # a gather whose peer rank died, most often
             raise Unavailable(f"producing {s.name!r} for the transfer failed (did a rank of the trainer die?): "
                               f"{e}") from e
@@ -125,8 +130,21 @@ class Pass(Sequence):
         """Produces whatever is left, so every rank ends the pass on the same tensor."""
         self.tensor = self.view = None
         while self.next < len(self.specs):
-            self._produce(self.next)
             self.next += 1
+            self._produce(self.next - 1)
+
+    def __enter__(self) -> Pass:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """A pass left early is finished (quietly when it is already failing: its error is the one told)."""
+        if exc[0] is None:
+            self.finish()
+            return
+        try:
+            self.finish()
+        except Exception:  # noqa: BLE001 - see above
+            pass
 
 
 def run_pass(source: StreamedSource) -> None:
