@@ -94,8 +94,7 @@ class TrainerCore:
             handlers = {**hooks(self.policy.offload, self.policy.onload),
                         TRAIN: lambda payload: self._train(*ranks.parse_train_payload(payload))}
             rank = Ranks()
-            self.points = PublishPoints(rank, lambda: self.publisher._sender_now().source
-                                        if rank.rank == 0 else source(), handlers)
+            self.points = PublishPoints(rank, lambda: self.publisher.pass_source(rank.rank), handlers)
             run = at_publish_points(self.points)
         else:  # the parameters as they live in the flat store (CPU: in a shared arena a receiver maps)
             source = lambda: ResidentSource(self.policy.params, arena=self.policy.arena)  # noqa: E731
@@ -141,13 +140,16 @@ class TrainerCore:
     async def train(self, trajectories: list[Trajectory], max_staleness: int | None = None,
                     stale_policy: str | None = None, stale_weight: float | None = None) -> StepResult:
         self._check(trajectories)
-        self._require_on_device("Train")
         args = (trajectories, self.cfg.max_staleness if max_staleness is None else max_staleness,
                 stale_policy or self.cfg.stale_policy, self.cfg.stale_weight if stale_weight is None else stale_weight)
         if self.sharded:  # every rank takes the same step
             from rlsync.trainer.ranks import train_payload
 
-            return await self.publisher.run(lambda: self._train(*args), TRAIN, 0, train_payload(*args))
+            def step() -> StepResult:
+                self._require_on_device("Train")  # where the step runs: after anything queued before it
+                return self._train(*args)
+
+            return await self.publisher.run(step, TRAIN, 0, train_payload(*args))
         async with self.lock:
             self._require_on_device("Train")
             return await asyncio.to_thread(self._train, *args)

@@ -65,6 +65,11 @@ class PublisherCore:
                                         advertise=self.advertise, checksums=self.checksums_in_manifest)
         return self._sender
 
+    def pass_source(self, rank: int) -> Source:
+        """What a rank's passes walk: rank 0 its sender's source (the one a send reads), the other
+        ranks a source of their own over their shards (they only take part in the gathers)."""
+        return self._sender_now().source if rank == 0 else self.source()
+
     def drop_sender(self) -> None:
         """Forgets the sender and its offers (the parameters' memory is about to move)."""
         if self._sender is not None:

@@ -63,10 +63,8 @@ class WeightPublisher:
                                   bucket_bytes=bucket_bytes, host=host, advertise=advertise or None,
                                   checksums=checksums, transfer_timeout=transfer_timeout,
                                   offload=offload, onload=onload)
-        # Rank 0 sends from its sender's source; the others only take part in its gathers.
-        source = (lambda: self.core._sender_now().source) if self.ranks.rank == 0 else \
-            (lambda: module_source(self.model, self.weights, self.ranks.src)[0])
-        self.points = PublishPoints(self.ranks, source, hooks(offload, onload))
+        self.points = PublishPoints(self.ranks, lambda: self.core.pass_source(self.ranks.rank),
+                                    hooks(offload, onload))
         self.core.run = at_publish_points(self.points)
         self.coordinator = None
         if self.ranks.rank == 0:

@@ -129,14 +129,15 @@ class PublishPoints:
         try:
             passes = job.passes() if callable(job.passes) else job.passes
             self.ranks.broadcast(job.op, passes, job.payload)
-            source = self.source()
-            started = getattr(source, "passes", 0)
+            if passes:  # only a job that walks the source needs it (an offload would build it for nothing)
+                source = self.source()
+                started = source.passes
             job.future.set_result(job.fn())
         except BaseException as e:  # noqa: BLE001 - handed to the requester
             job.future.set_exception(e)
         finally:
             if source is not None:
-                self._finish_passes(source, passes - (getattr(source, "passes", 0) - started))
+                self._finish_passes(source, passes - (source.passes - started))
 
     def _end(self, error: BaseException | None) -> None:
         """Tells the other ranks the publish is over (and how it failed), then raises its error here."""

@@ -69,7 +69,7 @@ class WeightSender:
         self.device = self.source.device
         self.bucket_bytes = bucket_bytes
         self.checksums = checksums
-        self.arena = arena if arena is not None else getattr(self.source, "arena", None)
+        self.arena = arena if arena is not None else self.source.arena
         self.allow_one_copy = one_copy is not False  # None: whenever the memory allows it
         # Where receivers dial: the bind host, or this host's address when bound to every interface.
         self.host = advertise or (socket.gethostbyname(socket.gethostname()) if host in ("0.0.0.0", "::") else host)
@@ -214,24 +214,8 @@ class WeightSender:
             for chan, job in jobs:
                 with self.source.stream() as job.sources:  # a pass left part way is finished: peers wait in it
                     chan.send(job)
-            return [stages for _, job in jobs for stages in job.reported]
-        errors: list[BaseException] = []
-
-        def run(chan, job):
-            try:
-                chan.send(job)
-            except BaseException as e:  # noqa: BLE001 - re-raised below
-                errors.append(e)
-
-        threads = [threading.Thread(target=run, args=job) for job in jobs[1:]]
-        for t in threads:
-            t.start()
-        if jobs:
-            run(*jobs[0])
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        else:
+            _concurrently(jobs)
         return [stages for _, job in jobs for stages in job.reported]
 
     def close(self) -> None:
@@ -246,3 +230,24 @@ class WeightSender:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _concurrently(jobs: list) -> None:
+    """Runs each (channel, job) at once, the first in this thread; raises the first failure."""
+    errors: list[BaseException] = []
+
+    def run(chan, job):
+        try:
+            chan.send(job)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=job) for job in jobs[1:]]
+    for t in threads:
+        t.start()
+    if jobs:
+        run(*jobs[0])
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]

@@ -55,6 +55,8 @@ class StreamedSource:
     therefore always runs from the first tensor to the last, whatever the channel asked for.
     """
 
+    arena = None  # produced tensors never live in shared memory a receiver could map
+
     def __init__(self, specs: list[Spec], device: torch.device, produce: Callable[[int], torch.Tensor]):
         self._specs = specs
         self.device = device
@@ -100,12 +102,13 @@ class Pass(Sequence):
             raise RuntimeError(f"streamed tensors are read in order: asked for {i} after {self.index}")
         self.tensor = self.view = None  # let the previous tensor go before the next one is made
         while self.next <= i:  # every tensor in between is produced too (peers run the same sequence)
-            self.next += 1  # counted before it is checked: a bad tensor was still gathered
-            tensor = self._produce(self.next - 1)
+            tensor = self._advance()
         self.index, self.tensor, self.view = i, tensor, as_bytes(tensor)
         return self.view
 
-    def _produce(self, i: int) -> torch.Tensor:
+    def _advance(self) -> torch.Tensor:
+        """Produces the next tensor, counted before it is checked (a bad tensor was still gathered)."""
+        i, self.next = self.next, self.next + 1
         s = self.specs[i]
         try:
             t = self.produce(i)
@@ -130,8 +133,7 @@ class Pass(Sequence):
         """Produces whatever is left, so every rank ends the pass on the same tensor."""
         self.tensor = self.view = None
         while self.next < len(self.specs):
-            self.next += 1
-            self._produce(self.next - 1)
+            self._advance()
 
     def __enter__(self) -> Pass:
         return self
