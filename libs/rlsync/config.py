@@ -40,6 +40,8 @@ class ServerConfig:
     tls_key: str = option("", "PEM private key file for --tls-cert")
     max_message_bytes: int = option(16 << 20, "largest request or response message; larger ones "
                                               "get RESOURCE_EXHAUSTED")
+    advertise: str = option("", "host (or host:port) other machines reach this service at; empty = the bind "
+                                "address, or this host's address when bound to all")
     grace_seconds: float = option(5.0, "on SIGTERM: time given to in-flight RPCs before they are cancelled")
     log_level: str = option("INFO", "logging level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 

@@ -24,6 +24,15 @@ def exit_status(returncode: int) -> str:
     return f"exited with status {returncode}"
 
 
+def _on_parent_death(sig: int):
+    def preexec() -> None:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+
+    return preexec
+
+
 class ServiceProcess:
     """One service in its own process (and process group), e.g. ServiceProcess("rollout", ["--engine", "hf"]).
 
@@ -33,19 +42,25 @@ class ServiceProcess:
     """
 
     def __init__(self, service: str, args: list[str], env: dict[str, str] | None = None,
-                 log_path: str | Path | None = None, name: str | None = None):
+                 log_path: str | Path | None = None, name: str | None = None, command: list[str] | None = None,
+                 parent_death_signal: int = 0):
+        """command: run this instead of `python -m rlsync.<service> args` (a user's trainer script).
+        parent_death_signal: Linux sends it to the child when the thread that starts it ends (a
+        launcher's owner thread, so a member dies with the launcher that placed it)."""
         self.service = service
         self.name = name or service
-        cmd = [sys.executable, "-m", f"rlsync.{service}", *args]
+        cmd = command or [sys.executable, "-m", f"rlsync.{service}", *args]
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix=f"rlsync-{self.name}-", suffix=".log")
             os.close(fd)
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        preexec = _on_parent_death(parent_death_signal) if parent_death_signal else None
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **(env or {})}, start_new_session=True)
+                                         env={**os.environ, **(env or {})}, start_new_session=True,
+                                         preexec_fn=preexec)
         self.address: str | None = None
 
     def _find_address(self) -> str | None:

@@ -59,8 +59,9 @@ class Coordinator:
         import time
 
         now = time.monotonic()
-        members = [pb.Member(id=m.id, role=m.role, address=m.address, state=m.state, weight_version=m.weight_version,
-                             seconds_since_heartbeat=now - m.last_seen, in_flight=m.in_flight)
+        members = [pb.Member(id=m.id, name=m.name, role=m.role, address=m.address, state=m.state,
+                             weight_version=m.weight_version, seconds_since_heartbeat=now - m.last_seen,
+                             in_flight=m.in_flight)
                    for m in self.registry.members.values()]
         return pb.FleetStatus(
             mode=pb.SYNC_MODE_COLOCATED if self.cfg.sync_mode == "colocated" else pb.SYNC_MODE_ASYNC,

@@ -76,7 +76,7 @@ class Registry:
             member.state = "gone"
             log.warning("%s left the fleet: %s", member.name, why)
             self.changed.set()
-            self.spawn(member.client.close())
+            self.spawn(_close_when_idle(member))
 
     async def expire_forever(self) -> None:
         while True:
@@ -91,3 +91,12 @@ class Registry:
 
     def trainer(self) -> Member | None:
         return next((m for m in self.members.values() if m.role == pb.ROLE_TRAINER), None)
+
+
+async def _close_when_idle(member: Member, limit: float = 600.0) -> None:
+    """Closes a departed member's channel once the gateway's streams on it are done: a replica that
+    drains (scaled down) finishes the requests it has."""
+    deadline = time.monotonic() + limit
+    while member.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    await member.client.close()

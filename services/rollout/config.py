@@ -21,5 +21,3 @@ class RolloutConfig:
     replica_id: str = option("", "name of this replica in logs and GetInfo; random when empty")
     update_timeout: float = option(300.0, "seconds a weight update may take to arrive")
     coordinator: str = option("", "coordinator address (host:port) to register with; empty = standalone")
-    advertise: str = option("", "address (host:port) the coordinator should use to reach this replica; "
-                                "empty = this host's address and the bound port")

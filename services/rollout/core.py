@@ -266,18 +266,23 @@ class RolloutCore:
         sums, source = await self.engine.checksums()
         return self.weight_version, sums, source
 
-    async def _wait_closed(self, done, timeout: float = 10.0) -> None:
+    async def _wait_closed(self, done, timeout: float = 10.0, warn: bool = True) -> None:
         """Waits until `done()` holds (re-checked as requests close), for at most `timeout` seconds;
         a client that stops reading its stream must not hold the replica hostage."""
         async with self._closed:
             try:
                 await asyncio.wait_for(self._closed.wait_for(done), timeout)
             except TimeoutError:
-                log.warning("streams still open after %.0fs: %s", timeout, sorted(self.in_flight))
+                if warn:
+                    log.warning("streams still open after %.0fs: %s", timeout, sorted(self.in_flight))
 
-    async def drain(self, reason: str, timeout: float = 10.0) -> None:
-        """Ends every request with `reason` and waits (bounded) for their streams to close."""
+    async def drain(self, reason: str, finish_within: float = 0.0, timeout: float = 10.0) -> None:
+        """Refuses new requests, gives those in flight up to `finish_within` seconds to complete, ends
+        the rest with `reason` (the gateway resumes them elsewhere) and waits (bounded) for their
+        streams to close."""
         self._closing = reason
+        if finish_within > 0 and not self.paused:
+            await self._wait_closed(lambda: not self.in_flight, finish_within, warn=False)
         for request_id in list(self.in_flight):
             try:
                 await self.abort(request_id, reason)

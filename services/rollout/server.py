@@ -9,7 +9,8 @@ import grpc
 
 from rlsync.config import describe
 from rlsync.coordinator.v1.coordinator_pb2 import ROLE_ROLLOUT
-from rlsync.rpc.registrar import Registrar, advertised
+from rlsync.rpc.address import advertised
+from rlsync.rpc.registrar import Registrar
 from rlsync.models import resolve_model
 from rlsync.rollout.config import RolloutConfig
 from rlsync.rollout.core import RolloutCore
@@ -39,8 +40,9 @@ class RolloutService:
     async def serving(self, host: str, port: int) -> None:
         self.registrar = None
         if self.cfg.coordinator:
-            self.registrar = Registrar(self.cfg.coordinator, ROLE_ROLLOUT, advertised(host, port, self.cfg.advertise),
-                                       self.core.replica_id, self.cfg.server.token)
+            address = advertised(host, port, self.cfg.server.advertise)
+            self.registrar = Registrar(self.cfg.coordinator, ROLE_ROLLOUT, address, self.core.replica_id,
+                                       self.cfg.server.token)
             self.registrar.start()
 
     async def failure(self) -> str:
@@ -54,7 +56,7 @@ class RolloutService:
     async def drain(self, reason: str) -> None:
         if getattr(self, "registrar", None) is not None:
             await self.registrar.stop()  # out of rotation first: no new requests arrive
-        await self.core.drain(reason)
+        await self.core.drain(reason, finish_within=self.cfg.server.grace_seconds)
 
     async def close(self) -> None:
         await self.engine.shutdown()

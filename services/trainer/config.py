@@ -29,8 +29,6 @@ class TrainerConfig:
     stale_weight: float = option(0.1, "loss scale of stale trajectories under the downweight policy")
     bucket_bytes: int = option(256 << 20, "weight transfer bucket size")
     checksums: bool = option(False, "checksum every published tensor and bucket (verified by receivers)")
-    advertise: str = option("", "host other machines reach this trainer at (for gloo/nccl transfers); "
-                                "empty = the bind host")
     transfer_timeout: float = option(300.0, "seconds a weight transfer may take")
     spool_dir: str = option("", "where a CPU trainer offloads to (default: a temporary folder)")
     coordinator: str = option("", "coordinator address (host:port) to register with; empty = standalone")

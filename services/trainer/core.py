@@ -22,6 +22,7 @@ from rlsync.models import resolve_model
 from rlsync.publish.core import PublisherCore, at_publish_points, in_thread
 from rlsync.publish.ranks import TRAIN, PublishPoints, Ranks, hooks
 from rlsync.publish.source import module_source
+from rlsync.rpc.address import advertise_host
 from rlsync.trainer import checkpoint
 from rlsync.trainer.config import TrainerConfig
 from rlsync.trainer.grpo import grpo_loss, group_advantages, make_batch, token_logprobs
@@ -100,8 +101,9 @@ class TrainerCore:
             source = lambda: ResidentSource(self.policy.params, arena=self.policy.arena)  # noqa: E731
             run = in_thread(self.lock)
         self.publisher = PublisherCore(
-            source, run, bucket_bytes=cfg.bucket_bytes, host=cfg.server.host, advertise=cfg.advertise or None,
-            checksums=cfg.checksums, transfer_timeout=cfg.transfer_timeout,
+            source, run, bucket_bytes=cfg.bucket_bytes, host=cfg.server.host,
+            advertise=advertise_host(cfg.server.advertise), checksums=cfg.checksums,
+            transfer_timeout=cfg.transfer_timeout,
             offload=self.policy.offload, onload=self.policy.onload)
         self._serving: concurrent.futures.Future | None = None
         if self.sharded and rank.rank == 0:  # rank 0 serves the queue for good; the others follow it

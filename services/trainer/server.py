@@ -10,7 +10,8 @@ import grpc
 from rlsync.config import describe
 from rlsync.launch import exit_status
 from rlsync.coordinator.v1.coordinator_pb2 import ROLE_TRAINER
-from rlsync.rpc.registrar import Registrar, advertised
+from rlsync.rpc.address import advertised
+from rlsync.rpc.registrar import Registrar
 from rlsync.trainer.config import TrainerConfig
 from rlsync.trainer.core import TrainerCore
 from rlsync.trainer.servicer import TrainerServicer
@@ -37,7 +38,7 @@ class TrainerService:
     async def serving(self, host: str, port: int) -> None:
         self.registrar = None
         if self.cfg.coordinator:
-            address = advertised(host, port, self.cfg.advertise and f"{self.cfg.advertise}:{port}")
+            address = advertised(host, port, self.cfg.server.advertise)
             self.registrar = Registrar(self.cfg.coordinator, ROLE_TRAINER, address, "trainer", self.cfg.server.token)
             self.registrar.start()
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from grpc_health.v1._async import HealthServicer
 from torch import nn
 
 from rlsync.client import CoordinatorClient
+from rlsync.config import ENV_PREFIX
 from rlsync.coordinator.v1.coordinator_pb2 import ROLE_TRAINER, SYNC_MODE_COLOCATED
 from rlsync.errors import FailedPrecondition, Unavailable
 from rlsync.publish.core import PublisherCore, at_publish_points
@@ -33,7 +35,8 @@ from rlsync.publish.ranks import DONE, FAILED, PublishPoints, Ranks, hooks
 from rlsync.publish.servicer import PublisherServicer
 from rlsync.publish.source import module_source, module_tensors
 from rlsync.rpc.auth import TokenAuthInterceptor
-from rlsync.rpc.registrar import Registrar, advertised
+from rlsync.rpc.address import advertise_host, advertised
+from rlsync.rpc.registrar import Registrar
 from rlsync.trainer.v1 import trainer_pb2_grpc
 from rlsync.transfer.sender import DEFAULT_BUCKET_BYTES
 
@@ -49,18 +52,23 @@ class WeightPublisher:
         syncs need the coordinator's Train RPC and are refused; publish to an async coordinator.
     group: the process group of the model's ranks (default: the whole world, if torch.distributed
         is initialised). Rank 0 of it sends; the others only take part in gathers.
+    host, advertise, token: left out, they come from RLSYNC_HOST, RLSYNC_ADVERTISE and RLSYNC_TOKEN,
+        as the services' options do (a launcher such as `rlsync up` sets them).
     """
 
     def __init__(self, model: nn.Module, coordinator: str, *, weights: WeightMap | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, host: str = "127.0.0.1", port: int = 0,
-                 advertise: str = "", token: str = "", checksums: bool = False, transfer_timeout: float = 300.0,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, host: str | None = None, port: int = 0,
+                 advertise: str | None = None, token: str | None = None, checksums: bool = False,
+                 transfer_timeout: float = 300.0,
                  offload: Callable[[], None] | None = None, onload: Callable[[], None] | None = None,
                  group=None, name: str = "trainer", register_timeout: float = 60.0):
+        host, advertise, token = _from_env(host, "HOST", "127.0.0.1"), _from_env(advertise, "ADVERTISE"), \
+            _from_env(token, "TOKEN")
         self.model, self.weights = model, weights or WeightMap()
         self.ranks = Ranks(group)
         module_source(model, self.weights)  # a name or dtype problem is refused now, on every rank
         self.core = PublisherCore(lambda: module_source(self.model, self.weights, self.ranks.src)[0], None,
-                                  bucket_bytes=bucket_bytes, host=host, advertise=advertise or None,
+                                  bucket_bytes=bucket_bytes, host=host, advertise=advertise_host(advertise),
                                   checksums=checksums, transfer_timeout=transfer_timeout,
                                   offload=offload, onload=onload)
         self.points = PublishPoints(self.ranks, lambda: self.core.pass_source(self.ranks.rank),
@@ -144,7 +152,7 @@ class WeightPublisher:
         bound = self._server.add_insecure_port(f"{host}:{port}")
         await self._server.start()
         await health.set("", health_pb2.HealthCheckResponse.SERVING)
-        address = advertised(host, bound, advertise and f"{advertise}:{bound}")
+        address = advertised(host, bound, advertise)
         self._registrar = Registrar(coordinator, ROLE_TRAINER, address, name, token)
         self._registrar.start()
         log.info("weight publisher serving on %s, registering with %s", address, coordinator)
@@ -161,3 +169,8 @@ class WeightPublisher:
                 raise TimeoutError(f"could not register with the coordinator at {self.coordinator.address} "
                                    f"within {timeout:.0f}s: is it running, and is the token right?")
             time.sleep(0.05)
+
+
+def _from_env(value: str | None, field: str, default: str = "") -> str:
+    """An argument left out takes RLSYNC_<FIELD>, as the services' flags do (launchers set them)."""
+    return os.environ.get(ENV_PREFIX + field, default) if value is None else value

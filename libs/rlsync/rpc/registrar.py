@@ -5,22 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 
 from rlsync.coordinator.v1 import coordinator_pb2 as pb
 from rlsync.coordinator.v1.coordinator_pb2_grpc import CoordinatorServiceStub
 from rlsync.rpc.channel import aio_channel
 
 log = logging.getLogger(__name__)
-
-
-def advertised(host: str, port: int, advertise: str = "") -> str:
-    """The address others should dial: --advertise, else this host's address when bound to all."""
-    if advertise:
-        return advertise
-    if host in ("0.0.0.0", "::", ""):
-        host = socket.gethostbyname(socket.gethostname())
-    return f"{host}:{port}"
 
 
 class Registrar:

@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rlsync.config import ServerConfig
 from rlsync.rpc.auth import TokenAuthInterceptor
+from rlsync.rpc.address import advertised
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +97,11 @@ async def run_service(cfg: ServerConfig, service: Service, stop: asyncio.Event |
          reflection.SERVICE_NAME], server)
     port = _bind(server, cfg)
     await server.start()
-    # One machine-readable line on stdout: scripts and tests wait for it.
-    print(json.dumps({"event": "listening", "service": service.name, "address": f"{cfg.host}:{port}"}),
-          flush=True)
-    log.info("%s listening on %s:%d%s", service.name, cfg.host, port, " (TLS)" if cfg.tls_cert else "")
+    # One machine-readable line on stdout: scripts, launchers and tests wait for it.
+    address = advertised(cfg.host, port, cfg.advertise)
+    print(json.dumps({"event": "listening", "service": service.name, "address": address}), flush=True)
+    log.info("%s listening on %s:%d (others dial %s)%s", service.name, cfg.host, port, address,
+             " (TLS)" if cfg.tls_cert else "")
     await service.serving(cfg.host, port)
     watch = asyncio.create_task(_not_serving_on_failure(service, health)) if hasattr(service, "failure") else None
 

@@ -32,7 +32,11 @@ def backend_of(name: str) -> int:
 @cache
 def host_id() -> str:
     """Equal for processes that can share memory and reach each other's abstract Unix sockets:
-    same kernel boot and same network namespace (two containers on one host differ)."""
+    same kernel boot and same network namespace (two containers on one host differ). A launcher
+    that knows the node a process runs on (`rlsync up` on Ray) says so in RLSYNC_NODE_ID: two
+    Ray nodes are two hosts."""
+    if node := os.environ.get("RLSYNC_NODE_ID"):
+        return node
     try:
         boot = open("/proc/sys/kernel/random/boot_id").read().strip()
         netns = os.stat("/proc/self/ns/net").st_ino

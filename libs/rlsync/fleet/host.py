@@ -1,0 +1,63 @@
+"""ServiceHost: the Ray actor that owns one fleet member's process on the node Ray placed it on.
+
+The member itself stays a plain process (`python -m rlsync.rollout ...`, or a user's training
+script), exactly what `docker compose` or a person would start. The host adds what only the node
+knows: the node's id (the handshake's host identity: two nodes are two hosts) and an address other
+nodes can dial. It takes and returns plain values (strings, numbers, dicts of them), never tensors
+or models. When the host dies (its node was lost, or the fleet went down), Linux ends the member
+with SIGTERM, so nothing outlives its placement.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+
+import ray
+
+from rlsync.launch import ServiceProcess, exit_status
+
+
+@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)
+class ServiceHost:
+    def __init__(self, name: str, service: str, args: list[str], env: dict[str, str], log_dir: str,
+                 command: list[str] | None = None):
+        context = ray.get_runtime_context()
+        self.node_id = context.get_node_id()
+        self.ip = ray.util.get_node_ip_address()
+        env = {**env, "RLSYNC_NODE_ID": self.node_id, "RLSYNC_HOST": "0.0.0.0", "RLSYNC_ADVERTISE": self.ip}
+        log = Path(log_dir) / f"{name}.log"
+        started = threading.Event()
+
+        # The member is started by a thread that lives exactly as long as it does: Linux delivers the
+        # parent-death signal when the starting *thread* ends, so this one waits on the process.
+        def own() -> None:
+            self.proc = ServiceProcess(service, args, env=env, log_path=log, name=name, command=command,
+                                       parent_death_signal=signal.SIGTERM)
+            started.set()
+            self.proc.proc.wait()
+
+        threading.Thread(target=own, name=f"owner-{name}", daemon=True).start()
+        started.wait()
+
+    def where(self) -> dict:
+        """Node id, node address, pid and log path of the member."""
+        return {"node_id": self.node_id, "ip": self.ip, "pid": self.proc.proc.pid, "log": str(self.proc.log_path)}
+
+    def wait_ready(self, timeout: float) -> str:
+        """The address the member listens on (services); raises with its log tail if it died first."""
+        return self.proc.wait_ready(timeout)
+
+    def poll(self) -> str:
+        """'' while the member runs, else how it ended ("exited with status 1", "was killed by SIGKILL")."""
+        code = self.proc.proc.poll()
+        return "" if code is None else exit_status(code)
+
+    def log_tail(self, lines: int = 40) -> str:
+        return self.proc.log_tail(lines)
+
+    def stop(self, timeout: float = 30.0) -> str:
+        """SIGTERM (a replica drains: out of rotation, in-flight requests finish or move), then SIGKILL."""
+        self.proc.stop(timeout)
+        return exit_status(self.proc.proc.returncode)
