@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-# subcommand -> (module with main(argv), one-line help)
+# subcommand -> (module with main(argv), or module:function(argv); one-line help)
 COMMANDS = {
     "demo": ("rlsync.demo.run", "run the RL demo on the tiny model (coordinator, trainer, replicas)"),
     "coordinator": ("rlsync.coordinator.__main__", "registry, weight-sync sequences and generation gateway"),
@@ -15,6 +15,11 @@ COMMANDS = {
     "make-tiny-model": ("rlsync.models", "build the embedded default model and print its folder"),
     "transfer-check": ("rlsync.transfer.check", "move a safetensors file to another process over one backend "
                        "and verify it bit for bit"),
+    "up": ("rlsync.fleet.cli:up", "start the fleet a fleet file describes, on Ray (a local one, or --address)"),
+    "scale": ("rlsync.fleet.cli:scale", "set rollout groups' replica counts: rlsync scale rollout=4"),
+    "status": ("rlsync.fleet.cli:status", "a fleet's members: node, address, state, weight version"),
+    "logs": ("rlsync.fleet.cli:logs", "the end of a fleet member's log"),
+    "down": ("rlsync.fleet.cli:down", "drain and stop every member of a fleet"),
 }
 
 
@@ -30,8 +35,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown command {argv[0]!r}")
         parser.print_help()
         return 0 if argv else 2
-    module, _ = COMMANDS[argv[0]]
-    return importlib.import_module(module).main(argv[1:]) or 0
+    module, _, function = COMMANDS[argv[0]][0].partition(":")
+    return getattr(importlib.import_module(module), function or "main")(argv[1:]) or 0
 
 
 if __name__ == "__main__":

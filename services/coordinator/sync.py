@@ -160,7 +160,10 @@ class Syncer:
                 state = await trainer.client.state()  # colocated: the trainer may be offloaded
                 if state.offloaded:
                     await trainer.client.onload()
-                push = await push_weights_async(trainer.client, [member.client], None, self.cfg.force_backend,
+                # The trainer's weights are the fleet's version unless it has trained since the last sync
+                # (then they are its newer step, and say so).
+                version = self.version if self.syncs and self.trainer_step == self.version else None
+                push = await push_weights_async(trainer.client, [member.client], version, self.cfg.force_backend,
                                                 self.cfg.update_timeout)
                 if state.offloaded:
                     await trainer.client.offload()

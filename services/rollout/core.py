@@ -42,6 +42,7 @@ class Info:
     pending_version: int
     dtype: str
     dead_reason: str = ""
+    requests_admitted: int = 0
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class RolloutCore:
         self._control = asyncio.Lock()  # one state change (pause, sleep, update...) at a time
         self.pending: int | None = None  # version of a prepared update not yet committed
         self._closed = asyncio.Condition()  # notified whenever a request leaves in_flight
+        self.admitted = 0  # Generate requests taken since start
         self._closing: str | None = None
 
     # ---- requests -------------------------------------------------------------------------------
@@ -101,6 +103,7 @@ class RolloutCore:
                                 "use a new id, or leave it empty to get one")
         entry = _InFlight(request)
         self.in_flight[request.request_id] = entry
+        self.admitted += 1
         return entry
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
@@ -202,7 +205,7 @@ class RolloutCore:
         memory = MemoryUsage("", 0, 0, 0) if dead else await e.memory()
         return Info(e.kind, e.model, self.weight_version, state, len(self.in_flight), frozenset(self.asleep),
                     e.max_model_len, e.tensor_parallel_size, self.replica_id, e.vocab_size, memory,
-                    -1 if self.pending is None else self.pending, e.dtype, dead or "")
+                    -1 if self.pending is None else self.pending, e.dtype, dead or "", self.admitted)
 
     # ---- weight updates -------------------------------------------------------------------------
     async def prepare_update(self, offer: Offer, force_backend: str = "", timeout: float = 0,

@@ -56,7 +56,7 @@ def info_to_proto(i: Info) -> pb.RolloutInfo:
         in_flight=i.in_flight, asleep=[_TAG_PROTO[t] for t in sorted(i.asleep, key=lambda t: t.value)],
         max_model_len=i.max_model_len, tensor_parallel_size=i.tensor_parallel_size, replica_id=i.replica_id,
         memory=memory_to_proto(i.memory), vocab_size=i.vocab_size, pending_version=i.pending_version, dtype=i.dtype,
-        dead_reason=i.dead_reason)
+        dead_reason=i.dead_reason, requests_admitted=i.requests_admitted)
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):

@@ -16,6 +16,7 @@ import os
 import time
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlsync.client import CoordinatorClient
 from rlsync.coordinator.v1.coordinator_pb2 import ROLE_TRAINER
@@ -49,7 +50,10 @@ class Fleet:
                                      f"`rlsync down --name {spec.name}` first, or give this one another name")
         except ValueError:
             pass
-        manager = FleetManager.options(name=spec.name, namespace=NAMESPACE, lifetime="detached").remote(encode(spec))
+        # The fleet's actor lives on the launcher's node (a replica's node may come and go).
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        manager = FleetManager.options(name=spec.name, namespace=NAMESPACE, lifetime="detached",
+                                       scheduling_strategy=here).remote(encode(spec))
         started = ray.get(manager.start.remote(timeout))
         token = spec.token or os.environ.get("RLSYNC_TOKEN", "")
         fleet = cls(spec.name, manager, started.get("coordinator", ""), token)

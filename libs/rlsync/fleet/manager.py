@@ -30,7 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlsync.errors import InvalidArgument
 from rlsync.fleet.host import ServiceHost
-from rlsync.fleet.spec import FleetSpec, decode
+from rlsync.fleet.spec import FleetSpec, RolloutGroup, decode
 
 log = logging.getLogger(__name__)
 TEND_SECONDS = 0.5
@@ -64,6 +64,7 @@ class FleetManager:
         self.units: dict[str, PlacementGroup] = {}
         self.events: list[dict] = []
         self.coordinator = ""
+        self.nodes: dict[str, str] = {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes() if n["Alive"]}
         self._closing = False
         self._tend_task: asyncio.Task | None = None
 
@@ -77,10 +78,11 @@ class FleetManager:
             gpu = max(t.gpus_per_rank, g.gpus)
             unit, trainer = "colocated", {"CPU": t.cpus, "GPU": gpu / (g.replicas + 1)}
             replica = {"CPU": g.cpus, "GPU": gpu / (g.replicas + 1)}
-            self._place(unit, {"CPU": coordinator["CPU"] + t.cpus + g.cpus * g.replicas, "GPU": gpu})
+            self._place(unit, {**t.resources, **g.resources, "CPU": coordinator["CPU"] + t.cpus + g.cpus * g.replicas,
+                               "GPU": gpu})
         else:
             unit, trainer = "control", {"CPU": t.cpus * t.nproc, "GPU": t.gpus_per_rank * t.nproc}
-            self._place(unit, {"CPU": coordinator["CPU"] + trainer["CPU"], "GPU": trainer["GPU"]})
+            self._place(unit, {**t.resources, "CPU": coordinator["CPU"] + trainer["CPU"], "GPU": trainer["GPU"]})
         first = self._add("coordinator", "coordinator", "coordinator", coordinator, unit)
         self._tend_task = asyncio.get_running_loop().create_task(self._tend_forever())
         try:
@@ -94,7 +96,7 @@ class FleetManager:
                 if spec.sync == "colocated":
                     self._add(f"{g.name}-{i}", "rollout", g.name, replica, unit)
                 else:
-                    self._add(f"{g.name}-{i}", "rollout", g.name, {"CPU": g.cpus, "GPU": g.gpus})
+                    self._add(f"{g.name}-{i}", "rollout", g.name, _replica(g))
         waiting = [m for m in self.members.values() if m.role != "coordinator"]
         try:
             await self._until(lambda: all(m.state == "running" or m.ended for m in waiting), timeout, *waiting)
@@ -120,7 +122,7 @@ class FleetManager:
         i = 0
         while len(current) + len(added) < replicas:
             if i not in taken:
-                added.append(self._add(f"{group}-{i}", "rollout", group, {"CPU": g.cpus, "GPU": g.gpus}))
+                added.append(self._add(f"{group}-{i}", "rollout", group, _replica(g)))
             i += 1
         for m in current[replicas:][::-1]:
             removed.append(m)
@@ -190,10 +192,24 @@ class FleetManager:
 
     async def _tend_forever(self) -> None:
         while not self._closing:
+            self._watch_nodes()
             for m in list(self.members.values()):
                 if m.task is None or m.task.done():
                     m.task = asyncio.get_running_loop().create_task(self._tend(m))
             await asyncio.sleep(TEND_SECONDS)
+
+    def _watch_nodes(self) -> None:
+        """Reports nodes that join the cluster or leave it (with the members that ran there)."""
+        alive = {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes() if n["Alive"]}
+        for node, ip in alive.items():
+            if node not in self.nodes:
+                self._event("cluster", "node-joined", f"node {node[:12]} ({ip})")
+        for node, ip in self.nodes.items():
+            if node not in alive:
+                ran = [m.name for m in self.members.values() if m.node_id == node]
+                self._event("cluster", "node-lost", f"node {node[:12]} ({ip}) left the cluster; it ran "
+                            f"{', '.join(ran) or 'no member'}")
+        self.nodes = alive
 
     async def _tend(self, m: Member) -> None:
         try:
@@ -205,7 +221,7 @@ class FleetManager:
                     tail = await m.host.log_tail.remote(20)
                     await self._ended(m, "exited", f"{ended}\n{tail}")
         except RayActorError as e:
-            await self._ended(m, "lost", _why_lost(e))
+            await self._ended(m, "lost", _why_lost(m, e))
         except Exception as e:  # noqa: BLE001 - a member must not stop the others being tended
             if not self._closing and m.state != "stopped":
                 await self._ended(m, "exited", f"{type(e).__name__}: {e}")
@@ -264,8 +280,7 @@ class FleetManager:
         m.state, m.ended, m.address = "pending", "", ""
         if m.unit == m.name:  # its own placement: place it again (a lost node's bundle waits for a node)
             self._free(m.unit)
-            g = self.spec.group(m.group)
-            self._place(m.unit, {"CPU": g.cpus, "GPU": g.gpus})
+            self._place(m.unit, _replica(self.spec.group(m.group)))
         self._event(m.name, "restarting", f"restart {m.restarts}: waiting for {_show(m.bundle)}")
 
     async def _remove(self, m: Member, why: str) -> None:
@@ -278,7 +293,7 @@ class FleetManager:
                 ended = await m.host.stop.remote(30.0)
                 self._event(m.name, "stopped", f"{why}: {ended}")
             except RayActorError as e:
-                self._event(m.name, "stopped", f"{why}: already gone ({_why_lost(e)})")
+                self._event(m.name, "stopped", f"{why}: already gone ({_why_lost(m, e)})")
             ray.kill(m.host)
             m.host = None
         m.state = "stopped"
@@ -303,6 +318,11 @@ class FleetManager:
         log.info("%s %s: %s", member, kind, detail)
 
 
+def _replica(g: RolloutGroup) -> dict[str, float]:
+    """One replica's bundle: its CPUs, GPUs and custom resources."""
+    return {**g.resources, "CPU": g.cpus, "GPU": g.gpus}
+
+
 def _nonzero(bundle: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in bundle.items() if v > 0} or {"CPU": 0.01}
 
@@ -315,9 +335,11 @@ def _index(name: str) -> int:
     return int(name.rpartition("-")[2])
 
 
-def _why_lost(e: Exception) -> str:
-    text = str(e)
-    return "its node was lost" + (f" ({text.splitlines()[0]})" if "node" in text.lower() else f": {text[:300]}")
+def _why_lost(m: Member, e: Exception) -> str:
+    alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
+    if not alive.get(m.node_id, False):
+        return f"its node {m.node_id[:12]} ({m.ip}) left the cluster"
+    return f"its host actor died: {str(e).splitlines()[0][:300]}"
 
 
 def _describe(m: Member) -> dict:

@@ -40,6 +40,7 @@ class TrainerSpec(_Spec):
     nproc: int = 1  # ranks (the service's --nproc; a script runs under torchrun when > 1)
     gpus_per_rank: float = 0.0
     cpus: float = 1.0
+    resources: dict[str, float] = {}  # Ray custom resources its node must have (node types: {trainer_node: 1})
 
 
 class RolloutGroup(_Spec):
@@ -48,6 +49,7 @@ class RolloutGroup(_Spec):
     replicas: int = 1
     gpus: float = 0.0  # per replica (tensor-parallel engines take several)
     cpus: float = 1.0
+    resources: dict[str, float] = {}  # per replica: Ray custom resources its node must have
     engine_args: dict[str, Any] = {}
     args: list[str] = []  # more `rlsync rollout` flags
     restart: bool = True  # a replica that exits or loses its node is started again (when resources allow)
