@@ -25,7 +25,8 @@ from rlsync.publish import WeightMap, WeightPublisher
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--coordinator", required=True)
+    parser.add_argument("--coordinator", default=os.environ.get("RLSYNC_COORDINATOR", "127.0.0.1:50050"),
+                        help="coordinator address (default: $RLSYNC_COORDINATOR, which `rlsync up` sets)")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--publish-dtype", default="", help="cast on the way out, e.g. bfloat16 (default: as trained)")

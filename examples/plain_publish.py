@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -23,7 +24,8 @@ from rlsync.models import resolve_model
 from rlsync.publish import WeightMap, WeightPublisher
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--coordinator", default="127.0.0.1:50050")
+parser.add_argument("--coordinator", default=os.environ.get("RLSYNC_COORDINATOR", "127.0.0.1:50050"),
+                    help="coordinator address (default: $RLSYNC_COORDINATOR, which `rlsync up` sets)")
 parser.add_argument("--model", default="tiny")
 parser.add_argument("--steps", type=int, default=10)
 parser.add_argument("--lr", type=float, default=2e-3)

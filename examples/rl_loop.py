@@ -5,6 +5,7 @@ score, train, sync. Start the services first (see the README), then:
 """
 
 import argparse
+import os
 
 from transformers import AutoTokenizer
 
@@ -12,7 +13,8 @@ from rlsync.client import CoordinatorClient, trajectory
 from rlsync.models import resolve_model
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--coordinator", default="127.0.0.1:50050")
+parser.add_argument("--coordinator", default=os.environ.get("RLSYNC_COORDINATOR", "127.0.0.1:50050"),
+                    help="coordinator address (default: $RLSYNC_COORDINATOR, which `rlsync up` sets)")
 parser.add_argument("--steps", type=int, default=20)
 args = parser.parse_args()
 

@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -23,7 +24,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from rlsync.client import RolloutClient  # noqa: E402
 from rlsync.demo.loop import LoopConfig, run_loop  # noqa: E402
 from rlsync.demo.task import DigitsTask  # noqa: E402
-from rlsync.fleet import parse  # noqa: E402
+from rlsync.fleet import load, parse  # noqa: E402
 from rlsync.fleet.launcher import Fleet  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -171,3 +172,67 @@ def test_a_lost_node_leaves_rotation_its_requests_finish_elsewhere_and_it_comes_
     with fleet.client() as c:
         result = c.sync_weights(verify=True)
     assert result.verified and dict(result.backends) == {"shm": 1, "gloo": 2}
+
+
+COLOCATED = """
+name: colo
+sync: colocated
+coordinator: {port: 0}
+trainer: {gpus_per_rank: 1, resources: {colo: 1}}
+rollout: [{engine: hf, replicas: 1, gpus: 1}]
+"""
+
+
+def environ(pid: int) -> dict[str, str]:
+    raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def test_colocated_puts_the_trainer_and_its_replica_in_one_gpu_bundle(cluster, tiny_model):
+    """Ray's GPUs here are logical (this machine has none): the placement is what is checked; the
+    services then run on the CPU, and the colocated sequence syncs through shared memory."""
+    node = cluster.add_node(num_cpus=3, num_gpus=1, resources={"colo": 1})
+    fleet = Fleet.up(parse(COLOCATED))
+    try:
+        fleet.wait_ready(120)
+        m = members(fleet)
+        assert m["trainer"]["node_id"] == m["rollout-0"]["node_id"] == m["coordinator"]["node_id"] == node.node_id
+        gpus = [environ(m[name]["pid"]).get("CUDA_VISIBLE_DEVICES") for name in ("trainer", "rollout-0")]
+        assert gpus[0] == gpus[1] and gpus[0] not in (None, "")  # one GPU, shared
+        with pytest.raises(Exception, match="colocated replicas share the trainer's GPU"):
+            fleet.scale("rollout", 2)
+        with fleet.client() as c:
+            result = c.sync_weights(verify=True)
+        assert result.verified and dict(result.backends) == {"shm": 1}
+        assert set(result.phases) >= {"wake_weights", "offload", "wake_kv_cache"}  # the colocated sequence
+    finally:
+        fleet.down()
+        cluster.remove_node(node)
+
+
+def test_a_training_script_of_ones_own_is_the_fleets_trainer(cluster, tiny_model, tmp_path):
+    """trainer.script: the user's loop (examples/plain_publish.py, which embeds WeightPublisher) runs
+    under the fleet: it finds the coordinator through the environment the launcher sets, publishes
+    every step, and its exit is reported with its status."""
+    script = Path(__file__).parents[2] / "examples" / "plain_publish.py"
+    fleet_file = tmp_path / "fleet.yaml"
+    fleet_file.write_text(f"""
+name: own
+coordinator: {{port: 0}}
+trainer: {{script: {script}, args: ["--steps", "2"], resources: {{own: 1}}}}
+rollout: [{{engine: hf, replicas: 1, resources: {{own: 1}}}}]
+""")
+    node = cluster.add_node(num_cpus=2, resources={"own": 2})
+    fleet = Fleet.up(load(fleet_file))
+    try:
+        ended = wait_for(lambda: [e for e in fleet.events() if e["member"] == "trainer" and e["kind"] == "exited"],
+                         180, "the training script to finish")
+        assert ended[0]["detail"].startswith("exited with status 0"), ended[0]["detail"]
+        assert '"step": 2' in ended[0]["detail"] and '"verified": true' in ended[0]["detail"]
+        replica = members(fleet)["rollout-0"]
+        with RolloutClient(replica["address"]) as r:
+            assert r.info().weight_version == 2  # what the script published last
+        assert replica["node_id"] == node.node_id
+    finally:
+        fleet.down()
+        cluster.remove_node(node)

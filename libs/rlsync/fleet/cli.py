@@ -48,7 +48,7 @@ def _print(event: dict) -> None:
 
 @refusals_exit_2
 def up(argv: list[str]) -> int:
-    from rlsync.fleet.launcher import Fleet
+    from rlsync.fleet.launcher import Fleet, FleetGone
     from rlsync.fleet.spec import load
 
     p = argparse.ArgumentParser(prog="rlsync up", description="Start the fleet a fleet file describes, on Ray.")
@@ -60,25 +60,27 @@ def up(argv: list[str]) -> int:
     spec = load(args.fleet_file)
     if args.detach and not (args.address or _env_address()):
         p.error("--detach needs a Ray cluster that outlives this command: --address or RAY_ADDRESS")
-    fleet = Fleet.up(spec, args.address, args.timeout)
+    fleet = Fleet.up(spec, args.address, args.timeout, on_event=_print)
     status = fleet.wait_ready(args.timeout)
     print(json.dumps({"event": "up", "fleet": spec.name, "coordinator": fleet.coordinator,
-                      "members": len(status["members"])}), flush=True)
+                      "members": len(status["members"]), "ray_address": fleet.ray_address}), flush=True)
     if args.detach:
         return 0
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    seen = 0
+    seen = fleet.seen
     try:
         while not stop.is_set():
             for event in fleet.events(seen):
                 _print(event)
                 seen = event["seq"]
             stop.wait(1.0)
-    finally:
-        print("taking the fleet down", file=sys.stderr, flush=True)
-        fleet.down()
+    except FleetGone:
+        print(f"fleet {spec.name!r} was taken down", file=sys.stderr, flush=True)
+        return 0
+    print("taking the fleet down", file=sys.stderr, flush=True)
+    fleet.down()
     return 0
 
 

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import ray
+from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlsync.client import CoordinatorClient
@@ -35,14 +37,21 @@ def join_cluster(address: str | None = None) -> None:
     ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
 
 
+class FleetGone(Unavailable):
+    """The fleet's actor is gone (taken down by another process, or its node was lost)."""
+
+
 class Fleet:
     def __init__(self, name: str, manager, coordinator: str, token: str = ""):
         self.name, self.manager, self.coordinator, self.token = name, manager, coordinator, token
+        self.ray_address = ray.get_runtime_context().gcs_address
+        self.seen = 0  # events already handed to up()'s on_event
 
     @classmethod
-    def up(cls, spec: FleetSpec, address: str | None = None, timeout: float = START_TIMEOUT) -> Fleet:
+    def up(cls, spec: FleetSpec, address: str | None = None, timeout: float = START_TIMEOUT,
+           on_event: Callable[[dict], None] | None = None) -> Fleet:
         """Places every member of `spec`; returns once each listens (raises with the reason otherwise,
-        leaving nothing behind)."""
+        leaving nothing behind). `on_event` sees what happens meanwhile (placing, waiting, started)."""
         join_cluster(address)
         try:
             ray.get_actor(spec.name, namespace=NAMESPACE)
@@ -54,9 +63,16 @@ class Fleet:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         manager = FleetManager.options(name=spec.name, namespace=NAMESPACE, lifetime="detached",
                                        scheduling_strategy=here).remote(encode(spec))
-        started = ray.get(manager.start.remote(timeout))
+        starting, seen, done = manager.start.remote(timeout), 0, False
+        while not done:
+            done = bool(ray.wait([starting], timeout=0.5)[0])
+            for event in ray.get(manager.events_since.remote(seen)) if on_event else []:
+                on_event(event)
+                seen = event["seq"]
+        started = ray.get(starting)
         token = spec.token or os.environ.get("RLSYNC_TOKEN", "")
         fleet = cls(spec.name, manager, started.get("coordinator", ""), token)
+        fleet.seen = seen
         if "error" in started:
             fleet.down()
             raise Unavailable(f"fleet {spec.name!r} did not come up: {started['error']}")
@@ -101,7 +117,10 @@ class Fleet:
     def events(self, since: int = 0) -> list[dict]:
         """What happened to members after event number `since` (placed, started, listening, exited,
         lost, restarting, stopped, scaled), each with its reason and log tail where it ended."""
-        return ray.get(self.manager.events_since.remote(since))
+        try:
+            return ray.get(self.manager.events_since.remote(since))
+        except RayActorError:
+            raise FleetGone(f"fleet {self.name!r} is no longer up") from None
 
     def log_tail(self, member: str, lines: int = 40) -> str:
         return ray.get(self.manager.log_tail.remote(member, lines))

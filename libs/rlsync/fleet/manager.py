@@ -34,6 +34,7 @@ from rlsync.fleet.spec import FleetSpec, RolloutGroup, decode
 
 log = logging.getLogger(__name__)
 TEND_SECONDS = 0.5
+WAITING_NOTE = 10.0  # seconds pending before the launcher is told what is missing
 START_TIMEOUT = 300.0
 
 
@@ -53,6 +54,8 @@ class Member:
     log: str = ""
     restarts: int = 0
     ended: str = ""
+    pending_since: float = field(default_factory=time.monotonic)
+    told_waiting: bool = False
     task: asyncio.Task | None = field(default=None, repr=False)
 
 
@@ -167,7 +170,7 @@ class FleetManager:
     # ---- placing and tending members -----------------------------------------------------------------
     def _add(self, name: str, role: str, group: str, bundle: dict[str, float], unit: str | None = None) -> Member:
         """A member taking `bundle` of its unit's placement group (its own one when `unit` is None)."""
-        m = Member(name, role, group, unit or name, _nonzero(bundle))
+        m = Member(name, role, group, unit or name, {k: v for k, v in bundle.items() if v > 0})
         self.members[name] = m
         if m.unit not in self.units:
             self._place(m.unit, bundle)
@@ -215,6 +218,12 @@ class FleetManager:
         try:
             if m.state == "pending" and self._placed(m.unit):
                 await self._launch(m)
+            elif m.state == "pending" and not m.told_waiting and time.monotonic() - m.pending_since > WAITING_NOTE:
+                m.told_waiting = True
+                free = {k: round(v, 2) for k, v in ray.available_resources().items()
+                        if k in ("CPU", "GPU") or k in m.bundle}
+                self._event(m.name, "waiting", f"no node has {_show(m.bundle)} free for placement unit "
+                            f"{m.unit!r} yet (free in the cluster: {free}); it starts when one has")
             elif m.state in ("starting", "running"):
                 ended = await m.host.poll.remote()
                 if ended:
@@ -278,6 +287,7 @@ class FleetManager:
             return
         m.restarts += 1
         m.state, m.ended, m.address = "pending", "", ""
+        m.pending_since, m.told_waiting = time.monotonic(), False
         if m.unit == m.name:  # its own placement: place it again (a lost node's bundle waits for a node)
             self._free(m.unit)
             self._place(m.unit, _replica(self.spec.group(m.group)))
@@ -328,7 +338,7 @@ def _nonzero(bundle: dict[str, float]) -> dict[str, float]:
 
 
 def _show(bundle: dict[str, float]) -> str:
-    return ", ".join(f"{v:g} {k}" for k, v in _nonzero(bundle).items())
+    return ", ".join(f"{v:g} {k}" for k, v in bundle.items() if v > 0) or "nothing"
 
 
 def _index(name: str) -> int:

@@ -30,7 +30,7 @@ class _Spec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defau
 
 class CoordinatorSpec(_Spec):
     port: int = 50050  # 0 picks a free one (tests)
-    cpus: float = 1.0
+    cpus: float = 0.0  # a control plane that waits on sockets: it takes no CPU from the others
     args: list[str] = []  # more `rlsync coordinator` flags (--max-staleness 2, ...)
 
 
