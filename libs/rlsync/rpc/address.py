@@ -9,7 +9,9 @@ def advertised(host: str, port: int, advertise: str = "") -> str:
     """The address others should dial: --advertise (a host, or host:port behind a port mapping) with
     the bound port, else the bind address, or this host's address when bound to all."""
     if advertise:
-        return advertise if _has_port(advertise) else f"{advertise}:{port}"
+        if _has_port(advertise):
+            return advertise
+        return f"[{advertise}]:{port}" if ":" in advertise else f"{advertise}:{port}"  # IPv6 in brackets
     if host in ("0.0.0.0", "::", ""):
         host = socket.gethostbyname(socket.gethostname())
     return f"{host}:{port}"
