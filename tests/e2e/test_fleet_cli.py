@@ -1,11 +1,12 @@
-"""`rlsync up` as a person runs it: a fleet file, a local Ray started by the command, and the other
-commands (status, scale, down) from other processes, which find the fleet by name."""
+"""`rlsync up` as the README runs it: the example fleet file, a local Ray started by the command, and
+the other commands (status, scale, down) from other processes, which find the fleet by name."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,11 +16,7 @@ from rlsync.client import CoordinatorClient  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-FLEET = """
-name: cli
-coordinator: {port: 0}
-rollout: [{engine: hf, replicas: 1, cpus: 0.5}]  # 2 CPUs: trainer 1, two replicas
-"""
+LOCAL = Path(__file__).parents[2] / "examples" / "fleets" / "local.yaml"
 
 
 def rlsync(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -28,10 +25,8 @@ def rlsync(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def test_up_status_scale_down(tmp_path, tiny_model):
-    fleet_file = tmp_path / "fleet.yaml"
-    fleet_file.write_text(FLEET)
     log = open(tmp_path / "up.log", "w")
-    up = subprocess.Popen([sys.executable, "-m", "rlsync.cli", "up", str(fleet_file)], stdout=subprocess.PIPE,
+    up = subprocess.Popen([sys.executable, "-m", "rlsync.cli", "up", str(LOCAL)], stdout=subprocess.PIPE,
                           stderr=log, text=True)
     try:
         printed: list[str] = []
@@ -42,30 +37,29 @@ def test_up_status_scale_down(tmp_path, tiny_model):
         first = json.loads(printed[-1] if printed else "{}")
         assert first.get("event") == "up", "".join(printed) + (tmp_path / "up.log").read_text()[-3000:]
         assert any("rollout-0" in line and "listening" in line for line in printed)
-        where = ["--name", "cli"]  # the other commands find the Ray that `up` started on this machine
-
-        status = json.loads(rlsync("status", "--json", *where).stdout)
-        assert [m["registered"] for m in status["members"] if m["role"] == "rollout"] == ["ready"]
-
-        scaled = rlsync("scale", "rollout=2", *where)
-        assert scaled.returncode == 0, scaled.stderr
-        assert json.loads(scaled.stdout)["added"] == ["rollout-1"]
-        refused = rlsync("scale", "decode=2", *where)
-        assert refused.returncode == 2 and "no rollout group 'decode'" in refused.stderr
-
-        with CoordinatorClient(first["coordinator"], timeout=60) as c:
-            c.wait_ready(3)  # trainer and both replicas, the new one caught up
+        assert first["coordinator"].endswith(":50050")
+        # No --address: the other commands find the Ray that `up` started on this machine.
+        status = json.loads(rlsync("status", "--json").stdout)
+        assert [m["registered"] for m in status["members"] if m["role"] == "rollout"] == ["ready", "ready"]
+        with CoordinatorClient("127.0.0.1:50050", timeout=60) as c:
             result = c.sync_weights(verify=True)
-        assert result.verified and dict(result.backends) == {"shm": 2}  # one node: one host
+            assert result.verified and dict(result.backends) == {"shm": 2}  # one node: one host
 
-        printed = rlsync("status", *where).stdout
-        assert "rollout-1" in printed and "ready" in printed
+            scaled = rlsync("scale", "rollout=1")
+            assert scaled.returncode == 0, scaled.stderr
+            assert json.loads(scaled.stdout)["removed"] == ["rollout-1"]
+            refused = rlsync("scale", "decode=2")
+            assert refused.returncode == 2 and "no rollout group 'decode'" in refused.stderr
+            assert c.sync_weights(verify=True).replicas == 1
 
-        down = rlsync("down", *where)
+        printed = rlsync("status").stdout
+        assert "rollout-0" in printed and "rollout-1" not in printed
+
+        down = rlsync("down")
         assert down.returncode == 0, down.stderr
         assert up.wait(60) == 0  # `up` sees its fleet taken down and ends
         events = up.stdout.read()
-        assert "rollout-1" in events and "stopped" in events
+        assert "rollout-1" in events and "stopped" in events and "scaled" in events
     finally:
         if up.poll() is None:
             up.terminate()
