@@ -61,7 +61,7 @@ class Coordinator:
         now = time.monotonic()
         members = [pb.Member(id=m.id, name=m.name, role=m.role, address=m.address, state=m.state,
                              weight_version=m.weight_version, seconds_since_heartbeat=now - m.last_seen,
-                             in_flight=m.in_flight)
+                             in_flight=m.in_flight, backend=m.backend)
                    for m in self.registry.members.values()]
         return pb.FleetStatus(
             mode=pb.SYNC_MODE_COLOCATED if self.cfg.sync_mode == "colocated" else pb.SYNC_MODE_ASYNC,

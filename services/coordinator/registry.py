@@ -25,6 +25,7 @@ class Member:
     last_seen: float = field(default_factory=time.monotonic)
     state: str = "syncing"  # rollouts: syncing (being brought up to date) -> ready; gone when lost
     weight_version: int = 0
+    backend: str = ""  # the channel its last update came through
     in_flight: int = 0  # gateway streams on it
     static: bool = False  # configured by address: never expires
 

@@ -121,8 +121,8 @@ class Syncer:
             verify_seconds = phases.pop("verify")  # an audit, not part of the sync itself
             self.version = push.version
             self.trainer_step = max(self.trainer_step, push.version)  # a trainer with its own loop never calls Train
-            for r in replicas:
-                r.weight_version = push.version
+            for r, channel in zip(replicas, push.channels):
+                r.weight_version, r.backend = push.version, channel
             self.syncs += 1
             seconds = time.perf_counter() - start - verify_seconds
             return SyncResult(push.version, phases, seconds, len(replicas), push.bytes, push.backends, verified,
@@ -167,7 +167,7 @@ class Syncer:
                                                 self.cfg.update_timeout)
                 if state.offloaded:
                     await trainer.client.offload()
-                member.weight_version = push.version
+                member.weight_version, member.backend = push.version, push.channels[0]
                 log.info("%s caught up to version %d", member.name, push.version)
             member.state = "ready"
             self.registry.changed.set()

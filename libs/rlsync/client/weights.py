@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from rlsync.client.rollout import AsyncRolloutClient, RolloutClient
 from rlsync.client.trainer import AsyncTrainerClient, TrainerClient
 from rlsync.common.timing import Stopwatch
+from rlsync.transfer.v1.transfer_pb2 import Backend
 
 
 @dataclass
@@ -19,12 +20,14 @@ class PushReport:
     backends: dict[str, int]
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase
     profile: dict[str, float] = field(default_factory=dict)  # the transfer phase broken down
+    channels: list[str] = field(default_factory=list)  # the backend each rollout chose, in their order
 
 
-def _report(pub, phases: dict[str, float]) -> PushReport:
+def _report(pub, phases: dict[str, float], answers: list) -> PushReport:
     """rpc: the transfer phase as this caller saw it, less the trainer's own send() time."""
     profile = {"rpc": max(phases["transfer"] - pub.seconds, 0.0), **dict(pub.profile)}
-    return PushReport(pub.version, pub.bytes, dict(pub.backends), phases, profile)
+    return PushReport(pub.version, pub.bytes, dict(pub.backends), phases, profile,
+                      [Backend.Name(a.backend).removeprefix("BACKEND_").lower() for a in answers])
 
 
 def push_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version: int | None = None,
@@ -43,7 +46,7 @@ def push_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version:
     for r in rollouts:
         r.commit_update(offer.manifest.version, timeout=timeout)
     clock.lap("commit")
-    return _report(pub, clock.stages)
+    return _report(pub, clock.stages, answers)
 
 
 async def push_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncRolloutClient],
@@ -65,4 +68,4 @@ async def push_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncRo
     clock.lap("transfer")
     await asyncio.gather(*(r.commit_update(offer.manifest.version, timeout=timeout) for r in rollouts))
     clock.lap("commit")
-    return _report(pub, clock.stages)
+    return _report(pub, clock.stages, [p.answer for p in prepared])

@@ -119,7 +119,8 @@ def status(argv: list[str]) -> int:
     print(f"fleet {s['name']} ({s['sync']}), coordinator {s['coordinator']}, weight version {s['weight_version']}")
     for m in s["members"]:
         print(f"  {m['name']:<14} {m['state']:<8} {m['registered'] or '-':<8} v{m['weight_version']:<4} "
-              f"node {m['node_id'][:12]:<12} {m['address'] or '-':<21} restarts {m['restarts']}")
+              f"{m['backend'] or '-':<8} node {m['node_id'][:12]:<12} {m['address'] or '-':<21} "
+              f"restarts {m['restarts']}")
     return 0
 
 

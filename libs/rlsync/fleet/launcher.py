@@ -112,6 +112,7 @@ class Fleet:
             seen = by_address.get(m["address"])
             m["registered"] = seen.state if seen is not None else ""
             m["weight_version"] = seen.weight_version if seen is not None else -1
+            m["backend"] = seen.backend if seen is not None else ""
         return status
 
     def events(self, since: int = 0) -> list[dict]:

@@ -95,7 +95,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Member(_message.Message):
-    __slots__ = ("id", "role", "address", "state", "weight_version", "seconds_since_heartbeat", "in_flight", "name")
+    __slots__ = ("id", "role", "address", "state", "weight_version", "seconds_since_heartbeat", "in_flight", "name", "backend")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class Member(_message.Message):
     SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: Role
     address: str
@@ -112,7 +113,8 @@ class Member(_message.Message):
     seconds_since_heartbeat: float
     in_flight: int
     name: str
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., weight_version: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., in_flight: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+    backend: str
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., weight_version: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., in_flight: _Optional[int] = ..., name: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class FleetStatus(_message.Message):
     __slots__ = ("mode", "weight_version", "trainer_step", "members", "max_staleness", "gateway_in_flight", "resubmissions", "syncs")
