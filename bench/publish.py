@@ -241,7 +241,10 @@ def main() -> None:
         multi_rank_worker(args, shapes, bucket)
         return
     cases = single_rank(args, shapes, bucket)
-    if args.ranks > 1:
+    if args.device == "cuda" and args.ranks > torch.cuda.device_count():  # one GPU per rank
+        print(json.dumps({"layout": "fsdp2", "ranks": args.ranks, "skipped": f"needs {args.ranks} GPUs, "
+                          f"this machine has {torch.cuda.device_count()}"}), flush=True)
+    elif args.ranks > 1:
         r = multi_rank(args, args.ranks)
         key = "memcpy_1_thread" if args.device == "cpu" else ("d2d_copy" if r["backend"] == "cuda_ipc" else "")
         limit = cases[0]["limit_GB_s"] if key == cases[0]["limit"] else None
