@@ -35,6 +35,7 @@ from rlsync.fleet.spec import FleetSpec, RolloutGroup, decode
 log = logging.getLogger(__name__)
 TEND_SECONDS = 0.5
 WAITING_NOTE = 10.0  # seconds pending before the launcher is told what is missing
+MAX_BACKOFF = 30.0  # seconds: the longest pause before restarting a replica that died young
 START_TIMEOUT = 300.0
 
 
@@ -56,6 +57,8 @@ class Member:
     ended: str = ""
     pending_since: float = field(default_factory=time.monotonic)
     told_waiting: bool = False
+    started_at: float = 0.0
+    not_before: float = 0.0  # a replica that keeps dying young is started again after a growing pause
     task: asyncio.Task | None = field(default=None, repr=False)
 
 
@@ -120,15 +123,11 @@ class FleetManager:
             return {"error": str(e), "refused": True}
         current = sorted((m for m in self.members.values() if m.group == group), key=lambda m: _index(m.name))
         g.replicas = replicas
-        added, removed = [], []
+        added, removed = [], current[replicas:][::-1]  # the newest go first
         taken = {_index(m.name) for m in current}
-        i = 0
+        free = (i for i in range(len(current) + replicas) if i not in taken)
         while len(current) + len(added) < replicas:
-            if i not in taken:
-                added.append(self._add(f"{group}-{i}", "rollout", group, _replica(g)))
-            i += 1
-        for m in current[replicas:][::-1]:
-            removed.append(m)
+            added.append(self._add(f"{group}-{next(free)}", "rollout", group, _replica(g)))
         self._event("fleet", "scaled", f"{group}: {len(current)} -> {replicas} replicas")
         await asyncio.gather(*(self._remove(m, "scaled down") for m in removed))
         try:
@@ -216,7 +215,7 @@ class FleetManager:
 
     async def _tend(self, m: Member) -> None:
         try:
-            if m.state == "pending" and self._placed(m.unit):
+            if m.state == "pending" and time.monotonic() >= m.not_before and self._placed(m.unit):
                 await self._launch(m)
             elif m.state == "pending" and not m.told_waiting and time.monotonic() - m.pending_since > WAITING_NOTE:
                 m.told_waiting = True
@@ -236,7 +235,7 @@ class FleetManager:
                 await self._ended(m, "exited", f"{type(e).__name__}: {e}")
 
     async def _launch(self, m: Member) -> None:
-        m.state = "starting"
+        m.state, m.started_at = "starting", time.monotonic()
         service, args, command = self._command(m)
         env = {**self.spec.env, **({"RLSYNC_TOKEN": self.spec.token} if self.spec.token else {})}
         if m.role != "coordinator":
@@ -286,12 +285,15 @@ class FleetManager:
         if not restart or m.name not in self.members:
             return
         m.restarts += 1
+        lived = time.monotonic() - m.started_at
+        pause = 0.0 if state == "lost" or lived > MAX_BACKOFF else min(2.0 ** m.restarts, MAX_BACKOFF)
         m.state, m.ended, m.address = "pending", "", ""
-        m.pending_since, m.told_waiting = time.monotonic(), False
+        m.pending_since, m.told_waiting, m.not_before = time.monotonic(), False, time.monotonic() + pause
         if m.unit == m.name:  # its own placement: place it again (a lost node's bundle waits for a node)
             self._free(m.unit)
             self._place(m.unit, _replica(self.spec.group(m.group)))
-        self._event(m.name, "restarting", f"restart {m.restarts}: waiting for {_show(m.bundle)}")
+        self._event(m.name, "restarting", f"restart {m.restarts}" + (f" in {pause:.0f}s (it lived {lived:.0f}s)"
+                    if pause else "") + f": waiting for {_show(m.bundle)}")
 
     async def _remove(self, m: Member, why: str) -> None:
         """Drains and stops a member (SIGTERM, then SIGKILL after the grace), frees its placement."""
