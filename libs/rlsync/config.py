@@ -42,7 +42,8 @@ class ServerConfig:
                                               "get RESOURCE_EXHAUSTED")
     advertise: str = option("", "host (or host:port) other machines reach this service at; empty = the bind "
                                 "address, or this host's address when bound to all")
-    grace_seconds: float = option(5.0, "on SIGTERM: time given to in-flight RPCs before they are cancelled")
+    grace_seconds: float = option(5.0, "on SIGTERM: time in-flight work gets to finish (a replica's requests, "
+                                       "then the server's RPCs: up to twice this in all)")
     log_level: str = option("INFO", "logging level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 

@@ -25,10 +25,12 @@ def exit_status(returncode: int) -> str:
 
 
 def _on_parent_death(sig: int):
-    def preexec() -> None:
-        import ctypes
+    import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+
+    def preexec() -> None:
+        prctl(1, sig)  # PR_SET_PDEATHSIG
 
     return preexec
 

@@ -121,6 +121,7 @@ class Syncer:
             verify_seconds = phases.pop("verify")  # an audit, not part of the sync itself
             self.version = push.version
             self.trainer_step = max(self.trainer_step, push.version)  # a trainer with its own loop never calls Train
+            trainer.weight_version = push.version  # what it last published
             for r, channel in zip(replicas, push.channels):
                 r.weight_version, r.backend = push.version, channel
             self.syncs += 1

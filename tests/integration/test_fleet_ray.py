@@ -115,16 +115,24 @@ def test_scale_up_waits_for_a_node_catches_up_then_takes_traffic_and_scale_down_
         [t.join() for t in threads]
         assert replica.info().requests_admitted > before
 
-        # Scale down while a long stream runs on every replica (the gateway spreads them by load):
-        # the one that goes drains (its stream finishes, there or resumed elsewhere), then stops.
-        done = []
-        streams = [threading.Thread(target=lambda: done.append(c.complete("numbers:", max_tokens=64,
-                                                                           ignore_eos=True)[0])) for _ in range(4)]
+        # Scale down while streams keep every replica busy (the gateway spreads them by load): the
+        # one that goes drains (its streams finish, there or resumed elsewhere), then stops.
+        done, errors, stop = [], [], threading.Event()
+
+        def load() -> None:
+            while not stop.is_set():
+                try:
+                    done.append(c.complete("numbers:", max_tokens=64, ignore_eos=True)[0])
+                except Exception as e:  # noqa: BLE001 - counted: none may fail
+                    errors.append(e)
+
+        streams = [threading.Thread(target=load) for _ in range(4)]
         [t.start() for t in streams]
-        time.sleep(0.5)
+        wait_for(lambda: replica.info().in_flight > 0, 30, "a stream on far-2")  # what it must drain
         assert fleet.scale("far", 2)["removed"] == ["far-2"]
+        stop.set()
         [t.join(60) for t in streams]
-    assert len(done) == 4 and all(len(d.token_ids) == 64 for d in done)
+    assert not errors and done and all(len(d.token_ids) == 64 for d in done)
     assert "far-2" not in members(fleet)
     assert any(e["member"] == "far-2" and e["kind"] == "stopped" and "exited with status 0" in e["detail"]
                for e in fleet.events())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import signal
 import sys
 import threading
@@ -58,10 +59,14 @@ def up(argv: list[str]) -> int:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for every member")
     args = p.parse_args(argv)
     spec = load(args.fleet_file)
-    if args.detach and not (args.address or _env_address()):
+    if args.detach and not (args.address or os.environ.get("RAY_ADDRESS")):
         p.error("--detach needs a Ray cluster that outlives this command: --address or RAY_ADDRESS")
     fleet = Fleet.up(spec, args.address, args.timeout, on_event=_print)
-    status = fleet.wait_ready(args.timeout)
+    try:
+        status = fleet.wait_ready(args.timeout)
+    except BaseException:  # not ready, or Ctrl-C: take it down rather than leave it half up
+        fleet.down()
+        raise
     print(json.dumps({"event": "up", "fleet": spec.name, "coordinator": fleet.coordinator,
                       "members": len(status["members"]), "ray_address": fleet.ray_address}), flush=True)
     if args.detach:
@@ -146,11 +151,5 @@ def down(argv: list[str]) -> int:
     args = p.parse_args(argv)
     Fleet.connect(args.name, args.address).down()
     return 0
-
-
-def _env_address() -> str:
-    import os
-
-    return os.environ.get("RAY_ADDRESS", "")
 
 

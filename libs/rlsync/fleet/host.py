@@ -5,12 +5,15 @@ script), exactly what `docker compose` or a person would start. The host adds wh
 knows: the node's id (the handshake's host identity: two nodes are two hosts) and an address other
 nodes can dial. It takes and returns plain values (strings, numbers, dicts of them), never tensors
 or models. When the host dies (its node was lost, or the fleet went down), Linux ends the member
-with SIGTERM, so nothing outlives its placement.
+with SIGTERM; when the member's own process ends, whatever it started that is still running (an
+engine's workers) is killed with its process group.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -22,24 +25,44 @@ from rlsync.launch import ServiceProcess, exit_status
 @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)
 class ServiceHost:
     def __init__(self, name: str, service: str, args: list[str], env: dict[str, str], log_dir: str,
-                 command: list[str] | None = None):
+                 script: list[str] | None = None, ranks: int = 1):
+        """script: a user's program and its arguments, run with this node's Python (under torchrun
+        with `ranks` processes when > 1), instead of `python -m rlsync.<service> args`."""
         context = ray.get_runtime_context()
         self.node_id = context.get_node_id()
         self.ip = ray.util.get_node_ip_address()
         env = {**env, "RLSYNC_NODE_ID": self.node_id, "RLSYNC_HOST": "0.0.0.0", "RLSYNC_ADVERTISE": self.ip}
+        if not ray.get_gpu_ids():  # Ray leaves CUDA_VISIBLE_DEVICES alone for a member with no GPU
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        command = None
+        if script is not None:
+            launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                      f"--nproc-per-node={ranks}"] if ranks > 1 else [sys.executable]
+            command = [*launch, *script]
         log = Path(log_dir) / f"{name}.log"
-        started = threading.Event()
+        started, failed = threading.Event(), []
 
         # The member is started by a thread that lives exactly as long as it does: Linux delivers the
         # parent-death signal when the starting *thread* ends, so this one waits on the process.
         def own() -> None:
-            self.proc = ServiceProcess(service, args, env=env, log_path=log, name=name, command=command,
-                                       parent_death_signal=signal.SIGTERM)
-            started.set()
+            try:
+                self.proc = ServiceProcess(service, args, env=env, log_path=log, name=name, command=command,
+                                           parent_death_signal=signal.SIGTERM)
+            except Exception as e:  # noqa: BLE001 - raised by __init__ below
+                failed.append(e)
+                return
+            finally:
+                started.set()
             self.proc.proc.wait()
+            try:  # what it started and left behind (engine workers) goes with it
+                os.killpg(self.proc.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
         threading.Thread(target=own, name=f"owner-{name}", daemon=True).start()
         started.wait()
+        if failed:
+            raise RuntimeError(f"could not start {name} on node {self.node_id[:12]}: {failed[0]}")
 
     def where(self) -> dict:
         """Node id, node address, pid and log path of the member."""

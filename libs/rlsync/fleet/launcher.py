@@ -16,11 +16,13 @@ import os
 import time
 from collections.abc import Callable
 
+import grpc
+import msgspec
 import ray
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rlsync.client import CoordinatorClient
+from rlsync.client import CoordinatorClient, RpcError
 from rlsync.coordinator.v1.coordinator_pb2 import ROLE_TRAINER
 from rlsync.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rlsync.fleet.manager import START_TIMEOUT, FleetManager
@@ -33,7 +35,7 @@ def join_cluster(address: str | None = None) -> None:
     """Joins the Ray cluster at `address` (or RAY_ADDRESS); without either, starts a local one."""
     if ray.is_initialized():
         return
-    address = address or os.environ.get("RAY_ADDRESS") or None
+    address = address or os.environ.get("RAY_ADDRESS") or "local"  # never a cluster found by chance
     ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
 
 
@@ -53,6 +55,7 @@ class Fleet:
         """Places every member of `spec`; returns once each listens (raises with the reason otherwise,
         leaving nothing behind). `on_event` sees what happens meanwhile (placing, waiting, started)."""
         join_cluster(address)
+        spec = msgspec.structs.replace(spec, token=spec.token or os.environ.get("RLSYNC_TOKEN", ""))
         try:
             ray.get_actor(spec.name, namespace=NAMESPACE)
             raise FailedPrecondition(f"a fleet named {spec.name!r} is already up on this cluster: "
@@ -63,19 +66,21 @@ class Fleet:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         manager = FleetManager.options(name=spec.name, namespace=NAMESPACE, lifetime="detached",
                                        scheduling_strategy=here).remote(encode(spec))
-        starting, seen, done = manager.start.remote(timeout), 0, False
-        while not done:
-            done = bool(ray.wait([starting], timeout=0.5)[0])
-            for event in ray.get(manager.events_since.remote(seen)) if on_event else []:
-                on_event(event)
-                seen = event["seq"]
-        started = ray.get(starting)
-        token = spec.token or os.environ.get("RLSYNC_TOKEN", "")
-        fleet = cls(spec.name, manager, started.get("coordinator", ""), token)
-        fleet.seen = seen
-        if "error" in started:
+        fleet = cls(spec.name, manager, "", spec.token)
+        try:
+            starting, done = manager.start.remote(timeout), False
+            while not done:
+                done = bool(ray.wait([starting], timeout=0.5)[0])
+                for event in ray.get(manager.events_since.remote(fleet.seen)) if on_event else []:
+                    on_event(event)
+                    fleet.seen = event["seq"]
+            started = ray.get(starting)
+            fleet.coordinator = started.get("coordinator", "")
+            if "error" in started:
+                raise Unavailable(f"fleet {spec.name!r} did not come up: {started['error']}")
+        except BaseException:  # Ctrl-C included: a fleet that did not come up leaves nothing behind
             fleet.down()
-            raise Unavailable(f"fleet {spec.name!r} did not come up: {started['error']}")
+            raise
         return fleet
 
     @classmethod
@@ -106,7 +111,9 @@ class Fleet:
             by_address = {m.address: m for m in fleet.members}
             status["weight_version"] = fleet.weight_version
             status["trainer_registered"] = any(m.role == ROLE_TRAINER for m in fleet.members)
-        except Exception:  # noqa: BLE001 - the coordinator may be down: Ray's view still stands
+        except RpcError as e:  # down or starting: Ray's view stands (a wrong token is not that: it raises)
+            if e.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise
             by_address, status["weight_version"], status["trainer_registered"] = {}, -1, False
         for m in status["members"]:
             seen = by_address.get(m["address"])
@@ -141,7 +148,7 @@ class Fleet:
             if time.monotonic() > deadline:
                 waiting = [f"{m['name']} ({m['state']}, {m['registered'] or 'not registered'})" for m in replicas
                            if m["registered"] != "ready"]
-                raise TimeoutError(f"fleet {self.name!r} not ready after {timeout:.0f}s: trainer "
+                raise Unavailable(f"fleet {self.name!r} not ready after {timeout:.0f}s: trainer "
                                    f"{'registered' if status['trainer_registered'] else 'not registered'}; "
                                    f"waiting for {', '.join(waiting) or 'none'}")
             time.sleep(0.2)

@@ -34,6 +34,7 @@ from rlsync.fleet.spec import FleetSpec, RolloutGroup, decode
 
 log = logging.getLogger(__name__)
 TEND_SECONDS = 0.5
+NODE_WATCH_TICKS = 4  # the node table is read every 4 ticks
 WAITING_NOTE = 10.0  # seconds pending before the launcher is told what is missing
 MAX_BACKOFF = 30.0  # seconds: the longest pause before restarting a replica that died young
 START_TIMEOUT = 300.0
@@ -70,7 +71,7 @@ class FleetManager:
         self.units: dict[str, PlacementGroup] = {}
         self.events: list[dict] = []
         self.coordinator = ""
-        self.nodes: dict[str, str] = {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes() if n["Alive"]}
+        self.nodes: dict[str, str] = _alive_nodes()
         self._closing = False
         self._tend_task: asyncio.Task | None = None
 
@@ -121,7 +122,8 @@ class FleetManager:
                 raise InvalidArgument(f"replicas must be >= 0, got {replicas}")
         except InvalidArgument as e:
             return {"error": str(e), "refused": True}
-        current = sorted((m for m in self.members.values() if m.group == group), key=lambda m: _index(m.name))
+        current = sorted((m for m in self.members.values() if m.role == "rollout" and m.group == group),
+                         key=lambda m: _index(m.name))
         g.replicas = replicas
         added, removed = [], current[replicas:][::-1]  # the newest go first
         taken = {_index(m.name) for m in current}
@@ -193,16 +195,21 @@ class FleetManager:
                 pass
 
     async def _tend_forever(self) -> None:
+        tick = 0
         while not self._closing:
-            self._watch_nodes()
-            for m in list(self.members.values()):
-                if m.task is None or m.task.done():
-                    m.task = asyncio.get_running_loop().create_task(self._tend(m))
+            try:
+                if tick % NODE_WATCH_TICKS == 0:
+                    self._watch_nodes(await asyncio.to_thread(_alive_nodes))
+                for m in list(self.members.values()):
+                    if m.task is None or m.task.done():
+                        m.task = asyncio.get_running_loop().create_task(self._tend(m))
+            except Exception as e:  # noqa: BLE001 - a hiccup of Ray's must not stop the tending
+                self._event("fleet", "error", f"tending the fleet: {type(e).__name__}: {e}")
+            tick += 1
             await asyncio.sleep(TEND_SECONDS)
 
-    def _watch_nodes(self) -> None:
+    def _watch_nodes(self, alive: dict[str, str]) -> None:
         """Reports nodes that join the cluster or leave it (with the members that ran there)."""
-        alive = {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes() if n["Alive"]}
         for node, ip in alive.items():
             if node not in self.nodes:
                 self._event("cluster", "node-joined", f"node {node[:12]} ({ip})")
@@ -217,7 +224,8 @@ class FleetManager:
         try:
             if m.state == "pending" and time.monotonic() >= m.not_before and self._placed(m.unit):
                 await self._launch(m)
-            elif m.state == "pending" and not m.told_waiting and time.monotonic() - m.pending_since > WAITING_NOTE:
+            elif (m.state == "pending" and not m.told_waiting and time.monotonic() - m.pending_since > WAITING_NOTE
+                  and not self._placed(m.unit)):
                 m.told_waiting = True
                 free = {k: round(v, 2) for k, v in ray.available_resources().items()
                         if k in ("CPU", "GPU") or k in m.bundle}
@@ -228,26 +236,32 @@ class FleetManager:
                 if ended:
                     tail = await m.host.log_tail.remote(20)
                     await self._ended(m, "exited", f"{ended}\n{tail}")
-        except RayActorError as e:
-            await self._ended(m, "lost", _why_lost(m, e))
         except Exception as e:  # noqa: BLE001 - a member must not stop the others being tended
-            if not self._closing and m.state != "stopped":
-                await self._ended(m, "exited", f"{type(e).__name__}: {e}")
+            if self._closing or m.state == "stopped":
+                return
+            if isinstance(e, RayActorError) and m.node_id and m.node_id not in await asyncio.to_thread(_alive_nodes):
+                await self._ended(m, "lost", f"its node {m.node_id[:12]} ({m.ip}) left the cluster")
+            else:  # it could not start, or its host died on a live node
+                await self._ended(m, "exited", f"{type(e).__name__}: {str(e)[:2000]}")
 
     async def _launch(self, m: Member) -> None:
         m.state, m.started_at = "starting", time.monotonic()
-        service, args, command = self._command(m)
-        env = {**self.spec.env, **({"RLSYNC_TOKEN": self.spec.token} if self.spec.token else {})}
+        service, args, script = self._command(m)
+        # Threads per process from what the member was given (Ray sets OMP_NUM_THREADS to a whole
+        # bundle's CPUs, which every rank of a trainer would take), unless the file says otherwise.
+        threads = max(1, int(self.spec.trainer.cpus if m.role == "trainer" else m.bundle.get("CPU", 1)))
+        env = {"OMP_NUM_THREADS": str(threads), **self.spec.env, "RLSYNC_TOKEN": self.spec.token}
         if m.role != "coordinator":
             env["RLSYNC_COORDINATOR"] = self.coordinator
         options = {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.units[m.unit], 0),
                    "num_cpus": m.bundle.get("CPU", 0), "num_gpus": m.bundle.get("GPU", 0)}
         log_dir = f"{self.spec.log_dir}/{self.spec.name}"
-        m.host = ServiceHost.options(**options).remote(m.name, service, args, env, log_dir, command)
+        m.host = ServiceHost.options(**options).remote(m.name, service, args, env, log_dir, script,
+                                                       self.spec.trainer.nproc)
         where = await m.host.where.remote()
         m.node_id, m.ip, m.pid, m.log = where["node_id"], where["ip"], where["pid"], where["log"]
         self._event(m.name, "started", f"pid {m.pid} on node {m.node_id[:12]} ({m.ip}); log {m.log}")
-        if command is not None:  # a user's script announces nothing: it runs
+        if script is not None:  # a user's script announces nothing: it runs
             m.state = "running"
             return
         m.address = await m.host.wait_ready.remote(START_TIMEOUT)
@@ -255,19 +269,15 @@ class FleetManager:
         self._event(m.name, "listening", m.address)
 
     def _command(self, m: Member) -> tuple[str, list[str], list[str] | None]:
-        """(service, flags, command): every member's command line; node-level settings go through
+        """(service, flags, script): every member's command line; node-level settings go through
         the environment (ServiceHost), role-level ones as flags, the fleet file's `args` last."""
         s = self.spec
         if m.role == "coordinator":
             return "coordinator", ["--port", str(s.coordinator.port), "--sync-mode", s.sync, *s.coordinator.args], None
         if m.role == "trainer":
             t = s.trainer
-            if t.script:
-                import sys
-
-                launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          f"--nproc-per-node={t.nproc}"] if t.nproc > 1 else [sys.executable]
-                return "trainer", [], [*launch, t.script, *t.args]
+            if t.script:  # the host runs it with its node's Python (torchrun for several ranks)
+                return "trainer", [], [t.script, *t.args]
             return "trainer", ["--port", "0", "--model", s.model, "--nproc", str(t.nproc), *t.args], None
         g = s.group(m.group)
         return "rollout", ["--port", "0", "--engine", g.engine, "--model", s.model, "--replica-id", m.name,
@@ -278,11 +288,14 @@ class FleetManager:
             return
         m.state, m.ended = state, why
         self._event(m.name, state, why)
-        if m.host is not None:
-            ray.kill(m.host)
-            m.host = None
-        restart = m.role == "rollout" and self.spec.group(m.group).restart and not self._closing
-        if not restart or m.name not in self.members:
+        host, m.host = m.host, None
+        if host is not None:
+            ray.kill(host)
+        if self.members.get(m.name) is not m or self._closing or m.role != "rollout":
+            return  # the trainer and the coordinator stay as they ended, for status to show
+        if not self.spec.group(m.group).restart:  # gone for good: it no longer counts as a replica
+            del self.members[m.name]
+            self._free_if_unused(m.unit)
             return
         m.restarts += 1
         lived = time.monotonic() - m.started_at
@@ -297,20 +310,22 @@ class FleetManager:
 
     async def _remove(self, m: Member, why: str) -> None:
         """Drains and stops a member (SIGTERM, then SIGKILL after the grace), frees its placement."""
-        self.members.pop(m.name, None)
+        if self.members.get(m.name) is m:
+            del self.members[m.name]
         if m.task is not None:
             m.task.cancel()
-        if m.host is not None:
+        host, m.host, m.state = m.host, None, "stopped"
+        if host is not None:
             try:
-                ended = await m.host.stop.remote(30.0)
-                self._event(m.name, "stopped", f"{why}: {ended}")
-            except RayActorError as e:
-                self._event(m.name, "stopped", f"{why}: already gone ({_why_lost(m, e)})")
-            ray.kill(m.host)
-            m.host = None
-        m.state = "stopped"
-        if not any(o.unit == m.unit for o in self.members.values()):
-            self._free(m.unit)
+                self._event(m.name, "stopped", f"{why}: {await host.stop.remote(30.0)}")
+            except RayActorError:
+                self._event(m.name, "stopped", f"{why}: it was already gone")
+            ray.kill(host)
+        self._free_if_unused(m.unit)
+
+    def _free_if_unused(self, unit: str) -> None:
+        if not any(o.unit == unit for o in self.members.values()):
+            self._free(unit)
 
     async def _until(self, done, timeout: float, *watched: Member) -> None:
         deadline = time.monotonic() + timeout
@@ -335,6 +350,11 @@ def _replica(g: RolloutGroup) -> dict[str, float]:
     return {**g.resources, "CPU": g.cpus, "GPU": g.gpus}
 
 
+def _alive_nodes() -> dict[str, str]:
+    """Node id -> address of every live node (a call to Ray's control store)."""
+    return {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes() if n["Alive"]}
+
+
 def _nonzero(bundle: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in bundle.items() if v > 0} or {"CPU": 0.01}
 
@@ -345,13 +365,6 @@ def _show(bundle: dict[str, float]) -> str:
 
 def _index(name: str) -> int:
     return int(name.rpartition("-")[2])
-
-
-def _why_lost(m: Member, e: Exception) -> str:
-    alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
-    if not alive.get(m.node_id, False):
-        return f"its node {m.node_id[:12]} ({m.ip}) left the cluster"
-    return f"its host actor died: {str(e).splitlines()[0][:300]}"
 
 
 def _describe(m: Member) -> dict:

@@ -22,6 +22,8 @@ import msgspec
 from rlsync.errors import InvalidArgument
 
 _NAME = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
+_RESERVED = {"coordinator", "trainer", "fleet", "cluster"}  # member and event names of their own
+_SET_BY_THE_FLEET = {"RLSYNC_HOST", "RLSYNC_ADVERTISE", "RLSYNC_NODE_ID", "RLSYNC_COORDINATOR", "RLSYNC_TOKEN"}
 
 
 class _Spec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
@@ -59,7 +61,7 @@ class FleetSpec(_Spec):
     name: str = "rlsync"
     model: str = "tiny"
     sync: Literal["async", "colocated"] = "async"
-    token: str = ""  # shared secret for every RPC (default: $RLSYNC_TOKEN)
+    token: str = ""  # shared secret for every RPC (default: the launcher's $RLSYNC_TOKEN)
     env: dict[str, str] = {}  # environment for every member (VLLM_CPU_KVCACHE_SPACE, ...)
     log_dir: str = "/tmp/rlsync-fleet"  # on every node: <log_dir>/<fleet>/<member>.log
     coordinator: CoordinatorSpec = msgspec.field(default_factory=CoordinatorSpec)
@@ -88,6 +90,11 @@ def _check(spec: FleetSpec) -> FleetSpec:
         problems.append("cpus and gpus must be >= 0")
     if t.gpus_per_rank > 1 and t.gpus_per_rank != int(t.gpus_per_rank):
         problems.append(f"trainer.gpus_per_rank: {t.gpus_per_rank} must be a whole number when above 1")
+    if t.nproc > 1 and 0 < t.gpus_per_rank < 1:
+        problems.append(f"trainer.gpus_per_rank: {t.gpus_per_rank} with nproc {t.nproc}: each rank takes a GPU "
+                        "of its own (1), or none (0)")
+    for key in sorted(_SET_BY_THE_FLEET & set(spec.env)):
+        problems.append(f"env.{key}: set by the fleet for each member (the token goes in `token:`)")
     names = [g.name for g in spec.rollout]
     if not spec.rollout:
         problems.append("rollout: at least one group is needed")
@@ -95,6 +102,8 @@ def _check(spec: FleetSpec) -> FleetSpec:
         where = f"rollout[{i}] ({g.name})"
         if not _NAME.match(g.name):
             problems.append(f"{where}.name: must be lowercase letters, digits and '-', starting with a letter")
+        if g.name in _RESERVED:
+            problems.append(f"{where}.name: {g.name!r} is reserved; call the group something else")
         if names.count(g.name) > 1:
             problems.append(f"{where}.name: {g.name!r} is used twice")
         if g.replicas < 0:
@@ -138,6 +147,9 @@ def load(path: str | Path) -> FleetSpec:
         if not script.exists():
             script = Path(spec.trainer.script).resolve()
         spec.trainer.script = str(script)
+    if spec.trainer.script and not Path(spec.trainer.script).is_file():
+        raise InvalidArgument(f"trainer.script: {spec.trainer.script} does not exist (the path must be the same "
+                              "on the node that runs the trainer)")
     return spec
 
 

@@ -13,7 +13,10 @@ def advertised(host: str, port: int, advertise: str = "") -> str:
             return advertise
         return f"[{advertise}]:{port}" if ":" in advertise else f"{advertise}:{port}"  # IPv6 in brackets
     if host in ("0.0.0.0", "::", ""):
-        host = socket.gethostbyname(socket.gethostname())
+        try:
+            host = socket.gethostbyname(socket.gethostname())
+        except OSError:  # a host name that does not resolve: say what is bound
+            pass
     return f"{host}:{port}"
 
 

@@ -211,13 +211,25 @@ class _Broadcast(abc.ABC):
         return nbytes
 
 
+def _address_toward(host: str) -> str:
+    """This machine's address on the route to `host` (no packet is sent)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
 class GlooChannel(_Broadcast):
     backend = pb.BACKEND_GLOO
     slot_device = "cpu"
 
     def _group(self, store, rank, world, deadline, gid):
-        timeout = datetime.timedelta(seconds=deadline.remaining("creating the gloo group"))
-        return dist.ProcessGroupGloo(dist.PrefixStore(gid, store), rank, world, timeout)
+        # Gloo's default device listens on whatever this host's name resolves to (127.0.1.1 on many
+        # machines); peers on other hosts could not reach it. Listen where the route to the store goes.
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = datetime.timedelta(seconds=deadline.remaining("creating the gloo group"))
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=_address_toward(store.host))]
+        return dist.ProcessGroupGloo(dist.PrefixStore(gid, store), rank, world, options)
 
 
 class NcclChannel(_Broadcast):
