@@ -12,12 +12,17 @@ def advertised(host: str, port: int, advertise: str = "") -> str:
         if _has_port(advertise):
             return advertise
         return f"[{advertise}]:{port}" if ":" in advertise else f"{advertise}:{port}"  # IPv6 in brackets
-    if host in ("0.0.0.0", "::", ""):
+    return f"{reachable_host(host)}:{port}"
+
+
+def reachable_host(bind: str) -> str:
+    """The bind address, or this host's address when bound to every interface."""
+    if bind in ("0.0.0.0", "::", ""):
         try:
-            host = socket.gethostbyname(socket.gethostname())
+            return socket.gethostbyname(socket.gethostname())
         except OSError:  # a host name that does not resolve: say what is bound
             pass
-    return f"{host}:{port}"
+    return bind
 
 
 def advertise_host(advertise: str) -> str | None:

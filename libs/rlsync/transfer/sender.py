@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import secrets
-import socket
 import threading
 import time
 import uuid
@@ -14,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlsync.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from rlsync.rpc.address import reachable_host
 from rlsync.transfer.backends import available, channel
 from rlsync.transfer.backends.base import SendJob, expect
 from rlsync.transfer.control import Conn, Deadline, Listener
@@ -72,7 +72,7 @@ class WeightSender:
         self.arena = arena if arena is not None else self.source.arena
         self.allow_one_copy = one_copy is not False  # None: whenever the memory allows it
         # Where receivers dial: the bind host, or this host's address when bound to every interface.
-        self.host = advertise or (socket.gethostbyname(socket.gethostname()) if host in ("0.0.0.0", "::") else host)
+        self.host = advertise or reachable_host(host)
         self.listener = Listener(host, self.host)
         self.cache: dict = {}
         self._specs: dict[str, list[Spec]] = {}  # transfer id -> specs of its manifest (the latest few)
