@@ -80,6 +80,8 @@ async def under_updates(coordinator: str, streams: int, max_tokens: int, updates
             s = await c.sync_weights(version=u + 1)
             syncs.append({"version": s.version, "seconds": s.seconds, "phases": dict(s.phases),
                           "streams_open": open_at_start})
+            await asyncio.sleep(0.3)  # let each version serve: the next sync's pause would otherwise meet
+            # streams still being resubmitted, and a version could make no token at all
         runs = await asyncio.gather(*tasks)
         status = await c.status()
     problems, resubmitted, versions_seen = [], 0, set()

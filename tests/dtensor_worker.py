@@ -31,4 +31,5 @@ produced = dict(source.items())  # one pass: every rank runs the same gathers
 if dist.get_rank() == 0:
     wrong = [n for n, t in whole.items() if not torch.equal(produced[n], t.to(torch.bfloat16))]
     print(json.dumps({"checked": sorted(produced), "wrong": wrong}), flush=True)
+dist.barrier()  # leave together: a rank tearing gloo down while its peer still talks can abort
 dist.destroy_process_group()

@@ -9,7 +9,7 @@ import grpc
 
 from rlsync.config import describe
 from rlsync.coordinator.v1.coordinator_pb2 import ROLE_ROLLOUT
-from rlsync.rpc.address import advertised
+from rlsync.address import advertised
 from rlsync.rpc.registrar import Registrar
 from rlsync.models import resolve_model
 from rlsync.rollout.config import RolloutConfig

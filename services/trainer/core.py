@@ -22,7 +22,7 @@ from rlsync.models import resolve_model
 from rlsync.publish.core import PublisherCore, at_publish_points, in_thread
 from rlsync.publish.ranks import TRAIN, PublishPoints, Ranks, hooks
 from rlsync.publish.source import module_source
-from rlsync.rpc.address import advertise_host
+from rlsync.address import advertise_host
 from rlsync.trainer import checkpoint
 from rlsync.trainer.config import TrainerConfig
 from rlsync.trainer.grpo import grpo_loss, group_advantages, make_batch, token_logprobs

@@ -10,7 +10,7 @@ import grpc
 from rlsync.config import describe
 from rlsync.launch import exit_status
 from rlsync.coordinator.v1.coordinator_pb2 import ROLE_TRAINER
-from rlsync.rpc.address import advertised
+from rlsync.address import advertised
 from rlsync.rpc.registrar import Registrar
 from rlsync.trainer.config import TrainerConfig
 from rlsync.trainer.core import TrainerCore

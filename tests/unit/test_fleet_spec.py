@@ -8,7 +8,7 @@ import pytest
 
 from rlsync.errors import InvalidArgument
 from rlsync.fleet.spec import decode, encode, load, parse
-from rlsync.rpc.address import advertise_host, advertised
+from rlsync.address import advertise_host, advertised
 
 EXAMPLES = Path(__file__).parents[2] / "examples" / "fleets"
 

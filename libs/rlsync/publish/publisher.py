@@ -35,7 +35,7 @@ from rlsync.publish.ranks import DONE, FAILED, PublishPoints, Ranks, hooks
 from rlsync.publish.servicer import PublisherServicer
 from rlsync.publish.source import module_source, module_tensors
 from rlsync.rpc.auth import TokenAuthInterceptor
-from rlsync.rpc.address import advertise_host, advertised
+from rlsync.address import advertise_host, advertised
 from rlsync.rpc.registrar import Registrar
 from rlsync.trainer.v1 import trainer_pb2_grpc
 from rlsync.transfer.sender import DEFAULT_BUCKET_BYTES

@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rlsync.config import ServerConfig
 from rlsync.rpc.auth import TokenAuthInterceptor
-from rlsync.rpc.address import advertised
+from rlsync.address import advertised
 
 log = logging.getLogger(__name__)
 

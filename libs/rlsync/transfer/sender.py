@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlsync.errors import FailedPrecondition, InvalidArgument, PermissionDenied
-from rlsync.rpc.address import reachable_host
+from rlsync.address import reachable_host
 from rlsync.transfer.backends import available, channel
 from rlsync.transfer.backends.base import SendJob, expect
 from rlsync.transfer.control import Conn, Deadline, Listener
