@@ -41,9 +41,11 @@ name: bench
 coordinator: {{port: 0}}
 trainer: {{resources: {{head: 1}}}}
 rollout:
-  - {{name: near, engine: {engine}, replicas: 1, resources: {{head: 1}}}}
-  - {{name: far, engine: {engine}, replicas: {far}, resources: {{far: 1}}}}
+  - {{name: near, engine: {engine}, replicas: 1, resources: {{head: 1}}, engine_args: {engine_args}}}
+  - {{name: far, engine: {engine}, replicas: {far}, resources: {{far: 1}}, engine_args: {engine_args}}}
 """
+# vLLM's CPU build reserves most of the machine's memory per engine unless told a KV cache size.
+ENGINE_ARGS = {"hf": {}, "vllm": {"enforce_eager": True, "kv_cache_memory_bytes": 64 << 20, "max_num_seqs": 32}}
 
 
 def wait_for(predicate, timeout: float = 180.0):
@@ -103,7 +105,8 @@ def main() -> None:
         cluster.add_node(num_cpus=1, resources={"far": 1})
     ray.init(address=cluster.address, namespace="rlsync", log_to_driver=False)
     cluster_s = time.perf_counter() - t0
-    fleet = Fleet.up(parse(FLEET.format(engine=args.engine, far=args.nodes)))
+    spec = FLEET.format(engine=args.engine, far=args.nodes, engine_args=json.dumps(ENGINE_ARGS[args.engine]))
+    fleet = Fleet.up(parse(spec))
     try:
         fleet.wait_ready()
         up_s = time.perf_counter() - t0 - cluster_s

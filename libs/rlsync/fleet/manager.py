@@ -59,6 +59,7 @@ class Member:
     pending_since: float = field(default_factory=time.monotonic)
     told_waiting: bool = False
     started_at: float = 0.0
+    last_end: str = ""  # how its last run ended (exit status and log tail)
     not_before: float = 0.0  # a replica that keeps dying young is started again after a growing pause
     task: asyncio.Task | None = field(default=None, repr=False)
 
@@ -286,7 +287,7 @@ class FleetManager:
     async def _ended(self, m: Member, state: str, why: str) -> None:
         if m.state in ("stopped", "exited", "lost"):
             return
-        m.state, m.ended = state, why
+        m.state, m.ended, m.last_end = state, why, why
         self._event(m.name, state, why)
         host, m.host = m.host, None
         if host is not None:
@@ -334,9 +335,8 @@ class FleetManager:
             if ended:
                 raise RuntimeError("; ".join(f"{m.name} {m.state}: {m.ended}" for m in ended))
             if time.monotonic() > deadline:
-                pending = [f"{m.name} ({m.state})" for m in watched if m.state != "running"]
-                raise TimeoutError(f"not running after {timeout:.0f}s: {', '.join(pending)} "
-                                   "(pending = no node has the resources it asks for)")
+                raise TimeoutError(f"not running after {timeout:.0f}s: " + "; ".join(
+                    _why_not_running(m) for m in watched if m.state != "running"))
             await asyncio.sleep(0.1)
 
     def _event(self, member: str, kind: str, detail: str) -> None:
@@ -348,6 +348,14 @@ class FleetManager:
 def _replica(g: RolloutGroup) -> dict[str, float]:
     """One replica's bundle: its CPUs, GPUs and custom resources."""
     return {**g.resources, "CPU": g.cpus, "GPU": g.gpus}
+
+
+def _why_not_running(m: Member) -> str:
+    if m.restarts:  # it ran and keeps ending: say how it last did
+        return f"{m.name} ({m.state}; ended {m.restarts} times, last: {m.last_end[-600:]})"
+    if m.state == "pending":
+        return f"{m.name} (pending: no node has {_show(m.bundle)} free)"
+    return f"{m.name} ({m.state})"
 
 
 def _alive_nodes() -> dict[str, str]:
