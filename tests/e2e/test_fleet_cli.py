@@ -45,9 +45,15 @@ def test_up_status_scale_down(tmp_path, tiny_model):
             result = c.sync_weights(verify=True)
             assert result.verified and dict(result.backends) == {"shm": 2}  # one node: one host
 
+            scaled = rlsync("scale", "rollout=3")  # as the README does
+            assert scaled.returncode == 0, scaled.stderr
+            assert json.loads(scaled.stdout)["added"] == ["rollout-2"]
+            c.wait_ready(4)  # the trainer and three replicas, the new one caught up
+            assert c.sync_weights(verify=True).replicas == 3
+
             scaled = rlsync("scale", "rollout=1")
             assert scaled.returncode == 0, scaled.stderr
-            assert json.loads(scaled.stdout)["removed"] == ["rollout-1"]
+            assert json.loads(scaled.stdout)["removed"] == ["rollout-2", "rollout-1"]  # newest first
             refused = rlsync("scale", "decode=2")
             assert refused.returncode == 2 and "no rollout group 'decode'" in refused.stderr
             assert c.sync_weights(verify=True).replicas == 1
