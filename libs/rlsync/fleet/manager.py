@@ -55,12 +55,16 @@ class Member:
     pid: int = 0
     log: str = ""
     restarts: int = 0
-    ended: str = ""
     pending_since: float = field(default_factory=time.monotonic)
     told_waiting: bool = False
     started_at: float = 0.0
     last_end: str = ""  # how its last run ended (exit status and log tail)
     not_before: float = 0.0  # a replica that keeps dying young is started again after a growing pause
+
+    @property
+    def ended(self) -> str:
+        """How it ended, while it stays ended (a replica being restarted is pending again)."""
+        return self.last_end if self.state in ("exited", "lost") else ""
     task: asyncio.Task | None = field(default=None, repr=False)
 
 
@@ -287,7 +291,7 @@ class FleetManager:
     async def _ended(self, m: Member, state: str, why: str) -> None:
         if m.state in ("stopped", "exited", "lost"):
             return
-        m.state, m.ended, m.last_end = state, why, why
+        m.state, m.last_end = state, why
         self._event(m.name, state, why)
         host, m.host = m.host, None
         if host is not None:
@@ -301,7 +305,7 @@ class FleetManager:
         m.restarts += 1
         lived = time.monotonic() - m.started_at
         pause = 0.0 if state == "lost" or lived > MAX_BACKOFF else min(2.0 ** m.restarts, MAX_BACKOFF)
-        m.state, m.ended, m.address = "pending", "", ""
+        m.state, m.address = "pending", ""
         m.pending_since, m.told_waiting, m.not_before = time.monotonic(), False, time.monotonic() + pause
         if m.unit == m.name:  # its own placement: place it again (a lost node's bundle waits for a node)
             self._free(m.unit)

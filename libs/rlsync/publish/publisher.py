@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +25,8 @@ from grpc_health.v1._async import HealthServicer
 from torch import nn
 
 from rlsync.client import CoordinatorClient
-from rlsync.config import ENV_PREFIX
+from rlsync.address import advertise_host, advertised
+from rlsync.config import ServerConfig, build
 from rlsync.coordinator.v1.coordinator_pb2 import ROLE_TRAINER, SYNC_MODE_COLOCATED
 from rlsync.errors import FailedPrecondition, Unavailable
 from rlsync.publish.core import PublisherCore, at_publish_points
@@ -35,7 +35,6 @@ from rlsync.publish.ranks import DONE, FAILED, PublishPoints, Ranks, hooks
 from rlsync.publish.servicer import PublisherServicer
 from rlsync.publish.source import module_source, module_tensors
 from rlsync.rpc.auth import TokenAuthInterceptor
-from rlsync.address import advertise_host, advertised
 from rlsync.rpc.registrar import Registrar
 from rlsync.trainer.v1 import trainer_pb2_grpc
 from rlsync.transfer.sender import DEFAULT_BUCKET_BYTES
@@ -62,8 +61,10 @@ class WeightPublisher:
                  transfer_timeout: float = 300.0,
                  offload: Callable[[], None] | None = None, onload: Callable[[], None] | None = None,
                  group=None, name: str = "trainer", register_timeout: float = 60.0):
-        host, advertise, token = _from_env(host, "HOST", "127.0.0.1"), _from_env(advertise, "ADVERTISE"), \
-            _from_env(token, "TOKEN")
+        env = build(ServerConfig)  # what is left out comes from RLSYNC_*, read as the services read it
+        host = env.host if host is None else host
+        advertise = env.advertise if advertise is None else advertise
+        token = env.token if token is None else token
         self.model, self.weights = model, weights or WeightMap()
         self.ranks = Ranks(group)
         module_source(model, self.weights)  # a name or dtype problem is refused now, on every rank
@@ -169,8 +170,3 @@ class WeightPublisher:
                 raise TimeoutError(f"could not register with the coordinator at {self.coordinator.address} "
                                    f"within {timeout:.0f}s: is it running, and is the token right?")
             time.sleep(0.05)
-
-
-def _from_env(value: str | None, field: str, default: str = "") -> str:
-    """An argument left out takes RLSYNC_<FIELD>, as the services' flags do (launchers set them)."""
-    return os.environ.get(ENV_PREFIX + field, default) if value is None else value
