@@ -63,10 +63,12 @@ def frozen_streams(client: RolloutClient, prompts: list[str], attempts: int = 5,
     within a fraction of a second (e.g. max_tokens=900, ignore_eos=True)."""
     for _ in range(attempts):
         streams = [Stream(client, p, **kw) for p in prompts]
-        if wait_in_flight(client, len(prompts), streams=streams):
-            time.sleep(0.2)  # the engine makes some tokens
+        # Every stream has made a token before the pause: a fixed sleep was not enough on two busy
+        # cores, where vLLM's prefill can take longer and the pause then froze a stream at zero.
+        if wait_in_flight(client, len(prompts), streams=streams) and all(
+                s.first.wait(60) and s.chunks for s in streams):
             client.pause("keep")
-            if client.info().in_flight == len(prompts) and all(s.first.wait(30) and s.chunks for s in streams):
+            if client.info().in_flight == len(prompts):
                 return streams
             client.resume()  # one finished first: try again
         for s in streams:
