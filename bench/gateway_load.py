@@ -3,6 +3,7 @@ lost, nothing duplicated, every token tagged), and the gateway's latency overhea
 a replica directly. Prints one JSON object.
 
     python bench/gateway_load.py --streams 200 --updates 3
+    python bench/gateway_load.py --sync-mode inflight     # updates without a pause: nothing resubmitted
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ async def under_updates(coordinator: str, streams: int, max_tokens: int, updates
             # streams still being resubmitted, and a version could make no token at all
         runs = await asyncio.gather(*tasks)
         status = await c.status()
-    problems, resubmitted, versions_seen = [], 0, set()
+    problems, resubmitted, versions_seen, spanning = [], 0, set(), 0
     for i, (_, _, chunks) in enumerate(runs):
         finals = [ch for ch in chunks if ch.finish_reason]
         tokens = [t for ch in chunks for t in ch.token_ids]
@@ -98,12 +99,14 @@ async def under_updates(coordinator: str, streams: int, max_tokens: int, updates
         if tagged != sorted(tagged):
             problems.append(f"stream {i}: versions go backwards {tagged}")
         versions_seen |= set(tagged)
+        spanning += len(set(tagged)) > 1
         resubmitted += finals[0].resubmissions if finals else 0
         span_total = sum(s.length for s in finals[0].version_spans) if finals else 0
         if span_total != len(tokens):
             problems.append(f"stream {i}: version spans cover {span_total} of {len(tokens)} tokens")
     return {"streams": streams, "max_tokens": max_tokens, "updates": syncs, "lost_or_wrong": len(problems),
             "problems": problems[:10], "resubmissions": resubmitted, "versions_seen": sorted(versions_seen),
+            "spanning_streams": spanning,
             "gateway_resubmissions_total": status.resubmissions}
 
 
@@ -114,13 +117,15 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--updates", type=int, default=3)
+    parser.add_argument("--sync-mode", choices=("async", "inflight"), default="async")
     parser.add_argument("--logs", default="runs/gateway_load")
     parser.add_argument("--no-latency", action="store_true", help="only the correctness run under updates")
     args = parser.parse_args()
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
     engine_args = json.dumps(VLLM_ARGS if args.engine == "vllm" else {"max_num_seqs": 256})
-    fleet = [ServiceProcess("coordinator", ["--port", "0", "--sync-mode", "async"], log_path=logs / "coordinator.log")]
+    fleet = [ServiceProcess("coordinator", ["--port", "0", "--sync-mode", args.sync_mode],
+                            log_path=logs / "coordinator.log")]
     co = fleet[0].wait_ready()
     fleet.append(ServiceProcess("trainer", ["--port", "0", "--coordinator", co], log_path=logs / "trainer.log"))
     fleet += [ServiceProcess("rollout", ["--port", "0", "--coordinator", co, "--engine", args.engine, "--engine-args",
@@ -133,7 +138,7 @@ def main() -> None:
 
         with CoordinatorClient(co) as c:
             c.wait_ready(args.replicas + 1, timeout=300)
-        result = {"engine": args.engine, "replicas": args.replicas,
+        result = {"engine": args.engine, "replicas": args.replicas, "sync_mode": args.sync_mode,
                   "load": asyncio.run(under_updates(co, args.streams, args.max_tokens, args.updates))}
         if not args.no_latency:
             result["latency"] = asyncio.run(overhead(co, [p.address for p in fleet[2:]], args.streams,

@@ -13,8 +13,11 @@ DEFAULT_PORT = 50050
 class CoordinatorConfig:
     server: ServerConfig = dataclasses.field(default_factory=lambda: ServerConfig(port=DEFAULT_PORT))
     sync_mode: str = option("async", "weight-sync sequence: colocated (sleep/wake, offload/onload around each "
-                                     "phase) or async (pause, broadcast, commit, resume)",
-                            choices=("colocated", "async"))
+                                     "phase), async (pause, broadcast, commit, resume) or inflight (no pause: "
+                                     "receive into staging while generating, switch between two engine steps)",
+                            choices=("colocated", "async", "inflight"))
+    recompute_kv: bool = option(False, "inflight: rebuild the KV cache of requests in flight with the new weights "
+                                       "after the switch (default: they continue on the cache the old weights built)")
     trainer: str = option("", "trainer address, for a trainer that does not register itself")
     rollouts: list[str] = option(factory=list, help="rollout addresses (comma-separated), for replicas that do "
                                                     "not register themselves")

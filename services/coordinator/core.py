@@ -14,6 +14,7 @@ from rlsync.errors import FailedPrecondition
 from rlsync.trainer.v1 import trainer_pb2
 
 log = logging.getLogger(__name__)
+MODES = {"colocated": pb.SYNC_MODE_COLOCATED, "async": pb.SYNC_MODE_ASYNC, "inflight": pb.SYNC_MODE_INFLIGHT}
 _STALE = {"keep": trainer_pb2.STALE_POLICY_KEEP, "drop": trainer_pb2.STALE_POLICY_DROP,
           "downweight": trainer_pb2.STALE_POLICY_DOWNWEIGHT}
 
@@ -64,7 +65,7 @@ class Coordinator:
                              in_flight=m.in_flight, backend=m.backend)
                    for m in self.registry.members.values()]
         return pb.FleetStatus(
-            mode=pb.SYNC_MODE_COLOCATED if self.cfg.sync_mode == "colocated" else pb.SYNC_MODE_ASYNC,
+            mode=MODES[self.cfg.sync_mode],
             weight_version=self.syncer.version, trainer_step=self.syncer.trainer_step, members=members,
             max_staleness=self.cfg.max_staleness, gateway_in_flight=self.gateway.in_flight,
             resubmissions=self.gateway.resubmissions, syncs=self.syncer.syncs)

@@ -120,7 +120,7 @@ class Gateway:
             req = self._sub_request(base, index, n, attempt, prompt, produced)
             member.in_flight += 1
             self._running[key] = (member, req.request_id)
-            final = None
+            final, start, made = None, len(produced), []  # made: this attempt's spans, from its chunks
             try:
                 async for chunk in member.client.stream(req):
                     if prompt is None:
@@ -130,7 +130,7 @@ class Gateway:
                     chunk.request_id, chunk.index = base.request_id, index  # forwarded as is otherwise
                     count = len(chunk.token_ids)
                     if count:
-                        _extend(spans, chunk.weight_version, len(produced), count)
+                        _extend(made, chunk.weight_version, len(produced), count)
                         produced += chunk.token_ids
                     if chunk.finish_reason:
                         final = chunk
@@ -144,6 +144,11 @@ class Gateway:
             finally:
                 member.in_flight -= 1
                 self._running.pop(key, None)
+            if final is not None and final.version_spans:  # the replica's record, exact to the token
+                made = [pb.VersionSpan(weight_version=s.weight_version, start=start + s.start, length=s.length)
+                        for s in final.version_spans]
+            for s in made:
+                _extend(spans, s.weight_version, s.start, s.length)
             if final is not None:
                 cut_short = final.finish_reason == pb.FINISH_REASON_ABORT and base.request_id not in self._aborted
                 if cut_short and len(produced) >= _budget(base):  # cut at the very end: it is complete

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rlsync.common.v1 import generate_pb2 as gen_pb
-from rlsync.coordinator.core import Coordinator
+from rlsync.coordinator.core import MODES, Coordinator
 from rlsync.coordinator.v1 import coordinator_pb2 as pb
 from rlsync.coordinator.v1 import coordinator_pb2_grpc
 from rlsync.rpc import streaming, unary
@@ -31,10 +31,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     async def SyncWeights(self, request: pb.SyncWeightsRequest, context) -> pb.SyncWeightsResponse:
         r = await self.core.syncer.sync(request.version if request.HasField("version") else None,
                                         request.force_backend, request.verify)
-        mode = pb.SYNC_MODE_COLOCATED if self.core.cfg.sync_mode == "colocated" else pb.SYNC_MODE_ASYNC
-        return pb.SyncWeightsResponse(version=r.version, mode=mode, phases=r.phases, seconds=r.seconds,
-                                      replicas=r.replicas, bytes=r.bytes, backends=r.backends, verified=r.verified,
-                                      transfer_profile=r.transfer_profile)
+        return pb.SyncWeightsResponse(version=r.version, mode=MODES[self.core.cfg.sync_mode], phases=r.phases,
+                                      seconds=r.seconds, replicas=r.replicas, bytes=r.bytes, backends=r.backends,
+                                      verified=r.verified, transfer_profile=r.transfer_profile)
 
     @unary
     async def GetStatus(self, request, context) -> pb.FleetStatus:

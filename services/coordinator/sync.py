@@ -111,11 +111,27 @@ class Syncer:
         p.lap("verify")
         return push, p.stages, verified
 
+    # ---- inflight: separate GPUs or hosts, and generation never stops -------------------------------
+    async def _inflight(self, trainer: Member, replicas: list[Member], version: int | None, backend: str,
+                        verify: bool) -> tuple:
+        p = Stopwatch()
+        # 1. Handshake + transfer into every replica's staging memory while it keeps generating on N.
+        # 2. Commit: each replica switches between two engine steps. Requests in flight are not
+        #    aborted: their tokens so far carry N, the next ones N+1 (optionally on a KV cache
+        #    recomputed with N+1). Replicas switch one after another within the commit phase.
+        push = await push_weights_async(trainer.client, [r.client for r in replicas], version, backend,
+                                        self.cfg.update_timeout, recompute_kv=self.cfg.recompute_kv)
+        p.add(push.phases)
+        verified = await self._verify(trainer, replicas) if verify else False
+        p.lap("verify")
+        return push, p.stages, verified
+
     async def sync(self, version: int | None = None, backend: str = "", verify: bool = False) -> SyncResult:
         async with self.lock:
             start = time.perf_counter()
             trainer, replicas = self._trainer(), self._replicas()
-            sequence = self._colocated if self.cfg.sync_mode == "colocated" else self._async
+            sequence = {"colocated": self._colocated, "async": self._async, "inflight": self._inflight}[
+                self.cfg.sync_mode]
             push, phases, verified = await sequence(trainer, replicas, version, backend or self.cfg.force_backend,
                                                     verify)
             verify_seconds = phases.pop("verify")  # an audit, not part of the sync itself

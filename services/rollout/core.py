@@ -51,6 +51,7 @@ class CommitResult:
     wait_seconds: float
     switch_seconds: float
     changed: bool
+    recomputed: int = 0
 
 
 class RolloutCore:
@@ -126,7 +127,8 @@ class RolloutCore:
                     produced[d.index] += len(d.token_ids)
                 if d.finish is not None:
                     open_.discard(d.index)
-                    chunk.version_spans = spans.get(d.index, [])
+                    # The engine's own record when it keeps one (exact to the token), else the chunks'.
+                    chunk.version_spans = d.spans if d.spans is not None else spans.get(d.index, [])
                     if d.finish is FinishReason.ABORT and entry.abort_reason:
                         chunk.detail = entry.abort_reason
                 yield chunk
@@ -227,8 +229,11 @@ class RolloutCore:
             self.pending = version
             return answer
 
-    async def commit_update(self, version: int, force: bool = False, timeout: float = 0) -> CommitResult:
-        """Waits for the prepared update's bytes, then switches. A failure leaves the served version."""
+    async def commit_update(self, version: int, force: bool = False, timeout: float = 0,
+                            recompute_kv: bool = False) -> CommitResult:
+        """Waits for the prepared update's bytes, then switches between two engine steps; requests in
+        flight go on (on a KV cache rebuilt with the new weights when `recompute_kv`). A failure
+        leaves the served version."""
         async with self._control:
             if self.pending is None:
                 if version == self.weight_version:
@@ -248,9 +253,9 @@ class RolloutCore:
                 raise type(e)(f"update to version {version} failed, still serving version {self.weight_version}: "
                               f"{e}") from e
             start = asyncio.get_running_loop().time()
-            await self.engine.commit_update(version)
+            recomputed = await self.engine.commit_update(version, recompute_kv)
             self.weight_version, self.pending = version, None
-            return CommitResult(version, waited, asyncio.get_running_loop().time() - start, True)
+            return CommitResult(version, waited, asyncio.get_running_loop().time() - start, True, recomputed)
 
     async def abort_update(self) -> bool:
         async with self._control:

@@ -47,7 +47,7 @@ def chunk_to_proto(c: Chunk) -> gen_pb.GenerateChunk:
 
 def memory_to_proto(m: MemoryUsage) -> pb.MemoryUsage:
     return pb.MemoryUsage(device=m.device, weights_bytes=m.weights_bytes, kv_cache_bytes=m.kv_cache_bytes,
-                          device_reserved_bytes=m.device_reserved_bytes)
+                          device_reserved_bytes=m.device_reserved_bytes, staging_bytes=m.staging_bytes)
 
 
 def info_to_proto(i: Info) -> pb.RolloutInfo:
@@ -115,9 +115,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     @unary
     async def CommitUpdate(self, request: pb.CommitUpdateRequest, context) -> pb.CommitUpdateResponse:
-        r = await self.core.commit_update(request.version, request.force, request.timeout)
+        r = await self.core.commit_update(request.version, request.force, request.timeout, request.recompute_kv)
         return pb.CommitUpdateResponse(version=r.version, wait_seconds=r.wait_seconds, switch_seconds=r.switch_seconds,
-                                       changed=r.changed)
+                                       changed=r.changed, recomputed=r.recomputed)
 
     @unary
     async def AbortUpdate(self, request, context) -> pb.AbortUpdateResponse:

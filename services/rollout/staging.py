@@ -9,9 +9,36 @@ import time
 
 import torch
 
-from rlsync.errors import Aborted, DeadlineExceeded, RlsyncError
+from rlsync.errors import Aborted, DeadlineExceeded, ResourceExhausted, RlsyncError
 from rlsync.transfer import Receiver, Report
 from rlsync.transfer.v1 import transfer_pb2 as pb
+
+
+GIB = 1 << 30
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory a new allocation on `device` can take: the driver's free memory plus what this
+    process's caching allocator holds unused (CUDA), or the host's available memory (CPU)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def ensure_room(nbytes: int, device: torch.device, version: int) -> None:
+    """Refuses an update whose staging copy does not fit, before anything is allocated: staging
+    holds one more copy of the weights until the switch (so the engine never serves a half-written
+    model). The message says what to change."""
+    free = free_bytes(device)
+    if nbytes > free:
+        raise ResourceExhausted(
+            f"staging version {version} needs {nbytes / GIB:.2f} GiB on {device} and {free / GIB:.2f} GiB is free: "
+            "an update is received into a second copy of the weights while the first one serves; leave room "
+            "for it (vLLM: lower gpu_memory_utilization; hf: fewer max_num_seqs) or use the colocated mode, "
+            "which receives in place while the engine sleeps")
 
 
 class StagedUpdate:

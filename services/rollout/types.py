@@ -89,6 +89,9 @@ class Delta:
     finish: FinishReason | None = None
     detail: str = ""
     version: int | None = None  # weight version that produced these tokens, when the engine knows it
+    # On a final Delta: the engine's own record of which version made which tokens, (version, start,
+    # length), when it keeps one; it wins over the per-Delta versions.
+    spans: list[tuple[int, int, int]] | None = None
 
 
 @dataclass
@@ -107,3 +110,4 @@ class MemoryUsage:
     weights_bytes: int
     kv_cache_bytes: int
     device_reserved_bytes: int = 0
+    staging_bytes: int = 0  # a prepared update being received: one more copy of the weights

@@ -52,9 +52,9 @@ class _RolloutMethods:
         return self._call("PrepareUpdate", pb.PrepareUpdateRequest(offer=offer, force_backend=force_backend,
                                                                    timeout=timeout))
 
-    def commit_update(self, version: int, force: bool = False, timeout: float = 0):
-        return self._call("CommitUpdate", pb.CommitUpdateRequest(version=version, force=force, timeout=timeout),
-                          timeout=(timeout or 300) + 30)
+    def commit_update(self, version: int, force: bool = False, timeout: float = 0, recompute_kv: bool = False):
+        request = pb.CommitUpdateRequest(version=version, force=force, timeout=timeout, recompute_kv=recompute_kv)
+        return self._call("CommitUpdate", request, timeout=(timeout or 300) + 30)
 
     def abort_update(self):
         return self._call("AbortUpdate", pb.AbortUpdateRequest())

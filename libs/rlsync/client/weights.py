@@ -31,7 +31,7 @@ def _report(pub, phases: dict[str, float], answers: list) -> PushReport:
 
 
 def push_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version: int | None = None,
-                 force_backend: str = "", timeout: float = 0) -> PushReport:
+                 force_backend: str = "", timeout: float = 0, recompute_kv: bool = False) -> PushReport:
     clock = Stopwatch()
     offer = trainer.offer_weights(version)
     answers = [r.prepare_update(offer, force_backend, timeout).answer for r in rollouts]
@@ -44,13 +44,14 @@ def push_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version:
         raise
     clock.lap("transfer")
     for r in rollouts:
-        r.commit_update(offer.manifest.version, timeout=timeout)
+        r.commit_update(offer.manifest.version, timeout=timeout, recompute_kv=recompute_kv)
     clock.lap("commit")
     return _report(pub, clock.stages, answers)
 
 
 async def push_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncRolloutClient],
-                             version: int | None = None, force_backend: str = "", timeout: float = 0) -> PushReport:
+                             version: int | None = None, force_backend: str = "", timeout: float = 0,
+                             recompute_kv: bool = False) -> PushReport:
     clock = Stopwatch()
     offer = await trainer.offer_weights(version)
     prepared = await asyncio.gather(*(r.prepare_update(offer, force_backend, timeout) for r in rollouts),
@@ -66,6 +67,7 @@ async def push_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncRo
         await asyncio.gather(*(r.abort_update() for r in rollouts), return_exceptions=True)
         raise
     clock.lap("transfer")
-    await asyncio.gather(*(r.commit_update(offer.manifest.version, timeout=timeout) for r in rollouts))
+    await asyncio.gather(*(r.commit_update(offer.manifest.version, timeout=timeout, recompute_kv=recompute_kv)
+                           for r in rollouts))
     clock.lap("commit")
     return _report(pub, clock.stages, [p.answer for p in prepared])

@@ -3,7 +3,7 @@ typed structs, so a wrong key, type or value is refused with the path to it befo
 
     name: demo                      # the fleet's name on the Ray cluster (default: rlsync)
     model: tiny                     # every member's model (folder, or the embedded tiny one)
-    sync: async                     # async (separate devices) or colocated (shared GPU)
+    sync: async                     # async or inflight (separate devices; inflight: no pause), colocated (shared GPU)
     coordinator: {port: 50050}
     trainer: {nproc: 1, gpus_per_rank: 0, args: ["--lr", "1e-3"]}     # or script: my_loop.py
     rollout:
@@ -60,7 +60,7 @@ class RolloutGroup(_Spec):
 class FleetSpec(_Spec):
     name: str = "rlsync"
     model: str = "tiny"
-    sync: Literal["async", "colocated"] = "async"
+    sync: Literal["async", "inflight", "colocated"] = "async"
     token: str = ""  # shared secret for every RPC (default: the launcher's $RLSYNC_TOKEN)
     env: dict[str, str] = {}  # environment for every member (VLLM_CPU_KVCACHE_SPACE, ...)
     log_dir: str = "/tmp/rlsync-fleet"  # on every node: <log_dir>/<fleet>/<member>.log

@@ -20,12 +20,14 @@ class SyncMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SYNC_MODE_UNSPECIFIED: _ClassVar[SyncMode]
     SYNC_MODE_COLOCATED: _ClassVar[SyncMode]
     SYNC_MODE_ASYNC: _ClassVar[SyncMode]
+    SYNC_MODE_INFLIGHT: _ClassVar[SyncMode]
 ROLE_UNSPECIFIED: Role
 ROLE_ROLLOUT: Role
 ROLE_TRAINER: Role
 SYNC_MODE_UNSPECIFIED: SyncMode
 SYNC_MODE_COLOCATED: SyncMode
 SYNC_MODE_ASYNC: SyncMode
+SYNC_MODE_INFLIGHT: SyncMode
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

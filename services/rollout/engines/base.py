@@ -89,8 +89,9 @@ class Engine(abc.ABC):
         Raises (DataLoss, Unavailable, DeadlineExceeded...) when it failed."""
 
     @abc.abstractmethod
-    async def commit_update(self, version: int) -> None:
-        """Makes the received weights live, atomically with respect to generation."""
+    async def commit_update(self, version: int, recompute_kv: bool = False) -> int:
+        """Makes the received weights live between two engine steps; requests in flight go on, on a
+        KV cache rebuilt with the new weights when `recompute_kv`. Returns the completions recomputed."""
 
     @abc.abstractmethod
     async def abort_update(self) -> None:

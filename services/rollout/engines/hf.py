@@ -28,7 +28,7 @@ from rlsync.rollout.engines.base import Engine
 from rlsync.rollout.engines.hf_batch import Batch, Sequence
 from rlsync.rollout.engines.hf_weights import Weights
 from rlsync.rollout.sampling import make_generator, sample
-from rlsync.rollout.staging import StagedUpdate
+from rlsync.rollout.staging import StagedUpdate, ensure_room
 from rlsync.transfer import answer
 from rlsync.rollout.types import (Delta, FinishReason, GenerationRequest, MemoryUsage, PauseMode,
                                   WakeTag)
@@ -313,7 +313,10 @@ class HFEngine(Engine):
     async def memory(self) -> MemoryUsage:
         def read() -> MemoryUsage:
             reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
-            return MemoryUsage(str(self.device), self.weights.device_bytes(), self.batch.kv_bytes(), reserved)
+            staging = self._update[1] if self._update is not None else None
+            staging_bytes = staging.nbytes() if staging is not None and staging is not self.weights.store else 0
+            return MemoryUsage(str(self.device), self.weights.device_bytes(), self.batch.kv_bytes(), reserved,
+                               staging_bytes)
 
         return await self._call(read)
 
@@ -331,6 +334,7 @@ class HFEngine(Engine):
             if self.weights.pending_restore:  # woken, not refilled: the update lands right there
                 self.weights.receiving_in_place = True  # (the backup still holds the current version)
                 return self.weights.store
+            ensure_room(self.weights.device_bytes(), self.device, offer.manifest.version)
             return FlatStore(self.weights.specs, self.device)  # in the engine's dtype (cast on arrival)
 
         staging = await self._call(staging_store)
@@ -351,17 +355,19 @@ class HFEngine(Engine):
         await asyncio.to_thread(update.wait, timeout)
         return time.perf_counter() - start
 
-    async def commit_update(self, version: int) -> None:
+    async def commit_update(self, version: int, recompute_kv: bool = False) -> int:
         _, staging = self._update
         self._update = None
 
-        def swap() -> None:
+        def swap() -> int:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.weights.swap(staging, version)
+            return self.batch.recompute() if recompute_kv else 0
 
-        await self._call(swap)  # between two decode steps: no step sees a mix
+        recomputed = await self._call(swap)  # between two decode steps: no step sees a mix
         self.version = version
+        return recomputed
 
     async def abort_update(self) -> None:
         if self._update is not None:

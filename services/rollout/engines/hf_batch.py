@@ -103,6 +103,16 @@ class Batch:
         self.kv = [(k.index_select(0, index)[:, :, first:], v.index_select(0, index)[:, :, first:])
                    for k, v in self.kv]
 
+    def recompute(self) -> int:
+        """Rebuilds every running sequence's cache with the model's current weights (after a swap):
+        each one's tokens so far are prefilled again. Returns how many sequences."""
+        seqs = self.seqs
+        self.seqs, self.kv, self.mask = [], [], self.mask[:0, :0]
+        for s in seqs:
+            kv, _ = self.prefill((s.prompt + s.output)[:s.length])
+            self.add([s], kv)
+        return len(seqs)
+
     @torch.inference_mode()
     def step(self) -> torch.Tensor:
         """Feeds every sequence's pending token; returns next-token logits [batch, vocab] (float32)."""

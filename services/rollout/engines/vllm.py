@@ -18,7 +18,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from rlsync.errors import DeadlineExceeded, EngineDead, InvalidArgument
+from rlsync.errors import DeadlineExceeded, EngineDead, InvalidArgument, ResourceExhausted
 from rlsync.rollout.engines.process import CRASH_DIR_ENV, crash_reports, own_log
 from rlsync.rollout.staging import raise_failure
 from rlsync.transfer.handshake import NAMES, PREFERENCE
@@ -65,6 +65,8 @@ class VLLMEngine(Engine):
         self.dtype = str(config.model_config.dtype).removeprefix("torch.")
         self.vocab_size = config.model_config.get_vocab_size()
         self.tensor_parallel_size = config.parallel_config.tensor_parallel_size
+        await self.llm.update_weight_version(str(self.version))  # vLLM labels every step's tokens with it
+        self._in_flight: set[str] = set()
 
     async def shutdown(self) -> None:
         if self.llm is not None:
@@ -86,7 +88,10 @@ class VLLMEngine(Engine):
             n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=max(p.top_k, 0),
             max_tokens=p.max_tokens, stop=list(p.stop) or None, seed=p.seed, ignore_eos=p.ignore_eos,
             logprobs=0 if p.logprobs else None, output_kind=RequestOutputKind.DELTA)
-        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+        # The salt keeps each version's prefix cache apart: after an in-flight switch, a new request
+        # never reuses blocks the old weights computed (requests in flight keep theirs).
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids), cache_salt=f"rlsync-v{self.version}")
+        self._in_flight.add(request.request_id)
         try:
             async for out in self.llm.generate(prompt, params, request.request_id):
                 for delta in self._deltas(out, p.logprobs):
@@ -95,9 +100,12 @@ class VLLMEngine(Engine):
             raise InvalidArgument(f"vllm refused the request: {e}") from e
         except EngineDeadError as e:
             raise EngineDead(self.dead() or f"vllm engine is dead: {e}") from e
+        finally:
+            self._in_flight.discard(request.request_id)
 
     def _deltas(self, out, want_logprobs: bool) -> list[Delta]:
-        # Updates switch while the engine is paused, so outputs arriving now are the live version's.
+        # The version live when the output is read: outputs made just before a switch may be read
+        # just after it, so the final Delta carries vLLM's own per-token record (exact), which wins.
         version = self.version
         deltas = []
         for c in out.outputs:
@@ -108,7 +116,10 @@ class VLLMEngine(Engine):
             detail = ""
             if finish is FinishReason.STOP:
                 detail = f"stop string {c.stop_reason!r}" if isinstance(c.stop_reason, str) else "end of sequence"
-            deltas.append(Delta(c.index, list(c.token_ids), c.text, logprobs, finish, detail, version))
+            spans = None
+            if c.weight_versions is not None:  # on the final output: [start, end) per version label
+                spans = [(int(s.version), s.start, s.end - s.start) for s in c.weight_versions if s.end > s.start]
+            deltas.append(Delta(c.index, list(c.token_ids), c.text, logprobs, finish, detail, version, spans))
         return deltas
 
     async def abort(self, request_id: str) -> None:
@@ -131,9 +142,8 @@ class VLLMEngine(Engine):
     async def memory(self) -> MemoryUsage:
         per_worker = await self.llm.collective_rpc("rlsync_memory")
         device = per_worker[0]["device"]
-        return MemoryUsage(device, sum(w["weights_bytes"] for w in per_worker),
-                           sum(w["kv_cache_bytes"] for w in per_worker),
-                           sum(w["reserved_bytes"] for w in per_worker))
+        return MemoryUsage(device, *(sum(w[k] for w in per_worker) for k in
+                                     ("weights_bytes", "kv_cache_bytes", "reserved_bytes", "staging_bytes")))
 
     # ---- weight updates -------------------------------------------------------------------------
     def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], None]]:
@@ -158,6 +168,10 @@ class VLLMEngine(Engine):
             answers = [transfer_pb2.Answer.FromString(a) for a in await self.llm.collective_rpc(
                 "rlsync_answer", args=(raw, receiver_id, tp, NAMES[common]))]
         ans = answers[0]
+        needed = sum(t.nbytes for t in offer.manifest.tensors)  # every worker stages the whole checkpoint
+        refusals = [r for r in await self.llm.collective_rpc("rlsync_room", args=(needed, offer.manifest.version)) if r]
+        if refusals:
+            raise ResourceExhausted(refusals[0])
         await self.llm.collective_rpc("rlsync_begin", args=(raw, ans.SerializeToString(), timeout))
         return ans
 
@@ -175,15 +189,20 @@ class VLLMEngine(Engine):
                 raise DeadlineExceeded(f"weight transfer did not finish within {timeout:.0f}s")
             await asyncio.sleep(0.005)
 
-    async def commit_update(self, version: int) -> None:
+    async def commit_update(self, version: int, recompute_kv: bool = False) -> int:
         was_paused = await self.llm.is_paused()
-        if not was_paused:  # freeze requests in place; they continue on the new weights
+        if not was_paused:  # freeze requests in place, between two engine steps; they go on after
             await self.llm.pause_generation(mode="keep", clear_cache=False)
         try:
             await self.llm.collective_rpc("rlsync_commit")
-            await self.llm.reset_prefix_cache()
+            recomputed = len(self._in_flight) if recompute_kv else 0
+            if recompute_kv:  # preempts the running requests: vLLM prefills their tokens again
+                await self.llm.reset_prefix_cache(reset_running_requests=True)
+            elif not self._in_flight:  # frees the old version's cached blocks now (salts keep them apart anyway)
+                await self.llm.reset_prefix_cache()
             await self.llm.update_weight_version(str(version))
             self.version = version
+            return recomputed
         finally:
             if not was_paused:
                 await self.llm.resume_generation()

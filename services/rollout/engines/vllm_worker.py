@@ -14,7 +14,8 @@ import torch
 
 from rlsync.flat import flat_like
 from rlsync.rollout.engines.process import prepare_engine_process
-from rlsync.rollout.staging import StagedUpdate
+from rlsync.errors import ResourceExhausted
+from rlsync.rollout.staging import StagedUpdate, ensure_room
 from rlsync.transfer import answer, audit_entry, from_proto
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
@@ -55,7 +56,18 @@ class RlsyncWorkerExtension:
             kv += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
         device = next(model.parameters()).device
         reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
-        return {"device": str(device), "weights_bytes": weights, "kv_cache_bytes": kv, "reserved_bytes": reserved}
+        update = getattr(self, "_rlsync_update", None)
+        staging = sum(t.numel() * t.element_size() for t in update.staging.values()) if update is not None else 0
+        return {"device": str(device), "weights_bytes": weights, "kv_cache_bytes": kv, "reserved_bytes": reserved,
+                "staging_bytes": staging}
+
+    def rlsync_room(self, nbytes: int, version: int) -> str:
+        """Why staging `nbytes` on this worker's device would not fit, or "" when it fits."""
+        try:
+            ensure_room(nbytes, self._rlsync_device(), version)
+        except ResourceExhausted as e:
+            return str(e)
+        return ""
 
     def _rlsync_device(self) -> torch.device:
         return next(self.model_runner.get_model().parameters()).device

@@ -62,26 +62,30 @@ class PrepareUpdateResponse(_message.Message):
     def __init__(self, answer: _Optional[_Union[_transfer_pb2.Answer, _Mapping]] = ...) -> None: ...
 
 class CommitUpdateRequest(_message.Message):
-    __slots__ = ("version", "force", "timeout")
+    __slots__ = ("version", "force", "timeout", "recompute_kv")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FORCE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_KV_FIELD_NUMBER: _ClassVar[int]
     version: int
     force: bool
     timeout: float
-    def __init__(self, version: _Optional[int] = ..., force: _Optional[bool] = ..., timeout: _Optional[float] = ...) -> None: ...
+    recompute_kv: bool
+    def __init__(self, version: _Optional[int] = ..., force: _Optional[bool] = ..., timeout: _Optional[float] = ..., recompute_kv: _Optional[bool] = ...) -> None: ...
 
 class CommitUpdateResponse(_message.Message):
-    __slots__ = ("version", "wait_seconds", "switch_seconds", "changed")
+    __slots__ = ("version", "wait_seconds", "switch_seconds", "changed", "recomputed")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SWITCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CHANGED_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
     version: int
     wait_seconds: float
     switch_seconds: float
     changed: bool
-    def __init__(self, version: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., switch_seconds: _Optional[float] = ..., changed: _Optional[bool] = ...) -> None: ...
+    recomputed: int
+    def __init__(self, version: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., switch_seconds: _Optional[float] = ..., changed: _Optional[bool] = ..., recomputed: _Optional[int] = ...) -> None: ...
 
 class AbortUpdateRequest(_message.Message):
     __slots__ = ()
@@ -156,16 +160,18 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class MemoryUsage(_message.Message):
-    __slots__ = ("device", "weights_bytes", "kv_cache_bytes", "device_reserved_bytes")
+    __slots__ = ("device", "weights_bytes", "kv_cache_bytes", "device_reserved_bytes", "staging_bytes")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STAGING_BYTES_FIELD_NUMBER: _ClassVar[int]
     device: str
     weights_bytes: int
     kv_cache_bytes: int
     device_reserved_bytes: int
-    def __init__(self, device: _Optional[str] = ..., weights_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., device_reserved_bytes: _Optional[int] = ...) -> None: ...
+    staging_bytes: int
+    def __init__(self, device: _Optional[str] = ..., weights_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., device_reserved_bytes: _Optional[int] = ..., staging_bytes: _Optional[int] = ...) -> None: ...
 
 class RolloutInfo(_message.Message):
     __slots__ = ("engine", "model", "weight_version", "state", "in_flight", "asleep", "max_model_len", "tensor_parallel_size", "replica_id", "memory", "vocab_size", "pending_version", "dtype", "dead_reason", "requests_admitted")
