@@ -58,13 +58,19 @@ test: $(STAMP) protos-check
 # The GPU machine has no network: `make wheels` here downloads what its image lacks (Python 3.12
 # wheels, into ./wheels, carried along), `make gpu-setup` there installs them and rlsync itself.
 GPU_WHEELS := msgspec protobuf==7.36.2 grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1
+# checkpoint-engine for bench/peer_checkpoint_engine.py, then what it needs that the GPU image lacks (pip takes
+# from these only what is missing there: typing-extensions only if the image's is older than pydantic needs).
+CKPT_WHEELS := checkpoint-engine==0.4.2 pyzmq==27.3.0 loguru==0.7.3 fastapi==0.136.3 starlette==1.10.0 uvicorn==0.54.0 \
+	pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
 
 wheels: $(STAMP)
 	$(BIN)/pip download -q -d wheels --only-binary=:all: --python-version 3.12 --implementation cp --no-deps \
-	    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 $(GPU_WHEELS)
+	    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 $(GPU_WHEELS) \
+	    $(CKPT_WHEELS)
 
 gpu-setup:
 	python3 -m pip install -q --no-index --find-links wheels $(GPU_WHEELS)
+	python3 -m pip install -q --no-index --find-links wheels checkpoint-engine==0.4.2
 	python3 -m pip install -q --no-deps --no-build-isolation -e .
 
 gpu-test:

@@ -3,9 +3,13 @@
 Colocated (one GPU): trainer and an hf replica share the GPU; each cycle generates, trains
 (engine sleeps, trainer onloads), syncs (wake weights, CUDA IPC transfer, commit, trainer offloads,
 wake KV cache). Disaggregated (2+ GPUs): trainer on GPU 0, replicas on the others, async mode,
-generation running while the weights are broadcast. Prints one JSON object.
+generation running while the weights are broadcast. Under updates (any GPU count): generation
+through the gateway with an update every --interval seconds, in the inflight mode (no pause) and
+the async mode (abort and resume), against the same generation without updates. Prints one JSON
+object.
 
     python bench/gpu_cycle.py --preset qwen3-1.7b --cycles 5
+    python bench/gpu_cycle.py --only updates --mode inflight --interval 2
 """
 
 from __future__ import annotations
@@ -164,11 +168,95 @@ def disaggregated(model: str, cycles: int, logs: Path, gpus: int, limit: float) 
             "lost_or_short": streams["bad"], "aborted_and_resumed": status.resubmissions}
 
 
+def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: float, interval: float,
+                  streams: int = 32, max_tokens: int = 256) -> dict:
+    """Generation through the gateway (`streams` streams, each starting a new request when one ends)
+    for `seconds` without updates, then for `seconds` with a sync every `interval` seconds: tokens/s
+    of both windows, the gaps between two tokens of one stream (the longest across an update against
+    the median without), and each sync's phases. One GPU: trainer and replica share it (cuda_ipc);
+    more: the replica on GPU 1 (nccl). mode: inflight (no pause) or async (abort and resume)."""
+    gpus = torch.cuda.device_count()
+    fleet = start(logs, mode, model, "0", ["1" if gpus > 1 else "0"])
+    address = fleet[0].address
+    arrivals: list[list[tuple[float, int, int]]] = [[] for _ in range(streams)]  # (time, tokens, request)
+
+    async def stream(i: int, gc, stop: asyncio.Event) -> None:
+        request = 0
+        while not stop.is_set():
+            request += 1
+            async for chunk in gc.generate(f"stream {i} {request}", max_tokens=max_tokens, ignore_eos=True, seed=i):
+                if chunk.token_ids:
+                    arrivals[i].append((time.perf_counter(), len(chunk.token_ids), request))
+
+    async def run() -> tuple[list, list, tuple]:
+        async with AsyncCoordinatorClient(address, timeout=None) as gc:
+            await gc.sync_weights(version=1)  # warm-up: first connections and mappings
+            stop = asyncio.Event()
+            tasks = [asyncio.create_task(stream(i, gc, stop)) for i in range(streams)]
+            await asyncio.sleep(3)  # every stream running
+            quiet = (time.perf_counter(), time.perf_counter() + seconds)
+            await asyncio.sleep(seconds)
+            syncs, windows, version = [], [], 1
+            busy_start = time.perf_counter()
+            while time.perf_counter() < busy_start + seconds:
+                version += 1
+                t0 = time.perf_counter()
+                syncs.append(await gc.sync_weights(version=version))
+                windows.append((t0, time.perf_counter()))
+                await asyncio.sleep(max(0.0, t0 + interval - time.perf_counter()))
+            busy = (busy_start, time.perf_counter())
+            stop.set()
+            await asyncio.gather(*tasks)
+            return syncs, windows, (quiet, busy)
+
+    try:
+        syncs, windows, (quiet, busy) = asyncio.run(run())
+        status = CoordinatorClient(address).status()
+    finally:
+        for p in reversed(fleet):
+            p.stop()
+
+    def rate(window: tuple[float, float]) -> float:
+        tokens = sum(n for a in arrivals for t, n, _ in a if window[0] <= t < window[1])
+        return tokens / (window[1] - window[0])
+
+    def gaps(window: tuple[float, float]) -> list[tuple[float, float, float]]:
+        """(gap, from, to) between consecutive tokens of one request, inside the window."""
+        return [(b[0] - a[0], a[0], b[0]) for arr in arrivals for a, b in zip(arr, arr[1:])
+                if a[2] == b[2] and window[0] <= a[0] and b[0] < window[1]]
+
+    median_gap = statistics.median(g for g, _, _ in gaps(quiet))
+    across = [g for g, t0, t1 in gaps(busy) if any(t0 < w1 and t1 > w0 for w0, w1 in windows)]
+    per_sync = [{"version": s.version, "seconds": round(s.seconds, 4),
+                 "phases_ms": {k: round(v * 1e3, 3) for k, v in s.phases.items()},
+                 **transfer_figures(s, limit, "limit")} for s in syncs]
+    transfer_ms = statistics.median(s.phases["transfer"] * 1e3 for s in syncs)
+    out = {"mode": mode, "streams": streams, "syncs": len(syncs), "interval_s": interval, "window_s": seconds,
+           "tokens_per_s_without_updates": round(rate(quiet), 1), "tokens_per_s_with_updates": round(rate(busy), 1),
+           "throughput_ratio": round(rate(busy) / rate(quiet), 3),
+           "median_token_gap_ms": round(median_gap * 1e3, 2),
+           "longest_gap_across_an_update_ms": round(max(across, default=0.0) * 1e3, 2),
+           "longest_gap_vs_median": round(max(across, default=0.0) / median_gap, 2),
+           "transfer_ms": round(transfer_ms, 3),
+           "transfer_vs_limit": round(statistics.median(p["transfer_vs_limit"] for p in per_sync), 3),
+           "aborted_and_resumed": status.resubmissions, "per_sync": per_sync}
+    if mode == "async":  # the pause window: everything between the abort and the resume
+        windows_ms = [sum(s.phases.get(k, 0.0) for k in ("pause", "commit", "resume")) * 1e3 for s in syncs]
+        out["pause_window_ms"] = round(statistics.median(windows_ms), 3)
+        out["pause_window_max_ms"] = round(max(windows_ms), 3)
+        out["pause_window_minus_transfer_ms"] = round(statistics.median(windows_ms) - transfer_ms, 3)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3-1.7b")
     parser.add_argument("--cycles", type=int, default=5)
-    parser.add_argument("--only", choices=("colocated", "disaggregated"), default=None)
+    parser.add_argument("--only", choices=("colocated", "disaggregated", "updates"), default=None)
+    parser.add_argument("--mode", choices=("inflight", "async"), action="append",
+                        help="generation under updates in this sync mode (repeatable; default both)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="each window of the run under updates")
+    parser.add_argument("--interval", type=float, default=2.0, help="seconds between two updates")
     parser.add_argument("--dir", default="/tmp/rlsync-gpu")
     args = parser.parse_args()
     root = Path(args.dir)
@@ -184,6 +272,15 @@ def main() -> None:
         result["limits"]["nccl_broadcast_GB/s"] = round(nccl_limit(nbytes, 2), 1)
         result["disaggregated"] = disaggregated(model, args.cycles, root / "logs-disaggregated", gpus,
                                                 result["limits"]["nccl_broadcast_GB/s"])
+    if args.only in (None, "updates"):
+        limit = result["limits"].get("nccl_broadcast_GB/s") if gpus > 1 else result["limits"]["d2d_copy_GB/s"]
+        if limit is None:
+            limit = result["limits"]["nccl_broadcast_GB/s"] = round(nccl_limit(nbytes, 2), 1)
+        for mode in args.mode or ["inflight", "async"]:
+            result[f"updates_{mode}"] = under_updates(model, root / f"logs-{mode}", mode, limit, args.seconds,
+                                                      args.interval)
+            print(json.dumps({k: v for k, v in result[f"updates_{mode}"].items() if k != "per_sync"}),
+                  file=sys.stderr, flush=True)
     print(json.dumps(result, indent=1))
 
 

@@ -8,7 +8,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from rlsync.client import push_weights_async
+from rlsync.client import abort_staged_async, commit_staged_async, push_weights_async, stage_weights_async
 from rlsync.common.audit import differences, trainer_dtype
 from rlsync.common.timing import Stopwatch
 from rlsync.coordinator.config import CoordinatorConfig
@@ -91,17 +91,22 @@ class Syncer:
     # ---- async: separate GPUs or hosts ---------------------------------------------------------------
     async def _async(self, trainer: Member, replicas: list[Member], version: int | None, backend: str,
                      verify: bool) -> tuple:
-        p = Stopwatch()
-        # 1. Pause every replica, aborting requests in flight; returns once none still runs on the old
+        p, clients = Stopwatch(), [r.client for r in replicas]
+        # 1. Handshake + broadcast (NCCL / gloo / shm) into every replica's staging, while it serves N.
+        push = await stage_weights_async(trainer.client, clients, version, backend, self.cfg.update_timeout)
+        p.add(push.phases)
+        # 2. Pause every replica, aborting requests in flight; returns once none still runs on the old
         #    weights (an acknowledged barrier). The gateway resubmits the aborted requests after step 4.
         self.ready.clear()
-        await asyncio.gather(*(r.client.pause("abort") for r in replicas))
-        p.lap("pause")
         try:
-            # 2. Handshake + broadcast to every replica at once (NCCL / gloo / shm), 3. commit everywhere.
-            push = await push_weights_async(trainer.client, [r.client for r in replicas], version, backend,
-                                            self.cfg.update_timeout)
-            p.add(push.phases)
+            await asyncio.gather(*(r.client.pause("abort") for r in replicas))
+            p.lap("pause")
+            # 3. Commit everywhere: the staged weights go live (a pointer swap, or vLLM's reload).
+            await commit_staged_async(clients, push, self.cfg.update_timeout)
+            p.add({"commit": push.phases["commit"]})
+        except BaseException:
+            await abort_staged_async(clients)  # (a no-op where the commit went through)
+            raise
         finally:
             # 4. Resume: new tokens carry the new version.
             await asyncio.gather(*(r.client.resume() for r in replicas), return_exceptions=True)

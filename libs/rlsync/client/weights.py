@@ -49,25 +49,47 @@ def push_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version:
     return _report(pub, clock.stages, answers)
 
 
-async def push_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncRolloutClient],
-                             version: int | None = None, force_backend: str = "", timeout: float = 0,
-                             recompute_kv: bool = False) -> PushReport:
+async def stage_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncRolloutClient],
+                              version: int | None = None, force_backend: str = "", timeout: float = 0) -> PushReport:
+    """Offer -> prepare on every replica -> publish: every replica then holds the new version in
+    staging, received while it kept serving, and not yet live. Commit with commit_staged_async (or
+    drop it with abort_staged_async). On failure nothing stays staged."""
     clock = Stopwatch()
     offer = await trainer.offer_weights(version)
     prepared = await asyncio.gather(*(r.prepare_update(offer, force_backend, timeout) for r in rollouts),
                                     return_exceptions=True)
     failed = [p for p in prepared if isinstance(p, BaseException)]
     if failed:
-        await asyncio.gather(*(r.abort_update() for r in rollouts), return_exceptions=True)
+        await abort_staged_async(rollouts)
         raise failed[0]
     clock.lap("prepare")
     try:
         pub = await trainer.publish_weights(offer.transfer_id, [p.answer for p in prepared], timeout)
     except Exception:
-        await asyncio.gather(*(r.abort_update() for r in rollouts), return_exceptions=True)
+        await abort_staged_async(rollouts)
         raise
     clock.lap("transfer")
-    await asyncio.gather(*(r.commit_update(offer.manifest.version, timeout=timeout, recompute_kv=recompute_kv)
+    return _report(pub, clock.stages, [p.answer for p in prepared])
+
+
+async def commit_staged_async(rollouts: list[AsyncRolloutClient], push: PushReport, timeout: float = 0,
+                              recompute_kv: bool = False) -> None:
+    """Makes a staged version live on every replica (each between two of its engine steps)."""
+    clock = Stopwatch()
+    await asyncio.gather(*(r.commit_update(push.version, timeout=timeout, recompute_kv=recompute_kv)
                            for r in rollouts))
     clock.lap("commit")
-    return _report(pub, clock.stages, [p.answer for p in prepared])
+    push.phases.update(clock.stages)
+
+
+async def abort_staged_async(rollouts: list[AsyncRolloutClient]) -> None:
+    await asyncio.gather(*(r.abort_update() for r in rollouts), return_exceptions=True)
+
+
+async def push_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncRolloutClient],
+                             version: int | None = None, force_backend: str = "", timeout: float = 0,
+                             recompute_kv: bool = False) -> PushReport:
+    """Stage, then commit at once."""
+    push = await stage_weights_async(trainer, rollouts, version, force_backend, timeout)
+    await commit_staged_async(rollouts, push, timeout, recompute_kv)
+    return push

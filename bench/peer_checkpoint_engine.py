@@ -1,0 +1,379 @@
+"""The same bytes on one GPU, trainer and receiver colocated in two processes: MoonshotAI's checkpoint-engine
+0.4.2 (its CUDA IPC update, as its vLLM worker extension receives it) against rlsync's cuda_ipc one-copy, each
+next to the device-to-device copy limit measured in the same run. Prints one JSON object (progress on stderr).
+
+    python bench/peer_checkpoint_engine.py                        # qwen3-4b shapes, 8.8 GB bf16
+    python bench/peer_checkpoint_engine.py --preset small --repeats 3
+
+Every round first gives the trainer's GPU tensors new values (seeded by round: both systems move the same
+bytes), synchronizes, and starts the clock. The clock stops when the trainer reads the receiver's DONE line,
+printed once the receiver's own tensors hold every byte and its GPU work is synchronized. Then, off the
+clock, the receiver's checksums of its tensors are compared with the trainer's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from models import PRESETS, preset_shapes  # noqa: E402
+from transfer import d2d_limit, make_tensors  # noqa: E402
+
+from rlsync.transfer import Receiver, WeightSender, answer, checksum_tensor  # noqa: E402
+from rlsync.transfer.peer import decode, encode  # noqa: E402
+from rlsync.transfer.v1 import transfer_pb2 as pb  # noqa: E402
+
+GB = 1e9
+DEVICE = "cuda:0"
+CKPT_VERSION = "0.4.2"
+SYSTEMS = ("rlsync", "checkpoint-engine")
+
+SPANS = {
+    "rlsync": "sender.offer() -> offer line to the receiver, which connects and answers -> sender.send() "
+              "(the receiver maps the trainer's tensors by CUDA IPC and copies each once into its own) -> DONE",
+    "checkpoint_engine": "register_checkpoint(use_shared_memory_pool=True) (trainer GPU tensors -> its pinned host "
+                         "pool, reused after the warm-up) -> gather_metas() -> update() (H2D into its IPC bucket "
+                         "buffer, handle and bucket metas over ZMQ, the receiver copies each tensor into its own, "
+                         "as update_weights_from_ipc in its vLLM worker extension) -> DONE",
+    "checkpoint_engine.update_only": "the same, from the update() call on: the new weights already in its pinned "
+                                     "host pool (its README's 'Update' figure)",
+    "checkpoint_engine.update_call": "update() call to its return: update_only plus its teardown after the "
+                                     "receiver is done (barriers, freeing its buffers)",
+    "checkpoint_engine.register": "register_checkpoint() and gather_metas(): the start of its span to update()",
+    "rlsync.send": "sender.send() alone (the receiver already connected and waiting)",
+    "rlsync.data": "sender.send() from the first Welcome on (connections and handshakes excluded)",
+}
+
+
+# -- pure ---------------------------------------------------------------------------------------------------------
+def checked_names(shapes: dict[str, tuple[int, ...]], mode: str) -> list[str]:
+    """The tensors whose checksums the receiver reports: all, a sample (first, middle, last, largest), or none."""
+    names = list(shapes)
+    if mode == "all":
+        return names
+    if mode == "off":
+        return []
+    largest = max(names, key=lambda n: math.prod(shapes[n]))
+    return list(dict.fromkeys([names[0], names[len(names) // 2], names[-1], largest]))
+
+
+def figures(rounds: list[dict[str, float]], nbytes: int, limit: float, rated: tuple[str, ...]) -> dict:
+    """Medians over the timed rounds; each `rated` span also as GB/s and as a fraction of the d2d copy limit."""
+    out: dict = {key: round(statistics.median(r[key] for r in rounds), 5) for key in rounds[0]}
+    for key in rated:
+        prefix = key.removesuffix("seconds")
+        gbps = nbytes / out[key] / GB
+        out[prefix + "GB/s"] = round(gbps, 2)
+        out[prefix + "ratio_to_d2d"] = round(gbps / limit, 4)
+    out["all_seconds"] = [round(r["seconds"], 5) for r in rounds]
+    return out
+
+
+# -- the trainer side ---------------------------------------------------------------------------------------------
+def checksums(tensors: dict[str, torch.Tensor], names: list[str]) -> dict[str, str]:
+    return {n: checksum_tensor(tensors[n]) for n in names}
+
+
+def new_version(tensors: dict[str, torch.Tensor], version: int, names: list[str]) -> dict[str, str]:
+    """What a training step does to the weights; returns the checksums the receiver must report afterwards."""
+    gen = torch.Generator(device=DEVICE).manual_seed(version)
+    for t in tensors.values():
+        t.uniform_(-1.0, 1.0, generator=gen)
+    expected = checksums(tensors, names)
+    torch.cuda.synchronize(DEVICE)
+    return expected
+
+
+def progress(system: str, version: int, seconds: dict[str, float]) -> None:
+    print(json.dumps({"system": system, "round": version, "warm_up": version == 0,
+                      **{k: round(v, 5) for k, v in seconds.items()}}), file=sys.stderr, flush=True)
+
+
+def watchdog(seconds: float) -> None:
+    """Ends the whole run with every thread's traceback if this round outlasts `seconds`: a ZMQ REQ socket
+    whose peer died waits forever, and a hung run would eat the GPU machine's time."""
+    faulthandler.dump_traceback_later(seconds, exit=True)
+
+
+class Peer:
+    """The receiver: this script with --serve, in its own process on the same GPU, driven by one JSON line
+    per transfer; it replies with `KIND payload` lines (READY, ANSWER, DONE, CHECK, ERROR)."""
+
+    def __init__(self, system: str, args: argparse.Namespace):
+        self.system = system
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", system, "--preset", args.preset,
+                                      "--bytes-check", args.bytes_check, "--timeout", str(args.timeout)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.expect("READY")
+
+    def send(self, **msg) -> None:
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+
+    def expect(self, kind: str) -> str:
+        for raw in self.proc.stdout:
+            if raw.startswith("ERROR "):
+                raise RuntimeError(f"{self.system} receiver failed: {raw[len('ERROR '):].strip()}")
+            if raw.startswith(kind + " "):
+                return raw[len(kind) + 1:].strip()
+        raise RuntimeError(f"{self.system} receiver exited ({self.proc.wait()}) before sending {kind}")
+
+    def verify(self, expected: dict[str, str]) -> None:
+        got = json.loads(self.expect("CHECK"))
+        wrong = [n for n in expected if got.get(n) != expected[n]]
+        if wrong:
+            raise RuntimeError(f"{self.system}: {len(wrong)} of {len(expected)} checked tensors arrived different, "
+                               f"e.g. {wrong[0]!r} (sent {expected[wrong[0]]}, received {got.get(wrong[0])})")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def run_rlsync(args, tensors: dict[str, torch.Tensor], names: list[str]) -> list[dict[str, float]]:
+    """rlsync's colocated path (bench/transfer.py's cuda_ipc one_copy): the receiver maps the trainer's
+    tensors and copies each once into its own."""
+    watchdog(args.timeout)
+    peer = Peer("rlsync", args)
+    rounds = []
+    try:
+        with WeightSender(tensors, bucket_bytes=args.bucket_mib << 20, backends=["cuda_ipc"]) as sender:
+            for version in range(args.repeats + 1):  # the first one warms up
+                watchdog(args.timeout)
+                expected = new_version(tensors, version, names)
+                start = time.perf_counter()
+                # 1. offer, 2. the receiver answers (connected already), 3. the bytes move, 4. the receiver is done
+                offer = sender.offer(version=version)
+                peer.send(offer=encode(offer))
+                report = sender.send(offer, [decode(pb.Answer, peer.expect("ANSWER"))], timeout=args.timeout)
+                peer.expect("DONE")
+                end = time.perf_counter()
+                if not offer.one_copy:
+                    raise RuntimeError("rlsync did not offer one-copy for contiguous CUDA tensors")
+                peer.verify(expected)
+                rounds.append({"seconds": end - start, "send_seconds": report.seconds,
+                               "data_seconds": report.data_seconds})
+                progress("rlsync", version, rounds[-1])
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        peer.close()
+    return rounds[1:]
+
+
+def load_checkpoint_engine() -> tuple[type, str, list[str]]:
+    """checkpoint-engine's ParameterServer, its version, and the list its bucket-size notes will land in."""
+    try:
+        import checkpoint_engine
+        from checkpoint_engine.device_utils import get_ip
+        from checkpoint_engine.ps import ParameterServer
+        from loguru import logger
+    except ImportError as e:
+        sys.exit(f"checkpoint-engine {CKPT_VERSION} cannot be imported ({e}): run `make wheels` where there is "
+                 "network, then `make gpu-setup` on this machine")
+    try:
+        get_ip()  # gather_metas records this host's IP: fail here, not in the middle of the run
+    except OSError as e:
+        sys.exit(f"checkpoint-engine cannot find this host's IP address ({e}); its gather_metas needs one")
+    if checkpoint_engine.__version__ != CKPT_VERSION:
+        print(f"warning: checkpoint-engine {checkpoint_engine.__version__}, this bench was written against "
+              f"{CKPT_VERSION}", file=sys.stderr)
+    notes: list[str] = []
+    logger.remove()
+    logger.add(sys.stderr, level="WARNING")
+    logger.add(lambda m: notes.append(str(m).strip()), level="INFO", format="{message}",
+               filter=lambda r: "bucket size" in r["message"] or "h2d buffer" in r["message"])
+    return ParameterServer, checkpoint_engine.__version__, notes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_checkpoint_engine(args, tensors: dict[str, torch.Tensor], names: list[str],
+                          parameter_server: type) -> list[dict[str, float]]:
+    """checkpoint-engine's colocated path as its examples drive it (register, gather metas, update), one
+    ParameterServer of world size 1 on this GPU."""
+    watchdog(args.timeout)
+    os.environ.update(RANK="0", WORLD_SIZE="1")  # ParameterServer reads them when rank=0 (falsy) is passed
+    ps = parameter_server(rank=0, world_size=1, auto_pg=False, master_addr="127.0.0.1", master_port=free_port())
+    # One NCCL group of world size 1 over checkpoint-engine's own TCPStore on localhost, kept across updates:
+    # auto_pg=True would build and destroy it inside every update() and charge that to every round.
+    ps.init_process_group()
+    peer = Peer("checkpoint-engine", args)
+    done: list[float] = []
+
+    def req_func(socket_paths: list[tuple[str, str]]) -> None:
+        # Its vLLM integration: HTTP -> collective_rpc -> the worker's update_weights_from_ipc, which returns when
+        # the weights are loaded. Here: a line to the receiver process, and its DONE line back.
+        peer.send(socket_paths=dict(socket_paths))
+        peer.expect("DONE")
+        done.append(time.perf_counter())
+
+    rounds = []
+    try:
+        for version in range(args.repeats + 1):  # the first one warms up (allocates the pinned pool)
+            watchdog(args.timeout)
+            expected = new_version(tensors, version, names)
+            name = f"bench-v{version}"
+            start = time.perf_counter()
+            # 1. the new weights into its pinned host pool, 2. metas, 3. update: req_func sees the receiver done
+            ps.register_checkpoint(name, named_tensors=tensors, use_shared_memory_pool=True)
+            ps.gather_metas(name)
+            update_start = time.perf_counter()
+            ps.update(name, req_func)
+            returned = time.perf_counter()
+            ps.unregister_checkpoint(name)  # frees the name only: the pinned pool stays for the next version
+            if len(done) != version + 1:
+                raise RuntimeError("checkpoint-engine's update() returned before the receiver said DONE")
+            peer.verify(expected)
+            rounds.append({"seconds": done[-1] - start, "update_only_seconds": done[-1] - update_start,
+                           "register_seconds": update_start - start, "update_call_seconds": returned - update_start})
+            progress("checkpoint-engine", version, rounds[-1])
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        peer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return rounds[1:]
+
+
+# -- the receiver side --------------------------------------------------------------------------------------------
+def emit(kind: str, payload: str) -> None:
+    print(f"{kind} {payload}", flush=True)
+
+
+def rlsync_receiver(dest: dict[str, torch.Tensor], timeout: float):
+    def receive(msg: dict) -> None:
+        offer = decode(pb.Offer, msg["offer"])
+        ans = answer(offer, "bench-receiver", device=DEVICE, force="cuda_ipc")
+        receiver = Receiver(offer, ans, dest, timeout=timeout)  # connects before answering, as rlsync's engines do
+        emit("ANSWER", encode(ans))
+        receiver.run()
+
+    return receive
+
+
+def checkpoint_engine_receiver(dest: dict[str, torch.Tensor]):
+    """What its VllmColocateWorkerExtension.update_weights_from_ipc does, minus vLLM: its own public receiver
+    helper, with a loader that copies each tensor into this process's own (vLLM's load_weights does the same
+    for plain weights)."""
+    import zmq
+    from checkpoint_engine.worker import update_weights_from_ipc
+
+    ctx = zmq.Context()
+    uuid = f"GPU-{torch.cuda.get_device_properties(0).uuid!s}"  # as checkpoint-engine names a GPU
+
+    def load(weights: list[tuple[str, torch.Tensor]]) -> None:
+        for name, t in weights:
+            dest[name].copy_(t)
+
+    def receive(msg: dict) -> None:
+        paths = msg["socket_paths"]
+        if uuid not in paths:
+            raise RuntimeError(f"no ZMQ socket for this GPU ({uuid}) among {sorted(paths)}")
+        update_weights_from_ipc(ctx, paths[uuid], device_id=0, run=load)
+
+    return receive
+
+
+def serve(args) -> None:
+    """The receiver process: its own tensors on the shared GPU (one allocation each, like an engine's
+    parameters), written by the system under test, checksummed after each transfer off the clock."""
+    torch.cuda.set_device(0)
+    shapes = preset_shapes(args.preset)
+    dest = make_tensors(shapes, DEVICE, "scattered")
+    names = checked_names(shapes, args.bytes_check)
+    receive = rlsync_receiver(dest, args.timeout) if args.serve == "rlsync" else checkpoint_engine_receiver(dest)
+    torch.cuda.synchronize(DEVICE)
+    emit("READY", "")
+    for line in sys.stdin:
+        try:
+            receive(json.loads(line))
+            torch.cuda.synchronize(DEVICE)
+        except Exception as e:  # noqa: BLE001 - reported to the trainer, then fatal
+            emit("ERROR", f"{type(e).__name__}: {e}")
+            raise
+        emit("DONE", "")
+        emit("CHECK", json.dumps(checksums(dest, names)))
+
+
+# -- main ---------------------------------------------------------------------------------------------------------
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="qwen3-4b", choices=sorted(PRESETS),
+                        help="model shapes (bench/models.py): qwen3-4b (8.8 GB bf16, default), qwen3-1.7b, small")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per system, after one warm-up")
+    parser.add_argument("--layout", default="scattered", choices=("scattered", "flat"),
+                        help="the trainer's tensors: one allocation each (a plain state dict, default) or views "
+                             "into one buffer (how rlsync's trainer keeps them); the receiver's are always scattered")
+    parser.add_argument("--bytes-check", default="all", choices=("all", "sample", "off"),
+                        help="receiver-side checksums after every transfer: every tensor (default), up to 4 "
+                             "(first, middle, last, largest), or none")
+    parser.add_argument("--bucket-mib", type=int, default=512, help="rlsync's bucket size (as bench/transfer.py)")
+    parser.add_argument("--only", default="", help="comma-separated: rlsync, checkpoint-engine (default both)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds one round may take before the "
+                        "run is ended with tracebacks")
+    parser.add_argument("--serve", choices=SYSTEMS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        serve(args)
+        return
+    systems = [s for s in SYSTEMS if s in (set(filter(None, args.only.split(","))) or set(SYSTEMS))]
+    if args.repeats < 1 or not systems:
+        parser.error(f"need --repeats >= 1 and --only among {', '.join(SYSTEMS)}")
+    if not torch.cuda.is_available():
+        sys.exit("peer_checkpoint_engine.py needs a CUDA GPU: trainer and receiver share one GPU through CUDA IPC "
+                 "(run it on the GPU machine, after `make gpu-setup`)")
+    ckpt = load_checkpoint_engine() if "checkpoint-engine" in systems else None
+
+    torch.cuda.set_device(0)
+    limit = d2d_limit(4 << 30, DEVICE)
+    torch.cuda.empty_cache()  # checkpoint-engine sizes its buckets from the GPU's free memory
+    shapes = preset_shapes(args.preset)
+    tensors = make_tensors(shapes, DEVICE, args.layout)
+    names = checked_names(shapes, args.bytes_check)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    out: dict = {"preset": args.preset, "bytes": nbytes, "tensors": len(tensors), "dtype": "bfloat16",
+                 "trainer_layout": args.layout, "receiver_layout": "scattered", "gpu": torch.cuda.get_device_name(0),
+                 "torch": torch.__version__, "repeats": args.repeats, "warm_up_rounds": 1,
+                 "limits": {"d2d_copy_GB/s": round(limit, 1)},
+                 "bytes_check": {"mode": args.bytes_check, "tensors_per_transfer": len(names),
+                                 "where": "receiver's own tensors, after every transfer (warm-up included)"},
+                 "spans": {"start": "new weights in the trainer's GPU tensors, synchronized",
+                           "end": "trainer reads the receiver's DONE: its own tensors hold every byte, GPU synced",
+                           **SPANS}}
+    if "rlsync" in systems:
+        out["rlsync"] = {"backend": "cuda_ipc", "mode": "one_copy",
+                         **figures(run_rlsync(args, tensors, names), nbytes, limit, ("seconds",))}
+    if ckpt is not None:
+        parameter_server, version, notes = ckpt
+        rounds = run_checkpoint_engine(args, tensors, names, parameter_server)
+        out["checkpoint_engine"] = {"version": version, "notes": list(dict.fromkeys(notes)),
+                                    **figures(rounds, nbytes, limit, ("seconds", "update_only_seconds"))}
+    if len(systems) == 2:
+        rl, ce = out["rlsync"]["seconds"], out["checkpoint_engine"]
+        out["rlsync_vs_checkpoint_engine"] = round(ce["seconds"] / rl, 3)
+        out["rlsync_vs_checkpoint_engine_update_only"] = round(ce["update_only_seconds"] / rl, 3)
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
