@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import sys
 import time
@@ -171,7 +172,7 @@ def disaggregated(model: str, cycles: int, logs: Path, gpus: int, limit: float) 
 def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: float, interval: float,
                   streams: int = 32, max_tokens: int = 256) -> dict:
     """Generation through the gateway (`streams` streams, each starting a new request when one ends)
-    for `seconds` without updates, then for `seconds` with a sync every `interval` seconds: tokens/s
+    for `seconds` without updates and for `seconds` with a sync every `interval` seconds: tokens/s
     of both windows, the gaps between two tokens of one stream (the longest across an update against
     the median without), and each sync's phases. One GPU: trainer and replica share it (cuda_ipc);
     more: the replica on GPU 1 (nccl). mode: inflight (no pause) or async (abort and resume)."""
@@ -184,46 +185,51 @@ def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: floa
         request = 0
         while not stop.is_set():
             request += 1
-            async for chunk in gc.generate(f"stream {i} {request}", max_tokens=max_tokens, ignore_eos=True, seed=i):
+            length = random.Random(i * 1000 + request).randint(max_tokens // 2, max_tokens * 3 // 2)  # RL-like spread
+            async for chunk in gc.generate(f"stream {i} {request}", max_tokens=length, ignore_eos=True, seed=i):
                 if chunk.token_ids:
                     arrivals[i].append((time.perf_counter(), len(chunk.token_ids), request))
 
-    async def run() -> tuple[list, list, tuple]:
+    async def run() -> tuple[list, list, list, list]:
+        """Quiet and busy windows alternate (twice each), so that the batch's drift (contexts grow,
+        streams restart) weighs on both alike."""
         async with AsyncCoordinatorClient(address, timeout=None) as gc:
             await gc.sync_weights(version=1)  # warm-up: first connections and mappings
             stop = asyncio.Event()
             tasks = [asyncio.create_task(stream(i, gc, stop)) for i in range(streams)]
-            await asyncio.sleep(3)  # every stream running
-            quiet = (time.perf_counter(), time.perf_counter() + seconds)
-            await asyncio.sleep(seconds)
-            syncs, windows, version = [], [], 1
-            busy_start = time.perf_counter()
-            while time.perf_counter() < busy_start + seconds:
-                version += 1
+            await asyncio.sleep(5)  # every stream running
+            syncs, windows, quiet, busy, version = [], [], [], [], 1
+            for _ in range(2):
                 t0 = time.perf_counter()
-                syncs.append(await gc.sync_weights(version=version))
-                windows.append((t0, time.perf_counter()))
-                await asyncio.sleep(max(0.0, t0 + interval - time.perf_counter()))
-            busy = (busy_start, time.perf_counter())
+                await asyncio.sleep(seconds / 2)
+                quiet.append((t0, time.perf_counter()))
+                busy_start = time.perf_counter()
+                while time.perf_counter() < busy_start + seconds / 2:
+                    version += 1
+                    t0 = time.perf_counter()
+                    syncs.append(await gc.sync_weights(version=version))
+                    windows.append((t0, time.perf_counter()))
+                    await asyncio.sleep(max(0.0, t0 + interval - time.perf_counter()))
+                busy.append((busy_start, time.perf_counter()))
             stop.set()
             await asyncio.gather(*tasks)
-            return syncs, windows, (quiet, busy)
+            return syncs, windows, quiet, busy
 
     try:
-        syncs, windows, (quiet, busy) = asyncio.run(run())
+        syncs, windows, quiet, busy = asyncio.run(run())
         status = CoordinatorClient(address).status()
     finally:
         for p in reversed(fleet):
             p.stop()
 
-    def rate(window: tuple[float, float]) -> float:
-        tokens = sum(n for a in arrivals for t, n, _ in a if window[0] <= t < window[1])
-        return tokens / (window[1] - window[0])
+    def rate(windows: list[tuple[float, float]]) -> float:
+        tokens = sum(n for a in arrivals for t, n, _ in a for w0, w1 in windows if w0 <= t < w1)
+        return tokens / sum(w1 - w0 for w0, w1 in windows)
 
-    def gaps(window: tuple[float, float]) -> list[tuple[float, float, float]]:
-        """(gap, from, to) between consecutive tokens of one request, inside the window."""
+    def gaps(windows: list[tuple[float, float]]) -> list[tuple[float, float, float]]:
+        """(gap, from, to) between consecutive tokens of one request, inside the windows."""
         return [(b[0] - a[0], a[0], b[0]) for arr in arrivals for a, b in zip(arr, arr[1:])
-                if a[2] == b[2] and window[0] <= a[0] and b[0] < window[1]]
+                if a[2] == b[2] and any(w0 <= a[0] and b[0] < w1 for w0, w1 in windows)]
 
     median_gap = statistics.median(g for g, _, _ in gaps(quiet))
     across = [g for g, t0, t1 in gaps(busy) if any(t0 < w1 and t1 > w0 for w0, w1 in windows)]

@@ -13,8 +13,9 @@ DEFAULT_PORT = 50050
 class CoordinatorConfig:
     server: ServerConfig = dataclasses.field(default_factory=lambda: ServerConfig(port=DEFAULT_PORT))
     sync_mode: str = option("async", "weight-sync sequence: colocated (sleep/wake, offload/onload around each "
-                                     "phase), async (broadcast into staging, pause, commit, resume) or inflight (no pause: "
-                                     "receive into staging while generating, switch between two engine steps)",
+                                     "phase), async (broadcast into staging, pause, commit, resume) or inflight "
+                                     "(no pause: receive into staging while generating, switch between two engine "
+                                     "steps)",
                             choices=("colocated", "async", "inflight"))
     recompute_kv: bool = option(False, "inflight: rebuild the KV cache of requests in flight with the new weights "
                                        "after the switch (default: they continue on the cache the old weights built)")

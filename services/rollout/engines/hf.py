@@ -43,6 +43,9 @@ class HFEngineArgs:
     dtype: str = "auto"  # auto = the checkpoint's dtype; or float32, bfloat16, float16
     device: str = "auto"  # auto = cuda when available, else cpu
     max_num_seqs: int = 64  # completions decoded together; more wait in a queue
+    # Prompt tokens prefilled in one step at most (a request's own prompt always goes whole): many
+    # requests arriving together join over several steps instead of stalling every running one.
+    max_prefill_tokens: int = 2048
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     attn_implementation: str = "sdpa"
     seed: int = 0  # seeds completions that do not bring their own seed
@@ -175,8 +178,11 @@ class HFEngine(Engine):
     def _step(self) -> None:
         """Admit waiting requests (prefill), then one decode step for every running sequence."""
         self.weights.ensure_restored()
-        while self._admitting and self._waiting and len(self.batch) < self.args.max_num_seqs:
-            self._admit(*self._waiting.popleft())
+        budget = self.args.max_prefill_tokens
+        while self._admitting and self._waiting and len(self.batch) < self.args.max_num_seqs and budget > 0:
+            request, sink = self._waiting.popleft()
+            budget -= len(request.prompt_token_ids)
+            self._admit(request, sink)
         if self.batch:
             logits = self.batch.step()
             done = {s for s, row in zip(self.batch.seqs, logits) if self._advance(s, row)}
@@ -330,14 +336,18 @@ class HFEngine(Engine):
                                      "them)")
         ans = answer(offer, receiver_id, device=self.device, force=force_backend or None)
 
-        def staging_store() -> FlatStore:
+        def in_place() -> FlatStore | None:
             if self.weights.pending_restore:  # woken, not refilled: the update lands right there
                 self.weights.receiving_in_place = True  # (the backup still holds the current version)
                 return self.weights.store
-            ensure_room(self.weights.device_bytes(), self.device, offer.manifest.version)
-            return FlatStore(self.weights.specs, self.device)  # in the engine's dtype (cast on arrival)
+            return None
 
-        staging = await self._call(staging_store)
+        # Only the in-place case touches the engine's state (between two steps); a new store is
+        # allocated off the engine thread, so generation does not wait for it.
+        staging = await self._call(in_place) if self.weights.pending_restore else None
+        if staging is None:
+            ensure_room(self.weights.device_bytes(), self.device, offer.manifest.version)
+            staging = await asyncio.to_thread(FlatStore, self.weights.specs, self.device)  # cast on arrival
         try:
             update = await asyncio.to_thread(StagedUpdate, offer, ans, staging.views, 0, self.device, timeout)
         except BaseException:
