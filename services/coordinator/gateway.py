@@ -144,7 +144,8 @@ class Gateway:
             finally:
                 member.in_flight -= 1
                 self._running.pop(key, None)
-            if final is not None and final.version_spans:  # the replica's record, exact to the token
+            if final is not None and sum(s.length for s in final.version_spans) == len(produced) - start:
+                # The replica's record, exact to the token (when it covers exactly what arrived).
                 made = [pb.VersionSpan(weight_version=s.weight_version, start=start + s.start, length=s.length)
                         for s in final.version_spans]
             for s in made:

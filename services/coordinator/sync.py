@@ -99,7 +99,10 @@ class Syncer:
         #    weights (an acknowledged barrier). The gateway resubmits the aborted requests after step 4.
         self.ready.clear()
         try:
-            await asyncio.gather(*(r.client.pause("abort") for r in replicas))
+            paused = await asyncio.gather(*(r.client.pause("abort") for r in replicas), return_exceptions=True)
+            failed = [e for e in paused if isinstance(e, BaseException)]
+            if failed:  # every pause has ended: the resume below cannot overtake one
+                raise failed[0]
             p.lap("pause")
             # 3. Commit everywhere: the staged weights go live (a pointer swap, or vLLM's reload).
             await commit_staged_async(clients, push, self.cfg.update_timeout)
@@ -123,7 +126,7 @@ class Syncer:
         # 1. Handshake + transfer into every replica's staging memory while it keeps generating on N.
         # 2. Commit: each replica switches between two engine steps. Requests in flight are not
         #    aborted: their tokens so far carry N, the next ones N+1 (optionally on a KV cache
-        #    recomputed with N+1). Replicas switch one after another within the commit phase.
+        #    recomputed with N+1). Every replica switches at its own next step boundary.
         push = await push_weights_async(trainer.client, [r.client for r in replicas], version, backend,
                                         self.cfg.update_timeout, recompute_kv=self.cfg.recompute_kv)
         p.add(push.phases)

@@ -253,7 +253,11 @@ class RolloutCore:
                 raise type(e)(f"update to version {version} failed, still serving version {self.weight_version}: "
                               f"{e}") from e
             start = asyncio.get_running_loop().time()
-            recomputed = await self.engine.commit_update(version, recompute_kv)
+            try:
+                recomputed = await self.engine.commit_update(version, recompute_kv)
+            except BaseException:
+                await self._drop_pending()
+                raise
             self.weight_version, self.pending = version, None
             return CommitResult(version, waited, asyncio.get_running_loop().time() - start, True, recomputed)
 

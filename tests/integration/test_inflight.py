@@ -49,7 +49,7 @@ def _update_under(trainer: TrainerClient, rollout: RolloutClient, prompt, recomp
         stream = Stream(rollout, prompt, max_tokens=TOKENS, ignore_eos=True, **kw)
         push_weights(trainer, [rollout], recompute_kv=recompute_kv)  # its commit lands while the stream runs
         stream.thread.join(120)
-        assert not stream.error, stream.error
+        assert not stream.thread.is_alive() and not stream.error, stream.error
         if len(stream.chunks[-1].version_spans) > 1:
             return stream, old
     raise AssertionError("every stream finished before its update was committed")

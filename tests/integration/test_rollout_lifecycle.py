@@ -69,6 +69,7 @@ def test_tls_from_cert_files(services, tmp_path):
 
 @pytest.mark.parametrize("engine, args, fragment", [
     ("hf", ["--engine-args", '{"bogus": 1}'], "bogus"),
+    ("hf", ["--engine-args", '{"max_prefill_tokens": 0}'], "max_prefill_tokens must be >= 1"),
     ("vllm", ["-E", "bogus_flag=1"], "bogus_flag"),
     ("vllm", ["-E", "tensor_parallel_size=0"], "tensor_parallel_size"),
 ])

@@ -65,7 +65,7 @@ async def stage_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncR
     clock.lap("prepare")
     try:
         pub = await trainer.publish_weights(offer.transfer_id, [p.answer for p in prepared], timeout)
-    except Exception:
+    except BaseException:  # cancelled too: nothing may stay staged
         await abort_staged_async(rollouts)
         raise
     clock.lap("transfer")
@@ -74,16 +74,23 @@ async def stage_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncR
 
 async def commit_staged_async(rollouts: list[AsyncRolloutClient], push: PushReport, timeout: float = 0,
                               recompute_kv: bool = False) -> None:
-    """Makes a staged version live on every replica (each between two of its engine steps)."""
+    """Makes a staged version live on every replica (each between two of its engine steps). Every
+    commit is awaited; on a failure the others' staged updates are dropped, then the first error
+    is raised (replicas that committed serve the new version, the rest their previous one)."""
     clock = Stopwatch()
-    await asyncio.gather(*(r.commit_update(push.version, timeout=timeout, recompute_kv=recompute_kv)
-                           for r in rollouts))
+    results = await asyncio.gather(*(r.commit_update(push.version, timeout=timeout, recompute_kv=recompute_kv)
+                                     for r in rollouts), return_exceptions=True)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        await abort_staged_async(rollouts)
+        raise failed[0]
     clock.lap("commit")
     push.phases.update(clock.stages)
 
 
 async def abort_staged_async(rollouts: list[AsyncRolloutClient]) -> None:
-    await asyncio.gather(*(r.abort_update() for r in rollouts), return_exceptions=True)
+    """Drops what is staged on every replica (a no-op where nothing is); never raises."""
+    await asyncio.shield(asyncio.gather(*(r.abort_update() for r in rollouts), return_exceptions=True))
 
 
 async def push_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncRolloutClient],

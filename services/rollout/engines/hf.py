@@ -57,7 +57,11 @@ class HFEngineArgs:
         if unknown:
             raise InvalidArgument(f"unknown hf engine argument(s) {', '.join(unknown)}; "
                                   f"valid: {', '.join(sorted(known))}")
-        return cls(**raw)
+        args = cls(**raw)
+        if args.max_num_seqs < 1 or args.max_prefill_tokens < 1:
+            raise InvalidArgument(f"max_num_seqs and max_prefill_tokens must be >= 1, got {args.max_num_seqs} and "
+                                  f"{args.max_prefill_tokens}")
+        return args
 
 
 class _Request:

@@ -67,6 +67,7 @@ class VLLMEngine(Engine):
         self.tensor_parallel_size = config.parallel_config.tensor_parallel_size
         await self.llm.update_weight_version(str(self.version))  # vLLM labels every step's tokens with it
         self._in_flight: set[str] = set()
+        self._salt = self.version  # moves to the new version before its weights go live
 
     async def shutdown(self) -> None:
         if self.llm is not None:
@@ -90,7 +91,7 @@ class VLLMEngine(Engine):
             logprobs=0 if p.logprobs else None, output_kind=RequestOutputKind.DELTA)
         # The salt keeps each version's prefix cache apart: after an in-flight switch, a new request
         # never reuses blocks the old weights computed (requests in flight keep theirs).
-        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids), cache_salt=f"rlsync-v{self.version}")
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids), cache_salt=f"rlsync-v{self._salt}")
         self._in_flight.add(request.request_id)
         try:
             async for out in self.llm.generate(prompt, params, request.request_id):
@@ -117,7 +118,8 @@ class VLLMEngine(Engine):
             if finish is FinishReason.STOP:
                 detail = f"stop string {c.stop_reason!r}" if isinstance(c.stop_reason, str) else "end of sequence"
             spans = None
-            if c.weight_versions is not None:  # on the final output: [start, end) per version label
+            if c.weight_versions is not None and all(s.version.isdigit() for s in c.weight_versions):
+                # On the final output: [start, end) per version label (ours; anything else: the chunks' tags).
                 spans = [(int(s.version), s.start, s.end - s.start) for s in c.weight_versions if s.end > s.start]
             deltas.append(Delta(c.index, list(c.token_ids), c.text, logprobs, finish, detail, version, spans))
         return deltas
@@ -194,14 +196,15 @@ class VLLMEngine(Engine):
         if not was_paused:  # freeze requests in place, between two engine steps; they go on after
             await self.llm.pause_generation(mode="keep", clear_cache=False)
         try:
+            self._salt = version  # requests arriving from now on run on the new weights
             await self.llm.collective_rpc("rlsync_commit")
+            await self.llm.update_weight_version(str(version))  # before anything else can fail
+            self.version = version
             recomputed = len(self._in_flight) if recompute_kv else 0
             if recompute_kv:  # preempts the running requests: vLLM prefills their tokens again
                 await self.llm.reset_prefix_cache(reset_running_requests=True)
             elif not self._in_flight:  # frees the old version's cached blocks now (salts keep them apart anyway)
                 await self.llm.reset_prefix_cache()
-            await self.llm.update_weight_version(str(version))
-            self.version = version
             return recomputed
         finally:
             if not was_paused:
