@@ -182,11 +182,19 @@ class HFEngine(Engine):
     def _step(self) -> None:
         """Admit waiting requests (prefill), then one decode step for every running sequence."""
         self.weights.ensure_restored()
-        budget = self.args.max_prefill_tokens
-        while self._admitting and self._waiting and len(self.batch) < self.args.max_num_seqs and budget > 0:
+        joining, budget, room = [], self.args.max_prefill_tokens, self.args.max_num_seqs - len(self.batch)
+        while self._admitting and self._waiting and room > 0 and budget > 0:
             request, sink = self._waiting.popleft()
             budget -= len(request.prompt_token_ids)
-            self._admit(request, sink)
+            room -= request.sampling.n
+            joining.append((request, sink))
+        if len(joining) == 1:
+            request, sink = joining[0]
+            self._admit(request, sink, *self.batch.prefill(list(request.prompt_token_ids)))
+        elif joining:  # one forward for all of them: a crowd costs about what one request does
+            kvs, logits = self.batch.prefill_many([list(r.prompt_token_ids) for r, _ in joining])
+            for (request, sink), kv, row in zip(joining, kvs, logits):
+                self._admit(request, sink, kv, row)
         if self.batch:
             logits = self.batch.step()
             done = {s for s, row in zip(self.batch.seqs, logits) if self._advance(s, row)}
@@ -196,8 +204,9 @@ class HFEngine(Engine):
                 future.set_result(None)
             self._drained.clear()
 
-    def _admit(self, request: GenerationRequest, sink: _Request) -> None:
-        kv, logits = self.batch.prefill(list(request.prompt_token_ids))
+    def _admit(self, request: GenerationRequest, sink: _Request, kv, logits: torch.Tensor) -> None:
+        """Starts a prefilled request: samples each completion's first token, and the ones still
+        running join the batch."""
         params = request.sampling
         seed = params.seed if params.seed is not None else int(torch.randint(1 << 62, (1,), generator=self._rng))
         seqs = [Sequence(request.request_id, i, list(request.prompt_token_ids), params,

@@ -78,6 +78,22 @@ class Batch:
             out = self.model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
         return _layers(out.past_key_values), out.logits[0, -1].float()
 
+    @torch.inference_mode()
+    def prefill_many(self, prompts: list[list[int]]) -> tuple[list[KV], torch.Tensor]:
+        """Runs several prompts in one forward, left-padded and masked; returns each prompt's own
+        cache (batch size 1, its padding dropped) and the logits of each one's last position."""
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        with sdpa_kernel(ATTENTION):
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                             past_key_values=DynamicCache(), use_cache=True)
+        layers = _layers(out.past_key_values)
+        kvs = [[(k[i:i + 1, :, width - len(p):], v[i:i + 1, :, width - len(p):]) for k, v in layers]
+               for i, p in enumerate(prompts)]
+        return kvs, out.logits[:, -1].float()
+
     def add(self, seqs: list[Sequence], kv: KV) -> None:
         """Joins sequences that share one prefilled prompt cache (`kv` has batch size 1)."""
         length = kv[0][0].shape[-2]
