@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from rlsync.client import abort_staged_async, commit_staged_async, push_weights_async, stage_weights_async
+from rlsync.common.aio import settle
 from rlsync.common.audit import differences, trainer_dtype
 from rlsync.common.timing import Stopwatch
 from rlsync.coordinator.config import CoordinatorConfig
@@ -99,10 +100,7 @@ class Syncer:
         #    weights (an acknowledged barrier). The gateway resubmits the aborted requests after step 4.
         self.ready.clear()
         try:
-            paused = await asyncio.gather(*(r.client.pause("abort") for r in replicas), return_exceptions=True)
-            failed = [e for e in paused if isinstance(e, BaseException)]
-            if failed:  # every pause has ended: the resume below cannot overtake one
-                raise failed[0]
+            await settle(*(r.client.pause("abort") for r in replicas))  # the resume below cannot overtake one
             p.lap("pause")
             # 3. Commit everywhere: the staged weights go live (a pointer swap, or vLLM's reload).
             await commit_staged_async(clients, push, self.cfg.update_timeout)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from rlsync.client.rollout import AsyncRolloutClient, RolloutClient
 from rlsync.client.trainer import AsyncTrainerClient, TrainerClient
+from rlsync.common.aio import settle
 from rlsync.common.timing import Stopwatch
 from rlsync.transfer.v1.transfer_pb2 import Backend
 
@@ -56,14 +57,9 @@ async def stage_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncR
     drop it with abort_staged_async). On failure nothing stays staged."""
     clock = Stopwatch()
     offer = await trainer.offer_weights(version)
-    prepared = await asyncio.gather(*(r.prepare_update(offer, force_backend, timeout) for r in rollouts),
-                                    return_exceptions=True)
-    failed = [p for p in prepared if isinstance(p, BaseException)]
-    if failed:
-        await abort_staged_async(rollouts)
-        raise failed[0]
-    clock.lap("prepare")
     try:
+        prepared = await settle(*(r.prepare_update(offer, force_backend, timeout) for r in rollouts))
+        clock.lap("prepare")
         pub = await trainer.publish_weights(offer.transfer_id, [p.answer for p in prepared], timeout)
     except BaseException:  # cancelled too: nothing may stay staged
         await abort_staged_async(rollouts)
@@ -78,12 +74,11 @@ async def commit_staged_async(rollouts: list[AsyncRolloutClient], push: PushRepo
     commit is awaited; on a failure the others' staged updates are dropped, then the first error
     is raised (replicas that committed serve the new version, the rest their previous one)."""
     clock = Stopwatch()
-    results = await asyncio.gather(*(r.commit_update(push.version, timeout=timeout, recompute_kv=recompute_kv)
-                                     for r in rollouts), return_exceptions=True)
-    failed = [r for r in results if isinstance(r, BaseException)]
-    if failed:
+    try:
+        await settle(*(r.commit_update(push.version, timeout=timeout, recompute_kv=recompute_kv) for r in rollouts))
+    except BaseException:
         await abort_staged_async(rollouts)
-        raise failed[0]
+        raise
     clock.lap("commit")
     push.phases.update(clock.stages)
 

@@ -188,11 +188,8 @@ class HFEngine(Engine):
             budget -= len(request.prompt_token_ids)
             room -= request.sampling.n
             joining.append((request, sink))
-        if len(joining) == 1:
-            request, sink = joining[0]
-            self._admit(request, sink, *self.batch.prefill(list(request.prompt_token_ids)))
-        elif joining:  # one forward for all of them: a crowd costs about what one request does
-            kvs, logits = self.batch.prefill_many([list(r.prompt_token_ids) for r, _ in joining])
+        if joining:  # one forward for all of them: a crowd costs about what one request does
+            kvs, logits = self.batch.prefill([list(r.prompt_token_ids) for r, _ in joining])
             for (request, sink), kv, row in zip(joining, kvs, logits):
                 self._admit(request, sink, kv, row)
         if self.batch:

@@ -71,24 +71,17 @@ class Batch:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv)
 
     @torch.inference_mode()
-    def prefill(self, prompt: list[int]) -> tuple[KV, torch.Tensor]:
-        """Runs a prompt alone; returns its cache and the logits of its last position."""
-        ids = torch.tensor([prompt], device=self.device)
-        with sdpa_kernel(ATTENTION):
-            out = self.model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
-        return _layers(out.past_key_values), out.logits[0, -1].float()
-
-    @torch.inference_mode()
-    def prefill_many(self, prompts: list[list[int]]) -> tuple[list[KV], torch.Tensor]:
-        """Runs several prompts in one forward, left-padded and masked; returns each prompt's own
-        cache (batch size 1, its padding dropped) and the logits of each one's last position."""
+    def prefill(self, prompts: list[list[int]]) -> tuple[list[KV], torch.Tensor]:
+        """Runs prompts in one forward (several: left-padded and masked); returns each prompt's own
+        cache (batch size 1, no padding) and the logits of each one's last position [n, vocab]."""
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=self.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        masked = {}
+        if len(prompts) > 1:
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+            masked = {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
         with sdpa_kernel(ATTENTION):
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                             past_key_values=DynamicCache(), use_cache=True)
+            out = self.model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True, **masked)
         layers = _layers(out.past_key_values)
         kvs = [[(k[i:i + 1, :, width - len(p):], v[i:i + 1, :, width - len(p):]) for k, v in layers]
                for i, p in enumerate(prompts)]
@@ -127,12 +120,13 @@ class Batch:
 
     def recompute(self) -> int:
         """Rebuilds every running sequence's cache with the model's current weights (after a swap):
-        each one's tokens so far are prefilled again. Returns how many sequences."""
+        their tokens so far are prefilled again, in one forward. Returns how many sequences."""
         seqs = self.seqs
         self.seqs, self.kv, self.mask = [], [], self.mask[:0, :0]
-        for s in seqs:
-            kv, _ = self.prefill((s.prompt + s.output)[:s.length])
-            self.add([s], kv)
+        if seqs:
+            kvs, _ = self.prefill([(s.prompt + s.output)[:s.length] for s in seqs])
+            for s, kv in zip(seqs, kvs):
+                self.add([s], kv)
         return len(seqs)
 
     @torch.inference_mode()
