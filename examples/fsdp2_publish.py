@@ -71,6 +71,9 @@ def main() -> None:
             full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             if rank == 0:
                 save_file({k: v.contiguous() for k, v in full.items()}, args.save)
+    # Every rank leaves together: gloo can abort a rank that tears its group down while another
+    # still works (here rank 0 writing the file), with "terminate called without an active exception".
+    dist.barrier()
     dist.destroy_process_group()
 
 
