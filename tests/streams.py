@@ -60,17 +60,23 @@ def wait_in_flight(client: RolloutClient, count: int, timeout: float = 30.0,
 def frozen_streams(client: RolloutClient, prompts: list[str], attempts: int = 5, **kw) -> list[Stream]:
     """Streams that have made tokens and are all still open, frozen by Pause(KEEP): the caller
     acts on them, then Resumes. `kw` must ask for enough tokens that the engine is not done
-    within a fraction of a second (e.g. max_tokens=900, ignore_eos=True)."""
+    within a fraction of a second (e.g. max_tokens=900, ignore_eos=True).
+
+    The pause comes as soon as the replica runs them all (its own count). Chunks made before it
+    keep arriving, late on busy cores; a stream with none yet (its prefill not done when the pause
+    came) is let run a little longer and paused again."""
     for _ in range(attempts):
         streams = [Stream(client, p, **kw) for p in prompts]
-        # Every stream has made a token before the pause: a fixed sleep was not enough on two busy
-        # cores, where vLLM's prefill can take longer and the pause then froze a stream at zero.
-        if wait_in_flight(client, len(prompts), streams=streams) and all(
-                s.first.wait(60) and s.chunks for s in streams):
-            client.pause("keep")
-            if client.info().in_flight == len(prompts):
-                return streams
-            client.resume()  # one finished first: try again
+        if wait_in_flight(client, len(prompts), streams=streams):
+            for _ in range(10):
+                client.pause("keep")
+                finished = client.info().in_flight < len(prompts)
+                if not finished and all(s.first.wait(3) and s.chunks for s in streams):
+                    return streams
+                client.resume()
+                if finished:
+                    break  # start over
+                time.sleep(0.05)
         for s in streams:
             s.thread.join(120)
     raise AssertionError(f"streams kept finishing before they could be paused ({attempts} attempts)")

@@ -12,8 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from conftest import rollout_args
-from rlsync.client import RolloutClient, TrainerClient, push_weights, trajectory
-from streams import Stream
+from rlsync.client import RolloutClient, TrainerClient, commit_staged, push_weights, stage_weights, trajectory
+from streams import Stream, wait_in_flight
 
 ENGINE_EXTRA = {"vllm": {"dtype": "float32"}, "hf": {}}
 TOKENS = 900  # long enough that the push lands while the stream runs
@@ -37,17 +37,20 @@ def _train(trainer: TrainerClient, rollout: RolloutClient, seed: int) -> None:
 
 def _update_under(trainer: TrainerClient, rollout: RolloutClient, prompt, recompute_kv: bool, seed: int,
                   served: Path | None = None, **kw) -> tuple[Stream, int]:
-    """Trains a step, opens a stream and pushes the step's weights while it runs; returns the stream
-    once it ends, and the version it started on (with `served`: its weights saved there). On a busy
-    machine a stream can finish before the switch (its final record then holds one version), and
-    then it is all done again."""
+    """Trains a step, stages its weights, opens a stream and commits once the replica runs it (its
+    own count: chunks can reach a busy client late); returns the stream once it ends, and the
+    version it started on (with `served`: its weights saved there). On a busy machine a stream can
+    still finish before the commit lands (its final record then holds one version), and then it is
+    all done again."""
     for attempt in range(5):
         if served is not None:  # the trainer's weights are the replica's until the step below
             trainer.save_checkpoint(str(served))
         _train(trainer, rollout, seed + 100 * attempt)
         old = rollout.info().weight_version
+        push = stage_weights(trainer, [rollout])
         stream = Stream(rollout, prompt, max_tokens=TOKENS, ignore_eos=True, **kw)
-        push_weights(trainer, [rollout], recompute_kv=recompute_kv)  # its commit lands while the stream runs
+        wait_in_flight(rollout, 1, streams=[stream])
+        commit_staged([rollout], push, recompute_kv=recompute_kv)  # lands while the stream runs, or just after
         stream.thread.join(120)
         assert not stream.thread.is_alive() and not stream.error, stream.error
         if len(stream.chunks[-1].version_spans) > 1:

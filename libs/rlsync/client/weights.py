@@ -31,23 +31,40 @@ def _report(pub, phases: dict[str, float], answers: list) -> PushReport:
                       [Backend.Name(a.backend).removeprefix("BACKEND_").lower() for a in answers])
 
 
-def push_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version: int | None = None,
-                 force_backend: str = "", timeout: float = 0, recompute_kv: bool = False) -> PushReport:
+def stage_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version: int | None = None,
+                  force_backend: str = "", timeout: float = 0) -> PushReport:
+    """Offer -> prepare on every replica -> publish, one call after the other (stage_weights_async
+    overlaps the replicas). Every replica then holds the new version in staging; commit it with
+    commit_staged (or RolloutClient.abort_update). On failure nothing stays staged."""
     clock = Stopwatch()
     offer = trainer.offer_weights(version)
-    answers = [r.prepare_update(offer, force_backend, timeout).answer for r in rollouts]
-    clock.lap("prepare")
     try:
+        answers = [r.prepare_update(offer, force_backend, timeout).answer for r in rollouts]
+        clock.lap("prepare")
         pub = trainer.publish_weights(offer.transfer_id, answers, timeout)
     except Exception:
         for r in rollouts:
             r.abort_update()
         raise
     clock.lap("transfer")
-    for r in rollouts:
-        r.commit_update(offer.manifest.version, timeout=timeout, recompute_kv=recompute_kv)
-    clock.lap("commit")
     return _report(pub, clock.stages, answers)
+
+
+def commit_staged(rollouts: list[RolloutClient], push: PushReport, timeout: float = 0,
+                  recompute_kv: bool = False) -> None:
+    clock = Stopwatch()
+    for r in rollouts:
+        r.commit_update(push.version, timeout=timeout, recompute_kv=recompute_kv)
+    clock.lap("commit")
+    push.phases.update(clock.stages)
+
+
+def push_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version: int | None = None,
+                 force_backend: str = "", timeout: float = 0, recompute_kv: bool = False) -> PushReport:
+    """Stage, then commit at once."""
+    push = stage_weights(trainer, rollouts, version, force_backend, timeout)
+    commit_staged(rollouts, push, timeout, recompute_kv)
+    return push
 
 
 async def stage_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncRolloutClient],

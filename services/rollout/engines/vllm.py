@@ -68,6 +68,7 @@ class VLLMEngine(Engine):
         await self.llm.update_weight_version(str(self.version))  # vLLM labels every step's tokens with it
         self._in_flight: set[str] = set()
         self._salt = self.version  # moves to the new version before its weights go live
+        await self._read_memory()
 
     async def shutdown(self) -> None:
         if self.llm is not None:
@@ -137,15 +138,22 @@ class VLLMEngine(Engine):
         # On vLLM's CPU build sleep is a no-op (sleep mode needs CUDA); the core still refuses
         # Generate until WakeUp, so the sequencing is the same everywhere.
         await self.llm.sleep(level)
+        await self._read_memory()
 
     async def wake_up(self, tags: frozenset[WakeTag]) -> None:
         await self.llm.wake_up(sorted(t.value for t in tags))
+        await self._read_memory()
 
     async def memory(self) -> MemoryUsage:
+        """As of the last operation that changes it (start, sleep, wake-up, an update's steps): asking
+        the workers would wait behind the engine's steps, which takes seconds on a busy machine."""
+        return self._memory
+
+    async def _read_memory(self) -> None:
         per_worker = await self.llm.collective_rpc("rlsync_memory")
         device = per_worker[0]["device"]
-        return MemoryUsage(device, *(sum(w[k] for w in per_worker) for k in
-                                     ("weights_bytes", "kv_cache_bytes", "reserved_bytes", "staging_bytes")))
+        self._memory = MemoryUsage(device, *(sum(w[k] for w in per_worker) for k in
+                                             ("weights_bytes", "kv_cache_bytes", "reserved_bytes", "staging_bytes")))
 
     # ---- weight updates -------------------------------------------------------------------------
     def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], None]]:
@@ -175,6 +183,7 @@ class VLLMEngine(Engine):
         if refusals:
             raise ResourceExhausted(refusals[0])
         await self.llm.collective_rpc("rlsync_begin", args=(raw, ans.SerializeToString(), timeout))
+        await self._read_memory()
         return ans
 
     async def finish_update(self, timeout: float) -> float:
@@ -183,6 +192,7 @@ class VLLMEngine(Engine):
         while True:
             states = await self.llm.collective_rpc("rlsync_poll")
             if all(s["state"] != "running" for s in states):
+                await self._read_memory()  # a failed transfer has dropped its staging
                 for s in states:
                     raise_failure(s)
                 return time.perf_counter() - start
@@ -205,13 +215,15 @@ class VLLMEngine(Engine):
                 await self.llm.reset_prefix_cache(reset_running_requests=True)
             elif not self._in_flight:  # frees the old version's cached blocks now (salts keep them apart anyway)
                 await self.llm.reset_prefix_cache()
-            return recomputed
         finally:
             if not was_paused:
                 await self.llm.resume_generation()
+        await self._read_memory()
+        return recomputed
 
     async def abort_update(self) -> None:
         await self.llm.collective_rpc("rlsync_abort")
+        await self._read_memory()
 
     async def checksums(self):
         applied = (await self.llm.collective_rpc("rlsync_applied"))[0]
