@@ -15,6 +15,7 @@ from rlsync.common.timing import Stopwatch
 from rlsync.coordinator.config import CoordinatorConfig
 from rlsync.coordinator.registry import Member, Registry
 from rlsync.errors import FailedPrecondition
+from rlsync.rollout.v1 import rollout_pb2
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +175,13 @@ class Syncer:
             if member.state == "gone":
                 return
             info = await member.client.info()
+            if not self.syncs and info.weight_version > self.version:
+                self._adopt(info.weight_version, member)
+            member.weight_version = info.weight_version
+            if not await self._take_back(member, info):
+                member.state = "ready"  # asleep with the rest in a colocated step: the next sync brings it along
+                self.registry.changed.set()
+                return
             if info.weight_version != self.version:
                 trainer = self.registry.trainer()
                 if trainer is None:  # trainer_joined() tries again
@@ -195,6 +203,37 @@ class Syncer:
             member.state = "ready"
             self.registry.changed.set()
 
+    def _adopt(self, version: int, member: Member) -> None:
+        """A coordinator that has not synced yet (a restarted one) learns the fleet's version from its
+        replicas: the newest one any serves. Replicas already taken in at an older one catch up."""
+        log.info("%s serves version %d: the fleet's version until the next sync", member.name, version)
+        self.version = version
+        for other in self.registry.rollouts("ready"):
+            if other.weight_version < version:
+                other.state = "syncing"
+                self.registry.spawn(self.catch_up(other))
+
+    async def _take_back(self, member: Member, info) -> bool:
+        """A replica that joins paused, asleep or holding a prepared update was left so by a coordinator
+        that is gone (this one holds the lock: no sequence of its own is under way). Its update is
+        dropped; while the fleet serves, it is woken and resumed. False: the fleet is in a colocated
+        training step, and the replica stays asleep like the others."""
+        if info.pending_version >= 0:
+            await member.client.abort_update()
+        if not self.ready.is_set():
+            return False
+        if info.asleep:
+            await member.client.wake_up()
+        if info.state == rollout_pb2.SERVING_STATE_PAUSED:
+            await member.client.resume()
+        return True
+
     async def trainer_joined(self) -> None:
+        trainer = self.registry.trainer()
+        if not self.syncs and trainer is not None:  # a restarted coordinator learns the trainer's step from it
+            try:
+                self.trainer_step = (await trainer.client.state()).step
+            except Exception:  # noqa: BLE001 - learnt at its next Train instead
+                log.warning("could not read the trainer's step", exc_info=True)
         for member in self.registry.rollouts("syncing"):
             self.registry.spawn(self.catch_up(member))

@@ -21,3 +21,6 @@ class RolloutConfig:
     replica_id: str = option("", "name of this replica in logs and GetInfo; random when empty")
     update_timeout: float = option(300.0, "seconds a weight update may take to arrive")
     coordinator: str = option("", "coordinator address (host:port) to register with; empty = standalone")
+    coordinator_lease: float = option(30.0, "seconds the coordinator may stay unreachable while it has this "
+                                      "replica paused, asleep or holding a prepared update; then the replica drops "
+                                      "the update, wakes and resumes on the weights it has (0: wait forever)")

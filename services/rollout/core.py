@@ -274,6 +274,26 @@ class RolloutCore:
         except Exception:  # noqa: BLE001 - the staging memory goes either way
             log.warning("dropping the prepared update failed", exc_info=True)
 
+    async def release_control(self, why: str) -> list[str]:
+        """Undoes what a controller that vanished left behind: drops a prepared update, wakes the
+        engine, resumes generation, serving the weights it fully has. Returns what it did."""
+        async with self._control:
+            done = []
+            if self.pending is not None:
+                done.append(f"dropped the prepared update to version {self.pending}")
+                await self._drop_pending()
+            if self.asleep:
+                await self.engine.wake_up(frozenset(self.asleep))
+                done.append(f"woke up ({', '.join(sorted(t.value for t in self.asleep))})")
+                self.asleep, self.sleep_level = set(), 0
+            if self.paused:
+                await self.engine.resume()
+                self.paused = False
+                done.append("resumed")
+            if done:
+                log.warning("%s: %s; serving version %d", why, ", ".join(done), self.weight_version)
+            return done
+
     async def checksums(self) -> tuple[int, dict, str]:
         sums, source = await self.engine.checksums()
         return self.weight_version, sums, source

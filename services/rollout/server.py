@@ -44,6 +44,21 @@ class RolloutService:
             self.registrar = Registrar(self.cfg.coordinator, ROLE_ROLLOUT, address, self.core.replica_id,
                                        self.cfg.server.token)
             self.registrar.start()
+            if self.cfg.coordinator_lease > 0:
+                self._lease = asyncio.create_task(self._hold_lease(self.cfg.coordinator_lease))
+
+    async def _hold_lease(self, lease: float) -> None:
+        """A replica the coordinator left paused, asleep or mid-update does not stay so forever: once
+        the coordinator has been silent for `lease` seconds, the replica takes itself back."""
+        while True:
+            await asyncio.sleep(min(lease / 4, 1.0))
+            silent = self.registrar.silent_for()
+            held = self.core.paused or self.core.asleep or self.core.pending is not None
+            if held and silent > lease:
+                try:
+                    await self.core.release_control(f"coordinator at {self.cfg.coordinator} silent for {silent:.0f}s")
+                except Exception:  # noqa: BLE001 - tried again at the next tick
+                    log.exception("could not take the replica back from its silent coordinator")
 
     async def failure(self) -> str:
         """Returns once the engine is dead, after taking this replica out of the coordinator's rotation."""
@@ -54,6 +69,8 @@ class RolloutService:
         return reason
 
     async def drain(self, reason: str) -> None:
+        if getattr(self, "_lease", None) is not None:
+            self._lease.cancel()
         if getattr(self, "registrar", None) is not None:
             await self.registrar.stop()  # out of rotation first: no new requests arrive
         await self.core.drain(reason, finish_within=self.cfg.server.grace_seconds)

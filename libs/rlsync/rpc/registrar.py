@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from rlsync.coordinator.v1 import coordinator_pb2 as pb
 from rlsync.coordinator.v1.coordinator_pb2_grpc import CoordinatorServiceStub
@@ -20,6 +21,11 @@ class Registrar:
         self.stub = CoordinatorServiceStub(self.channel)
         self.member_id = ""
         self._task: asyncio.Task | None = None
+        self._heard = time.monotonic()  # the coordinator's last answer
+
+    def silent_for(self) -> float:
+        """Seconds since the coordinator last answered (a registration or a heartbeat)."""
+        return time.monotonic() - self._heard
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -39,6 +45,7 @@ class Registrar:
                     interval = await self._register()
                     warned = False
                 beat = await self.stub.Heartbeat(pb.HeartbeatRequest(member_id=self.member_id), timeout=10)
+                self._heard = time.monotonic()
                 if not beat.known:
                     self.member_id = ""
                     continue

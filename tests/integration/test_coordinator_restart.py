@@ -1,0 +1,73 @@
+"""The coordinator dies (SIGKILL) in the middle of a sync, with real trainer and replica processes.
+Restarted on the same address, it takes back what the old one left paused and mid-update, learns the
+fleet's version and the trainer's step from the members, and carries on. Not restarted, the replicas
+it left paused take themselves back once its lease runs out."""
+
+from __future__ import annotations
+
+import time
+
+from conftest import rollout_args
+from rlsync.client import CoordinatorClient, RolloutClient, TrainerClient, trajectory
+from streams import Stream
+
+FAST = ["--sync-mode", "async", "--lease", "1.5", "--heartbeat-interval", "0.3"]
+
+
+def _fleet(services, replica_extra=()):
+    co = services.start("coordinator", FAST, name="coordinator")
+    tr = services.start("trainer", ["--coordinator", co.address, "--checksums"], name="trainer")
+    ro = services.start("rollout", [*rollout_args("hf"), "--coordinator", co.address, *replica_extra], name="r0")
+    client = CoordinatorClient(co.address)
+    client.wait_ready(2)
+    return co, client, TrainerClient(tr.address), RolloutClient(ro.address)
+
+
+def _step(client: CoordinatorClient, seed: int):
+    done = client.complete("3+4=", n=4, max_tokens=8, temperature=1.0, logprobs=True, seed=seed)
+    client.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])
+    return client.sync_weights(verify=True)
+
+
+def _left_mid_sync(trainer: TrainerClient, replica: RolloutClient) -> None:
+    """What a coordinator leaves when it dies between steps of a sync: the replica paused, with the
+    next version prepared (staging allocated) but never committed."""
+    replica.pause("abort")
+    replica.prepare_update(trainer.offer_weights())
+    info = replica.info()
+    assert info.state == 2 and info.pending_version >= 0  # PAUSED, holding a prepared update
+
+
+def test_restarted_coordinator_takes_back_a_paused_replica_and_carries_on(services):
+    co, client, trainer, replica = _fleet(services)
+    assert _step(client, seed=0).version == 1
+    _left_mid_sync(trainer, replica)
+    co.kill()
+    port = co.address.rsplit(":", 1)[1]
+    again = services.start("coordinator", [*FAST, "--port", port], name="coordinator-again")
+    client = CoordinatorClient(again.address)
+    client.wait_ready(2, timeout=30)
+    info = replica.info()
+    assert info.state == 1 and info.pending_version == -1, "serving again, the prepared update dropped"
+    status = client.status()
+    assert status.weight_version == 1 and status.trainer_step == 1, "learnt from the members, not reset to 0"
+    stream = Stream(client, "after the restart", max_tokens=4, ignore_eos=True)  # it hung here before
+    stream.thread.join(30)
+    assert not stream.thread.is_alive(), "a request through the new coordinator must not hang"
+    assert stream.chunks[-1].finish_reason == 2 and stream.versions() == [1] * len(stream.versions())
+    sync = _step(client, seed=1)
+    assert sync.version == 2 and sync.verified
+
+
+def test_replica_left_paused_by_a_vanished_coordinator_resumes_after_its_lease(services):
+    co, client, trainer, replica = _fleet(services, ["--coordinator-lease", "2"])
+    assert _step(client, seed=0).version == 1
+    _left_mid_sync(trainer, replica)
+    co.kill()
+    deadline = time.monotonic() + 30
+    while (info := replica.info()).state != 1:
+        assert time.monotonic() < deadline, f"still {info.state} 30 s after its coordinator vanished"
+        time.sleep(0.2)
+    assert info.pending_version == -1 and info.weight_version == 1 and info.memory.staging_bytes == 0
+    out = replica.complete("on my own", max_tokens=4, ignore_eos=True)[0]
+    assert out.finish_reason == "length" and out.max_weight_version == 1
