@@ -5,10 +5,14 @@ it left paused take themselves back once its lease runs out."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 
+import pytest
+
 from conftest import rollout_args
-from rlsync.client import CoordinatorClient, RolloutClient, TrainerClient, trajectory
+from rlsync.client import CoordinatorClient, RolloutClient, RpcError, TrainerClient, trajectory
+from rlsync.coordinator.v1 import coordinator_pb2 as pb
 from streams import Stream
 
 FAST = ["--sync-mode", "async", "--lease", "1.5", "--heartbeat-interval", "0.3"]
@@ -43,8 +47,13 @@ def test_restarted_coordinator_takes_back_a_paused_replica_and_carries_on(servic
     assert _step(client, seed=0).version == 1
     _left_mid_sync(trainer, replica)
     co.kill()
+    with pytest.raises(RpcError) as down:  # not idempotent: fails at once, saying it may be retried
+        client.sync_weights()
+    assert down.value.retryable and "restarting" in str(down.value)
+    polling = concurrent.futures.ThreadPoolExecutor(1).submit(client.status)  # waits for the coordinator
     port = co.address.rsplit(":", 1)[1]
     again = services.start("coordinator", [*FAST, "--port", port], name="coordinator-again")
+    assert polling.result(30).mode == pb.SYNC_MODE_ASYNC, "a status call made while it was down rides out the restart"
     client = CoordinatorClient(again.address)
     client.wait_ready(2, timeout=30)
     info = replica.info()

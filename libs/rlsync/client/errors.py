@@ -10,10 +10,18 @@ import grpc
 
 class RpcError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str, method: str = ""):
-        super().__init__(f"{method}: {code.name}: {message}" if method else f"{code.name}: {message}")
+        hint = (" (retryable: the service is unreachable or restarting; idempotent calls were already retried)"
+                if code == grpc.StatusCode.UNAVAILABLE else "")
+        super().__init__(f"{method}: {code.name}: {message}{hint}" if method else f"{code.name}: {message}{hint}")
         self.code = code
         self.message = message
         self.method = method
+
+    @property
+    def retryable(self) -> bool:
+        """The call did not reach a live service: trying again later may succeed (a replica or the
+        coordinator restarting); any other status is the service's answer and would be the same."""
+        return self.code == grpc.StatusCode.UNAVAILABLE
 
 
 @contextlib.contextmanager

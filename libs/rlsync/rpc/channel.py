@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import grpc
@@ -11,9 +12,29 @@ from rlsync.rpc.auth import HEADER
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 
 
-def _options(max_message_bytes: int) -> list[tuple[str, int]]:
+# Calls that may safely run twice are retried by gRPC itself when the service is unreachable (a
+# replica or coordinator restarting): a few attempts with backoff, about 3 s in all. The
+# coordinator's status also waits for the channel to connect, up to 30 s, so a script polling it
+# rides out a coordinator restart. Everything else fails fast with UNAVAILABLE (RpcError.retryable).
+IDEMPOTENT = {
+    "rlsync.rollout.v1.RolloutService": ["GetInfo", "GetWeightChecksums", "Resume", "WakeUp", "AbortUpdate"],
+    "rlsync.trainer.v1.TrainerService": ["GetState", "GetWeightChecksums"],
+    "rlsync.coordinator.v1.CoordinatorService": ["Heartbeat"],
+}
+_RETRY = {"maxAttempts": 5, "initialBackoff": "0.2s", "maxBackoff": "2s", "backoffMultiplier": 2,
+          "retryableStatusCodes": ["UNAVAILABLE"]}
+SERVICE_CONFIG = json.dumps({"methodConfig": [
+    {"name": [{"service": service, "method": m} for service, methods in IDEMPOTENT.items() for m in methods],
+     "retryPolicy": _RETRY},
+    {"name": [{"service": "rlsync.coordinator.v1.CoordinatorService", "method": "GetStatus"}],
+     "retryPolicy": _RETRY, "waitForReady": True, "timeout": "30s"},
+]})
+
+
+def _options(max_message_bytes: int) -> list[tuple[str, int | str]]:
     return [("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes)]
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.enable_retries", 1), ("grpc.service_config", SERVICE_CONFIG)]
 
 
 def _credentials(tls_ca: str | None) -> grpc.ChannelCredentials:
