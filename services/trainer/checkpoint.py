@@ -3,8 +3,10 @@ state, step and RNG state. Nothing is pickled."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -17,8 +19,28 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
                     "merges.txt", "generation_config.json")
 
 
+def _folder(path: str) -> Path:
+    if not path or "\0" in path:
+        raise InvalidArgument(f"checkpoint path {path!r} is empty or holds a NUL byte")
+    return Path(path)
+
+
+@contextlib.contextmanager
+def _filesystem(doing: str, path: str) -> Iterator[None]:
+    """A path the filesystem refuses (permissions, a file where a folder should be, a full disk)."""
+    try:
+        yield
+    except OSError as e:
+        raise FailedPrecondition(f"cannot {doing} {path}: {e.strerror or e}") from e
+
+
 def save(path: str, policy, step: int, source_model: str) -> Path:
-    out = Path(path)
+    out = _folder(path)
+    with _filesystem("write a checkpoint to", path):
+        return _save(out, policy, step, source_model)
+
+
+def _save(out: Path, policy, step: int, source_model: str) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     params = {n: p.detach().contiguous() for n, p in policy.params.items()}
     save_file(params, str(out / WEIGHTS), metadata={"format": "pt", "rlsync_step": str(step)})
@@ -39,7 +61,12 @@ def save(path: str, policy, step: int, source_model: str) -> Path:
 
 
 def load(path: str, policy) -> int:
-    folder = Path(path)
+    folder = _folder(path)
+    with _filesystem("read a checkpoint from", path):
+        return _load(folder, path, policy)
+
+
+def _load(folder: Path, path: str, policy) -> int:
     if not (folder / WEIGHTS).exists() or not (folder / STATE).exists():
         raise InvalidArgument(f"{path} is not an rlsync checkpoint (needs {WEIGHTS} and {STATE})")
     if policy.offloaded:
