@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -134,3 +135,28 @@ def test_every_dtensor_placement_is_gathered_whole_and_cast(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     (result,) = [json.loads(line) for line in outs[0].splitlines() if line.startswith("{")]
     assert result["wrong"] == [] and len(result["checked"]) == 6
+
+
+def test_the_trainer_killed_mid_transfer_leaves_the_old_version_and_a_new_trainer_syncs(fleet, tmp_path):
+    coordinator, replica = fleet("hf")
+    # One rank, so the process that dies is the one serving the transfer: half way through sending
+    # step 2's 26 tensors (bucketed, streamed as they are produced), with buckets already on the replica.
+    dead = tmp_path / "dead"
+    dead.mkdir()
+    (proc,) = start_ranks(dead, ["--coordinator", coordinator, "--steps", "2", "--bucket-bytes", "65536"], world=1,
+                          fault={0: "die_after_gathers:39"})
+    assert proc.wait(240) == 9
+    assert [s["version"] for s in _lines(dead / "rank0.log")] == [1]
+    deadline = time.monotonic() + 30  # the replica hears of it from the broken channel, then the coordinator
+    while (info := replica.info()).pending_version != -1 or info.memory.staging_bytes:
+        assert time.monotonic() < deadline, f"staging still held 30 s after the trainer died: {info}"
+        time.sleep(0.2)
+    assert info.weight_version == 1 and info.state == 1, "serving the old version, never a half-updated one"
+    assert replica.complete("still serving", max_tokens=4, ignore_eos=True)[0].max_weight_version == 1
+    # A new trainer registers in its place and syncs, verified.
+    (proc,) = start_ranks(tmp_path, ["--coordinator", coordinator, "--steps", "2", "--verify", "--bucket-bytes",
+                                     "65536"], world=1)
+    assert proc.wait(240) == 0, (tmp_path / "rank0.log").read_text()[-3000:]
+    steps = _lines(tmp_path / "rank0.log")
+    assert [s["version"] for s in steps] == [1, 2] and all(s["verified"] for s in steps), steps
+    assert replica.info().weight_version == 2
