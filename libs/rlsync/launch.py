@@ -59,9 +59,13 @@ class ServiceProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         preexec = _on_parent_death(parent_death_signal) if parent_death_signal else None
+        # Its own process group (stop() signals the whole tree), but the launcher's session: with the
+        # kernel's autogroup scheduling a new session is a new scheduling group, and when a vLLM
+        # replica's spinning workers fill every core, processes of the launcher's group (a client
+        # reading its answer) waited up to seconds for a CPU.
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **(env or {})}, start_new_session=True,
+                                         env={**os.environ, **(env or {})}, process_group=0,
                                          preexec_fn=preexec)
         self.address: str | None = None
 
