@@ -53,11 +53,15 @@ def held_groups() -> list[str]:
 
 
 def _drop(session: _Session | None) -> None:
-    if session is not None:
+    """Releases the group. Only destroying it closes its connections (gloo's abort and shutdown
+    leave them open), and only that fails at once the peers still waiting in a broadcast with
+    this process: so the last reference goes here, not when a traceback that holds it is freed."""
+    if session is not None and session.group is not None:
         try:
             session.group.shutdown()
         except Exception:  # noqa: BLE001 - already broken; nothing more to release
             pass
+        session.group = None
 
 
 class _Broadcast(abc.ABC):
@@ -102,9 +106,9 @@ class _Broadcast(abc.ABC):
                                      [c for c, _ in job.conns], job.deadline, "forming the process group")
         watchdog = _Watchdog(session.group, job.deadline, [c for c, _ in job.conns])
         checksums = []
+        inflight: deque = deque()
         try:
             slots = self._slots(session, job.device, max((b.nbytes for b in job.plan), default=1))
-            inflight: deque = deque()
             for bucket in job.plan:
                 if len(inflight) == SLOTS:
                     inflight.popleft().wait()
@@ -123,6 +127,8 @@ class _Broadcast(abc.ABC):
             sync(slots[0].device)
         except BaseException as e:
             job.cache.pop(next((k for k, v in job.cache.items() if v is session), None), None)
+            inflight.clear()  # pending work holds the group too
+            watchdog.stop()
             _drop(session)
             if isinstance(e, RuntimeError):  # the group failed: say which peer problem caused it
                 raise watchdog.error(e) from e
@@ -167,9 +173,9 @@ class _Broadcast(abc.ABC):
         job.clock.lap("join")
         watchdog = _Watchdog(session.group, job.deadline, [job.conn])
         checksums = []
+        inflight: deque = deque()  # (bucket, work, view, in place?)
         try:
             slots = self._slots(session, job.device, max((b.nbytes for b in job.plan), default=1))
-            inflight: deque = deque()  # (bucket, work, view, in place?)
 
             def post(bucket) -> None:
                 parts = [job.writer.direct_view(s.tensor, s.src, s.length) for s in bucket.slices]
@@ -197,8 +203,11 @@ class _Broadcast(abc.ABC):
                 if pending:
                     post(pending.popleft())
             sync(job.device)
-        except RuntimeError as e:
-            raise watchdog.error(e) from e
+        except BaseException as e:
+            inflight.clear()  # pending work holds the group, which receive() drops (see _drop)
+            if isinstance(e, RuntimeError):
+                raise watchdog.error(e) from e
+            raise
         finally:
             watchdog.stop()
         job.clock.lap("broadcast")
@@ -329,6 +338,7 @@ class _Watchdog:
             self._thread.join()
             self._wake_r.close()
             self._wake_w.close()
+        self._group = None  # see _drop
 
     def error(self, exc: BaseException) -> Exception:
         """The rlsync error for a failed collective: a deadline, or a peer that is gone."""
