@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,10 +47,13 @@ class Services:
         Services.live.append(self)
 
     def start(self, service: str, args: list[str], env: dict | None = None, wait: bool = True,
-              name: str | None = None) -> ServiceProcess:
+              name: str | None = None, script: Path | None = None) -> ServiceProcess:
+        """script: a Python file that runs the service itself (say, with a fault injected first)."""
         name = name or service
         log = self.logs / f"{name}-{len(list(self.logs.iterdir()))}.log"
-        proc = ServiceProcess(service, ["--port", "0", *args], env=env, log_path=log, name=name)
+        args = ["--port", "0", *args]
+        proc = ServiceProcess(service, args, env=env, log_path=log, name=name,
+                              command=[sys.executable, str(script), *args] if script else None)
         self.started.append(proc)
         if wait:
             proc.wait_ready()

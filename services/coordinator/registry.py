@@ -55,7 +55,7 @@ class Registry:
                 self.remove(m.id, "registered again")
         client_cls = AsyncRolloutClient if role == pb.ROLE_ROLLOUT else AsyncTrainerClient
         member = Member(uuid.uuid4().hex[:12], role, address, name or address,
-                        client_cls(address, token=self.token, timeout=None), static=static)
+                        client_cls(address, token=self.token, timeout=None, retries=False), static=static)
         if role == pb.ROLE_TRAINER:
             member.state = "ready"
         self.members[member.id] = member

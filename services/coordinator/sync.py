@@ -8,7 +8,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from rlsync.client import abort_staged_async, commit_staged_async, push_weights_async, stage_weights_async
+import grpc
+
+from rlsync.client import RpcError, abort_staged_async, commit_staged_async, push_weights_async, stage_weights_async
 from rlsync.common.aio import settle
 from rlsync.common.audit import differences, trainer_dtype
 from rlsync.common.timing import Stopwatch
@@ -139,8 +141,19 @@ class Syncer:
             trainer, replicas = self._trainer(), self._replicas()
             sequence = {"colocated": self._colocated, "async": self._async, "inflight": self._inflight}[
                 self.cfg.sync_mode]
-            push, phases, verified = await sequence(trainer, replicas, version, backend or self.cfg.force_backend,
-                                                    verify)
+            backend = backend or self.cfg.force_backend
+            try:
+                push, phases, verified = await sequence(trainer, replicas, version, backend, verify)
+            except Exception:
+                # A replica that died mid-update (a broadcast fails for every receiver) leaves the
+                # rotation now, and the survivors get the update at once, without it.
+                survivors = await self._survivors(replicas)
+                if not survivors or len(survivors) == len(replicas):
+                    raise
+                log.warning("sync failed with %d replica(s) gone; again with the %d alive",
+                            len(replicas) - len(survivors), len(survivors))
+                replicas = survivors
+                push, phases, verified = await sequence(trainer, replicas, version, backend, verify)
             verify_seconds = phases.pop("verify")  # an audit, not part of the sync itself
             self.version = push.version
             self.trainer_step = max(self.trainer_step, push.version)  # a trainer with its own loop never calls Train
@@ -151,6 +164,23 @@ class Syncer:
             seconds = time.perf_counter() - start - verify_seconds
             return SyncResult(push.version, phases, seconds, len(replicas), push.bytes, push.backends, verified,
                               push.profile)
+
+    async def _survivors(self, replicas: list[Member]) -> list[Member]:
+        """The replicas still alive; the others leave the rotation now rather than at their lease
+        (the gateway resumes their requests elsewhere)."""
+        async def alive(r: Member) -> bool:
+            if r.state == "gone":  # its lease ran out meanwhile
+                return False
+            try:
+                return (await r.client.info(timeout=5.0)).state != rollout_pb2.SERVING_STATE_DEAD
+            except RpcError as e:
+                return not (e.retryable or e.code == grpc.StatusCode.DEADLINE_EXCEEDED)
+
+        checks = await asyncio.gather(*(alive(r) for r in replicas))
+        for r, ok in zip(replicas, checks):
+            if not ok:
+                self.registry.remove(r.id, "gone during a sync")
+        return [r for r, ok in zip(replicas, checks) if ok]
 
     async def _verify(self, trainer: Member, replicas: list[Member]) -> bool:
         """Trainer and replica checksums, tensor for tensor (the trainer must be on its device)."""

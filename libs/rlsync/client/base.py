@@ -18,9 +18,11 @@ class _Client:
     make_channel: Callable
 
     def __init__(self, address: str, *, token: str = "", tls: bool = False, tls_ca: str | None = None,
-                 timeout: float | None = 120.0):
+                 timeout: float | None = 120.0, retries: bool = True):
+        """retries: gRPC retries idempotent calls while the service is unreachable (rpc/channel.py);
+        False fails them at once (the coordinator's own clients of members it heartbeats)."""
         self.address = address
-        self.channel = self.make_channel(address, token, tls, tls_ca)
+        self.channel = self.make_channel(address, token, tls, tls_ca, retries=retries)
         self.stub = self.stub_class(self.channel)
         self.timeout = timeout
 

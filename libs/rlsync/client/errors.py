@@ -10,7 +10,8 @@ import grpc
 
 class RpcError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str, method: str = ""):
-        hint = (" (retryable: the service is unreachable or restarting; idempotent calls were already retried)"
+        hint = (" (retryable: the service, or a peer it needed, was unavailable; calls that may run twice were "
+                "already retried)"
                 if code == grpc.StatusCode.UNAVAILABLE else "")
         super().__init__(f"{method}: {code.name}: {message}{hint}" if method else f"{code.name}: {message}{hint}")
         self.code = code

@@ -45,8 +45,8 @@ class _RolloutMethods:
     def wake_up(self, *tags: str):
         return self._call("WakeUp", wake_request(tags))
 
-    def info(self):
-        return self._call("GetInfo", pb.GetInfoRequest())
+    def info(self, timeout: float | None = None):
+        return self._call("GetInfo", pb.GetInfoRequest(), timeout=timeout)
 
     def prepare_update(self, offer: transfer_pb2.Offer, force_backend: str = "", timeout: float = 0):
         return self._call("PrepareUpdate", pb.PrepareUpdateRequest(offer=offer, force_backend=force_backend,

@@ -16,6 +16,8 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 # replica or coordinator restarting): a few attempts with backoff, about 3 s in all. The
 # coordinator's status also waits for the channel to connect, up to 30 s, so a script polling it
 # rides out a coordinator restart. Everything else fails fast with UNAVAILABLE (RpcError.retryable).
+# The coordinator's clients of its members do not retry: heartbeats say who is alive, and a sync
+# must learn at once that a replica is gone.
 IDEMPOTENT = {
     "rlsync.rollout.v1.RolloutService": ["GetInfo", "GetWeightChecksums", "Resume", "WakeUp", "AbortUpdate"],
     "rlsync.trainer.v1.TrainerService": ["GetState", "GetWeightChecksums"],
@@ -31,10 +33,12 @@ SERVICE_CONFIG = json.dumps({"methodConfig": [
 ]})
 
 
-def _options(max_message_bytes: int) -> list[tuple[str, int | str]]:
-    return [("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.enable_retries", 1), ("grpc.service_config", SERVICE_CONFIG)]
+def _options(max_message_bytes: int, retries: bool = True) -> list[tuple[str, int | str]]:
+    limits = [("grpc.max_receive_message_length", max_message_bytes),
+              ("grpc.max_send_message_length", max_message_bytes)]
+    if not retries:
+        return [*limits, ("grpc.enable_retries", 0)]
+    return [*limits, ("grpc.enable_retries", 1), ("grpc.service_config", SERVICE_CONFIG)]
 
 
 def _credentials(tls_ca: str | None) -> grpc.ChannelCredentials:
@@ -67,8 +71,9 @@ class _AioToken(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClient
 
 
 def aio_channel(address: str, token: str = "", tls: bool = False, tls_ca: str | None = None,
-                max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
-    options = _options(max_message_bytes)
+                max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                retries: bool = True) -> grpc.aio.Channel:
+    options = _options(max_message_bytes, retries)
     if tls:
         creds = _credentials(tls_ca)
         if token:
@@ -100,8 +105,9 @@ class _Details(grpc.ClientCallDetails):
 
 
 def sync_channel(address: str, token: str = "", tls: bool = False, tls_ca: str | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.Channel:
-    options = _options(max_message_bytes)
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 retries: bool = True) -> grpc.Channel:
+    options = _options(max_message_bytes, retries)
     if tls:
         creds = _credentials(tls_ca)
         if token:

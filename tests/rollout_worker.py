@@ -1,0 +1,39 @@
+"""A rollout replica started by a test (Services.start(..., script=)), with a fault injected first.
+RLSYNC_FAULT=die_after_broadcasts:N makes it die (no cleanup) at its (N+1)th collective broadcast:
+in the middle of receiving an update over gloo or NCCL, whatever its peers do."""
+
+import os
+import runpy
+import sys
+
+fault = os.environ.get("RLSYNC_FAULT", "")
+if fault.startswith("die_after_broadcasts:"):
+    from rlsync.transfer.backends import collective
+
+    limit, count = int(fault.split(":")[1]), {"n": 0}
+
+    class _Dying:
+        def __init__(self, group):
+            self._group = group
+
+        def broadcast(self, *args, **kwargs):
+            count["n"] += 1
+            if count["n"] > limit:
+                os._exit(9)
+            return self._group.broadcast(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self._group, name)
+
+    real = collective._Broadcast._join
+
+    def _join(self, job):
+        session = real(self, job)
+        if not isinstance(session.group, _Dying):
+            session.group = _Dying(session.group)
+        return session
+
+    collective._Broadcast._join = _join
+
+sys.argv = ["rlsync.rollout", *sys.argv[1:]]
+runpy.run_module("rlsync.rollout", run_name="__main__", alter_sys=True)
