@@ -115,6 +115,7 @@ class Gateway:
         produced: list[int] = []
         spans: list[pb.VersionSpan] = []
         attempt = 0
+        prompt_sent = False  # the caller gets its prompt's ids once, on the first chunk it receives
         while True:
             member = await self._pick(base.session_id)
             req = self._sub_request(base, index, n, attempt, prompt, produced)
@@ -125,8 +126,9 @@ class Gateway:
                 async for chunk in member.client.stream(req):
                     if prompt is None:
                         prompt = list(chunk.prompt_token_ids)
-                    if produced or attempt:  # the continuation's prompt is not the caller's prompt
+                    if prompt_sent or start:  # sent already, or a continuation's (prompt + tokens so far)
                         del chunk.prompt_token_ids[:]
+                    prompt_sent = prompt_sent or bool(chunk.prompt_token_ids)
                     chunk.request_id, chunk.index = base.request_id, index  # forwarded as is otherwise
                     count = len(chunk.token_ids)
                     if count:
@@ -158,7 +160,7 @@ class Gateway:
                     self._finish(final, spans, attempt)
                     out.put_nowait(final)
                     return
-                if final.token_ids or final.text:  # tokens made before the abort still count
+                if final.token_ids or final.text or final.prompt_token_ids:  # what came before the abort counts
                     final.finish_reason, final.finish_detail = 0, ""
                     del final.version_spans[:]
                     out.put_nowait(final)

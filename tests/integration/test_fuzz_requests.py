@@ -90,7 +90,8 @@ CASES = [("rollout", m.name) for m in rollout_pb2.DESCRIPTOR.services_by_name["R
 def test_random_requests_get_precise_statuses(targets, scratch, service, method):
     address, stub_class, desc = targets[service]
     # Checkpoint paths stay inside a scratch folder (random names, NUL bytes included), never the cwd.
-    inside = st.text(st.characters(codec="utf-8", exclude_characters="/."), max_size=12).map(lambda name: str(scratch / name))
+    names = st.text(st.characters(codec="utf-8", exclude_characters="/."), max_size=12)
+    inside = names.map(lambda name: str(scratch / name))
     overrides = {"path": inside} if method in ("SaveCheckpoint", "LoadCheckpoint") else None
     spec = desc.methods_by_name[method]
     channel = grpc.insecure_channel(address)

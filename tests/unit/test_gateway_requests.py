@@ -15,3 +15,46 @@ def test_resubmission_continues_from_the_tokens_so_far_without_touching_the_orig
     assert (first.text, first.sampling.n, first.sampling.seed, first.sampling.max_tokens) == ("hello", 1, 6, 10)
     assert list(again.token_ids.ids) == [7, 8, 1, 2, 3] and again.sampling.max_tokens == 7
     assert again.request_id == "r:1:2"
+
+
+class _Replica:
+    """A member whose stream fails before its first chunk (dead replica), or streams `chunks`."""
+
+    def __init__(self, name: str, chunks: list | None):
+        from types import SimpleNamespace
+
+        self.name, self.in_flight, self._chunks = name, 0, chunks
+        self.client = SimpleNamespace(stream=self.stream)
+
+    async def stream(self, req):
+        import grpc
+
+        from rlsync.client import RpcError
+
+        if self._chunks is None:
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, "connection refused")
+        for c in self._chunks:
+            yield c
+
+
+def test_the_caller_gets_its_prompt_ids_when_the_first_replica_died_before_any_chunk():
+    import asyncio
+
+    prompt = [5, 6, 7]
+    chunks = [pb.GenerateChunk(prompt_token_ids=prompt, token_ids=[1], weight_version=3),
+              pb.GenerateChunk(token_ids=[2], weight_version=3, finish_reason=pb.FINISH_REASON_LENGTH,
+                               version_spans=[pb.VersionSpan(weight_version=3, start=0, length=2)])]
+    replicas = iter([_Replica("dead", None), _Replica("alive", chunks)])
+    gw = Gateway(registry=None, syncer=None, cfg=CoordinatorConfig())
+
+    async def pick(session):
+        return next(replicas)
+
+    gw._pick = pick
+    out: asyncio.Queue = asyncio.Queue()
+    base = pb.GenerateRequest(request_id="r", token_ids=pb.TokenIds(ids=prompt),
+                              sampling=pb.SamplingParams(max_tokens=2))
+    asyncio.run(gw._run_completion(base, 0, 1, out))
+    got = [out.get_nowait() for _ in range(out.qsize())]
+    assert [list(c.prompt_token_ids) for c in got] == [prompt, []], "once, on the first chunk the caller receives"
+    assert [t for c in got for t in c.token_ids] == [1, 2] and got[-1].finish_reason == pb.FINISH_REASON_LENGTH
