@@ -146,12 +146,15 @@ class Syncer:
                 push, phases, verified = await sequence(trainer, replicas, version, backend, verify)
             except Exception:
                 # A replica that died mid-update (a broadcast fails for every receiver) leaves the
-                # rotation now, and the survivors get the update at once, without it.
+                # rotation now, and the survivors get the update at once, without it. (Not colocated:
+                # a failure there can leave the trainer offloaded and the engines half awake.)
+                if self.cfg.sync_mode == "colocated":
+                    raise
                 survivors = await self._survivors(replicas)
                 if not survivors or len(survivors) == len(replicas):
                     raise
                 log.warning("sync failed with %d replica(s) gone; again with the %d alive",
-                            len(replicas) - len(survivors), len(survivors))
+                            len(replicas) - len(survivors), len(survivors), exc_info=True)
                 replicas = survivors
                 push, phases, verified = await sequence(trainer, replicas, version, backend, verify)
             verify_seconds = phases.pop("verify")  # an audit, not part of the sync itself
@@ -178,7 +181,12 @@ class Syncer:
 
         checks = await asyncio.gather(*(alive(r) for r in replicas))
         for r, ok in zip(replicas, checks):
-            if not ok:
+            if ok:
+                continue
+            if r.static:  # never registers again: it stays a member, out of rotation until caught up
+                r.state = "syncing"
+                self.registry.spawn(self.catch_up(r))
+            else:  # registers again when it is back
                 self.registry.remove(r.id, "gone during a sync")
         return [r for r, ok in zip(replicas, checks) if ok]
 
@@ -246,16 +254,18 @@ class Syncer:
     async def _take_back(self, member: Member, info) -> bool:
         """A replica that joins paused, asleep or holding a prepared update was left so by a coordinator
         that is gone (this one holds the lock: no sequence of its own is under way). Its update is
-        dropped; while the fleet serves, it is woken and resumed. False: the fleet is in a colocated
-        training step, and the replica stays asleep like the others."""
+        dropped and it is resumed. Asleep, it is woken while the fleet serves, except in colocated
+        mode: the trainer may hold the GPU (a restarted coordinator cannot know), so it stays asleep,
+        the gateway holds requests, and the next sync wakes every engine. False: left asleep."""
         if info.pending_version >= 0:
             await member.client.abort_update()
-        if not self.ready.is_set():
+        if info.state != rollout_pb2.SERVING_STATE_SERVING:  # paused (maybe asleep too): Resume is idempotent
+            await member.client.resume()
+        if info.asleep and (self.cfg.sync_mode == "colocated" or not self.ready.is_set()):
+            self.ready.clear()
             return False
         if info.asleep:
             await member.client.wake_up()
-        if info.state == rollout_pb2.SERVING_STATE_PAUSED:
-            await member.client.resume()
         return True
 
     async def trainer_joined(self) -> None:

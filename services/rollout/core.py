@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from rlsync.errors import (AlreadyExists, EngineDead, FailedPrecondition, InvalidArgument, NotFound, RlsyncError,
@@ -274,10 +274,13 @@ class RolloutCore:
         except Exception:  # noqa: BLE001 - the staging memory goes either way
             log.warning("dropping the prepared update failed", exc_info=True)
 
-    async def release_control(self, why: str) -> list[str]:
+    async def release_control(self, why: str, still: Callable[[], bool] = lambda: True) -> list[str]:
         """Undoes what a controller that vanished left behind: drops a prepared update, wakes the
-        engine, resumes generation, serving the weights it fully has. Returns what it did."""
+        engine, resumes generation, serving the weights it fully has. Returns what it did. `still`
+        is asked again once no other state change runs (the controller may be back by then)."""
         async with self._control:
+            if not still():
+                return []
             done = []
             if self.pending is not None:
                 done.append(f"dropped the prepared update to version {self.pending}")

@@ -56,7 +56,8 @@ class RolloutService:
             held = self.core.paused or self.core.asleep or self.core.pending is not None
             if held and silent > lease:
                 try:
-                    await self.core.release_control(f"coordinator at {self.cfg.coordinator} silent for {silent:.0f}s")
+                    await self.core.release_control(f"coordinator at {self.cfg.coordinator} silent for {silent:.0f}s",
+                                                    still=lambda: self.registrar.silent_for() > lease)
                 except Exception:  # noqa: BLE001 - tried again at the next tick
                     log.exception("could not take the replica back from its silent coordinator")
 

@@ -37,7 +37,7 @@ def _left_mid_sync(trainer: TrainerClient, replica: RolloutClient) -> None:
     """What a coordinator leaves when it dies between steps of a sync: the replica paused, with the
     next version prepared (staging allocated) but never committed."""
     replica.pause("abort")
-    replica.prepare_update(trainer.offer_weights())
+    replica.prepare_update(trainer.offer_weights(replica.info().weight_version + 1))
     info = replica.info()
     assert info.state == 2 and info.pending_version >= 0  # PAUSED, holding a prepared update
 
@@ -58,8 +58,12 @@ def test_restarted_coordinator_takes_back_a_paused_replica_and_carries_on(servic
     client.wait_ready(2, timeout=30)
     info = replica.info()
     assert info.state == 1 and info.pending_version == -1, "serving again, the prepared update dropped"
-    status = client.status()
-    assert status.weight_version == 1 and status.trainer_step == 1, "learnt from the members, not reset to 0"
+    deadline = time.monotonic() + 30  # the trainer's step is read once it has registered again
+    while (status := client.status()).trainer_step != 1:
+        assert time.monotonic() < deadline, f"trainer step not learnt: {status.trainer_step}"
+        time.sleep(0.1)
+    assert status.weight_version == 1, "learnt from the replica, not reset to 0"
+    assert replica.info().weight_version == 1, "the prepared version 2 was never committed"
     stream = Stream(client, "after the restart", max_tokens=4, ignore_eos=True)  # it hung here before
     stream.thread.join(30)
     assert not stream.thread.is_alive(), "a request through the new coordinator must not hang"

@@ -10,8 +10,7 @@ import grpc
 
 class RpcError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str, method: str = ""):
-        hint = (" (retryable: the service, or a peer it needed, was unavailable; calls that may run twice were "
-                "already retried)"
+        hint = (" (retryable: the service, or a peer it needed, was unavailable; try again later)"
                 if code == grpc.StatusCode.UNAVAILABLE else "")
         super().__init__(f"{method}: {code.name}: {message}{hint}" if method else f"{code.name}: {message}{hint}")
         self.code = code
@@ -20,8 +19,9 @@ class RpcError(Exception):
 
     @property
     def retryable(self) -> bool:
-        """The call did not reach a live service: trying again later may succeed (a replica or the
-        coordinator restarting); any other status is the service's answer and would be the same."""
+        """The call did not reach a live service (or the service lacked a peer): trying again later
+        may succeed, as when a replica or the coordinator restarts. The SDK's clients already retried
+        calls that may run twice."""
         return self.code == grpc.StatusCode.UNAVAILABLE
 
 

@@ -36,8 +36,8 @@ SERVICE_CONFIG = json.dumps({"methodConfig": [
 def _options(max_message_bytes: int, retries: bool = True) -> list[tuple[str, int | str]]:
     limits = [("grpc.max_receive_message_length", max_message_bytes),
               ("grpc.max_send_message_length", max_message_bytes)]
-    if not retries:
-        return [*limits, ("grpc.enable_retries", 0)]
+    if not retries:  # gRPC's transparent retries (a call that never left) stay on
+        return limits
     return [*limits, ("grpc.enable_retries", 1), ("grpc.service_config", SERVICE_CONFIG)]
 
 

@@ -34,6 +34,7 @@ class Registrar:
         r = await self.stub.Register(pb.RegisterRequest(role=self.role, address=self.address, name=self.name),
                                      timeout=10)
         self.member_id = r.member_id
+        self._heard = time.monotonic()
         log.info("registered with the coordinator at %s as %s", self.coordinator, r.member_id)
         return r.heartbeat_interval
 

@@ -47,6 +47,7 @@ class VLLMEngine(Engine):
         super().__init__(model, engine_args)
         self.args = _engine_args(model, engine_args)
         self.llm: AsyncLLM | None = None
+        self._memory = MemoryUsage("", 0, 0, 0)  # read after each operation that changes it
         # Engine processes inherit this and write a report there if a fatal signal kills them.
         self.crash_dir = tempfile.TemporaryDirectory(prefix="rlsync-vllm-crash-")
         os.environ[CRASH_DIR_ENV] = self.crash_dir.name
@@ -150,7 +151,12 @@ class VLLMEngine(Engine):
         return self._memory
 
     async def _read_memory(self) -> None:
-        per_worker = await self.llm.collective_rpc("rlsync_memory")
+        """Best effort: a figure that cannot be read must not fail the operation that changed it."""
+        try:
+            per_worker = await self.llm.collective_rpc("rlsync_memory")
+        except Exception:  # noqa: BLE001 - the previous figures stay
+            log.warning("could not read the workers' memory figures", exc_info=True)
+            return
         device = per_worker[0]["device"]
         self._memory = MemoryUsage(device, *(sum(w[k] for w in per_worker) for k in
                                              ("weights_bytes", "kv_cache_bytes", "reserved_bytes", "staging_bytes")))

@@ -205,6 +205,7 @@ class _Broadcast(abc.ABC):
             sync(job.device)
         except BaseException as e:
             inflight.clear()  # pending work holds the group, which receive() drops (see _drop)
+            work = None  # noqa: F841 - the one being waited on too (the traceback keeps this frame)
             if isinstance(e, RuntimeError):
                 raise watchdog.error(e) from e
             raise
