@@ -31,6 +31,7 @@ class Coordinator:
     async def start(self) -> None:
         if self.cfg.trainer:
             self.registry.add(pb.ROLE_TRAINER, self.cfg.trainer, "trainer", static=True)
+            self.registry.spawn(self.syncer.trainer_joined())  # learns its step, as for one that registers
         for address in self.cfg.rollouts:
             self.registry.add(pb.ROLE_ROLLOUT, address, static=True)
         self._tasks.append(asyncio.create_task(self.registry.expire_forever()))

@@ -205,8 +205,10 @@ class Syncer:
         """Brings a replica that joined late to the trainer's weights before it takes traffic."""
         try:
             await self._catch_up(member)
-        except Exception:  # noqa: BLE001 - it stays out of rotation; its next registration retries
-            log.exception("could not bring %s up to date; it stays out of rotation", member.name)
+        except Exception:  # noqa: BLE001 - out of rotation until it registers again, and tries again then
+            log.exception("could not bring %s up to date; it leaves the fleet and registers again", member.name)
+            if not member.static:  # its next heartbeat is answered "unknown": it registers again
+                self.registry.remove(member.id, "could not be caught up")
 
     async def _catch_up(self, member: Member) -> None:
         async with self.lock:
