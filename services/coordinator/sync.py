@@ -263,10 +263,10 @@ class Syncer:
             await member.client.abort_update()
         if info.state != rollout_pb2.SERVING_STATE_SERVING:  # paused (maybe asleep too): Resume is idempotent
             await member.client.resume()
-        if info.asleep and (self.cfg.sync_mode == "colocated" or not self.ready.is_set()):
-            self.ready.clear()
-            return False
         if info.asleep:
+            if self.cfg.sync_mode == "colocated" or not self.ready.is_set():
+                self.ready.clear()
+                return False
             await member.client.wake_up()
         return True
 

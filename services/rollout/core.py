@@ -172,9 +172,15 @@ class RolloutCore:
 
     async def resume(self) -> None:
         async with self._control:
-            if self.paused:
-                await self.engine.resume()
-                self.paused = False
+            await self._resume()
+
+    async def _resume(self) -> bool:
+        """Under self._control. True if it was paused."""
+        if not self.paused:
+            return False
+        await self.engine.resume()
+        self.paused = False
+        return True
 
     async def sleep(self, level: int) -> int:
         """Returns the number of requests aborted."""
@@ -191,14 +197,18 @@ class RolloutCore:
             return aborted
 
     async def wake_up(self, tags: frozenset[WakeTag]) -> None:
-        tags = tags or ALL_TAGS
         async with self._control:
-            to_wake = frozenset(tags & self.asleep)
-            if to_wake:
-                await self.engine.wake_up(to_wake)
-                self.asleep -= to_wake
-            if not self.asleep:
-                self.sleep_level = 0
+            await self._wake(tags or ALL_TAGS)
+
+    async def _wake(self, tags: frozenset[WakeTag]) -> frozenset[WakeTag]:
+        """Under self._control. Returns what was asleep and is now awake."""
+        to_wake = frozenset(tags & self.asleep)
+        if to_wake:
+            await self.engine.wake_up(to_wake)
+            self.asleep -= to_wake
+        if not self.asleep:
+            self.sleep_level = 0
+        return to_wake
 
     async def info(self) -> Info:
         e = self.engine
@@ -285,13 +295,9 @@ class RolloutCore:
             if self.pending is not None:
                 done.append(f"dropped the prepared update to version {self.pending}")
                 await self._drop_pending()
-            if self.asleep:
-                await self.engine.wake_up(frozenset(self.asleep))
-                done.append(f"woke up ({', '.join(sorted(t.value for t in self.asleep))})")
-                self.asleep, self.sleep_level = set(), 0
-            if self.paused:
-                await self.engine.resume()
-                self.paused = False
+            if woken := await self._wake(ALL_TAGS):
+                done.append(f"woke up ({', '.join(sorted(t.value for t in woken))})")
+            if await self._resume():
                 done.append("resumed")
             if done:
                 log.warning("%s: %s; serving version %d", why, ", ".join(done), self.weight_version)

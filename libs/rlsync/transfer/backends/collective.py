@@ -128,7 +128,6 @@ class _Broadcast(abc.ABC):
         except BaseException as e:
             job.cache.pop(next((k for k, v in job.cache.items() if v is session), None), None)
             inflight.clear()  # pending work holds the group too
-            watchdog.stop()
             _drop(session)
             if isinstance(e, RuntimeError):  # the group failed: say which peer problem caused it
                 raise watchdog.error(e) from e
