@@ -65,12 +65,18 @@ def memory(trainer: TrainerClient, replicas: list[RolloutClient]) -> dict:
             "gpu_used_gib": gpu_used()}
 
 
+def moving(phases) -> float:
+    """The transfer phase: from the offer in hand to the bytes in place on every replica, i.e. the
+    prepare (a replica on the trainer's GPU pulls the bytes in it) and the publish, if any."""
+    return phases["prepare"] + phases["transfer"]
+
+
 def transfer_figures(sync, limit: float, vs: str) -> dict:
     """GB/s of the whole transfer phase (as the coordinator saw it) and of the bytes' own move on
     the receiver, each against the limit, with the profile that says where the rest went."""
     profile = dict(sync.transfer_profile)
     moved = profile.get("receiver_copy") or profile.get("receiver_broadcast") or 0.0
-    gbps = sync.bytes / sync.phases["transfer"] / 1e9
+    gbps = sync.bytes / moving(sync.phases) / 1e9
     data = sync.bytes / moved / 1e9 if moved else 0.0
     return {"transfer_GB/s": round(gbps, 1), f"transfer_vs_{vs}": round(gbps / limit, 3),
             "copy_GB/s": round(data, 1), f"copy_vs_{vs}": round(data / limit, 3),
@@ -85,7 +91,7 @@ def steady(cycles: list[dict], vs: str) -> dict:
     stages = {k for c in rest for k in c["transfer_profile_ms"]}
     out["transfer_profile_ms"] = {k: round(statistics.median(c["transfer_profile_ms"].get(k, 0.0) for c in rest), 3)
                                   for k in sorted(stages)}
-    out["transfer_ms"] = round(statistics.median(c["phases_s"]["transfer"] * 1e3 for c in rest), 3)
+    out["transfer_ms"] = round(statistics.median(moving(c["phases_s"]) * 1e3 for c in rest), 3)
     return out
 
 
@@ -236,7 +242,7 @@ def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: floa
     per_sync = [{"version": s.version, "seconds": round(s.seconds, 4),
                  "phases_ms": {k: round(v * 1e3, 3) for k, v in s.phases.items()},
                  **transfer_figures(s, limit, "limit")} for s in syncs]
-    transfer_ms = statistics.median(s.phases["transfer"] * 1e3 for s in syncs)
+    transfer_ms = statistics.median(moving(s.phases) * 1e3 for s in syncs)
     out = {"mode": mode, "streams": streams, "syncs": len(syncs), "interval_s": interval, "window_s": seconds,
            "tokens_per_s_without_updates": round(rate(quiet), 1), "tokens_per_s_with_updates": round(rate(busy), 1),
            "throughput_ratio": round(rate(busy) / rate(quiet), 3),

@@ -41,8 +41,8 @@ CKPT_VERSION = "0.4.2"
 SYSTEMS = ("rlsync", "checkpoint-engine")
 
 SPANS = {
-    "rlsync": "sender.offer() -> offer line to the receiver, which connects and answers -> sender.send() "
-              "(the receiver maps the trainer's tensors by CUDA IPC and copies each once into its own) -> DONE",
+    "rlsync": "sender.offer() -> offer line to the receiver, which pulls and answers -> sender.send() (the "
+              "receiver maps the trainer's tensors by CUDA IPC and copies each once into its own) -> DONE",
     "checkpoint_engine": "register_checkpoint(use_shared_memory_pool=True) (trainer GPU tensors -> its pinned host "
                          "pool, reused after the warm-up) -> gather_metas() -> update() (H2D into its IPC bucket "
                          "buffer, handle and bucket metas over ZMQ, the receiver copies each tensor into its own, "
@@ -265,8 +265,11 @@ def rlsync_receiver(dest: dict[str, torch.Tensor], timeout: float):
         offer = decode(pb.Offer, msg["offer"])
         ans = answer(offer, "bench-receiver", device=DEVICE, force="cuda_ipc")
         receiver = Receiver(offer, ans, dest, timeout=timeout)  # connects before answering, as rlsync's engines do
+        if ans.pull:  # the offer says where the tensors lie: copied before the answer, as rlsync's engines do
+            receiver.run()
         emit("ANSWER", encode(ans))
-        receiver.run()
+        if not ans.pull:
+            receiver.run()
 
     return receive
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -233,9 +234,12 @@ class RolloutCore:
             if version < self.weight_version and not force:
                 raise FailedPrecondition(f"version {version} is older than the served version {self.weight_version}: "
                                          "set force to roll back")
+            start = time.perf_counter()
             check_against(from_proto(offer.manifest), self.engine.expected_tensors())
+            checked = time.perf_counter()
             answer = await self.engine.prepare_update(offer, self.replica_id, force_backend,
                                                       timeout or self.update_timeout)
+            answer.stages["check"] = checked - start
             self.pending = version
             return answer
 

@@ -50,7 +50,10 @@ class StagedUpdate:
                                  expected=expected)
         self.future: concurrent.futures.Future[Report] = concurrent.futures.Future()
         self.started = time.perf_counter()
-        threading.Thread(target=self._run, name=f"rlsync-update-v{self.version}", daemon=True).start()
+        if answer.pull:  # the bytes are right there to copy: done before the prepare answers
+            self._run()
+        else:  # the sender starts when it has every answer: receive in the background
+            threading.Thread(target=self._run, name=f"rlsync-update-v{self.version}", daemon=True).start()
 
     def _run(self) -> None:
         try:
@@ -65,7 +68,7 @@ class StagedUpdate:
         exc = self.future.exception()
         if exc is None:
             r = self.future.result()
-            return {"state": "done", "bytes": r.nbytes, "seconds": r.seconds}
+            return {"state": "done", "bytes": r.nbytes, "seconds": r.seconds, "stages": r.profile}
         code = type(exc).__name__ if isinstance(exc, RlsyncError) else "Aborted"
         return {"state": "failed", "code": code, "error": str(exc)}
 
@@ -84,6 +87,19 @@ class StagedUpdate:
         except Exception:  # noqa: BLE001 - it failed because we closed it; that is the point
             pass
         self.staging = {}
+
+
+def pulled(answer: pb.Answer, states: list[dict]) -> pb.Answer:
+    """The answer a prepare returns once its ranks began (poll() of each). A pull has ended by
+    then: its first failure is raised, or its stages (setup, map, copy, release, verify) go into
+    the answer, at the slowest rank."""
+    if answer.pull:
+        for state in states:
+            raise_failure(state)
+        for state in states:
+            for stage, seconds in state["stages"].items():
+                answer.stages[stage] = max(answer.stages.get(stage, 0.0), seconds)
+    return answer
 
 
 def raise_failure(state: dict) -> None:

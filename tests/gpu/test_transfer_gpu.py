@@ -37,9 +37,12 @@ def _send_to_peer(tensors, path, backend, receiver_device, **sender_kw):
 def test_cuda_ipc_every_dtype_bit_exact(zoo_file, one_copy, bucket):
     path, tensors = zoo_file
     gpu = {n: t.cuda() for n, t in tensors.items()}
-    offer, _, result = _send_to_peer(gpu, path, "cuda_ipc", "cuda:0", bucket_bytes=bucket,
-                                     one_copy=None if one_copy else False)
+    offer, report, result = _send_to_peer(gpu, path, "cuda_ipc", "cuda:0", bucket_bytes=bucket,
+                                          one_copy=None if one_copy else False)
     assert offer.one_copy == one_copy
+    # One-copy: the offer says where the tensors lie, the receiver pulls them before it answers,
+    # and the sender has nobody left to send to.
+    assert bool(offer.mapped.ipc) == one_copy and (report.backends == {}) == one_copy
     assert result["ok"] and result["verified"], result
 
 

@@ -28,6 +28,8 @@ def _check(trainer: TrainerClient, rollout: RolloutClient, backend: str, tmp_pat
     trainer.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])
     report = push_weights(trainer, [rollout])
     assert report.backends == {backend: 1}
+    # On the trainer's GPU the replica pulls the bytes while it prepares: no publish round trip.
+    assert ("rpc" in report.profile) is (backend != "cuda_ipc")
     assert differences(trainer.checksums(), rollout.checksums()) == []
     model = AutoModelForCausalLM.from_pretrained(trainer.save_checkpoint(str(tmp_path / "c")).path).cuda().eval()
     prompt = done[0].prompt_token_ids

@@ -3,7 +3,7 @@
 import pytest
 
 from rlsync.errors import FailedPrecondition
-from rlsync.transfer.handshake import PROTOCOL_VERSION, choose_backend
+from rlsync.transfer.handshake import PROTOCOL_VERSION, choose_backend, make_answer
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 ALL = [pb.BACKEND_CUDA_IPC, pb.BACKEND_NCCL, pb.BACKEND_SHM, pb.BACKEND_GLOO]
@@ -66,3 +66,16 @@ def test_protocol_mismatch_says_to_align_releases():
 def test_no_common_backend_lists_every_refusal():
     with pytest.raises(FailedPrecondition, match="no transfer backend works.*shm: shm needs.*gloo: not offered"):
         choose_backend(offer(facts(), backends=[pb.BACKEND_SHM]), facts("h2"))
+
+
+@pytest.mark.parametrize("receiver, mapped, pull", [
+    (facts(device="cuda", gpus=["g0"]), True, True),  # same GPU, memory described: it maps and copies itself
+    (facts(device="cuda", gpus=["g0"]), False, False),  # same GPU, staged sender: the sender pushes
+    (facts(device="cuda", gpus=["g1"]), True, False),  # another GPU: nccl, pushed
+    (facts(), True, False),  # CPU receiver: shm, pushed
+])
+def test_a_receiver_pulls_only_memory_it_can_map(receiver, mapped, pull):
+    o = offer(facts(device="cuda", gpus=["g0"]))
+    if mapped:
+        o.mapped.CopyFrom(pb.MappedTensors(ipc=[b"handle"], region=[0], offset=[0]))
+    assert make_answer(o, "r", receiver).pull is pull

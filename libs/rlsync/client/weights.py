@@ -1,5 +1,6 @@
 """Pushing the trainer's weights into rollout replicas: offer -> prepare on every replica ->
-publish -> commit on every replica. The coordinator wraps this in its sync sequences; scripts
+publish -> commit on every replica (a replica on the trainer's GPU pulls the bytes while it
+prepares; when all do, there is no publish). The coordinator wraps this in its sync sequences; scripts
 and tests can call it directly."""
 
 from __future__ import annotations
@@ -24,11 +25,30 @@ class PushReport:
     channels: list[str] = field(default_factory=list)  # the backend each rollout chose, in their order
 
 
-def _report(pub, phases: dict[str, float], answers: list) -> PushReport:
-    """rpc: the transfer phase as this caller saw it, less the trainer's own send() time."""
-    profile = {"rpc": max(phases["transfer"] - pub.seconds, 0.0), **dict(pub.profile)}
-    return PushReport(pub.version, pub.bytes, dict(pub.backends), phases, profile,
-                      [Backend.Name(a.backend).removeprefix("BACKEND_").lower() for a in answers])
+def _pushed(answers: list) -> list:
+    """The answers the trainer must send to: the others pulled while they prepared (cuda_ipc)."""
+    return [a for a in answers if not a.pull]
+
+
+def _report(offer, pub, phases: dict[str, float], answers: list) -> PushReport:
+    """The profile: each stage of the replicas' prepare (a pull's copy included) at its slowest
+    replica, and prepare_rpc, what the prepare phase took beyond the slowest replica's stages;
+    then, for a publish, rpc (the transfer phase less the trainer's own send() time) and the
+    trainer's and receivers' stages of the send."""
+    channels = [Backend.Name(a.backend).removeprefix("BACKEND_").lower() for a in answers]
+    profile: dict[str, float] = {}
+    backends: dict[str, int] = dict(pub.backends) if pub is not None else {}
+    for a, name in zip(answers, channels):
+        if a.pull:
+            backends[name] = backends.get(name, 0) + a.ranks
+        for stage, seconds in a.stages.items():
+            profile[f"receiver_{stage}"] = max(profile.get(f"receiver_{stage}", 0.0), seconds)
+    slowest = max((sum(a.stages.values()) for a in answers), default=0.0)
+    profile["prepare_rpc"] = max(phases["prepare"] - slowest, 0.0)
+    if pub is not None:
+        profile |= {"rpc": max(phases["transfer"] - pub.seconds, 0.0), **dict(pub.profile)}
+    return PushReport(offer.manifest.version, sum(t.nbytes for t in offer.manifest.tensors), backends, phases,
+                      profile, channels)
 
 
 def stage_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version: int | None = None,
@@ -38,16 +58,18 @@ def stage_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version
     commit_staged (or RolloutClient.abort_update). On failure nothing stays staged."""
     clock = Stopwatch()
     offer = trainer.offer_weights(version)
+    clock.lap("offer")
     try:
         answers = [r.prepare_update(offer, force_backend, timeout).answer for r in rollouts]
         clock.lap("prepare")
-        pub = trainer.publish_weights(offer.transfer_id, answers, timeout)
+        pushed = _pushed(answers)
+        pub = trainer.publish_weights(offer.transfer_id, pushed, timeout) if pushed else None
     except Exception:
         for r in rollouts:
             r.abort_update()
         raise
     clock.lap("transfer")
-    return _report(pub, clock.stages, answers)
+    return _report(offer, pub, clock.stages, answers)
 
 
 def commit_staged(rollouts: list[RolloutClient], push: PushReport, timeout: float = 0,
@@ -74,15 +96,18 @@ async def stage_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncR
     drop it with abort_staged_async). On failure nothing stays staged."""
     clock = Stopwatch()
     offer = await trainer.offer_weights(version)
+    clock.lap("offer")
     try:
         prepared = await settle(*(r.prepare_update(offer, force_backend, timeout) for r in rollouts))
         clock.lap("prepare")
-        pub = await trainer.publish_weights(offer.transfer_id, [p.answer for p in prepared], timeout)
+        answers = [p.answer for p in prepared]
+        pushed = _pushed(answers)
+        pub = await trainer.publish_weights(offer.transfer_id, pushed, timeout) if pushed else None
     except BaseException:  # cancelled too: nothing may stay staged
         await abort_staged_async(rollouts)
         raise
     clock.lap("transfer")
-    return _report(pub, clock.stages, [p.answer for p in prepared])
+    return _report(offer, pub, clock.stages, answers)
 
 
 async def commit_staged_async(rollouts: list[AsyncRolloutClient], push: PushReport, timeout: float = 0,

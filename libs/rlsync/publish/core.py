@@ -50,7 +50,7 @@ class PublisherCore:
         self.checksums_in_manifest, self.transfer_timeout = checksums, transfer_timeout
         self.hooks = {OFFLOAD: offload, ONLOAD: onload}
         self.offloaded = False
-        self.published = 0  # the last version published
+        self.published = 0  # the last version offered (pulled or published)
         self.current = 0  # the version the weights are now (an offer without a version gets it)
         self._sender: WeightSender | None = None
         self._offers: dict[str, tpb.Offer] = {}
@@ -92,6 +92,7 @@ class PublisherCore:
 
         offer = await self.run(offer, PASSES, lambda: self._passes(1 if self.checksums_in_manifest else 0))
         self._offers[offer.transfer_id] = offer
+        self.published = offer.manifest.version  # receivers may pull it now, with no PublishWeights
         while len(self._offers) > 8:
             self._offers.pop(next(iter(self._offers)))
         return offer
@@ -112,7 +113,6 @@ class PublisherCore:
         # A streamed source makes one pass per channel.
         report = await self.run(send, PASSES, lambda: self._passes(len({a.backend for a in answers})))
         self._offers.pop(transfer_id, None)
-        self.published = offer.manifest.version
         return offer.manifest.version, report
 
     async def checksums(self, dtype: str = "") -> Audit:

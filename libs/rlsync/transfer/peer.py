@@ -65,9 +65,10 @@ def run_receive(args) -> int:
             dest = flat_destination(offer.manifest, args.device)
         try:
             receiver = Receiver(offer, ans, dest, rank=args.rank, timeout=args.timeout)  # ready before answering
+            report = receiver.run() if ans.pull else None  # a pull is done before its answer goes back
             if args.rank == 0:
                 emit("ANSWER", encode(ans))
-            report = receiver.run()
+            report = report or receiver.run()
         except Exception as e:  # noqa: BLE001 - reported to the driver as data
             emit("RESULT", json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}))
             status = 1

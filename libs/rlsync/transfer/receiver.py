@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import torch
 
-from rlsync.errors import Aborted
+from rlsync.errors import Aborted, DataLoss
 from rlsync.transfer.backends import available, channel
 from rlsync.transfer.backends.collective import held_groups
 from rlsync.transfer.backends.base import ReceiveJob
@@ -34,11 +34,16 @@ class Receiver:
     connecting happen here, so the sender's clock starts with everything ready; run() moves the bytes.
 
     On any failure run() raises, and `dest` must not be used: receive into staging memory and
-    switch only after run() returns (rlsync's engines do)."""
+    switch only after run() returns (rlsync's engines do).
+
+    A pull (answer.pull: cuda_ipc over memory the offer describes) needs no sender: run() maps and
+    copies, and must return before the answer is handed back, since the sender does not wait for
+    receivers that pulled."""
 
     def __init__(self, offer: pb.Offer, answer: pb.Answer, dest: Destination, *, rank: int = 0,
                  device: torch.device | str | None = None, timeout: float = 300.0,
                  expected: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]] | None = None):
+        setup = time.perf_counter()
         self.offer, self.answer = offer, answer
         self.specs = from_proto(offer.manifest)
         if expected is not None:
@@ -52,12 +57,17 @@ class Receiver:
         self.deadline = Deadline(timeout, f"receiving transfer {offer.transfer_id[:8]} "
                                           f"(version {offer.manifest.version})")
         self.start = time.perf_counter()
-        local = self.channel.local
-        self.conn = connect(offer.local_control if local else offer.control_address, self.deadline, local)
-        self.conn.send(Hello(PROTOCOL_VERSION, offer.transfer_id, offer.token, answer.receiver_id, rank,
-                             answer.ranks, answer.backend, held_groups() if not local else []))
+        self.conn = None  # a pull needs no connection: the offer says where the bytes are
+        if not answer.pull:
+            local = self.channel.local
+            self.conn = connect(offer.local_control if local else offer.control_address, self.deadline, local)
+            self.conn.send(Hello(PROTOCOL_VERSION, offer.transfer_id, offer.token, answer.receiver_id, rank,
+                                 answer.ranks, answer.backend, held_groups() if not local else []))
+        self.setup = time.perf_counter() - setup  # manifest, destination layout, connection
 
     def run(self) -> Report:
+        if self.conn is None:
+            return self._pull()
         try:
             msg, fds = self.conn.recv(self.deadline, "waiting for the sender to start the transfer")
             if isinstance(msg, Reject):
@@ -72,8 +82,23 @@ class Receiver:
         return Report(sum(s.nbytes for s in self.specs), time.perf_counter() - self.start,
                       {NAMES[self.answer.backend]: 1})
 
+    def _pull(self) -> Report:
+        """Maps the memory the offer describes and copies every tensor from it (cuda_ipc)."""
+        mapped = self.offer.mapped
+        if not (len(mapped.region) == len(mapped.offset) == len(self.specs)):
+            raise DataLoss(f"the offer maps {len(mapped.region)} tensors, its manifest has {len(self.specs)}")
+        welcome = Welcome(self.answer.backend, self.offer.bucket_bytes, one_copy=True, ipc=list(mapped.ipc),
+                          locations=list(zip(mapped.region, mapped.offset)))
+        job = ReceiveJob(None, welcome, [], self.specs, [], self.writer, self.device, self.deadline,
+                         self.offer.transfer_id)
+        nbytes = self.channel.pull(job)
+        return Report(nbytes, time.perf_counter() - self.start, {NAMES[self.answer.backend]: 1},
+                      profile={"setup": self.setup, **job.clock.stages})
+
     def close(self) -> None:
         """Ends the transfer from another thread too: run() then fails instead of waiting on."""
+        if self.conn is None:
+            return  # a pull runs in the thread that asked for it
         try:
             self.conn.sock.shutdown(socket.SHUT_RDWR)
         except OSError:

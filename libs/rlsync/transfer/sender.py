@@ -16,6 +16,7 @@ from rlsync.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from rlsync.address import reachable_host
 from rlsync.transfer.backends import available, channel
 from rlsync.transfer.backends.base import SendJob, expect
+from rlsync.transfer.backends.slots import describe_cuda
 from rlsync.transfer.control import Conn, Deadline, Listener
 from rlsync.transfer.handshake import NAMES, PROTOCOL_VERSION, backend_of, local_facts
 from rlsync.transfer.manifest import Spec, from_proto, to_proto
@@ -97,14 +98,25 @@ class WeightSender:
         self._specs[transfer_id] = specs
         while len(self._specs) > 4:
             self._specs.pop(next(iter(self._specs)))
+        one_copy = self._one_copy()
         return pb.Offer(
             protocol_version=PROTOCOL_VERSION, manifest=to_proto(specs, version), facts=local_facts(self.device),
             backends=self.backends, token=secrets.token_hex(16), control_address=self.listener.address,
-            local_control=self.listener.local_name, bucket_bytes=self.bucket_bytes, one_copy=self._one_copy(),
-            transfer_id=transfer_id)
+            local_control=self.listener.local_name, bucket_bytes=self.bucket_bytes, one_copy=one_copy,
+            transfer_id=transfer_id, mapped=self._mapped() if one_copy else None)
+
+    def _mapped(self) -> pb.MappedTensors | None:
+        """Where the CUDA tensors lie, for receivers on this GPU to pull them (cuda_ipc)."""
+        if self.device.type != "cuda" or pb.BACKEND_CUDA_IPC not in self.backends:
+            return None
+        described = describe_cuda(self.source.resident(), self.cache)
+        regions, offsets = zip(*described["locations"]) if described["locations"] else ((), ())
+        return pb.MappedTensors(ipc=described["ipc"], region=regions, offset=offsets)
 
     def send(self, offer: pb.Offer, answers: list[pb.Answer], timeout: float = 300.0) -> Report:
-        """Moves the tensors to every answering receiver; returns once all confirmed receipt."""
+        """Moves the tensors to every answering receiver; returns once all confirmed receipt.
+        Receivers that pulled (their answer says so) already hold them: nobody waits for them."""
+        answers = [a for a in answers if not a.pull]
         deadline = Deadline(timeout, f"transfer {offer.transfer_id[:8]} (version {offer.manifest.version})")
         expected = self._check_answers(offer, answers)
         start = time.perf_counter()

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from rlsync.common.audit import LIVE
+from rlsync.common.timing import Stopwatch
 from rlsync.errors import EngineDead, FailedPrecondition, InvalidArgument
 from rlsync.flat import FlatStore
 from rlsync.rollout.detokenize import IncrementalText
@@ -28,7 +29,7 @@ from rlsync.rollout.engines.base import Engine
 from rlsync.rollout.engines.hf_batch import Batch, Sequence
 from rlsync.rollout.engines.hf_weights import Weights
 from rlsync.rollout.sampling import make_generator, sample
-from rlsync.rollout.staging import StagedUpdate, ensure_room
+from rlsync.rollout.staging import StagedUpdate, ensure_room, pulled
 from rlsync.transfer import answer
 from rlsync.rollout.types import (Delta, FinishReason, GenerationRequest, MemoryUsage, PauseMode,
                                   WakeTag)
@@ -344,7 +345,9 @@ class HFEngine(Engine):
         if self.weights.store is None:
             raise FailedPrecondition("weights are asleep: WakeUp(weights) before PrepareUpdate (the update replaces "
                                      "them)")
+        clock = Stopwatch()
         ans = answer(offer, receiver_id, device=self.device, force=force_backend or None)
+        clock.lap("answer")
 
         def in_place() -> FlatStore | None:
             if self.weights.pending_restore:  # woken, not refilled: the update lands right there
@@ -358,8 +361,11 @@ class HFEngine(Engine):
         if staging is None:
             ensure_room(self.weights.device_bytes(), self.device, offer.manifest.version)
             staging = await asyncio.to_thread(FlatStore, self.weights.specs, self.device)  # cast on arrival
+        clock.lap("staging")
         try:
             update = await asyncio.to_thread(StagedUpdate, offer, ans, staging.views, 0, self.device, timeout)
+            pulled(ans, [update.poll()])
+            ans.stages.update(clock.stages)
         except BaseException:
             await self._call(self._stop_in_place)
             raise

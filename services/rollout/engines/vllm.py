@@ -20,7 +20,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from rlsync.errors import DeadlineExceeded, EngineDead, InvalidArgument, ResourceExhausted
 from rlsync.rollout.engines.process import CRASH_DIR_ENV, crash_reports, own_log
-from rlsync.rollout.staging import raise_failure
+from rlsync.rollout.staging import pulled, raise_failure
 from rlsync.transfer.handshake import NAMES, PREFERENCE
 from rlsync.transfer.v1 import transfer_pb2
 from rlsync.rollout.engines.base import Engine
@@ -188,9 +188,13 @@ class VLLMEngine(Engine):
         refusals = [r for r in await self.llm.collective_rpc("rlsync_room", args=(needed, offer.manifest.version)) if r]
         if refusals:
             raise ResourceExhausted(refusals[0])
-        await self.llm.collective_rpc("rlsync_begin", args=(raw, ans.SerializeToString(), timeout))
+        states = await self.llm.collective_rpc("rlsync_begin", args=(raw, ans.SerializeToString(), timeout))
         await self._read_memory()
-        return ans
+        try:
+            return pulled(ans, states)
+        except BaseException:
+            await self.abort_update()
+            raise
 
     async def finish_update(self, timeout: float) -> float:
         # Poll instead of one blocking call: a worker blocked in an RPC would stall generation.

@@ -78,12 +78,14 @@ class RlsyncWorkerExtension:
                      force=force or None)
         return ans.SerializeToString()
 
-    def rlsync_begin(self, offer: bytes, answer_bytes: bytes, timeout: float) -> None:
-        """Starts receiving the whole checkpoint into staging memory, in the background."""
+    def rlsync_begin(self, offer: bytes, answer_bytes: bytes, timeout: float) -> dict:
+        """Starts receiving the whole checkpoint into staging memory, in the background (a pull is
+        done when this returns); returns its state, as rlsync_poll."""
         o, ans = pb.Offer.FromString(offer), pb.Answer.FromString(answer_bytes)
         device = self._rlsync_device()
         staging = flat_like(from_proto(o.manifest), device)
         self._rlsync_update = StagedUpdate(o, ans, staging, self.rank, device, timeout)
+        return self._rlsync_update.poll()
 
     def rlsync_poll(self) -> dict:
         update = getattr(self, "_rlsync_update", None)

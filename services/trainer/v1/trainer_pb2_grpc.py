@@ -125,14 +125,16 @@ class TrainerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def OfferWeights(self, request, context):
-        """Step 1 of publishing: an offer (manifest, backends, token) for receivers to answer.
+        """Step 1 of publishing: an offer (manifest, backends, token) for receivers to answer. With the
+        weights in place on a GPU it also says where they lie: a receiver on that GPU pulls them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def PublishWeights(self, request, context):
-        """Step 2: move the bytes to every receiver that answered; returns when all confirmed.
+        """Step 2: move the bytes to every receiver that answered; returns when all confirmed. Answers
+        that pulled are skipped (they hold the bytes already); when all did, this call is not needed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -43,7 +43,7 @@ class SendJob:
 
 @dataclass
 class ReceiveJob:
-    conn: Conn
+    conn: Conn | None  # None for a pull (no sender on the line)
     welcome: Welcome
     fds: list[int]
     specs: list[Spec]

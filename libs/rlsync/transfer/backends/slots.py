@@ -116,14 +116,25 @@ class _Mapped(abc.ABC):
                 self._receive_one_copy(job)
             else:
                 self._receive_staged(job)
-            job.clock.lap("release")  # the mappings close as they go out of scope
-            nbytes = job.writer.finish()
-            sync(job.device)
-            job.clock.lap("verify")
+            nbytes = self._finish(job)
         except Exception as exc:
             report_failure(job.conn, exc)
             raise
         job.conn.send(Result(ok=True, nbytes=nbytes, stages=job.clock.stages))
+
+    def pull(self, job: ReceiveJob) -> int:
+        """One-copy without the sender: the offer described its memory (job.welcome is made from
+        it), so the receiver maps it and copies every tensor by itself; no connection, no messages."""
+        self._receive_one_copy(job)
+        return self._finish(job)
+
+    @staticmethod
+    def _finish(job: ReceiveJob) -> int:
+        job.clock.lap("release")  # the mappings close as they go out of scope
+        nbytes = job.writer.finish()
+        sync(job.device)
+        job.clock.lap("verify")
+        return nbytes
 
     def _receive_staged(self, job: ReceiveJob) -> None:
         slots = self.open_slots(job)
@@ -241,27 +252,31 @@ class CudaIpcChannel(_Mapped):
         own[slot].record(torch.cuda.current_stream(job.device))
 
     def regions(self, job):
-        key = ("ipc-regions", tuple(t.data_ptr() for t in job.sources))
-        if key not in job.cache:
-            job.cache[key] = self._regions(job)
-        return job.cache[key], []
-
-    def _regions(self, job) -> dict:
-        storages: dict[int, int] = {}  # storage pointer -> region index
-        handles, locations = [], []
-        for t in job.sources:
-            if t.numel() == 0:
-                locations.append((0, 0))
-                continue
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in storages:
-                storages[ptr] = len(handles)
-                handles.append(share_cuda(t, job.cache))
-            locations.append((storages[ptr], t.data_ptr() - ptr))
-        return {"ipc": handles, "locations": locations}
+        return describe_cuda(job.sources, job.cache), []
 
     def open_regions(self, job):
         return [open_cuda(raw, job.device) for raw in job.welcome.ipc]
+
+
+def describe_cuda(sources, cache: dict) -> dict:
+    """{"ipc": a handle per storage, "locations": (storage index, byte offset) per tensor} of CUDA
+    tensors that stay in place; made once per set of addresses (the cache keeps the storages alive)."""
+    key = ("ipc-regions", tuple(t.data_ptr() for t in sources))
+    if key in cache:
+        return cache[key]
+    storages: dict[int, int] = {}  # storage pointer -> region index
+    handles, locations = [], []
+    for t in sources:
+        if t.numel() == 0:
+            locations.append((0, 0))
+            continue
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in storages:
+            storages[ptr] = len(handles)
+            handles.append(share_cuda(t, cache))
+        locations.append((storages[ptr], t.data_ptr() - ptr))
+    cache[key] = {"ipc": handles, "locations": locations}
+    return cache[key]
 
 
 def _contiguous(specs, locations) -> tuple[int, int, int] | None:

@@ -55,7 +55,7 @@ class Facts(_message.Message):
     def __init__(self, host_id: _Optional[str] = ..., device_type: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., hostname: _Optional[str] = ...) -> None: ...
 
 class Offer(_message.Message):
-    __slots__ = ("protocol_version", "manifest", "facts", "backends", "token", "control_address", "local_control", "bucket_bytes", "one_copy", "transfer_id")
+    __slots__ = ("protocol_version", "manifest", "facts", "backends", "token", "control_address", "local_control", "bucket_bytes", "one_copy", "transfer_id", "mapped")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     FACTS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class Offer(_message.Message):
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
     ONE_COPY_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    MAPPED_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     manifest: Manifest
     facts: Facts
@@ -76,10 +77,28 @@ class Offer(_message.Message):
     bucket_bytes: int
     one_copy: bool
     transfer_id: str
-    def __init__(self, protocol_version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., facts: _Optional[_Union[Facts, _Mapping]] = ..., backends: _Optional[_Iterable[_Union[Backend, str]]] = ..., token: _Optional[str] = ..., control_address: _Optional[str] = ..., local_control: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., one_copy: _Optional[bool] = ..., transfer_id: _Optional[str] = ...) -> None: ...
+    mapped: MappedTensors
+    def __init__(self, protocol_version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., facts: _Optional[_Union[Facts, _Mapping]] = ..., backends: _Optional[_Iterable[_Union[Backend, str]]] = ..., token: _Optional[str] = ..., control_address: _Optional[str] = ..., local_control: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., one_copy: _Optional[bool] = ..., transfer_id: _Optional[str] = ..., mapped: _Optional[_Union[MappedTensors, _Mapping]] = ...) -> None: ...
+
+class MappedTensors(_message.Message):
+    __slots__ = ("ipc", "region", "offset")
+    IPC_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ipc: _containers.RepeatedScalarFieldContainer[bytes]
+    region: _containers.RepeatedScalarFieldContainer[int]
+    offset: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ipc: _Optional[_Iterable[bytes]] = ..., region: _Optional[_Iterable[int]] = ..., offset: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Answer(_message.Message):
-    __slots__ = ("backend", "receiver_id", "ranks", "bucket_bytes", "reason", "facts", "transfer_id")
+    __slots__ = ("backend", "receiver_id", "ranks", "bucket_bytes", "reason", "facts", "transfer_id", "pull", "stages")
+    class StagesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +106,8 @@ class Answer(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     FACTS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
     backend: Backend
     receiver_id: str
     ranks: int
@@ -94,7 +115,9 @@ class Answer(_message.Message):
     reason: str
     facts: Facts
     transfer_id: str
-    def __init__(self, backend: _Optional[_Union[Backend, str]] = ..., receiver_id: _Optional[str] = ..., ranks: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., reason: _Optional[str] = ..., facts: _Optional[_Union[Facts, _Mapping]] = ..., transfer_id: _Optional[str] = ...) -> None: ...
+    pull: bool
+    stages: _containers.ScalarMap[str, float]
+    def __init__(self, backend: _Optional[_Union[Backend, str]] = ..., receiver_id: _Optional[str] = ..., ranks: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., reason: _Optional[str] = ..., facts: _Optional[_Union[Facts, _Mapping]] = ..., transfer_id: _Optional[str] = ..., pull: _Optional[bool] = ..., stages: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
     __slots__ = ("device", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")

@@ -1,0 +1,32 @@
+"""What a push reports when some replicas pulled the bytes while they prepared (pure)."""
+
+import pytest
+
+from rlsync.client.weights import _pushed, _report
+from rlsync.trainer.v1 import trainer_pb2
+from rlsync.transfer.v1 import transfer_pb2 as pb
+
+OFFER = pb.Offer(manifest=pb.Manifest(version=3, tensors=[pb.TensorSpec(name=n, nbytes=10) for n in "abc"]))
+
+
+def test_when_every_replica_pulled_nothing_is_published_and_the_answers_say_it_all():
+    answers = [pb.Answer(backend=pb.BACKEND_CUDA_IPC, ranks=1, pull=True, stages={"map": 0.001, "copy": 0.002}),
+               pb.Answer(backend=pb.BACKEND_CUDA_IPC, ranks=2, pull=True, stages={"map": 0.003, "copy": 0.001})]
+    assert _pushed(answers) == []
+    report = _report(OFFER, None, {"offer": 0.001, "prepare": 0.01, "transfer": 0.0}, answers)
+    assert (report.version, report.bytes, report.backends) == (3, 30, {"cuda_ipc": 3})
+    assert report.profile["receiver_map"] == 0.003 and report.profile["receiver_copy"] == 0.002
+    assert report.profile["prepare_rpc"] == pytest.approx(0.01 - 0.004) and "rpc" not in report.profile
+    assert report.channels == ["cuda_ipc", "cuda_ipc"]
+
+
+def test_a_mixed_fleet_publishes_to_the_others_only_and_counts_everyone():
+    pulled = pb.Answer(backend=pb.BACKEND_CUDA_IPC, ranks=1, pull=True, stages={"copy": 0.002})
+    pushed = pb.Answer(backend=pb.BACKEND_NCCL, ranks=1, stages={"check": 0.0005})
+    assert _pushed([pulled, pushed]) == [pushed]
+    pub = trainer_pb2.PublishWeightsResponse(version=3, bytes=30, seconds=0.004, backends={"nccl": 1},
+                                             profile={"receiver_broadcast": 0.003})
+    report = _report(OFFER, pub, {"prepare": 0.003, "transfer": 0.005}, [pulled, pushed])
+    assert report.backends == {"nccl": 1, "cuda_ipc": 1}
+    assert report.profile["rpc"] == pytest.approx(0.001) and report.profile["receiver_broadcast"] == 0.003
+    assert report.profile["receiver_copy"] == 0.002 and report.profile["receiver_check"] == 0.0005
