@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
@@ -14,8 +15,7 @@ from rlsync.transfer.dtypes import dtype_name, dtype_of, itemsize
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 
-@dataclass(frozen=True)
-class Spec:
+class Spec(NamedTuple):  # a tuple: built hundreds of times per update, it must be cheap
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -33,15 +33,31 @@ def build_manifest(tensors: Mapping[str, torch.Tensor], version: int, checksums:
 
 
 def to_proto(specs: list[Spec], version: int) -> pb.Manifest:
-    return pb.Manifest(version=version, tensors=[
-        pb.TensorSpec(name=s.name, dtype=dtype_name(s.dtype), shape=list(s.shape), nbytes=s.nbytes,
-                      checksum=s.checksum) for s in specs])
+    manifest = pb.Manifest.FromString(_tensor_list(tuple(specs)))
+    manifest.version = version
+    return manifest
 
 
 def from_proto(manifest: pb.Manifest) -> list[Spec]:
     """Specs of a received manifest; refuses one that is inconsistent with itself."""
+    raw = manifest.SerializeToString()
+    tail = pb.Manifest(version=manifest.version).SerializeToString()  # the version, serialized last
+    return list(_parsed(raw[:len(raw) - len(tail)] if raw.endswith(tail) else raw))
+
+
+# A trainer offers the same tensors at every step, and a replica parses each offer more than once:
+# the last few tensor lists are kept, built and checked, keyed by their bytes (cheap to make).
+@lru_cache(maxsize=4)
+def _tensor_list(specs: tuple[Spec, ...]) -> bytes:
+    return pb.Manifest(tensors=[
+        pb.TensorSpec(name=s.name, dtype=dtype_name(s.dtype), shape=list(s.shape), nbytes=s.nbytes,
+                      checksum=s.checksum) for s in specs]).SerializeToString()
+
+
+@lru_cache(maxsize=4)
+def _parsed(raw: bytes) -> tuple[Spec, ...]:
     specs, seen = [], set()
-    for t in manifest.tensors:
+    for t in pb.Manifest.FromString(raw).tensors:
         name, shape, nbytes = t.name, tuple(t.shape), t.nbytes
         if not name:
             raise InvalidArgument("manifest has a tensor without a name")
@@ -56,7 +72,7 @@ def from_proto(manifest: pb.Manifest) -> list[Spec]:
             raise InvalidArgument(f"tensor {name!r}: shape {list(shape)} of {t.dtype} is {expected} bytes, "
                                   f"manifest says {nbytes}")
         specs.append(Spec(name, dtype, shape, nbytes, t.checksum))
-    return specs
+    return tuple(specs)
 
 
 def check_against(specs: list[Spec], expected: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]]) -> None:

@@ -87,9 +87,9 @@ class WeightSender:
     def _one_copy(self) -> bool:
         if not self.allow_one_copy or not isinstance(self.source, ResidentSource):
             return False  # streamed tensors exist one at a time: nothing stays put for a receiver to map
-        tensors = [t for t in self.source.tensors.values() if t.numel()]
         if self.device.type == "cuda":
-            return all(t.is_contiguous() for t in tensors)
+            return self.source.contiguous
+        tensors = [t for t in self.source.tensors.values() if t.numel()]
         return self.arena is not None and all(self.arena.locate(t) is not None for t in tensors)
 
     def offer(self, version: int) -> pb.Offer:
@@ -109,7 +109,7 @@ class WeightSender:
         """Where the CUDA tensors lie, for receivers on this GPU to pull them (cuda_ipc)."""
         if self.device.type != "cuda" or pb.BACKEND_CUDA_IPC not in self.backends:
             return None
-        described = describe_cuda(self.source.resident(), self.cache)
+        described = describe_cuda(list(self.source.tensors.values()), self.cache)  # the addresses of resident()
         regions, offsets = zip(*described["locations"]) if described["locations"] else ((), ())
         return pb.MappedTensors(ipc=described["ipc"], region=regions, offset=offsets)
 

@@ -32,16 +32,20 @@ class ResidentSource:
             raise InvalidArgument(f"tensors live on several device types ({', '.join(sorted(kinds))}): "
                                   "send each device's tensors with its own sender")
         self.device = next(iter(self.tensors.values())).device if self.tensors else torch.device("cpu")
-        # Byte views made once when the tensors are contiguous (values are read at send time).
-        self._views = [as_bytes(t) for t in self.tensors.values()] \
-            if all(t.is_contiguous() for t in self.tensors.values()) else None
+        self.contiguous = all(t.is_contiguous() for t in self.tensors.values())
+        self._views: list[torch.Tensor] | None = None
 
     def specs(self, checksums: bool = False) -> list[Spec]:
         return [Spec.of(n, t, checksums) for n, t in self.tensors.items()]
 
     def resident(self) -> list[torch.Tensor]:
-        """Every tensor's bytes, now: channels may read them in any order and map them."""
-        return self._views or [as_bytes(t) for t in self.tensors.values()]
+        """Every tensor's bytes, now: channels may read them in any order and map them. Byte views
+        of contiguous tensors are made once, when first needed (values are read at send time)."""
+        if not self.contiguous:
+            return [as_bytes(t) for t in self.tensors.values()]
+        if self._views is None:
+            self._views = [as_bytes(t) for t in self.tensors.values()]
+        return self._views
 
     def items(self):
         """(name, tensor) for audits."""

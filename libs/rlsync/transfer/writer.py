@@ -13,42 +13,75 @@ import torch
 from rlsync.errors import DataLoss, InvalidArgument
 from rlsync.transfer.checksum import checksum_bytes
 from rlsync.transfer.manifest import Spec
-from rlsync.transfer.spans import coalesce, span
+from rlsync.transfer.spans import coalesce
 
 Destination = Mapping[str, torch.Tensor] | Callable[[str, torch.Tensor], None]
 
 
 class DestWriter:
+    """Laid out per update, so it does no per-tensor tensor work it can avoid: byte views of the
+    destinations (`targets`) are made on first use, and a flat destination is recognised by its
+    addresses alone (a one-copy update then never needs them)."""
+
     def __init__(self, specs: list[Spec], dest: Destination, device: torch.device):
         self.specs = specs
         self.dest = dest
         self.device = device
         self.received = [0] * len(specs)
-        self.targets: list[torch.Tensor] = []  # flat uint8 per tensor: where its bytes land
-        self.direct: list[bool] = []
-        for spec in specs:
-            target, direct = self._target(spec)
-            self.targets.append(target)
-            self.direct.append(direct)
-        self.bases = [t.untyped_storage().data_ptr() if t.numel() else 0 for t in self.targets]
+        self.tensors = [self._tensor(spec) for spec in specs]  # each destination (None: handed to a callable)
+        self.direct = [t is not None and t.dtype == spec.dtype and t.is_contiguous()
+                       for t, spec in zip(self.tensors, specs)]  # its bytes land in place
+        self._targets: list[torch.Tensor] | None = None
+        self._bases: list[int] | None = None
         # All destinations back to back in one buffer (flat engine weights): one view of them all.
-        self.whole = span([t for t, direct in zip(self.targets, self.direct) if t.numel()]) \
-            if all(self.direct) else None
+        self.whole = self._whole() if all(self.direct) else None
         for i, spec in enumerate(specs):
             if spec.nbytes == 0:
                 self._complete(i)
 
-    def _target(self, spec: Spec) -> tuple[torch.Tensor, bool]:
+    def _tensor(self, spec: Spec) -> torch.Tensor | None:
         if callable(self.dest):
-            return torch.empty(spec.nbytes, dtype=torch.uint8, device=self.device), False
+            return None
         if spec.name not in self.dest:
             raise InvalidArgument(f"no destination tensor for {spec.name!r}")
         t = self.dest[spec.name]
         if t.numel() != _numel(spec.shape):
             raise InvalidArgument(f"destination {spec.name!r} has {t.numel()} elements, manifest {list(spec.shape)}")
-        if t.dtype == spec.dtype and t.is_contiguous():
-            return t.reshape(-1).view(torch.uint8), True
-        return torch.empty(spec.nbytes, dtype=torch.uint8, device=t.device), False
+        return t
+
+    def _whole(self) -> torch.Tensor | None:
+        """One uint8 view over every destination, when they lie end to end inside one storage."""
+        parts = [(t.data_ptr(), s.nbytes) for t, s in zip(self.tensors, self.specs) if s.nbytes]
+        if not parts:
+            return None
+        start, end = parts[0][0], parts[0][0]
+        for ptr, nbytes in parts:
+            if ptr != end:
+                return None
+            end += nbytes
+        storage = next(t for t, s in zip(self.tensors, self.specs) if s.nbytes).untyped_storage()
+        base = storage.data_ptr()
+        if not (base <= start and end <= base + storage.nbytes()):
+            return None  # adjacent, but in two allocations
+        return torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, start - base, (end - start,))
+
+    @property
+    def targets(self) -> list[torch.Tensor]:
+        """Flat uint8 per tensor: where its bytes land (the destination itself, or a buffer whose
+        contents are cast into it when complete)."""
+        if self._targets is None:
+            self._targets = [t.reshape(-1).view(torch.uint8) if direct else
+                             torch.empty(spec.nbytes, dtype=torch.uint8,
+                                         device=self.device if t is None else t.device)
+                             for t, direct, spec in zip(self.tensors, self.direct, self.specs)]
+        return self._targets
+
+    @property
+    def bases(self) -> list[int]:
+        """The storage pointer under each target (coalescing compares them)."""
+        if self._bases is None:
+            self._bases = [t.untyped_storage().data_ptr() if t.numel() else 0 for t in self.targets]
+        return self._bases
 
     def write(self, index: int, offset: int, data: torch.Tensor) -> None:
         n = data.numel()

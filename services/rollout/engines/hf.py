@@ -349,26 +349,36 @@ class HFEngine(Engine):
         ans = answer(offer, receiver_id, device=self.device, force=force_backend or None)
         clock.lap("answer")
 
-        def in_place() -> FlatStore | None:
-            if self.weights.pending_restore:  # woken, not refilled: the update lands right there
-                self.weights.receiving_in_place = True  # (the backup still holds the current version)
-                return self.weights.store
-            return None
+        def receive(staging: FlatStore) -> StagedUpdate:  # a pull is done when this returns
+            return StagedUpdate(offer, ans, staging.views, 0, self.device, timeout)
 
-        # Only the in-place case touches the engine's state (between two steps); a new store is
-        # allocated off the engine thread, so generation does not wait for it.
-        staging = await self._call(in_place) if self.weights.pending_restore else None
-        if staging is None:
+        def in_place() -> StagedUpdate | None:
+            """Between two steps: a woken engine whose weights are not refilled yet receives right
+            into them (the backup still holds the current version)."""
+            if not self.weights.pending_restore:
+                return None
+            self.weights.receiving_in_place = True
+            try:
+                return receive(self.weights.store)
+            except BaseException:
+                self.weights.receiving_in_place = False
+                raise
+
+        # Only the in-place case touches the engine's state (one hop onto its thread, between two
+        # steps); otherwise a new store is allocated off the engine thread, so generation goes on.
+        update = await self._call(in_place) if self.weights.pending_restore else None
+        staging = self.weights.store
+        if update is None:
             ensure_room(self.weights.device_bytes(), self.device, offer.manifest.version)
             staging = await asyncio.to_thread(FlatStore, self.weights.specs, self.device)  # cast on arrival
-        clock.lap("staging")
+            clock.lap("staging")
+            update = await asyncio.to_thread(receive, staging)
         try:
-            update = await asyncio.to_thread(StagedUpdate, offer, ans, staging.views, 0, self.device, timeout)
             pulled(ans, [update.poll()])
-            ans.stages.update(clock.stages)
         except BaseException:
             await self._call(self._stop_in_place)
             raise
+        ans.stages.update(clock.stages)  # (the hops onto threads are left to the caller's prepare_rpc)
         self._update = (update, staging)
         return ans
 

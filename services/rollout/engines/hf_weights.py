@@ -104,8 +104,10 @@ class Weights:
             self.backup, self.pending_restore = None, False
 
     def swap(self, store: FlatStore, version: int) -> None:
-        """Makes a fully received update live: the parameters point at it (O(1)); the old store is freed."""
-        self._place(store)
+        """Makes a fully received update live: the parameters point at it (O(1); nothing to do when
+        it was received in place); the old store is freed."""
+        if store is not self.store:
+            self._place(store)
         self.backup, self.pending_restore, self.receiving_in_place = None, False, False
         self.from_checkpoint = False
         self.not_ready = None
