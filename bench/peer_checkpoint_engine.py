@@ -364,7 +364,7 @@ def main() -> None:
                            "end": "trainer reads the receiver's DONE: its own tensors hold every byte, GPU synced",
                            **SPANS}}
     if "rlsync" in systems:
-        out["rlsync"] = {"backend": "cuda_ipc", "mode": "one_copy",
+        out["rlsync"] = {"backend": "cuda_ipc", "mode": "pull (one copy)",
                          **figures(run_rlsync(args, tensors, names), nbytes, limit, ("seconds",))}
     if ckpt is not None:
         parameter_server, version, notes = ckpt
