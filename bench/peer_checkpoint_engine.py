@@ -159,7 +159,7 @@ def run_rlsync(args, tensors: dict[str, torch.Tensor], names: list[str]) -> list
                 expected = new_version(tensors, version, names)
                 start = time.perf_counter()
                 # 1. offer, 2. the receiver answers (connected already), 3. the bytes move, 4. the receiver is done
-                offer = sender.offer(version=version)
+                offer = sender.offer(version=version, pull=True)
                 peer.send(offer=encode(offer))
                 report = sender.send(offer, [decode(pb.Answer, peer.expect("ANSWER"))], timeout=args.timeout)
                 peer.expect("DONE")

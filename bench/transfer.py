@@ -138,7 +138,7 @@ def run_channel(tensors, backend: str, one_copy: bool, receivers: list[str], buc
         with WeightSender(tensors, bucket_bytes=bucket, arena=arena, backends=[backend],
                           one_copy=None if one_copy else False) as sender:
             for i in range(repeats + 1):  # the first one warms up (group setup, page faults)
-                offer = sender.offer(version=i)
+                offer = sender.offer(version=i, pull=one_copy)  # the receiver pulls what it can map
                 assert offer.one_copy == one_copy, "one-copy availability differs from what was asked"
                 answers = group.answers(offer)
                 report = sender.send(offer, answers, timeout=600)

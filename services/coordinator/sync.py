@@ -78,8 +78,10 @@ class Syncer:
         await asyncio.gather(*(r.client.wake_up("weights") for r in replicas))
         p.lap("wake_weights")
         # 2. Handshake + transfer (CUDA IPC / shm), 3. commit on every engine.
+        # Nothing trains until the next before_train (this lock is held): replicas on the trainer's GPU
+        # may pull the weights straight from its memory while they prepare.
         push = await push_weights_async(trainer.client, [r.client for r in replicas], version, backend,
-                                        self.cfg.update_timeout)
+                                        self.cfg.update_timeout, pull=True)
         p.add(push.phases)
         verified = await self._verify(trainer, replicas) if verify else False  # while the trainer is on the GPU
         p.lap("verify")

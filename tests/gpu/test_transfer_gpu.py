@@ -21,9 +21,9 @@ pytestmark = pytest.mark.gpu
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 
-def _send_to_peer(tensors, path, backend, receiver_device, **sender_kw):
+def _send_to_peer(tensors, path, backend, receiver_device, pull=False, **sender_kw):
     with WeightSender(tensors, backends=[backend], checksums=True, **sender_kw) as sender:
-        offer = sender.offer(version=5)
+        offer = sender.offer(version=5, pull=pull)
         peer = Peer("receive", "--file", str(path), "--backend", backend, "--device", receiver_device)
         peer.send(encode(offer))
         ans = decode(pb.Answer, peer.line("ANSWER"))
@@ -37,7 +37,7 @@ def _send_to_peer(tensors, path, backend, receiver_device, **sender_kw):
 def test_cuda_ipc_every_dtype_bit_exact(zoo_file, one_copy, bucket):
     path, tensors = zoo_file
     gpu = {n: t.cuda() for n, t in tensors.items()}
-    offer, report, result = _send_to_peer(gpu, path, "cuda_ipc", "cuda:0", bucket_bytes=bucket,
+    offer, report, result = _send_to_peer(gpu, path, "cuda_ipc", "cuda:0", pull=True, bucket_bytes=bucket,
                                           one_copy=None if one_copy else False)
     assert offer.one_copy == one_copy
     # One-copy: the offer says where the tensors lie, the receiver pulls them before it answers,

@@ -26,7 +26,7 @@ def _fleet(services, trainer_gpu: str, replica_gpu: str):
 def _check(trainer: TrainerClient, rollout: RolloutClient, backend: str, tmp_path) -> None:
     done = rollout.complete("3+4=", max_tokens=8, logprobs=True, ignore_eos=True, n=4, seed=1)
     trainer.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])
-    report = push_weights(trainer, [rollout])
+    report = push_weights(trainer, [rollout], pull=True)  # nothing trains meanwhile
     assert report.backends == {backend: 1}
     # On the trainer's GPU the replica pulls the bytes while it prepares: no publish round trip.
     assert ("rpc" in report.profile) is (backend != "cuda_ipc")
@@ -65,7 +65,7 @@ def test_colocated_update_lands_in_the_woken_weights_and_a_failed_one_keeps_the_
     # A failed update while asleep-then-woken: the weights come back from the host backup.
     rollout.sleep(level=1)
     rollout.wake_up("weights")
-    offer = trainer.offer_weights(version=1)
+    offer = trainer.offer_weights(version=1)  # pushed: the replica waits for a publish that never comes
     rollout.prepare_update(offer)
     rollout.abort_update()
     rollout.wake_up()
@@ -76,7 +76,7 @@ def test_colocated_update_lands_in_the_woken_weights_and_a_failed_one_keeps_the_
     trainer.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])
     rollout.sleep(level=1)
     rollout.wake_up("weights")
-    report = push_weights(trainer, [rollout])
+    report = push_weights(trainer, [rollout], pull=True)
     rollout.wake_up("kv_cache")
     assert report.backends == {"cuda_ipc": 1} and rollout.info().weight_version == report.version
     assert differences(trainer.checksums(), rollout.checksums()) == []

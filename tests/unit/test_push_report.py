@@ -1,8 +1,12 @@
-"""What a push reports when some replicas pulled the bytes while they prepared (pure)."""
+"""What a push reports when some replicas pulled the bytes while they prepared, and a pull answer
+the offer did not allow."""
 
 import pytest
+import torch
 
 from rlsync.client.weights import _pushed, _report
+from rlsync.errors import FailedPrecondition
+from rlsync.transfer import WeightSender, answer
 from rlsync.trainer.v1 import trainer_pb2
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
@@ -30,3 +34,12 @@ def test_a_mixed_fleet_publishes_to_the_others_only_and_counts_everyone():
     assert report.backends == {"nccl": 1, "cuda_ipc": 1}
     assert report.profile["rpc"] == pytest.approx(0.001) and report.profile["receiver_broadcast"] == 0.003
     assert report.profile["receiver_copy"] == 0.002 and report.profile["receiver_check"] == 0.0005
+
+
+def test_a_sender_refuses_a_pull_answer_to_an_offer_that_described_no_memory():
+    with WeightSender({"w": torch.zeros(4)}) as sender:
+        offer = sender.offer(version=1)  # CPU, and no pull asked: nothing to map
+        ans = answer(offer, "r")
+        ans.pull = True
+        with pytest.raises(FailedPrecondition, match="says it pulled"):
+            sender.send(offer, [ans], timeout=5)

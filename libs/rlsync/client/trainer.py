@@ -53,8 +53,9 @@ class _TrainerMethods:
     def load_checkpoint(self, path: str):
         return self._call("LoadCheckpoint", pb.LoadCheckpointRequest(path=path), timeout=600)
 
-    def offer_weights(self, version: int | None = None) -> transfer_pb2.Offer:
-        return self._call("OfferWeights", pb.OfferWeightsRequest(version=version))
+    def offer_weights(self, version: int | None = None, pull: bool = False) -> transfer_pb2.Offer:
+        """pull: see OfferWeightsRequest.pull (only while nothing trains until every replica prepared)."""
+        return self._call("OfferWeights", pb.OfferWeightsRequest(version=version, pull=pull))
 
     def publish_weights(self, transfer_id: str, answers: Iterable[transfer_pb2.Answer], timeout: float = 0):
         return self._call("PublishWeights", pb.PublishWeightsRequest(transfer_id=transfer_id, answers=list(answers),

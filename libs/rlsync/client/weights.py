@@ -46,18 +46,23 @@ def _report(offer, pub, phases: dict[str, float], answers: list) -> PushReport:
     slowest = max((sum(a.stages.values()) for a in answers), default=0.0)
     profile["prepare_rpc"] = max(phases["prepare"] - slowest, 0.0)
     if pub is not None:
-        profile |= {"rpc": max(phases["transfer"] - pub.seconds, 0.0), **dict(pub.profile)}
+        profile["rpc"] = max(phases["transfer"] - pub.seconds, 0.0)
+        for stage, seconds in pub.profile.items():  # the slowest receiver, pulled or pushed
+            profile[stage] = max(profile.get(stage, 0.0), seconds)
     return PushReport(offer.manifest.version, sum(t.nbytes for t in offer.manifest.tensors), backends, phases,
                       profile, channels)
 
 
 def stage_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version: int | None = None,
-                  force_backend: str = "", timeout: float = 0) -> PushReport:
+                  force_backend: str = "", timeout: float = 0, pull: bool = False) -> PushReport:
     """Offer -> prepare on every replica -> publish, one call after the other (stage_weights_async
     overlaps the replicas). Every replica then holds the new version in staging; commit it with
-    commit_staged (or RolloutClient.abort_update). On failure nothing stays staged."""
+    commit_staged (or RolloutClient.abort_update). On failure nothing stays staged.
+
+    pull: replicas on the trainer's GPU copy the weights while they prepare (no publish for them);
+    only while nothing trains, offloads or loads until this returns."""
     clock = Stopwatch()
-    offer = trainer.offer_weights(version)
+    offer = trainer.offer_weights(version, pull)
     clock.lap("offer")
     try:
         answers = [r.prepare_update(offer, force_backend, timeout).answer for r in rollouts]
@@ -82,20 +87,22 @@ def commit_staged(rollouts: list[RolloutClient], push: PushReport, timeout: floa
 
 
 def push_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version: int | None = None,
-                 force_backend: str = "", timeout: float = 0, recompute_kv: bool = False) -> PushReport:
+                 force_backend: str = "", timeout: float = 0, recompute_kv: bool = False,
+                 pull: bool = False) -> PushReport:
     """Stage, then commit at once."""
-    push = stage_weights(trainer, rollouts, version, force_backend, timeout)
+    push = stage_weights(trainer, rollouts, version, force_backend, timeout, pull)
     commit_staged(rollouts, push, timeout, recompute_kv)
     return push
 
 
 async def stage_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncRolloutClient],
-                              version: int | None = None, force_backend: str = "", timeout: float = 0) -> PushReport:
+                              version: int | None = None, force_backend: str = "", timeout: float = 0,
+                              pull: bool = False) -> PushReport:
     """Offer -> prepare on every replica -> publish: every replica then holds the new version in
     staging, received while it kept serving, and not yet live. Commit with commit_staged_async (or
-    drop it with abort_staged_async). On failure nothing stays staged."""
+    drop it with abort_staged_async). On failure nothing stays staged. pull: as stage_weights."""
     clock = Stopwatch()
-    offer = await trainer.offer_weights(version)
+    offer = await trainer.offer_weights(version, pull)
     clock.lap("offer")
     try:
         prepared = await settle(*(r.prepare_update(offer, force_backend, timeout) for r in rollouts))
@@ -132,8 +139,8 @@ async def abort_staged_async(rollouts: list[AsyncRolloutClient]) -> None:
 
 async def push_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncRolloutClient],
                              version: int | None = None, force_backend: str = "", timeout: float = 0,
-                             recompute_kv: bool = False) -> PushReport:
+                             recompute_kv: bool = False, pull: bool = False) -> PushReport:
     """Stage, then commit at once."""
-    push = await stage_weights_async(trainer, rollouts, version, force_backend, timeout)
+    push = await stage_weights_async(trainer, rollouts, version, force_backend, timeout, pull)
     await commit_staged_async(rollouts, push, timeout, recompute_kv)
     return push

@@ -50,7 +50,7 @@ class PublisherCore:
         self.checksums_in_manifest, self.transfer_timeout = checksums, transfer_timeout
         self.hooks = {OFFLOAD: offload, ONLOAD: onload}
         self.offloaded = False
-        self.published = 0  # the last version offered (pulled or published)
+        self.published = 0  # the last version published (or offered for receivers to pull)
         self.current = 0  # the version the weights are now (an offer without a version gets it)
         self._sender: WeightSender | None = None
         self._offers: dict[str, tpb.Offer] = {}
@@ -85,14 +85,16 @@ class PublisherCore:
     # ---- what the coordinator calls ---------------------------------------------------------------
     # Each request checks the state and builds the sender inside the work `run` schedules: by then an
     # offload queued before it has happened, and a sharded model is not in the middle of a step.
-    async def offer(self, version: int) -> tpb.Offer:
+    async def offer(self, version: int, pull: bool = False) -> tpb.Offer:
+        """pull: receivers on the trainer's GPU copy the weights themselves (see OfferWeightsRequest)."""
         def offer() -> tpb.Offer:
             self._require_on_device("publishing weights")
-            return self._sender_now().offer(version)
+            return self._sender_now().offer(version, pull)
 
         offer = await self.run(offer, PASSES, lambda: self._passes(1 if self.checksums_in_manifest else 0))
         self._offers[offer.transfer_id] = offer
-        self.published = offer.manifest.version  # receivers may pull it now, with no PublishWeights
+        if offer.mapped.ipc:  # receivers pull it from here, with no PublishWeights
+            self.published = offer.manifest.version
         while len(self._offers) > 8:
             self._offers.pop(next(iter(self._offers)))
         return offer
@@ -110,9 +112,11 @@ class PublisherCore:
                 raise NotFound(f"offer {transfer_id!r} was dropped when the trainer offloaded: call OfferWeights")
             return self._sender_now().send(offer, answers, timeout or self.transfer_timeout)
 
-        # A streamed source makes one pass per channel.
-        report = await self.run(send, PASSES, lambda: self._passes(len({a.backend for a in answers})))
+        # A streamed source makes one pass per channel (receivers that pulled need none).
+        pushed = {a.backend for a in answers if not a.pull}
+        report = await self.run(send, PASSES, lambda: self._passes(len(pushed)))
         self._offers.pop(transfer_id, None)
+        self.published = offer.manifest.version
         return offer.manifest.version, report
 
     async def checksums(self, dtype: str = "") -> Audit:

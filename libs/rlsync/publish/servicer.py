@@ -49,7 +49,8 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
     @unary
     async def OfferWeights(self, request: pb.OfferWeightsRequest, context):
-        return await self.publisher.offer(request.version if request.HasField("version") else self.step())
+        return await self.publisher.offer(request.version if request.HasField("version") else self.step(),
+                                          request.pull)
 
     @unary
     async def PublishWeights(self, request: pb.PublishWeightsRequest, context) -> pb.PublishWeightsResponse:

@@ -92,7 +92,9 @@ class WeightSender:
         tensors = [t for t in self.source.tensors.values() if t.numel()]
         return self.arena is not None and all(self.arena.locate(t) is not None for t in tensors)
 
-    def offer(self, version: int) -> pb.Offer:
+    def offer(self, version: int, pull: bool = False) -> pb.Offer:
+        """pull: also say where the CUDA tensors lie, so same-GPU receivers copy them themselves.
+        The caller must then keep them unchanged and allocated until those receivers are done."""
         specs = self.source.specs(self.checksums)
         transfer_id = uuid.uuid4().hex
         self._specs[transfer_id] = specs
@@ -103,12 +105,13 @@ class WeightSender:
             protocol_version=PROTOCOL_VERSION, manifest=to_proto(specs, version), facts=local_facts(self.device),
             backends=self.backends, token=secrets.token_hex(16), control_address=self.listener.address,
             local_control=self.listener.local_name, bucket_bytes=self.bucket_bytes, one_copy=one_copy,
-            transfer_id=transfer_id, mapped=self._mapped() if one_copy else None)
+            transfer_id=transfer_id, mapped=self._mapped() if one_copy and pull else None)
 
     def _mapped(self) -> pb.MappedTensors | None:
         """Where the CUDA tensors lie, for receivers on this GPU to pull them (cuda_ipc)."""
         if self.device.type != "cuda" or pb.BACKEND_CUDA_IPC not in self.backends:
             return None
+        torch.cuda.synchronize(self.device)  # no kernel of the trainer may still be writing them
         described = describe_cuda(list(self.source.tensors.values()), self.cache)  # the addresses of resident()
         regions, offsets = zip(*described["locations"]) if described["locations"] else ((), ())
         return pb.MappedTensors(ipc=described["ipc"], region=regions, offset=offsets)
@@ -116,8 +119,9 @@ class WeightSender:
     def send(self, offer: pb.Offer, answers: list[pb.Answer], timeout: float = 300.0) -> Report:
         """Moves the tensors to every answering receiver; returns once all confirmed receipt.
         Receivers that pulled (their answer says so) already hold them: nobody waits for them."""
-        answers = [a for a in answers if not a.pull]
         deadline = Deadline(timeout, f"transfer {offer.transfer_id[:8]} (version {offer.manifest.version})")
+        self._check_answers(offer, answers)
+        answers = [a for a in answers if not a.pull]
         expected = self._check_answers(offer, answers)
         start = time.perf_counter()
         conns = self._gather(offer, expected, deadline)
@@ -152,6 +156,9 @@ class WeightSender:
             if a.backend not in offer.backends:
                 raise FailedPrecondition(f"{a.receiver_id!r} chose {NAMES.get(a.backend, a.backend)}, "
                                          "which this offer does not include")
+            if a.pull and not len(offer.mapped.ipc):
+                raise FailedPrecondition(f"{a.receiver_id!r} says it pulled, but this offer describes no memory to "
+                                         "pull from: answer it anew")
             if a.ranks < 1:
                 raise InvalidArgument(f"{a.receiver_id!r} answered with {a.ranks} ranks; at least 1 is needed")
             for rank in range(a.ranks):

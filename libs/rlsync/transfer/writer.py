@@ -33,6 +33,8 @@ class DestWriter:
                        for t, spec in zip(self.tensors, specs)]  # its bytes land in place
         self._targets: list[torch.Tensor] | None = None
         self._bases: list[int] | None = None
+        if not all(self.direct):
+            self.targets  # noqa: B018 - buffers to cast from are allocated now, before any byte moves
         # All destinations back to back in one buffer (flat engine weights): one view of them all.
         self.whole = self._whole() if all(self.direct) else None
         for i, spec in enumerate(specs):
@@ -63,7 +65,7 @@ class DestWriter:
         base = storage.data_ptr()
         if not (base <= start and end <= base + storage.nbytes()):
             return None  # adjacent, but in two allocations
-        return torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, start - base, (end - start,))
+        return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, start - base, (end - start,))
 
     @property
     def targets(self) -> list[torch.Tensor]:

@@ -366,7 +366,11 @@ class HFEngine(Engine):
 
         # Only the in-place case touches the engine's state (one hop onto its thread, between two
         # steps); otherwise a new store is allocated off the engine thread, so generation goes on.
-        update = await self._call(in_place) if self.weights.pending_restore else None
+        try:
+            update = await self._call(in_place) if self.weights.pending_restore else None
+        except BaseException:  # cancelled too: the engine thread may still receive in place, then this runs
+            self._call(self._stop_in_place)
+            raise
         staging = self.weights.store
         if update is None:
             ensure_room(self.weights.device_bytes(), self.device, offer.manifest.version)
@@ -410,7 +414,7 @@ class HFEngine(Engine):
             update, _ = self._update
             self._update = None
             await asyncio.to_thread(update.abort)
-            await self._call(self._stop_in_place)  # the backup refills the weights when they are next used
+        await self._call(self._stop_in_place)  # the backup refills the weights when they are next used
 
     async def checksums(self):
         return await self._call(self.weights.checksums), LIVE

@@ -142,10 +142,12 @@ class LoadCheckpointResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ...) -> None: ...
 
 class OfferWeightsRequest(_message.Message):
-    __slots__ = ("version",)
+    __slots__ = ("version", "pull")
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
     version: int
-    def __init__(self, version: _Optional[int] = ...) -> None: ...
+    pull: bool
+    def __init__(self, version: _Optional[int] = ..., pull: _Optional[bool] = ...) -> None: ...
 
 class PublishWeightsRequest(_message.Message):
     __slots__ = ("transfer_id", "answers", "timeout")
