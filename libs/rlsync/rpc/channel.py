@@ -53,8 +53,10 @@ class _TokenMetadata(grpc.AuthMetadataPlugin):
         callback(self._metadata, None)
 
 
-class _AioToken(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
-    """Adds the token to every call on an insecure channel (call credentials need TLS)."""
+class _AioToken:
+    """Adds the token to every call on an insecure channel (call credentials need TLS). One object
+    per call kind: an aio channel files an interceptor under the first kind it is an instance of,
+    so one object of both kinds would leave streams (Generate) without the token."""
 
     def __init__(self, token: str):
         self._pair = (HEADER, f"Bearer {token}")
@@ -63,9 +65,13 @@ class _AioToken(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClient
         metadata = grpc.aio.Metadata(*(details.metadata or ()), self._pair)
         return details._replace(metadata=metadata)
 
+
+class _AioUnaryToken(_AioToken, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(self._with_token(details), request)
 
+
+class _AioStreamToken(_AioToken, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(self._with_token(details), request)
 
@@ -79,7 +85,7 @@ def aio_channel(address: str, token: str = "", tls: bool = False, tls_ca: str | 
         if token:
             creds = grpc.composite_channel_credentials(creds, grpc.metadata_call_credentials(_TokenMetadata(token)))
         return grpc.aio.secure_channel(address, creds, options=options)
-    interceptors = [_AioToken(token)] if token else None
+    interceptors = [_AioUnaryToken(token), _AioStreamToken(token)] if token else None
     return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 
