@@ -41,6 +41,12 @@ def messages(descriptor, depth: int = 0, overrides: dict | None = None) -> st.Se
     for f in descriptor.fields:
         if overrides and f.name in overrides:
             value = overrides[f.name]
+        elif f.type == _T.TYPE_MESSAGE and f.message_type.GetOptions().map_entry:
+            key, item = f.message_type.fields_by_name["key"], f.message_type.fields_by_name["value"]
+            if item.type not in SCALARS:
+                continue
+            fields[f.name] = st.dictionaries(SCALARS[key.type], SCALARS[item.type], max_size=3)
+            continue
         elif f.type == _T.TYPE_MESSAGE:
             if depth >= 2:
                 continue
@@ -59,7 +65,9 @@ def _build(descriptor, kw: dict):
     msg = message_factory.GetMessageClass(descriptor)()
     for name, value in kw.items():
         field = getattr(msg, name)
-        if isinstance(value, list):
+        if isinstance(value, dict):  # a map field
+            field.update(value)
+        elif isinstance(value, list):
             for item in value:
                 field.add().CopyFrom(item) if hasattr(field, "add") else field.append(item)
         elif hasattr(value, "SerializeToString"):
