@@ -69,14 +69,24 @@ class ServiceProcess:
                                          preexec_fn=preexec)
         self.address: str | None = None
 
-    def _find_address(self) -> str | None:
+    def _find_address(self, event: str = "listening") -> str | None:
         with open(self.log_path, "rb") as f:
             f.seek(self._log_start)
             for raw in f:
                 line = raw.decode(errors="replace").strip()
-                if line.startswith("{") and '"listening"' in line:
+                if line.startswith("{") and f'"{event}"' in line:
                     return json.loads(line)["address"]
         return None
+
+    def http_address(self, timeout: float = 30.0) -> str:
+        """The address of the service's HTTP server (the coordinator's --http-port), once it listens."""
+        deadline = time.monotonic() + timeout
+        while (address := self._find_address("http")) is None:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} announced no HTTP server (log: {self.log_path}):\n"
+                                   f"{self.log_tail()}")
+            time.sleep(0.05)
+        return address
 
     def wait_ready(self, timeout: float = 180.0) -> str:
         """Blocks until the service listens; returns its address, or raises with its log tail."""

@@ -18,6 +18,9 @@ from pathlib import Path
 
 TINY = "tiny"
 EOS = "<|endoftext|>"
+# Plain-text turns (the tiny vocabulary has no role tokens); a turn ends with EOS as the model's do.
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,7 @@ class TinyRecipe:
     max_position_embeddings: int = 1024
     seed: int = 0
     corpus_lines: int = 4000
-    version: int = 1
+    version: int = 2  # 2: a chat template
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
@@ -76,6 +79,7 @@ def build_tiny_model(out: Path, recipe: TinyRecipe = TinyRecipe()) -> Path:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     bpe.train_from_iterator(_corpus(recipe.corpus_lines, recipe.seed), trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, bos_token=EOS, pad_token=EOS)
+    tokenizer.chat_template = CHAT_TEMPLATE
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
 
     config = Qwen2Config(

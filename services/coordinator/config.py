@@ -31,3 +31,6 @@ class CoordinatorConfig:
     force_backend: str = option("", "transfer backend for every sync (empty: chosen by topology)")
     update_timeout: float = option(300.0, "seconds a weight transfer may take")
     max_resubmissions: int = option(50, "times the gateway resubmits one completion before giving up")
+    http_port: int = option(-1, "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                                "/v1/models) on the gateway, bound to --host; 0 picks a free one; -1: off")
+    served_model_name: str = option("rlsync", "the model name the HTTP API serves (the 'model' of a request)")

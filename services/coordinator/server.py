@@ -7,8 +7,10 @@ import logging
 import grpc
 
 from rlsync.config import describe
+from rlsync.rpc.http import HttpServer, serve_http
 from rlsync.coordinator.config import CoordinatorConfig
 from rlsync.coordinator.core import Coordinator
+from rlsync.coordinator.openai_api import make_app
 from rlsync.coordinator.servicer import CoordinatorServicer
 from rlsync.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -22,6 +24,7 @@ class CoordinatorService:
     def __init__(self, cfg: CoordinatorConfig):
         self.cfg = cfg
         self.core = Coordinator(cfg)
+        self.http: HttpServer | None = None
 
     async def start(self) -> None:
         log.info("starting coordinator: %s", describe(self.cfg))
@@ -31,10 +34,14 @@ class CoordinatorService:
         coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(CoordinatorServicer(self.core), server)
 
     async def serving(self, host: str, port: int) -> None:
-        pass
+        if self.cfg.http_port >= 0:
+            self.http = await serve_http(make_app(self.core.gateway, self.cfg.served_model_name,
+                                                  self.cfg.server.token), self.cfg.server, self.cfg.http_port)
 
     async def drain(self, reason: str) -> None:
         pass  # gateway streams end with the server's grace period; replicas keep their own requests
 
     async def close(self) -> None:
+        if self.http is not None:
+            await self.http.stop()
         await self.core.close()

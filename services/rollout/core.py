@@ -73,8 +73,9 @@ class RolloutCore:
 
     # ---- requests -------------------------------------------------------------------------------
     def make_request(self, request_id: str, text: str | None, token_ids: list[int] | None,
-                     sampling: SamplingParams) -> GenerationRequest:
-        """Validates and tokenizes; raises InvalidArgument saying what to fix."""
+                     sampling: SamplingParams, chat: list[tuple[str, str]] | None = None) -> GenerationRequest:
+        """Validates and tokenizes (a chat: rendered by the model's chat template, with the prompt
+        for the assistant's turn); raises InvalidArgument saying what to fix."""
         if token_ids:
             bad = [t for t in token_ids if not 0 <= t < self.engine.vocab_size]
             if bad:
@@ -82,8 +83,10 @@ class RolloutCore:
             prompt = tuple(token_ids)
         elif text:
             prompt = tuple(self.engine.tokenizer(text)["input_ids"])
+        elif chat:
+            prompt = tuple(render_chat(self.engine.tokenizer, chat))
         else:
-            raise InvalidArgument("prompt is empty: set GenerateRequest.text or GenerateRequest.token_ids")
+            raise InvalidArgument("prompt is empty: set GenerateRequest.text, token_ids or chat")
         sampling.check(len(prompt), self.engine.max_model_len)
         return GenerationRequest(request_id or uuid.uuid4().hex, prompt, sampling)
 
@@ -336,6 +339,20 @@ class RolloutCore:
         if self.paused:  # frozen streams must run to deliver their final chunk
             await self.engine.resume()
         await self._wait_closed(lambda: not self.in_flight, timeout)
+
+
+def render_chat(tokenizer, chat: list[tuple[str, str]]) -> list[int]:
+    """The token ids of a conversation under the tokenizer's chat template, ending with the
+    generation prompt (the template adds any special tokens it wants; nothing else is added)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidArgument("this model's tokenizer has no chat template: send a text or token-id prompt "
+                              "(/v1/completions) instead of messages")
+    try:
+        text = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in chat], tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - a template refuses what it cannot render (jinja raises)
+        raise InvalidArgument(f"the chat template refused these messages: {e}") from None
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def _extend(spans: list[tuple[int, int, int]], version: int, start: int, count: int) -> None:

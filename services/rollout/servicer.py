@@ -68,7 +68,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         kind = request.WhichOneof("prompt")
         gen = self.core.make_request(
             request.request_id, request.text if kind == "text" else None,
-            list(request.token_ids.ids) if kind == "token_ids" else None, sampling_from_proto(request.sampling))
+            list(request.token_ids.ids) if kind == "token_ids" else None, sampling_from_proto(request.sampling),
+            [(m.role, m.content) for m in request.chat.messages] if kind == "chat" else None)
         async for chunk in self.core.generate(gen):
             yield chunk_to_proto(chunk)
 

@@ -42,7 +42,7 @@ def test_command_is_a_real_cli_invocation(compose, name):
 
 def test_ports_and_scaling(compose):
     services = compose["services"]
-    assert services["coordinator"]["ports"] == ["50050:50050"], "clients reach the coordinator"
+    assert services["coordinator"]["ports"] == ["50050:50050", "8000:8000"], "clients reach the coordinator"
     rollout = services["rollout"]
     assert "ports" not in rollout and "container_name" not in rollout, "--scale rollout=N needs no fixed host port"
     for name in ("trainer", "rollout"):

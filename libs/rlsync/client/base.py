@@ -64,7 +64,7 @@ class AsyncClient(_Client):
 class SyncGenerating:
     """Generate/stream/complete for blocking clients of services that generate."""
 
-    def generate(self, prompt: str | list[int], **kwargs) -> Iterator[gen_pb.GenerateChunk]:
+    def generate(self, prompt: str | list[int] | list[dict], **kwargs) -> Iterator[gen_pb.GenerateChunk]:
         """Streams chunks; kwargs: request_id, session_id and any SamplingParams field."""
         return self.stream(generate_request(prompt, **kwargs))
 
@@ -77,7 +77,7 @@ class SyncGenerating:
         finally:
             call.cancel()
 
-    def complete(self, prompt: str | list[int], **kwargs) -> list[Completion]:
+    def complete(self, prompt: str | list[int] | list[dict], **kwargs) -> list[Completion]:
         """Every completion of one request, assembled (token ids, text, logprobs, versions)."""
         return collect(self.generate(prompt, **kwargs))
 
@@ -85,7 +85,7 @@ class SyncGenerating:
 class AsyncGenerating:
     """The same for asyncio clients: `async for chunk in client.generate(...)`."""
 
-    async def generate(self, prompt: str | list[int], **kwargs) -> AsyncIterator[gen_pb.GenerateChunk]:
+    async def generate(self, prompt: str | list[int] | list[dict], **kwargs) -> AsyncIterator[gen_pb.GenerateChunk]:
         async for chunk in self.stream(generate_request(prompt, **kwargs)):
             yield chunk
 
@@ -98,5 +98,5 @@ class AsyncGenerating:
         finally:
             call.cancel()
 
-    async def complete(self, prompt: str | list[int], **kwargs) -> list[Completion]:
+    async def complete(self, prompt: str | list[int] | list[dict], **kwargs) -> list[Completion]:
         return collect([c async for c in self.generate(prompt, **kwargs)])

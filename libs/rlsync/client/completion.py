@@ -11,9 +11,10 @@ FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"
 _SAMPLING_FIELDS = {f.name for f in pb.SamplingParams.DESCRIPTOR.fields}
 
 
-def generate_request(prompt: str | list[int], *, request_id: str = "", session_id: str = "",
+def generate_request(prompt: str | list[int] | list[dict], *, request_id: str = "", session_id: str = "",
                      **sampling) -> pb.GenerateRequest:
-    """prompt: text or token ids; sampling: any SamplingParams field (max_tokens=, temperature=, ...)."""
+    """prompt: text, token ids, or chat messages ({"role": ..., "content": ...}, rendered by the
+    model's chat template); sampling: any SamplingParams field (max_tokens=, temperature=, ...)."""
     unknown = set(sampling) - _SAMPLING_FIELDS
     if unknown:
         raise TypeError(f"unknown sampling parameter(s) {sorted(unknown)}; valid: {sorted(_SAMPLING_FIELDS)}")
@@ -21,6 +22,8 @@ def generate_request(prompt: str | list[int], *, request_id: str = "", session_i
                              sampling=pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}))
     if isinstance(prompt, str):
         req.text = prompt
+    elif prompt and isinstance(prompt[0], dict):
+        req.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
     else:
         req.token_ids.ids.extend(prompt)
     return req
