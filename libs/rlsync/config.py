@@ -45,6 +45,8 @@ class ServerConfig:
     grace_seconds: float = option(5.0, "on SIGTERM: time in-flight work gets to finish (a replica's requests, "
                                        "then the server's RPCs: up to twice this in all)")
     log_level: str = option("INFO", "logging level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    metrics_port: int = option(-1, "port of the Prometheus /metrics endpoint (bound to --host); 0 picks a free "
+                                   "one; -1: off")
 
 
 def _fields(cls: type) -> list[tuple[dataclasses.Field, type]]:

@@ -78,12 +78,13 @@ class ServiceProcess:
                     return json.loads(line)["address"]
         return None
 
-    def http_address(self, timeout: float = 30.0) -> str:
-        """The address of the service's HTTP server (the coordinator's --http-port), once it listens."""
+    def http_address(self, event: str = "http", timeout: float = 30.0) -> str:
+        """The address of one of the service's HTTP servers, once it listens: "http" (the coordinator's
+        --http-port) or "metrics" (--metrics-port)."""
         deadline = time.monotonic() + timeout
-        while (address := self._find_address("http")) is None:
+        while (address := self._find_address(event)) is None:
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} announced no HTTP server (log: {self.log_path}):\n"
+                raise RuntimeError(f"{self.name} announced no {event} server (log: {self.log_path}):\n"
                                    f"{self.log_tail()}")
             time.sleep(0.05)
         return address

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from rlsync.client import RpcError
+from rlsync.common import metrics
 from rlsync.common.v1 import generate_pb2 as pb
 from rlsync.coordinator.config import CoordinatorConfig
 from rlsync.coordinator.registry import Member, Registry
@@ -33,9 +34,14 @@ class Gateway:
         self.resubmissions = 0
         self._aborted: set[str] = set()  # gateway request ids the caller ended
         self._running: dict[str, tuple[Member, str]] = {}  # "request:index" -> (replica, its request id)
+        metrics.GATEWAY_IN_FLIGHT.set_function(lambda: self.in_flight)
 
     # ---- routing --------------------------------------------------------------------------------
     async def _pick(self, session: str, timeout: float = 60.0) -> Member:
+        with metrics.GATEWAY_WAITING.track_inprogress():
+            return await self._wait_for_replica(session, timeout)
+
+    async def _wait_for_replica(self, session: str, timeout: float) -> Member:
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             await self.syncer.ready.wait()
@@ -72,6 +78,7 @@ class Gateway:
             raise InvalidArgument(f"n must be >= 1, got {n}")
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [asyncio.create_task(self._completion(base, i, n, queue)) for i in range(n)]
+        metrics.GATEWAY_REQUESTS.inc()
         self.in_flight += 1
         try:
             finished = 0
@@ -166,6 +173,7 @@ class Gateway:
                     out.put_nowait(final)
             attempt += 1
             self.resubmissions += 1
+            metrics.RESUBMISSIONS.inc()
             if attempt > self.cfg.max_resubmissions:
                 raise Unavailable(f"request {base.request_id} was cut short {attempt} times; giving up")
 
@@ -178,6 +186,8 @@ class Gateway:
         emit.resubmissions = attempt
         bound = self.cfg.max_staleness
         emit.stale = bound >= 0 and self.syncer.trainer_step - emit.min_weight_version > bound
+        if emit.stale:
+            metrics.STALE_FLAGGED.inc()
 
     async def abort(self, request_id: str) -> None:
         running = [(k, v) for k, v in self._running.items() if k.rsplit(":", 1)[0] == request_id]

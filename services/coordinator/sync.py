@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from rlsync.client import RpcError, abort_staged_async, commit_staged_async, push_weights_async, stage_weights_async
+from rlsync.common import metrics
 from rlsync.common.aio import settle
 from rlsync.common.audit import differences, trainer_dtype
 from rlsync.common.timing import Stopwatch
@@ -43,6 +44,10 @@ class Syncer:
         self.lock = asyncio.Lock()  # one sync, train or catch-up at a time
         self.ready = asyncio.Event()  # set while replicas may take generation requests
         self.ready.set()
+        metrics.FLEET_VERSION.set_function(lambda: self.version)
+        metrics.TRAINER_STEP.set_function(lambda: self.trainer_step)
+        metrics.REPLICAS.labels("ready").set_function(lambda: len(registry.rollouts("ready")))
+        metrics.REPLICAS.labels("all").set_function(lambda: len(registry.rollouts(None)))
 
     def _trainer(self) -> Member:
         trainer = self.registry.trainer()
@@ -167,6 +172,7 @@ class Syncer:
                 r.weight_version, r.backend = push.version, channel
             self.syncs += 1
             seconds = time.perf_counter() - start - verify_seconds
+            _record(self.cfg.sync_mode, seconds, phases, push)
             return SyncResult(push.version, phases, seconds, len(replicas), push.bytes, push.backends, verified,
                               push.profile)
 
@@ -281,3 +287,16 @@ class Syncer:
                 log.warning("could not read the trainer's step", exc_info=True)
         for member in self.registry.rollouts("syncing"):
             self.registry.spawn(self.catch_up(member))
+
+
+def _record(mode: str, seconds: float, phases: dict[str, float], push) -> None:
+    """A completed sync's figures, for Prometheus."""
+    metrics.SYNCS.labels(mode).inc()
+    metrics.SYNC_SECONDS.labels(mode).observe(seconds)
+    for phase, t in phases.items():
+        metrics.SYNC_PHASE_SECONDS.labels(mode, phase).observe(t)
+    moving = phases.get("prepare", 0.0) + phases.get("transfer", 0.0)  # the offer in hand -> bytes in place
+    for backend, ranks in push.backends.items():
+        metrics.SYNC_BYTES.labels(backend).inc(push.bytes * ranks)
+        if moving > 0:
+            metrics.TRANSFER_GBPS.labels(backend).set(push.bytes / moving / 1e9)

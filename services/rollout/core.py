@@ -9,6 +9,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from rlsync.common import metrics
 from rlsync.errors import (AlreadyExists, EngineDead, FailedPrecondition, InvalidArgument, NotFound, RlsyncError,
                            Unavailable)
 from rlsync.rollout.engines.base import Engine
@@ -70,6 +71,8 @@ class RolloutCore:
         self._closed = asyncio.Condition()  # notified whenever a request leaves in_flight
         self.admitted = 0  # Generate requests taken since start
         self._closing: str | None = None
+        metrics.REPLICA_VERSION.set_function(lambda: self.weight_version)
+        metrics.REPLICA_IN_FLIGHT.set_function(lambda: len(self.in_flight))
 
     # ---- requests -------------------------------------------------------------------------------
     def make_request(self, request_id: str, text: str | None, token_ids: list[int] | None,
@@ -109,6 +112,7 @@ class RolloutCore:
         entry = _InFlight(request)
         self.in_flight[request.request_id] = entry
         self.admitted += 1
+        metrics.REPLICA_REQUESTS.inc()
         return entry
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
@@ -129,8 +133,11 @@ class RolloutCore:
                 if d.token_ids:
                     _extend(spans.setdefault(d.index, []), version, produced[d.index], len(d.token_ids))
                     produced[d.index] += len(d.token_ids)
+                    metrics.REPLICA_TOKENS.inc(len(d.token_ids))
                 if d.finish is not None:
                     open_.discard(d.index)
+                    if d.finish is FinishReason.ABORT:
+                        metrics.REPLICA_ABORTED.inc()
                     # The engine's own record when it keeps one (exact to the token), else the chunks'.
                     chunk.version_spans = d.spans if d.spans is not None else spans.get(d.index, [])
                     if d.finish is FinishReason.ABORT and entry.abort_reason:

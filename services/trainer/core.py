@@ -13,10 +13,12 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
 
+from rlsync.common import metrics as prometheus
 from rlsync.errors import FailedPrecondition, InvalidArgument
 from rlsync.models import resolve_model
 from rlsync.publish.core import PublisherCore, at_publish_points, in_thread
@@ -144,6 +146,7 @@ class TrainerCore:
         self._check(trajectories)
         args = (trajectories, self.cfg.max_staleness if max_staleness is None else max_staleness,
                 stale_policy or self.cfg.stale_policy, self.cfg.stale_weight if stale_weight is None else stale_weight)
+        start = time.perf_counter()
         if self.sharded:  # every rank takes the same step
             from rlsync.trainer.ranks import train_payload
 
@@ -151,10 +154,16 @@ class TrainerCore:
                 self._require_on_device("Train")  # where the step runs: after anything queued before it
                 return self._train(*args)
 
-            return await self.publisher.run(step, TRAIN, 0, train_payload(*args))
-        async with self.lock:
-            self._require_on_device("Train")
-            return await asyncio.to_thread(self._train, *args)
+            result = await self.publisher.run(step, TRAIN, 0, train_payload(*args))
+        else:
+            async with self.lock:
+                self._require_on_device("Train")
+                result = await asyncio.to_thread(self._train, *args)
+        prometheus.TRAIN_STEPS.inc()
+        prometheus.TRAIN_STEP_SECONDS.observe(time.perf_counter() - start)
+        if result.stale:
+            prometheus.STALE_DROPPED.labels(args[2]).inc(result.stale)
+        return result
 
     def _train(self, trajectories: list[Trajectory], bound: int, policy: str, stale_weight: float) -> StepResult:
         groups = [t.group_id or ",".join(map(str, t.prompt_ids)) for t in trajectories]

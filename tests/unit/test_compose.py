@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -23,11 +25,34 @@ def compose() -> dict:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 
 
+RLSYNC = ("coordinator", "trainer", "rollout")
+
+
 def test_services_and_build(compose):
-    assert set(compose["services"]) == {"coordinator", "trainer", "rollout"}
+    assert set(compose["services"]) == {*RLSYNC, "prometheus", "grafana"}
     assert (ROOT / "Dockerfile").exists()
-    for svc in compose["services"].values():
-        assert svc["build"] == "." and svc["image"] == "rlsync:latest"
+    for name in RLSYNC:
+        svc = compose["services"][name]
+        assert svc["build"] == "." and svc["image"] == "rlsync:latest" and "profiles" not in svc
+
+
+def test_monitoring_profile_scrapes_every_service_into_the_dashboard(compose):
+    from rlsync.common import metrics
+
+    services = compose["services"]
+    assert all(services[n]["profiles"] == ["monitoring"] for n in ("prometheus", "grafana"))
+    assert all(services[n]["environment"]["RLSYNC_METRICS_PORT"] == "9100" for n in RLSYNC)
+    for svc in ("prometheus", "grafana"):
+        for volume in services[svc]["volumes"]:
+            assert (ROOT / volume.split(":")[0]).exists(), volume
+    scrape = yaml.safe_load((ROOT / "deploy/prometheus.yml").read_text())["scrape_configs"][0]["dns_sd_configs"][0]
+    assert set(scrape["names"]) == set(RLSYNC) and scrape["port"] == 9100
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/rlsync.json").read_text())
+    known = {m._name for m in vars(metrics).values() if hasattr(m, "_name")}
+    used = {name for p in dashboard["panels"] for t in p["targets"]
+            for name in re.findall(r"rlsync_[a-z_]+", t["expr"])}
+    base = {re.sub(r"_(bucket|total|count|sum)$", "", n) for n in used}
+    assert used and base <= known, f"the dashboard queries series no service exports: {base - known}"
 
 
 @pytest.mark.parametrize("name", ["coordinator", "trainer", "rollout"])
@@ -49,4 +74,4 @@ def test_ports_and_scaling(compose):
         cmd = services[name]["command"]
         assert cmd[cmd.index("--coordinator") + 1] == "coordinator:50050", "members find the coordinator by name"
         assert services[name]["depends_on"] == ["coordinator"]
-    assert all(s["environment"]["RLSYNC_HOST"] == "0.0.0.0" for s in services.values()), "reachable in the network"
+    assert all(services[n]["environment"]["RLSYNC_HOST"] == "0.0.0.0" for n in RLSYNC), "reachable in the network"

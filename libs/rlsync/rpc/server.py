@@ -22,7 +22,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from rlsync.common.metrics import metrics_app
 from rlsync.config import ServerConfig
+from rlsync.rpc.http import serve_http
 from rlsync.rpc.auth import TokenAuthInterceptor
 from rlsync.address import advertised
 
@@ -103,6 +105,7 @@ async def run_service(cfg: ServerConfig, service: Service, stop: asyncio.Event |
     log.info("%s listening on %s:%d (others dial %s)%s", service.name, cfg.host, port, address,
              " (TLS)" if cfg.tls_cert else "")
     await service.serving(cfg.host, port)
+    metrics = await serve_http(metrics_app(), cfg, cfg.metrics_port, "metrics") if cfg.metrics_port >= 0 else None
     watch = asyncio.create_task(_not_serving_on_failure(service, health)) if hasattr(service, "failure") else None
 
     await stop.wait()
@@ -114,6 +117,8 @@ async def run_service(cfg: ServerConfig, service: Service, stop: asyncio.Event |
         await service.drain(f"{service.name} is shutting down")
     finally:
         await server.stop(cfg.grace_seconds)
+        if metrics is not None:
+            await metrics.stop()
         await service.close()
     log.info("%s stopped", service.name)
 
