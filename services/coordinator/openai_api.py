@@ -13,6 +13,7 @@ The same bearer token as gRPC; errors in OpenAI's shape with the matching HTTP s
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -20,16 +21,17 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from rlsync.client.completion import FINISH_NAMES
 from rlsync.common.v1 import generate_pb2 as pb
 from rlsync.coordinator.gateway import Gateway
 from rlsync.coordinator.openai_schema import ChatRequest, CompletionRequest
 from rlsync.errors import RlsyncError
 
+# OpenAI's finish reasons: a completion cut short (only when its caller aborted it) reads "stop".
+FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "stop"}
 _HTTP = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
          grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.PERMISSION_DENIED: 403,
          grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
@@ -47,16 +49,30 @@ def _from(e: RlsyncError) -> JSONResponse:
     return error(status, str(e), kind, getattr(e, "param", None), e.code.name.lower())
 
 
-def make_app(gateway: Gateway, model: str, token: str = "") -> FastAPI:
-    app = FastAPI(title="rlsync", docs_url=None, redoc_url=None, openapi_url=None)
+class _Unauthorized(Exception):
+    pass
 
-    @app.middleware("http")
-    async def bearer(request: Request, call_next):
-        given = request.headers.get("authorization", "")
+
+class _Gone(Exception):
+    """The caller disconnected before its answer began."""
+
+
+def make_app(gateway: Gateway, model: str, token: str = "") -> FastAPI:
+    async def bearer(request: Request) -> None:  # a dependency of every route (a middleware would hide
+        given = request.headers.get("authorization", "")  # the caller's disconnect from the routes)
         if token and not secrets.compare_digest(given.encode(), f"Bearer {token}".encode()):
-            return error(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>' (the "
-                              "coordinator's --token)", "authentication_error", code="invalid_api_key")
-        return await call_next(request)
+            raise _Unauthorized
+
+    app = FastAPI(title="rlsync", docs_url=None, redoc_url=None, openapi_url=None, dependencies=[Depends(bearer)])
+
+    @app.exception_handler(_Unauthorized)
+    async def unauthorized(request: Request, exc: _Unauthorized):
+        return error(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>' (the "
+                          "coordinator's --token)", "authentication_error", code="invalid_api_key")
+
+    @app.exception_handler(_Gone)
+    async def gone(request: Request, exc: _Gone):
+        return Response(status_code=499)  # nobody reads it; the gateway's request has been ended
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -73,12 +89,12 @@ def make_app(gateway: Gateway, model: str, token: str = "") -> FastAPI:
         return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "rlsync"}]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        return await _answer(gateway, model, body, chat=False)
+    async def completions(body: CompletionRequest, request: Request):
+        return await _answer(gateway, model, body, request, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest):
-        return await _answer(gateway, model, body, chat=True)
+    async def chat_completions(body: ChatRequest, request: Request):
+        return await _answer(gateway, model, body, request, chat=True)
 
     return app
 
@@ -94,7 +110,27 @@ def _param(loc: tuple) -> str | None:
     return ".".join(parts) or None
 
 
-async def _answer(gateway: Gateway, model: str, body: CompletionRequest | ChatRequest, chat: bool):
+async def _unless_gone(request: Request, work, chunks) -> object:
+    """Awaits `work` unless the caller disconnects first; then the gateway's request is ended (its
+    replicas abort their part) and _Gone is raised."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await chunks.aclose()
+        raise _Gone
+    return task.result()
+
+
+async def _answer(gateway: Gateway, model: str, body: CompletionRequest | ChatRequest, http: Request, chat: bool):
     if body.model != model:
         return error(404, f"the model {body.model!r} does not exist: this fleet serves {model!r}", param="model",
                      code="model_not_found")
@@ -102,11 +138,17 @@ async def _answer(gateway: Gateway, model: str, body: CompletionRequest | ChatRe
     request.request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     shape = _Shape(request.request_id, model, chat, body)
     chunks = gateway.generate(request)
-    first = await anext(chunks)  # a refused request fails here, before any byte of an answer
-    if body.stream:
-        return StreamingResponse(_events(shape, first, chunks), media_type="text/event-stream")
+    # A refused request fails on the first chunk, before any byte of an answer.
+    first = await _unless_gone(http, anext(chunks), chunks)
+    if body.stream:  # from here on, a caller that goes away ends the stream (and the request)
+        return StreamingResponse(_events(shape, first, chunks), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def rest() -> list[pb.GenerateChunk]:
+        return [c async for c in chunks]
+
     choices: dict[int, _Choice] = {}
-    for chunk in [first] + [c async for c in chunks]:
+    for chunk in [first] + await _unless_gone(http, rest(), chunks):
         choices.setdefault(chunk.index, _Choice()).add(chunk)
     return shape.whole([choices[i] for i in sorted(choices)])
 
@@ -196,7 +238,7 @@ class _Shape:
         if chunk.finish_reason:
             ext |= self._versions(chunk)
         choice: dict = {"index": chunk.index, "logprobs": self._logprobs(list(chunk.token_ids), list(chunk.logprobs)),
-                        "finish_reason": FINISH_NAMES.get(chunk.finish_reason), "rlsync": ext}
+                        "finish_reason": FINISH.get(chunk.finish_reason), "rlsync": ext}
         if self.chat:
             choice["delta"] = {"role": "assistant", "content": chunk.text} if first else {"content": chunk.text}
         else:
@@ -210,7 +252,7 @@ class _Shape:
             if self.body.return_token_ids:
                 ext |= {"prompt_token_ids": c.prompt, "token_ids": c.ids}
             choice: dict = {"index": i, "logprobs": self._logprobs(c.ids, c.logprobs),
-                            "finish_reason": FINISH_NAMES.get(c.final.finish_reason) if c.final else None,
+                            "finish_reason": FINISH.get(c.final.finish_reason) if c.final else None,
                             "rlsync": ext}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": c.text}

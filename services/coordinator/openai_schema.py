@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from rlsync.common.v1 import generate_pb2 as pb
 from rlsync.errors import InvalidArgument
@@ -55,7 +55,7 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int]
+    prompt: str | list[StrictInt]  # (a list of texts is not a batch here: refused, not read as ids)
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
     best_of: int | None = None

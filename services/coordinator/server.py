@@ -39,7 +39,10 @@ class CoordinatorService:
                                                   self.cfg.server.token), self.cfg.server, self.cfg.http_port)
 
     async def drain(self, reason: str) -> None:
-        pass  # gateway streams end with the server's grace period; replicas keep their own requests
+        # Gateway streams end with the servers' grace periods (HTTP first); replicas keep their own.
+        if self.http is not None:
+            await self.http.stop()
+            self.http = None
 
     async def close(self) -> None:
         if self.http is not None:

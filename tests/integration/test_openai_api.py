@@ -5,6 +5,8 @@ and bad parameters refused with the field named."""
 
 from __future__ import annotations
 
+import time
+
 import openai
 import pytest
 
@@ -100,3 +102,16 @@ def test_bad_parameters_are_refused_with_the_field_named(fleet, args, param, sta
         http.chat.completions.create(**body)
     assert e.value.status_code == status and e.value.param == param, e.value.body
     assert http.completions.create(model=MODEL, prompt="still up", max_tokens=2).choices[0].text is not None
+
+
+def test_a_caller_that_goes_away_ends_its_request_on_the_replicas(fleet):
+    http, grpc_client = fleet
+    with pytest.raises(openai.APITimeoutError):  # 1000 tokens take seconds; the caller gives up after one
+        http.with_options(timeout=1.0).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "go on"}], max_tokens=1000, n=8,
+            extra_body={"ignore_eos": True})
+    deadline = time.monotonic() + 1.5  # ended, not left to run to its end
+    while grpc_client.status().gateway_in_flight and time.monotonic() < deadline:
+        time.sleep(0.1)
+    status = grpc_client.status()
+    assert status.gateway_in_flight == 0 and all(m.in_flight == 0 for m in status.members), status

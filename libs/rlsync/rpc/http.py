@@ -27,13 +27,10 @@ class HttpServer:
     def __init__(self, server: uvicorn.Server, task: asyncio.Task, address: str):
         self.server, self.task, self.address = server, task, address
 
-    async def stop(self, timeout: float = 5.0) -> None:
+    async def stop(self) -> None:
+        """Stops accepting, gives requests in flight the grace period, then ends them."""
         self.server.should_exit = True
-        try:
-            await asyncio.wait_for(self.task, timeout)
-        except TimeoutError:
-            self.server.force_exit = True
-            await self.task
+        await self.task
 
 
 async def serve_http(app, cfg: ServerConfig, port: int, what: str = "http") -> HttpServer:
@@ -43,7 +40,8 @@ async def serve_http(app, cfg: ServerConfig, port: int, what: str = "http") -> H
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((cfg.host, port))
     config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
-                            ssl_certfile=cfg.tls_cert or None, ssl_keyfile=cfg.tls_key or None)
+                            ssl_certfile=cfg.tls_cert or None, ssl_keyfile=cfg.tls_key or None,
+                            timeout_graceful_shutdown=cfg.grace_seconds)
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
