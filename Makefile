@@ -10,7 +10,7 @@ LOCK_VENV ?= .lock-venv
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv lock protos protos-check lint wheels gpu-setup gpu-test clean
+.PHONY: demo test venv lock protos protos-check lint wheels base-image gpu-setup gpu-test clean
 
 venv: $(STAMP)
 
@@ -67,6 +67,16 @@ wheels: $(STAMP)
 	$(BIN)/pip download -q -d wheels --only-binary=:all: --python-version 3.12 --implementation cp --no-deps \
 	    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 $(GPU_WHEELS) \
 	    $(CKPT_WHEELS)
+
+# A base image for the Dockerfile made here from Debian's packages (no registry needed): debootstrap
+# into a folder, imported into the local Docker engine as rlsync-base:bookworm; then
+# `RLSYNC_BASE_IMAGE=rlsync-base:bookworm docker compose build`.
+BASE_ROOTFS ?= .cache/rlsync-base-rootfs
+base-image:
+	rm -rf $(BASE_ROOTFS)
+	debootstrap --variant=minbase --include=python3,python3-pip,python3-venv,python-is-python3,ca-certificates \
+	    bookworm $(BASE_ROOTFS) http://deb.debian.org/debian
+	tar -C $(BASE_ROOTFS) -c . | docker import - rlsync-base:bookworm
 
 gpu-setup:
 	python3 -m pip install -q --no-index --find-links wheels $(GPU_WHEELS)

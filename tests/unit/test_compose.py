@@ -33,7 +33,8 @@ def test_services_and_build(compose):
     assert (ROOT / "Dockerfile").exists()
     for name in RLSYNC:
         svc = compose["services"][name]
-        assert svc["build"] == "." and svc["image"] == "rlsync:latest" and "profiles" not in svc
+        assert svc["build"]["context"] == "." and svc["image"] == "rlsync:latest" and "profiles" not in svc
+        assert svc["build"]["args"]["BASE"] == "${RLSYNC_BASE_IMAGE:-python:3.11-slim}"
 
 
 def test_monitoring_profile_scrapes_every_service_into_the_dashboard(compose):
