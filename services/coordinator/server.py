@@ -45,6 +45,4 @@ class CoordinatorService:
             self.http = None
 
     async def close(self) -> None:
-        if self.http is not None:
-            await self.http.stop()
         await self.core.close()

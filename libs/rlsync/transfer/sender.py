@@ -120,9 +120,8 @@ class WeightSender:
         """Moves the tensors to every answering receiver; returns once all confirmed receipt.
         Receivers that pulled (their answer says so) already hold them: nobody waits for them."""
         deadline = Deadline(timeout, f"transfer {offer.transfer_id[:8]} (version {offer.manifest.version})")
-        self._check_answers(offer, answers)
+        expected = {key: a for key, a in self._check_answers(offer, answers).items() if not a.pull}
         answers = [a for a in answers if not a.pull]
-        expected = self._check_answers(offer, answers)
         start = time.perf_counter()
         conns = self._gather(offer, expected, deadline)
         gathered = time.perf_counter()

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 
-def _view(storage: torch.UntypedStorage, start: int, nbytes: int, device: torch.device) -> torch.Tensor:
+def byte_view(storage: torch.UntypedStorage, start: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 view of `nbytes` of `storage` from byte `start`."""
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, start, (nbytes,))
 
 
@@ -22,7 +23,7 @@ def span(parts: list[torch.Tensor]) -> torch.Tensor | None:
         if p.data_ptr() != ptr or p.untyped_storage().data_ptr() != base:
             return None
         ptr += p.numel()
-    return _view(storage, first.data_ptr() - base, ptr - first.data_ptr(), first.device)
+    return byte_view(storage, first.data_ptr() - base, ptr - first.data_ptr(), first.device)
 
 
 def coalesce(pairs: list[tuple[torch.Tensor, int, torch.Tensor, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -38,8 +39,8 @@ def coalesce(pairs: list[tuple[torch.Tensor, int, torch.Tensor, int]]) -> list[t
         elif run:
             (src, sbase, dst, dbase), last = run[0], run[-1]
             nbytes = last[0].data_ptr() + last[0].numel() - src.data_ptr()
-            out.append((_view(src.untyped_storage(), src.data_ptr() - sbase, nbytes, src.device),
-                        _view(dst.untyped_storage(), dst.data_ptr() - dbase, nbytes, dst.device)))
+            out.append((byte_view(src.untyped_storage(), src.data_ptr() - sbase, nbytes, src.device),
+                        byte_view(dst.untyped_storage(), dst.data_ptr() - dbase, nbytes, dst.device)))
         run.clear()
 
     for item in pairs:

@@ -7,13 +7,14 @@ assembled tensor cast into it when complete; a callable gets each tensor once co
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from functools import cached_property
 
 import torch
 
 from rlsync.errors import DataLoss, InvalidArgument
 from rlsync.transfer.checksum import checksum_bytes
 from rlsync.transfer.manifest import Spec
-from rlsync.transfer.spans import coalesce
+from rlsync.transfer.spans import byte_view, coalesce
 
 Destination = Mapping[str, torch.Tensor] | Callable[[str, torch.Tensor], None]
 
@@ -31,8 +32,6 @@ class DestWriter:
         self.tensors = [self._tensor(spec) for spec in specs]  # each destination (None: handed to a callable)
         self.direct = [t is not None and t.dtype == spec.dtype and t.is_contiguous()
                        for t, spec in zip(self.tensors, specs)]  # its bytes land in place
-        self._targets: list[torch.Tensor] | None = None
-        self._bases: list[int] | None = None
         if not all(self.direct):
             self.targets  # noqa: B018 - buffers to cast from are allocated now, before any byte moves
         # All destinations back to back in one buffer (flat engine weights): one view of them all.
@@ -65,25 +64,20 @@ class DestWriter:
         base = storage.data_ptr()
         if not (base <= start and end <= base + storage.nbytes()):
             return None  # adjacent, but in two allocations
-        return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, start - base, (end - start,))
+        return byte_view(storage, start - base, end - start, storage.device)
 
-    @property
+    @cached_property
     def targets(self) -> list[torch.Tensor]:
         """Flat uint8 per tensor: where its bytes land (the destination itself, or a buffer whose
         contents are cast into it when complete)."""
-        if self._targets is None:
-            self._targets = [t.reshape(-1).view(torch.uint8) if direct else
-                             torch.empty(spec.nbytes, dtype=torch.uint8,
-                                         device=self.device if t is None else t.device)
-                             for t, direct, spec in zip(self.tensors, self.direct, self.specs)]
-        return self._targets
+        return [t.reshape(-1).view(torch.uint8) if direct else
+                torch.empty(spec.nbytes, dtype=torch.uint8, device=self.device if t is None else t.device)
+                for t, direct, spec in zip(self.tensors, self.direct, self.specs)]
 
-    @property
+    @cached_property
     def bases(self) -> list[int]:
         """The storage pointer under each target (coalescing compares them)."""
-        if self._bases is None:
-            self._bases = [t.untyped_storage().data_ptr() if t.numel() else 0 for t in self.targets]
-        return self._bases
+        return [t.untyped_storage().data_ptr() if t.numel() else 0 for t in self.targets]
 
     def write(self, index: int, offset: int, data: torch.Tensor) -> None:
         n = data.numel()
