@@ -16,13 +16,21 @@ if fault == "bad_checksum":
     _calls = {"n": 0}
     _real = slots.checksum_bytes
 
+    def _lie(value: str) -> str:
+        return value[:-1] + ("0" if value[-1] != "0" else "1")
+
     def _lying_checksum(data):
         _calls["n"] += 1
         value = _real(data)
-        return value[:-1] + ("0" if value[-1] != "0" else "1") if _calls["n"] == 2 else value
+        return _lie(value) if _calls["n"] == 2 else value
+
+    class _LyingChecksums(collective.Checksums):
+        def values(self):
+            values = super().values()
+            return [_lie(v) if i == 1 else v for i, v in enumerate(values)]
 
     slots.checksum_bytes = _lying_checksum
-    collective.checksum_bytes = _lying_checksum
+    collective.Checksums = _LyingChecksums
 
 elif fault.startswith("die_after:"):
     _limit = int(fault.split(":")[1])

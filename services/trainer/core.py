@@ -209,6 +209,8 @@ class TrainerCore:
             metrics["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if self.policy.device.type == "cuda":  # the step ends on the GPU: its time is honest, and a
+            torch.cuda.synchronize(self.policy.device)  # publish right after does not queue behind it
         self.step += 1
         metrics.update(loss=sums["loss"], ratio_mean=sums["ratio_mean"], clip_frac=sums["clip_frac"],
                        kl=sums["kl_sum"] / total_tokens, tokens=float(total_tokens),

@@ -14,36 +14,66 @@ _COLS = 1024
 _MASK = (1 << 64) - 1
 
 
-def _sums(words: torch.Tensor, base: int) -> tuple[int, int]:
-    """(sum w, sum (base+i+1) w) mod 2^64 for int64 words laid out as [rows, _COLS]."""
+def _sums(words: torch.Tensor) -> torch.Tensor:
+    """[sum w, sum r*w over rows, sum c*w over columns] for int64 words laid out as [rows, _COLS],
+    on their device (int64 arithmetic wraps, which is arithmetic modulo 2^64): no synchronization."""
     rows = words.view(-1, _COLS)
     row_sums = rows.sum(dim=1)
     col_sums = rows.sum(dim=0)
     r = torch.arange(rows.shape[0], device=words.device, dtype=torch.int64)
     c = torch.arange(1, _COLS + 1, device=words.device, dtype=torch.int64)
-    s1 = int(row_sums.sum())
-    s2 = int((row_sums * r).sum()) * _COLS + int((col_sums * c).sum()) + base * s1
-    return s1 & _MASK, s2 & _MASK
+    return torch.stack([row_sums.sum(), (row_sums * r).sum(), (col_sums * c).sum()])
+
+
+class Checksums:
+    """Checksums of byte buffers, computed on their device as they come and read back with a single
+    synchronization by `values()`: a per-bucket checksum must not stall a pipelined transfer. The
+    buffers may be reused as soon as `add` returns (their kernels are queued on the current stream,
+    before any later use of it)."""
+
+    def __init__(self) -> None:
+        self._sizes: list[int] = []
+        self._parts: list[tuple[int, int, torch.Tensor]] = []  # (buffer index, base word, sums)
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def add(self, data: torch.Tensor) -> None:
+        """Queues the checksum of a 1-D uint8 tensor (any device)."""
+        data = data.reshape(-1)
+        if data.storage_offset() % 8:
+            data = data.clone()  # an int64 view needs 8-byte alignment
+        index, n = len(self._sizes), data.numel()
+        self._sizes.append(n)
+        block = 8 * _COLS
+        main = n - n % block
+        if main:
+            self._parts.append((index, 0, _sums(data[:main].view(torch.int64))))
+        if main < n:
+            tail = torch.zeros(block, dtype=torch.uint8, device=data.device)
+            tail[: n - main] = data[main:]
+            self._parts.append((index, main // 8, _sums(tail.view(torch.int64))))
+
+    def values(self) -> list[str]:
+        """Each buffer's checksum, as 'nbytes:s1:s2' in hex, in the order they were added."""
+        sums = [[0, 0] for _ in self._sizes]
+        by_device: dict[torch.device, list[tuple[int, int, torch.Tensor]]] = {}
+        for part in self._parts:
+            by_device.setdefault(part[2].device, []).append(part)
+        for parts in by_device.values():
+            rows = torch.stack([p[2] for p in parts]).tolist()  # the one synchronization
+            for (index, base, _), (s1, r, c) in zip(parts, rows):
+                acc = sums[index]
+                acc[0] += s1
+                acc[1] += r * _COLS + c + base * s1
+        return [f"{n:x}:{s1 & _MASK:016x}:{s2 & _MASK:016x}" for n, (s1, s2) in zip(self._sizes, sums)]
 
 
 def checksum_bytes(data: torch.Tensor) -> str:
     """Checksum of a 1-D uint8 tensor (any device), as 'nbytes:s1:s2' in hex."""
-    data = data.reshape(-1)
-    if data.storage_offset() % 8:
-        data = data.clone()  # an int64 view needs 8-byte alignment
-    n = data.numel()
-    block = 8 * _COLS
-    main = n - n % block
-    s1 = s2 = 0
-    if main:
-        a, b = _sums(data[:main].view(torch.int64), 0)
-        s1, s2 = a, b
-    if main < n:
-        tail = torch.zeros(block, dtype=torch.uint8, device=data.device)
-        tail[: n - main] = data[main:]
-        a, b = _sums(tail.view(torch.int64), main // 8)
-        s1, s2 = (s1 + a) & _MASK, (s2 + b) & _MASK
-    return f"{n:x}:{s1:016x}:{s2:016x}"
+    sums = Checksums()
+    sums.add(data)
+    return sums.values()[0]
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -374,9 +374,13 @@ class HFEngine(Engine):
         staging = self.weights.store
         if update is None:
             ensure_room(self.weights.device_bytes(), self.device, offer.manifest.version)
-            staging = await asyncio.to_thread(FlatStore, self.weights.specs, self.device)  # cast on arrival
-            clock.lap("staging")
-            update = await asyncio.to_thread(receive, staging)
+
+            def stage() -> tuple[FlatStore, StagedUpdate]:  # one thread hop, not two (a busy replica's GIL)
+                staging = FlatStore(self.weights.specs, self.device)  # cast on arrival
+                clock.lap("staging")
+                return staging, receive(staging)
+
+            staging, update = await asyncio.to_thread(stage)
         try:
             pulled(ans, [update.poll()])
         except BaseException:

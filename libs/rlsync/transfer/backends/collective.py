@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from rlsync.errors import DataLoss, DeadlineExceeded, Unavailable
 from rlsync.transfer.backends.base import ReceiveJob, SendJob, collect_results, expect, report_failure, sync
-from rlsync.transfer.checksum import checksum_bytes
+from rlsync.transfer.checksum import Checksums
 from rlsync.transfer.control import Deadline
 from rlsync.transfer.messages import Done, Result, Welcome
 from rlsync.transfer.spans import span
@@ -105,7 +105,7 @@ class _Broadcast(abc.ABC):
             session.group = _bounded(lambda: self._group(session.store, 0, world, job.deadline, session.gid),
                                      [c for c, _ in job.conns], job.deadline, "forming the process group")
         watchdog = _Watchdog(session.group, job.deadline, [c for c, _ in job.conns])
-        checksums = []
+        checksums = Checksums()  # on the device, read once at the end: no stall between buckets
         inflight: deque = deque()
         try:
             slots = self._slots(session, job.device, max((b.nbytes for b in job.plan), default=1))
@@ -120,7 +120,7 @@ class _Broadcast(abc.ABC):
                     for s, part in zip(bucket.slices, parts):
                         view[s.dst:s.dst + s.length].copy_(part, non_blocking=True)
                 if job.verify:
-                    checksums.append(checksum_bytes(view))
+                    checksums.add(view)
                 inflight.append(session.group.broadcast(view, 0))
             while inflight:
                 inflight.popleft().wait()
@@ -134,8 +134,9 @@ class _Broadcast(abc.ABC):
             raise
         finally:
             watchdog.stop()
+        done = Done(checksums=checksums.values())
         for conn, _ in job.conns:
-            conn.send(Done(checksums=checksums))
+            conn.send(done)
         collect_results(job)
 
     # -- receiver -------------------------------------------------------------------------------
@@ -171,7 +172,7 @@ class _Broadcast(abc.ABC):
         session = self._join(job)
         job.clock.lap("join")
         watchdog = _Watchdog(session.group, job.deadline, [job.conn])
-        checksums = []
+        checksums = Checksums()
         inflight: deque = deque()  # (bucket, work, view, in place?)
         try:
             slots = self._slots(session, job.device, max((b.nbytes for b in job.plan), default=1))
@@ -191,7 +192,7 @@ class _Broadcast(abc.ABC):
                 bucket, work, view, in_place = inflight.popleft()
                 work.wait()
                 if job.welcome.verify:
-                    checksums.append(checksum_bytes(view))
+                    checksums.add(view)  # queued before the slot's next broadcast, which waits for it
                 for s in bucket.slices:
                     if in_place:
                         job.writer.mark(s.tensor, s.length)
@@ -212,7 +213,7 @@ class _Broadcast(abc.ABC):
             watchdog.stop()
         job.clock.lap("broadcast")
         done, _ = expect(job.conn, Done, job.deadline, "waiting for the end of the transfer")
-        for i, (sent, got) in enumerate(zip(done.checksums, checksums)):
+        for i, (sent, got) in enumerate(zip(done.checksums, checksums.values())):
             if sent != got:
                 raise DataLoss(f"bucket {i} arrived corrupted (checksum mismatch): the destination must not be used")
         nbytes = job.writer.finish()
