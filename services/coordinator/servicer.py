@@ -33,7 +33,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                                         request.force_backend, request.verify)
         return pb.SyncWeightsResponse(version=r.version, mode=MODES[self.core.cfg.sync_mode], phases=r.phases,
                                       seconds=r.seconds, replicas=r.replicas, bytes=r.bytes, backends=r.backends,
-                                      verified=r.verified, transfer_profile=r.transfer_profile)
+                                      verified=r.verified, transfer_profile=r.transfer_profile,
+                                      wire_bytes=r.wire_bytes)
 
     @unary
     async def GetStatus(self, request, context) -> pb.FleetStatus:

@@ -33,6 +33,7 @@ class SyncResult:
     backends: dict[str, int] = field(default_factory=dict)
     verified: bool = False
     transfer_profile: dict[str, float] = field(default_factory=dict)
+    wire_bytes: int = 0
 
 
 class Syncer:
@@ -174,7 +175,7 @@ class Syncer:
             seconds = time.perf_counter() - start - verify_seconds
             _record(self.cfg.sync_mode, seconds, phases, push)
             return SyncResult(push.version, phases, seconds, len(replicas), push.bytes, push.backends, verified,
-                              push.profile)
+                              push.profile, push.wire_bytes)
 
     async def _survivors(self, replicas: list[Member]) -> list[Member]:
         """The replicas still alive; the others leave the rotation now rather than at their lease
@@ -295,6 +296,7 @@ def _record(mode: str, seconds: float, phases: dict[str, float], push) -> None:
     metrics.SYNC_SECONDS.labels(mode).observe(seconds)
     for phase, t in phases.items():
         metrics.SYNC_PHASE_SECONDS.labels(mode, phase).observe(t)
+    metrics.SYNC_WIRE_BYTES.inc(push.wire_bytes)
     moving = phases.get("prepare", 0.0) + phases.get("transfer", 0.0)  # the offer in hand -> bytes in place
     for backend, ranks in push.backends.items():
         metrics.SYNC_BYTES.labels(backend).inc(push.bytes * ranks)

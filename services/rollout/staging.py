@@ -43,11 +43,11 @@ def ensure_room(nbytes: int, device: torch.device, version: int) -> None:
 
 class StagedUpdate:
     def __init__(self, offer: pb.Offer, answer: pb.Answer, staging: dict[str, torch.Tensor], rank: int,
-                 device: torch.device, timeout: float, expected=None):
+                 device: torch.device, timeout: float, expected=None, base: dict[str, torch.Tensor] | None = None):
         self.version = offer.manifest.version
         self.staging = staging
         self.receiver = Receiver(offer, answer, staging, rank=rank, device=device, timeout=timeout,
-                                 expected=expected)
+                                 expected=expected, base=base)
         self.future: concurrent.futures.Future[Report] = concurrent.futures.Future()
         self.started = time.perf_counter()
         if answer.pull:  # the bytes are right there to copy: done before the prepare answers

@@ -29,6 +29,9 @@ class TrainerConfig:
     stale_weight: float = option(0.1, "loss scale of stale trajectories under the downweight policy")
     bucket_bytes: int = option(256 << 20, "weight transfer bucket size")
     checksums: bool = option(False, "checksum every published tensor and bucket (verified by receivers)")
+    delta: bool = option(False, "delta updates: broadcasts (gloo, nccl) to replicas that hold the last version send "
+                                "only the 16-bit words that changed, verified bit for bit (keeps one more copy of "
+                                "the weights on the trainer's device; not with --nproc > 1)")
     transfer_timeout: float = option(300.0, "seconds a weight transfer may take")
     spool_dir: str = option("", "where a CPU trainer offloads to (default: a temporary folder)")
     coordinator: str = option("", "coordinator address (host:port) to register with; empty = standalone")

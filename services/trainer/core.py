@@ -79,6 +79,9 @@ class TrainerCore:
 
             if cfg.kl_coef > 0:
                 raise InvalidArgument("--kl-coef > 0 needs --nproc 1: the KL reference is not sharded yet")
+            if cfg.delta:
+                raise InvalidArgument("--delta needs --nproc 1: sharded weights are gathered once per pass, so a "
+                                      "bucket rebuilt wrong could not be sent again")
             if not torch.distributed.is_initialized():  # rank 0; the other ranks joined in ranks.follow
                 self.rank_procs = ranks.start_ranks(cfg)
             self.policy = ShardedPolicy(self.model_path, cfg.device, cfg.dtype, cfg.lr, cfg.weight_decay)
@@ -105,7 +108,7 @@ class TrainerCore:
         self.publisher = PublisherCore(
             source, run, bucket_bytes=cfg.bucket_bytes, host=cfg.server.host,
             advertise=advertise_host(cfg.server.advertise), checksums=cfg.checksums,
-            transfer_timeout=cfg.transfer_timeout,
+            transfer_timeout=cfg.transfer_timeout, delta=cfg.delta,
             offload=self.policy.offload, onload=self.policy.onload)
         self._serving: concurrent.futures.Future | None = None
         if self.sharded and rank.rank == 0:  # rank 0 serves the queue for good; the others follow it

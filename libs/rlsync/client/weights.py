@@ -23,6 +23,7 @@ class PushReport:
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase
     profile: dict[str, float] = field(default_factory=dict)  # the transfer phase broken down
     channels: list[str] = field(default_factory=list)  # the backend each rollout chose, in their order
+    wire_bytes: int = 0  # what the trainer sent (deltas: only what changed; pulled replicas copied theirs)
 
 
 def _pushed(answers: list) -> list:
@@ -50,7 +51,7 @@ def _report(offer, pub, phases: dict[str, float], answers: list) -> PushReport:
         for stage, seconds in pub.profile.items():  # the slowest receiver, pulled or pushed
             profile[stage] = max(profile.get(stage, 0.0), seconds)
     return PushReport(offer.manifest.version, sum(t.nbytes for t in offer.manifest.tensors), backends, phases,
-                      profile, channels)
+                      profile, channels, pub.wire_bytes if pub is not None else 0)
 
 
 def stage_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version: int | None = None,

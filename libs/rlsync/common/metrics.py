@@ -21,6 +21,8 @@ SYNC_PHASE_SECONDS = Histogram("rlsync_sync_phase_seconds", "each phase of a wei
                                buckets=_SECONDS)
 SYNC_BYTES = Counter("rlsync_sync_bytes", "bytes sent to replicas by weight syncs, per transfer backend",
                      ["backend"])
+SYNC_WIRE_BYTES = Counter("rlsync_sync_wire_bytes", "payload bytes the trainer sent in weight syncs (below "
+                          "rlsync_sync_bytes when delta updates sent only what changed)")
 TRANSFER_GBPS = Gauge("rlsync_transfer_gbps", "GB/s of the last sync's transfer phase (prepare + publish), "
                       "per backend", ["backend"])
 FLEET_VERSION = Gauge("rlsync_fleet_weight_version", "the weight version the fleet serves")

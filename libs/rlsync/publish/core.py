@@ -44,8 +44,10 @@ def at_publish_points(points: PublishPoints) -> Runner:
 class PublisherCore:
     def __init__(self, source: Callable[[], Source], run: Runner, *, bucket_bytes: int, host: str = "127.0.0.1",
                  advertise: str | None = None, checksums: bool = False, transfer_timeout: float = 300.0,
-                 offload: Callable[[], None] | None = None, onload: Callable[[], None] | None = None):
+                 offload: Callable[[], None] | None = None, onload: Callable[[], None] | None = None,
+                 delta: bool = False):
         self.source, self.run = source, run
+        self.delta = delta  # see WeightSender: resident sources only
         self.bucket_bytes, self.host, self.advertise = bucket_bytes, host, advertise
         self.checksums_in_manifest, self.transfer_timeout = checksums, transfer_timeout
         self.hooks = {OFFLOAD: offload, ONLOAD: onload}
@@ -62,7 +64,8 @@ class PublisherCore:
     def _sender_now(self) -> WeightSender:
         if self._sender is None:
             self._sender = WeightSender(self.source(), bucket_bytes=self.bucket_bytes, host=self.host,
-                                        advertise=self.advertise, checksums=self.checksums_in_manifest)
+                                        advertise=self.advertise, checksums=self.checksums_in_manifest,
+                                        delta=self.delta)
         return self._sender
 
     def pass_source(self, rank: int) -> Source:

@@ -19,6 +19,7 @@ _HEADER = struct.Struct("<I")
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)
 MAX_FDS = 250  # per sendmsg; the kernel allows 253 (SCM_MAX_FD)
+_SEND_TIMEOUT = 300.0  # a send blocked this long has a peer that stopped reading
 
 
 class Deadline:
@@ -39,6 +40,10 @@ class Conn:
     """One side of a control connection."""
 
     def __init__(self, sock: socket.socket, peer: str):
+        # Timeout mode from the start (reads set theirs per deadline): the descriptor is then
+        # non-blocking and every wait is Python's, as a watchdog peeking through a non-blocking
+        # duplicate of it (backends/collective.py) needs.
+        sock.settimeout(_SEND_TIMEOUT)
         self.sock = sock
         self.peer = peer
 

@@ -114,8 +114,10 @@ def choose_backend(offer: pb.Offer, receiver: pb.Facts, available: set[int] | No
 
 
 def make_answer(offer: pb.Offer, receiver_id: str, facts: pb.Facts, ranks: int = 1,
-                available: set[int] | None = None, force: int | None = None, bucket_bytes: int = 0) -> pb.Answer:
+                available: set[int] | None = None, force: int | None = None, bucket_bytes: int = 0,
+                base_version: int | None = None) -> pb.Answer:
     backend, reason = choose_backend(offer, facts, available, force)
     pull = backend == B.BACKEND_CUDA_IPC and len(offer.mapped.ipc) > 0  # it maps the sender's memory itself
     return pb.Answer(backend=backend, receiver_id=receiver_id, ranks=ranks, reason=reason, facts=facts,
-                     bucket_bytes=bucket_bytes or offer.bucket_bytes, transfer_id=offer.transfer_id, pull=pull)
+                     bucket_bytes=bucket_bytes or offer.bucket_bytes, transfer_id=offer.transfer_id, pull=pull,
+                     delta=base_version is not None, base_version=base_version or 0)

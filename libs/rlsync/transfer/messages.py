@@ -43,6 +43,7 @@ class Welcome(msgspec.Struct, tag="welcome"):
     verify: bool = False  # collectives: per-bucket checksums follow in Done
     group: str = ""  # collectives: the group's id ...
     reuse: bool = False  # ... and whether the receiver's held group of that id is used again
+    delta: bool = False  # collectives: buckets may come as deltas against the receiver's base (then verify)
 
 
 class Events(msgspec.Struct, tag="events"):
@@ -65,6 +66,18 @@ class Done(msgspec.Struct, tag="done"):
     checksums: list[str] = []  # per bucket (collectives verify after the fact)
 
 
+class Mismatch(msgspec.Struct, tag="mismatch"):
+    """Receiver -> sender after Done (delta mode): buckets whose rebuilt bytes failed their checksum."""
+
+    buckets: list[int] = []
+
+
+class Refill(msgspec.Struct, tag="refill"):
+    """Sender -> every receiver (delta mode): buckets broadcast again whole, the union of all mismatches."""
+
+    buckets: list[int] = []
+
+
 class Result(msgspec.Struct, tag="result"):
     ok: bool
     nbytes: int = 0
@@ -77,7 +90,7 @@ class Abort(msgspec.Struct, tag="abort"):
     reason: str
 
 
-Message = Hello | Reject | Welcome | Events | Ready | Freed | Done | Result | Abort
+Message = Hello | Reject | Welcome | Events | Ready | Freed | Done | Mismatch | Refill | Result | Abort
 
 
 def error_from(code: str, message: str) -> errors.RlsyncError:

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import torch
 
-from rlsync.errors import Aborted, DataLoss
+from rlsync.errors import Aborted, DataLoss, InvalidArgument
 from rlsync.transfer.backends import available, channel
 from rlsync.transfer.backends.collective import held_groups
 from rlsync.transfer.backends.base import ReceiveJob
@@ -23,10 +23,12 @@ from rlsync.transfer.writer import Destination, DestWriter
 
 
 def answer(offer: pb.Offer, receiver_id: str, *, device: torch.device | str = "cpu", ranks: int = 1,
-           force: str | None = None, bucket_bytes: int = 0) -> pb.Answer:
-    """Chooses the channel for a receiver whose destination tensors live on `device`."""
+           force: str | None = None, bucket_bytes: int = 0, base_version: int | None = None) -> pb.Answer:
+    """Chooses the channel for a receiver whose destination tensors live on `device`.
+    base_version: the version of the weights this receiver will hand Receiver as `base` (laid out
+    as the manifest: same names, dtypes and shapes), so a broadcast may send it deltas."""
     return make_answer(offer, receiver_id, local_facts(device), ranks, available(),
-                       backend_of(force) if force else None, bucket_bytes)
+                       backend_of(force) if force else None, bucket_bytes, base_version)
 
 
 class Receiver:
@@ -42,17 +44,24 @@ class Receiver:
 
     def __init__(self, offer: pb.Offer, answer: pb.Answer, dest: Destination, *, rank: int = 0,
                  device: torch.device | str | None = None, timeout: float = 300.0,
-                 expected: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]] | None = None):
+                 expected: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]] | None = None,
+                 base: Mapping[str, torch.Tensor] | None = None):
         setup = time.perf_counter()
         self.offer, self.answer = offer, answer
         self.specs = from_proto(offer.manifest)
         if expected is not None:
             check_against(self.specs, expected)
+        if answer.delta:
+            check_base(self.specs, base)
+        self.base = base if answer.delta else None
         if device is None:
             first = next(iter(dest.values()), None) if isinstance(dest, Mapping) else None
             device = first.device if first is not None else torch.device(answer.facts.device_type or "cpu")
         self.device = torch.device(device)
         self.writer = DestWriter(self.specs, dest, self.device)
+        if answer.delta and not all(self.writer.direct):
+            raise InvalidArgument("delta updates land bytes as sent: every destination must be contiguous, in the "
+                                  "manifest's dtype (answer without base_version to have them cast)")
         self.channel = channel(answer.backend)
         self.deadline = Deadline(timeout, f"receiving transfer {offer.transfer_id[:8]} "
                                           f"(version {offer.manifest.version})")
@@ -76,7 +85,7 @@ class Receiver:
                 raise Aborted(f"protocol error: expected Welcome, got {type(msg).__name__}")
             plan = list(cached_plan(tuple(s.nbytes for s in self.specs), msg.bucket_bytes))
             self.channel.receive(ReceiveJob(self.conn, msg, fds, self.specs, plan, self.writer, self.device,
-                                            self.deadline, self.offer.transfer_id))
+                                            self.deadline, self.offer.transfer_id, base=self.base))
         finally:
             self.conn.close()
         return Report(sum(s.nbytes for s in self.specs), time.perf_counter() - self.start,
@@ -104,6 +113,19 @@ class Receiver:
         except OSError:
             pass
         self.conn.close()
+
+
+def check_base(specs, base: Mapping[str, torch.Tensor] | None) -> None:
+    """A delta base must hold every tensor of the manifest as sent: same dtype and shape, and the
+    destination must take the bytes as they come (deltas are rebuilt and verified as bytes)."""
+    if base is None:
+        raise InvalidArgument("the answer offers deltas (base_version) but the Receiver was given no base")
+    for spec in specs:
+        t = base.get(spec.name)
+        if t is None or t.dtype != spec.dtype or tuple(t.shape) != tuple(spec.shape):
+            got = "missing" if t is None else f"{t.dtype} {list(t.shape)}"
+            raise InvalidArgument(f"delta base {spec.name!r} is {got}, the manifest sends {spec.dtype} "
+                                  f"{list(spec.shape)}: answer without base_version")
 
 
 def receive(offer: pb.Offer, answer: pb.Answer, dest: Destination, **kwargs) -> Report:

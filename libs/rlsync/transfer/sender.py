@@ -36,6 +36,7 @@ class Report:
     backends: dict[str, int]  # backend name -> receiver ranks served
     data_seconds: float = 0.0  # from the first Welcome on (connections and handshakes excluded)
     profile: dict[str, float] = field(default_factory=dict)  # seconds per stage (see WeightSender.send)
+    wire_bytes: int = 0  # payload bytes sent, summed over backends: below nbytes when deltas went out
 
     @property
     def gbps(self) -> float:
@@ -58,15 +59,27 @@ class WeightSender:
     transfer id and single-use token. One-copy is used (unless one_copy=False) when the tensors
     already live in memory a receiver can map: any contiguous CUDA tensors, or CPU tensors
     allocated from `arena`.
+
+    delta=True (resident tensors): the sender keeps a copy of the bytes it last sent, and a
+    broadcast group (gloo, nccl) whose every receiver answered that it holds that version gets,
+    per bucket, only the words that changed when that is smaller (rlsync.transfer.delta), verified
+    bit for bit against the new bytes' checksums; a bucket a receiver rebuilt wrong is sent again
+    whole. The copy costs the model's size again, on the sender's device.
     """
 
     def __init__(self, tensors: Mapping[str, torch.Tensor] | ResidentSource | StreamedSource, *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  host: str = "127.0.0.1", advertise: str | None = None, checksums: bool = False,
                  arena: SharedArena | None = None, backends: list[str] | None = None,
-                 one_copy: bool | None = None):
+                 one_copy: bool | None = None, delta: bool = False):
         plan_buckets([], bucket_bytes)  # refuses a bad bucket size now, not at send time
         self.source = tensors if isinstance(tensors, (ResidentSource, StreamedSource)) else ResidentSource(tensors)
+        if delta and not isinstance(self.source, ResidentSource):
+            raise InvalidArgument("delta updates need resident tensors (a streamed source is produced once per pass, "
+                                  "so a bucket rebuilt wrong could not be sent again)")
+        self.delta = delta
+        self._base: torch.Tensor | None = None  # delta: the bytes last sent, in manifest order ...
+        self._base_version: int | None = None  # ... and their version
         self.device = self.source.device
         self.bucket_bytes = bucket_bytes
         self.checksums = checksums
@@ -126,10 +139,12 @@ class WeightSender:
         conns = self._gather(offer, expected, deadline)
         gathered = time.perf_counter()
         try:
-            reported = self._run_groups(offer, answers, conns, deadline)
+            reported, wire = self._run_groups(offer, answers, conns, deadline)
         finally:
             for conn, _ in conns:
                 conn.close()
+        if self.delta:
+            self._keep_base(offer.manifest.version)
         end = time.perf_counter()
         by_backend: dict[str, int] = defaultdict(int)
         for a in answers:
@@ -141,7 +156,28 @@ class WeightSender:
                 key = f"receiver_{stage}"
                 profile[key] = max(profile.get(key, 0.0), seconds)
         return Report(sum(s.nbytes for s in self._specs_of(offer)), end - start, dict(by_backend), end - gathered,
-                      profile)
+                      profile, wire)
+
+    def _keep_base(self, version: int) -> None:
+        """Delta mode, after every receiver confirmed: the bytes just sent become the base."""
+        tensors = self.source.resident()
+        total = sum(t.numel() for t in tensors)
+        if self._base is None or self._base.numel() != total:
+            self._base = torch.empty(total, dtype=torch.uint8, device=self.device)
+        offset = 0
+        for t in tensors:
+            self._base[offset:offset + t.numel()].copy_(t, non_blocking=True)
+            offset += t.numel()
+        self._base_version = version
+
+    def _delta_base(self, backend: int, answers: list[pb.Answer]) -> torch.Tensor | None:
+        """The base a broadcast group can take deltas against: only when every one of its receivers
+        holds the version the base is."""
+        if self._base is None or backend not in (pb.BACKEND_GLOO, pb.BACKEND_NCCL):
+            return None
+        if all(a.delta and a.base_version == self._base_version for a in answers):
+            return self._base
+        return None
 
     def _specs_of(self, offer: pb.Offer) -> list[Spec]:
         return self._specs.get(offer.transfer_id) or from_proto(offer.manifest)
@@ -209,7 +245,7 @@ class WeightSender:
         return None
 
     def _run_groups(self, offer: pb.Offer, answers: list[pb.Answer], conns: list[tuple[Conn, Hello]],
-                    deadline: Deadline) -> list[dict[str, float]]:
+                    deadline: Deadline) -> tuple[list[dict[str, float]], int]:
         """Runs each backend's share; returns every receiver's stage profile. Resident tensors go to all
         backends at once; a streamed source makes one pass per backend, one backend after another (a
         pass may be a collective of the trainer's ranks, which must all walk the same sequence)."""
@@ -222,19 +258,22 @@ class WeightSender:
         jobs = []
         for backend, members in groups.items():
             ids = {h.receiver_id for _, h in members}
-            bucket = min([a.bucket_bytes or offer.bucket_bytes for a in answers if a.receiver_id in ids])
+            mine = [a for a in answers if a.receiver_id in ids]
+            bucket = min([a.bucket_bytes or offer.bucket_bytes for a in mine])
             jobs.append((channel(backend), SendJob(
                 conns=members, specs=specs, sources=resident, plan=list(cached_plan(sizes, bucket)),
                 bucket_bytes=bucket, verify=self.checksums, deadline=deadline, device=self.device,
                 store_host=self.host, transfer_id=offer.transfer_id, one_copy=offer.one_copy and backend in
-                (pb.BACKEND_SHM, pb.BACKEND_CUDA_IPC), arena=self.arena, cache=self.cache)))
+                (pb.BACKEND_SHM, pb.BACKEND_CUDA_IPC), arena=self.arena, cache=self.cache,
+                delta_base=self._delta_base(backend, mine))))
         if resident is None:
             for chan, job in jobs:
                 with self.source.stream() as job.sources:  # a pass left part way is finished: peers wait in it
                     chan.send(job)
         else:
             _concurrently(jobs)
-        return [stages for _, job in jobs for stages in job.reported]
+        wire = sum(job.wire_bytes or sum(sizes) for _, job in jobs)
+        return [stages for _, job in jobs for stages in job.reported], wire
 
     def close(self) -> None:
         self.listener.close()

@@ -50,7 +50,7 @@ class SyncWeightsRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., force_backend: _Optional[str] = ..., verify: _Optional[bool] = ...) -> None: ...
 
 class SyncWeightsResponse(_message.Message):
-    __slots__ = ("version", "mode", "phases", "seconds", "replicas", "bytes", "backends", "verified", "transfer_profile")
+    __slots__ = ("version", "mode", "phases", "seconds", "replicas", "bytes", "backends", "verified", "transfer_profile", "wire_bytes")
     class PhasesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class SyncWeightsResponse(_message.Message):
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_PROFILE_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: int
     mode: SyncMode
     phases: _containers.ScalarMap[str, float]
@@ -90,7 +91,8 @@ class SyncWeightsResponse(_message.Message):
     backends: _containers.ScalarMap[str, int]
     verified: bool
     transfer_profile: _containers.ScalarMap[str, float]
-    def __init__(self, version: _Optional[int] = ..., mode: _Optional[_Union[SyncMode, str]] = ..., phases: _Optional[_Mapping[str, float]] = ..., seconds: _Optional[float] = ..., replicas: _Optional[int] = ..., bytes: _Optional[int] = ..., backends: _Optional[_Mapping[str, int]] = ..., verified: _Optional[bool] = ..., transfer_profile: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    wire_bytes: int
+    def __init__(self, version: _Optional[int] = ..., mode: _Optional[_Union[SyncMode, str]] = ..., phases: _Optional[_Mapping[str, float]] = ..., seconds: _Optional[float] = ..., replicas: _Optional[int] = ..., bytes: _Optional[int] = ..., backends: _Optional[_Mapping[str, int]] = ..., verified: _Optional[bool] = ..., transfer_profile: _Optional[_Mapping[str, float]] = ..., wire_bytes: _Optional[int] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()

@@ -31,6 +31,7 @@ from rlsync.rollout.engines.hf_weights import Weights
 from rlsync.rollout.sampling import make_generator, sample
 from rlsync.rollout.staging import StagedUpdate, ensure_room, pulled
 from rlsync.transfer import answer
+from rlsync.transfer.manifest import from_proto
 from rlsync.rollout.types import (Delta, FinishReason, GenerationRequest, MemoryUsage, PauseMode,
                                   WakeTag)
 
@@ -346,11 +347,13 @@ class HFEngine(Engine):
             raise FailedPrecondition("weights are asleep: WakeUp(weights) before PrepareUpdate (the update replaces "
                                      "them)")
         clock = Stopwatch()
-        ans = answer(offer, receiver_id, device=self.device, force=force_backend or None)
+        base = self._delta_base(offer)
+        ans = answer(offer, receiver_id, device=self.device, force=force_backend or None,
+                     base_version=None if base is None else self.version)
         clock.lap("answer")
 
         def receive(staging: FlatStore) -> StagedUpdate:  # a pull is done when this returns
-            return StagedUpdate(offer, ans, staging.views, 0, self.device, timeout)
+            return StagedUpdate(offer, ans, staging.views, 0, self.device, timeout, base=base)
 
         def in_place() -> StagedUpdate | None:
             """Between two steps: a woken engine whose weights are not refilled yet receives right
@@ -389,6 +392,19 @@ class HFEngine(Engine):
         ans.stages.update(clock.stages)  # (the hops onto threads are left to the caller's prepare_rpc)
         self._update = (update, staging)
         return ans
+
+    def _delta_base(self, offer) -> dict[str, torch.Tensor] | None:
+        """The live weights, as the base a broadcast may send deltas against: when they are the
+        manifest's tensors exactly (no cast on arrival) and stay put until the commit (not a
+        woken engine about to receive in place)."""
+        if self.weights.store is None or self.weights.pending_restore:
+            return None
+        specs = self.weights.specs
+        for s in from_proto(offer.manifest):
+            have = specs.get(s.name)
+            if have is None or have[1] != s.dtype or tuple(have[0]) != tuple(s.shape):
+                return None
+        return self.weights.store.views
 
     def _stop_in_place(self) -> None:
         self.weights.receiving_in_place = False

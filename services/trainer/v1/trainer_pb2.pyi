@@ -160,7 +160,7 @@ class PublishWeightsRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., answers: _Optional[_Iterable[_Union[_transfer_pb2.Answer, _Mapping]]] = ..., timeout: _Optional[float] = ...) -> None: ...
 
 class PublishWeightsResponse(_message.Message):
-    __slots__ = ("version", "bytes", "seconds", "data_seconds", "backends", "profile")
+    __slots__ = ("version", "bytes", "seconds", "data_seconds", "backends", "profile", "wire_bytes")
     class BackendsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -181,10 +181,12 @@ class PublishWeightsResponse(_message.Message):
     DATA_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: int
     bytes: int
     seconds: float
     data_seconds: float
     backends: _containers.ScalarMap[str, int]
     profile: _containers.ScalarMap[str, float]
-    def __init__(self, version: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., data_seconds: _Optional[float] = ..., backends: _Optional[_Mapping[str, int]] = ..., profile: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    wire_bytes: int
+    def __init__(self, version: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., data_seconds: _Optional[float] = ..., backends: _Optional[_Mapping[str, int]] = ..., profile: _Optional[_Mapping[str, float]] = ..., wire_bytes: _Optional[int] = ...) -> None: ...

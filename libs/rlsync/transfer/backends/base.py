@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -37,6 +37,10 @@ class SendJob:
     one_copy: bool = False
     arena: SharedArena | None = None
     cache: dict = field(default_factory=dict)  # buffers kept across transfers by the sender
+    # Delta mode (collectives): the bytes every receiver of this job holds, in plan order (the last
+    # version sent, which each of them answered it has committed); None sends every bucket whole.
+    delta_base: torch.Tensor | None = None
+    wire_bytes: int = 0  # payload bytes broadcast (less than the data when deltas were sent)
     scratch: dict = field(default_factory=dict)  # the channel's state for this one transfer
     reported: list[dict[str, float]] = field(default_factory=list)  # each receiver's stage profile
 
@@ -54,6 +58,7 @@ class ReceiveJob:
     transfer_id: str
     scratch: dict = field(default_factory=dict)  # the channel's state for this one transfer
     clock: Stopwatch = field(default_factory=Stopwatch)
+    base: Mapping[str, torch.Tensor] | None = None  # delta mode: the weights this receiver holds, by name
 
 
 class Channel(Protocol):

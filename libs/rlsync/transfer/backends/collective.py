@@ -26,9 +26,10 @@ import torch.distributed as dist
 
 from rlsync.errors import DataLoss, DeadlineExceeded, Unavailable
 from rlsync.transfer.backends.base import ReceiveJob, SendJob, collect_results, expect, report_failure, sync
-from rlsync.transfer.checksum import Checksums
+from rlsync.transfer.checksum import Checksums, as_bytes
 from rlsync.transfer.control import Deadline
-from rlsync.transfer.messages import Done, Result, Welcome
+from rlsync.transfer import delta
+from rlsync.transfer.messages import Done, Mismatch, Refill, Result, Welcome
 from rlsync.transfer.spans import span
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
@@ -99,8 +100,8 @@ class _Broadcast(abc.ABC):
         world = 1 + len(members)
         for rank, (conn, _) in enumerate(members, start=1):
             conn.send(Welcome(backend=self.backend, bucket_bytes=job.bucket_bytes, rank=rank, world=world,
-                              store=f"{job.store_host}:{session.store.port}", verify=job.verify, group=session.gid,
-                              reuse=reuse))
+                              store=f"{job.store_host}:{session.store.port}", group=session.gid, reuse=reuse,
+                              verify=job.verify or job.delta_base is not None, delta=job.delta_base is not None))
         if not reuse:
             session.group = _bounded(lambda: self._group(session.store, 0, world, job.deadline, session.gid),
                                      [c for c, _ in job.conns], job.deadline, "forming the process group")
@@ -109,22 +110,25 @@ class _Broadcast(abc.ABC):
         inflight: deque = deque()
         try:
             slots = self._slots(session, job.device, max((b.nbytes for b in job.plan), default=1))
-            for bucket in job.plan:
-                if len(inflight) == SLOTS:
+            if job.delta_base is not None:
+                self._send_deltas(job, session, slots, checksums)
+            else:
+                for bucket in job.plan:
+                    if len(inflight) == SLOTS:
+                        inflight.popleft().wait()
+                    view = self._outgoing(job, bucket, slots[bucket.index % SLOTS])
+                    if job.verify:
+                        checksums.add(view)
+                    inflight.append(session.group.broadcast(view, 0))
+                    job.wire_bytes += bucket.nbytes
+                while inflight:
                     inflight.popleft().wait()
-                # Each slice read once, in order: a streamed source produces its tensors only forward.
-                parts = [job.sources[s.tensor][s.src:s.src + s.length] for s in bucket.slices]
-                view = span(parts)
-                if view is None or view.device.type != self.slot_device:
-                    view = slots[bucket.index % SLOTS][:bucket.nbytes]
-                    for s, part in zip(bucket.slices, parts):
-                        view[s.dst:s.dst + s.length].copy_(part, non_blocking=True)
-                if job.verify:
-                    checksums.add(view)
-                inflight.append(session.group.broadcast(view, 0))
-            while inflight:
-                inflight.popleft().wait()
-            sync(slots[0].device)
+                sync(slots[0].device)
+            done = Done(checksums=checksums.values())
+            for conn, _ in job.conns:
+                conn.send(done)
+            if job.delta_base is not None:
+                self._refill(job, session, slots[0])
         except BaseException as e:
             job.cache.pop(next((k for k, v in job.cache.items() if v is session), None), None)
             inflight.clear()  # pending work holds the group too
@@ -134,10 +138,56 @@ class _Broadcast(abc.ABC):
             raise
         finally:
             watchdog.stop()
-        done = Done(checksums=checksums.values())
-        for conn, _ in job.conns:
-            conn.send(done)
         collect_results(job)
+
+    def _outgoing(self, job: SendJob, bucket, slot: torch.Tensor) -> torch.Tensor:
+        """A bucket's bytes where a broadcast can read them: the sender's storage when contiguous
+        there, else packed into `slot`. Each slice is read once, in order: a streamed source
+        produces its tensors only forward."""
+        parts = [job.sources[s.tensor][s.src:s.src + s.length] for s in bucket.slices]
+        view = span(parts)
+        if view is None or view.device.type != self.slot_device:
+            view = slot[:bucket.nbytes]
+            for s, part in zip(bucket.slices, parts):
+                view[s.dst:s.dst + s.length].copy_(part, non_blocking=True)
+        return view
+
+    def _send_deltas(self, job: SendJob, session: _Session, slots, checksums: Checksums) -> None:
+        """Delta mode, one bucket at a time: a header (the payload's bytes, or -1: the bucket whole),
+        then the payload. Each bucket's checksum is of its new bytes, whatever went on the wire."""
+        header = torch.empty(1, dtype=torch.int64, device=slots[0].device)
+        offset = 0
+        for bucket in job.plan:
+            new = self._outgoing(job, bucket, slots[0])
+            base = job.delta_base[offset:offset + bucket.nbytes]
+            offset += bucket.nbytes
+            payload = delta.encode(new, base.to(new.device, non_blocking=True))
+            checksums.add(new)
+            header.fill_(-1 if payload is None else payload.numel())
+            session.group.broadcast(header, 0).wait()
+            payload = new if payload is None else payload.to(slots[0].device)
+            session.group.broadcast(payload, 0).wait()
+            job.wire_bytes += payload.numel()
+            sync(slots[0].device)  # the slot is packed again for the next bucket
+
+    def _refill(self, job: SendJob, session: _Session, slot: torch.Tensor) -> None:
+        """Delta mode, after Done: the buckets any receiver rebuilt wrong (its base was not the
+        version it said) go again, whole, to the group."""
+        wrong: set[int] = set()
+        for conn, hello in job.conns:
+            msg, _ = expect(conn, Mismatch, job.deadline, f"waiting for {hello.receiver_id}'s checksum check")
+            wrong.update(msg.buckets)
+        refill = Refill(buckets=sorted(wrong))
+        for conn, _ in job.conns:
+            conn.send(refill)
+        for index in refill.buckets:
+            if not 0 <= index < len(job.plan):
+                raise DataLoss(f"a receiver asked for bucket {index} of {len(job.plan)} again")
+            bucket = job.plan[index]
+            view = self._outgoing(job, bucket, slot)  # resident (delta mode): read again at will
+            session.group.broadcast(view, 0).wait()
+            job.wire_bytes += bucket.nbytes
+            sync(slot.device)
 
     # -- receiver -------------------------------------------------------------------------------
     def receive(self, job: ReceiveJob) -> None:
@@ -173,18 +223,43 @@ class _Broadcast(abc.ABC):
         job.clock.lap("join")
         watchdog = _Watchdog(session.group, job.deadline, [job.conn])
         checksums = Checksums()
-        inflight: deque = deque()  # (bucket, work, view, in place?)
         try:
             slots = self._slots(session, job.device, max((b.nbytes for b in job.plan), default=1))
+            if job.welcome.delta:
+                self._receive_deltas(job, session, slots, checksums)
+            else:
+                self._receive_whole(job, session, slots, checksums)
+            job.clock.lap("broadcast")
+            done, _ = expect(job.conn, Done, job.deadline, "waiting for the end of the transfer")
+            wrong = [i for i, (sent, got) in enumerate(zip(done.checksums, checksums.values())) if sent != got]
+            if job.welcome.delta:
+                self._refilled(job, session, slots[0], wrong, done.checksums)
+            elif wrong:
+                raise DataLoss(f"bucket {wrong[0]} arrived corrupted (checksum mismatch): the destination must not "
+                               "be used")
+        except BaseException as e:
+            if isinstance(e, RuntimeError):
+                raise watchdog.error(e) from e
+            raise
+        finally:
+            watchdog.stop()
+        nbytes = job.writer.finish()
+        job.clock.lap("verify")
+        return nbytes
 
-            def post(bucket) -> None:
-                parts = [job.writer.direct_view(s.tensor, s.src, s.length) for s in bucket.slices]
-                view = span(parts) if all(p is not None for p in parts) else None
-                in_place = view is not None and view.device.type == self.slot_device
-                if not in_place:
-                    view = slots[bucket.index % SLOTS][:bucket.nbytes]
-                inflight.append((bucket, session.group.broadcast(view, 0), view, in_place))
+    def _receive_whole(self, job: ReceiveJob, session: _Session, slots, checksums: Checksums) -> None:
+        """Every bucket whole, two in flight, straight into the destination where it is contiguous."""
+        inflight: deque = deque()  # (bucket, work, view, in place?)
 
+        def post(bucket) -> None:
+            parts = [job.writer.direct_view(s.tensor, s.src, s.length) for s in bucket.slices]
+            view = span(parts) if all(p is not None for p in parts) else None
+            in_place = view is not None and view.device.type == self.slot_device
+            if not in_place:
+                view = slots[bucket.index % SLOTS][:bucket.nbytes]
+            inflight.append((bucket, session.group.broadcast(view, 0), view, in_place))
+
+        try:
             pending = deque(job.plan)
             while pending and len(inflight) < SLOTS:
                 post(pending.popleft())
@@ -203,22 +278,59 @@ class _Broadcast(abc.ABC):
                 if pending:
                     post(pending.popleft())
             sync(job.device)
-        except BaseException as e:
+        except BaseException:
             inflight.clear()  # pending work holds the group, which receive() drops (see _drop)
             work = None  # noqa: F841 - the one being waited on too (the traceback keeps this frame)
-            if isinstance(e, RuntimeError):
-                raise watchdog.error(e) from e
             raise
-        finally:
-            watchdog.stop()
-        job.clock.lap("broadcast")
-        done, _ = expect(job.conn, Done, job.deadline, "waiting for the end of the transfer")
-        for i, (sent, got) in enumerate(zip(done.checksums, checksums.values())):
-            if sent != got:
-                raise DataLoss(f"bucket {i} arrived corrupted (checksum mismatch): the destination must not be used")
-        nbytes = job.writer.finish()
-        job.clock.lap("verify")
-        return nbytes
+
+    def _receive_deltas(self, job: ReceiveJob, session: _Session, slots, checksums: Checksums) -> None:
+        """Delta mode: per bucket a header, then the bucket whole or its delta, which is applied to
+        this receiver's base bytes of the bucket; either way the rebuilt bucket is checksummed."""
+        if job.base is None:
+            raise DataLoss("the sender sent deltas to a receiver that holds no base: the destination must not be used")
+        base = [as_bytes(job.base[spec.name]) if spec.nbytes else None for spec in job.specs]
+        header = torch.empty(1, dtype=torch.int64, device=slots[0].device)
+        for bucket in job.plan:
+            session.group.broadcast(header, 0).wait()
+            size = int(header.item())
+            out = slots[0][:bucket.nbytes]
+            if size < 0:
+                session.group.broadcast(out, 0).wait()
+            else:
+                payload = slots[1][:size]
+                session.group.broadcast(payload, 0).wait()
+                for s in bucket.slices:
+                    out[s.dst:s.dst + s.length].copy_(base[s.tensor][s.src:s.src + s.length])
+                delta.apply(payload, out)
+            self._land(job, bucket, out, checksums)
+
+    def _land(self, job: ReceiveJob, bucket, out: torch.Tensor, checksums: Checksums | None) -> None:
+        if checksums is not None:
+            checksums.add(out)
+        for s in bucket.slices:
+            job.writer.write(s.tensor, s.src, out[s.dst:s.dst + s.length])
+        sync(job.device)  # the slot is reused by the next bucket
+
+    def _refilled(self, job: ReceiveJob, session: _Session, slot: torch.Tensor, wrong: list[int],
+                  sent: list[str]) -> None:
+        """Delta mode: says which buckets failed their checksum, then receives the union of every
+        receiver's failures whole and checks them again; a second failure is real corruption."""
+        job.conn.send(Mismatch(buckets=wrong))
+        refill, _ = expect(job.conn, Refill, job.deadline, "waiting for the buckets to be sent again")
+        for index in refill.buckets:
+            bucket = job.plan[index]
+            out = slot[:bucket.nbytes]
+            session.group.broadcast(out, 0).wait()
+            again = Checksums()
+            again.add(out)
+            if again.values()[0] != sent[index]:
+                raise DataLoss(f"bucket {index} arrived corrupted twice (checksum mismatch): the destination must "
+                               "not be used")
+            for s in bucket.slices:  # already counted as received: overwrite in place
+                job.writer.direct_view(s.tensor, s.src, s.length).copy_(out[s.dst:s.dst + s.length])
+            sync(job.device)
+        if refill.buckets:
+            job.clock.lap("refill")
 
 
 def _address_toward(host: str) -> str:
@@ -300,13 +412,18 @@ class _Watchdog:
     def __init__(self, group, deadline: Deadline, conns):
         self._stop = threading.Event()
         self._wake_r, self._wake_w = socket.socketpair()  # stop() must not wait out a select()
-        self._group, self._deadline, self._conns = group, deadline, conns
+        self._group, self._deadline = group, deadline
+        # Its own non-blocking handles on the control sockets: a peek must never wait, and the main
+        # thread may read what select saw (a socket with a timeout turns EAGAIN into a wait).
+        self._socks = [socket.socket(fileno=os.dup(c.sock.fileno())) for c in conns]
+        for sock in self._socks:
+            sock.setblocking(False)  # the main thread's reads always run with a timeout: no change for it
         self.reason: str | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        socks = [c.sock for c in self._conns]
+        socks = self._socks
         while not self._stop.is_set():
             try:
                 left = self._deadline.remaining()
@@ -318,8 +435,10 @@ class _Watchdog:
                 break
             for sock in readable:
                 try:
-                    if sock.recv(1, 0x2) == b"":  # MSG_PEEK: EOF means the peer is gone
+                    if sock.recv(1, socket.MSG_PEEK) == b"":
                         self.reason = "a peer closed its control connection (process died?)"
+                except BlockingIOError:
+                    pass
                 except OSError:
                     self.reason = "a peer's control connection failed"
             if self.reason:
@@ -337,8 +456,8 @@ class _Watchdog:
             self._stop.set()
             self._wake_w.send(b"x")
             self._thread.join()
-            self._wake_r.close()
-            self._wake_w.close()
+            for sock in [self._wake_r, self._wake_w, *self._socks]:
+                sock.close()
         self._group = None  # see _drop
 
     def error(self, exc: BaseException) -> Exception:

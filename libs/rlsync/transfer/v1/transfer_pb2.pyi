@@ -91,7 +91,7 @@ class MappedTensors(_message.Message):
     def __init__(self, ipc: _Optional[_Iterable[bytes]] = ..., region: _Optional[_Iterable[int]] = ..., offset: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Answer(_message.Message):
-    __slots__ = ("backend", "receiver_id", "ranks", "bucket_bytes", "reason", "facts", "transfer_id", "pull", "stages")
+    __slots__ = ("backend", "receiver_id", "ranks", "bucket_bytes", "reason", "facts", "transfer_id", "pull", "stages", "delta", "base_version")
     class StagesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,8 @@ class Answer(_message.Message):
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     backend: Backend
     receiver_id: str
     ranks: int
@@ -117,7 +119,9 @@ class Answer(_message.Message):
     transfer_id: str
     pull: bool
     stages: _containers.ScalarMap[str, float]
-    def __init__(self, backend: _Optional[_Union[Backend, str]] = ..., receiver_id: _Optional[str] = ..., ranks: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., reason: _Optional[str] = ..., facts: _Optional[_Union[Facts, _Mapping]] = ..., transfer_id: _Optional[str] = ..., pull: _Optional[bool] = ..., stages: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    delta: bool
+    base_version: int
+    def __init__(self, backend: _Optional[_Union[Backend, str]] = ..., receiver_id: _Optional[str] = ..., ranks: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., reason: _Optional[str] = ..., facts: _Optional[_Union[Facts, _Mapping]] = ..., transfer_id: _Optional[str] = ..., pull: _Optional[bool] = ..., stages: _Optional[_Mapping[str, float]] = ..., delta: _Optional[bool] = ..., base_version: _Optional[int] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
     __slots__ = ("device", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
