@@ -1,8 +1,8 @@
 """A rollout replica started by a test (Services.start(..., script=)), with a fault injected first.
 RLSYNC_FAULT=die_after_broadcasts:N makes it die (no cleanup) at its (N+1)th collective broadcast:
 in the middle of receiving an update over gloo or NCCL, whatever its peers do.
-RLSYNC_FAULT=corrupt_base_at:N flips a byte of the weights it holds just before its Nth delta
-update is rebuilt against them, as if its memory had gone bad."""
+RLSYNC_FAULT=corrupt_base_at:N flips a byte of the base the Nth bucket it receives as a delta is
+rebuilt on, as if the weights it holds had gone bad."""
 
 import os
 import runpy
@@ -38,21 +38,18 @@ if fault.startswith("die_after_broadcasts:"):
     collective._Broadcast._join = _join
 
 if fault.startswith("corrupt_base_at:"):
-    from rlsync.transfer.backends import collective
+    from rlsync.transfer import delta
 
     at, seen = int(fault.split(":")[1]), {"n": 0}
-    real_deltas = collective._Broadcast._receive_deltas
+    real_apply = delta.apply
 
-    def _receive_deltas(self, job, *args):
+    def _apply(payload, out):
         seen["n"] += 1
         if seen["n"] == at:
-            first = next(t for t in job.base.values() if t.numel())
-            first.view(-1).view(torch.uint8)[0] ^= 0xFF
-        return real_deltas(self, job, *args)
+            out[0] ^= 0xFF  # the base bytes of this bucket, as this replica holds them
+        return real_apply(payload, out)
 
-    import torch
-
-    collective._Broadcast._receive_deltas = _receive_deltas
+    delta.apply = _apply
 
 sys.argv = ["rlsync.rollout", *sys.argv[1:]]
 runpy.run_module("rlsync.rollout", run_name="__main__", alter_sys=True)
