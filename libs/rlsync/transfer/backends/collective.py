@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 
 from rlsync.errors import DataLoss, DeadlineExceeded, Unavailable
+from rlsync.transfer import delta
 from rlsync.transfer.backends.base import ReceiveJob, SendJob, collect_results, expect, report_failure, sync
 from rlsync.transfer.checksum import Checksums, as_bytes
 from rlsync.transfer.control import Deadline
-from rlsync.transfer import delta
 from rlsync.transfer.messages import Done, Mismatch, Refill, Result, Welcome
 from rlsync.transfer.spans import span
 from rlsync.transfer.v1 import transfer_pb2 as pb
@@ -161,7 +161,7 @@ class _Broadcast(abc.ABC):
             new = self._outgoing(job, bucket, slots[0])
             base = job.delta_base[offset:offset + bucket.nbytes]
             offset += bucket.nbytes
-            payload = delta.encode(new, base.to(new.device, non_blocking=True))
+            payload = delta.encode(new, base.to(new.device))  # blocking: a device-to-host copy is read at once
             checksums.add(new)
             header.fill_(-1 if payload is None else payload.numel())
             session.group.broadcast(header, 0).wait()
