@@ -13,6 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
+from rlsync.client import trajectory  # noqa: E402
 from rlsync.launch import ServiceProcess  # noqa: E402
 from rlsync.models import ensure_tiny_model  # noqa: E402
 
@@ -130,3 +131,11 @@ def small_model(tmp_path_factory):
 
 def rollout_args(engine: str, *extra: str, **engine_extra) -> list[str]:
     return ["--engine", engine, "--engine-args", engine_args(engine, **engine_extra), *extra]
+
+
+def rl_step(client, seed: int = 0):
+    """One RL step through a coordinator: a group of 4 completions, a train step on them, a
+    verified sync; returns the SyncWeightsResponse."""
+    done = client.complete("3+4=", n=4, max_tokens=8, temperature=1.0, logprobs=True, seed=seed)
+    client.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])
+    return client.sync_weights(verify=True)

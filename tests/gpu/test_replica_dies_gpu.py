@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlsync.client import CoordinatorClient, RolloutClient, TrainerClient, trajectory
+from conftest import rl_step
+from rlsync.client import CoordinatorClient, RolloutClient, TrainerClient
 from rlsync.common.audit import differences
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
@@ -36,14 +37,9 @@ def test_nccl_receiver_dies_mid_broadcast_and_the_fleet_carries_on(services):
     client = CoordinatorClient(co.address)
     client.wait_ready(3)
 
-    def step(seed: int):
-        done = client.complete("3+4=", n=4, max_tokens=8, temperature=1.0, logprobs=True, seed=seed)
-        client.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])
-        return client.sync_weights(verify=True)
-
-    first = step(0)
+    first = rl_step(client, 0)
     assert first.version == 1 and first.backends == {"nccl": 1, "cuda_ipc": 1}, first
-    second = step(1)  # "far" dies mid-broadcast
+    second = rl_step(client, 1)  # "far" dies mid-broadcast
     assert dying.proc.wait(60) == 9
     assert second.version == 2 and second.replicas == 1 and second.verified, second
     trainer = TrainerClient(tr.address)
@@ -54,5 +50,5 @@ def test_nccl_receiver_dies_mid_broadcast_and_the_fleet_carries_on(services):
     again = RolloutClient(back.address)
     assert again.info().weight_version == 2, "caught up (over a new NCCL group) before it takes traffic"
     assert differences(trainer.checksums(), again.checksums()) == []
-    third = step(2)  # both again, the NCCL group rebuilt for the new process
+    third = rl_step(client, 2)  # both again, the NCCL group rebuilt for the new process
     assert third.version == 3 and third.replicas == 2 and third.verified and third.backends["nccl"] == 1, third

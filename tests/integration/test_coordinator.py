@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from conftest import rollout_args
+from conftest import rl_step, rollout_args
 from rlsync.client import CoordinatorClient, RolloutClient, RpcError, TrainerClient, trajectory
 from rlsync.common.audit import differences
 from rlsync.coordinator.v1 import coordinator_pb2 as pb
@@ -26,15 +26,9 @@ def start_fleet(services, mode="async", replicas=2, extra=()):
     return client, tr, ros
 
 
-def step(client: CoordinatorClient, seed: int = 0):
-    done = client.complete("3+4=", n=4, max_tokens=8, temperature=1.0, logprobs=True, seed=seed)
-    client.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])
-    return client.sync_weights(verify=True)
-
-
 def test_registry_late_joiner_caught_up_and_dead_replica_leaves(services):
     client, tr, ros = start_fleet(services, replicas=1)
-    sync = step(client)
+    sync = rl_step(client)
     assert sync.version == 1 and sync.verified and sync.replicas == 1
     assert {"rpc", "connect", "data", "receiver_copy"} <= set(sync.transfer_profile)  # where the transfer's time went
     late = services.start("rollout", [*rollout_args("hf"), "--coordinator", client.address, "--replica-id", "late"],
@@ -55,7 +49,7 @@ def test_gateway_resumes_through_updates_and_a_dead_replica(services):
     by_address = {p.address: p for p in ros}
     stream = Stream(client, "long", session_id="sticky", max_tokens=900, ignore_eos=True)
     assert stream.first.wait(30)
-    step(client, seed=1)  # an update mid-stream: paused, aborted, resubmitted on version 1
+    rl_step(client, seed=1)  # an update mid-stream: paused, aborted, resubmitted on version 1
     serving = [m for m in client.status().members if m.role == pb.ROLE_ROLLOUT and m.in_flight > 0]
     assert len(serving) == 1
     by_address[serving[0].address].kill()  # ... and then its replica dies

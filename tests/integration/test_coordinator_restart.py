@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from conftest import rollout_args
-from rlsync.client import CoordinatorClient, RolloutClient, RpcError, TrainerClient, trajectory
+from conftest import rl_step, rollout_args
+from rlsync.client import CoordinatorClient, RolloutClient, RpcError, TrainerClient
 from rlsync.coordinator.v1 import coordinator_pb2 as pb
 from streams import Stream
 
@@ -27,12 +27,6 @@ def _fleet(services, replica_extra=()):
     return co, client, TrainerClient(tr.address), RolloutClient(ro.address)
 
 
-def _step(client: CoordinatorClient, seed: int):
-    done = client.complete("3+4=", n=4, max_tokens=8, temperature=1.0, logprobs=True, seed=seed)
-    client.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])
-    return client.sync_weights(verify=True)
-
-
 def _left_mid_sync(trainer: TrainerClient, replica: RolloutClient) -> None:
     """What a coordinator leaves when it dies between steps of a sync: the replica paused, with the
     next version prepared (staging allocated) but never committed."""
@@ -44,7 +38,7 @@ def _left_mid_sync(trainer: TrainerClient, replica: RolloutClient) -> None:
 
 def test_restarted_coordinator_takes_back_a_paused_replica_and_carries_on(services):
     co, client, trainer, replica = _fleet(services)
-    assert _step(client, seed=0).version == 1
+    assert rl_step(client, seed=0).version == 1
     _left_mid_sync(trainer, replica)
     co.kill()
     with pytest.raises(RpcError) as down:  # not idempotent: fails at once, saying it may be retried
@@ -68,13 +62,13 @@ def test_restarted_coordinator_takes_back_a_paused_replica_and_carries_on(servic
     stream.thread.join(30)
     assert not stream.thread.is_alive(), "a request through the new coordinator must not hang"
     assert stream.chunks[-1].finish_reason == 2 and stream.versions() == [1] * len(stream.versions())
-    sync = _step(client, seed=1)
+    sync = rl_step(client, seed=1)
     assert sync.version == 2 and sync.verified
 
 
 def test_replica_left_paused_by_a_vanished_coordinator_resumes_after_its_lease(services):
     co, client, trainer, replica = _fleet(services, ["--coordinator-lease", "2"])
-    assert _step(client, seed=0).version == 1
+    assert rl_step(client, seed=0).version == 1
     _left_mid_sync(trainer, replica)
     co.kill()
     deadline = time.monotonic() + 30

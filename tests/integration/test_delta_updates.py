@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import rollout_args
-from rlsync.client import CoordinatorClient, RolloutClient, TrainerClient, trajectory
+from conftest import rl_step, rollout_args
+from rlsync.client import CoordinatorClient, RolloutClient, TrainerClient
 from rlsync.common.audit import differences
 
 WORKER = Path(__file__).resolve().parents[1] / "rollout_worker.py"
@@ -28,9 +28,7 @@ def test_twenty_delta_steps_end_bit_exact_with_a_bad_base_and_a_late_joiner(serv
     trainer = TrainerClient(tr.address)
 
     def step(seed: int):
-        done = client.complete("3+4=", n=4, max_tokens=8, temperature=1.0, logprobs=True, seed=seed)
-        client.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])
-        sync = client.sync_weights(verify=True)
+        sync = rl_step(client, seed)
         assert sync.verified, (seed, sync)
         return sync
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import rollout_args
-from rlsync.client import CoordinatorClient, RolloutClient, TrainerClient, trajectory
+from conftest import rl_step, rollout_args
+from rlsync.client import CoordinatorClient, RolloutClient, TrainerClient
 from rlsync.common.audit import differences
 from rlsync.coordinator.v1 import coordinator_pb2 as pb
 
@@ -29,14 +29,9 @@ def test_survivors_get_the_update_without_the_replica_that_died_mid_broadcast(se
     client = CoordinatorClient(co.address)
     client.wait_ready(4)
 
-    def step(seed: int):
-        done = client.complete("3+4=", n=4, max_tokens=8, temperature=1.0, logprobs=True, seed=seed)
-        client.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])
-        return client.sync_weights(verify=True)
-
-    first = step(0)
+    first = rl_step(client, 0)
     assert first.version == 1 and first.replicas == 3 and first.backends == {"gloo": 3}
-    second = step(1)  # r0 dies mid-broadcast
+    second = rl_step(client, 1)  # r0 dies mid-broadcast
     assert replicas[0].proc.wait(30) == 9
     assert second.version == 2 and second.replicas == 2 and second.verified, second
     rollouts = [m for m in client.status().members if m.role == pb.ROLE_ROLLOUT]
@@ -44,7 +39,7 @@ def test_survivors_get_the_update_without_the_replica_that_died_mid_broadcast(se
     trainer = TrainerClient(tr.address)
     for p in replicas[1:]:
         assert differences(trainer.checksums(), RolloutClient(p.address).checksums()) == []
-    third = step(2)  # the group of two is the one used from now on
+    third = rl_step(client, 2)  # the group of two is the one used from now on
     assert third.version == 3 and third.replicas == 2 and third.verified
     back = services.start("rollout", [*rollout_args("hf"), "--coordinator", co.address, "--replica-id", "r0"],
                           name="r0-again")

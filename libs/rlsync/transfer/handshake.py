@@ -118,6 +118,7 @@ def make_answer(offer: pb.Offer, receiver_id: str, facts: pb.Facts, ranks: int =
                 base_version: int | None = None) -> pb.Answer:
     backend, reason = choose_backend(offer, facts, available, force)
     pull = backend == B.BACKEND_CUDA_IPC and len(offer.mapped.ipc) > 0  # it maps the sender's memory itself
+    delta = base_version is not None and backend in (B.BACKEND_GLOO, B.BACKEND_NCCL)  # only broadcasts take deltas
     return pb.Answer(backend=backend, receiver_id=receiver_id, ranks=ranks, reason=reason, facts=facts,
                      bucket_bytes=bucket_bytes or offer.bucket_bytes, transfer_id=offer.transfer_id, pull=pull,
-                     delta=base_version is not None, base_version=base_version or 0)
+                     delta=delta, base_version=base_version if delta else 0)

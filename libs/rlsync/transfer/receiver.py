@@ -51,8 +51,10 @@ class Receiver:
         self.specs = from_proto(offer.manifest)
         if expected is not None:
             check_against(self.specs, expected)
-        if answer.delta:
-            check_base(self.specs, base)
+        if answer.delta:  # the base holds the manifest's tensors as sent: same names, shapes and dtypes
+            if base is None:
+                raise InvalidArgument("the answer offers deltas (base_version) but the Receiver was given no base")
+            check_against(self.specs, {n: (tuple(t.shape), t.dtype) for n, t in base.items()})
         self.base = base if answer.delta else None
         if device is None:
             first = next(iter(dest.values()), None) if isinstance(dest, Mapping) else None
@@ -113,19 +115,6 @@ class Receiver:
         except OSError:
             pass
         self.conn.close()
-
-
-def check_base(specs, base: Mapping[str, torch.Tensor] | None) -> None:
-    """A delta base must hold every tensor of the manifest as sent: same dtype and shape, and the
-    destination must take the bytes as they come (deltas are rebuilt and verified as bytes)."""
-    if base is None:
-        raise InvalidArgument("the answer offers deltas (base_version) but the Receiver was given no base")
-    for spec in specs:
-        t = base.get(spec.name)
-        if t is None or t.dtype != spec.dtype or tuple(t.shape) != tuple(spec.shape):
-            got = "missing" if t is None else f"{t.dtype} {list(t.shape)}"
-            raise InvalidArgument(f"delta base {spec.name!r} is {got}, the manifest sends {spec.dtype} "
-                                  f"{list(spec.shape)}: answer without base_version")
 
 
 def receive(offer: pb.Offer, answer: pb.Answer, dest: Destination, **kwargs) -> Report:

@@ -272,7 +272,7 @@ class WeightSender:
                     chan.send(job)
         else:
             _concurrently(jobs)
-        wire = sum(job.wire_bytes or sum(sizes) for _, job in jobs)
+        wire = sum(sum(sizes) if job.wire_bytes is None else job.wire_bytes for _, job in jobs)
         return [stages for _, job in jobs for stages in job.reported], wire
 
     def close(self) -> None:

@@ -31,7 +31,7 @@ from rlsync.rollout.engines.hf_weights import Weights
 from rlsync.rollout.sampling import make_generator, sample
 from rlsync.rollout.staging import StagedUpdate, ensure_room, pulled
 from rlsync.transfer import answer
-from rlsync.transfer.manifest import from_proto
+from rlsync.transfer.manifest import check_against, from_proto
 from rlsync.rollout.types import (Delta, FinishReason, GenerationRequest, MemoryUsage, PauseMode,
                                   WakeTag)
 
@@ -116,6 +116,7 @@ class HFEngine(Engine):
         self.dtype = str(next(iter(self.weights.specs.values()))[1]).removeprefix("torch.")
         self.batch = Batch(self.weights.model, self.device)
         self._update: tuple[StagedUpdate, FlatStore] | None = None
+        self._layout: tuple[list | None, bool] = (None, False)  # the last manifest's specs: a delta base?
 
     def _eos_ids(self, config: Any) -> set[int]:
         ids = config.eos_token_id
@@ -399,12 +400,14 @@ class HFEngine(Engine):
         woken engine about to receive in place)."""
         if self.weights.store is None or self.weights.pending_restore:
             return None
-        specs = self.weights.specs
-        for s in from_proto(offer.manifest):
-            have = specs.get(s.name)
-            if have is None or have[1] != s.dtype or tuple(have[0]) != tuple(s.shape):
-                return None
-        return self.weights.store.views
+        specs = from_proto(offer.manifest)
+        if specs != self._layout[0]:  # the same manifest as last time compares by identity (cached specs)
+            try:
+                check_against(specs, self.weights.specs)
+                self._layout = (specs, True)
+            except InvalidArgument:
+                self._layout = (specs, False)
+        return self.weights.store.views if self._layout[1] else None
 
     def _stop_in_place(self) -> None:
         self.weights.receiving_in_place = False

@@ -40,7 +40,7 @@ class SendJob:
     # Delta mode (collectives): the bytes every receiver of this job holds, in plan order (the last
     # version sent, which each of them answered it has committed); None sends every bucket whole.
     delta_base: torch.Tensor | None = None
-    wire_bytes: int = 0  # payload bytes broadcast (less than the data when deltas were sent)
+    wire_bytes: int | None = None  # payload bytes broadcast (collectives count them; None: the data as it is)
     scratch: dict = field(default_factory=dict)  # the channel's state for this one transfer
     reported: list[dict[str, float]] = field(default_factory=list)  # each receiver's stage profile
 

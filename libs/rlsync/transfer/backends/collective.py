@@ -27,7 +27,7 @@ import torch.distributed as dist
 from rlsync.errors import DataLoss, DeadlineExceeded, Unavailable
 from rlsync.transfer import delta
 from rlsync.transfer.backends.base import ReceiveJob, SendJob, collect_results, expect, report_failure, sync
-from rlsync.transfer.checksum import Checksums, as_bytes
+from rlsync.transfer.checksum import Checksums, as_bytes, checksum_bytes
 from rlsync.transfer.control import Deadline
 from rlsync.transfer.messages import Done, Mismatch, Refill, Result, Welcome
 from rlsync.transfer.spans import span
@@ -107,6 +107,7 @@ class _Broadcast(abc.ABC):
                                      [c for c, _ in job.conns], job.deadline, "forming the process group")
         watchdog = _Watchdog(session.group, job.deadline, [c for c, _ in job.conns])
         checksums = Checksums()  # on the device, read once at the end: no stall between buckets
+        job.wire_bytes = 0
         inflight: deque = deque()
         try:
             slots = self._slots(session, job.device, max((b.nbytes for b in job.plan), default=1))
@@ -302,14 +303,10 @@ class _Broadcast(abc.ABC):
                 for s in bucket.slices:
                     out[s.dst:s.dst + s.length].copy_(base[s.tensor][s.src:s.src + s.length])
                 delta.apply(payload, out)
-            self._land(job, bucket, out, checksums)
-
-    def _land(self, job: ReceiveJob, bucket, out: torch.Tensor, checksums: Checksums | None) -> None:
-        if checksums is not None:
             checksums.add(out)
-        for s in bucket.slices:
-            job.writer.write(s.tensor, s.src, out[s.dst:s.dst + s.length])
-        sync(job.device)  # the slot is reused by the next bucket
+            for s in bucket.slices:
+                job.writer.write(s.tensor, s.src, out[s.dst:s.dst + s.length])
+            sync(job.device)  # the slot is reused by the next bucket
 
     def _refilled(self, job: ReceiveJob, session: _Session, slot: torch.Tensor, wrong: list[int],
                   sent: list[str]) -> None:
@@ -321,9 +318,7 @@ class _Broadcast(abc.ABC):
             bucket = job.plan[index]
             out = slot[:bucket.nbytes]
             session.group.broadcast(out, 0).wait()
-            again = Checksums()
-            again.add(out)
-            if again.values()[0] != sent[index]:
+            if checksum_bytes(out) != sent[index]:
                 raise DataLoss(f"bucket {index} arrived corrupted twice (checksum mismatch): the destination must "
                                "not be used")
             for s in bucket.slices:  # already counted as received: overwrite in place
