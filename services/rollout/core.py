@@ -15,6 +15,7 @@ from rlsync.errors import (AlreadyExists, EngineDead, FailedPrecondition, Invali
 from rlsync.rollout.engines.base import Engine
 from rlsync.rollout.types import (ALL_TAGS, Chunk, FinishReason, GenerationRequest, MemoryUsage,
                                   PauseMode, SamplingParams, WakeTag)
+from rlsync import lora
 from rlsync.transfer import check_against, from_proto
 from rlsync.transfer.v1.transfer_pb2 import Answer, Offer
 
@@ -245,7 +246,11 @@ class RolloutCore:
                 raise FailedPrecondition(f"version {version} is older than the served version {self.weight_version}: "
                                          "set force to roll back")
             start = time.perf_counter()
-            check_against(from_proto(offer.manifest), self.engine.expected_tensors())
+            specs = from_proto(offer.manifest)
+            if offer.manifest.HasField("adapter"):  # a LoRA adapter for the base this replica holds
+                lora.check(specs, offer.manifest.adapter, self.engine.expected_tensors(), self.engine.max_lora_rank())
+            else:
+                check_against(specs, self.engine.expected_tensors())
             checked = time.perf_counter()
             answer = await self.engine.prepare_update(offer, self.replica_id, force_backend,
                                                       timeout or self.update_timeout)

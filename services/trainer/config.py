@@ -32,6 +32,11 @@ class TrainerConfig:
     delta: bool = option(False, "delta updates: broadcasts (gloo, nccl) to replicas that hold the last version send "
                                 "only the 16-bit words that changed, verified bit for bit (keeps one more copy of "
                                 "the weights on the trainer's device; not with --nproc > 1)")
+    lora_rank: int = option(0, "train a LoRA adapter of this rank on the frozen model (peft) and sync only the "
+                                "adapter; 0 trains and syncs every weight")
+    lora_alpha: float = option(16.0, "LoRA alpha: the adapter's update is scaled by alpha / rank")
+    lora_targets: str = option("all-linear", "modules the adapter wraps: 'all-linear', or comma-separated names "
+                                             "(q_proj,v_proj)")
     transfer_timeout: float = option(300.0, "seconds a weight transfer may take")
     spool_dir: str = option("", "where a CPU trainer offloads to (default: a temporary folder)")
     coordinator: str = option("", "coordinator address (host:port) to register with; empty = standalone")

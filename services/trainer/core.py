@@ -31,6 +31,7 @@ from rlsync.trainer.grpo import grpo_loss, group_advantages, make_batch, token_l
 from rlsync.trainer.policy import Policy
 from rlsync.trainer.v1 import trainer_pb2 as pb
 from rlsync.transfer.source import ResidentSource
+from rlsync.transfer.v1.transfer_pb2 import LoraAdapter
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,8 @@ class TrainerCore:
 
             if cfg.kl_coef > 0:
                 raise InvalidArgument("--kl-coef > 0 needs --nproc 1: the KL reference is not sharded yet")
+            if cfg.lora_rank > 0:
+                raise InvalidArgument("--lora-rank needs --nproc 1: adapters of sharded models are not published yet")
             if cfg.delta:
                 raise InvalidArgument("--delta needs --nproc 1: sharded weights are gathered once per pass, so a "
                                       "bucket rebuilt wrong could not be sent again")
@@ -86,7 +89,9 @@ class TrainerCore:
                 self.rank_procs = ranks.start_ranks(cfg)
             self.policy = ShardedPolicy(self.model_path, cfg.device, cfg.dtype, cfg.lr, cfg.weight_decay)
         else:
-            self.policy = Policy(self.model_path, cfg.device, cfg.dtype, cfg.lr, cfg.weight_decay, cfg.spool_dir)
+            adapter = LoraAdapter(rank=cfg.lora_rank, alpha=cfg.lora_alpha) if cfg.lora_rank > 0 else None
+            self.policy = Policy(self.model_path, cfg.device, cfg.dtype, cfg.lr, cfg.weight_decay, cfg.spool_dir,
+                                 adapter, cfg.lora_targets)
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(self.model_path)
@@ -103,7 +108,9 @@ class TrainerCore:
             self.points = PublishPoints(rank, lambda: self.publisher.pass_source(rank.rank), handlers)
             run = at_publish_points(self.points)
         else:  # the parameters as they live in the flat store (CPU: in a shared arena a receiver maps)
-            source = lambda: ResidentSource(self.policy.params, arena=self.policy.arena)  # noqa: E731
+            def source() -> ResidentSource:
+                sent, frozen = self.policy.published()
+                return ResidentSource(sent, arena=self.policy.arena, adapter=self.policy.adapter, frozen=frozen)
             run = in_thread(self.lock)
         self.publisher = PublisherCore(
             source, run, bucket_bytes=cfg.bucket_bytes, host=cfg.server.host,
@@ -208,7 +215,7 @@ class TrainerCore:
             sums["clip_frac"] += stats["clip_frac"] * share
             sums["kl_sum"] += stats["kl_sum"]
         if self.cfg.max_grad_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.policy.params.values(), self.cfg.max_grad_norm)
+            norm = torch.nn.utils.clip_grad_norm_(self.policy.trainable.values(), self.cfg.max_grad_norm)
             metrics["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -264,10 +271,10 @@ class _swapped:
         self.policy, self.tensors = policy, tensors
 
     def __enter__(self):
-        self.saved = {n: p.data for n, p in self.policy.params.items()}
-        for n, p in self.policy.params.items():
-            p.data = self.tensors[n]
+        self.saved = {n: self.policy.params[n].data for n in self.tensors}
+        for n, t in self.tensors.items():
+            self.policy.params[n].data = t
 
     def __exit__(self, *exc):
-        for n, p in self.policy.params.items():
-            p.data = self.saved[n]
+        for n, t in self.saved.items():
+            self.policy.params[n].data = t

@@ -12,8 +12,10 @@ from pathlib import Path
 import torch
 
 from rlsync.flat import FlatStore, specs_of
+from rlsync.lora import split as lora_split
 from rlsync.models import torch_dtype
 from rlsync.transfer import SharedArena
+from rlsync.transfer.v1.transfer_pb2 import LoraAdapter
 
 
 class _Stash:
@@ -48,7 +50,11 @@ class _Stash:
 
 
 class Policy:
-    def __init__(self, model_path: str, device: str, dtype: str, lr: float, weight_decay: float, spool_dir: str):
+    """`lora`: train that adapter (peft) on the frozen model; then only the adapter has gradients,
+    optimizer state and a reference copy, and only it is published."""
+
+    def __init__(self, model_path: str, device: str, dtype: str, lr: float, weight_decay: float, spool_dir: str,
+                 lora: LoraAdapter | None = None, lora_targets: str = "all-linear"):
         from transformers import AutoModelForCausalLM
 
         if device == "auto":
@@ -57,15 +63,24 @@ class Policy:
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" != "cuda:0" when comparing
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype(dtype)).to(self.device)
+        self.adapter = lora
+        if lora is not None:
+            from peft import LoraConfig, get_peft_model
+
+            targets = lora_targets if lora_targets == "all-linear" else [t.strip() for t in lora_targets.split(",")]
+            self.model = get_peft_model(self.model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha,
+                                                               use_rslora=lora.use_rslora, target_modules=targets))
         self.model.train()
         self.params = dict(self.model.named_parameters())  # tied parameters appear once
+        self.trainable = {n: p for n, p in self.params.items() if p.requires_grad}
         self.specs = specs_of(self.params)
+        self.trainable_specs = specs_of(self.trainable)
         self.arena: SharedArena | None = None
         self.store = self._new_store()
         for name, view in self.store.views.items():
             view.copy_(self.params[name].data)
         self._point(self.store)
-        self.optimizer = torch.optim.AdamW(self.params.values(), lr=lr, weight_decay=weight_decay)
+        self.optimizer = torch.optim.AdamW(self.trainable.values(), lr=lr, weight_decay=weight_decay)
         self.reference: FlatStore | None = None
         self.offloaded = False
         self._stashed: dict = {}
@@ -85,11 +100,17 @@ class Policy:
             p.data = store.views[name] if store is not None else torch.empty(0, dtype=p.dtype, device=self.device)
 
     def reference_model_params(self) -> dict[str, torch.Tensor]:
-        """A frozen copy of the parameters as they are now (made once, for the KL penalty)."""
+        """A frozen copy of the trained parameters as they are now (made once, for the KL penalty)."""
         if self.reference is None:
-            self.reference = FlatStore(self.specs, self.device)
-            self.reference.copy_from(self.store)
+            self.reference = FlatStore(self.trainable_specs, self.device)
+            for name, view in self.reference.views.items():
+                view.copy_(self.store.views[name])
         return self.reference.views
+
+    def published(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(what a sync sends, what receivers already hold): every parameter and nothing, or under
+        LoRA the adapter (peft's names) and its frozen base (the checkpoint's names)."""
+        return lora_split(self.params) if self.adapter is not None else (self.params, {})
 
     def numel(self) -> int:
         return sum(p.numel() for p in self.params.values())
@@ -140,7 +161,7 @@ class Policy:
             stash.restore_into(self.store.buffers[dtype])
         self._point(self.store)
         if "reference" in self._stashed:
-            self.reference = FlatStore(self.specs, self.device)
+            self.reference = FlatStore(self.trainable_specs, self.device)
             for dtype, stash in self._stashed.pop("reference").items():
                 stash.restore_into(self.reference.buffers[dtype])
         states = list(self.optimizer.state.values())

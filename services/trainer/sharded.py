@@ -32,6 +32,7 @@ class ShardedPolicy:
         self.model = model
         self.model.train()
         self.params = dict(self.model.named_parameters())  # DTensors with the global shapes
+        self.trainable = self.params  # no LoRA on a sharded trainer yet: every parameter trains
         self.specs = {n: (p.shape, p.dtype) for n, p in self.params.items()}
         self.optimizer = torch.optim.AdamW(self.params.values(), lr=lr, weight_decay=weight_decay)
         self.arena = None  # shards are never mapped by a receiver: they are gathered first

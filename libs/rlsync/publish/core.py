@@ -8,6 +8,7 @@ trainer's lock, or at the publish points of a loop whose ranks must all take par
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Awaitable, Callable
 
 import torch
@@ -129,8 +130,9 @@ class PublisherCore:
         def audit() -> Audit:
             self._require_on_device("GetWeightChecksums")
             out = {}
-            with torch.no_grad():
-                for name, t in self._sender_now().source.items():
+            source = self._sender_now().source
+            with torch.no_grad():  # a LoRA adapter's audit covers its frozen base too: the whole policy served
+                for name, t in itertools.chain(source.items(), source.frozen.items()):
                     t = t.detach()
                     out[name] = audit_entry(t.to(target) if target is not None and t.is_floating_point() else t)
             return out

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rlsync import lora
+from rlsync.errors import InvalidArgument
 from rlsync.publish.mapping import Entry, WeightMap
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.source import ResidentSource, StreamedSource
@@ -87,6 +89,14 @@ def module_source(model: nn.Module, weights: WeightMap | None = None, dst: int =
     """The source to send `model` through (from global rank `dst`), and the plan of each engine tensor."""
     weights = weights or WeightMap()
     tensors = module_tensors(model)
+    adapter = lora.adapter_of(model)
+    frozen: dict[str, torch.Tensor] = {}
+    if adapter is not None:  # a peft model: the adapter is sent, its frozen base only audited
+        tensors, frozen = lora.split({WeightMap().engine_name(n): t for n, t in tensors.items()})  # wrappers off
+        if any(is_sharded(t) for t in (*tensors.values(), *frozen.values())):
+            raise InvalidArgument("LoRA adapters of sharded models (FSDP2, tensor parallel) are not published yet: "
+                                  "publish the merged weights, or train the adapter on an unsharded model")
+        weights = WeightMap(dtype=weights.dtype)  # names are peft's, checked by the engine; only the cast applies
     entries = weights.plan([(n, tuple(t.shape), t.dtype) for n, t in tensors.items()])
     devices = {local_device(tensors[p]) for e in entries for p in e.parts}
     if len(devices) > 1:
@@ -96,7 +106,8 @@ def module_source(model: nn.Module, weights: WeightMap | None = None, dst: int =
     as_is = all(len(e.parts) == 1 and not is_sharded(tensors[e.parts[0]]) and tensors[e.parts[0]].dtype == e.dtype
                 and tensors[e.parts[0]].is_contiguous() for e in entries)
     if as_is:
-        return ResidentSource({e.name: tensors[e.parts[0]].detach() for e in entries}), entries
+        return ResidentSource({e.name: tensors[e.parts[0]].detach() for e in entries}, adapter=adapter,
+                              frozen=frozen), entries
 
     def produce(i: int) -> torch.Tensor:
         e = entries[i]
@@ -104,7 +115,7 @@ def module_source(model: nn.Module, weights: WeightMap | None = None, dst: int =
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
     specs = [Spec(e.name, e.dtype, e.shape, _nbytes(e)) for e in entries]
-    return StreamedSource(specs, device, produce), entries
+    return StreamedSource(specs, device, produce, adapter=adapter, frozen=frozen), entries
 
 
 def _nbytes(e: Entry) -> int:

@@ -114,8 +114,11 @@ class WeightSender:
         while len(self._specs) > 4:
             self._specs.pop(next(iter(self._specs)))
         one_copy = self._one_copy()
+        manifest = to_proto(specs, version)
+        if self.source.adapter is not None:
+            manifest.adapter.CopyFrom(self.source.adapter)
         return pb.Offer(
-            protocol_version=PROTOCOL_VERSION, manifest=to_proto(specs, version), facts=local_facts(self.device),
+            protocol_version=PROTOCOL_VERSION, manifest=manifest, facts=local_facts(self.device),
             backends=self.backends, token=secrets.token_hex(16), control_address=self.listener.address,
             local_control=self.listener.local_name, bucket_bytes=self.bucket_bytes, one_copy=one_copy,
             transfer_id=transfer_id, mapped=self._mapped() if one_copy and pull else None)

@@ -1,5 +1,8 @@
 """What a sender sends: named tensors described up front, their bytes produced when a transfer runs.
 
+A source may be a LoRA adapter (rlsync.lora): `adapter` then describes it for the manifest, and
+`frozen` holds the base it applies to, which receivers already have: never sent, but audited.
+
 Two kinds, one interface for the channels (`job.sources[i]` is tensor i's bytes, flat uint8):
 - ResidentSource: whole tensors already in memory (a flat parameter store, a state dict). Channels
   index them in any order, several backends at once; a receiver may map them (one copy).
@@ -19,14 +22,17 @@ from rlsync.transfer.checksum import as_bytes, checksum_tensor
 from rlsync.transfer.dtypes import dtype_name
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.memory import SharedArena
+from rlsync.transfer.v1 import transfer_pb2 as pb
 
 
 class ResidentSource:
     """`arena`: the shared memory the CPU tensors were allocated from, if any (receivers map it)."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], arena: SharedArena | None = None):
+    def __init__(self, tensors: Mapping[str, torch.Tensor], arena: SharedArena | None = None,
+                 adapter: pb.LoraAdapter | None = None, frozen: Mapping[str, torch.Tensor] | None = None):
         self.tensors = dict(tensors)
         self.arena = arena
+        self.adapter, self.frozen = adapter, dict(frozen or {})
         kinds = {t.device.type for t in self.tensors.values()}
         if len(kinds) > 1:
             raise InvalidArgument(f"tensors live on several device types ({', '.join(sorted(kinds))}): "
@@ -61,8 +67,10 @@ class StreamedSource:
 
     arena = None  # produced tensors never live in shared memory a receiver could map
 
-    def __init__(self, specs: list[Spec], device: torch.device, produce: Callable[[int], torch.Tensor]):
+    def __init__(self, specs: list[Spec], device: torch.device, produce: Callable[[int], torch.Tensor],
+                 adapter: pb.LoraAdapter | None = None, frozen: Mapping[str, torch.Tensor] | None = None):
         self._specs = specs
+        self.adapter, self.frozen = adapter, dict(frozen or {})
         self.device = device
         self.produce = produce
         self.passes = 0  # passes started, so a caller can finish the ones its peers expect

@@ -79,6 +79,11 @@ class Engine(abc.ABC):
     def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], None]]:
         """Names and shapes of the checkpoint tensors the engine loads (dtype: any, it casts)."""
 
+    def max_lora_rank(self) -> int | None:
+        """The largest LoRA adapter rank this engine applies (None: any); raises FailedPrecondition,
+        saying what to change, when it applies none."""
+        return None
+
     @abc.abstractmethod
     async def prepare_update(self, offer: Offer, receiver_id: str, force_backend: str, timeout: float) -> Answer:
         """Picks the channel and starts receiving into staging memory; returns the answer."""

@@ -27,6 +27,7 @@ from rlsync.flat import FlatStore
 from rlsync.rollout.detokenize import IncrementalText
 from rlsync.rollout.engines.base import Engine
 from rlsync.rollout.engines.hf_batch import Batch, Sequence
+from rlsync.rollout.engines.hf_lora import Adapter
 from rlsync.rollout.engines.hf_weights import Weights
 from rlsync.rollout.sampling import make_generator, sample
 from rlsync.rollout.staging import StagedUpdate, ensure_room, pulled
@@ -115,6 +116,7 @@ class HFEngine(Engine):
         self.weights = Weights.load(self.model, self.device, self.args.dtype, self.args.attn_implementation)
         self.dtype = str(next(iter(self.weights.specs.values()))[1]).removeprefix("torch.")
         self.batch = Batch(self.weights.model, self.device)
+        self.adapter = Adapter(self.weights.model, self.device, next(iter(self.weights.specs.values()))[1])
         self._update: tuple[StagedUpdate, FlatStore] | None = None
         self._layout: tuple[list | None, bool] = (None, False)  # the last manifest's specs: a delta base?
 
@@ -348,7 +350,8 @@ class HFEngine(Engine):
             raise FailedPrecondition("weights are asleep: WakeUp(weights) before PrepareUpdate (the update replaces "
                                      "them)")
         clock = Stopwatch()
-        base = self._delta_base(offer)
+        lora = offer.manifest.HasField("adapter")  # an adapter for the resident base: it never lands in place
+        base = None if lora else self._delta_base(offer)
         ans = answer(offer, receiver_id, device=self.device, force=force_backend or None,
                      base_version=None if base is None else self.version)
         clock.lap("answer")
@@ -371,16 +374,19 @@ class HFEngine(Engine):
         # Only the in-place case touches the engine's state (one hop onto its thread, between two
         # steps); otherwise a new store is allocated off the engine thread, so generation goes on.
         try:
-            update = await self._call(in_place) if self.weights.pending_restore else None
+            update = await self._call(in_place) if self.weights.pending_restore and not lora else None
         except BaseException:  # cancelled too: the engine thread may still receive in place, then this runs
             self._call(self._stop_in_place)
             raise
         staging = self.weights.store
         if update is None:
-            ensure_room(self.weights.device_bytes(), self.device, offer.manifest.version)
+            specs = from_proto(offer.manifest) if lora else None
+            ensure_room(sum(s.nbytes for s in specs) if lora else self.weights.device_bytes(), self.device,
+                        offer.manifest.version)
 
             def stage() -> tuple[FlatStore, StagedUpdate]:  # one thread hop, not two (a busy replica's GIL)
-                staging = FlatStore(self.weights.specs, self.device)  # cast on arrival
+                # cast on arrival
+                staging = self.adapter.staging(specs) if lora else FlatStore(self.weights.specs, self.device)
                 clock.lap("staging")
                 return staging, receive(staging)
 
@@ -391,7 +397,7 @@ class HFEngine(Engine):
             await self._call(self._stop_in_place)
             raise
         ans.stages.update(clock.stages)  # (the hops onto threads are left to the caller's prepare_rpc)
-        self._update = (update, staging)
+        self._update = (update, staging, offer.manifest.adapter if lora else None)
         return ans
 
     def _delta_base(self, offer) -> dict[str, torch.Tensor] | None:
@@ -413,19 +419,24 @@ class HFEngine(Engine):
         self.weights.receiving_in_place = False
 
     async def finish_update(self, timeout: float) -> float:
-        update, _ = self._update
+        update = self._update[0]
         start = time.perf_counter()
         await asyncio.to_thread(update.wait, timeout)
         return time.perf_counter() - start
 
     async def commit_update(self, version: int, recompute_kv: bool = False) -> int:
-        _, staging = self._update
+        _, staging, adapter = self._update
         self._update = None
 
         def swap() -> int:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            self.weights.swap(staging, version)
+            if adapter is not None:
+                self.adapter.apply(adapter, staging.views)
+                self.weights.version = version
+            else:
+                self.weights.swap(staging, version)
+                self.adapter.disable()
             return self.batch.recompute() if recompute_kv else 0
 
         recomputed = await self._call(swap)  # between two decode steps: no step sees a mix
@@ -434,10 +445,10 @@ class HFEngine(Engine):
 
     async def abort_update(self) -> None:
         if self._update is not None:
-            update, _ = self._update
+            update = self._update[0]
             self._update = None
             await asyncio.to_thread(update.abort)
         await self._call(self._stop_in_place)  # the backup refills the weights when they are next used
 
     async def checksums(self):
-        return await self._call(self.weights.checksums), LIVE
+        return await self._call(lambda: {**self.weights.checksums(), **self.adapter.checksums()}), LIVE
