@@ -5,6 +5,7 @@ adapter, tagged with the version, and a checksum audit covers base and adapter."
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import rl_step, rollout_args
 from rlsync.client import CoordinatorClient, RolloutClient, TrainerClient
@@ -17,12 +18,13 @@ def adapter_bytes(checksums) -> int:
     return sum(4 * t.shape[0] * t.shape[1] for t in checksums.tensors if ".lora_" in t.name)  # float32
 
 
-@pytest.mark.parametrize("engine", ["hf"])
-def test_lora_steps_sync_only_the_adapter(services, engine):
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_lora_steps_sync_only_the_adapter(services, engine, tiny_model, tmp_path):
     co = services.start("coordinator", ["--sync-mode", "async"], name="coordinator")
     on = ["--coordinator", co.address]
     tr = services.start("trainer", [*on, "--lora-rank", str(RANK), "--lr", "1e-2"], name="trainer")
-    rep = services.start("rollout", [*rollout_args(engine), *on, "--replica-id", "r0"], name="r0")
+    lora = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2} if engine == "vllm" else {}
+    rep = services.start("rollout", [*rollout_args(engine, **lora), *on, "--replica-id", "r0"], name="r0")
     client = CoordinatorClient(co.address)
     client.wait_ready(2)
     trainer = TrainerClient(tr.address)
@@ -32,3 +34,38 @@ def test_lora_steps_sync_only_the_adapter(services, engine):
     assert [s.version for s in syncs] == [1, 2, 3]
     assert {s.bytes for s in syncs} == {adapter_bytes(audit)}, syncs
     assert differences(audit, RolloutClient(rep.address).checksums()) == []
+
+    # The replica serves base + adapter: its sampling logprobs are the trained peft model's.
+    done = client.complete("3+4=", n=2, max_tokens=8, temperature=1.0, logprobs=True, seed=7)
+    assert {v for c in done for v in c.token_versions} == {3}
+    trainer.save_checkpoint(str(tmp_path / "ckpt"))
+    served = [lp for c in done for lp in c.logprobs]
+    trained, base = policy_logprobs(tiny_model, tmp_path / "ckpt", done)
+    off_trained = max(abs(a - b) for a, b in zip(served, trained))
+    off_base = max(abs(a - b) for a, b in zip(served, base))
+    assert off_trained < 1e-2, (served, trained)  # vLLM's CPU build computes this fp32 model in bf16
+    assert off_base > 10 * off_trained, "the served policy is the adapted one, not its base"
+
+
+def policy_logprobs(model_dir, checkpoint, completions) -> tuple[list[float], list[float]]:
+    """Logprobs of the completions' tokens under the checkpoint's peft model, and under its base."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                           LoraConfig(r=RANK, lora_alpha=16, target_modules="all-linear"))
+    missing = model.load_state_dict(load_file(str(checkpoint / "model.safetensors")), strict=False).missing_keys
+    assert missing == ["base_model.model.lm_head.weight"]  # tied to the embedding: saved once
+
+    def logprobs() -> list[float]:
+        out = []
+        for c in completions:
+            lp = torch.log_softmax(model(torch.tensor([c.prompt_token_ids + c.token_ids])).logits[0].float(), -1)
+            out += [lp[len(c.prompt_token_ids) - 1 + i, t].item() for i, t in enumerate(c.token_ids)]
+        return out
+
+    with torch.no_grad():
+        trained = logprobs()
+        with model.disable_adapter():
+            return trained, logprobs()

@@ -18,12 +18,13 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from rlsync.errors import DeadlineExceeded, EngineDead, InvalidArgument, ResourceExhausted
+from rlsync.errors import DeadlineExceeded, EngineDead, FailedPrecondition, InvalidArgument, ResourceExhausted
 from rlsync.rollout.engines.process import CRASH_DIR_ENV, crash_reports, own_log
 from rlsync.rollout.staging import pulled, raise_failure
 from rlsync.transfer.handshake import NAMES, PREFERENCE
 from rlsync.transfer.v1 import transfer_pb2
 from rlsync.rollout.engines.base import Engine
+from rlsync.rollout.engines.vllm_lora import Adapters
 from rlsync.rollout.types import Delta, FinishReason, GenerationRequest, MemoryUsage, PauseMode, WakeTag
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class VLLMEngine(Engine):
         # Engine processes inherit this and write a report there if a fatal signal kills them.
         self.crash_dir = tempfile.TemporaryDirectory(prefix="rlsync-vllm-crash-")
         os.environ[CRASH_DIR_ENV] = self.crash_dir.name
+        self.adapters = Adapters(model)
 
     async def start(self) -> None:
         try:
@@ -72,6 +74,7 @@ class VLLMEngine(Engine):
         await self._read_memory()
 
     async def shutdown(self) -> None:
+        self.adapters.close()
         if self.llm is not None:
             llm, self.llm = self.llm, None
             await asyncio.to_thread(llm.shutdown)
@@ -95,9 +98,11 @@ class VLLMEngine(Engine):
         # never reuses blocks the old weights computed (requests in flight keep theirs).
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids), cache_salt=f"rlsync-v{self._salt}")
         self._in_flight.add(request.request_id)
+        # With an adapter: the request runs on it to the end, so its tokens are all that version's.
+        lora, adapter_version = self.adapters.use(request.request_id)
         try:
-            async for out in self.llm.generate(prompt, params, request.request_id):
-                for delta in self._deltas(out, p.logprobs):
+            async for out in self.llm.generate(prompt, params, request.request_id, lora_request=lora):
+                for delta in self._deltas(out, p.logprobs, adapter_version):
                     yield delta
         except VLLMClientError as e:
             raise InvalidArgument(f"vllm refused the request: {e}") from e
@@ -105,11 +110,13 @@ class VLLMEngine(Engine):
             raise EngineDead(self.dead() or f"vllm engine is dead: {e}") from e
         finally:
             self._in_flight.discard(request.request_id)
+            if lora is not None:
+                await self.adapters.done(self.llm, request.request_id)
 
-    def _deltas(self, out, want_logprobs: bool) -> list[Delta]:
+    def _deltas(self, out, want_logprobs: bool, adapter_version: int | None = None) -> list[Delta]:
         # The version live when the output is read: outputs made just before a switch may be read
         # just after it, so the final Delta carries vLLM's own per-token record (exact), which wins.
-        version = self.version
+        version = self.version if adapter_version is None else adapter_version
         deltas = []
         for c in out.outputs:
             logprobs = None
@@ -120,7 +127,8 @@ class VLLMEngine(Engine):
             if finish is FinishReason.STOP:
                 detail = f"stop string {c.stop_reason!r}" if isinstance(c.stop_reason, str) else "end of sequence"
             spans = None
-            if c.weight_versions is not None and all(s.version.isdigit() for s in c.weight_versions):
+            if adapter_version is None and c.weight_versions is not None and \
+                    all(s.version.isdigit() for s in c.weight_versions):
                 # On the final output: [start, end) per version label (ours; anything else: the chunks' tags).
                 spans = [(int(s.version), s.start, s.end - s.start) for s in c.weight_versions if s.end > s.start]
             deltas.append(Delta(c.index, list(c.token_ids), c.text, logprobs, finish, detail, version, spans))
@@ -174,7 +182,15 @@ class VLLMEngine(Engine):
                     out[name] = (tuple(st.get_slice(name).get_shape()), None)
         return out
 
+    def max_lora_rank(self) -> int | None:
+        if not self.args.enable_lora:
+            raise FailedPrecondition('this vllm replica takes no LoRA adapters: start it with engine args '
+                                     '{"enable_lora": true, "max_lora_rank": R, "max_loras": 2}')
+        return self.args.max_lora_rank
+
     async def prepare_update(self, offer, receiver_id: str, force_backend: str, timeout: float):
+        if offer.manifest.HasField("adapter"):  # received here, then loaded by vLLM's own LoRA support
+            return await self.adapters.prepare(offer, receiver_id, force_backend, timeout)
         raw = offer.SerializeToString()
         tp = self.tensor_parallel_size
         answers = [transfer_pb2.Answer.FromString(a) for a in
@@ -197,6 +213,8 @@ class VLLMEngine(Engine):
             raise
 
     async def finish_update(self, timeout: float) -> float:
+        if self.adapters.pending is not None:
+            return await self.adapters.finish(self.llm, timeout)
         # Poll instead of one blocking call: a worker blocked in an RPC would stall generation.
         start = time.perf_counter()
         while True:
@@ -212,6 +230,16 @@ class VLLMEngine(Engine):
             await asyncio.sleep(0.005)
 
     async def commit_update(self, version: int, recompute_kv: bool = False) -> int:
+        if self.adapters.pending is not None:  # new requests run on the new adapter; running ones keep theirs
+            self._salt = version
+            await self.adapters.commit(self.llm, version)
+            await self.llm.update_weight_version(str(version))
+            self.version = version
+            return 0
+        # Requests running on an adapter would go on with it over the new weights: a mix of versions.
+        for request_id in self.adapters.running():
+            await self.llm.abort(request_id)
+        await self.adapters.commit(self.llm, None)
         was_paused = await self.llm.is_paused()
         if not was_paused:  # freeze requests in place, between two engine steps; they go on after
             await self.llm.pause_generation(mode="keep", clear_cache=False)
@@ -232,14 +260,20 @@ class VLLMEngine(Engine):
         return recomputed
 
     async def abort_update(self) -> None:
+        await self.adapters.abort(self.llm)
         await self.llm.collective_rpc("rlsync_abort")
         await self._read_memory()
 
     async def checksums(self):
         applied = (await self.llm.collective_rpc("rlsync_applied"))[0]
         if applied is None:  # still the checkpoint it started from
-            return await asyncio.to_thread(_checkpoint_checksums, self.model), "checkpoint loaded at start"
-        return {n: (d, tuple(s), c) for n, (d, s, c) in applied.items()}, "tensors applied by the last commit"
+            base, what = await asyncio.to_thread(_checkpoint_checksums, self.model), "checkpoint loaded at start"
+        else:
+            base = {n: (d, tuple(s), c) for n, (d, s, c) in applied.items()}
+            what = "tensors applied by the last commit"
+        if self.adapters.applied:
+            return {**base, **self.adapters.applied}, what + ", and the LoRA adapter applied since"
+        return base, what
 
 
 def _checkpoint_checksums(model: str) -> dict[str, tuple[str, tuple[int, ...], str]]:
