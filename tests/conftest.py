@@ -139,3 +139,16 @@ def rl_step(client, seed: int = 0):
     done = client.complete("3+4=", n=4, max_tokens=8, temperature=1.0, logprobs=True, seed=seed)
     client.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])
     return client.sync_weights(verify=True)
+
+
+def peft_policy(model_dir, checkpoint, rank: int, alpha: float = 16.0):
+    """The peft model a LoRA trainer (all-linear targets) saved in `checkpoint`, on its base."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                           LoraConfig(r=rank, lora_alpha=alpha, target_modules="all-linear"))
+    missing = model.load_state_dict(load_file(str(Path(checkpoint) / "model.safetensors")), strict=False).missing_keys
+    assert missing == ["base_model.model.lm_head.weight"]  # tied to the embedding: saved once
+    return model.eval()

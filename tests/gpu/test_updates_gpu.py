@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from conftest import peft_policy
 from rlsync.client import RolloutClient, TrainerClient, push_weights, trajectory
 from rlsync.common.audit import differences
 
@@ -80,3 +81,27 @@ def test_colocated_update_lands_in_the_woken_weights_and_a_failed_one_keeps_the_
     rollout.wake_up("kv_cache")
     assert report.backends == {"cuda_ipc": 1} and rollout.info().weight_version == report.version
     assert differences(trainer.checksums(), rollout.checksums()) == []
+
+
+def test_same_gpu_lora_adapter_over_cuda_ipc(services, tmp_path, tiny_model):
+    """A LoRA trainer on the replica's GPU: only the adapter moves (the replica pulls it), base and
+    adapter audit equal, and the replica decodes exactly as the trained peft model does."""
+    tr = services.start("trainer", ["--device", "cuda", "--lr", "0.05", "--lora-rank", "8"],
+                        env={"CUDA_VISIBLE_DEVICES": "0"}, name="gpu-lora-trainer")
+    ro = services.start("rollout", ["--engine", "hf", "--engine-args", GPU_ENGINE], env={"CUDA_VISIBLE_DEVICES": "0"},
+                        name="gpu-lora-rollout")
+    trainer, rollout = TrainerClient(tr.address), RolloutClient(ro.address)
+    for seed in range(2):
+        done = rollout.complete("3+4=", max_tokens=8, logprobs=True, ignore_eos=True, n=4, seed=seed)
+        trainer.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])
+        report = push_weights(trainer, [rollout], pull=True)
+        assert report.backends == {"cuda_ipc": 1}
+    audit = trainer.checksums()
+    assert report.bytes == sum(4 * t.shape[0] * t.shape[1] for t in audit.tensors if ".lora_" in t.name)
+    assert differences(audit, rollout.checksums()) == []
+    model = peft_policy(tiny_model, trainer.save_checkpoint(str(tmp_path / "c")).path, rank=8).cuda()
+    prompt = done[0].prompt_token_ids
+    with torch.no_grad():
+        want = model.generate(input_ids=torch.tensor([prompt]).cuda(), max_new_tokens=10, min_new_tokens=10,
+                              do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    assert rollout.complete(prompt, max_tokens=10, temperature=0, ignore_eos=True)[0].token_ids == want

@@ -4,12 +4,15 @@ adapter, tagged with the version, and a checksum audit covers base and adapter."
 
 from __future__ import annotations
 
+import grpc
 import pytest
 import torch
 
-from conftest import rl_step, rollout_args
+from conftest import peft_policy, rl_step, rollout_args
 from rlsync.client import CoordinatorClient, RolloutClient, TrainerClient
+from rlsync.client.errors import RpcError
 from rlsync.common.audit import differences
+from rlsync.transfer.v1 import transfer_pb2 as tpb
 
 RANK = 4
 
@@ -49,14 +52,7 @@ def test_lora_steps_sync_only_the_adapter(services, engine, tiny_model, tmp_path
 
 def policy_logprobs(model_dir, checkpoint, completions) -> tuple[list[float], list[float]]:
     """Logprobs of the completions' tokens under the checkpoint's peft model, and under its base."""
-    from peft import LoraConfig, get_peft_model
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
-                           LoraConfig(r=RANK, lora_alpha=16, target_modules="all-linear"))
-    missing = model.load_state_dict(load_file(str(checkpoint / "model.safetensors")), strict=False).missing_keys
-    assert missing == ["base_model.model.lm_head.weight"]  # tied to the embedding: saved once
+    model = peft_policy(model_dir, checkpoint, RANK)
 
     def logprobs() -> list[float]:
         out = []
@@ -69,3 +65,23 @@ def policy_logprobs(model_dir, checkpoint, completions) -> tuple[list[float], li
         trained = logprobs()
         with model.disable_adapter():
             return trained, logprobs()
+
+
+def test_an_adapter_a_replica_cannot_apply_is_refused_and_it_serves_on(services):
+    """A LoRA trainer's offer with a doctored rank, and a vLLM replica started without LoRA support:
+    each refused with a precise status before any byte moves; the replica serves on, unchanged."""
+    tr = services.start("trainer", ["--lora-rank", str(RANK)], name="trainer")
+    hf = RolloutClient(services.start("rollout", rollout_args("hf"), name="hf").address)
+    plain = RolloutClient(services.start("rollout", rollout_args("vllm"), name="plain-vllm").address)
+    offer = TrainerClient(tr.address).offer_weights()
+    bad = tpb.Offer()
+    bad.CopyFrom(offer)
+    bad.manifest.adapter.rank = 2 * RANK
+    for replica, offer_, code, words in [(hf, bad, grpc.StatusCode.INVALID_ARGUMENT, f"expected [{2 * RANK}, "),
+                                          (plain, offer, grpc.StatusCode.FAILED_PRECONDITION, '"enable_lora": true')]:
+        before = replica.complete("stable", max_tokens=8, temperature=0, ignore_eos=True)[0].token_ids
+        with pytest.raises(RpcError) as e:
+            replica.prepare_update(offer_)
+        assert e.value.code == code and words in e.value.message, e.value
+        assert replica.info().pending_version == -1 and replica.info().weight_version == 0
+        assert replica.complete("stable", max_tokens=8, temperature=0, ignore_eos=True)[0].token_ids == before

@@ -35,6 +35,7 @@ class StepRecord:
     phases: dict[str, float] = field(default_factory=dict)
     generate_seconds: float = 0.0
     train_seconds: float = 0.0
+    sync_bytes: int = 0  # what the sync moved: the whole model, or a LoRA adapter
 
 
 async def run_loop(coordinator: str, task: DigitsTask, cfg: LoopConfig, token: str = "",
@@ -58,11 +59,12 @@ async def run_loop(coordinator: str, task: DigitsTask, cfg: LoopConfig, token: s
                     batch.append(trajectory(comp, r, group_id=f"{step}-{g}"))
             await c.train(batch)
             t2 = time.perf_counter()
-            version, sync_s, verified, phases = (await c.status()).weight_version, 0.0, False, {}
+            version, sync_s, verified, phases, nbytes = (await c.status()).weight_version, 0.0, False, {}, 0
             if cfg.sync:
                 s = await c.sync_weights(verify=cfg.verify)
-                version, sync_s, verified, phases = s.version, s.seconds, s.verified, dict(s.phases)
-            rec = StepRecord(step + 1, sum(rewards) / len(rewards), version, sync_s, verified, phases, t1 - t0, t2 - t1)
+                version, sync_s, verified, phases, nbytes = s.version, s.seconds, s.verified, dict(s.phases), s.bytes
+            rec = StepRecord(step + 1, sum(rewards) / len(rewards), version, sync_s, verified, phases, t1 - t0, t2 - t1,
+                             nbytes)
             records.append(rec)
             if on_step:
                 on_step(rec)

@@ -19,6 +19,10 @@ from rlsync.launch import ServiceProcess
 from rlsync.models import resolve_model
 
 VLLM_ARGS = {"enforce_eager": True, "kv_cache_memory_bytes": 128 << 20, "max_num_seqs": 128}
+LORA_RANK = 8
+# vLLM's LoRA support, sized for the demo's adapter; two at once, so requests on the last one finish
+# while new ones start on the next.
+VLLM_LORA_ARGS = {"enable_lora": True, "max_lora_rank": LORA_RANK, "max_loras": 2}
 
 
 def start_fleet(args, logs: Path) -> list[ServiceProcess]:
@@ -26,10 +30,12 @@ def start_fleet(args, logs: Path) -> list[ServiceProcess]:
     co = ServiceProcess("coordinator", ["--port", "0", "--sync-mode", args.mode, "--max-staleness", "1"],
                         env=env, log_path=logs / "coordinator.log")
     address = co.wait_ready()
+    lora = ["--lora-rank", str(LORA_RANK), "--lora-alpha", str(2 * LORA_RANK)] if args.lora else []
     fleet = [co, ServiceProcess("trainer", ["--port", "0", "--coordinator", address, "--model", args.model,
-                                            "--lr", str(args.lr), "--checksums"],
+                                            "--lr", str(args.lr), "--checksums", *lora],
                                 env=env, log_path=logs / "trainer.log", name="trainer")]
-    engine_args = json.dumps(VLLM_ARGS if args.engine == "vllm" else {})
+    vllm_args = {**VLLM_ARGS, **(VLLM_LORA_ARGS if args.lora else {})}
+    engine_args = json.dumps(vllm_args if args.engine == "vllm" else {})
     fleet += [ServiceProcess("rollout", ["--port", "0", "--coordinator", address, "--model", args.model,
                                          "--engine", args.engine, "--engine-args", engine_args,
                                          "--replica-id", f"replica-{i}"],
@@ -68,11 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
     parser.add_argument("--group", type=int, default=8, help="completions per prompt (the GRPO group)")
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=5e-3)
+    parser.add_argument("--lr", type=float, default=None, help="learning rate (default 5e-3; 3e-2 with --lora)")
+    parser.add_argument("--lora", action="store_true",
+                        help=f"train a rank-{LORA_RANK} LoRA adapter on the frozen model and sync only the adapter")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--no-sync", action="store_true", help="control run: engines never get new weights")
     parser.add_argument("--out", default="runs/demo")
     args = parser.parse_args(argv)
+    if args.lr is None:
+        args.lr = 3e-2 if args.lora else 5e-3
 
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -82,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     task = DigitsTask(AutoTokenizer.from_pretrained(model), args.max_tokens)
-    print(f"rlsync demo: {args.mode} sync, {args.replicas} {args.engine} replica(s), tiny model at {model}",
-          flush=True)
+    print(f"rlsync demo: {args.mode} sync, {args.replicas} {args.engine} replica(s), tiny model at {model}"
+          + (f", training a rank-{LORA_RANK} LoRA adapter" if args.lora else ""), flush=True)
     start = time.perf_counter()
     fleet = start_fleet(args, out / "logs")
     try:
@@ -96,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def progress(r: StepRecord) -> None:
             bar.set_postfix(reward=f"{r.reward_mean:.3f}", version=r.version, sync=f"{r.sync_seconds * 1000:.0f}ms",
-                            verified=r.weights_verified)
+                            bytes=f"{r.sync_bytes / 1e3:.0f}kB", verified=r.weights_verified)
             bar.update(1)
 
         cfg = LoopConfig(args.steps, args.prompts, args.group, args.max_tokens, sync=not args.no_sync)
@@ -106,11 +116,15 @@ def main(argv: list[str] | None = None) -> int:
         for proc in reversed(fleet):
             proc.stop()
     summary = summarize(records, mode=args.mode, engine=args.engine, replicas=args.replicas, sync=not args.no_sync,
-                        model=model, seconds=round(time.perf_counter() - start, 1))
+                        model=model, lora_rank=LORA_RANK if args.lora else 0,
+                        seconds=round(time.perf_counter() - start, 1))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     plot(records, out / "reward.png", f"rlsync demo ({args.mode}, {args.engine})")
+    synced = [r.sync_bytes for r in records if r.sync_bytes]
+    what = "adapter" if args.lora else "weight"
     print(f"reward {summary['reward_first5']:.3f} (first 5 steps) -> {summary['reward_last5']:.3f} (last 5); "
-          f"wrote {out / 'summary.json'} and {out / 'reward.png'}", flush=True)
+          + (f"{synced[0] / 1e3:.1f} kB of {what} bytes per sync; " if synced else "")
+          + f"wrote {out / 'summary.json'} and {out / 'reward.png'}", flush=True)
     return 0
 
 
