@@ -141,14 +141,9 @@ def rl_step(client, seed: int = 0):
     return client.sync_weights(verify=True)
 
 
-def peft_policy(model_dir, checkpoint, rank: int, alpha: float = 16.0):
-    """The peft model a LoRA trainer (all-linear targets) saved in `checkpoint`, on its base."""
-    from peft import LoraConfig, get_peft_model
-    from safetensors.torch import load_file
+def peft_policy(model_dir, checkpoint):
+    """The peft model a LoRA trainer saved in `checkpoint` (its adapter/ folder), on its base."""
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
-                           LoraConfig(r=rank, lora_alpha=alpha, target_modules="all-linear"))
-    missing = model.load_state_dict(load_file(str(Path(checkpoint) / "model.safetensors")), strict=False).missing_keys
-    assert missing == ["base_model.model.lm_head.weight"]  # tied to the embedding: saved once
-    return model.eval()
+    return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), str(Path(checkpoint) / "adapter"))

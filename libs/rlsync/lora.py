@@ -106,12 +106,13 @@ def split(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
         m = _LIVE.match(name)
         if m is not None:
             adapter[wire_name(m.group(1), m.group(2))] = t
-        elif any(k in name for k in _OTHER_PEFT):
+        elif any(k in name for k in _OTHER_PEFT) or t.requires_grad:  # trained, so it would have to be sent
             other.append(name)
         else:
             base[name.removeprefix(PREFIX).replace(".base_layer.", ".")] = t
     if other:
-        raise InvalidArgument(f"LoRA sync supports LoRA on linear layers only; the model also trains {other[:3]}")
+        raise InvalidArgument(f"LoRA sync sends the LoRA weights of linear layers only; the model also trains "
+                              f"{other[:3]} (freeze them, or publish the whole model)")
     return adapter, base
 
 

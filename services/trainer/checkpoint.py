@@ -53,7 +53,10 @@ def _save(out: Path, policy, step: int, source_model: str) -> Path:
     save_file(opt, str(out / OPTIMIZER))
     groups = [{k: v for k, v in g.items() if k != "params"} for g in policy.optimizer.param_groups]
     (out / STATE).write_text(json.dumps({"step": step, "param_groups": groups}, indent=1, default=str))
-    policy.model.config.save_pretrained(out)  # the folder is a model other tools can load
+    if getattr(policy, "adapter", None) is not None:  # LoRA: the adapter as peft saves it, for the base model
+        policy.model.save_pretrained(out / "adapter")  # (the weights above use peft's internal names: resume only)
+    else:
+        policy.model.config.save_pretrained(out)  # the folder is a model other tools can load
     for name in _TOKENIZER_FILES:
         if (Path(source_model) / name).exists():
             shutil.copy(Path(source_model) / name, out / name)

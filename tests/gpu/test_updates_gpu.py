@@ -99,7 +99,7 @@ def test_same_gpu_lora_adapter_over_cuda_ipc(services, tmp_path, tiny_model):
     audit = trainer.checksums()
     assert report.bytes == sum(4 * t.shape[0] * t.shape[1] for t in audit.tensors if ".lora_" in t.name)
     assert differences(audit, rollout.checksums()) == []
-    model = peft_policy(tiny_model, trainer.save_checkpoint(str(tmp_path / "c")).path, rank=8).cuda()
+    model = peft_policy(tiny_model, trainer.save_checkpoint(str(tmp_path / "c")).path).cuda().eval()
     prompt = done[0].prompt_token_ids
     with torch.no_grad():
         want = model.generate(input_ids=torch.tensor([prompt]).cuda(), max_new_tokens=10, min_new_tokens=10,

@@ -52,7 +52,7 @@ def test_lora_steps_sync_only_the_adapter(services, engine, tiny_model, tmp_path
 
 def policy_logprobs(model_dir, checkpoint, completions) -> tuple[list[float], list[float]]:
     """Logprobs of the completions' tokens under the checkpoint's peft model, and under its base."""
-    model = peft_policy(model_dir, checkpoint, RANK)
+    model = peft_policy(model_dir, checkpoint)
 
     def logprobs() -> list[float]:
         out = []

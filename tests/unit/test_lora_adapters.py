@@ -12,6 +12,7 @@ from torch import nn
 
 from rlsync import lora
 from rlsync.errors import InvalidArgument
+from rlsync.publish import WeightMap
 from rlsync.publish.source import module_source
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.v1.transfer_pb2 import LoraAdapter
@@ -90,3 +91,31 @@ def test_a_peft_model_publishes_its_adapter_and_audits_its_frozen_base():
 def test_adapters_rlsync_cannot_sync_are_refused(config, words):
     with pytest.raises(InvalidArgument, match=words):
         module_source(get_peft_model(Tiny(), config))
+
+
+def test_a_peft_model_that_trains_more_than_its_adapter_is_refused():
+    peft_model = get_peft_model(Tiny(), LoraConfig(r=4, target_modules=["q_proj"]))
+    peft_model.base_model.model.norm.weight.requires_grad_(True)  # trained, but never sent: refused
+    with pytest.raises(InvalidArgument, match="also trains.*norm.weight"):
+        module_source(peft_model)
+    with pytest.raises(InvalidArgument, match="only dtype applies"):
+        module_source(get_peft_model(Tiny(), LoraConfig(r=4, target_modules=["q_proj"])),
+                      WeightMap(rename={"x": "y"}))
+
+
+def test_the_hf_engine_adapts_linear_layers_only():
+    from rlsync.rollout.engines.hf_lora import Adapter
+
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8))
+    adapter = Adapter(model, torch.device("cpu"), torch.float32)
+    ok = [spec(lora.wire_name("1", "A"), 2, 8), spec(lora.wire_name("1", "B"), 8, 2)]
+    assert set(adapter.staging(ok).views) == {s.name for s in ok}
+    with pytest.raises(InvalidArgument, match=r"\['0'\] are not linear layers"):
+        adapter.staging([spec(lora.wire_name("0", "A"), 2, 10), spec(lora.wire_name("0", "B"), 8, 2)])
+    adapter.apply(LoraAdapter(rank=2, alpha=4), {s.name: torch.ones(s.shape) for s in ok})
+    x = torch.tensor([[1, 2]])
+    lin = model[1].base_layer
+    want = lin(model[0](x)) + 2.0 * (model[0](x) @ torch.ones(2, 8).T @ torch.ones(8, 2).T)
+    assert torch.allclose(model(x), want) and not any(p.requires_grad for p in model.parameters())
+    adapter.disable()
+    assert torch.allclose(model(x), lin(model[0](x)))

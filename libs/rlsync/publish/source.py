@@ -96,7 +96,9 @@ def module_source(model: nn.Module, weights: WeightMap | None = None, dst: int =
         if any(is_sharded(t) for t in (*tensors.values(), *frozen.values())):
             raise InvalidArgument("LoRA adapters of sharded models (FSDP2, tensor parallel) are not published yet: "
                                   "publish the merged weights, or train the adapter on an unsharded model")
-        weights = WeightMap(dtype=weights.dtype)  # names are peft's, checked by the engine; only the cast applies
+        if weights.rename is not None or weights.include or weights.exclude or weights.fuse or weights.tied:
+            raise InvalidArgument("a LoRA adapter is published under peft's names: of WeightMap, only dtype applies "
+                                  "(drop rename, include, exclude, fuse and tied)")
     entries = weights.plan([(n, tuple(t.shape), t.dtype) for n, t in tensors.items()])
     devices = {local_device(tensors[p]) for e in entries for p in e.parts}
     if len(devices) > 1:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from rlsync.errors import InvalidArgument
 from rlsync.flat import FlatStore
-from rlsync.lora import parse, peft_config
+from rlsync.lora import parse, peft_config, wire_name
 from rlsync.transfer.v1.transfer_pb2 import LoraAdapter
 
 
@@ -21,8 +22,20 @@ class Adapter:
         self.active = False
 
     def staging(self, specs) -> FlatStore:
-        """Where an adapter is received: in the engine's dtype (cast on arrival), like full weights."""
+        """Where an adapter is received: in the engine's dtype (cast on arrival), like full weights.
+        Refuses an adapter on a module that is not a linear layer (peft adapts embeddings otherwise)."""
+        wrong = sorted(m for m in {parse(s.name)[0] for s in specs} if not self._is_linear(m))
+        if wrong:
+            raise InvalidArgument(f"LoRA adapter refused: {wrong[:3]} are not linear layers of this model "
+                                  "(the hf engine adapts linear layers only)")
         return FlatStore({s.name: (torch.Size(s.shape), self.dtype) for s in specs}, self.device)
+
+    def _is_linear(self, name: str) -> bool:
+        try:
+            module = self.model.get_submodule(name)
+        except AttributeError:
+            return False
+        return isinstance(getattr(module, "base_layer", module), torch.nn.Linear)  # once injected: peft's wrapper
 
     def apply(self, adapter: LoraAdapter, staged: dict[str, torch.Tensor]) -> None:
         """Makes `staged` the served adapter (call between two steps). A new rank, alpha or set of
@@ -36,15 +49,14 @@ class Adapter:
             inject_adapter_in_model(peft_config(adapter, modules), self.model, adapter_name=name)
             self.injected[key] = name
         name = self.injected[key]
-        self.params = {}
+        params = {}
         for module in modules:
             layer = self.model.get_submodule(module)
             for side, weights in (("A", layer.lora_A), ("B", layer.lora_B)):
-                p = weights[name].weight
-                p.requires_grad_(False)
-                self.params[f"base_model.model.{module}.lora_{side}.weight"] = p
-        for wire, p in self.params.items():
+                params[wire_name(module, side)] = weights[name].weight
+        for wire, p in params.items():
             p.data = staged[wire]
+        self.params = params
         self._switch(name)
 
     def disable(self) -> None:
@@ -60,6 +72,8 @@ class Adapter:
                 if name is not None:
                     m.set_adapter(name)  # a layer without this adapter runs as its base
                 m.enable_adapters(name is not None)
+        for p in self.model.parameters():  # peft makes the active adapter trainable; nothing trains here
+            p.requires_grad_(False)
         self.active = name is not None
 
     def checksums(self) -> dict[str, tuple[str, tuple[int, ...], str]]:

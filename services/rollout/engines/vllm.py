@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import tempfile
@@ -68,7 +69,10 @@ class VLLMEngine(Engine):
         self.dtype = str(config.model_config.dtype).removeprefix("torch.")
         self.vocab_size = config.model_config.get_vocab_size()
         self.tensor_parallel_size = config.parallel_config.tensor_parallel_size
-        await self.llm.update_weight_version(str(self.version))  # vLLM labels every step's tokens with it
+        # vLLM labels every step's tokens with it: the version of the full weights (an adapter's
+        # requests carry their adapter's version instead, see _deltas).
+        await self.llm.update_weight_version(str(self.version))
+        self.base_version = self.version
         self._in_flight: set[str] = set()
         self._salt = self.version  # moves to the new version before its weights go live
         await self._read_memory()
@@ -101,9 +105,12 @@ class VLLMEngine(Engine):
         # With an adapter: the request runs on it to the end, so its tokens are all that version's.
         lora, adapter_version = self.adapters.use(request.request_id)
         try:
-            async for out in self.llm.generate(prompt, params, request.request_id, lora_request=lora):
-                for delta in self._deltas(out, p.logprobs, adapter_version):
-                    yield delta
+            # aclosing: a consumer that stops early ends the request in vLLM before its adapter may go
+            async with contextlib.aclosing(self.llm.generate(prompt, params, request.request_id,
+                                                             lora_request=lora)) as outputs:
+                async for out in outputs:
+                    for delta in self._deltas(out, p.logprobs, adapter_version):
+                        yield delta
         except VLLMClientError as e:
             raise InvalidArgument(f"vllm refused the request: {e}") from e
         except EngineDeadError as e:
@@ -116,7 +123,7 @@ class VLLMEngine(Engine):
     def _deltas(self, out, want_logprobs: bool, adapter_version: int | None = None) -> list[Delta]:
         # The version live when the output is read: outputs made just before a switch may be read
         # just after it, so the final Delta carries vLLM's own per-token record (exact), which wins.
-        version = self.version if adapter_version is None else adapter_version
+        version = self.base_version if adapter_version is None else adapter_version
         deltas = []
         for c in out.outputs:
             logprobs = None
@@ -233,21 +240,26 @@ class VLLMEngine(Engine):
         if self.adapters.pending is not None:  # new requests run on the new adapter; running ones keep theirs
             self._salt = version
             await self.adapters.commit(self.llm, version)
-            await self.llm.update_weight_version(str(version))
             self.version = version
             return 0
-        # Requests running on an adapter would go on with it over the new weights: a mix of versions.
-        for request_id in self.adapters.running():
-            await self.llm.abort(request_id)
-        await self.adapters.commit(self.llm, None)
         was_paused = await self.llm.is_paused()
         if not was_paused:  # freeze requests in place, between two engine steps; they go on after
             await self.llm.pause_generation(mode="keep", clear_cache=False)
         try:
-            self._salt = version  # requests arriving from now on run on the new weights
-            await self.llm.collective_rpc("rlsync_commit")
+            # Requests on an adapter would go on with it over the new weights, a mix of versions:
+            # they end (the gateway resubmits them), and new ones run on the new weights alone.
+            on_adapters = self.adapters.detach()
+            try:
+                for request_id in on_adapters:
+                    await self.llm.abort(request_id)
+                self._salt = version  # requests arriving from now on run on the new weights
+                await self.llm.collective_rpc("rlsync_commit")
+            except BaseException:
+                self.adapters.reattach()
+                raise
+            await self.adapters.forget(self.llm)
             await self.llm.update_weight_version(str(version))  # before anything else can fail
-            self.version = version
+            self.version = self.base_version = version
             recomputed = len(self._in_flight) if recompute_kv else 0
             if recompute_kv:  # preempts the running requests: vLLM prefills their tokens again
                 await self.llm.reset_prefix_cache(reset_running_requests=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import shutil
 import tempfile
 import time
@@ -20,11 +21,12 @@ from pathlib import Path
 import torch
 from vllm.lora.request import LoRARequest
 
-from rlsync.errors import InvalidArgument
+from rlsync.errors import Aborted, InvalidArgument, RlsyncError
 from rlsync.lora import folder_config, parse
 from rlsync.rollout.staging import StagedUpdate, pulled
 from rlsync.transfer import answer, audit_entry, from_proto
 
+log = logging.getLogger(__name__)
 _SHM = Path("/dev/shm")
 
 
@@ -36,6 +38,7 @@ class Adapters:
         self.loaded: LoRARequest | None = None  # added to vLLM by finish, made current by commit
         self.current: LoRARequest | None = None
         self.version = 0  # the current adapter's weight version
+        self._detached: tuple | None = None  # (current, version, applied) while a full update commits
         self.applied: dict[str, tuple[str, tuple[int, ...], str]] = {}  # its checksums, as sent
         self._staged: dict[str, torch.Tensor] = {}
         self._users: dict[str, int] = {}  # request id -> the adapter id it runs with
@@ -48,13 +51,14 @@ class Adapters:
         self._users[request_id] = self.current.lora_int_id
         return self.current, self.version
 
-    def running(self) -> list[str]:
-        return list(self._users)
-
     async def done(self, llm, request_id: str) -> None:
+        """A request ended (after vLLM let go of it): its adapter goes if nothing else uses it."""
         lora_id = self._users.pop(request_id, None)
         if lora_id is not None:
-            await self._remove_if_unused(llm, lora_id)
+            try:
+                await self._remove_if_unused(llm, lora_id)
+            except Exception:  # noqa: BLE001 - the request's own outcome matters more
+                log.warning("could not remove LoRA adapter %d", lora_id, exc_info=True)
 
     async def prepare(self, offer, receiver_id: str, force_backend: str, timeout: float):
         cpu = torch.device("cpu")
@@ -73,18 +77,24 @@ class Adapters:
         """Waits for the bytes, then has vLLM load the adapter (the commit then only switches)."""
         update, adapter = self.pending
         start = time.perf_counter()
+        lora_id, self._next_id = self._next_id, self._next_id + 1
+        path = Path(self.folder.name) / f"v{update.version}-{lora_id}"
         try:
             await asyncio.to_thread(update.wait, timeout)
-            lora_id, self._next_id = self._next_id, self._next_id + 1
-            path = Path(self.folder.name) / f"v{update.version}-{lora_id}"
-            await asyncio.to_thread(self._write, path, adapter)
+            try:
+                await asyncio.to_thread(self._write, path, adapter)
+            except OSError as e:
+                raise Aborted(f"could not write the LoRA adapter for vLLM to {path}: {e}") from e
             request = LoRARequest(f"rlsync-v{update.version}", lora_id, str(path))
             try:
                 await llm.add_lora(request)
             except Exception as e:  # noqa: BLE001 - vLLM's own words say what it refused
                 raise InvalidArgument(f"vllm refused the LoRA adapter: {e}") from e
-        except BaseException:
+        except BaseException as e:
             await self.abort(llm)
+            shutil.rmtree(path, ignore_errors=True)
+            if isinstance(e, Exception) and not isinstance(e, RlsyncError):  # the caller drops the update
+                raise Aborted(f"LoRA adapter for version {update.version} failed: {e!r}") from e
             raise
         self.loaded = request
         return time.perf_counter() - start
@@ -97,29 +107,48 @@ class Adapters:
         modules = {parse(name)[0] for name in self._staged}
         (path / "adapter_config.json").write_text(json.dumps(folder_config(adapter, modules, self.model)))
 
-    async def commit(self, llm, version: int | None) -> None:
-        """Makes the loaded adapter current (None: a full update, so no adapter from now on)."""
+    async def commit(self, llm, version: int) -> None:
+        """Makes the loaded adapter the one new requests run with."""
         old = self.current
-        if version is None:
-            self.current, self.applied = None, {}
-        else:
-            self.current, self.version = self.loaded, version
-            self.applied = {n: audit_entry(t) for n, t in self._staged.items()}
+        self.current, self.version = self.loaded, version
+        self.applied = {n: audit_entry(t) for n, t in self._staged.items()}
         self.pending, self.loaded, self._staged = None, None, {}
         if old is not None:
             await self._remove_if_unused(llm, old.lora_int_id)
 
+    # A full update replaces base and adapter: detach (new requests get none; the caller aborts the
+    # ones still on an adapter), then forget once the new weights are in, or reattach if they failed.
+    def detach(self) -> list[str]:
+        self._detached = (self.current, self.version, self.applied)
+        self.current, self.applied = None, {}
+        return list(self._users)
+
+    def reattach(self) -> None:
+        self.current, self.version, self.applied = self._detached
+        self._detached = None
+
+    async def forget(self, llm) -> None:
+        old, self._detached = self._detached[0], None
+        if old is not None:
+            try:
+                await self._remove_if_unused(llm, old.lora_int_id)
+            except Exception:  # noqa: BLE001 - the new weights are in; vLLM's cache evicts it in time
+                log.warning("could not remove LoRA adapter %d", old.lora_int_id, exc_info=True)
+
     async def abort(self, llm) -> None:
         """Drops a prepared adapter: its transfer, and its copy in vLLM if it was loaded."""
-        if self.pending is not None:
-            await asyncio.to_thread(self.pending[0].abort)
-        loaded, self.pending, self.loaded, self._staged = self.loaded, None, None, {}
-        if loaded is not None:
-            await self._remove_if_unused(llm, loaded.lora_int_id)
+        pending, loaded = self.pending, self.loaded
+        self.pending, self.loaded, self._staged = None, None, {}
+        try:
+            if pending is not None:
+                await asyncio.to_thread(pending[0].abort)
+        finally:
+            if loaded is not None:
+                await self._remove_if_unused(llm, loaded.lora_int_id)
 
     async def _remove_if_unused(self, llm, lora_id: int) -> None:
-        in_use = self.current is not None and self.current.lora_int_id == lora_id
-        if in_use or lora_id in self._users.values():
+        held = [r for r in (self.current, self.loaded, self._detached and self._detached[0]) if r is not None]
+        if any(r.lora_int_id == lora_id for r in held) or lora_id in self._users.values():
             return
         await llm.remove_lora(lora_id)
         for path in Path(self.folder.name).glob(f"v*-{lora_id}"):
