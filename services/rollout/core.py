@@ -69,6 +69,8 @@ class RolloutCore:
         self.in_flight: dict[str, _InFlight] = {}
         self._control = asyncio.Lock()  # one state change (pause, sleep, update...) at a time
         self.pending: int | None = None  # version of a prepared update not yet committed
+        self._pending_full = True  # the prepared update is full weights, not a LoRA adapter
+        self.base_version = 0  # the version of the full weights under any adapter (0: the checkpoint)
         self._closed = asyncio.Condition()  # notified whenever a request leaves in_flight
         self.admitted = 0  # Generate requests taken since start
         self._closing: str | None = None
@@ -247,15 +249,21 @@ class RolloutCore:
                                          "set force to roll back")
             start = time.perf_counter()
             specs = from_proto(offer.manifest)
-            if offer.manifest.HasField("adapter"):  # a LoRA adapter for the base this replica holds
-                lora.check(specs, offer.manifest.adapter, self.engine.expected_tensors(), self.engine.max_lora_rank())
+            adapter = offer.manifest.adapter if offer.manifest.HasField("adapter") else None
+            if adapter is not None:  # a LoRA adapter for the base this replica holds
+                if adapter.base_version != self.base_version:
+                    raise FailedPrecondition(
+                        f"the LoRA adapter was trained on base version {adapter.base_version}, this replica holds "
+                        f"base version {self.base_version} (a full update replaced the checkpoint it started from): "
+                        "push the full weights of the adapter's base first, or restart the replica")
+                lora.check(specs, adapter, self.engine.expected_tensors(), self.engine.max_lora_rank())
             else:
                 check_against(specs, self.engine.expected_tensors())
             checked = time.perf_counter()
             answer = await self.engine.prepare_update(offer, self.replica_id, force_backend,
                                                       timeout or self.update_timeout)
             answer.stages["check"] = checked - start
-            self.pending = version
+            self.pending, self._pending_full = version, adapter is None
             return answer
 
     async def commit_update(self, version: int, force: bool = False, timeout: float = 0,
@@ -288,6 +296,8 @@ class RolloutCore:
                 await self._drop_pending()
                 raise
             self.weight_version, self.pending = version, None
+            if self._pending_full:  # the base is now these weights (an adapter leaves it as it was)
+                self.base_version = version
             return CommitResult(version, waited, asyncio.get_running_loop().time() - start, True, recomputed)
 
     async def abort_update(self) -> bool:

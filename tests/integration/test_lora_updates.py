@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import peft_policy, rl_step, rollout_args
-from rlsync.client import CoordinatorClient, RolloutClient, TrainerClient
+from rlsync.client import CoordinatorClient, RolloutClient, TrainerClient, push_weights, trajectory
 from rlsync.client.errors import RpcError
 from rlsync.common.audit import differences
 from rlsync.transfer.v1 import transfer_pb2 as tpb
@@ -85,3 +85,36 @@ def test_an_adapter_a_replica_cannot_apply_is_refused_and_it_serves_on(services)
         assert e.value.code == code and words in e.value.message, e.value
         assert replica.info().pending_version == -1 and replica.info().weight_version == 0
         assert replica.complete("stable", max_tokens=8, temperature=0, ignore_eos=True)[0].token_ids == before
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_adapters_and_full_updates_take_turns(services, engine):
+    """An adapter, then full weights from another trainer: the adapter is gone from what is served
+    and audited. An adapter trained on the checkpoint no longer fits that base: refused with a
+    precise status, and the replica serves the full weights on."""
+    lora_trainer = TrainerClient(services.start("trainer", ["--lora-rank", str(RANK), "--lr", "5e-2"],
+                                                name="lora-trainer").address)
+    full_trainer = TrainerClient(services.start("trainer", ["--lr", "1e-2"], name="full-trainer").address)
+    args = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2} if engine == "vllm" else {}
+    replica = RolloutClient(services.start("rollout", rollout_args(engine, **args), name="r").address)
+
+    def train(trainer, seed):
+        done = replica.complete("3+4=", n=4, max_tokens=8, temperature=1.0, logprobs=True, seed=seed)
+        batch = [trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)]
+        for t in batch:  # sampled from the other trainer's weights: no versions of this one's
+            t.ClearField("token_versions")
+        trainer.train(batch)
+
+    for version, trainer in enumerate([lora_trainer, full_trainer], 1):
+        train(trainer, version)
+        push_weights(trainer, [replica], version=version)
+        assert differences(trainer.checksums(), replica.checksums()) == [], version
+        done = replica.complete("1+1=", max_tokens=6, temperature=0, ignore_eos=True)[0]
+        assert set(done.token_versions) == {version}
+    assert not any(".lora_" in t.name for t in replica.checksums().tensors)
+    train(lora_trainer, 3)
+    with pytest.raises(RpcError) as e:
+        push_weights(lora_trainer, [replica], version=3)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "base version 0" in e.value.message, e.value
+    assert replica.info().weight_version == 2
+    assert differences(full_trainer.checksums(), replica.checksums()) == []

@@ -45,14 +45,16 @@ class Manifest(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., version: _Optional[int] = ..., adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
 
 class LoraAdapter(_message.Message):
-    __slots__ = ("rank", "alpha", "use_rslora")
+    __slots__ = ("rank", "alpha", "use_rslora", "base_version")
     RANK_FIELD_NUMBER: _ClassVar[int]
     ALPHA_FIELD_NUMBER: _ClassVar[int]
     USE_RSLORA_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     alpha: float
     use_rslora: bool
-    def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ...) -> None: ...
+    base_version: int
+    def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ..., base_version: _Optional[int] = ...) -> None: ...
 
 class Facts(_message.Message):
     __slots__ = ("host_id", "device_type", "gpu_uuids", "hostname")
