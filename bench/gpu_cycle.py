@@ -10,6 +10,7 @@ object.
 
     python bench/gpu_cycle.py --preset qwen3-1.7b --cycles 5
     python bench/gpu_cycle.py --only updates --mode inflight --interval 2
+    python bench/gpu_cycle.py --only colocated --lora-rank 16   # the trainer syncs a LoRA adapter only
 """
 
 from __future__ import annotations
@@ -41,12 +42,12 @@ def gpu_used() -> float:
     return round((total - free) / GIB, 2)
 
 
-def start(logs: Path, mode: str, model: str, trainer_gpu: str, replica_gpus: list[str]):
+def start(logs: Path, mode: str, model: str, trainer_gpu: str, replica_gpus: list[str], trainer_args=()):
     co = ServiceProcess("coordinator", ["--port", "0", "--sync-mode", mode], log_path=logs / "coordinator.log")
     address = co.wait_ready()
     engine = json.dumps({"device": "cuda", "dtype": "bfloat16", "max_num_seqs": 128})
     fleet = [co, ServiceProcess("trainer", ["--port", "0", "--coordinator", address, "--model", model, "--device",
-                                            "cuda", "--dtype", "bfloat16", "--lr", "1e-5"],
+                                            "cuda", "--dtype", "bfloat16", "--lr", "1e-5", *trainer_args],
                                 env={"CUDA_VISIBLE_DEVICES": trainer_gpu}, log_path=logs / "trainer.log")]
     fleet += [ServiceProcess("rollout", ["--port", "0", "--coordinator", address, "--engine", "hf", "--model", model,
                                          "--engine-args", engine, "--replica-id", f"r{i}"],
@@ -101,8 +102,8 @@ async def generate(address: str, prompts: int, group: int, max_tokens: int):
                                                  logprobs=True, seed=i) for i in range(prompts)))
 
 
-def colocated(model: str, cycles: int, logs: Path, limit: float) -> dict:
-    fleet = start(logs, "colocated", model, "0", ["0"])
+def colocated(model: str, cycles: int, logs: Path, limit: float, trainer_args=()) -> dict:
+    fleet = start(logs, "colocated", model, "0", ["0"], trainer_args)
     c, t, r = CoordinatorClient(fleet[0].address), TrainerClient(fleet[1].address), RolloutClient(fleet[2].address)
     out = []
     try:
@@ -270,16 +271,21 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="each window of the run under updates")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between two updates")
     parser.add_argument("--dir", default="/tmp/rlsync-gpu")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="colocated only: the trainer trains a LoRA adapter of this rank and syncs only it")
     args = parser.parse_args()
     root = Path(args.dir)
     model = str(build_preset(root / args.preset, args.preset, device="cuda"))
     nbytes = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
     gpus = torch.cuda.device_count()
+    lora = ["--lora-rank", str(args.lora_rank), "--lora-alpha", str(2 * args.lora_rank)] if args.lora_rank else []
     result = {"gpu": torch.cuda.get_device_name(0), "gpus": gpus, "preset": args.preset, "checkpoint_bytes": nbytes,
+              "lora_rank": args.lora_rank,
               "limits": {"d2d_copy_GB/s": round(d2d_limit(4 << 30, "cuda:0"), 1)}}
     torch.cuda.empty_cache()
     if args.only in (None, "colocated"):
-        result["colocated"] = colocated(model, args.cycles, root / "logs-colocated", result["limits"]["d2d_copy_GB/s"])
+        result["colocated"] = colocated(model, args.cycles, root / "logs-colocated", result["limits"]["d2d_copy_GB/s"],
+                                        lora)
     if args.only in (None, "disaggregated") and gpus >= 2:
         result["limits"]["nccl_broadcast_GB/s"] = round(nccl_limit(nbytes, 2), 1)
         result["disaggregated"] = disaggregated(model, args.cycles, root / "logs-disaggregated", gpus,
