@@ -39,6 +39,11 @@ def parse(name: str) -> tuple[str, str]:
     return m.group(1), m.group(2)
 
 
+def layout(specs) -> tuple:
+    """What two manifests must share for one's buffers and checks to serve the other: names, dtypes, shapes."""
+    return tuple((s.name, s.dtype, tuple(s.shape)) for s in specs)
+
+
 def scaling(adapter: pb.LoraAdapter) -> float:
     return adapter.alpha / (math.sqrt(adapter.rank) if adapter.use_rslora else adapter.rank)
 

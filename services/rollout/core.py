@@ -71,6 +71,7 @@ class RolloutCore:
         self.pending: int | None = None  # version of a prepared update not yet committed
         self._pending_full = True  # the prepared update is full weights, not a LoRA adapter
         self.base_version = 0  # the version of the full weights under any adapter (0: the checkpoint)
+        self._lora_checked: tuple | None = None  # the adapter manifest last found to fit the base
         self._closed = asyncio.Condition()  # notified whenever a request leaves in_flight
         self.admitted = 0  # Generate requests taken since start
         self._closing: str | None = None
@@ -256,7 +257,11 @@ class RolloutCore:
                         f"the LoRA adapter was trained on base version {adapter.base_version}, this replica holds "
                         f"base version {self.base_version} (a full update replaced the checkpoint it started from): "
                         "push the full weights of the adapter's base first, or restart the replica")
-                lora.check(specs, adapter, self.engine.expected_tensors(), self.engine.max_lora_rank())
+                max_rank = self.engine.max_lora_rank()
+                checked = (lora.layout(specs), adapter.SerializeToString())  # the same adapter again: known to fit
+                if checked != self._lora_checked:
+                    lora.check(specs, adapter, self.engine.expected_tensors(), max_rank)
+                    self._lora_checked = checked
             else:
                 check_against(specs, self.engine.expected_tensors())
             checked = time.perf_counter()

@@ -41,7 +41,10 @@ def to_proto(specs: list[Spec], version: int) -> pb.Manifest:
 def from_proto(manifest: pb.Manifest) -> list[Spec]:
     """Specs of a received manifest; refuses one that is inconsistent with itself."""
     raw = manifest.SerializeToString()
-    tail = pb.Manifest(version=manifest.version).SerializeToString()  # the version, serialized last
+    rest = pb.Manifest(version=manifest.version)  # what follows the tensors when serialized
+    if manifest.HasField("adapter"):
+        rest.adapter.CopyFrom(manifest.adapter)
+    tail = rest.SerializeToString()
     return list(_parsed(raw[:len(raw) - len(tail)] if raw.endswith(tail) else raw))
 
 

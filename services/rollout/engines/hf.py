@@ -432,7 +432,7 @@ class HFEngine(Engine):
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             if adapter is not None:
-                self.adapter.apply(adapter, staging.views)
+                self.adapter.apply(adapter, staging)
                 self.weights.version = version
             else:
                 self.weights.swap(staging, version)

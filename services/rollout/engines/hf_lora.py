@@ -1,7 +1,11 @@
 """The hf engine's LoRA adapter: peft's LoRA layers injected into the resident model by the first
-adapter update, whose weights then go live like a full update's, by re-pointing parameters at the
-received tensors between two decode steps (O(1)). The base is never touched; a full update switches
-the adapter off (the served policy is then exactly the new weights) until the next adapter update.
+adapter update, whose weights then go live like a full update's, by re-pointing parameters between
+two decode steps. The base is never touched; a full update switches the adapter off (the served
+policy is then exactly the new weights) until the next adapter update.
+
+An adapter lands as sent (one copy, no per-tensor cast: the trainer keeps it in one flat buffer),
+and the commit casts it into the engine's dtype with one kernel per buffer, into whichever of two
+live buffers the model is not reading; buffers are reused from one update to the next.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ import torch
 
 from rlsync.errors import InvalidArgument
 from rlsync.flat import FlatStore
-from rlsync.lora import parse, peft_config, wire_name
+from rlsync.lora import layout, parse, peft_config, wire_name
 from rlsync.transfer.v1.transfer_pb2 import LoraAdapter
 
 
@@ -18,17 +22,30 @@ class Adapter:
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype):
         self.model, self.device, self.dtype = model, device, dtype
         self.injected: dict[tuple, str] = {}  # (rank, alpha, rslora, modules) -> peft adapter name
-        self.params: dict[str, torch.nn.Parameter] = {}  # wire name -> the live adapter's parameter
-        self.active = False
+        self._layers: dict[tuple, dict[str, torch.nn.Parameter]] = {}  # per injected adapter: wire name -> param
+        self.params: dict[str, torch.nn.Parameter] = {}  # the live adapter's parameters
+        self.active: tuple | None = None  # the key of the adapter being served
+        self._checked: tuple | None = None  # the layout last checked
+        self._staging: dict[int, tuple] = {}  # id(store) -> (layout, store) handed out by staging()
+        self._spare: tuple | None = None  # (layout, store) a committed update left: the next one lands there
+        self._live: list[tuple] = []  # [(layout, store)]: what the model reads, and the one before
 
     def staging(self, specs) -> FlatStore:
-        """Where an adapter is received: in the engine's dtype (cast on arrival), like full weights.
-        Refuses an adapter on a module that is not a linear layer (peft adapts embeddings otherwise)."""
-        wrong = sorted(m for m in {parse(s.name)[0] for s in specs} if not self._is_linear(m))
-        if wrong:
-            raise InvalidArgument(f"LoRA adapter refused: {wrong[:3]} are not linear layers of this model "
-                                  "(the hf engine adapts linear layers only)")
-        return FlatStore({s.name: (torch.Size(s.shape), self.dtype) for s in specs}, self.device)
+        """Where an adapter is received, as sent. Refuses an adapter on a module that is not a linear
+        layer (peft would adapt an embedding some other way)."""
+        key = layout(specs)
+        if key != self._checked:
+            wrong = sorted(m for m in {parse(s.name)[0] for s in specs} if not self._is_linear(m))
+            if wrong:
+                raise InvalidArgument(f"LoRA adapter refused: {wrong[:3]} are not linear layers of this model "
+                                      "(the hf engine adapts linear layers only)")
+            self._checked = key
+        if self._spare is not None and self._spare[0] == key:
+            store, self._spare = self._spare[1], None
+        else:
+            store = FlatStore({s.name: (torch.Size(s.shape), s.dtype) for s in specs}, self.device)
+        self._staging = {id(store): (key, store)}  # the latest prepare's; an aborted one is dropped
+        return store
 
     def _is_linear(self, name: str) -> bool:
         try:
@@ -37,10 +54,11 @@ class Adapter:
             return False
         return isinstance(getattr(module, "base_layer", module), torch.nn.Linear)  # once injected: peft's wrapper
 
-    def apply(self, adapter: LoraAdapter, staged: dict[str, torch.Tensor]) -> None:
-        """Makes `staged` the served adapter (call between two steps). A new rank, alpha or set of
-        modules injects a new peft adapter beside the old one and activates it instead."""
-        modules = {parse(name)[0] for name in staged}
+    def apply(self, adapter: LoraAdapter, staged: FlatStore) -> None:
+        """Makes `staged` the served adapter (call between two steps, the transfer complete). A new
+        rank, alpha or set of modules injects a new peft adapter beside the old one instead."""
+        shape, _ = self._staging.pop(id(staged))
+        modules = {parse(name)[0] for name, _, _ in shape}
         key = (adapter.rank, adapter.alpha, adapter.use_rslora, frozenset(modules))
         if key not in self.injected:
             from peft import inject_adapter_in_model
@@ -48,21 +66,31 @@ class Adapter:
             name = f"rlsync{len(self.injected)}"
             inject_adapter_in_model(peft_config(adapter, modules), self.model, adapter_name=name)
             self.injected[key] = name
-        name = self.injected[key]
-        params = {}
-        for module in modules:
-            layer = self.model.get_submodule(module)
-            for side, weights in (("A", layer.lora_A), ("B", layer.lora_B)):
-                params[wire_name(module, side)] = weights[name].weight
+            self._layers[key] = {wire_name(m, side): getattr(self.model.get_submodule(m), f"lora_{side}")[name].weight
+                                 for m in modules for side in "AB"}
+        live = self._live_buffer(shape)
+        _cast_into(live, staged)
+        params = self._layers[key]
         for wire, p in params.items():
-            p.data = staged[wire]
+            p.data = live.views[wire]
+        if self.active != key:
+            self._switch(self.injected[key])
+            self.active = key
         self.params = params
-        self._switch(name)
+        self._live = [(shape, live), *self._live[:1]]
+        self._spare = (shape, staged)
+
+    def _live_buffer(self, shape: tuple) -> FlatStore:
+        """The live buffer the model does not read now: the one before the current, when it fits."""
+        if len(self._live) == 2 and self._live[1][0] == shape:
+            return self._live[1][1]
+        return FlatStore({name: (torch.Size(dims), self.dtype) for name, _, dims in shape}, self.device)
 
     def disable(self) -> None:
         """A full update replaced the model: serve it without any adapter."""
-        if self.active:
+        if self.active is not None:
             self._switch(None)
+            self.active = None
 
     def _switch(self, name: str | None) -> None:
         from peft.tuners.tuners_utils import BaseTunerLayer
@@ -74,9 +102,18 @@ class Adapter:
                 m.enable_adapters(name is not None)
         for p in self.model.parameters():  # peft makes the active adapter trainable; nothing trains here
             p.requires_grad_(False)
-        self.active = name is not None
 
     def checksums(self) -> dict[str, tuple[str, tuple[int, ...], str]]:
         from rlsync.transfer import audit_entry
 
-        return {n: audit_entry(p.data) for n, p in self.params.items()} if self.active else {}
+        return {n: audit_entry(p.data) for n, p in self.params.items()} if self.active is not None else {}
+
+
+def _cast_into(live: FlatStore, staged: FlatStore) -> None:
+    """The staged adapter in the live buffer's dtype: one kernel per buffer when every tensor of the
+    adapter has one dtype (the same names and shapes give the same element layout), else per tensor."""
+    if len(staged.buffers) == 1 and len(live.buffers) == 1:
+        next(iter(live.buffers.values())).copy_(next(iter(staged.buffers.values())))
+    else:
+        for name, view in live.views.items():
+            view.copy_(staged.views[name])
