@@ -44,10 +44,6 @@ def layout(specs) -> tuple:
     return tuple((s.name, s.dtype, tuple(s.shape)) for s in specs)
 
 
-def scaling(adapter: pb.LoraAdapter) -> float:
-    return adapter.alpha / (math.sqrt(adapter.rank) if adapter.use_rslora else adapter.rank)
-
-
 def check(specs: Sequence, adapter: pb.LoraAdapter, base: Mapping[str, tuple[tuple[int, ...], object]],
           max_rank: int | None = None) -> dict[str, tuple[int, int]]:
     """Checks an adapter's tensors (transfer Specs) against the base's {name: (shape, _)}; returns
@@ -127,11 +123,3 @@ def peft_config(adapter: pb.LoraAdapter, modules: Sequence[str]):
 
     return LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha, use_rslora=adapter.use_rslora,
                       target_modules=sorted(modules), lora_dropout=0.0, bias="none")
-
-
-def folder_config(adapter: pb.LoraAdapter, modules: Sequence[str], base_model: str) -> dict:
-    """adapter_config.json of a peft adapter folder (what vLLM's LoRA loader reads)."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-            "r": adapter.rank, "lora_alpha": adapter.alpha, "use_rslora": adapter.use_rslora,
-            "target_modules": sorted(modules), "lora_dropout": 0.0, "bias": "none", "use_dora": False,
-            "modules_to_save": None, "fan_in_fan_out": False}

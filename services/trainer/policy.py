@@ -73,6 +73,8 @@ class Policy:
         self.model.train()
         self.params = dict(self.model.named_parameters())  # tied parameters appear once
         self.trainable = {n: p for n, p in self.params.items() if p.requires_grad}
+        # (sent, frozen): the same Parameter objects for good (offload re-points their data, not them)
+        self._published = lora_split(self.params) if lora is not None else (self.params, {})
         self.specs = specs_of(self.params)
         self.trainable_specs = specs_of(self.trainable)
         self.arena: SharedArena | None = None
@@ -110,7 +112,7 @@ class Policy:
     def published(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(what a sync sends, what receivers already hold): every parameter and nothing, or under
         LoRA the adapter (peft's names) and its frozen base (the checkpoint's names)."""
-        return lora_split(self.params) if self.adapter is not None else (self.params, {})
+        return self._published
 
     def numel(self) -> int:
         return sum(p.numel() for p in self.params.values())

@@ -11,7 +11,6 @@ An adapter is removed from vLLM once it is neither current nor used by a running
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import shutil
 import tempfile
@@ -22,7 +21,7 @@ import torch
 from vllm.lora.request import LoRARequest
 
 from rlsync.errors import Aborted, InvalidArgument, RlsyncError
-from rlsync.lora import folder_config, parse
+from rlsync.lora import parse, peft_config
 from rlsync.rollout.staging import StagedUpdate, pulled
 from rlsync.transfer import answer, audit_entry, from_proto
 
@@ -55,10 +54,7 @@ class Adapters:
         """A request ended (after vLLM let go of it): its adapter goes if nothing else uses it."""
         lora_id = self._users.pop(request_id, None)
         if lora_id is not None:
-            try:
-                await self._remove_if_unused(llm, lora_id)
-            except Exception:  # noqa: BLE001 - the request's own outcome matters more
-                log.warning("could not remove LoRA adapter %d", lora_id, exc_info=True)
+            await self._remove_if_unused(llm, lora_id)
 
     async def prepare(self, offer, receiver_id: str, force_backend: str, timeout: float):
         cpu = torch.device("cpu")
@@ -104,8 +100,9 @@ class Adapters:
 
         path.mkdir(parents=True)
         save_file(self._staged, str(path / "adapter_model.safetensors"))
-        modules = {parse(name)[0] for name in self._staged}
-        (path / "adapter_config.json").write_text(json.dumps(folder_config(adapter, modules, self.model)))
+        config = peft_config(adapter, {parse(name)[0] for name in self._staged})
+        config.base_model_name_or_path = self.model
+        config.save_pretrained(str(path))  # adapter_config.json, as peft writes it
 
     async def commit(self, llm, version: int) -> None:
         """Makes the loaded adapter the one new requests run with."""
@@ -130,10 +127,7 @@ class Adapters:
     async def forget(self, llm) -> None:
         old, self._detached = self._detached[0], None
         if old is not None:
-            try:
-                await self._remove_if_unused(llm, old.lora_int_id)
-            except Exception:  # noqa: BLE001 - the new weights are in; vLLM's cache evicts it in time
-                log.warning("could not remove LoRA adapter %d", old.lora_int_id, exc_info=True)
+            await self._remove_if_unused(llm, old.lora_int_id)
 
     async def abort(self, llm) -> None:
         """Drops a prepared adapter: its transfer, and its copy in vLLM if it was loaded."""
@@ -147,10 +141,15 @@ class Adapters:
                 await self._remove_if_unused(llm, loaded.lora_int_id)
 
     async def _remove_if_unused(self, llm, lora_id: int) -> None:
+        """Best effort: whatever called it has already happened (a request ended, an update committed
+        or was dropped), and an adapter left behind is evicted by vLLM's cache in time."""
         held = [r for r in (self.current, self.loaded, self._detached and self._detached[0]) if r is not None]
         if any(r.lora_int_id == lora_id for r in held) or lora_id in self._users.values():
             return
-        await llm.remove_lora(lora_id)
+        try:
+            await llm.remove_lora(lora_id)
+        except Exception:  # noqa: BLE001
+            log.warning("could not remove LoRA adapter %d", lora_id, exc_info=True)
         for path in Path(self.folder.name).glob(f"v*-{lora_id}"):
             shutil.rmtree(path, ignore_errors=True)
 
