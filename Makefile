@@ -10,7 +10,7 @@ LOCK_VENV ?= .lock-venv
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv lock protos protos-check lint wheels base-image gpu-setup gpu-test clean
+.PHONY: demo test venv lock protos protos-check lint wheels base-image image-wheels gpu-setup gpu-test clean
 
 venv: $(STAMP)
 
@@ -52,8 +52,13 @@ lock:
 demo: $(STAMP)
 	$(BIN)/rlsync demo $(ARGS)
 
+# The compose test (marker docker: image build, a stack of four containers) runs in a second pytest
+# beside the rest, its output shown after theirs; it skips itself, with the reason, without a Docker engine.
 test: $(STAMP) protos-check
-	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS) tests
+	@mkdir -p .cache; $(BIN)/python -m pytest -m docker -s $(PYTEST_ARGS) tests/e2e > .cache/test-docker.log 2>&1 & \
+	docker=$$!; $(BIN)/python -m pytest -m "not gpu and not docker" $(PYTEST_ARGS) tests; rc=$$?; \
+	wait $$docker; drc=$$?; echo "---- pytest -m docker (compose stack) ----"; cat .cache/test-docker.log; \
+	exit $$(( rc ? rc : drc ))
 
 # The GPU machine has no network: `make wheels` here downloads what its image lacks (Python 3.12
 # wheels, into ./wheels, carried along), `make gpu-setup` there installs them and rlsync itself.
@@ -69,14 +74,25 @@ wheels: $(STAMP)
 	    $(CKPT_WHEELS)
 
 # A base image for the Dockerfile made here from Debian's packages (no registry needed): debootstrap
-# into a folder, imported into the local Docker engine as rlsync-base:bookworm; then
+# into a folder, with this host's CA bundle, imported into the local Docker engine as
+# rlsync-base:bookworm; then
 # `RLSYNC_BASE_IMAGE=rlsync-base:bookworm docker compose build`.
-BASE_ROOTFS ?= .cache/rlsync-base-rootfs
+BASE_ROOTFS ?= $(CURDIR)/.cache/rlsync-base-rootfs
 base-image:
-	rm -rf $(BASE_ROOTFS)
+	rm -rf $(BASE_ROOTFS) && mkdir -p $(dir $(BASE_ROOTFS))
 	debootstrap --variant=minbase --include=python3,python3-pip,python3-venv,python-is-python3,ca-certificates \
 	    bookworm $(BASE_ROOTFS) http://deb.debian.org/debian
+	cp /etc/ssl/certs/ca-certificates.crt $(BASE_ROOTFS)/etc/ssl/certs/ca-certificates.crt  # what this host trusts (its TLS proxy too)
 	tar -C $(BASE_ROOTFS) -c . | docker import - rlsync-base:bookworm
+
+# torch's +cpu wheel for the image build, from this host's wheel cache (PIP_FIND_LINKS), for hosts
+# that cannot reach the PyTorch CPU index (the Dockerfile takes it from deploy/image-wheels).
+TORCH_PIN := $(shell grep -E '^torch==' $(LOCK) | sed 's/^torch==//')
+image-wheels:
+	@found=$$(ls $(subst :, ,$(PIP_FIND_LINKS)) /opt/wheels 2>/dev/null | grep -m1 -F 'torch-$(TORCH_PIN)-cp311'); \
+	if [ -n "$$found" ]; then for d in $(subst :, ,$(PIP_FIND_LINKS)) /opt/wheels; do \
+	    test -f "$$d/$$found" && cp -u "$$d/$$found" deploy/image-wheels/ && echo "deploy/image-wheels/$$found" && break; done; \
+	else echo "no local torch $(TORCH_PIN) wheel: the image build fetches it from the PyTorch CPU index"; fi
 
 gpu-setup:
 	python3 -m pip install -q --no-index --find-links wheels $(GPU_WHEELS)
