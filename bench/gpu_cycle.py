@@ -127,10 +127,65 @@ def colocated(model: str, cycles: int, logs: Path, limit: float, trainer_args=()
                         **transfer_figures(sync, limit, "d2d"), "backends": dict(sync.backends), "bytes": sync.bytes,
                         "memory": {"generating": m_generate, "training": m_train, "after_sync": m_sync}})
             print(json.dumps(out[-1]), file=sys.stderr, flush=True)
+        floor = rpc_floor(fleet[2].address)
     finally:
         for p in reversed(fleet):
             p.stop()
-    return {"steady": steady(out, "d2d"), "cycles": out}
+    return {"steady": steady(out, "d2d"), "rpc_floor_ms": floor, "cycles": out}
+
+
+_HEALTH_SERVER = """
+import asyncio, sys, grpc
+from grpc_health.v1 import health, health_pb2_grpc
+async def main():
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(port, flush=True)
+    await server.wait_for_termination()
+asyncio.run(main())
+"""
+
+
+def rpc_floor(replica: str, calls: int = 300) -> dict:
+    """Median round trips (ms) from a grpc.aio client, as the coordinator's: a health check against
+    a bare grpc.aio server in a fresh process (Python gRPC's floor on this host), the same against
+    the replica's server, and the replica's GetInfo through rlsync's client."""
+    import subprocess
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from rlsync.client import AsyncRolloutClient
+
+    bare = subprocess.Popen([sys.executable, "-c", _HEALTH_SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = bare.stdout.readline().strip()
+
+        async def median(call) -> float:
+            for _ in range(20):
+                await call()
+            runs = []
+            for _ in range(calls):
+                start = time.perf_counter()
+                await call()
+                runs.append(time.perf_counter() - start)
+            return round(statistics.median(runs) * 1e3, 3)
+
+        async def run() -> dict:
+            out = {}
+            for name, address in (("bare_server_health", f"127.0.0.1:{port}"), ("replica_health", replica)):
+                async with grpc.aio.insecure_channel(address) as channel:
+                    stub = health_pb2_grpc.HealthStub(channel)
+                    out[name] = await median(lambda stub=stub: stub.Check(health_pb2.HealthCheckRequest()))
+            async with AsyncRolloutClient(replica) as client:
+                out["replica_get_info"] = await median(client.info)
+            return out
+
+        return asyncio.run(run())
+    finally:
+        bare.kill()
 
 
 def disaggregated(model: str, cycles: int, logs: Path, gpus: int, limit: float) -> dict:

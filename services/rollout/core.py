@@ -71,6 +71,7 @@ class RolloutCore:
         self.pending: int | None = None  # version of a prepared update not yet committed
         self._pending_full = True  # the prepared update is full weights, not a LoRA adapter
         self.base_version = 0  # the version of the full weights under any adapter (0: the checkpoint)
+        self._checked: list | None = None  # the full-weight tensor list last found to fit the model
         self._lora_checked: tuple | None = None  # the adapter manifest last found to fit the base
         self._closed = asyncio.Condition()  # notified whenever a request leaves in_flight
         self.admitted = 0  # Generate requests taken since start
@@ -238,6 +239,7 @@ class RolloutCore:
     async def prepare_update(self, offer: Offer, force_backend: str = "", timeout: float = 0,
                              force: bool = False) -> Answer:
         """Checks the manifest (nothing is written for a bad one), then starts receiving into staging."""
+        entered = time.perf_counter()
         async with self._control:
             if self.pending is not None:
                 raise FailedPrecondition(f"an update to version {self.pending} is already prepared: CommitUpdate or "
@@ -262,12 +264,16 @@ class RolloutCore:
                 if checked != self._lora_checked:
                     lora.check(specs, adapter, self.engine.expected_tensors(), max_rank)
                     self._lora_checked = checked
-            else:
+            elif specs != self._checked:  # the same tensor list as last time compares by identity (cached specs)
                 check_against(specs, self.engine.expected_tensors())
+                self._checked = specs
             checked = time.perf_counter()
             answer = await self.engine.prepare_update(offer, self.replica_id, force_backend,
                                                       timeout or self.update_timeout)
             answer.stages["check"] = checked - start
+            # What the prepare took inside this process beyond its named stages: the control lock,
+            # hops between threads, bookkeeping (the caller's prepare_rpc is then gRPC alone).
+            answer.stages["hops"] = max(time.perf_counter() - entered - sum(answer.stages.values()), 0.0)
             self.pending, self._pending_full = version, adapter is None
             return answer
 

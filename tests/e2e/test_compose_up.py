@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -23,6 +24,12 @@ from rlsync.client import CoordinatorClient, trajectory
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL_BASE = "rlsync-base:bookworm"
 PROJECT = "rlsync-test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _run(*args: str, timeout: float = 30, **kwargs) -> subprocess.CompletedProcess:
@@ -89,7 +96,9 @@ def test_compose_builds_starts_scales_syncs_and_serves(engine):
     command = _compose_command()
     if command is None:
         pytest.skip("neither `docker compose` nor `docker-compose` is installed")
-    env = {**os.environ, "RLSYNC_TOKEN": "", "RLSYNC_BASE_IMAGE": _base_image()}
+    port, http_port = free_port(), free_port()  # make test runs other tests beside this one
+    env = {**os.environ, "RLSYNC_TOKEN": "", "RLSYNC_BASE_IMAGE": _base_image(), "RLSYNC_PORT": str(port),
+           "RLSYNC_HTTP_PORT": str(http_port)}
 
     def compose(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
         return subprocess.run([*command, "-p", PROJECT, *args], cwd=ROOT, check=True, text=True,
@@ -103,7 +112,7 @@ def test_compose_builds_starts_scales_syncs_and_serves(engine):
     try:
         start = time.monotonic()
         compose("up", "-d", "--scale", "rollout=2")
-        with CoordinatorClient("127.0.0.1:50050") as fleet:
+        with CoordinatorClient(f"127.0.0.1:{port}") as fleet:
             fleet.wait_ready(3, timeout=900)  # a trainer and two replicas registered
             timings["up_s"] = time.monotonic() - start
             done = fleet.complete("numbers:", n=4, max_tokens=8, logprobs=True, seed=0)

@@ -68,7 +68,8 @@ def test_command_is_a_real_cli_invocation(compose, name):
 
 def test_ports_and_scaling(compose):
     services = compose["services"]
-    assert services["coordinator"]["ports"] == ["50050:50050", "8000:8000"], "clients reach the coordinator"
+    assert services["coordinator"]["ports"] == ["${RLSYNC_PORT:-50050}:50050", "${RLSYNC_HTTP_PORT:-8000}:8000"], \
+        "clients reach the coordinator (on other host ports where the defaults are taken)"
     rollout = services["rollout"]
     assert "ports" not in rollout and "container_name" not in rollout, "--scale rollout=N needs no fixed host port"
     for name in ("trainer", "rollout"):
