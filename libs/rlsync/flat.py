@@ -28,6 +28,18 @@ class FlatStore:
         self.buffers = {dtype: allocate(n, dtype) for dtype, n in sizes.items()}
         self.views = {name: self.buffers[dtype][offsets[name]:offsets[name] + torch.Size(shape).numel()].view(shape)
                       for name, (shape, dtype) in specs.items()}
+        # (name, dtype, shape) in buffer order: a receiver whose manifest lists exactly this lands the
+        # whole update in the one buffer without looking at any tensor (see whole_for)
+        self.layout = tuple((name, dtype, tuple(shape)) for name, (shape, dtype) in specs.items())
+
+    def whole_for(self, specs) -> torch.Tensor | None:
+        """The one buffer as bytes, when `specs` (a manifest's (name, dtype, shape, ...) tuples)
+        lists this store's tensors in its order, all of one dtype; else None."""
+        if len(self.buffers) != 1 or len(specs) != len(self.layout):
+            return None
+        if any(s[:3] != mine for s, mine in zip(specs, self.layout)):
+            return None
+        return next(iter(self.buffers.values())).view(torch.uint8)
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from rlsync.flat import FlatStore
 from rlsync.errors import Aborted, DeadlineExceeded, ResourceExhausted, RlsyncError
 from rlsync.transfer import Receiver, Report
 from rlsync.transfer.v1 import transfer_pb2 as pb
@@ -42,7 +43,7 @@ def ensure_room(nbytes: int, device: torch.device, version: int) -> None:
 
 
 class StagedUpdate:
-    def __init__(self, offer: pb.Offer, answer: pb.Answer, staging: dict[str, torch.Tensor], rank: int,
+    def __init__(self, offer: pb.Offer, answer: pb.Answer, staging: dict[str, torch.Tensor] | FlatStore, rank: int,
                  device: torch.device, timeout: float, expected=None, base: dict[str, torch.Tensor] | None = None):
         self.version = offer.manifest.version
         self.staging = staging

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 import torch
 
 from rlsync.errors import Aborted, DataLoss, InvalidArgument
+from rlsync.flat import FlatStore
 from rlsync.transfer.backends import available, channel
 from rlsync.transfer.backends.collective import held_groups
 from rlsync.transfer.backends.base import ReceiveJob
@@ -57,7 +58,8 @@ class Receiver:
             check_against(self.specs, {n: (tuple(t.shape), t.dtype) for n, t in base.items()})
         self.base = base if answer.delta else None
         if device is None:
-            first = next(iter(dest.values()), None) if isinstance(dest, Mapping) else None
+            views = dest.views if isinstance(dest, FlatStore) else dest
+            first = next(iter(views.values()), None) if isinstance(views, Mapping) else None
             device = first.device if first is not None else torch.device(answer.facts.device_type or "cpu")
         self.device = torch.device(device)
         self.writer = DestWriter(self.specs, dest, self.device)

@@ -12,33 +12,45 @@ from functools import cached_property
 import torch
 
 from rlsync.errors import DataLoss, InvalidArgument
+from rlsync.flat import FlatStore
 from rlsync.transfer.checksum import checksum_bytes
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.spans import byte_view, coalesce
 
-Destination = Mapping[str, torch.Tensor] | Callable[[str, torch.Tensor], None]
+Destination = Mapping[str, torch.Tensor] | FlatStore | Callable[[str, torch.Tensor], None]
 
 
 class DestWriter:
     """Laid out per update, so it does no per-tensor tensor work it can avoid: byte views of the
     destinations (`targets`) are made on first use, and a flat destination is recognised by its
-    addresses alone (a one-copy update then never needs them)."""
+    addresses alone (a one-copy update then never needs them). A FlatStore laid out as the manifest
+    (an engine's own weights) is taken whole without looking at any tensor."""
 
     def __init__(self, specs: list[Spec], dest: Destination, device: torch.device):
         self.specs = specs
-        self.dest = dest
         self.device = device
         self.received = [0] * len(specs)
-        self.tensors = [self._tensor(spec) for spec in specs]  # each destination (None: handed to a callable)
+        flat = dest if isinstance(dest, FlatStore) else None
+        self.dest = flat.views if flat is not None else dest
+        # All destinations back to back in one buffer (flat engine weights): one view of them all.
+        self.whole = flat.whole_for(specs) if flat is not None else None
+        if self.whole is not None:
+            self.direct = [True] * len(specs)
+            return
+        self.tensors  # noqa: B018 - every destination is checked now, before any byte moves
         self.direct = [t is not None and t.dtype == spec.dtype and t.is_contiguous()
                        for t, spec in zip(self.tensors, specs)]  # its bytes land in place
         if not all(self.direct):
             self.targets  # noqa: B018 - buffers to cast from are allocated now, before any byte moves
-        # All destinations back to back in one buffer (flat engine weights): one view of them all.
         self.whole = self._whole() if all(self.direct) else None
         for i, spec in enumerate(specs):
             if spec.nbytes == 0:
                 self._complete(i)
+
+    @cached_property
+    def tensors(self) -> list[torch.Tensor | None]:
+        """Each destination (None: handed to a callable)."""
+        return [self._tensor(spec) for spec in self.specs]
 
     def _tensor(self, spec: Spec) -> torch.Tensor | None:
         if callable(self.dest):

@@ -357,7 +357,7 @@ class HFEngine(Engine):
         clock.lap("answer")
 
         def receive(staging: FlatStore) -> StagedUpdate:  # a pull is done when this returns
-            return StagedUpdate(offer, ans, staging.views, 0, self.device, timeout, base=base)
+            return StagedUpdate(offer, ans, staging, 0, self.device, timeout, base=base)
 
         def in_place() -> StagedUpdate | None:
             """Between two steps: a woken engine whose weights are not refilled yet receives right
