@@ -395,8 +395,12 @@ def _bounded(fn, conns, deadline: Deadline, doing: str):
         if peer:
             raise Unavailable(f"{peer} disconnected while {doing} (process died?)")
         deadline.remaining(doing)
-    if "error" in result:
-        raise result["error"]
+    error = result.get("error")
+    if isinstance(error, dist.DistError):  # the store or a peer went away (connection reset, refused...)
+        raise Unavailable(f"{doing} failed, the peer is gone or unreachable: {type(error).__name__}: {error}") \
+            from error
+    if error is not None:
+        raise error
     return result["value"]
 
 
