@@ -33,11 +33,9 @@ class FlatStore:
         self.layout = tuple((name, dtype, tuple(shape)) for name, (shape, dtype) in specs.items())
 
     def whole_for(self, specs) -> torch.Tensor | None:
-        """The one buffer as bytes, when `specs` (a manifest's (name, dtype, shape, ...) tuples)
-        lists this store's tensors in its order, all of one dtype; else None."""
-        if len(self.buffers) != 1 or len(specs) != len(self.layout):
-            return None
-        if any(s[:3] != mine for s, mine in zip(specs, self.layout)):
+        """The one buffer as bytes, when `specs` (a manifest's) list this store's tensors in its
+        order, all of one dtype; else None."""
+        if len(self.buffers) != 1 or layout(specs) != self.layout:
             return None
         return next(iter(self.buffers.values())).view(torch.uint8)
 
@@ -47,6 +45,12 @@ class FlatStore:
     def copy_from(self, other: FlatStore) -> None:
         for dtype, buf in self.buffers.items():
             buf.copy_(other.buffers[dtype], non_blocking=True)
+
+
+def layout(specs) -> tuple:
+    """(name, dtype, shape) of each spec (anything with those fields), in order: what two tensor lists
+    must share for one's flat buffers and checks to serve the other."""
+    return tuple((s.name, s.dtype, tuple(s.shape)) for s in specs)
 
 
 def specs_of(params: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Size, torch.dtype]]:

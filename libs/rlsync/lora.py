@@ -39,11 +39,6 @@ def parse(name: str) -> tuple[str, str]:
     return m.group(1), m.group(2)
 
 
-def layout(specs) -> tuple:
-    """What two manifests must share for one's buffers and checks to serve the other: names, dtypes, shapes."""
-    return tuple((s.name, s.dtype, tuple(s.shape)) for s in specs)
-
-
 def check(specs: Sequence, adapter: pb.LoraAdapter, base: Mapping[str, tuple[tuple[int, ...], object]],
           max_rank: int | None = None) -> dict[str, tuple[int, int]]:
     """Checks an adapter's tensors (transfer Specs) against the base's {name: (shape, _)}; returns

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from rlsync.common import metrics
 from rlsync.errors import (AlreadyExists, EngineDead, FailedPrecondition, InvalidArgument, NotFound, RlsyncError,
                            Unavailable)
+from rlsync.flat import layout
 from rlsync.rollout.engines.base import Engine
 from rlsync.rollout.types import (ALL_TAGS, Chunk, FinishReason, GenerationRequest, MemoryUsage,
                                   PauseMode, SamplingParams, WakeTag)
@@ -260,7 +261,7 @@ class RolloutCore:
                         f"base version {self.base_version} (a full update replaced the checkpoint it started from): "
                         "push the full weights of the adapter's base first, or restart the replica")
                 max_rank = self.engine.max_lora_rank()
-                checked = (lora.layout(specs), adapter.SerializeToString())  # the same adapter again: known to fit
+                checked = (layout(specs), adapter.SerializeToString())  # the same adapter again: known to fit
                 if checked != self._lora_checked:
                     lora.check(specs, adapter, self.engine.expected_tensors(), max_rank)
                     self._lora_checked = checked

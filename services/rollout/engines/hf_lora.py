@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from rlsync.errors import InvalidArgument
-from rlsync.flat import FlatStore
-from rlsync.lora import layout, parse, peft_config, wire_name
+from rlsync.flat import FlatStore, layout
+from rlsync.lora import parse, peft_config, wire_name
 from rlsync.transfer.v1.transfer_pb2 import LoraAdapter
 
 
@@ -26,8 +26,7 @@ class Adapter:
         self.params: dict[str, torch.nn.Parameter] = {}  # the live adapter's parameters
         self.active: tuple | None = None  # the key of the adapter being served
         self._checked: tuple | None = None  # the layout last checked
-        self._staging: dict[int, tuple] = {}  # id(store) -> (layout, store) handed out by staging()
-        self._spare: tuple | None = None  # (layout, store) a committed update left: the next one lands there
+        self._spare: FlatStore | None = None  # staging a committed update left: the next one lands there
         self._live: list[tuple] = []  # [(layout, store)]: what the model reads, and the one before
 
     def staging(self, specs) -> FlatStore:
@@ -40,11 +39,10 @@ class Adapter:
                 raise InvalidArgument(f"LoRA adapter refused: {wrong[:3]} are not linear layers of this model "
                                       "(the hf engine adapts linear layers only)")
             self._checked = key
-        if self._spare is not None and self._spare[0] == key:
-            store, self._spare = self._spare[1], None
+        if self._spare is not None and self._spare.layout == key:
+            store, self._spare = self._spare, None
         else:
             store = FlatStore({s.name: (torch.Size(s.shape), s.dtype) for s in specs}, self.device)
-        self._staging = {id(store): (key, store)}  # the latest prepare's; an aborted one is dropped
         return store
 
     def _is_linear(self, name: str) -> bool:
@@ -57,7 +55,7 @@ class Adapter:
     def apply(self, adapter: LoraAdapter, staged: FlatStore) -> None:
         """Makes `staged` the served adapter (call between two steps, the transfer complete). A new
         rank, alpha or set of modules injects a new peft adapter beside the old one instead."""
-        shape, _ = self._staging.pop(id(staged))
+        shape = staged.layout  # as sent
         modules = {parse(name)[0] for name, _, _ in shape}
         key = (adapter.rank, adapter.alpha, adapter.use_rslora, frozenset(modules))
         if key not in self.injected:
@@ -78,7 +76,7 @@ class Adapter:
             self.active = key
         self.params = params
         self._live = [(shape, live), *self._live[:1]]
-        self._spare = (shape, staged)
+        self._spare = staged
 
     def _live_buffer(self, shape: tuple) -> FlatStore:
         """The live buffer the model does not read now: the one before the current, when it fits."""
