@@ -29,6 +29,8 @@ class CoordinatorConfig:
     heartbeat_interval: float = option(1.0, "seconds between a member's heartbeats")
     lease: float = option(3.0, "seconds without a heartbeat before a member leaves the rotation")
     force_backend: str = option("", "transfer backend for every sync (empty: chosen by topology)")
+    doorbell: bool = option(True, "let the trainer hand each offer straight to the replicas on its host (their "
+                                  "doorbells: a Unix socket instead of a gRPC PrepareUpdate from here)")
     update_timeout: float = option(300.0, "seconds a weight transfer may take")
     max_resubmissions: int = option(50, "times the gateway resubmits one completion before giving up")
     http_port: int = option(-1, "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "

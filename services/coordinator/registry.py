@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from rlsync.client import AsyncRolloutClient, AsyncTrainerClient
 from rlsync.coordinator.v1 import coordinator_pb2 as pb
 from rlsync.errors import InvalidArgument
+from rlsync.transfer.v1.transfer_pb2 import Doorbell
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ class Member:
     backend: str = ""  # the channel its last update came through
     in_flight: int = 0  # gateway streams on it
     static: bool = False  # configured by address: never expires
+    doorbell: Doorbell | None = None  # a rollout's (RolloutInfo.doorbell): a trainer on its host prepares it
 
 
 class Registry:

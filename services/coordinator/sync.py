@@ -87,7 +87,7 @@ class Syncer:
         # Nothing trains until the next before_train (this lock is held): replicas on the trainer's GPU
         # may pull the weights straight from its memory while they prepare.
         push = await push_weights_async(trainer.client, [r.client for r in replicas], version, backend,
-                                        self.cfg.update_timeout, pull=True)
+                                        self.cfg.update_timeout, pull=True, doorbells=self._doorbells(replicas))
         p.add(push.phases)
         verified = await self._verify(trainer, replicas) if verify else False  # while the trainer is on the GPU
         p.lap("verify")
@@ -105,7 +105,8 @@ class Syncer:
                      verify: bool) -> tuple:
         p, clients = Stopwatch(), [r.client for r in replicas]
         # 1. Handshake + broadcast (NCCL / gloo / shm) into every replica's staging, while it serves N.
-        push = await stage_weights_async(trainer.client, clients, version, backend, self.cfg.update_timeout)
+        push = await stage_weights_async(trainer.client, clients, version, backend, self.cfg.update_timeout,
+                                         doorbells=self._doorbells(replicas))
         p.add(push.phases)
         # 2. Pause every replica, aborting requests in flight; returns once none still runs on the old
         #    weights (an acknowledged barrier). The gateway resubmits the aborted requests after step 4.
@@ -137,7 +138,8 @@ class Syncer:
         #    aborted: their tokens so far carry N, the next ones N+1 (optionally on a KV cache
         #    recomputed with N+1). Every replica switches at its own next step boundary.
         push = await push_weights_async(trainer.client, [r.client for r in replicas], version, backend,
-                                        self.cfg.update_timeout, recompute_kv=self.cfg.recompute_kv)
+                                        self.cfg.update_timeout, recompute_kv=self.cfg.recompute_kv,
+                                        doorbells=self._doorbells(replicas))
         p.add(push.phases)
         verified = await self._verify(trainer, replicas) if verify else False
         p.lap("verify")
@@ -199,6 +201,10 @@ class Syncer:
                 self.registry.remove(r.id, "gone during a sync")
         return [r for r, ok in zip(replicas, checks) if ok]
 
+    def _doorbells(self, replicas: list[Member]) -> list:
+        """Where the trainer may hand each replica the offer itself (those on its host)."""
+        return [r.doorbell if self.cfg.doorbell else None for r in replicas]
+
     async def _verify(self, trainer: Member, replicas: list[Member]) -> bool:
         """Trainer and replica checksums, tensor for tensor (the trainer must be on its device)."""
         for r in replicas:
@@ -224,6 +230,7 @@ class Syncer:
             if member.state == "gone":
                 return
             info = await member.client.info()
+            member.doorbell = info.doorbell if info.HasField("doorbell") else None
             if not self.syncs and info.weight_version > self.version:
                 self._adopt(info.weight_version, member)
             member.weight_version = info.weight_version
@@ -244,7 +251,7 @@ class Syncer:
                 # (then they are its newer step, and say so).
                 version = self.version if self.syncs and self.trainer_step == self.version else None
                 push = await push_weights_async(trainer.client, [member.client], version, self.cfg.force_backend,
-                                                self.cfg.update_timeout)
+                                                self.cfg.update_timeout, doorbells=self._doorbells([member]))
                 if state.offloaded:
                     await trainer.client.offload()
                 member.weight_version, member.backend = push.version, push.channels[0]

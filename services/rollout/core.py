@@ -47,6 +47,7 @@ class Info:
     dtype: str
     dead_reason: str = ""
     requests_admitted: int = 0
+    doorbell: str = ""  # where a trainer on this host hands it offers (rlsync.rpc.doorbell)
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class RolloutCore:
         self._closed = asyncio.Condition()  # notified whenever a request leaves in_flight
         self.admitted = 0  # Generate requests taken since start
         self._closing: str | None = None
+        self.doorbell = ""  # set by the service once its doorbell answers
         metrics.REPLICA_VERSION.set_function(lambda: self.weight_version)
         metrics.REPLICA_IN_FLIGHT.set_function(lambda: len(self.in_flight))
 
@@ -234,7 +236,7 @@ class RolloutCore:
         memory = MemoryUsage("", 0, 0, 0) if dead else await e.memory()
         return Info(e.kind, e.model, self.weight_version, state, len(self.in_flight), frozenset(self.asleep),
                     e.max_model_len, e.tensor_parallel_size, self.replica_id, e.vocab_size, memory,
-                    -1 if self.pending is None else self.pending, e.dtype, dead or "", self.admitted)
+                    -1 if self.pending is None else self.pending, e.dtype, dead or "", self.admitted, self.doorbell)
 
     # ---- weight updates -------------------------------------------------------------------------
     async def prepare_update(self, offer: Offer, force_backend: str = "", timeout: float = 0,

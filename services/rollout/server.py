@@ -10,6 +10,7 @@ import grpc
 from rlsync.config import describe
 from rlsync.coordinator.v1.coordinator_pb2 import ROLE_ROLLOUT
 from rlsync.address import advertised
+from rlsync.rpc.doorbell import DoorbellServer
 from rlsync.rpc.registrar import Registrar
 from rlsync.models import resolve_model
 from rlsync.rollout.config import RolloutConfig
@@ -35,10 +36,16 @@ class RolloutService:
         await self.engine.start()
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
-        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(self.core), server)
+        self.servicer = RolloutServicer(self.core)
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(self.servicer, server)
 
     async def serving(self, host: str, port: int) -> None:
         self.registrar = None
+        # A trainer on this host rings here with its offer: a prepare without a gRPC round trip.
+        self.doorbell = DoorbellServer({"PrepareUpdate": (rollout_pb2.PrepareUpdateRequest.FromString,
+                                                          self.servicer.prepare)},
+                                       self.cfg.server.token, self.core.replica_id)
+        self.core.doorbell = await self.doorbell.start()
         if self.cfg.coordinator:
             address = advertised(host, port, self.cfg.server.advertise)
             self.registrar = Registrar(self.cfg.coordinator, ROLE_ROLLOUT, address, self.core.replica_id,
@@ -77,4 +84,6 @@ class RolloutService:
         await self.core.drain(reason, finish_within=self.cfg.server.grace_seconds)
 
     async def close(self) -> None:
+        if getattr(self, "doorbell", None) is not None:
+            await self.doorbell.close()
         await self.engine.shutdown()

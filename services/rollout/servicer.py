@@ -13,6 +13,8 @@ from rlsync.rollout.types import (DEFAULT_MAX_TOKENS, Chunk, MemoryUsage, PauseM
 from rlsync.rollout.v1 import rollout_pb2 as pb
 from rlsync.rollout.v1 import rollout_pb2_grpc
 from rlsync.rpc import streaming, unary
+from rlsync.transfer.handshake import host_id
+from rlsync.transfer.v1.transfer_pb2 import Doorbell
 
 _PAUSE_MODES = {pb.PAUSE_MODE_ABORT: PauseMode.ABORT, pb.PAUSE_MODE_KEEP: PauseMode.KEEP,
                 pb.PAUSE_MODE_WAIT: PauseMode.WAIT}
@@ -56,7 +58,8 @@ def info_to_proto(i: Info) -> pb.RolloutInfo:
         in_flight=i.in_flight, asleep=[_TAG_PROTO[t] for t in sorted(i.asleep, key=lambda t: t.value)],
         max_model_len=i.max_model_len, tensor_parallel_size=i.tensor_parallel_size, replica_id=i.replica_id,
         memory=memory_to_proto(i.memory), vocab_size=i.vocab_size, pending_version=i.pending_version, dtype=i.dtype,
-        dead_reason=i.dead_reason, requests_admitted=i.requests_admitted)
+        dead_reason=i.dead_reason, requests_admitted=i.requests_admitted,
+        doorbell=Doorbell(host_id=host_id(), address=i.doorbell, name=i.replica_id) if i.doorbell else None)
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
@@ -109,6 +112,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     @unary
     async def PrepareUpdate(self, request: pb.PrepareUpdateRequest, context) -> pb.PrepareUpdateResponse:
+        return await self.prepare(request)
+
+    async def prepare(self, request: pb.PrepareUpdateRequest) -> pb.PrepareUpdateResponse:
+        """PrepareUpdate, by gRPC or rung at the replica's doorbell."""
         if not request.HasField("offer"):
             raise InvalidArgument("PrepareUpdate needs the trainer's offer (TrainerService.OfferWeights)")
         answer = await self.core.prepare_update(request.offer, request.force_backend, request.timeout, request.force)

@@ -33,7 +33,7 @@ class TrainerService:
         self.core = await asyncio.to_thread(TrainerCore, self.cfg)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
-        trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(self.core), server)
+        trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(self.core, self.cfg.server.token), server)
 
     async def serving(self, host: str, port: int) -> None:
         self.registrar = None

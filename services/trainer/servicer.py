@@ -10,10 +10,9 @@ from rlsync.trainer.ranks import STALE_POLICIES
 from rlsync.trainer.v1 import trainer_pb2 as pb
 
 
-
 class TrainerServicer(PublisherServicer):
-    def __init__(self, core: TrainerCore):
-        super().__init__(core.publisher)
+    def __init__(self, core: TrainerCore, token: str = ""):
+        super().__init__(core.publisher, token=token)
         self.core = core
 
     def step(self) -> int:

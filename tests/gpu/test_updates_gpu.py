@@ -66,7 +66,7 @@ def test_colocated_update_lands_in_the_woken_weights_and_a_failed_one_keeps_the_
     # A failed update while asleep-then-woken: the weights come back from the host backup.
     rollout.sleep(level=1)
     rollout.wake_up("weights")
-    offer = trainer.offer_weights(version=1)  # pushed: the replica waits for a publish that never comes
+    offer = trainer.offer_weights(version=1).offer  # pushed: the replica waits for a publish that never comes
     rollout.prepare_update(offer)
     rollout.abort_update()
     rollout.wake_up()

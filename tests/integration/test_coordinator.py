@@ -31,6 +31,7 @@ def test_registry_late_joiner_caught_up_and_dead_replica_leaves(services):
     sync = rl_step(client)
     assert sync.version == 1 and sync.verified and sync.replicas == 1
     assert {"rpc", "connect", "data", "receiver_copy"} <= set(sync.transfer_profile)  # where the transfer's time went
+    assert "prepare_ring" in sync.transfer_profile, "the trainer rang the replica on its host"
     late = services.start("rollout", [*rollout_args("hf"), "--coordinator", client.address, "--replica-id", "late"],
                           name="late")
     client.wait_ready(3)

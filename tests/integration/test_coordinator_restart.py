@@ -31,7 +31,7 @@ def _left_mid_sync(trainer: TrainerClient, replica: RolloutClient) -> None:
     """What a coordinator leaves when it dies between steps of a sync: the replica paused, with the
     next version prepared (staging allocated) but never committed."""
     replica.pause("abort")
-    replica.prepare_update(trainer.offer_weights(replica.info().weight_version + 1))
+    replica.prepare_update(trainer.offer_weights(replica.info().weight_version + 1).offer)
     info = replica.info()
     assert info.state == 2 and info.pending_version >= 0  # PAUSED, holding a prepared update
 

@@ -73,7 +73,7 @@ def test_an_adapter_a_replica_cannot_apply_is_refused_and_it_serves_on(services)
     tr = services.start("trainer", ["--lora-rank", str(RANK)], name="trainer")
     hf = RolloutClient(services.start("rollout", rollout_args("hf"), name="hf").address)
     plain = RolloutClient(services.start("rollout", rollout_args("vllm"), name="plain-vllm").address)
-    offer = TrainerClient(tr.address).offer_weights()
+    offer = TrainerClient(tr.address).offer_weights().offer
     bad = tpb.Offer()
     bad.CopyFrom(offer)
     bad.manifest.adapter.rank = 2 * RANK

@@ -91,7 +91,7 @@ def test_manifest_that_does_not_fit_is_refused_before_anything_is_written(pair, 
     trainer, rollout, _, _ = pair
     before_out = rollout.complete("stable", max_tokens=8, temperature=0, ignore_eos=True)[0].token_ids
     before_sums = rollout.checksums()
-    offer = trainer.offer_weights()
+    offer = trainer.offer_weights().offer
     bad = tpb.Offer()
     bad.CopyFrom(offer)
     corrupt(bad.manifest)
@@ -111,7 +111,7 @@ def test_versions_regression_refused_equal_idempotent_missing_uses_step(pair):
     assert report.version == step
     again = rollout.commit_update(step)
     assert again.version == step and not again.changed
-    old = trainer.offer_weights(version=step - 1)
+    old = trainer.offer_weights(version=step - 1).offer
     with pytest.raises(RpcError) as e:
         rollout.prepare_update(old)
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "set force to roll back" in e.value.message
@@ -142,7 +142,7 @@ def test_trainer_killed_mid_transfer_leaves_engine_on_its_version(services, smal
     rollout = services.start("rollout", ["--engine", "hf", "--model", str(small_model)], name="survivor")
     t, r = TrainerClient(trainer.address), RolloutClient(rollout.address)
     before = r.complete("steady", max_tokens=8, temperature=0, ignore_eos=True)[0].token_ids
-    offer = t.offer_weights(version=1)
+    offer = t.offer_weights(version=1).offer
     ans = r.prepare_update(offer, force_backend="gloo").answer
     threading.Timer(0.3, trainer.kill).start()  # ~90 MB in 4 KiB buckets: well under way by then
     with pytest.raises(RpcError):
@@ -174,3 +174,24 @@ def test_vllm_tensor_parallel_replica_every_worker_receives(services, tmp_path):
     want = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
                           pad_token_id=0)[0, len(prompt):].tolist()
     assert rollout.complete(prompt, max_tokens=12, temperature=0, ignore_eos=True)[0].token_ids == want
+
+
+def test_a_replica_rung_at_its_doorbell_prepares_without_the_callers_rpc(pair):
+    trainer, rollout, _, _ = pair
+    _train_once(trainer, rollout, seed=5)
+    bell = rollout.info().doorbell
+    assert bell.address.startswith("@rlsync-doorbell-") and bell.host_id and bell.name
+    report = push_weights(trainer, [rollout], doorbells=[bell])
+    assert "prepare_ring" in report.profile and "prepare_rpc" not in report.profile, report.profile
+    assert rollout.info().weight_version == report.version and _audit(trainer, rollout) == []
+    # A refusal comes back through the trainer with the replica's status and name; nothing stays prepared.
+    with pytest.raises(RpcError) as e:
+        push_weights(trainer, [rollout], version=report.version - 1, doorbells=[bell])
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION, e.value
+    assert f"replica {bell.name}: version {report.version - 1} is older" in e.value.message
+    assert rollout.info().pending_version == -1 and trainer.state().step == report.version
+    # A doorbell on another host is not rung: the caller prepares that replica itself.
+    elsewhere = tpb.Doorbell(host_id="another-host", address=bell.address, name=bell.name)
+    again = push_weights(trainer, [rollout], doorbells=[elsewhere])
+    assert "prepare_rpc" in again.profile and "prepare_ring" not in again.profile
+    assert _audit(trainer, rollout) == []

@@ -53,9 +53,14 @@ class _TrainerMethods:
     def load_checkpoint(self, path: str):
         return self._call("LoadCheckpoint", pb.LoadCheckpointRequest(path=path), timeout=600)
 
-    def offer_weights(self, version: int | None = None, pull: bool = False) -> transfer_pb2.Offer:
-        """pull: see OfferWeightsRequest.pull (only while nothing trains until every replica prepared)."""
-        return self._call("OfferWeights", pb.OfferWeightsRequest(version=version, pull=pull))
+    def offer_weights(self, version: int | None = None, pull: bool = False,
+                      ring: Iterable[transfer_pb2.Doorbell] = (), force_backend: str = "", timeout: float = 0):
+        """-> OfferWeightsResponse. pull: see OfferWeightsRequest.pull (only while nothing trains until
+        every replica prepared). ring: replicas' doorbells the trainer hands the offer to, when on its
+        host (force_backend and timeout are theirs)."""
+        request = pb.OfferWeightsRequest(version=version, pull=pull, ring=list(ring), force_backend=force_backend,
+                                         timeout=timeout)
+        return self._call("OfferWeights", request, timeout=(timeout or 300) + 30 if request.ring else None)
 
     def publish_weights(self, transfer_id: str, answers: Iterable[transfer_pb2.Answer], timeout: float = 0):
         return self._call("PublishWeights", pb.PublishWeightsRequest(transfer_id=transfer_id, answers=list(answers),

@@ -1,18 +1,24 @@
 """Pushing the trainer's weights into rollout replicas: offer -> prepare on every replica ->
 publish -> commit on every replica (a replica on the trainer's GPU pulls the bytes while it
-prepares; when all do, there is no publish). The coordinator wraps this in its sync sequences; scripts
-and tests can call it directly."""
+prepares; when all do, there is no publish). A replica on the trainer's host is prepared by the
+trainer itself, rung at its doorbell as soon as the offer exists (no gRPC round trip through the
+caller). The coordinator wraps this in its sync sequences; scripts and tests can call it directly."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from dataclasses import dataclass, field
 
 from rlsync.client.rollout import AsyncRolloutClient, RolloutClient
 from rlsync.client.trainer import AsyncTrainerClient, TrainerClient
 from rlsync.common.aio import settle
 from rlsync.common.timing import Stopwatch
-from rlsync.transfer.v1.transfer_pb2 import Backend
+from rlsync.rollout.v1 import rollout_pb2
+from rlsync.rpc.doorbell import ring
+from rlsync.transfer.handshake import host_id
+from rlsync.transfer.v1.transfer_pb2 import Backend, Doorbell, Offer
 
 
 @dataclass
@@ -26,17 +32,44 @@ class PushReport:
     wire_bytes: int = 0  # what the trainer sent (deltas: only what changed; pulled replicas copied theirs)
 
 
+async def ring_prepare(offer: Offer, doorbells: list[Doorbell], token: str, force_backend: str = "",
+                       timeout: float = 0) -> tuple[list, float]:
+    """The trainer's side of OfferWeightsRequest.ring: a PrepareUpdate of `offer` at every doorbell
+    on this host, all at once. -> (a Rung per doorbell, seconds until the last answered). The first
+    refusal is raised, with the replica's status and name (what others prepared stays prepared:
+    the caller aborts them, as after a failed PrepareUpdate)."""
+    from rlsync.trainer.v1.trainer_pb2 import Rung
+
+    here = host_id()
+    mine = [i for i, d in enumerate(doorbells) if d.host_id == here and d.address]
+    rungs = [Rung() for _ in doorbells]
+    if not mine:
+        return rungs, 0.0
+    start = time.perf_counter()
+    request = rollout_pb2.PrepareUpdateRequest(offer=offer, force_backend=force_backend, timeout=timeout)
+    parse = rollout_pb2.PrepareUpdateResponse.FromString
+    answered = await settle(*(ring(doorbells[i].address, token, "PrepareUpdate", request, parse,
+                                   (timeout or 300) + 30, f"replica {doorbells[i].name}") for i in mine))
+    seconds = time.perf_counter() - start
+    for i, prepared in zip(mine, answered):
+        rungs[i] = Rung(rung=True, answer=prepared.answer)
+    return rungs, seconds
+
+
 def _pushed(answers: list) -> list:
     """The answers the trainer must send to: the others pulled while they prepared (cuda_ipc)."""
     return [a for a in answers if not a.pull]
 
 
-def _report(offer, pub, phases: dict[str, float], answers: list) -> PushReport:
+def _report(offer, pub, phases: dict[str, float], answers: list, rung: list[bool] | None = None,
+            ring_seconds: float = 0.0) -> PushReport:
     """The profile: each stage of the replicas' prepare (a pull's copy included) at its slowest
-    replica, and prepare_rpc, what the prepare phase took beyond the slowest replica's stages;
-    then, for a publish, rpc (the transfer phase less the trainer's own send() time) and the
-    trainer's and receivers' stages of the send."""
+    replica; prepare_ring, what the rung replicas' prepare took beyond the slowest one's stages (the
+    doorbell round trip from the trainer), and prepare_rpc, the same for the others (a gRPC
+    round trip from the caller); then, for a publish, rpc (the transfer phase less the trainer's own
+    send() time) and the trainer's and receivers' stages of the send."""
     channels = [Backend.Name(a.backend).removeprefix("BACKEND_").lower() for a in answers]
+    rung = rung or [False] * len(answers)
     profile: dict[str, float] = {}
     backends: dict[str, int] = dict(pub.backends) if pub is not None else {}
     for a, name in zip(answers, channels):
@@ -44,8 +77,14 @@ def _report(offer, pub, phases: dict[str, float], answers: list) -> PushReport:
             backends[name] = backends.get(name, 0) + a.ranks
         for stage, seconds in a.stages.items():
             profile[f"receiver_{stage}"] = max(profile.get(f"receiver_{stage}", 0.0), seconds)
-    slowest = max((sum(a.stages.values()) for a in answers), default=0.0)
-    profile["prepare_rpc"] = max(phases["prepare"] - slowest, 0.0)
+
+    def slowest(by_ring: bool) -> float:
+        return max((sum(a.stages.values()) for a, r in zip(answers, rung) if r == by_ring), default=0.0)
+
+    if any(rung):
+        profile["prepare_ring"] = max(ring_seconds - slowest(True), 0.0)
+    if not all(rung):
+        profile["prepare_rpc"] = max(phases["prepare"] - ring_seconds - slowest(False), 0.0)
     if pub is not None:
         profile["rpc"] = max(phases["transfer"] - pub.seconds, 0.0)
         for stage, seconds in pub.profile.items():  # the slowest receiver, pulled or pushed
@@ -54,28 +93,57 @@ def _report(offer, pub, phases: dict[str, float], answers: list) -> PushReport:
                       profile, channels, pub.wire_bytes if pub is not None else 0)
 
 
+def _bells(doorbells: list[Doorbell | None] | None, n: int) -> list[Doorbell]:
+    return [d if d is not None else Doorbell() for d in doorbells or [None] * n]
+
+
+def _rung(bells: list[Doorbell], offered) -> list:
+    """Each replica's answer when the trainer rang it, else None (to be prepared by the caller)."""
+    rung, answers = iter(offered.rung), []
+    for d in bells:  # the request rang the doorbells that have an address, in this order
+        r = next(rung) if d.address else None
+        answers.append(r.answer if r is not None and r.rung else None)
+    return answers
+
+
+def _prepared(clock: Stopwatch, offer, offered, pub, answers: list, rest: list[int]) -> PushReport:
+    """The report, once the rung replicas' prepare (inside the offer call, from the moment the
+    offer existed) is charged to the prepare phase."""
+    clock.stages["offer"] -= offered.ring_seconds
+    clock.stages["prepare"] += offered.ring_seconds
+    return _report(offer, pub, clock.stages, answers, [i not in rest for i in range(len(answers))],
+                   offered.ring_seconds)
+
+
 def stage_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version: int | None = None,
-                  force_backend: str = "", timeout: float = 0, pull: bool = False) -> PushReport:
+                  force_backend: str = "", timeout: float = 0, pull: bool = False,
+                  doorbells: list[Doorbell | None] | None = None) -> PushReport:
     """Offer -> prepare on every replica -> publish, one call after the other (stage_weights_async
     overlaps the replicas). Every replica then holds the new version in staging; commit it with
     commit_staged (or RolloutClient.abort_update). On failure nothing stays staged.
 
     pull: replicas on the trainer's GPU copy the weights while they prepare (no publish for them);
-    only while nothing trains, offloads or loads until this returns."""
-    clock = Stopwatch()
-    offer = trainer.offer_weights(version, pull)
-    clock.lap("offer")
+    only while nothing trains, offloads or loads until this returns.
+    doorbells: each replica's (RolloutInfo.doorbell; None: none); the trainer prepares those on its
+    host itself, the others are prepared here."""
+    clock, bells = Stopwatch(), _bells(doorbells, len(rollouts))
     try:
-        answers = [r.prepare_update(offer, force_backend, timeout).answer for r in rollouts]
+        offered = trainer.offer_weights(version, pull, [d for d in bells if d.address], force_backend, timeout)
+        offer, answers = offered.offer, _rung(bells, offered)
+        clock.lap("offer")
+        rest = [i for i, a in enumerate(answers) if a is None]
+        for i in rest:
+            answers[i] = rollouts[i].prepare_update(offer, force_backend, timeout).answer
         clock.lap("prepare")
         pushed = _pushed(answers)
         pub = trainer.publish_weights(offer.transfer_id, pushed, timeout) if pushed else None
     except Exception:
-        for r in rollouts:
-            r.abort_update()
+        for r in rollouts:  # best effort: the first error is the one to report
+            with contextlib.suppress(Exception):
+                r.abort_update()
         raise
     clock.lap("transfer")
-    return _report(offer, pub, clock.stages, answers)
+    return _prepared(clock, offer, offered, pub, answers, rest)
 
 
 def commit_staged(rollouts: list[RolloutClient], push: PushReport, timeout: float = 0,
@@ -89,33 +157,38 @@ def commit_staged(rollouts: list[RolloutClient], push: PushReport, timeout: floa
 
 def push_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version: int | None = None,
                  force_backend: str = "", timeout: float = 0, recompute_kv: bool = False,
-                 pull: bool = False) -> PushReport:
+                 pull: bool = False, doorbells: list[Doorbell | None] | None = None) -> PushReport:
     """Stage, then commit at once."""
-    push = stage_weights(trainer, rollouts, version, force_backend, timeout, pull)
+    push = stage_weights(trainer, rollouts, version, force_backend, timeout, pull, doorbells)
     commit_staged(rollouts, push, timeout, recompute_kv)
     return push
 
 
 async def stage_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncRolloutClient],
                               version: int | None = None, force_backend: str = "", timeout: float = 0,
-                              pull: bool = False) -> PushReport:
+                              pull: bool = False, doorbells: list[Doorbell | None] | None = None) -> PushReport:
     """Offer -> prepare on every replica -> publish: every replica then holds the new version in
     staging, received while it kept serving, and not yet live. Commit with commit_staged_async (or
-    drop it with abort_staged_async). On failure nothing stays staged. pull: as stage_weights."""
-    clock = Stopwatch()
-    offer = await trainer.offer_weights(version, pull)
-    clock.lap("offer")
+    drop it with abort_staged_async). On failure nothing stays staged. pull: as stage_weights.
+    doorbells: each replica's (RolloutInfo.doorbell; None or empty: none); the trainer prepares
+    those on its host itself, the others are prepared here."""
+    clock, bells = Stopwatch(), _bells(doorbells, len(rollouts))
     try:
-        prepared = await settle(*(r.prepare_update(offer, force_backend, timeout) for r in rollouts))
+        offered = await trainer.offer_weights(version, pull, [d for d in bells if d.address], force_backend, timeout)
+        offer, answers = offered.offer, _rung(bells, offered)
+        clock.lap("offer")
+        rest = [i for i, a in enumerate(answers) if a is None]
+        prepared = await settle(*(rollouts[i].prepare_update(offer, force_backend, timeout) for i in rest))
+        for i, p in zip(rest, prepared):
+            answers[i] = p.answer
         clock.lap("prepare")
-        answers = [p.answer for p in prepared]
         pushed = _pushed(answers)
         pub = await trainer.publish_weights(offer.transfer_id, pushed, timeout) if pushed else None
     except BaseException:  # cancelled too: nothing may stay staged
         await abort_staged_async(rollouts)
         raise
     clock.lap("transfer")
-    return _report(offer, pub, clock.stages, answers)
+    return _prepared(clock, offer, offered, pub, answers, rest)
 
 
 async def commit_staged_async(rollouts: list[AsyncRolloutClient], push: PushReport, timeout: float = 0,
@@ -140,8 +213,9 @@ async def abort_staged_async(rollouts: list[AsyncRolloutClient]) -> None:
 
 async def push_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncRolloutClient],
                              version: int | None = None, force_backend: str = "", timeout: float = 0,
-                             recompute_kv: bool = False, pull: bool = False) -> PushReport:
+                             recompute_kv: bool = False, pull: bool = False,
+                             doorbells: list[Doorbell | None] | None = None) -> PushReport:
     """Stage, then commit at once."""
-    push = await stage_weights_async(trainer, rollouts, version, force_backend, timeout, pull)
+    push = await stage_weights_async(trainer, rollouts, version, force_backend, timeout, pull, doorbells)
     await commit_staged_async(rollouts, push, timeout, recompute_kv)
     return push

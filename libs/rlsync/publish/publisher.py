@@ -146,7 +146,7 @@ class WeightPublisher:
 
     async def _serve(self, coordinator: str, host: str, port: int, advertise: str, token: str, name: str) -> str:
         self._server = grpc.aio.server(interceptors=[TokenAuthInterceptor(token)] if token else [])
-        trainer_pb2_grpc.add_TrainerServiceServicer_to_server(PublisherServicer(self.core, self._describe),
+        trainer_pb2_grpc.add_TrainerServiceServicer_to_server(PublisherServicer(self.core, self._describe, token),
                                                               self._server)
         health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, self._server)

@@ -6,6 +6,7 @@ rlsync's trainer service extends this with Train and checkpoints; a user's loop 
 
 from __future__ import annotations
 
+from rlsync.client.weights import ring_prepare
 from rlsync.common.audit import LIVE, to_proto as checksums_to_proto
 from rlsync.common.v1 import weights_pb2
 from rlsync.errors import FailedPrecondition
@@ -16,9 +17,10 @@ from rlsync.trainer.v1 import trainer_pb2_grpc
 
 
 class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
-    def __init__(self, publisher: PublisherCore, describe=None):
+    def __init__(self, publisher: PublisherCore, describe=None, token: str = ""):
         self.publisher = publisher
         self.describe = describe  # () -> dict of TrainerState fields beside step and offloaded
+        self.token = token  # the fleet's: rung replicas check it as their gRPC servers do
 
     def state(self) -> pb.TrainerState:
         return pb.TrainerState(step=self.publisher.published, offloaded=self.publisher.offloaded,
@@ -48,9 +50,12 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return pb.OnloadResponse(state=self.state())
 
     @unary
-    async def OfferWeights(self, request: pb.OfferWeightsRequest, context):
-        return await self.publisher.offer(request.version if request.HasField("version") else self.step(),
-                                          request.pull)
+    async def OfferWeights(self, request: pb.OfferWeightsRequest, context) -> pb.OfferWeightsResponse:
+        offer = await self.publisher.offer(request.version if request.HasField("version") else self.step(),
+                                           request.pull)
+        rung, seconds = await ring_prepare(offer, list(request.ring), self.token, request.force_backend,
+                                           request.timeout)
+        return pb.OfferWeightsResponse(offer=offer, rung=rung, ring_seconds=seconds)
 
     @unary
     async def PublishWeights(self, request: pb.PublishWeightsRequest, context) -> pb.PublishWeightsResponse:

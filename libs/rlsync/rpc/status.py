@@ -13,13 +13,18 @@ from rlsync.errors import RlsyncError
 log = logging.getLogger(__name__)
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+def status_of(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
+    """The status and message a call that raised `exc` answers with (an unexpected error is logged)."""
     if isinstance(exc, RlsyncError):
-        await context.abort(exc.code, str(exc))
+        return exc.code, str(exc)
     if isinstance(exc, RpcError):  # another service's answer, passed on with its own status
-        await context.abort(exc.code, f"{exc.method}: {exc.message}" if exc.method else exc.message)
-    log.exception("unexpected error in %s", method)
-    await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        return exc.code, f"{exc.method}: {exc.message}" if exc.method else exc.message
+    log.error("unexpected error in %s", method, exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+    await context.abort(*status_of(exc, method))
 
 
 def unary(method):

@@ -142,12 +142,36 @@ class LoadCheckpointResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ...) -> None: ...
 
 class OfferWeightsRequest(_message.Message):
-    __slots__ = ("version", "pull")
+    __slots__ = ("version", "pull", "ring", "force_backend", "timeout")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
+    RING_FIELD_NUMBER: _ClassVar[int]
+    FORCE_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     version: int
     pull: bool
-    def __init__(self, version: _Optional[int] = ..., pull: _Optional[bool] = ...) -> None: ...
+    ring: _containers.RepeatedCompositeFieldContainer[_transfer_pb2.Doorbell]
+    force_backend: str
+    timeout: float
+    def __init__(self, version: _Optional[int] = ..., pull: _Optional[bool] = ..., ring: _Optional[_Iterable[_Union[_transfer_pb2.Doorbell, _Mapping]]] = ..., force_backend: _Optional[str] = ..., timeout: _Optional[float] = ...) -> None: ...
+
+class OfferWeightsResponse(_message.Message):
+    __slots__ = ("offer", "rung", "ring_seconds")
+    OFFER_FIELD_NUMBER: _ClassVar[int]
+    RUNG_FIELD_NUMBER: _ClassVar[int]
+    RING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    offer: _transfer_pb2.Offer
+    rung: _containers.RepeatedCompositeFieldContainer[Rung]
+    ring_seconds: float
+    def __init__(self, offer: _Optional[_Union[_transfer_pb2.Offer, _Mapping]] = ..., rung: _Optional[_Iterable[_Union[Rung, _Mapping]]] = ..., ring_seconds: _Optional[float] = ...) -> None: ...
+
+class Rung(_message.Message):
+    __slots__ = ("rung", "answer")
+    RUNG_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    rung: bool
+    answer: _transfer_pb2.Answer
+    def __init__(self, rung: _Optional[bool] = ..., answer: _Optional[_Union[_transfer_pb2.Answer, _Mapping]] = ...) -> None: ...
 
 class PublishWeightsRequest(_message.Message):
     __slots__ = ("transfer_id", "answers", "timeout")

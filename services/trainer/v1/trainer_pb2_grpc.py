@@ -5,7 +5,6 @@ import warnings
 
 from rlsync.common.v1 import weights_pb2 as rlsync_dot_common_dot_v1_dot_weights__pb2
 from rlsync.trainer.v1 import trainer_pb2 as rlsync_dot_trainer_dot_v1_dot_trainer__pb2
-from rlsync.transfer.v1 import transfer_pb2 as rlsync_dot_transfer_dot_v1_dot_transfer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -69,7 +68,7 @@ class TrainerServiceStub:
         self.OfferWeights = channel.unary_unary(
                 '/rlsync.trainer.v1.TrainerService/OfferWeights',
                 request_serializer=rlsync_dot_trainer_dot_v1_dot_trainer__pb2.OfferWeightsRequest.SerializeToString,
-                response_deserializer=rlsync_dot_transfer_dot_v1_dot_transfer__pb2.Offer.FromString,
+                response_deserializer=rlsync_dot_trainer_dot_v1_dot_trainer__pb2.OfferWeightsResponse.FromString,
                 _registered_method=True)
         self.PublishWeights = channel.unary_unary(
                 '/rlsync.trainer.v1.TrainerService/PublishWeights',
@@ -126,7 +125,8 @@ class TrainerServiceServicer:
 
     def OfferWeights(self, request, context):
         """Step 1 of publishing: an offer (manifest, backends, token) for receivers to answer. With the
-        weights in place on a GPU it also says where they lie: a receiver on that GPU pulls them.
+        weights in place on a GPU it also says where they lie: a receiver on that GPU pulls them. The
+        offer may be handed at once to replicas on the trainer's host through their doorbells.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -183,7 +183,7 @@ def add_TrainerServiceServicer_to_server(servicer, server):
             'OfferWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.OfferWeights,
                     request_deserializer=rlsync_dot_trainer_dot_v1_dot_trainer__pb2.OfferWeightsRequest.FromString,
-                    response_serializer=rlsync_dot_transfer_dot_v1_dot_transfer__pb2.Offer.SerializeToString,
+                    response_serializer=rlsync_dot_trainer_dot_v1_dot_trainer__pb2.OfferWeightsResponse.SerializeToString,
             ),
             'PublishWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.PublishWeights,
@@ -384,7 +384,7 @@ class TrainerService:
             target,
             '/rlsync.trainer.v1.TrainerService/OfferWeights',
             rlsync_dot_trainer_dot_v1_dot_trainer__pb2.OfferWeightsRequest.SerializeToString,
-            rlsync_dot_transfer_dot_v1_dot_transfer__pb2.Offer.FromString,
+            rlsync_dot_trainer_dot_v1_dot_trainer__pb2.OfferWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

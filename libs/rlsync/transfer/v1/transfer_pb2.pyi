@@ -137,6 +137,16 @@ class Answer(_message.Message):
     base_version: int
     def __init__(self, backend: _Optional[_Union[Backend, str]] = ..., receiver_id: _Optional[str] = ..., ranks: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., reason: _Optional[str] = ..., facts: _Optional[_Union[Facts, _Mapping]] = ..., transfer_id: _Optional[str] = ..., pull: _Optional[bool] = ..., stages: _Optional[_Mapping[str, float]] = ..., delta: _Optional[bool] = ..., base_version: _Optional[int] = ...) -> None: ...
 
+class Doorbell(_message.Message):
+    __slots__ = ("host_id", "address", "name")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    address: str
+    name: str
+    def __init__(self, host_id: _Optional[str] = ..., address: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
 class CudaIpcHandle(_message.Message):
     __slots__ = ("device", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
     DEVICE_FIELD_NUMBER: _ClassVar[int]

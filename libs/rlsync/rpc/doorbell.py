@@ -1,0 +1,153 @@
+"""A doorbell: a unary call over an abstract Unix socket, for the one hop where Python gRPC's own
+cost is most of the price. A colocated update's PrepareUpdate takes ~1.5 ms through grpc.aio on
+both sides against a ~2.5 ms copy; rung here by a trainer on the replica's host it takes ~0.1 ms.
+
+It carries the same protobuf request and response as the gRPC method it stands for, and answers
+with the same status code and message; the caller gets them as `Relayed` errors. Frames are a
+4-byte length and a msgpack struct (msgspec): no pickle. The socket is abstract (no file, nothing
+left behind, even on SIGKILL) and reachable only from the same network namespace; a call must
+carry the server's token when it has one, as its gRPC calls must.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import struct
+import uuid
+from collections.abc import Awaitable, Callable
+
+import grpc
+import msgspec
+
+from rlsync.errors import DeadlineExceeded, Relayed, Unavailable
+
+log = logging.getLogger(__name__)
+
+_HEADER = struct.Struct("<I")
+_MAX_FRAME = 256 << 20  # an offer of a very large model is a few MB
+
+
+class Ring(msgspec.Struct):
+    token: str
+    method: str
+    payload: bytes  # the method's request, serialized protobuf
+
+
+class Reply(msgspec.Struct):
+    code: str = "OK"  # a grpc.StatusCode name
+    message: str = ""
+    payload: bytes = b""  # the method's response, serialized protobuf, when OK
+
+
+_RING = msgspec.msgpack.Decoder(Ring)
+_REPLY = msgspec.msgpack.Decoder(Reply)
+_ENCODE = msgspec.msgpack.Encoder().encode
+
+# method name -> (request parser, async handler returning the response message)
+Handlers = dict[str, tuple[Callable[[bytes], object], Callable[[object], Awaitable[object]]]]
+
+
+def to_socket(address: str) -> str:
+    """The kernel's name for an abstract address written with a leading "@"."""
+    return "\0" + address[1:] if address.startswith("@") else address
+
+
+async def _read(reader: asyncio.StreamReader) -> bytes | None:
+    try:
+        (n,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+    except asyncio.IncompleteReadError:
+        return None  # the other side closed between calls
+    if n > _MAX_FRAME:
+        raise ValueError(f"frame of {n} bytes exceeds {_MAX_FRAME}")
+    return await reader.readexactly(n)
+
+
+def _frame(data: bytes) -> bytes:
+    return _HEADER.pack(len(data)) + data
+
+
+class DoorbellServer:
+    """Serves `handlers` on an abstract Unix socket of its own until closed."""
+
+    def __init__(self, handlers: Handlers, token: str, name: str):
+        self.handlers, self.token, self.name = handlers, token, name
+        self.address = f"@rlsync-doorbell-{name}-{uuid.uuid4().hex[:8]}"
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_unix_server(self._serve, path=to_socket(self.address))
+        return self.address
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while (data := await _read(reader)) is not None:
+                writer.write(_frame(_ENCODE(await self._answer(data))))
+                await writer.drain()
+        except (ConnectionError, ValueError, asyncio.IncompleteReadError) as e:
+            log.warning("doorbell %s: dropped a caller: %s", self.address, e)
+        finally:
+            writer.close()
+
+    async def _answer(self, data: bytes) -> Reply:
+        try:
+            ring = _RING.decode(data)
+        except msgspec.DecodeError as e:
+            return Reply("INVALID_ARGUMENT", f"not a doorbell call: {e}")
+        if self.token and not hmac.compare_digest(ring.token.encode(), self.token.encode()):
+            return Reply("UNAUTHENTICATED", f"doorbell of {self.name}: wrong or missing token (give the caller "
+                                            "the same --token as this replica)")
+        if ring.method not in self.handlers:
+            return Reply("UNIMPLEMENTED", f"doorbell of {self.name} has no method {ring.method!r} "
+                                          f"(it serves {', '.join(sorted(self.handlers))})")
+        parse, handle = self.handlers[ring.method]
+        try:
+            request = parse(ring.payload)
+        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError, answered as such
+            return Reply("INVALID_ARGUMENT", f"{ring.method}: the request does not parse: {e}")
+        try:
+            return Reply(payload=(await handle(request)).SerializeToString())
+        except Exception as exc:  # noqa: BLE001 - mapped to a status, as the gRPC servicer does
+            from rlsync.rpc.status import status_of  # (it imports the clients, which ring doorbells)
+
+            code, message = status_of(exc, f"doorbell {ring.method}")
+            return Reply(code.name, message)
+
+
+async def ring(address: str, token: str, method: str, request, parse: Callable[[bytes], object], timeout: float,
+               name: str = ""):
+    """Calls `method` at the doorbell `address`; returns the parsed response or raises what the
+    server answered (`Relayed`, its status code and message, prefixed by `name`), `Unavailable`
+    when nobody answers there, `DeadlineExceeded` after `timeout` seconds."""
+    who = name or address
+    try:
+        async with asyncio.timeout(timeout):
+            try:
+                reader, writer = await asyncio.open_unix_connection(to_socket(address))
+            except OSError as e:
+                raise Unavailable(f"{who}: nothing answers at doorbell {address} ({e}): the replica is gone or "
+                                  "restarting") from None
+            try:
+                writer.write(_frame(_ENCODE(Ring(token, method, request.SerializeToString()))))
+                await writer.drain()
+                data = await _read(reader)
+            finally:
+                writer.close()
+    except TimeoutError:
+        raise DeadlineExceeded(f"{who}: {method} by doorbell did not answer within {timeout:.0f}s") from None
+    except ConnectionError as e:
+        data = None
+        log.debug("doorbell %s: %s", address, e)
+    if data is None:
+        raise Unavailable(f"{who}: went away during {method} (its doorbell closed before answering)")
+    reply = _REPLY.decode(data)
+    if reply.code != "OK":
+        raise Relayed(grpc.StatusCode[reply.code], f"{who}: {reply.message}")
+    return parse(reply.payload)

@@ -1,0 +1,99 @@
+"""The doorbell: a protobuf call over an abstract Unix socket, answered with the status and
+message the gRPC method would give, refused without the token, and a dead or silent server
+told apart."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from rlsync.errors import DeadlineExceeded, FailedPrecondition, Relayed, Unavailable
+from rlsync.rpc.doorbell import DoorbellServer, ring, to_socket
+from rlsync.rollout.v1 import rollout_pb2 as pb
+from rlsync.transfer.v1 import transfer_pb2 as tpb
+
+PARSE = pb.PrepareUpdateResponse.FromString
+
+
+async def prepare(request: pb.PrepareUpdateRequest) -> pb.PrepareUpdateResponse:
+    if request.offer.manifest.version < 0:
+        raise FailedPrecondition("version -1 is older than the served version 0: set force to roll back")
+    if request.force_backend == "boom":
+        raise RuntimeError("a bug")
+    if request.force_backend == "slow":
+        await asyncio.sleep(5)
+    return pb.PrepareUpdateResponse(answer=tpb.Answer(receiver_id="r0", transfer_id=request.offer.transfer_id,
+                                                      stages={"copy": request.offer.manifest.version / 1000}))
+
+
+def request(version: int = 3, force_backend: str = "") -> pb.PrepareUpdateRequest:
+    return pb.PrepareUpdateRequest(offer=tpb.Offer(transfer_id="t1", manifest=tpb.Manifest(version=version)),
+                                   force_backend=force_backend)
+
+
+def run(body):
+    async def main():
+        server = DoorbellServer({"PrepareUpdate": (pb.PrepareUpdateRequest.FromString, prepare)}, "secret", "r0")
+        address = await server.start()
+        try:
+            return await body(address)
+        finally:
+            await server.close()
+
+    return asyncio.run(main())
+
+
+def test_a_call_gets_the_methods_response_and_many_run_at_once():
+    async def body(address):
+        assert address.startswith("@rlsync-doorbell-r0-")
+        calls = [ring(address, "secret", "PrepareUpdate", request(v), PARSE, 5) for v in range(1, 9)]
+        return await asyncio.gather(*calls)
+
+    answers = run(body)
+    assert [r.answer.stages["copy"] for r in answers] == pytest.approx([v / 1000 for v in range(1, 9)])
+    assert {r.answer.transfer_id for r in answers} == {"t1"}
+
+
+def test_refusals_keep_their_status_and_message_and_name_the_replica():
+    async def body(address):
+        outcomes = []
+        calls = [("secret", "PrepareUpdate", request(-1)), ("wrong", "PrepareUpdate", request()),
+                 ("secret", "CommitUpdate", request()), ("secret", "PrepareUpdate", request(1, "boom"))]
+        for token, method, req in calls:
+            with pytest.raises(Relayed) as e:
+                await ring(address, token, method, req, PARSE, 5, "replica r0")
+            outcomes.append((e.value.code, str(e.value)))
+        return outcomes
+
+    (stale, denied, unknown, bug) = run(body)
+    assert stale[0] == grpc.StatusCode.FAILED_PRECONDITION and stale[1].startswith("replica r0: version -1 is older")
+    assert denied[0] == grpc.StatusCode.UNAUTHENTICATED and "same --token" in denied[1]
+    assert unknown[0] == grpc.StatusCode.UNIMPLEMENTED and "PrepareUpdate" in unknown[1]
+    assert bug[0] == grpc.StatusCode.INTERNAL and "RuntimeError: a bug" in bug[1]
+
+
+def test_garbage_is_refused_and_the_server_keeps_answering():
+    async def body(address):
+        reader, writer = await asyncio.open_unix_connection(to_socket(address))
+        writer.write(b"\x05\x00\x00\x00hello")
+        await writer.drain()
+        reply = await reader.read(1000)
+        writer.close()
+        return reply, await ring(address, "secret", "PrepareUpdate", request(2), PARSE, 5)
+
+    reply, after = run(body)
+    assert b"INVALID_ARGUMENT" in reply and b"not a doorbell call" in reply
+    assert after.answer.stages["copy"] == pytest.approx(0.002)
+
+
+def test_nobody_there_is_unavailable_and_a_silent_server_a_deadline():
+    async def body(address):
+        with pytest.raises(DeadlineExceeded, match="did not answer within"):
+            await ring(address, "secret", "PrepareUpdate", request(1, "slow"), PARSE, 0.3, "replica r0")
+        return address
+
+    address = run(body)  # closed now
+    with pytest.raises(Unavailable, match="nothing answers at doorbell"):
+        asyncio.run(ring(address, "secret", "PrepareUpdate", request(), PARSE, 5, "replica r0"))
