@@ -42,8 +42,10 @@ def gpu_used() -> float:
     return round((total - free) / GIB, 2)
 
 
-def start(logs: Path, mode: str, model: str, trainer_gpu: str, replica_gpus: list[str], trainer_args=()):
-    co = ServiceProcess("coordinator", ["--port", "0", "--sync-mode", mode], log_path=logs / "coordinator.log")
+def start(logs: Path, mode: str, model: str, trainer_gpu: str, replica_gpus: list[str], trainer_args=(),
+          coordinator_args=()):
+    co = ServiceProcess("coordinator", ["--port", "0", "--sync-mode", mode, *coordinator_args],
+                        log_path=logs / "coordinator.log")
     address = co.wait_ready()
     engine = json.dumps({"device": "cuda", "dtype": "bfloat16", "max_num_seqs": 128})
     fleet = [co, ServiceProcess("trainer", ["--port", "0", "--coordinator", address, "--model", model, "--device",
@@ -67,8 +69,9 @@ def memory(trainer: TrainerClient, replicas: list[RolloutClient]) -> dict:
 
 
 def moving(phases) -> float:
-    """The transfer phase: from the offer in hand to the bytes in place on every replica, i.e. the
-    prepare (a replica on the trainer's GPU pulls the bytes in it) and the publish, if any."""
+    """The transfer phase: from the offer made to the bytes in place on every replica, i.e. the
+    prepare (a replica on the trainer's GPU pulls the bytes in it; one on the trainer's host is rung
+    by the trainer as soon as the offer exists) and the publish, if any."""
     return phases["prepare"] + phases["transfer"]
 
 
@@ -102,8 +105,8 @@ async def generate(address: str, prompts: int, group: int, max_tokens: int):
                                                  logprobs=True, seed=i) for i in range(prompts)))
 
 
-def colocated(model: str, cycles: int, logs: Path, limit: float, trainer_args=()) -> dict:
-    fleet = start(logs, "colocated", model, "0", ["0"], trainer_args)
+def colocated(model: str, cycles: int, logs: Path, limit: float, trainer_args=(), coordinator_args=()) -> dict:
+    fleet = start(logs, "colocated", model, "0", ["0"], trainer_args, coordinator_args)
     c, t, r = CoordinatorClient(fleet[0].address), TrainerClient(fleet[1].address), RolloutClient(fleet[2].address)
     out = []
     try:
@@ -326,6 +329,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="each window of the run under updates")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between two updates")
     parser.add_argument("--dir", default="/tmp/rlsync-gpu")
+    parser.add_argument("--no-doorbell", action="store_true",
+                        help="colocated only: the coordinator prepares the replica by gRPC (the trainer rings none)")
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="colocated only: the trainer trains a LoRA adapter of this rank and syncs only it")
     args = parser.parse_args()
@@ -335,12 +340,12 @@ def main() -> None:
     gpus = torch.cuda.device_count()
     lora = ["--lora-rank", str(args.lora_rank), "--lora-alpha", str(2 * args.lora_rank)] if args.lora_rank else []
     result = {"gpu": torch.cuda.get_device_name(0), "gpus": gpus, "preset": args.preset, "checkpoint_bytes": nbytes,
-              "lora_rank": args.lora_rank,
+              "lora_rank": args.lora_rank, "doorbell": not args.no_doorbell,
               "limits": {"d2d_copy_GB/s": round(d2d_limit(4 << 30, "cuda:0"), 1)}}
     torch.cuda.empty_cache()
     if args.only in (None, "colocated"):
         result["colocated"] = colocated(model, args.cycles, root / "logs-colocated", result["limits"]["d2d_copy_GB/s"],
-                                        lora)
+                                        lora, ["--no-doorbell"] if args.no_doorbell else [])
     if args.only in (None, "disaggregated") and gpus >= 2:
         result["limits"]["nccl_broadcast_GB/s"] = round(nccl_limit(nbytes, 2), 1)
         result["disaggregated"] = disaggregated(model, args.cycles, root / "logs-disaggregated", gpus,
