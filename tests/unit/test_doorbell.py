@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from rlsync.errors import DeadlineExceeded, FailedPrecondition, Relayed, Unavailable
-from rlsync.rpc.doorbell import DoorbellServer, ring, to_socket
+from rlsync.rpc.doorbell import DoorbellServer, Unreachable, ring, to_socket
 from rlsync.rollout.v1 import rollout_pb2 as pb
 from rlsync.transfer.v1 import transfer_pb2 as tpb
 
@@ -95,5 +95,22 @@ def test_nobody_there_is_unavailable_and_a_silent_server_a_deadline():
         return address
 
     address = run(body)  # closed now
-    with pytest.raises(Unavailable, match="nothing answers at doorbell"):
+    with pytest.raises(Unreachable, match="nothing answers at doorbell"):
         asyncio.run(ring(address, "secret", "PrepareUpdate", request(), PARSE, 5, "replica r0"))
+    assert issubclass(Unreachable, Unavailable)
+
+
+def test_a_doorbell_nobody_answers_at_is_left_to_the_callers_prepare():
+    from rlsync.client.weights import ring_prepare
+    from rlsync.transfer.handshake import host_id
+
+    async def body(address):
+        gone = tpb.Doorbell(host_id=host_id(), address="@rlsync-doorbell-nobody", name="gone")
+        elsewhere = tpb.Doorbell(host_id="another-host", address=address, name="far")
+        here = tpb.Doorbell(host_id=host_id(), address=address, name="r0")
+        return await ring_prepare(tpb.Offer(transfer_id="t1", manifest=tpb.Manifest(version=4)),
+                                  [gone, elsewhere, here], "secret", timeout=5)
+
+    rungs, seconds = run(body)
+    assert [r.rung for r in rungs] == [False, False, True] and seconds > 0
+    assert rungs[2].answer.transfer_id == "t1" and rungs[2].answer.stages["copy"] == pytest.approx(0.004)

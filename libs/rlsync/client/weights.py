@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -16,9 +17,11 @@ from rlsync.client.trainer import AsyncTrainerClient, TrainerClient
 from rlsync.common.aio import settle
 from rlsync.common.timing import Stopwatch
 from rlsync.rollout.v1 import rollout_pb2
-from rlsync.rpc.doorbell import ring
+from rlsync.rpc.doorbell import Unreachable, ring
 from rlsync.transfer.handshake import host_id
 from rlsync.transfer.v1.transfer_pb2 import Backend, Doorbell, Offer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,10 +38,24 @@ class PushReport:
 async def ring_prepare(offer: Offer, doorbells: list[Doorbell], token: str, force_backend: str = "",
                        timeout: float = 0) -> tuple[list, float]:
     """The trainer's side of OfferWeightsRequest.ring: a PrepareUpdate of `offer` at every doorbell
-    on this host, all at once. -> (a Rung per doorbell, seconds until the last answered). The first
-    refusal is raised, with the replica's status and name (what others prepared stays prepared:
-    the caller aborts them, as after a failed PrepareUpdate)."""
+    on this host, all at once. -> (a Rung per doorbell, seconds until the last answered). A doorbell
+    nobody answers at (a replica restarting, or a host id shared across network namespaces) is
+    left unrung, for the caller's PrepareUpdate. The first refusal is raised, with the replica's
+    status and name (what others prepared stays prepared: the caller aborts them, as after a failed
+    PrepareUpdate)."""
     from rlsync.trainer.v1.trainer_pb2 import Rung
+
+    request = rollout_pb2.PrepareUpdateRequest(offer=offer, force_backend=force_backend, timeout=timeout)
+
+    async def prepare(d: Doorbell) -> Rung:
+        try:
+            prepared = await ring(d.address, token, "PrepareUpdate", request,
+                                  rollout_pb2.PrepareUpdateResponse.FromString, (timeout or 300) + 30,
+                                  f"replica {d.name}")
+        except Unreachable as e:
+            log.warning("%s; preparing it by gRPC instead", e)
+            return Rung()
+        return Rung(rung=True, answer=prepared.answer)
 
     here = host_id()
     mine = [i for i, d in enumerate(doorbells) if d.host_id == here and d.address]
@@ -46,13 +63,10 @@ async def ring_prepare(offer: Offer, doorbells: list[Doorbell], token: str, forc
     if not mine:
         return rungs, 0.0
     start = time.perf_counter()
-    request = rollout_pb2.PrepareUpdateRequest(offer=offer, force_backend=force_backend, timeout=timeout)
-    parse = rollout_pb2.PrepareUpdateResponse.FromString
-    answered = await settle(*(ring(doorbells[i].address, token, "PrepareUpdate", request, parse,
-                                   (timeout or 300) + 30, f"replica {doorbells[i].name}") for i in mine))
+    answered = await settle(*(prepare(doorbells[i]) for i in mine))
     seconds = time.perf_counter() - start
-    for i, prepared in zip(mine, answered):
-        rungs[i] = Rung(rung=True, answer=prepared.answer)
+    for i, rung in zip(mine, answered):
+        rungs[i] = rung
     return rungs, seconds
 
 

@@ -49,6 +49,10 @@ _ENCODE = msgspec.msgpack.Encoder().encode
 Handlers = dict[str, tuple[Callable[[bytes], object], Callable[[object], Awaitable[object]]]]
 
 
+class Unreachable(Unavailable):
+    """Nothing answers at the doorbell: nothing was delivered, so the call may go another way."""
+
+
 def to_socket(address: str) -> str:
     """The kernel's name for an abstract address written with a leading "@"."""
     return "\0" + address[1:] if address.startswith("@") else address
@@ -124,16 +128,17 @@ class DoorbellServer:
 async def ring(address: str, token: str, method: str, request, parse: Callable[[bytes], object], timeout: float,
                name: str = ""):
     """Calls `method` at the doorbell `address`; returns the parsed response or raises what the
-    server answered (`Relayed`, its status code and message, prefixed by `name`), `Unavailable`
-    when nobody answers there, `DeadlineExceeded` after `timeout` seconds."""
+    server answered (`Relayed`, its status code and message, prefixed by `name`), `Unreachable`
+    when nobody answers there (nothing was sent), `Unavailable` when the server went away before
+    answering, `DeadlineExceeded` after `timeout` seconds."""
     who = name or address
     try:
         async with asyncio.timeout(timeout):
             try:
                 reader, writer = await asyncio.open_unix_connection(to_socket(address))
             except OSError as e:
-                raise Unavailable(f"{who}: nothing answers at doorbell {address} ({e}): the replica is gone or "
-                                  "restarting") from None
+                raise Unreachable(f"{who}: nothing answers at doorbell {address} ({e}): the replica is gone, "
+                                  "restarting, or in another network namespace") from None
             try:
                 writer.write(_frame(_ENCODE(Ring(token, method, request.SerializeToString()))))
                 await writer.drain()
