@@ -45,8 +45,6 @@ async def ring_prepare(offer: Offer, doorbells: list[Doorbell], token: str, forc
     PrepareUpdate)."""
     from rlsync.trainer.v1.trainer_pb2 import Rung
 
-    request = rollout_pb2.PrepareUpdateRequest(offer=offer, force_backend=force_backend, timeout=timeout)
-
     async def prepare(d: Doorbell) -> Rung:
         try:
             prepared = await ring(d.address, token, "PrepareUpdate", request,
@@ -63,6 +61,7 @@ async def ring_prepare(offer: Offer, doorbells: list[Doorbell], token: str, forc
     if not mine:
         return rungs, 0.0
     start = time.perf_counter()
+    request = rollout_pb2.PrepareUpdateRequest(offer=offer, force_backend=force_backend, timeout=timeout)
     answered = await settle(*(prepare(doorbells[i]) for i in mine))
     seconds = time.perf_counter() - start
     for i, rung in zip(mine, answered):
