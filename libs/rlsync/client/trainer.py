@@ -60,7 +60,8 @@ class _TrainerMethods:
         host (force_backend and timeout are theirs)."""
         request = pb.OfferWeightsRequest(version=version, pull=pull, ring=list(ring), force_backend=force_backend,
                                          timeout=timeout)
-        return self._call("OfferWeights", request, timeout=(timeout or 300) + 30 if request.ring else None)
+        # Longer than the trainer's rings ((timeout or 300) + 30), so a silent replica's own error comes back.
+        return self._call("OfferWeights", request, timeout=(timeout or 300) + 60 if request.ring else None)
 
     def publish_weights(self, transfer_id: str, answers: Iterable[transfer_pb2.Answer], timeout: float = 0):
         return self._call("PublishWeights", pb.PublishWeightsRequest(transfer_id=transfer_id, answers=list(answers),
