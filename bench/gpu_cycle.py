@@ -331,6 +331,8 @@ def main() -> None:
     parser.add_argument("--dir", default="/tmp/rlsync-gpu")
     parser.add_argument("--no-doorbell", action="store_true",
                         help="colocated only: the coordinator prepares the replica by gRPC (the trainer rings none)")
+    parser.add_argument("--no-hold", action="store_true",
+                        help="colocated only: the replica maps the trainer's weights at each update, not at its onload")
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="colocated only: the trainer trains a LoRA adapter of this rank and syncs only it")
     args = parser.parse_args()
@@ -340,12 +342,13 @@ def main() -> None:
     gpus = torch.cuda.device_count()
     lora = ["--lora-rank", str(args.lora_rank), "--lora-alpha", str(2 * args.lora_rank)] if args.lora_rank else []
     result = {"gpu": torch.cuda.get_device_name(0), "gpus": gpus, "preset": args.preset, "checkpoint_bytes": nbytes,
-              "lora_rank": args.lora_rank, "doorbell": not args.no_doorbell,
+              "lora_rank": args.lora_rank, "doorbell": not args.no_doorbell, "hold": not args.no_hold,
               "limits": {"d2d_copy_GB/s": round(d2d_limit(4 << 30, "cuda:0"), 1)}}
     torch.cuda.empty_cache()
     if args.only in (None, "colocated"):
+        flags = ["--no-doorbell"] * args.no_doorbell + ["--no-hold-weights"] * args.no_hold
         result["colocated"] = colocated(model, args.cycles, root / "logs-colocated", result["limits"]["d2d_copy_GB/s"],
-                                        lora, ["--no-doorbell"] if args.no_doorbell else [])
+                                        lora, flags)
     if args.only in (None, "disaggregated") and gpus >= 2:
         result["limits"]["nccl_broadcast_GB/s"] = round(nccl_limit(nbytes, 2), 1)
         result["disaggregated"] = disaggregated(model, args.cycles, root / "logs-disaggregated", gpus,

@@ -31,6 +31,9 @@ class CoordinatorConfig:
     force_backend: str = option("", "transfer backend for every sync (empty: chosen by topology)")
     doorbell: bool = option(True, "let the trainer hand each offer straight to the replicas on its host (their "
                                   "doorbells: a Unix socket instead of a gRPC PrepareUpdate from here)")
+    hold_weights: bool = option(True, "colocated: replicas on the trainer's GPU map its weights at its onload, "
+                                      "through their doorbells, and hold them until it offloads, so an update "
+                                      "neither maps nor closes them")
     update_timeout: float = option(300.0, "seconds a weight transfer may take")
     max_resubmissions: int = option(50, "times the gateway resubmits one completion before giving up")
     http_port: int = option(-1, "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "

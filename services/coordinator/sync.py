@@ -72,8 +72,9 @@ class Syncer:
             # 1. Put the engines to sleep (requests in flight are aborted; the gateway resubmits them).
             await asyncio.gather(*(r.client.sleep(level=1) for r in replicas))
             p.lap("sleep")
-            # 2. Bring the trainer back onto the GPU.
-            await trainer.client.onload()
+            # 2. Bring the trainer back onto the GPU; replicas on it map its weights while it trains.
+            await trainer.client.onload(ring=[d for d in self._doorbells(replicas) if d is not None]
+                                        if self.cfg.hold_weights else [])
             p.lap("onload")
             return p.stages
 

@@ -280,6 +280,17 @@ class RolloutCore:
             self.pending, self._pending_full = version, adapter is None
             return answer
 
+    async def hold_weights(self, holder: str, handles: list[bytes], facts) -> tuple[int, int]:
+        """Keeps a same-GPU process's storages mapped for the pulls to come -> (newly mapped, held)."""
+        if not holder:
+            raise InvalidArgument("HoldWeights needs a holder (who releases them later)")
+        if not handles:
+            raise InvalidArgument("HoldWeights needs the storages to map (mapped.ipc): ReleaseWeights lets go")
+        return await self.engine.hold_weights(holder, handles, facts), len(set(handles))
+
+    async def release_weights(self, holder: str) -> int:
+        return await self.engine.release_weights(holder)
+
     async def commit_update(self, version: int, force: bool = False, timeout: float = 0,
                             recompute_kv: bool = False) -> CommitResult:
         """Waits for the prepared update's bytes, then switches between two engine steps; requests in

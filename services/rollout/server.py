@@ -41,10 +41,10 @@ class RolloutService:
 
     async def serving(self, host: str, port: int) -> None:
         self.registrar = None
-        # A trainer on this host rings here with its offer: a prepare without a gRPC round trip.
-        self.doorbell = DoorbellServer({"PrepareUpdate": (rollout_pb2.PrepareUpdateRequest.FromString,
-                                                          self.servicer.prepare)},
-                                       self.cfg.server.token, self.core.replica_id)
+        # A trainer on this host rings here with its offer (a prepare without a gRPC round trip), and
+        # to have its weights held mapped from its onload to its offload.
+        self.doorbell = DoorbellServer(self.servicer.doorbell_handlers(), self.cfg.server.token,
+                                       self.core.replica_id)
         self.core.doorbell = await self.doorbell.start()
         if self.cfg.coordinator:
             address = advertised(host, port, self.cfg.server.advertise)

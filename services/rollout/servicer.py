@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 
 from rlsync.common.audit import to_proto as checksums_to_proto
@@ -120,6 +122,30 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             raise InvalidArgument("PrepareUpdate needs the trainer's offer (TrainerService.OfferWeights)")
         answer = await self.core.prepare_update(request.offer, request.force_backend, request.timeout, request.force)
         return pb.PrepareUpdateResponse(answer=answer)
+
+    @unary
+    async def HoldWeights(self, request: pb.HoldWeightsRequest, context) -> pb.HoldWeightsResponse:
+        return await self.hold(request)
+
+    async def hold(self, request: pb.HoldWeightsRequest) -> pb.HoldWeightsResponse:
+        """HoldWeights, by gRPC or rung at the doorbell (a trainer on this GPU, at its onload)."""
+        start = time.perf_counter()
+        mapped, held = await self.core.hold_weights(request.holder, list(request.mapped.ipc), request.facts)
+        return pb.HoldWeightsResponse(mapped=mapped, held=held, seconds=time.perf_counter() - start)
+
+    @unary
+    async def ReleaseWeights(self, request: pb.ReleaseWeightsRequest, context) -> pb.ReleaseWeightsResponse:
+        return await self.release(request)
+
+    async def release(self, request: pb.ReleaseWeightsRequest) -> pb.ReleaseWeightsResponse:
+        """ReleaseWeights, by gRPC or rung at the doorbell (the trainer, before it offloads)."""
+        return pb.ReleaseWeightsResponse(released=await self.core.release_weights(request.holder))
+
+    def doorbell_handlers(self) -> dict:
+        """What a trainer on this host may ring at the doorbell: the same requests and responses."""
+        return {"PrepareUpdate": (pb.PrepareUpdateRequest.FromString, self.prepare),
+                "HoldWeights": (pb.HoldWeightsRequest.FromString, self.hold),
+                "ReleaseWeights": (pb.ReleaseWeightsRequest.FromString, self.release)}
 
     @unary
     async def CommitUpdate(self, request: pb.CommitUpdateRequest, context) -> pb.CommitUpdateResponse:

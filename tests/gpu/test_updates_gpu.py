@@ -83,6 +83,30 @@ def test_colocated_update_lands_in_the_woken_weights_and_a_failed_one_keeps_the_
     assert differences(trainer.checksums(), rollout.checksums()) == []
 
 
+def test_a_replica_holds_the_trainers_weights_mapped_from_onload_to_offload(services):
+    trainer, rollout = _fleet(services, "0", "0")
+    bell = rollout.info().doorbell
+    done = rollout.complete("3+4=", max_tokens=8, logprobs=True, ignore_eos=True, n=4, seed=3)
+    trainer.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])
+    freed = trainer.offload().state.device_reserved_bytes  # what an offload leaves when nobody maps the weights
+    rollout.sleep(level=1)
+    assert trainer.onload(ring=[bell]).held == 1  # mapped by the sleeping replica while the trainer trains
+    # The offer names the storages the replica holds: holding them again maps nothing.
+    offer = trainer.offer_weights(pull=True).offer
+    again = rollout.hold_weights("trainer", offer.mapped, offer.facts)
+    assert (again.mapped, again.held) == (0, 1)
+    rollout.wake_up("weights")
+    report = push_weights(trainer, [rollout], pull=True, doorbells=[bell])
+    assert report.backends == {"cuda_ipc": 1} and "prepare_ring" in report.profile
+    assert differences(trainer.checksums(), rollout.checksums()) == []
+    # The trainer has the replica let go before it offloads: its memory really leaves the GPU.
+    off = trainer.offload()
+    assert off.released == 1 and off.state.device_reserved_bytes <= freed, (off, freed)
+    assert rollout.release_weights("trainer").released == 0
+    rollout.wake_up("kv_cache")
+    assert rollout.complete("3+4=", max_tokens=4, temperature=0)[0].max_weight_version == report.version
+
+
 def test_same_gpu_lora_adapter_over_cuda_ipc(services, tmp_path, tiny_model):
     """A LoRA trainer on the replica's GPU: only the adapter moves (the replica pulls it), base and
     adapter audit equal, and the replica decodes exactly as the trained peft model does."""

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from conftest import rollout_args
 from rlsync.client import RolloutClient, RpcError, TrainerClient, push_weights, trajectory
 from rlsync.common.audit import differences, trainer_dtype
+from rlsync.rollout.v1 import rollout_pb2 as rpb
 from rlsync.transfer.v1 import transfer_pb2 as tpb
 from streams import frozen_streams
 
@@ -195,3 +196,26 @@ def test_a_replica_rung_at_its_doorbell_prepares_without_the_callers_rpc(pair):
     again = push_weights(trainer, [rollout], doorbells=[elsewhere])
     assert "prepare_rpc" in again.profile and "prepare_ring" not in again.profile
     assert _audit(trainer, rollout) == []
+
+
+def test_holding_weights_mapped_is_for_a_replica_on_the_trainers_gpu(pair):
+    trainer, rollout, _, _ = pair
+    bell = rollout.info().doorbell
+    facts = tpb.Facts(host_id=bell.host_id, device_type="cuda", gpu_uuids=["GPU-0"])
+    # A CPU replica (or vLLM, which receives in its workers) holds nothing, and says why.
+    with pytest.raises(RpcError) as e:
+        rollout.hold_weights("trainer", tpb.MappedTensors(ipc=[b"handle"]), facts)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION, e.value
+    assert ("cuda_ipc needs CUDA tensors on both sides" if rollout.engine == "hf"
+            else "maps the trainer's memory at each update") in e.value.message
+    for holder, mapped, what in [("", [b"h"], "needs a holder"), ("trainer", [], "needs the storages")]:
+        with pytest.raises(RpcError) as e:
+            rollout.hold_weights(holder, tpb.MappedTensors(ipc=mapped), facts)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and what in e.value.message
+    assert rollout.release_weights("nobody").released == 0
+    # A CPU trainer has nothing a replica could map: its onload rings nobody, its offload releases nothing.
+    assert trainer.onload(ring=[bell]).held == 0
+    assert trainer.offload().released == 0
+    assert trainer.onload(ring=[bell]).state.offloaded is False
+    _train_once(trainer, rollout, seed=9)
+    assert rollout.info().state == rpb.SERVING_STATE_SERVING

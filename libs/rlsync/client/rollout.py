@@ -59,6 +59,13 @@ class _RolloutMethods:
     def abort_update(self):
         return self._call("AbortUpdate", pb.AbortUpdateRequest())
 
+    def hold_weights(self, holder: str, mapped: transfer_pb2.MappedTensors, facts: transfer_pb2.Facts):
+        """Keeps another process's CUDA storages on this replica's GPU mapped (see HoldWeights)."""
+        return self._call("HoldWeights", pb.HoldWeightsRequest(holder=holder, mapped=mapped, facts=facts))
+
+    def release_weights(self, holder: str):
+        return self._call("ReleaseWeights", pb.ReleaseWeightsRequest(holder=holder))
+
     def checksums(self):
         return self._call("GetWeightChecksums", weights_pb2.GetWeightChecksumsRequest())
 

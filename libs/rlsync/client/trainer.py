@@ -42,10 +42,13 @@ class _TrainerMethods:
         return self._call("GetState", pb.GetStateRequest())
 
     def offload(self):
+        """-> OffloadResponse (replicas holding the weights mapped let go of them first)."""
         return self._call("Offload", pb.OffloadRequest())
 
-    def onload(self):
-        return self._call("Onload", pb.OnloadRequest())
+    def onload(self, ring: Iterable[transfer_pb2.Doorbell] = ()):
+        """-> OnloadResponse. ring: replicas' doorbells; those on the trainer's GPU map its weights
+        now and hold them until it offloads (see OnloadRequest.ring)."""
+        return self._call("Onload", pb.OnloadRequest(ring=list(ring)))
 
     def save_checkpoint(self, path: str):
         return self._call("SaveCheckpoint", pb.SaveCheckpointRequest(path=path), timeout=600)

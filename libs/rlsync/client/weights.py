@@ -12,14 +12,17 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import grpc
+
 from rlsync.client.rollout import AsyncRolloutClient, RolloutClient
 from rlsync.client.trainer import AsyncTrainerClient, TrainerClient
 from rlsync.common.aio import settle
 from rlsync.common.timing import Stopwatch
 from rlsync.rollout.v1 import rollout_pb2
+from rlsync.errors import Relayed, RlsyncError
 from rlsync.rpc.doorbell import Unreachable, ring
 from rlsync.transfer.handshake import host_id
-from rlsync.transfer.v1.transfer_pb2 import Backend, Doorbell, Offer
+from rlsync.transfer.v1.transfer_pb2 import Backend, Doorbell, Facts, MappedTensors, Offer
 
 log = logging.getLogger(__name__)
 
@@ -35,38 +38,86 @@ class PushReport:
     wire_bytes: int = 0  # what the trainer sent (deltas: only what changed; pulled replicas copied theirs)
 
 
+async def _ring_here(doorbells: list[Doorbell], ring_one) -> list:
+    """ring_one(doorbell) at every doorbell on this host, all at once -> a result per doorbell, in
+    their order: None for one on another host or where nobody answers (a replica restarting, or a
+    host id shared across network namespaces: nothing was delivered). The first other failure is
+    raised, once every ring has settled."""
+    async def one(d: Doorbell):
+        try:
+            return await ring_one(d)
+        except Unreachable as e:
+            log.warning("%s", e)
+            return None
+
+    here = host_id()
+    mine = [i for i, d in enumerate(doorbells) if d.host_id == here and d.address]
+    results = [None] * len(doorbells)
+    for i, result in zip(mine, await settle(*(one(doorbells[i]) for i in mine))):
+        results[i] = result
+    return results
+
+
 async def ring_prepare(offer: Offer, doorbells: list[Doorbell], token: str, force_backend: str = "",
                        timeout: float = 0) -> tuple[list, float]:
     """The trainer's side of OfferWeightsRequest.ring: a PrepareUpdate of `offer` at every doorbell
     on this host, all at once. -> (a Rung per doorbell, seconds until the last answered). A doorbell
-    nobody answers at (a replica restarting, or a host id shared across network namespaces) is
-    left unrung, for the caller's PrepareUpdate. The first refusal is raised, with the replica's
-    status and name (what others prepared stays prepared: the caller aborts them, as after a failed
-    PrepareUpdate)."""
+    on another host or nobody answers at is left unrung, for the caller's PrepareUpdate. The first
+    refusal is raised, with the replica's status and name (what others prepared stays prepared:
+    the caller aborts them, as after a failed PrepareUpdate)."""
     from rlsync.trainer.v1.trainer_pb2 import Rung
 
-    async def prepare(d: Doorbell) -> Rung:
-        try:
-            prepared = await ring(d.address, token, "PrepareUpdate", request,
-                                  rollout_pb2.PrepareUpdateResponse.FromString, (timeout or 300) + 30,
-                                  f"replica {d.name}")
-        except Unreachable as e:
-            log.warning("%s; preparing it by gRPC instead", e)
-            return Rung()
-        return Rung(rung=True, answer=prepared.answer)
-
-    here = host_id()
-    mine = [i for i, d in enumerate(doorbells) if d.host_id == here and d.address]
-    rungs = [Rung() for _ in doorbells]
-    if not mine:
-        return rungs, 0.0
     start = time.perf_counter()
     request = rollout_pb2.PrepareUpdateRequest(offer=offer, force_backend=force_backend, timeout=timeout)
-    answered = await settle(*(prepare(doorbells[i]) for i in mine))
-    seconds = time.perf_counter() - start
-    for i, rung in zip(mine, answered):
-        rungs[i] = rung
-    return rungs, seconds
+    answers = await _ring_here(doorbells, lambda d: ring(
+        d.address, token, "PrepareUpdate", request, rollout_pb2.PrepareUpdateResponse.FromString,
+        (timeout or 300) + 30, f"replica {d.name}"))
+    seconds = time.perf_counter() - start if any(a is not None for a in answers) else 0.0
+    return [Rung() if a is None else Rung(rung=True, answer=a.answer) for a in answers], seconds
+
+
+HOLD_TIMEOUT = 30.0  # mapping or closing a few storages takes milliseconds
+
+
+async def ring_hold(holder: str, mapped: MappedTensors, facts: Facts, doorbells: list[Doorbell],
+                    token: str) -> list[Doorbell]:
+    """The trainer's side of OnloadRequest.ring: asks every replica on this host to keep its
+    weights mapped until ring_release. -> the doorbells of those that hold them. A replica that
+    cannot (another GPU, an engine that receives elsewhere) or does not answer is left to map at
+    each update: holding only saves time, so nothing fails here."""
+    request = rollout_pb2.HoldWeightsRequest(holder=holder, mapped=mapped, facts=facts)
+
+    async def hold(d: Doorbell):
+        try:
+            return await ring(d.address, token, "HoldWeights", request, rollout_pb2.HoldWeightsResponse.FromString,
+                              HOLD_TIMEOUT, f"replica {d.name}")
+        except Relayed as e:
+            level = logging.DEBUG if e.code == grpc.StatusCode.FAILED_PRECONDITION else logging.WARNING
+            log.log(level, "%s: it maps the weights at each update instead", e)
+        except RlsyncError as e:
+            log.warning("%s: it maps the weights at each update instead", e)
+        return None
+
+    held = await _ring_here(doorbells, hold)
+    return [d for d, h in zip(doorbells, held) if h is not None]
+
+
+async def ring_release(holder: str, doorbells: list[Doorbell], token: str) -> int:
+    """Asks the replicas that hold the trainer's weights to let go (before it offloads: memory
+    another process maps is not freed). -> how many did. One that is gone released by dying; one
+    that does not answer keeps that memory from the GPU until it next hears from this holder,
+    and is logged."""
+    request = rollout_pb2.ReleaseWeightsRequest(holder=holder)
+
+    async def release(d: Doorbell):
+        try:
+            return await ring(d.address, token, "ReleaseWeights", request,
+                              rollout_pb2.ReleaseWeightsResponse.FromString, HOLD_TIMEOUT, f"replica {d.name}")
+        except RlsyncError as e:
+            log.warning("%s: the trainer's memory it maps is not freed by this offload", e)
+        return None
+
+    return sum(r is not None for r in await _ring_here(doorbells, release))
 
 
 def _pushed(answers: list) -> list:

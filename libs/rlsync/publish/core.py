@@ -17,6 +17,7 @@ from rlsync.errors import FailedPrecondition, InvalidArgument, NotFound
 from rlsync.publish.ranks import OFFLOAD, ONLOAD, PASSES, PublishPoints
 from rlsync.transfer import Report, WeightSender, audit_entry
 from rlsync.transfer.dtypes import dtype_of
+from rlsync.transfer.handshake import local_facts
 from rlsync.transfer.source import ResidentSource, StreamedSource
 from rlsync.transfer.v1 import transfer_pb2 as tpb
 
@@ -147,12 +148,20 @@ class PublisherCore:
             self.offloaded = True
         await self.run(offload, OFFLOAD, 0)
 
-    async def onload(self) -> None:
-        def onload() -> None:
+    async def onload(self, describe: bool = False) -> tuple[tpb.MappedTensors, tpb.Facts] | None:
+        """describe: also return where the weights now lie on the GPU, and its facts, for replicas on
+        it to keep mapped until the offload (None when they cannot be mapped). The sender is then
+        built now, not at the first offer."""
+        def onload() -> tuple[tpb.MappedTensors, tpb.Facts] | None:
             if self.hooks[ONLOAD] is not None:
                 self.hooks[ONLOAD]()
             self.offloaded = False
-        await self.run(onload, ONLOAD, 0)
+            if not describe:
+                return None
+            sender = self._sender_now()
+            regions = sender.regions()
+            return None if regions is None else (regions, local_facts(sender.device))
+        return await self.run(onload, ONLOAD, 0)
 
     def close(self) -> None:
         self.drop_sender()

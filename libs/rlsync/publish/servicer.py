@@ -6,7 +6,7 @@ rlsync's trainer service extends this with Train and checkpoints; a user's loop 
 
 from __future__ import annotations
 
-from rlsync.client.weights import ring_prepare
+from rlsync.client.weights import ring_hold, ring_prepare, ring_release
 from rlsync.common.audit import LIVE, to_proto as checksums_to_proto
 from rlsync.common.v1 import weights_pb2
 from rlsync.errors import FailedPrecondition
@@ -14,13 +14,16 @@ from rlsync.publish.core import PublisherCore
 from rlsync.rpc import unary
 from rlsync.trainer.v1 import trainer_pb2 as pb
 from rlsync.trainer.v1 import trainer_pb2_grpc
+from rlsync.transfer.v1.transfer_pb2 import Doorbell
 
 
 class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
-    def __init__(self, publisher: PublisherCore, describe=None, token: str = ""):
+    def __init__(self, publisher: PublisherCore, describe=None, token: str = "", holder: str = "trainer"):
         self.publisher = publisher
         self.describe = describe  # () -> dict of TrainerState fields beside step and offloaded
         self.token = token  # the fleet's: rung replicas check it as their gRPC servers do
+        self.holder = holder  # the name replicas hold this trainer's weights mapped under
+        self.holding: dict[str, Doorbell] = {}  # address -> doorbell of a replica that holds them
 
     def state(self) -> pb.TrainerState:
         return pb.TrainerState(step=self.publisher.published, offloaded=self.publisher.offloaded,
@@ -41,13 +44,18 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
     @unary
     async def Offload(self, request, context) -> pb.OffloadResponse:
+        holding, self.holding = list(self.holding.values()), {}
+        released = await ring_release(self.holder, holding, self.token) if holding else 0
         await self.publisher.offload()
-        return pb.OffloadResponse(state=self.state())
+        return pb.OffloadResponse(state=self.state(), released=released)
 
     @unary
-    async def Onload(self, request, context) -> pb.OnloadResponse:
-        await self.publisher.onload()
-        return pb.OnloadResponse(state=self.state())
+    async def Onload(self, request: pb.OnloadRequest, context) -> pb.OnloadResponse:
+        regions = await self.publisher.onload(describe=len(request.ring) > 0)
+        if regions is not None:  # replicas on this GPU map the weights while training runs
+            for d in await ring_hold(self.holder, *regions, list(request.ring), self.token):
+                self.holding[d.address] = d
+        return pb.OnloadResponse(state=self.state(), held=len(self.holding))
 
     @unary
     async def OfferWeights(self, request: pb.OfferWeightsRequest, context) -> pb.OfferWeightsResponse:

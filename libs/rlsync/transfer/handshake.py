@@ -53,6 +53,11 @@ def local_facts(device: torch.device | str = "cpu") -> pb.Facts:
     return pb.Facts(host_id=host_id(), device_type=device.type, gpu_uuids=uuids, hostname=socket.gethostname())
 
 
+def same_gpu(facts: pb.Facts, device: torch.device | str) -> str | None:
+    """None when memory `facts` describe lies on `device`'s GPU (cuda_ipc can map it), else why not."""
+    return _feasible(B.BACKEND_CUDA_IPC, facts, local_facts(device))
+
+
 def _feasible(backend: int, sender: pb.Facts, receiver: pb.Facts) -> str | None:
     """None when `backend` can connect these two parties, else why not."""
     same_host = sender.host_id == receiver.host_id

@@ -125,9 +125,17 @@ class WeightSender:
 
     def _mapped(self) -> pb.MappedTensors | None:
         """Where the CUDA tensors lie, for receivers on this GPU to pull them (cuda_ipc)."""
-        if self.device.type != "cuda" or pb.BACKEND_CUDA_IPC not in self.backends:
+        regions = self.regions()
+        if regions is not None:
+            torch.cuda.synchronize(self.device)  # no kernel of the trainer may still be writing them
+        return regions
+
+    def regions(self) -> pb.MappedTensors | None:
+        """A handle per CUDA storage, and the region and offset of every tensor in them, for
+        receivers on this GPU to map; None when they cannot (not CUDA, cuda_ipc not offered,
+        tensors not in place). It holds until the tensors move (the trainer offloads)."""
+        if self.device.type != "cuda" or pb.BACKEND_CUDA_IPC not in self.backends or not self._one_copy():
             return None
-        torch.cuda.synchronize(self.device)  # no kernel of the trainer may still be writing them
         described = describe_cuda(list(self.source.tensors.values()), self.cache)  # the addresses of resident()
         regions, offsets = zip(*described["locations"]) if described["locations"] else ((), ())
         return pb.MappedTensors(ipc=described["ipc"], region=regions, offset=offsets)

@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
 from rlsync.rollout.types import Delta, GenerationRequest, MemoryUsage, PauseMode, WakeTag
-from rlsync.transfer.v1.transfer_pb2 import Answer, Offer
+from rlsync.errors import FailedPrecondition
+from rlsync.transfer.v1.transfer_pb2 import Answer, Facts, Offer
 
 
 class Engine(abc.ABC):
@@ -101,6 +102,17 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def abort_update(self) -> None:
         """Drops a prepared update and its staging memory."""
+
+    async def hold_weights(self, holder: str, handles: list[bytes], facts: Facts) -> int:
+        """Keeps `holder`'s CUDA storages (IPC handles on this GPU) mapped for the pulls to come
+        (rlsync.transfer.held); returns how many were newly mapped. Only an engine that pulls in
+        this process can."""
+        raise FailedPrecondition(f"the {self.kind} engine receives updates outside the rollout process: it maps "
+                                 "the trainer's memory at each update and holds nothing between them")
+
+    async def release_weights(self, holder: str) -> int:
+        """Closes what hold_weights kept for `holder`; returns how many."""
+        return 0
 
     @abc.abstractmethod
     async def checksums(self) -> tuple[dict[str, tuple[str, tuple[int, ...], str]], str]:

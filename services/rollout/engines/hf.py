@@ -32,6 +32,8 @@ from rlsync.rollout.engines.hf_weights import Weights
 from rlsync.rollout.sampling import make_generator, sample
 from rlsync.rollout.staging import StagedUpdate, ensure_room, pulled
 from rlsync.transfer import answer
+from rlsync.transfer.handshake import same_gpu
+from rlsync.transfer.held import HELD
 from rlsync.transfer.manifest import check_against, from_proto
 from rlsync.rollout.types import (Delta, FinishReason, GenerationRequest, MemoryUsage, PauseMode,
                                   WakeTag)
@@ -399,6 +401,14 @@ class HFEngine(Engine):
         ans.stages.update(clock.stages)  # (the hops onto threads are left to the caller's prepare_rpc)
         self._update = (update, staging, offer.manifest.adapter if lora else None)
         return ans
+
+    async def hold_weights(self, holder: str, handles: list[bytes], facts) -> int:
+        if (why := same_gpu(facts, self.device)) is not None:
+            raise FailedPrecondition(f"cannot hold {holder}'s weights mapped: {why}")
+        return await asyncio.to_thread(HELD.hold, holder, handles, self.device)
+
+    async def release_weights(self, holder: str) -> int:
+        return await asyncio.to_thread(HELD.release, holder)
 
     def _delta_base(self, offer) -> dict[str, torch.Tensor] | None:
         """The live weights, as the base a broadcast may send deltas against: when they are the

@@ -87,6 +87,38 @@ class CommitUpdateResponse(_message.Message):
     recomputed: int
     def __init__(self, version: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., switch_seconds: _Optional[float] = ..., changed: _Optional[bool] = ..., recomputed: _Optional[int] = ...) -> None: ...
 
+class HoldWeightsRequest(_message.Message):
+    __slots__ = ("holder", "mapped", "facts")
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    MAPPED_FIELD_NUMBER: _ClassVar[int]
+    FACTS_FIELD_NUMBER: _ClassVar[int]
+    holder: str
+    mapped: _transfer_pb2.MappedTensors
+    facts: _transfer_pb2.Facts
+    def __init__(self, holder: _Optional[str] = ..., mapped: _Optional[_Union[_transfer_pb2.MappedTensors, _Mapping]] = ..., facts: _Optional[_Union[_transfer_pb2.Facts, _Mapping]] = ...) -> None: ...
+
+class HoldWeightsResponse(_message.Message):
+    __slots__ = ("mapped", "held", "seconds")
+    MAPPED_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    mapped: int
+    held: int
+    seconds: float
+    def __init__(self, mapped: _Optional[int] = ..., held: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class ReleaseWeightsRequest(_message.Message):
+    __slots__ = ("holder",)
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    holder: str
+    def __init__(self, holder: _Optional[str] = ...) -> None: ...
+
+class ReleaseWeightsResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
+
 class AbortUpdateRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -86,6 +86,16 @@ class RolloutServiceStub:
                 request_serializer=rlsync_dot_rollout_dot_v1_dot_rollout__pb2.AbortUpdateRequest.SerializeToString,
                 response_deserializer=rlsync_dot_rollout_dot_v1_dot_rollout__pb2.AbortUpdateResponse.FromString,
                 _registered_method=True)
+        self.HoldWeights = channel.unary_unary(
+                '/rlsync.rollout.v1.RolloutService/HoldWeights',
+                request_serializer=rlsync_dot_rollout_dot_v1_dot_rollout__pb2.HoldWeightsRequest.SerializeToString,
+                response_deserializer=rlsync_dot_rollout_dot_v1_dot_rollout__pb2.HoldWeightsResponse.FromString,
+                _registered_method=True)
+        self.ReleaseWeights = channel.unary_unary(
+                '/rlsync.rollout.v1.RolloutService/ReleaseWeights',
+                request_serializer=rlsync_dot_rollout_dot_v1_dot_rollout__pb2.ReleaseWeightsRequest.SerializeToString,
+                response_deserializer=rlsync_dot_rollout_dot_v1_dot_rollout__pb2.ReleaseWeightsResponse.FromString,
+                _registered_method=True)
         self.GetWeightChecksums = channel.unary_unary(
                 '/rlsync.rollout.v1.RolloutService/GetWeightChecksums',
                 request_serializer=rlsync_dot_common_dot_v1_dot_weights__pb2.GetWeightChecksumsRequest.SerializeToString,
@@ -167,6 +177,25 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def HoldWeights(self, request, context):
+        """Keeps another process's CUDA storages on this replica's GPU mapped between updates, so a pull
+        from them neither opens nor closes a mapping (0.7 and 0.4 ms on H100 against a 2.6 ms copy
+        of 3.4 GB). A trainer on this GPU asks for its weights at its onload, while it trains, and
+        releases them before it offloads (torch keeps memory another process maps alive). A hold
+        replaces what the same holder held. FAILED_PRECONDITION from an engine that receives outside
+        this process (it maps at each update) or a replica on another GPU.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseWeights(self, request, context):
+        """Closes what HoldWeights kept for a holder. Releasing what is not held does nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetWeightChecksums(self, request, context):
         """Per-tensor checksums of the weights being served (audit).
         """
@@ -226,6 +255,16 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.AbortUpdate,
                     request_deserializer=rlsync_dot_rollout_dot_v1_dot_rollout__pb2.AbortUpdateRequest.FromString,
                     response_serializer=rlsync_dot_rollout_dot_v1_dot_rollout__pb2.AbortUpdateResponse.SerializeToString,
+            ),
+            'HoldWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.HoldWeights,
+                    request_deserializer=rlsync_dot_rollout_dot_v1_dot_rollout__pb2.HoldWeightsRequest.FromString,
+                    response_serializer=rlsync_dot_rollout_dot_v1_dot_rollout__pb2.HoldWeightsResponse.SerializeToString,
+            ),
+            'ReleaseWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseWeights,
+                    request_deserializer=rlsync_dot_rollout_dot_v1_dot_rollout__pb2.ReleaseWeightsRequest.FromString,
+                    response_serializer=rlsync_dot_rollout_dot_v1_dot_rollout__pb2.ReleaseWeightsResponse.SerializeToString,
             ),
             'GetWeightChecksums': grpc.unary_unary_rpc_method_handler(
                     servicer.GetWeightChecksums,
@@ -503,6 +542,60 @@ class RolloutService:
             '/rlsync.rollout.v1.RolloutService/AbortUpdate',
             rlsync_dot_rollout_dot_v1_dot_rollout__pb2.AbortUpdateRequest.SerializeToString,
             rlsync_dot_rollout_dot_v1_dot_rollout__pb2.AbortUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HoldWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlsync.rollout.v1.RolloutService/HoldWeights',
+            rlsync_dot_rollout_dot_v1_dot_rollout__pb2.HoldWeightsRequest.SerializeToString,
+            rlsync_dot_rollout_dot_v1_dot_rollout__pb2.HoldWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlsync.rollout.v1.RolloutService/ReleaseWeights',
+            rlsync_dot_rollout_dot_v1_dot_rollout__pb2.ReleaseWeightsRequest.SerializeToString,
+            rlsync_dot_rollout_dot_v1_dot_rollout__pb2.ReleaseWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

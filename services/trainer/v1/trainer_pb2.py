@@ -26,7 +26,7 @@ from rlsync.common.v1 import weights_pb2 as rlsync_dot_common_dot_v1_dot_weights
 from rlsync.transfer.v1 import transfer_pb2 as rlsync_dot_transfer_dot_v1_dot_transfer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frlsync/trainer/v1/trainer.proto\x12\x11rlsync.trainer.v1\x1a\x1erlsync/common/v1/weights.proto\x1a!rlsync/transfer/v1/transfer.proto\"\xb3\x01\n\nTrajectory\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x16\n\x0e\x63ompletion_ids\x18\x02 \x03(\x05\x12\x0e\n\x06reward\x18\x03 \x01(\x02\x12\x16\n\tadvantage\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x19\n\x11\x62\x65havior_logprobs\x18\x05 \x03(\x02\x12\x16\n\x0etoken_versions\x18\x06 \x03(\x03\x12\x10\n\x08group_id\x18\x07 \x01(\tB\x0c\n\n_advantage\"\xd3\x01\n\x0cTrainRequest\x12\x33\n\x0ctrajectories\x18\x01 \x03(\x0b\x32\x1d.rlsync.trainer.v1.Trajectory\x12\x1a\n\rmax_staleness\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\x34\n\x0cstale_policy\x18\x03 \x01(\x0e\x32\x1e.rlsync.trainer.v1.StalePolicy\x12\x19\n\x0cstale_weight\x18\x04 \x01(\x02H\x01\x88\x01\x01\x42\x10\n\x0e_max_stalenessB\x0f\n\r_stale_weight\"\xc8\x01\n\rTrainResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12>\n\x07metrics\x18\x02 \x03(\x0b\x32-.rlsync.trainer.v1.TrainResponse.MetricsEntry\x12\x19\n\x11trajectories_used\x18\x03 \x01(\x05\x12\r\n\x05stale\x18\x04 \x01(\x05\x12\x0f\n\x07\x64ropped\x18\x05 \x01(\x05\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x11\n\x0fGetStateRequest\"\xa6\x01\n\x0cTrainerState\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x11\n\toffloaded\x18\x04 \x01(\x08\x12\x14\n\x0c\x64\x65vice_bytes\x18\x05 \x01(\x03\x12\x1d\n\x15\x64\x65vice_reserved_bytes\x18\x06 \x01(\x03\x12\x12\n\nparameters\x18\x07 \x01(\x03\x12\r\n\x05\x64type\x18\x08 \x01(\t\"\x10\n\x0eOffloadRequest\"A\n\x0fOffloadResponse\x12.\n\x05state\x18\x01 \x01(\x0b\x32\x1f.rlsync.trainer.v1.TrainerState\"\x0f\n\rOnloadRequest\"@\n\x0eOnloadResponse\x12.\n\x05state\x18\x01 \x01(\x0b\x32\x1f.rlsync.trainer.v1.TrainerState\"%\n\x15SaveCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"4\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"%\n\x15LoadCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"&\n\x16LoadCheckpointResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\"\x99\x01\n\x13OfferWeightsRequest\x12\x14\n\x07version\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04pull\x18\x02 \x01(\x08\x12*\n\x04ring\x18\x03 \x03(\x0b\x32\x1c.rlsync.transfer.v1.Doorbell\x12\x15\n\rforce_backend\x18\x04 \x01(\t\x12\x0f\n\x07timeout\x18\x05 \x01(\x01\x42\n\n\x08_version\"}\n\x14OfferWeightsResponse\x12(\n\x05offer\x18\x01 \x01(\x0b\x32\x19.rlsync.transfer.v1.Offer\x12%\n\x04rung\x18\x02 \x03(\x0b\x32\x17.rlsync.trainer.v1.Rung\x12\x14\n\x0cring_seconds\x18\x03 \x01(\x01\"@\n\x04Rung\x12\x0c\n\x04rung\x18\x01 \x01(\x08\x12*\n\x06\x61nswer\x18\x02 \x01(\x0b\x32\x1a.rlsync.transfer.v1.Answer\"j\n\x15PublishWeightsRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12+\n\x07\x61nswers\x18\x02 \x03(\x0b\x32\x1a.rlsync.transfer.v1.Answer\x12\x0f\n\x07timeout\x18\x03 \x01(\x01\"\xe8\x02\n\x16PublishWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x14\n\x0c\x64\x61ta_seconds\x18\x04 \x01(\x01\x12I\n\x08\x62\x61\x63kends\x18\x05 \x03(\x0b\x32\x37.rlsync.trainer.v1.PublishWeightsResponse.BackendsEntry\x12G\n\x07profile\x18\x06 \x03(\x0b\x32\x36.rlsync.trainer.v1.PublishWeightsResponse.ProfileEntry\x12\x12\n\nwire_bytes\x18\x07 \x01(\x03\x1a/\n\rBackendsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x1a.\n\x0cProfileEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*v\n\x0bStalePolicy\x12\x1c\n\x18STALE_POLICY_UNSPECIFIED\x10\x00\x12\x15\n\x11STALE_POLICY_KEEP\x10\x01\x12\x15\n\x11STALE_POLICY_DROP\x10\x02\x12\x1b\n\x17STALE_POLICY_DOWNWEIGHT\x10\x03\x32\xca\x06\n\x0eTrainerService\x12J\n\x05Train\x12\x1f.rlsync.trainer.v1.TrainRequest\x1a .rlsync.trainer.v1.TrainResponse\x12O\n\x08GetState\x12\".rlsync.trainer.v1.GetStateRequest\x1a\x1f.rlsync.trainer.v1.TrainerState\x12P\n\x07Offload\x12!.rlsync.trainer.v1.OffloadRequest\x1a\".rlsync.trainer.v1.OffloadResponse\x12M\n\x06Onload\x12 .rlsync.trainer.v1.OnloadRequest\x1a!.rlsync.trainer.v1.OnloadResponse\x12\x65\n\x0eSaveCheckpoint\x12(.rlsync.trainer.v1.SaveCheckpointRequest\x1a).rlsync.trainer.v1.SaveCheckpointResponse\x12\x65\n\x0eLoadCheckpoint\x12(.rlsync.trainer.v1.LoadCheckpointRequest\x1a).rlsync.trainer.v1.LoadCheckpointResponse\x12_\n\x0cOfferWeights\x12&.rlsync.trainer.v1.OfferWeightsRequest\x1a\'.rlsync.trainer.v1.OfferWeightsResponse\x12\x65\n\x0ePublishWeights\x12(.rlsync.trainer.v1.PublishWeightsRequest\x1a).rlsync.trainer.v1.PublishWeightsResponse\x12\x64\n\x12GetWeightChecksums\x12+.rlsync.common.v1.GetWeightChecksumsRequest\x1a!.rlsync.common.v1.WeightChecksumsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frlsync/trainer/v1/trainer.proto\x12\x11rlsync.trainer.v1\x1a\x1erlsync/common/v1/weights.proto\x1a!rlsync/transfer/v1/transfer.proto\"\xb3\x01\n\nTrajectory\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x16\n\x0e\x63ompletion_ids\x18\x02 \x03(\x05\x12\x0e\n\x06reward\x18\x03 \x01(\x02\x12\x16\n\tadvantage\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x19\n\x11\x62\x65havior_logprobs\x18\x05 \x03(\x02\x12\x16\n\x0etoken_versions\x18\x06 \x03(\x03\x12\x10\n\x08group_id\x18\x07 \x01(\tB\x0c\n\n_advantage\"\xd3\x01\n\x0cTrainRequest\x12\x33\n\x0ctrajectories\x18\x01 \x03(\x0b\x32\x1d.rlsync.trainer.v1.Trajectory\x12\x1a\n\rmax_staleness\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\x34\n\x0cstale_policy\x18\x03 \x01(\x0e\x32\x1e.rlsync.trainer.v1.StalePolicy\x12\x19\n\x0cstale_weight\x18\x04 \x01(\x02H\x01\x88\x01\x01\x42\x10\n\x0e_max_stalenessB\x0f\n\r_stale_weight\"\xc8\x01\n\rTrainResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12>\n\x07metrics\x18\x02 \x03(\x0b\x32-.rlsync.trainer.v1.TrainResponse.MetricsEntry\x12\x19\n\x11trajectories_used\x18\x03 \x01(\x05\x12\r\n\x05stale\x18\x04 \x01(\x05\x12\x0f\n\x07\x64ropped\x18\x05 \x01(\x05\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x11\n\x0fGetStateRequest\"\xa6\x01\n\x0cTrainerState\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x11\n\toffloaded\x18\x04 \x01(\x08\x12\x14\n\x0c\x64\x65vice_bytes\x18\x05 \x01(\x03\x12\x1d\n\x15\x64\x65vice_reserved_bytes\x18\x06 \x01(\x03\x12\x12\n\nparameters\x18\x07 \x01(\x03\x12\r\n\x05\x64type\x18\x08 \x01(\t\"\x10\n\x0eOffloadRequest\"S\n\x0fOffloadResponse\x12.\n\x05state\x18\x01 \x01(\x0b\x32\x1f.rlsync.trainer.v1.TrainerState\x12\x10\n\x08released\x18\x02 \x01(\x05\";\n\rOnloadRequest\x12*\n\x04ring\x18\x01 \x03(\x0b\x32\x1c.rlsync.transfer.v1.Doorbell\"N\n\x0eOnloadResponse\x12.\n\x05state\x18\x01 \x01(\x0b\x32\x1f.rlsync.trainer.v1.TrainerState\x12\x0c\n\x04held\x18\x02 \x01(\x05\"%\n\x15SaveCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"4\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"%\n\x15LoadCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"&\n\x16LoadCheckpointResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\"\x99\x01\n\x13OfferWeightsRequest\x12\x14\n\x07version\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04pull\x18\x02 \x01(\x08\x12*\n\x04ring\x18\x03 \x03(\x0b\x32\x1c.rlsync.transfer.v1.Doorbell\x12\x15\n\rforce_backend\x18\x04 \x01(\t\x12\x0f\n\x07timeout\x18\x05 \x01(\x01\x42\n\n\x08_version\"}\n\x14OfferWeightsResponse\x12(\n\x05offer\x18\x01 \x01(\x0b\x32\x19.rlsync.transfer.v1.Offer\x12%\n\x04rung\x18\x02 \x03(\x0b\x32\x17.rlsync.trainer.v1.Rung\x12\x14\n\x0cring_seconds\x18\x03 \x01(\x01\"@\n\x04Rung\x12\x0c\n\x04rung\x18\x01 \x01(\x08\x12*\n\x06\x61nswer\x18\x02 \x01(\x0b\x32\x1a.rlsync.transfer.v1.Answer\"j\n\x15PublishWeightsRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12+\n\x07\x61nswers\x18\x02 \x03(\x0b\x32\x1a.rlsync.transfer.v1.Answer\x12\x0f\n\x07timeout\x18\x03 \x01(\x01\"\xe8\x02\n\x16PublishWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x14\n\x0c\x64\x61ta_seconds\x18\x04 \x01(\x01\x12I\n\x08\x62\x61\x63kends\x18\x05 \x03(\x0b\x32\x37.rlsync.trainer.v1.PublishWeightsResponse.BackendsEntry\x12G\n\x07profile\x18\x06 \x03(\x0b\x32\x36.rlsync.trainer.v1.PublishWeightsResponse.ProfileEntry\x12\x12\n\nwire_bytes\x18\x07 \x01(\x03\x1a/\n\rBackendsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x1a.\n\x0cProfileEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*v\n\x0bStalePolicy\x12\x1c\n\x18STALE_POLICY_UNSPECIFIED\x10\x00\x12\x15\n\x11STALE_POLICY_KEEP\x10\x01\x12\x15\n\x11STALE_POLICY_DROP\x10\x02\x12\x1b\n\x17STALE_POLICY_DOWNWEIGHT\x10\x03\x32\xca\x06\n\x0eTrainerService\x12J\n\x05Train\x12\x1f.rlsync.trainer.v1.TrainRequest\x1a .rlsync.trainer.v1.TrainResponse\x12O\n\x08GetState\x12\".rlsync.trainer.v1.GetStateRequest\x1a\x1f.rlsync.trainer.v1.TrainerState\x12P\n\x07Offload\x12!.rlsync.trainer.v1.OffloadRequest\x1a\".rlsync.trainer.v1.OffloadResponse\x12M\n\x06Onload\x12 .rlsync.trainer.v1.OnloadRequest\x1a!.rlsync.trainer.v1.OnloadResponse\x12\x65\n\x0eSaveCheckpoint\x12(.rlsync.trainer.v1.SaveCheckpointRequest\x1a).rlsync.trainer.v1.SaveCheckpointResponse\x12\x65\n\x0eLoadCheckpoint\x12(.rlsync.trainer.v1.LoadCheckpointRequest\x1a).rlsync.trainer.v1.LoadCheckpointResponse\x12_\n\x0cOfferWeights\x12&.rlsync.trainer.v1.OfferWeightsRequest\x1a\'.rlsync.trainer.v1.OfferWeightsResponse\x12\x65\n\x0ePublishWeights\x12(.rlsync.trainer.v1.PublishWeightsRequest\x1a).rlsync.trainer.v1.PublishWeightsResponse\x12\x64\n\x12GetWeightChecksums\x12+.rlsync.common.v1.GetWeightChecksumsRequest\x1a!.rlsync.common.v1.WeightChecksumsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,8 +39,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUBLISHWEIGHTSRESPONSE_BACKENDSENTRY']._serialized_options = b'8\001'
   _globals['_PUBLISHWEIGHTSRESPONSE_PROFILEENTRY']._loaded_options = None
   _globals['_PUBLISHWEIGHTSRESPONSE_PROFILEENTRY']._serialized_options = b'8\001'
-  _globals['_STALEPOLICY']._serialized_start=2068
-  _globals['_STALEPOLICY']._serialized_end=2186
+  _globals['_STALEPOLICY']._serialized_start=2144
+  _globals['_STALEPOLICY']._serialized_end=2262
   _globals['_TRAJECTORY']._serialized_start=122
   _globals['_TRAJECTORY']._serialized_end=301
   _globals['_TRAINREQUEST']._serialized_start=304
@@ -56,33 +56,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OFFLOADREQUEST']._serialized_start=908
   _globals['_OFFLOADREQUEST']._serialized_end=924
   _globals['_OFFLOADRESPONSE']._serialized_start=926
-  _globals['_OFFLOADRESPONSE']._serialized_end=991
-  _globals['_ONLOADREQUEST']._serialized_start=993
-  _globals['_ONLOADREQUEST']._serialized_end=1008
-  _globals['_ONLOADRESPONSE']._serialized_start=1010
-  _globals['_ONLOADRESPONSE']._serialized_end=1074
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=1076
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1113
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=1115
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1167
-  _globals['_LOADCHECKPOINTREQUEST']._serialized_start=1169
-  _globals['_LOADCHECKPOINTREQUEST']._serialized_end=1206
-  _globals['_LOADCHECKPOINTRESPONSE']._serialized_start=1208
-  _globals['_LOADCHECKPOINTRESPONSE']._serialized_end=1246
-  _globals['_OFFERWEIGHTSREQUEST']._serialized_start=1249
-  _globals['_OFFERWEIGHTSREQUEST']._serialized_end=1402
-  _globals['_OFFERWEIGHTSRESPONSE']._serialized_start=1404
-  _globals['_OFFERWEIGHTSRESPONSE']._serialized_end=1529
-  _globals['_RUNG']._serialized_start=1531
-  _globals['_RUNG']._serialized_end=1595
-  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_start=1597
-  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_end=1703
-  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_start=1706
-  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_end=2066
-  _globals['_PUBLISHWEIGHTSRESPONSE_BACKENDSENTRY']._serialized_start=1971
-  _globals['_PUBLISHWEIGHTSRESPONSE_BACKENDSENTRY']._serialized_end=2018
-  _globals['_PUBLISHWEIGHTSRESPONSE_PROFILEENTRY']._serialized_start=2020
-  _globals['_PUBLISHWEIGHTSRESPONSE_PROFILEENTRY']._serialized_end=2066
-  _globals['_TRAINERSERVICE']._serialized_start=2189
-  _globals['_TRAINERSERVICE']._serialized_end=3031
+  _globals['_OFFLOADRESPONSE']._serialized_end=1009
+  _globals['_ONLOADREQUEST']._serialized_start=1011
+  _globals['_ONLOADREQUEST']._serialized_end=1070
+  _globals['_ONLOADRESPONSE']._serialized_start=1072
+  _globals['_ONLOADRESPONSE']._serialized_end=1150
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=1152
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1189
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=1191
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1243
+  _globals['_LOADCHECKPOINTREQUEST']._serialized_start=1245
+  _globals['_LOADCHECKPOINTREQUEST']._serialized_end=1282
+  _globals['_LOADCHECKPOINTRESPONSE']._serialized_start=1284
+  _globals['_LOADCHECKPOINTRESPONSE']._serialized_end=1322
+  _globals['_OFFERWEIGHTSREQUEST']._serialized_start=1325
+  _globals['_OFFERWEIGHTSREQUEST']._serialized_end=1478
+  _globals['_OFFERWEIGHTSRESPONSE']._serialized_start=1480
+  _globals['_OFFERWEIGHTSRESPONSE']._serialized_end=1605
+  _globals['_RUNG']._serialized_start=1607
+  _globals['_RUNG']._serialized_end=1671
+  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_start=1673
+  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_end=1779
+  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_start=1782
+  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_end=2142
+  _globals['_PUBLISHWEIGHTSRESPONSE_BACKENDSENTRY']._serialized_start=2047
+  _globals['_PUBLISHWEIGHTSRESPONSE_BACKENDSENTRY']._serialized_end=2094
+  _globals['_PUBLISHWEIGHTSRESPONSE_PROFILEENTRY']._serialized_start=2096
+  _globals['_PUBLISHWEIGHTSRESPONSE_PROFILEENTRY']._serialized_end=2142
+  _globals['_TRAINERSERVICE']._serialized_start=2265
+  _globals['_TRAINERSERVICE']._serialized_end=3107
 # @@protoc_insertion_point(module_scope)

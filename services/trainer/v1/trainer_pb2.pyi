@@ -100,20 +100,26 @@ class OffloadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class OffloadResponse(_message.Message):
-    __slots__ = ("state",)
+    __slots__ = ("state", "released")
     STATE_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
     state: TrainerState
-    def __init__(self, state: _Optional[_Union[TrainerState, _Mapping]] = ...) -> None: ...
+    released: int
+    def __init__(self, state: _Optional[_Union[TrainerState, _Mapping]] = ..., released: _Optional[int] = ...) -> None: ...
 
 class OnloadRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("ring",)
+    RING_FIELD_NUMBER: _ClassVar[int]
+    ring: _containers.RepeatedCompositeFieldContainer[_transfer_pb2.Doorbell]
+    def __init__(self, ring: _Optional[_Iterable[_Union[_transfer_pb2.Doorbell, _Mapping]]] = ...) -> None: ...
 
 class OnloadResponse(_message.Message):
-    __slots__ = ("state",)
+    __slots__ = ("state", "held")
     STATE_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     state: TrainerState
-    def __init__(self, state: _Optional[_Union[TrainerState, _Mapping]] = ...) -> None: ...
+    held: int
+    def __init__(self, state: _Optional[_Union[TrainerState, _Mapping]] = ..., held: _Optional[int] = ...) -> None: ...
 
 class SaveCheckpointRequest(_message.Message):
     __slots__ = ("path",)

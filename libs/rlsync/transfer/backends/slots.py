@@ -16,6 +16,7 @@ from rlsync.errors import DataLoss, FailedPrecondition
 from rlsync.transfer.backends.base import (ReceiveJob, SendJob, collect_results, expect, report_failure,
                                            sync)
 from rlsync.transfer.checksum import checksum_bytes
+from rlsync.transfer.held import HELD
 from rlsync.transfer.memory import SharedBuffer, open_cuda, share_cuda
 from rlsync.transfer.messages import Done, Events, Freed, Ready, Result, Welcome
 from rlsync.transfer.v1 import transfer_pb2 as pb
@@ -255,7 +256,9 @@ class CudaIpcChannel(_Mapped):
         return describe_cuda(job.sources, job.cache), []
 
     def open_regions(self, job):
-        return [open_cuda(raw, job.device) for raw in job.welcome.ipc]
+        # Storages their owner asked this process to keep mapped are open already (rlsync.transfer.held).
+        held = [HELD.get(raw) for raw in job.welcome.ipc]
+        return [open_cuda(raw, job.device) if t is None else t for raw, t in zip(job.welcome.ipc, held)]
 
 
 def describe_cuda(sources, cache: dict) -> dict:

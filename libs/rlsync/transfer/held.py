@@ -1,0 +1,71 @@
+"""CUDA memory of another process, kept mapped between updates at its owner's request.
+
+A pull maps the trainer's storages, copies, and closes them again: opening and closing a
+mapping (`cudaIpcOpenMemHandle` and its close) cost 0.7 and 0.4 ms on H100, a third of a 1.7B
+model's copy. The trainer's parameters stay at one address from its onload to its offload, so it
+asks the replicas on its GPU to map them while it trains (`hold`), and to let go before it
+offloads (`release`): torch keeps a storage that another process maps alive, so memory still
+held after the offload would not go back to the GPU. A pull then finds the regions already open
+(`get`) and the update neither maps nor closes anything.
+
+Holds are per holder (a trainer's name): a hold replaces what that holder held, so a restarted
+trainer's first onload lets go of what its predecessor left. A handle is the serialized
+CudaIpcHandle, which names one allocation of one process: a new allocation at the same address
+has another handle, so a held mapping can never be taken for memory it does not show.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+
+import torch
+
+from rlsync.transfer.memory import open_cuda
+
+Opener = Callable[[bytes, torch.device], torch.Tensor]
+
+
+class HeldMappings:
+    """Open mappings by (holder, handle). Thread-safe: holds arrive on the service's loop, pulls
+    run on the engine's thread."""
+
+    def __init__(self, opener: Opener = open_cuda):
+        self._open = opener
+        self._lock = threading.Lock()
+        self._held: dict[str, dict[bytes, torch.Tensor]] = {}
+
+    def hold(self, holder: str, handles: Iterable[bytes], device: torch.device) -> int:
+        """Keeps exactly `handles` mapped for `holder` (those already mapped stay as they are, the
+        holder's others are closed). Returns how many were newly mapped. A handle that does not
+        open raises, and the holder's set is left as it was."""
+        handles = list(dict.fromkeys(handles))
+        with self._lock:
+            mine = self._held.get(holder, {})
+            opened = {h: mine[h] if h in mine else self._open(h, device) for h in handles}
+            new = sum(h not in mine for h in handles)
+            if opened:
+                self._held[holder] = opened
+            else:
+                self._held.pop(holder, None)
+        return new  # the closed ones go with the dropped references
+
+    def release(self, holder: str) -> int:
+        """Closes what `holder` held; returns how many."""
+        with self._lock:
+            return len(self._held.pop(holder, {}))
+
+    def get(self, handle: bytes) -> torch.Tensor | None:
+        """The open mapping of `handle` when some holder keeps it, else None."""
+        with self._lock:
+            for mine in self._held.values():
+                if (t := mine.get(handle)) is not None:
+                    return t
+        return None
+
+    def count(self) -> int:
+        with self._lock:
+            return sum(len(m) for m in self._held.values())
+
+
+HELD = HeldMappings()  # this process's: the cuda_ipc channel looks here before mapping

@@ -1,0 +1,49 @@
+"""HeldMappings' bookkeeping: what a holder keeps mapped, replaced and released (the opener is a
+stand-in for cudaIpcOpenMemHandle; the GPU test holds real trainer memory)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlsync.transfer.held import HeldMappings
+
+
+class Opener:
+    def __init__(self, refuse: bytes = b""):
+        self.opened: list[bytes] = []
+        self.refuse = refuse
+
+    def __call__(self, handle: bytes, device) -> torch.Tensor:
+        if handle == self.refuse:
+            raise RuntimeError(f"cannot open {handle!r}")
+        self.opened.append(handle)
+        return torch.full((4,), len(self.opened), dtype=torch.uint8)
+
+
+def test_a_hold_maps_each_storage_once_and_replaces_what_the_holder_held():
+    opener = Opener()
+    held = HeldMappings(opener)
+    assert held.hold("trainer", [b"a", b"b", b"a"], torch.device("cpu")) == 2
+    a = held.get(b"a")
+    assert a is not None and held.count() == 2
+    # The next onload: "a" stays as it was (no second open), "b" is let go, "c" is new.
+    assert held.hold("trainer", [b"a", b"c"], torch.device("cpu")) == 1
+    assert opener.opened == [b"a", b"b", b"c"]
+    assert held.get(b"a") is a and held.get(b"b") is None and held.count() == 2
+
+
+def test_holders_are_apart_and_a_release_closes_only_its_own():
+    held = HeldMappings(Opener())
+    held.hold("one", [b"a"], torch.device("cpu"))
+    held.hold("two", [b"b"], torch.device("cpu"))
+    assert held.release("one") == 1 and held.release("one") == 0
+    assert held.get(b"a") is None and held.get(b"b") is not None
+
+
+def test_a_handle_that_does_not_open_leaves_the_holders_set_as_it_was():
+    held = HeldMappings(Opener(refuse=b"bad"))
+    held.hold("trainer", [b"a"], torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="cannot open"):
+        held.hold("trainer", [b"c", b"bad"], torch.device("cpu"))
+    assert held.get(b"a") is not None and held.get(b"c") is None
