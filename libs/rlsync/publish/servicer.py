@@ -44,8 +44,7 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
     @unary
     async def Offload(self, request, context) -> pb.OffloadResponse:
-        holding, self.holding = list(self.holding.values()), {}
-        released = await ring_release(self.holder, holding, self.token) if holding else 0
+        released = await self._release()
         await self.publisher.offload()
         return pb.OffloadResponse(state=self.state(), released=released)
 
@@ -55,7 +54,14 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
         if regions is not None:  # replicas on this GPU map the weights while training runs
             for d in await ring_hold(self.holder, *regions, list(request.ring), self.token):
                 self.holding[d.address] = d
+            if self.publisher.offloaded:  # an Offload ran while they mapped: they let go now
+                await self._release()
         return pb.OnloadResponse(state=self.state(), held=len(self.holding))
+
+    async def _release(self) -> int:
+        """Has every replica that holds the weights mapped let go (before they leave the GPU)."""
+        holding, self.holding = list(self.holding.values()), {}
+        return await ring_release(self.holder, holding, self.token) if holding else 0
 
     @unary
     async def OfferWeights(self, request: pb.OfferWeightsRequest, context) -> pb.OfferWeightsResponse:

@@ -1,5 +1,6 @@
-"""A doorbell: a unary call over an abstract Unix socket, for the one hop where Python gRPC's own
-cost is most of the price: a colocated update's PrepareUpdate, against a copy of a few ms. Between
+"""A doorbell: a unary call over an abstract Unix socket, for the hops where Python gRPC's own
+cost is most of the price: a colocated update's PrepareUpdate, against a copy of a few ms (and
+the HoldWeights / ReleaseWeights a trainer on the replica's GPU rings at its onload and offload). Between
 two bare processes a call takes 0.22 ms here against 0.57 ms for a grpc.aio health check; in a
 colocated update on H100 hosts the prepare's round trip fell from 2.5 to 1.3 ms and from 1.7 to
 1.1 ms (docs/performance.md).
