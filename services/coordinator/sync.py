@@ -73,8 +73,8 @@ class Syncer:
             await asyncio.gather(*(r.client.sleep(level=1) for r in replicas))
             p.lap("sleep")
             # 2. Bring the trainer back onto the GPU; replicas on it map its weights while it trains.
-            await trainer.client.onload(ring=[d for d in self._doorbells(replicas) if d is not None]
-                                        if self.cfg.hold_weights else [])
+            holders = [d for d in self._doorbells(replicas) if d is not None] if self.cfg.hold_weights else []
+            await trainer.client.onload(ring=holders)
             p.lap("onload")
             return p.stages
 

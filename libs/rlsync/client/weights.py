@@ -18,8 +18,8 @@ from rlsync.client.rollout import AsyncRolloutClient, RolloutClient
 from rlsync.client.trainer import AsyncTrainerClient, TrainerClient
 from rlsync.common.aio import settle
 from rlsync.common.timing import Stopwatch
-from rlsync.rollout.v1 import rollout_pb2
 from rlsync.errors import Relayed, RlsyncError
+from rlsync.rollout.v1 import rollout_pb2
 from rlsync.rpc.doorbell import Unreachable, ring
 from rlsync.transfer.handshake import host_id
 from rlsync.transfer.v1.transfer_pb2 import Backend, Doorbell, Facts, MappedTensors, Offer
@@ -79,6 +79,18 @@ async def ring_prepare(offer: Offer, doorbells: list[Doorbell], token: str, forc
 HOLD_TIMEOUT = 30.0  # mapping or closing a few storages takes milliseconds
 
 
+async def _ring_or_none(d: Doorbell, token: str, method: str, request, parse, otherwise: str,
+                        expected: tuple = ()):
+    """The response of `method` at `d`, or None once it failed and was logged with what follows
+    (`otherwise`); a refusal with a code in `expected` is logged at debug level only."""
+    try:
+        return await ring(d.address, token, method, request, parse, HOLD_TIMEOUT, f"replica {d.name}")
+    except RlsyncError as e:
+        quiet = isinstance(e, Relayed) and e.code in expected
+        log.log(logging.DEBUG if quiet else logging.WARNING, "%s: %s", e, otherwise)
+        return None
+
+
 async def ring_hold(holder: str, mapped: MappedTensors, facts: Facts, doorbells: list[Doorbell],
                     token: str) -> list[Doorbell]:
     """The trainer's side of OnloadRequest.ring: asks every replica on this host to keep its
@@ -86,19 +98,9 @@ async def ring_hold(holder: str, mapped: MappedTensors, facts: Facts, doorbells:
     cannot (another GPU, an engine that receives elsewhere) or does not answer is left to map at
     each update: holding only saves time, so nothing fails here."""
     request = rollout_pb2.HoldWeightsRequest(holder=holder, mapped=mapped, facts=facts)
-
-    async def hold(d: Doorbell):
-        try:
-            return await ring(d.address, token, "HoldWeights", request, rollout_pb2.HoldWeightsResponse.FromString,
-                              HOLD_TIMEOUT, f"replica {d.name}")
-        except Relayed as e:
-            level = logging.DEBUG if e.code == grpc.StatusCode.FAILED_PRECONDITION else logging.WARNING
-            log.log(level, "%s: it maps the weights at each update instead", e)
-        except RlsyncError as e:
-            log.warning("%s: it maps the weights at each update instead", e)
-        return None
-
-    held = await _ring_here(doorbells, hold)
+    held = await _ring_here(doorbells, lambda d: _ring_or_none(
+        d, token, "HoldWeights", request, rollout_pb2.HoldWeightsResponse.FromString,
+        "it maps the weights at each update instead", (grpc.StatusCode.FAILED_PRECONDITION,)))
     return [d for d, h in zip(doorbells, held) if h is not None]
 
 
@@ -108,16 +110,10 @@ async def ring_release(holder: str, doorbells: list[Doorbell], token: str) -> in
     that does not answer keeps that memory from the GPU until it next hears from this holder,
     and is logged."""
     request = rollout_pb2.ReleaseWeightsRequest(holder=holder)
-
-    async def release(d: Doorbell):
-        try:
-            return await ring(d.address, token, "ReleaseWeights", request,
-                              rollout_pb2.ReleaseWeightsResponse.FromString, HOLD_TIMEOUT, f"replica {d.name}")
-        except RlsyncError as e:
-            log.warning("%s: the trainer's memory it maps is not freed by this offload", e)
-        return None
-
-    return sum(r is not None for r in await _ring_here(doorbells, release))
+    released = await _ring_here(doorbells, lambda d: _ring_or_none(
+        d, token, "ReleaseWeights", request, rollout_pb2.ReleaseWeightsResponse.FromString,
+        "the trainer's memory it maps is not freed by this offload"))
+    return sum(r is not None for r in released)
 
 
 def _pushed(answers: list) -> list:
