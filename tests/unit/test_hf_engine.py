@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -75,3 +76,37 @@ def test_pause_keep_then_abort_ends_frozen_sequences(tiny_model):
 def test_unknown_engine_argument_is_refused(tiny_model):
     with pytest.raises(InvalidArgument, match="unknown hf engine argument.*bogus.*valid: attn_implementation"):
         HFEngine(str(tiny_model), {"bogus": 1})
+
+
+def test_an_idle_engine_lends_its_turn_and_a_busy_one_runs_the_command_between_steps(tiny_model):
+    """The update's steps run in the caller's thread while the engine idles (no hop there and
+    back), and on the engine thread while it decodes; either way no step runs beside them."""
+    async def main():
+        engine = HFEngine(str(tiny_model), {})
+        await engine.start()
+        try:
+            await engine.memory()  # the thread has started and waits for work
+            steps = []
+
+            def command() -> str:  # a request queued meanwhile must not step while this runs
+                engine._call(lambda: steps.append("queued"))
+                threading.Event().wait(0.05)
+                steps.append("command")
+                return threading.current_thread().name
+
+            idle = await engine._soon(command)
+            await engine.memory()  # the queued command ran after the lent turn
+            request = GenerationRequest("long", (1, 2, 3), SamplingParams(max_tokens=400, ignore_eos=True))
+            task = asyncio.create_task(_run(engine, request))
+            while not engine.batch:
+                await asyncio.sleep(0.01)
+            busy = await engine._soon(lambda: threading.current_thread().name)
+            await engine.abort("long")
+            await task
+            return idle, steps, busy
+        finally:
+            await engine.shutdown()
+
+    idle, steps, busy = asyncio.run(main())
+    assert idle == threading.main_thread().name and steps == ["command", "queued"]
+    assert busy == "hf-engine"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 from functools import cache
+from pathlib import Path
 
 import torch
 
@@ -38,7 +39,7 @@ def host_id() -> str:
     if node := os.environ.get("RLSYNC_NODE_ID"):
         return node
     try:
-        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         netns = os.stat("/proc/self/ns/net").st_ino
         return f"{boot}/{netns}"
     except OSError:  # not Linux: fall back to the hostname

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -90,6 +91,8 @@ class HFEngine(Engine):
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._idle = False  # the engine thread waits for work (under _cv)
+        self._lent = False  # ... and keeps waiting: _borrowed runs a command in the caller's thread
         self._dead: BaseException | None = None
         self._waiting: deque[tuple[GenerationRequest, _Request]] = deque()
         self._frozen = False  # Pause(KEEP): no step at all
@@ -158,6 +161,30 @@ class HFEngine(Engine):
                 self._cv.notify()
         return asyncio.wrap_future(future)
 
+    @contextlib.contextmanager
+    def _borrowed(self):
+        """Holds the engine thread in its wait while the caller runs a command itself -> whether
+        it does (else the command goes to the thread by _call). For the update's steps while the
+        engine idles (a colocated replica, woken for the update): waking the thread and then the
+        caller's loop again costs more than the few ms of copy it would run."""
+        with self._cv:
+            self._lent = self._idle and not self._commands and self._dead is None and not self._stopping
+            lent = self._lent
+        try:
+            yield lent
+        finally:
+            if lent:
+                with self._cv:
+                    self._lent = False
+                    self._cv.notify()
+
+    async def _soon(self, fn: Callable[[], Any]) -> Any:
+        """fn between two engine steps: right here when the engine thread idles, else on it."""
+        with self._borrowed() as lent:
+            if lent:
+                return fn()
+        return await self._call(fn)
+
     def _has_work(self) -> bool:
         if self._frozen or self.weights.receiving_in_place:  # the latter: requests wait for the commit
             return False
@@ -166,8 +193,10 @@ class HFEngine(Engine):
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._commands and not self._stopping and not self._has_work():
+                while self._lent or (not self._commands and not self._stopping and not self._has_work()):
+                    self._idle = True
                     self._cv.wait()
+                self._idle = False
                 commands = list(self._commands)
                 self._commands.clear()
                 stopping = self._stopping
@@ -376,7 +405,7 @@ class HFEngine(Engine):
         # Only the in-place case touches the engine's state (one hop onto its thread, between two
         # steps); otherwise a new store is allocated off the engine thread, so generation goes on.
         try:
-            update = await self._call(in_place) if self.weights.pending_restore and not lora else None
+            update = await self._soon(in_place) if self.weights.pending_restore and not lora else None
         except BaseException:  # cancelled too: the engine thread may still receive in place, then this runs
             self._call(self._stop_in_place)
             raise
@@ -449,7 +478,7 @@ class HFEngine(Engine):
                 self.adapter.disable()
             return self.batch.recompute() if recompute_kv else 0
 
-        recomputed = await self._call(swap)  # between two decode steps: no step sees a mix
+        recomputed = await self._soon(swap)  # between two decode steps: no step sees a mix
         self.version = version
         return recomputed
 
