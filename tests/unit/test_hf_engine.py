@@ -85,7 +85,8 @@ def test_an_idle_engine_lends_its_turn_and_a_busy_one_runs_the_command_between_s
         engine = HFEngine(str(tiny_model), {})
         await engine.start()
         try:
-            await engine.memory()  # the thread has started and waits for work
+            while not engine._idle:  # the thread has started and waits for work
+                await asyncio.sleep(0.001)
             steps = []
 
             def command() -> str:  # a request queued meanwhile must not step while this runs
