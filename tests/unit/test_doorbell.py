@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from rlsync.errors import DeadlineExceeded, FailedPrecondition, Relayed, Unavailable
-from rlsync.rpc.doorbell import DoorbellServer, Unreachable, ring, to_socket
+from rlsync.rpc.doorbell import DoorbellServer, Lines, Unreachable, ring, to_socket
 from rlsync.rollout.v1 import rollout_pb2 as pb
 from rlsync.transfer.v1 import transfer_pb2 as tpb
 
@@ -54,6 +54,33 @@ def test_a_call_gets_the_methods_response_and_many_run_at_once():
     answers = run(body)
     assert [r.answer.stages["copy"] for r in answers] == pytest.approx([v / 1000 for v in range(1, 9)])
     assert {r.answer.transfer_id for r in answers} == {"t1"}
+
+
+def test_kept_connections_carry_the_calls_and_closing_the_server_ends_them():
+    async def main():
+        server = DoorbellServer({"PrepareUpdate": (pb.PrepareUpdateRequest.FromString, prepare)}, "secret", "r0")
+        address, lines = await server.start(), Lines(keep=2)
+        one = [(await ring(address, "secret", "PrepareUpdate", request(v), PARSE, 5, lines=lines)).answer.stages["copy"]
+               for v in range(1, 4)]
+        sequential = len(server._callers)
+        with pytest.raises(Relayed):  # a refusal is an answer: the connection stays usable
+            await ring(address, "secret", "PrepareUpdate", request(-1), PARSE, 5, lines=lines)
+        at_once = await asyncio.gather(*(ring(address, "secret", "PrepareUpdate", request(v), PARSE, 5, lines=lines)
+                                         for v in range(1, 5)))
+        for _ in range(500):  # the server sees the two the caller did not keep close
+            if len(server._callers) == 2:
+                break
+            await asyncio.sleep(0.01)
+        concurrent = len(server._callers)
+        await asyncio.wait_for(server.close(), 5)  # ends the kept connections too
+        with pytest.raises(Unreachable):  # a kept connection the server closed is not written to
+            await ring(address, "secret", "PrepareUpdate", request(), PARSE, 5, lines=lines)
+        lines.close()
+        return one, sequential, len(at_once), concurrent
+
+    one, sequential, answered, concurrent = asyncio.run(main())
+    assert one == pytest.approx([0.001, 0.002, 0.003]) and sequential == 1
+    assert answered == 4 and concurrent == 2  # four calls at once opened more; two were kept
 
 
 def test_refusals_keep_their_status_and_message_and_name_the_replica():

@@ -20,7 +20,7 @@ from rlsync.common.aio import settle
 from rlsync.common.timing import Stopwatch
 from rlsync.errors import Relayed, RlsyncError
 from rlsync.rollout.v1 import rollout_pb2
-from rlsync.rpc.doorbell import Unreachable, ring
+from rlsync.rpc.doorbell import Lines, Unreachable, ring
 from rlsync.transfer.handshake import host_id
 from rlsync.transfer.v1.transfer_pb2 import Backend, Doorbell, Facts, MappedTensors, Offer
 
@@ -59,7 +59,7 @@ async def _ring_here(doorbells: list[Doorbell], ring_one) -> list:
 
 
 async def ring_prepare(offer: Offer, doorbells: list[Doorbell], token: str, force_backend: str = "",
-                       timeout: float = 0) -> tuple[list, float]:
+                       timeout: float = 0, lines: Lines | None = None) -> tuple[list, float]:
     """The trainer's side of OfferWeightsRequest.ring: a PrepareUpdate of `offer` at every doorbell
     on this host, all at once. -> (a Rung per doorbell, seconds until the last answered). A doorbell
     on another host or nobody answers at is left unrung, for the caller's PrepareUpdate. The first
@@ -71,7 +71,7 @@ async def ring_prepare(offer: Offer, doorbells: list[Doorbell], token: str, forc
     request = rollout_pb2.PrepareUpdateRequest(offer=offer, force_backend=force_backend, timeout=timeout)
     answers = await _ring_here(doorbells, lambda d: ring(
         d.address, token, "PrepareUpdate", request, rollout_pb2.PrepareUpdateResponse.FromString,
-        (timeout or 300) + 30, f"replica {d.name}"))
+        (timeout or 300) + 30, f"replica {d.name}", lines))
     seconds = time.perf_counter() - start if any(a is not None for a in answers) else 0.0
     return [Rung() if a is None else Rung(rung=True, answer=a.answer) for a in answers], seconds
 
@@ -80,11 +80,11 @@ HOLD_TIMEOUT = 30.0  # mapping or closing a few storages takes milliseconds
 
 
 async def _ring_or_none(d: Doorbell, token: str, method: str, request, parse, otherwise: str,
-                        expected: tuple = ()):
+                        expected: tuple = (), lines: Lines | None = None):
     """The response of `method` at `d`, or None once it failed and was logged with what follows
     (`otherwise`); a refusal with a code in `expected` is logged at debug level only."""
     try:
-        return await ring(d.address, token, method, request, parse, HOLD_TIMEOUT, f"replica {d.name}")
+        return await ring(d.address, token, method, request, parse, HOLD_TIMEOUT, f"replica {d.name}", lines)
     except RlsyncError as e:
         quiet = isinstance(e, Relayed) and e.code in expected
         log.log(logging.DEBUG if quiet else logging.WARNING, "%s: %s", e, otherwise)
@@ -92,7 +92,7 @@ async def _ring_or_none(d: Doorbell, token: str, method: str, request, parse, ot
 
 
 async def ring_hold(holder: str, mapped: MappedTensors, facts: Facts, doorbells: list[Doorbell],
-                    token: str) -> list[Doorbell]:
+                    token: str, lines: Lines | None = None) -> list[Doorbell]:
     """The trainer's side of OnloadRequest.ring: asks every replica on this host to keep its
     weights mapped until ring_release. -> the doorbells of those that hold them. A replica that
     cannot (another GPU, an engine that receives elsewhere) or does not answer is left to map at
@@ -100,11 +100,11 @@ async def ring_hold(holder: str, mapped: MappedTensors, facts: Facts, doorbells:
     request = rollout_pb2.HoldWeightsRequest(holder=holder, mapped=mapped, facts=facts)
     held = await _ring_here(doorbells, lambda d: _ring_or_none(
         d, token, "HoldWeights", request, rollout_pb2.HoldWeightsResponse.FromString,
-        "it maps the weights at each update instead", (grpc.StatusCode.FAILED_PRECONDITION,)))
+        "it maps the weights at each update instead", (grpc.StatusCode.FAILED_PRECONDITION,), lines))
     return [d for d, h in zip(doorbells, held) if h is not None]
 
 
-async def ring_release(holder: str, doorbells: list[Doorbell], token: str) -> int:
+async def ring_release(holder: str, doorbells: list[Doorbell], token: str, lines: Lines | None = None) -> int:
     """Asks the replicas that hold the trainer's weights to let go (before it offloads: memory
     another process maps is not freed). -> how many did. One that is gone released by dying; one
     that does not answer keeps that memory from the GPU until it next hears from this holder,
@@ -112,7 +112,7 @@ async def ring_release(holder: str, doorbells: list[Doorbell], token: str) -> in
     request = rollout_pb2.ReleaseWeightsRequest(holder=holder)
     released = await _ring_here(doorbells, lambda d: _ring_or_none(
         d, token, "ReleaseWeights", request, rollout_pb2.ReleaseWeightsResponse.FromString,
-        "the trainer's memory it maps is not freed by this offload"))
+        "the trainer's memory it maps is not freed by this offload", lines=lines))
     return sum(r is not None for r in released)
 
 

@@ -12,6 +12,7 @@ from rlsync.common.v1 import weights_pb2
 from rlsync.errors import FailedPrecondition
 from rlsync.publish.core import PublisherCore
 from rlsync.rpc import unary
+from rlsync.rpc.doorbell import Lines
 from rlsync.trainer.v1 import trainer_pb2 as pb
 from rlsync.trainer.v1 import trainer_pb2_grpc
 from rlsync.transfer.v1.transfer_pb2 import Doorbell
@@ -24,6 +25,7 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
         self.token = token  # the fleet's: rung replicas check it as their gRPC servers do
         self.holder = holder  # the name replicas hold this trainer's weights mapped under
         self.holding: dict[str, Doorbell] = {}  # address -> doorbell of a replica that holds them
+        self.lines = Lines()  # connections to the replicas' doorbells, kept between updates
 
     def state(self) -> pb.TrainerState:
         return pb.TrainerState(step=self.publisher.published, offloaded=self.publisher.offloaded,
@@ -52,7 +54,7 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
     async def Onload(self, request: pb.OnloadRequest, context) -> pb.OnloadResponse:
         regions = await self.publisher.onload(describe=len(request.ring) > 0)
         if regions is not None:  # replicas on this GPU map the weights while training runs
-            for d in await ring_hold(self.holder, *regions, list(request.ring), self.token):
+            for d in await ring_hold(self.holder, *regions, list(request.ring), self.token, self.lines):
                 self.holding[d.address] = d
             if self.publisher.offloaded:  # an Offload ran while they mapped: they let go now
                 await self._release()
@@ -61,14 +63,14 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
     async def _release(self) -> int:
         """Has every replica that holds the weights mapped let go (before they leave the GPU)."""
         holding, self.holding = list(self.holding.values()), {}
-        return await ring_release(self.holder, holding, self.token) if holding else 0
+        return await ring_release(self.holder, holding, self.token, self.lines) if holding else 0
 
     @unary
     async def OfferWeights(self, request: pb.OfferWeightsRequest, context) -> pb.OfferWeightsResponse:
         offer = await self.publisher.offer(request.version if request.HasField("version") else self.step(),
                                            request.pull)
         rung, seconds = await ring_prepare(offer, list(request.ring), self.token, request.force_backend,
-                                           request.timeout)
+                                           request.timeout, self.lines)
         return pb.OfferWeightsResponse(offer=offer, rung=rung, ring_seconds=seconds)
 
     @unary
