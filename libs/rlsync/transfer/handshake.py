@@ -48,10 +48,13 @@ def host_id() -> str:
 
 def local_facts(device: torch.device | str = "cpu") -> pb.Facts:
     device = torch.device(device)
-    uuids = []
-    if device.type == "cuda":
-        uuids = [str(torch.cuda.get_device_properties(device).uuid)]
+    uuids = [_gpu_uuid(device)] if device.type == "cuda" else []
     return pb.Facts(host_id=host_id(), device_type=device.type, gpu_uuids=uuids, hostname=socket.gethostname())
+
+
+@cache
+def _gpu_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
 
 
 def same_gpu(facts: pb.Facts, device: torch.device | str) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from functools import cache
 
 import torch
 
@@ -20,8 +21,10 @@ _CHANNELS = {
 }
 
 
+@cache
 def _requirement(backend: int) -> str | None:
-    """None when this process can run `backend`, else what is missing."""
+    """None when this process can run `backend`, else what is missing (asked once: every answer
+    needs it, and it does not change while the process lives)."""
     import torch.distributed as dist
 
     if backend == pb.BACKEND_SHM:
