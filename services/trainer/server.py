@@ -33,7 +33,8 @@ class TrainerService:
         self.core = await asyncio.to_thread(TrainerCore, self.cfg)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
-        trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(self.core, self.cfg.server.token), server)
+        self.servicer = TrainerServicer(self.core, self.cfg.server.token)
+        trainer_pb2_grpc.add_TrainerServiceServicer_to_server(self.servicer, server)
 
     async def serving(self, host: str, port: int) -> None:
         self.registrar = None
@@ -57,4 +58,6 @@ class TrainerService:
             pass
 
     async def close(self) -> None:
+        if getattr(self, "servicer", None) is not None:
+            self.servicer.lines.close()
         self.core.close()

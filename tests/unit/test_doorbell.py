@@ -62,16 +62,18 @@ def test_kept_connections_carry_the_calls_and_closing_the_server_ends_them():
         address, lines = await server.start(), Lines(keep=2)
         one = [(await ring(address, "secret", "PrepareUpdate", request(v), PARSE, 5, lines=lines)).answer.stages["copy"]
                for v in range(1, 4)]
-        sequential = len(server._callers)
+        sequential = len(server._between)
         with pytest.raises(Relayed):  # a refusal is an answer: the connection stays usable
             await ring(address, "secret", "PrepareUpdate", request(-1), PARSE, 5, lines=lines)
+        await ring(address, "secret", "PrepareUpdate", request(1), PARSE, 5, lines=lines)
+        sequential += len(server._between)
         at_once = await asyncio.gather(*(ring(address, "secret", "PrepareUpdate", request(v), PARSE, 5, lines=lines)
                                          for v in range(1, 5)))
         for _ in range(500):  # the server sees the two the caller did not keep close
-            if len(server._callers) == 2:
+            if len(server._between) == 2:
                 break
             await asyncio.sleep(0.01)
-        concurrent = len(server._callers)
+        concurrent = len(server._between)
         await asyncio.wait_for(server.close(), 5)  # ends the kept connections too
         with pytest.raises(Unreachable):  # a kept connection the server closed is not written to
             await ring(address, "secret", "PrepareUpdate", request(), PARSE, 5, lines=lines)
@@ -79,8 +81,21 @@ def test_kept_connections_carry_the_calls_and_closing_the_server_ends_them():
         return one, sequential, len(at_once), concurrent
 
     one, sequential, answered, concurrent = asyncio.run(main())
-    assert one == pytest.approx([0.001, 0.002, 0.003]) and sequential == 1
+    assert one == pytest.approx([0.001, 0.002, 0.003]) and sequential == 2  # one connection, twice
     assert answered == 4 and concurrent == 2  # four calls at once opened more; two were kept
+
+
+def test_a_call_that_timed_out_leaves_no_reply_behind_for_the_next():
+    async def body(address):
+        lines = Lines()
+        await ring(address, "secret", "PrepareUpdate", request(1), PARSE, 5, lines=lines)
+        with pytest.raises(DeadlineExceeded):  # its connection closes: the late reply has nowhere to go
+            await ring(address, "secret", "PrepareUpdate", request(2, "slow"), PARSE, 0.2, lines=lines)
+        after = await ring(address, "secret", "PrepareUpdate", request(3), PARSE, 5, lines=lines)
+        lines.close()
+        return after
+
+    assert run(body).answer.stages["copy"] == pytest.approx(0.003)
 
 
 def test_refusals_keep_their_status_and_message_and_name_the_replica():

@@ -97,7 +97,7 @@ def test_an_idle_engine_lends_its_turn_and_a_busy_one_runs_the_command_between_s
 
             idle = await engine._soon(command)
             await engine.memory()  # the queued command ran after the lent turn
-            request = GenerationRequest("long", (1, 2, 3), SamplingParams(max_tokens=400, ignore_eos=True))
+            request = GenerationRequest("long", (1, 2, 3), SamplingParams(max_tokens=1000, ignore_eos=True))
             task = asyncio.create_task(_run(engine, request))
             while not engine.batch:
                 await asyncio.sleep(0.01)

@@ -146,8 +146,8 @@ class WeightPublisher:
 
     async def _serve(self, coordinator: str, host: str, port: int, advertise: str, token: str, name: str) -> str:
         self._server = grpc.aio.server(interceptors=[TokenAuthInterceptor(token)] if token else [])
-        trainer_pb2_grpc.add_TrainerServiceServicer_to_server(PublisherServicer(self.core, self._describe, token),
-                                                              self._server)
+        self._servicer = PublisherServicer(self.core, self._describe, token)
+        trainer_pb2_grpc.add_TrainerServiceServicer_to_server(self._servicer, self._server)
         health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, self._server)
         bound = self._server.add_insecure_port(f"{host}:{port}")
@@ -162,6 +162,7 @@ class WeightPublisher:
     async def _stop(self) -> None:
         await self._registrar.stop()
         await self._server.stop(2)
+        self._servicer.lines.close()
 
     def _wait_registered(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -83,7 +83,8 @@ class DoorbellServer:
         self.handlers, self.token, self.name = handlers, token, name
         self.address = f"@rlsync-doorbell-{name}-{uuid.uuid4().hex[:8]}"
         self._server: asyncio.AbstractServer | None = None
-        self._callers: set[asyncio.StreamWriter] = set()  # connections callers keep open between calls
+        self._between: set[asyncio.StreamWriter] = set()  # caller connections waiting for their next call
+        self._closing = False
 
     async def start(self) -> str:
         self._server = await asyncio.start_unix_server(self._serve, path=to_socket(self.address))
@@ -91,22 +92,28 @@ class DoorbellServer:
 
     async def close(self) -> None:
         if self._server is not None:
+            self._closing = True
             self._server.close()
-            for writer in list(self._callers):
+            for writer in list(self._between):  # a call being answered ends after its reply
                 writer.close()
-            await self._server.wait_closed()
+            await self._server.wait_closed()  # (Python 3.12+: until every connection has closed)
             self._server = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._callers.add(writer)
         try:
-            while (data := await _read(reader)) is not None:
+            while not self._closing:  # (one accepted while the server closed ends here at once)
+                self._between.add(writer)
+                try:
+                    data = await _read(reader)
+                finally:
+                    self._between.discard(writer)
+                if data is None:
+                    break
                 writer.write(_frame(_ENCODE(await self._answer(data))))
                 await writer.drain()
         except (ConnectionError, ValueError, asyncio.IncompleteReadError) as e:
             log.warning("doorbell %s: dropped a caller: %s", self.address, e)
         finally:
-            self._callers.discard(writer)
             writer.close()
 
     async def _answer(self, data: bytes) -> Reply:
@@ -151,30 +158,22 @@ class Lines:
     async def send(self, frame: bytes, address: str, who: str) -> Line:
         """Writes `frame` on an idle connection to `address`, or on a new one -> the connection.
         An idle one the server closed since is dropped (nothing was written to it)."""
-        idle = self._idle.setdefault(address, [])
+        self._drop_closed()
+        idle = self._idle.get(address, [])
         while idle:
-            reader, writer = idle.pop()
-            if reader.at_eof() or writer.is_closing():
-                writer.close()
-                continue
+            line = idle.pop()
             try:
-                writer.write(frame)
-                await writer.drain()
-                return reader, writer
+                await _write(line[1], frame)
+                return line
             except ConnectionError:  # refused at the write: nothing went out
-                writer.close()
+                continue
         try:
-            reader, writer = await asyncio.open_unix_connection(to_socket(address))
+            line = await asyncio.open_unix_connection(to_socket(address))
         except OSError as e:
             raise Unreachable(f"{who}: nothing answers at doorbell {address} ({e}): the replica is gone, "
                               "restarting, or in another network namespace") from None
-        try:
-            writer.write(frame)
-            await writer.drain()
-        except BaseException:
-            writer.close()
-            raise
-        return reader, writer
+        await _write(line[1], frame)
+        return line
 
     def done(self, address: str, line: Line, answered: bool) -> None:
         """Keeps a connection whose call was answered in full, for the next call; closes others."""
@@ -184,11 +183,31 @@ class Lines:
         else:
             line[1].close()
 
+    def _drop_closed(self) -> None:
+        """Closes the kept connections their server has closed: a replica that went away (a new one
+        has a new address, so nothing else would look at these again)."""
+        for address, idle in list(self._idle.items()):
+            for line in [line for line in idle if line[0].at_eof() or line[1].is_closing()]:
+                idle.remove(line)
+                line[1].close()
+            if not idle:
+                del self._idle[address]
+
     def close(self) -> None:
         for idle in self._idle.values():
             for _, writer in idle:
                 writer.close()
         self._idle.clear()
+
+
+async def _write(writer: asyncio.StreamWriter, frame: bytes) -> None:
+    """Sends `frame`; a connection a failed or cancelled write leaves half-written is closed."""
+    try:
+        writer.write(frame)
+        await writer.drain()
+    except BaseException:
+        writer.close()
+        raise
 
 
 async def ring(address: str, token: str, method: str, request, parse: Callable[[bytes], object], timeout: float,

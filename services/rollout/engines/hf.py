@@ -168,8 +168,8 @@ class HFEngine(Engine):
         engine idles (a colocated replica, woken for the update): waking the thread and then the
         caller's loop again costs more than the few ms of copy it would run."""
         with self._cv:
-            self._lent = self._idle and not self._commands and self._dead is None and not self._stopping
-            lent = self._lent
+            lent = not self._lent and self._idle and not self._commands and self._dead is None and not self._stopping
+            self._lent = self._lent or lent
         try:
             yield lent
         finally:
@@ -179,7 +179,8 @@ class HFEngine(Engine):
                     self._cv.notify()
 
     async def _soon(self, fn: Callable[[], Any]) -> Any:
-        """fn between two engine steps: right here when the engine thread idles, else on it."""
+        """fn between two engine steps: right here when the engine thread idles, else on it. Only
+        for steps of a few ms that never wait on another process: the caller's event loop runs them."""
         with self._borrowed() as lent:
             if lent:
                 return fn()
@@ -405,7 +406,8 @@ class HFEngine(Engine):
         # Only the in-place case touches the engine's state (one hop onto its thread, between two
         # steps); otherwise a new store is allocated off the engine thread, so generation goes on.
         try:
-            update = await self._soon(in_place) if self.weights.pending_restore and not lora else None
+            run = self._soon if ans.pull else self._call  # a pushed receive connects first, which may wait
+            update = await run(in_place) if self.weights.pending_restore and not lora else None
         except BaseException:  # cancelled too: the engine thread may still receive in place, then this runs
             self._call(self._stop_in_place)
             raise
@@ -478,7 +480,8 @@ class HFEngine(Engine):
                 self.adapter.disable()
             return self.batch.recompute() if recompute_kv else 0
 
-        recomputed = await self._soon(swap)  # between two decode steps: no step sees a mix
+        # Between two decode steps: no step sees a mix (a recompute is a prefill: the engine thread's).
+        recomputed = await (self._call if recompute_kv else self._soon)(swap)
         self.version = version
         return recomputed
 
