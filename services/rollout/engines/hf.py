@@ -403,8 +403,9 @@ class HFEngine(Engine):
                 self.weights.receiving_in_place = False
                 raise
 
-        # Only the in-place case touches the engine's state (one hop onto its thread, between two
-        # steps); otherwise a new store is allocated off the engine thread, so generation goes on.
+        # Only the in-place case touches the engine's state (between two steps: on its thread, or in
+        # this one while it idles); otherwise a new store is allocated off the engine thread, so
+        # generation goes on.
         try:
             run = self._soon if ans.pull else self._call  # a pushed receive connects first, which may wait
             update = await run(in_place) if self.weights.pending_restore and not lora else None
