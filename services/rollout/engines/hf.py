@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import gc
 import logging
@@ -92,7 +91,7 @@ class HFEngine(Engine):
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._idle = False  # the engine thread waits for work (under _cv)
-        self._lent = False  # ... and keeps waiting: _borrowed runs a command in the caller's thread
+        self._lent = False  # ... and keeps waiting: _soon runs a command in the caller's thread
         self._dead: BaseException | None = None
         self._waiting: deque[tuple[GenerationRequest, _Request]] = deque()
         self._frozen = False  # Pause(KEEP): no step at all
@@ -161,30 +160,23 @@ class HFEngine(Engine):
                 self._cv.notify()
         return asyncio.wrap_future(future)
 
-    @contextlib.contextmanager
-    def _borrowed(self):
-        """Holds the engine thread in its wait while the caller runs a command itself -> whether
-        it does (else the command goes to the thread by _call). For the update's steps while the
-        engine idles (a colocated replica, woken for the update): waking the thread and then the
-        caller's loop again costs more than the few ms of copy it would run."""
+    async def _soon(self, fn: Callable[[], Any]) -> Any:
+        """fn between two engine steps: on the engine thread, or, while that thread idles, right here
+        with the thread held in its wait (waking it and then this loop again costs more than the few
+        ms of copy an update's step runs). Only for steps that never wait on another process: the
+        caller's event loop runs them."""
         with self._cv:
             lent = not self._lent and self._idle and not self._commands and self._dead is None and not self._stopping
-            self._lent = self._lent or lent
+            if lent:
+                self._lent = True
+        if not lent:
+            return await self._call(fn)
         try:
-            yield lent
+            return fn()
         finally:
-            if lent:
-                with self._cv:
-                    self._lent = False
-                    self._cv.notify()
-
-    async def _soon(self, fn: Callable[[], Any]) -> Any:
-        """fn between two engine steps: right here when the engine thread idles, else on it. Only
-        for steps of a few ms that never wait on another process: the caller's event loop runs them."""
-        with self._borrowed() as lent:
-            if lent:
-                return fn()
-        return await self._call(fn)
+            with self._cv:
+                self._lent = False
+                self._cv.notify()
 
     def _has_work(self) -> bool:
         if self._frozen or self.weights.receiving_in_place:  # the latter: requests wait for the commit
