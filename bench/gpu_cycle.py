@@ -79,19 +79,22 @@ def transfer_figures(sync, limit: float, vs: str) -> dict:
     """GB/s of the whole transfer phase (as the coordinator saw it) and of the bytes' own move on
     the receiver, each against the limit, with the profile that says where the rest went."""
     profile = dict(sync.transfer_profile)
+    # (A pull the trainer waits for on the GPU has no copy of its own on record: only "queue", the
+    # replica's launch, and "copied", the trainer's wait after the answer.)
     moved = profile.get("receiver_copy") or profile.get("receiver_broadcast") or 0.0
     gbps = sync.bytes / moving(sync.phases) / 1e9
-    data = sync.bytes / moved / 1e9 if moved else 0.0
-    return {"transfer_GB/s": round(gbps, 1), f"transfer_vs_{vs}": round(gbps / limit, 3),
-            "copy_GB/s": round(data, 1), f"copy_vs_{vs}": round(data / limit, 3),
-            "transfer_profile_ms": {k: round(v * 1e3, 3) for k, v in profile.items()}}
+    figures = {"transfer_GB/s": round(gbps, 1), f"transfer_vs_{vs}": round(gbps / limit, 3)}
+    if moved:
+        data = sync.bytes / moved / 1e9
+        figures |= {"copy_GB/s": round(data, 1), f"copy_vs_{vs}": round(data / limit, 3)}
+    return figures | {"transfer_profile_ms": {k: round(v * 1e3, 3) for k, v in profile.items()}}
 
 
 def steady(cycles: list[dict], vs: str) -> dict:
     """Medians over the cycles after the first (which pays one-time setup)."""
     rest = cycles[1:] or cycles
     keys = ["transfer_GB/s", f"transfer_vs_{vs}", "copy_GB/s", f"copy_vs_{vs}"]
-    out = {k: round(statistics.median(c[k] for c in rest), 3) for k in keys}
+    out = {k: round(statistics.median(c[k] for c in rest), 3) for k in keys if all(k in c for c in rest)}
     stages = {k for c in rest for k in c["transfer_profile_ms"]}
     out["transfer_profile_ms"] = {k: round(statistics.median(c["transfer_profile_ms"].get(k, 0.0) for c in rest), 3)
                                   for k in sorted(stages)}

@@ -69,7 +69,7 @@ class StagedUpdate:
         exc = self.future.exception()
         if exc is None:
             r = self.future.result()
-            return {"state": "done", "bytes": r.nbytes, "seconds": r.seconds, "stages": r.profile}
+            return {"state": "done", "bytes": r.nbytes, "seconds": r.seconds, "stages": r.profile, "copied": r.copied}
         code = type(exc).__name__ if isinstance(exc, RlsyncError) else "Aborted"
         return {"state": "failed", "code": code, "error": str(exc)}
 
@@ -92,14 +92,17 @@ class StagedUpdate:
 
 def pulled(answer: pb.Answer, states: list[dict]) -> pb.Answer:
     """The answer a prepare returns once its ranks began (poll() of each). A pull has ended by
-    then: its first failure is raised, or its stages (setup, map, copy, release, verify) go into
-    the answer, at the slowest rank."""
+    then, or has its copy queued (the events it names in `copied` follow it): its first failure is
+    raised, or its stages (setup, map, copy or queue, release, verify) go into the answer, at the
+    slowest rank."""
     if answer.pull:
         for state in states:
             raise_failure(state)
         for state in states:
             for stage, seconds in state["stages"].items():
                 answer.stages[stage] = max(answer.stages.get(stage, 0.0), seconds)
+            if state.get("copied"):
+                answer.copied.append(state["copied"])
     return answer
 
 

@@ -98,6 +98,9 @@ def test_a_replica_holds_the_trainers_weights_mapped_from_onload_to_offload(serv
     rollout.wake_up("weights")
     report = push_weights(trainer, [rollout], pull=True, doorbells=[bell])
     assert report.backends == {"cuda_ipc": 1} and "prepare_ring" in report.profile
+    # Holding the memory, the replica answered once its copy was queued; the trainer waited for it
+    # on the replica's CUDA event before the update counted as prepared.
+    assert {"receiver_queue", "receiver_copied"} <= set(report.profile) and "receiver_copy" not in report.profile
     assert differences(trainer.checksums(), rollout.checksums()) == []
     # The trainer has the replica let go before it offloads: its memory really leaves the GPU.
     off = trainer.offload()

@@ -43,3 +43,13 @@ def test_a_sender_refuses_a_pull_answer_to_an_offer_that_described_no_memory():
         ans.pull = True
         with pytest.raises(FailedPrecondition, match="says it pulled"):
             sender.send(offer, [ans], timeout=5)
+
+
+def test_a_pull_answered_before_its_copy_names_the_event_of_every_rank_that_queued_one():
+    from rlsync.rollout.staging import pulled
+
+    states = [{"state": "done", "stages": {"queue": 0.001}, "copied": b"event-0"},
+              {"state": "done", "stages": {"copy": 0.002, "verify": 0.001}, "copied": b""}]  # held nothing: waited
+    ans = pulled(pb.Answer(backend=pb.BACKEND_CUDA_IPC, ranks=2, pull=True), states)
+    assert list(ans.copied) == [b"event-0"]  # the sender waits on this one before it frees its memory
+    assert dict(ans.stages) == {"queue": 0.001, "copy": 0.002, "verify": 0.001}

@@ -21,6 +21,7 @@ from rlsync.common.timing import Stopwatch
 from rlsync.errors import Relayed, RlsyncError
 from rlsync.rollout.v1 import rollout_pb2
 from rlsync.rpc.doorbell import Lines, Unreachable, ring
+from rlsync.transfer.copied import sender_device, wait_copied
 from rlsync.transfer.handshake import host_id
 from rlsync.transfer.v1.transfer_pb2 import Backend, Doorbell, Facts, MappedTensors, Offer
 
@@ -69,9 +70,18 @@ async def ring_prepare(offer: Offer, doorbells: list[Doorbell], token: str, forc
 
     start = time.perf_counter()
     request = rollout_pb2.PrepareUpdateRequest(offer=offer, force_backend=force_backend, timeout=timeout)
-    answers = await _ring_here(doorbells, lambda d: ring(
-        d.address, token, "PrepareUpdate", request, rollout_pb2.PrepareUpdateResponse.FromString,
-        (timeout or 300) + 30, f"replica {d.name}", lines))
+    request.offer.mapped.waits = len(offer.mapped.ipc) > 0  # the answers come back here: this waits for the copies
+
+    async def prepare(d: Doorbell):
+        who = f"replica {d.name}"
+        response = await ring(d.address, token, "PrepareUpdate", request,
+                              rollout_pb2.PrepareUpdateResponse.FromString, (timeout or 300) + 30, who, lines)
+        if response is not None and response.answer.copied:  # a pull answered once its copy was queued
+            response.answer.stages["copied"] = await wait_copied(
+                response.answer.copied, sender_device(offer.mapped), timeout or 300, who)
+        return response
+
+    answers = await _ring_here(doorbells, prepare)
     seconds = time.perf_counter() - start if any(a is not None for a in answers) else 0.0
     return [Rung() if a is None else Rung(rung=True, answer=a.answer) for a in answers], seconds
 

@@ -48,12 +48,15 @@ class HeldMappings:
                 self._held[holder] = opened
             else:
                 self._held.pop(holder, None)
+        _settle([t for h, t in mine.items() if h not in opened])
         return new  # the closed ones go with the dropped references
 
     def release(self, holder: str) -> int:
         """Closes what `holder` held; returns how many."""
         with self._lock:
-            return len(self._held.pop(holder, {}))
+            mine = self._held.pop(holder, {})
+        _settle(mine.values())
+        return len(mine)
 
     def get(self, handle: bytes) -> torch.Tensor | None:
         """The open mapping of `handle` when some holder keeps it, else None."""
@@ -66,6 +69,13 @@ class HeldMappings:
     def count(self) -> int:
         with self._lock:
             return sum(len(m) for m in self._held.values())
+
+
+def _settle(closing: Iterable[torch.Tensor]) -> None:
+    """Waits for the copies still queued out of mappings about to close (a pull answered before its
+    copy completed, whose sender gave up waiting for it)."""
+    for device in {t.device for t in closing if t.is_cuda}:
+        torch.cuda.synchronize(device)
 
 
 HELD = HeldMappings()  # this process's: the cuda_ipc channel looks here before mapping

@@ -41,7 +41,9 @@ class Receiver:
 
     A pull (answer.pull: cuda_ipc over memory the offer describes) needs no sender: run() maps and
     copies, and must return before the answer is handed back, since the sender does not wait for
-    receivers that pulled."""
+    receivers that pulled. When the sender waits on the GPU instead (offer.mapped.waits) and the
+    memory stays mapped, run() returns once the copy is queued; the report's `copied` is the CUDA
+    event to put in the answer (rlsync.transfer.copied)."""
 
     def __init__(self, offer: pb.Offer, answer: pb.Answer, dest: Destination, *, rank: int = 0,
                  device: torch.device | str | None = None, timeout: float = 300.0,
@@ -104,9 +106,9 @@ class Receiver:
                           locations=list(zip(mapped.region, mapped.offset)))
         job = ReceiveJob(None, welcome, [], self.specs, [], self.writer, self.device, self.deadline,
                          self.offer.transfer_id)
-        nbytes = self.channel.pull(job)
+        nbytes, copied = self.channel.pull(job, queued=mapped.waits)
         return Report(nbytes, time.perf_counter() - self.start, {NAMES[self.answer.backend]: 1},
-                      profile={"setup": self.setup, **job.clock.stages})
+                      profile={"setup": self.setup, **job.clock.stages}, copied=copied)
 
     def close(self) -> None:
         """Ends the transfer from another thread too: run() then fails instead of waiting on."""

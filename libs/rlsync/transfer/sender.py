@@ -37,6 +37,7 @@ class Report:
     data_seconds: float = 0.0  # from the first Welcome on (connections and handshakes excluded)
     profile: dict[str, float] = field(default_factory=dict)  # seconds per stage (see WeightSender.send)
     wire_bytes: int = 0  # payload bytes sent, summed over backends: below nbytes when deltas went out
+    copied: bytes = b""  # a pull answered before its copy completed: the CUDA IPC event after it
 
     @property
     def gbps(self) -> float:

@@ -380,7 +380,7 @@ class HFEngine(Engine):
                      base_version=None if base is None else self.version)
         clock.lap("answer")
 
-        def receive(staging: FlatStore) -> StagedUpdate:  # a pull is done when this returns
+        def receive(staging: FlatStore) -> StagedUpdate:  # a pull is done (or queued: offer.mapped.waits) on return
             return StagedUpdate(offer, ans, staging, 0, self.device, timeout, base=base)
 
         def in_place() -> StagedUpdate | None:

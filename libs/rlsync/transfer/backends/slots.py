@@ -16,6 +16,7 @@ from rlsync.errors import DataLoss, FailedPrecondition
 from rlsync.transfer.backends.base import (ReceiveJob, SendJob, collect_results, expect, report_failure,
                                            sync)
 from rlsync.transfer.checksum import checksum_bytes
+from rlsync.transfer.copied import record_copied
 from rlsync.transfer.held import HELD
 from rlsync.transfer.memory import SharedBuffer, open_cuda, share_cuda
 from rlsync.transfer.messages import Done, Events, Freed, Ready, Result, Welcome
@@ -123,11 +124,21 @@ class _Mapped(abc.ABC):
             raise
         job.conn.send(Result(ok=True, nbytes=nbytes, stages=job.clock.stages))
 
-    def pull(self, job: ReceiveJob) -> int:
+    def pull(self, job: ReceiveJob, queued: bool = False) -> tuple[int, bytes]:
         """One-copy without the sender: the offer described its memory (job.welcome is made from
-        it), so the receiver maps it and copies every tensor by itself; no connection, no messages."""
-        self._receive_one_copy(job)
-        return self._finish(job)
+        it), so the receiver maps it and copies every tensor by itself; no connection, no messages.
+        -> (bytes, b""), or with `queued` (the sender waits for the copy itself: MappedTensors.waits)
+        and memory that stays mapped, (bytes, the handle of a CUDA event after the copy) as soon as
+        the copy is queued."""
+        regions = self._write_one_copy(job)
+        if queued and job.scratch.get("held"):  # nothing to close after the copy: no need to wait for it
+            job.clock.lap("queue")
+            nbytes = job.writer.finish()
+            return nbytes, record_copied(job.device)
+        sync(job.device)
+        job.clock.lap("copy")
+        del regions  # mappings opened for this pull close now, after the copy ("release")
+        return self._finish(job), b""
 
     @staticmethod
     def _finish(job: ReceiveJob) -> int:
@@ -159,6 +170,12 @@ class _Mapped(abc.ABC):
         job.clock.lap("copy")
 
     def _receive_one_copy(self, job: ReceiveJob) -> None:
+        regions = self._write_one_copy(job)  # noqa: F841 - mapped until the copy is done
+        sync(job.device)
+        job.clock.lap("copy")
+
+    def _write_one_copy(self, job: ReceiveJob) -> list:
+        """Queues the copy of every tensor out of the sender's regions -> the regions (mapped)."""
         regions = self.open_regions(job)
         job.clock.lap("map")
         locations = job.welcome.locations
@@ -173,8 +190,7 @@ class _Mapped(abc.ABC):
             job.writer.write_all([(regions[region][offset:offset + spec.nbytes], bases[region])
                                   if spec.nbytes else None
                                   for spec, (region, offset) in zip(job.specs, job.welcome.locations)])
-        sync(job.device)
-        job.clock.lap("copy")
+        return regions
 
 
 class ShmChannel(_Mapped):
@@ -258,6 +274,7 @@ class CudaIpcChannel(_Mapped):
     def open_regions(self, job):
         # Storages their owner asked this process to keep mapped are open already (rlsync.transfer.held).
         held = [HELD.get(raw) for raw in job.welcome.ipc]
+        job.scratch["held"] = all(t is not None for t in held)
         return [open_cuda(raw, job.device) if t is None else t for raw, t in zip(job.welcome.ipc, held)]
 
 
