@@ -280,13 +280,15 @@ class RolloutCore:
             self.pending, self._pending_full = version, adapter is None
             return answer
 
-    async def hold_weights(self, holder: str, handles: list[bytes], facts) -> tuple[int, int]:
-        """Keeps a same-GPU process's storages mapped for the pulls to come -> (newly mapped, held)."""
+    async def hold_weights(self, holder: str, handles: list[bytes], facts) -> tuple[int, int, bytes]:
+        """Keeps a same-GPU process's storages mapped for the pulls to come -> (newly mapped, held,
+        the handle of the engine's bell: HoldWeightsResponse.bell)."""
         if not holder:
             raise InvalidArgument("HoldWeights needs a holder (who releases them later)")
         if not handles:
             raise InvalidArgument("HoldWeights needs the storages to map (mapped.ipc): ReleaseWeights lets go")
-        return await self.engine.hold_weights(holder, handles, facts), len(set(handles))
+        mapped, bell = await self.engine.hold_weights(holder, handles, facts)
+        return mapped, len(set(handles)), bell
 
     async def release_weights(self, holder: str) -> int:
         return await self.engine.release_weights(holder)

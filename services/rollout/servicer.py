@@ -130,8 +130,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def hold(self, request: pb.HoldWeightsRequest) -> pb.HoldWeightsResponse:
         """HoldWeights, by gRPC or rung at the doorbell (a trainer on this GPU, at its onload)."""
         start = time.perf_counter()
-        mapped, held = await self.core.hold_weights(request.holder, list(request.mapped.ipc), request.facts)
-        return pb.HoldWeightsResponse(mapped=mapped, held=held, seconds=time.perf_counter() - start)
+        mapped, held, bell = await self.core.hold_weights(request.holder, list(request.mapped.ipc), request.facts)
+        return pb.HoldWeightsResponse(mapped=mapped, held=held, seconds=time.perf_counter() - start, bell=bell)
 
     @unary
     async def ReleaseWeights(self, request: pb.ReleaseWeightsRequest, context) -> pb.ReleaseWeightsResponse:

@@ -90,6 +90,25 @@ class StagedUpdate:
         self.staging = {}
 
 
+class AdoptedUpdate:
+    """An update whose bytes a copy armed at the weights' wake moves (rlsync.transfer.armed): the
+    trainer started it on the GPU before its ring arrived, and waits for it on its event."""
+
+    def __init__(self, armed, version: int):
+        self.armed, self.version = armed, version
+        self.report = Report(armed.nbytes, 0.0, {"cuda_ipc": 1}, copied=armed.bell.event_handle)
+
+    def poll(self) -> dict:
+        return {"state": "done", "bytes": self.report.nbytes, "seconds": 0.0, "stages": {},
+                "copied": self.report.copied}
+
+    def wait(self, timeout: float) -> Report:
+        return self.report  # the commit synchronizes the device before the switch
+
+    def abort(self) -> None:
+        self.armed.disarm()  # it reads the trainer's memory until done
+
+
 def pulled(answer: pb.Answer, states: list[dict]) -> pb.Answer:
     """The answer a prepare returns once its ranks began (poll() of each). A pull has ended by
     then, or has its copy queued (the events it names in `copied` follow it): its first failure is

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.gpu
 GPU_ENGINE = json.dumps({"device": "cuda", "dtype": "float32"})
 
 
-def _fleet(services, trainer_gpu: str, replica_gpu: str):
-    tr = services.start("trainer", ["--device", "cuda", "--checksums", "--lr", "0.01"],
+def _fleet(services, trainer_gpu: str, replica_gpu: str, checksums: bool = True):
+    tr = services.start("trainer", ["--device", "cuda", "--lr", "0.01"] + ["--checksums"] * checksums,
                         env={"CUDA_VISIBLE_DEVICES": trainer_gpu}, name="gpu-trainer")
     ro = services.start("rollout", ["--engine", "hf", "--engine-args", GPU_ENGINE],
                         env={"CUDA_VISIBLE_DEVICES": replica_gpu}, name="gpu-rollout")
@@ -108,6 +108,45 @@ def test_a_replica_holds_the_trainers_weights_mapped_from_onload_to_offload(serv
     assert rollout.release_weights("trainer").released == 0
     rollout.wake_up("kv_cache")
     assert rollout.complete("3+4=", max_tokens=4, temperature=0)[0].max_weight_version == report.version
+
+
+def test_a_replica_arms_its_next_pull_at_wake_and_the_trainers_bell_starts_it(services, tmp_path):
+    """The colocated cycle with holds, three times: the first pull teaches the replica what to copy;
+    from then on its wake queues that copy behind its bell, the trainer's ring starts it on the GPU,
+    and the prepare adopts it. A wake whose update never comes is disarmed: the replica serves what
+    it served before, and sleeps again without waiting forever. (No per-tensor checksums in the
+    manifest: they change with every version, so a replica never arms for one.)"""
+    trainer, rollout = _fleet(services, "0", "0", checksums=False)
+    bell = rollout.info().doorbell
+    trainer.offload()
+    stages = []
+    for seed in range(3):
+        done = rollout.complete("3+4=", max_tokens=8, logprobs=True, ignore_eos=True, n=4, seed=seed)
+        rollout.sleep(level=1)
+        trainer.onload(ring=[bell])
+        trainer.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])
+        rollout.wake_up("weights")
+        report = push_weights(trainer, [rollout], pull=True, doorbells=[bell])
+        assert differences(trainer.checksums(), rollout.checksums()) == []
+        trainer.offload()
+        rollout.wake_up("kv_cache")
+        stages.append(set(report.profile))
+    assert "receiver_queue" in stages[0] and "receiver_adopt" not in stages[0]  # learnt from this pull
+    assert all("receiver_adopt" in s and "receiver_copied" in s and "receiver_queue" not in s for s in stages[1:])
+    # Armed at a wake, then no update: the armed copy is let go, the backup refills the weights.
+    before = rollout.complete("keep", max_tokens=10, temperature=0, ignore_eos=True)[0].token_ids
+    rollout.sleep(level=1)
+    trainer.onload(ring=[bell])
+    trainer.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])
+    rollout.wake_up("weights")
+    rollout.wake_up("kv_cache")
+    assert rollout.complete("keep", max_tokens=10, temperature=0, ignore_eos=True)[0].token_ids == before
+    rollout.wake_up("weights")  # nothing to arm: the weights are awake
+    rollout.sleep(level=1)
+    trainer.offload()
+    rollout.wake_up("weights")  # nothing armed: the trainer's offload ended the hold
+    rollout.wake_up("kv_cache")
+    assert rollout.complete("keep", max_tokens=10, temperature=0, ignore_eos=True)[0].token_ids == before
 
 
 def test_same_gpu_lora_adapter_over_cuda_ipc(services, tmp_path, tiny_model):

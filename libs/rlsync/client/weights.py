@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 
 from rlsync.client.rollout import AsyncRolloutClient, RolloutClient
 from rlsync.client.trainer import AsyncTrainerClient, TrainerClient
@@ -21,6 +24,7 @@ from rlsync.common.timing import Stopwatch
 from rlsync.errors import Relayed, RlsyncError
 from rlsync.rollout.v1 import rollout_pb2
 from rlsync.rpc.doorbell import Lines, Unreachable, ring
+from rlsync.transfer.armed import ring_bell
 from rlsync.transfer.copied import sender_device, wait_copied
 from rlsync.transfer.handshake import host_id
 from rlsync.transfer.v1.transfer_pb2 import Backend, Doorbell, Facts, MappedTensors, Offer
@@ -60,17 +64,25 @@ async def _ring_here(doorbells: list[Doorbell], ring_one) -> list:
 
 
 async def ring_prepare(offer: Offer, doorbells: list[Doorbell], token: str, force_backend: str = "",
-                       timeout: float = 0, lines: Lines | None = None) -> tuple[list, float]:
+                       timeout: float = 0, lines: Lines | None = None,
+                       bells: Mapping[str, torch.Tensor] | None = None) -> tuple[list, float]:
     """The trainer's side of OfferWeightsRequest.ring: a PrepareUpdate of `offer` at every doorbell
     on this host, all at once. -> (a Rung per doorbell, seconds until the last answered). A doorbell
     on another host or nobody answers at is left unrung, for the caller's PrepareUpdate. The first
     refusal is raised, with the replica's status and name (what others prepared stays prepared:
-    the caller aborts them, as after a failed PrepareUpdate)."""
+    the caller aborts them, as after a failed PrepareUpdate). `bells`: the mapped bells of replicas
+    that hold the offer's memory, by doorbell address: each is written first, which starts the copy
+    that replica armed (rlsync.transfer.armed)."""
     from rlsync.trainer.v1.trainer_pb2 import Rung
 
     start = time.perf_counter()
     request = rollout_pb2.PrepareUpdateRequest(offer=offer, force_backend=force_backend, timeout=timeout)
     request.offer.mapped.waits = len(offer.mapped.ipc) > 0  # the answers come back here: this waits for the copies
+    rung = [bells[d.address] for d in doorbells if bells and d.address in bells] if request.offer.mapped.waits else []
+    if rung:  # after the offer, so after the weights on this stream
+        request.offer.mapped.bell = next(_BELL_VALUES) % (1 << 30) + 1
+        for flag in rung:
+            ring_bell(flag, request.offer.mapped.bell)
 
     async def prepare(d: Doorbell):
         who = f"replica {d.name}"
@@ -86,6 +98,7 @@ async def ring_prepare(offer: Offer, doorbells: list[Doorbell], token: str, forc
     return [Rung() if a is None else Rung(rung=True, answer=a.answer) for a in answers], seconds
 
 
+_BELL_VALUES = itertools.count()  # one per ring that writes bells: a copy started by an older one is refused
 HOLD_TIMEOUT = 30.0  # mapping or closing a few storages takes milliseconds
 
 
@@ -102,16 +115,16 @@ async def _ring_or_none(d: Doorbell, token: str, method: str, request, parse, ot
 
 
 async def ring_hold(holder: str, mapped: MappedTensors, facts: Facts, doorbells: list[Doorbell],
-                    token: str, lines: Lines | None = None) -> list[Doorbell]:
+                    token: str, lines: Lines | None = None) -> list[tuple[Doorbell, bytes]]:
     """The trainer's side of OnloadRequest.ring: asks every replica on this host to keep its
-    weights mapped until ring_release. -> the doorbells of those that hold them. A replica that
-    cannot (another GPU, an engine that receives elsewhere) or does not answer is left to map at
-    each update: holding only saves time, so nothing fails here."""
+    weights mapped until ring_release. -> (doorbell, bell handle or b"") of those that hold them.
+    A replica that cannot (another GPU, an engine that receives elsewhere) or does not answer is
+    left to map at each update: holding only saves time, so nothing fails here."""
     request = rollout_pb2.HoldWeightsRequest(holder=holder, mapped=mapped, facts=facts)
     held = await _ring_here(doorbells, lambda d: _ring_or_none(
         d, token, "HoldWeights", request, rollout_pb2.HoldWeightsResponse.FromString,
         "it maps the weights at each update instead", (grpc.StatusCode.FAILED_PRECONDITION,), lines))
-    return [d for d, h in zip(doorbells, held) if h is not None]
+    return [(d, h.bell) for d, h in zip(doorbells, held) if h is not None]
 
 
 async def ring_release(holder: str, doorbells: list[Doorbell], token: str, lines: Lines | None = None) -> int:

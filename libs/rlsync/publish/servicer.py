@@ -6,6 +6,8 @@ rlsync's trainer service extends this with Train and checkpoints; a user's loop 
 
 from __future__ import annotations
 
+import torch
+
 from rlsync.client.weights import ring_hold, ring_prepare, ring_release
 from rlsync.common.audit import LIVE, to_proto as checksums_to_proto
 from rlsync.common.v1 import weights_pb2
@@ -15,6 +17,8 @@ from rlsync.rpc import unary
 from rlsync.rpc.doorbell import Lines
 from rlsync.trainer.v1 import trainer_pb2 as pb
 from rlsync.trainer.v1 import trainer_pb2_grpc
+from rlsync.transfer.copied import sender_device
+from rlsync.transfer.memory import open_cuda
 from rlsync.transfer.v1.transfer_pb2 import Doorbell
 
 
@@ -25,6 +29,8 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
         self.token = token  # the fleet's: rung replicas check it as their gRPC servers do
         self.holder = holder  # the name replicas hold this trainer's weights mapped under
         self.holding: dict[str, Doorbell] = {}  # address -> doorbell of a replica that holds them
+        self.bells: dict[str, torch.Tensor] = {}  # address -> that replica's bell, mapped (rlsync.transfer.armed)
+        self._bell_maps: dict[bytes, torch.Tensor] = {}  # bell handle -> its mapping, kept for the replica's life
         self.lines = Lines()  # connections to the replicas' doorbells, kept between updates
 
     def state(self) -> pb.TrainerState:
@@ -54,15 +60,18 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
     async def Onload(self, request: pb.OnloadRequest, context) -> pb.OnloadResponse:
         regions = await self.publisher.onload(describe=len(request.ring) > 0)
         if regions is not None:  # replicas on this GPU map the weights while training runs
-            for d in await ring_hold(self.holder, *regions, list(request.ring), self.token, self.lines):
+            device = torch.device("cuda", sender_device(regions[0]))
+            for d, bell in await ring_hold(self.holder, *regions, list(request.ring), self.token, self.lines):
                 self.holding[d.address] = d
+                if bell:
+                    self.bells[d.address] = self._bell(bell, device)
             if self.publisher.offloaded:  # an Offload ran while they mapped: they let go now
                 await self._release()
         return pb.OnloadResponse(state=self.state(), held=len(self.holding))
 
     async def _release(self) -> int:
         """Has every replica that holds the weights mapped let go (before they leave the GPU)."""
-        holding, self.holding = list(self.holding.values()), {}
+        holding, self.holding, self.bells = list(self.holding.values()), {}, {}
         return await ring_release(self.holder, holding, self.token, self.lines) if holding else 0
 
     @unary
@@ -70,8 +79,16 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
         offer = await self.publisher.offer(request.version if request.HasField("version") else self.step(),
                                            request.pull)
         rung, seconds = await ring_prepare(offer, list(request.ring), self.token, request.force_backend,
-                                           request.timeout, self.lines)
+                                           request.timeout, self.lines, self.bells)
         return pb.OfferWeightsResponse(offer=offer, rung=rung, ring_seconds=seconds)
+
+    def _bell(self, handle: bytes, device: torch.device) -> torch.Tensor:
+        """A replica's bell, mapped once (4 bytes of its memory, for as long as it lives)."""
+        if handle not in self._bell_maps:
+            if len(self._bell_maps) >= 64:  # replicas that came and went: their handles never come back
+                self._bell_maps.pop(next(iter(self._bell_maps)))
+            self._bell_maps[handle] = open_cuda(handle, device)
+        return self._bell_maps[handle]
 
     @unary
     async def PublishWeights(self, request: pb.PublishWeightsRequest, context) -> pb.PublishWeightsResponse:

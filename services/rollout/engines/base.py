@@ -103,10 +103,11 @@ class Engine(abc.ABC):
     async def abort_update(self) -> None:
         """Drops a prepared update and its staging memory."""
 
-    async def hold_weights(self, holder: str, handles: list[bytes], facts: Facts) -> int:
+    async def hold_weights(self, holder: str, handles: list[bytes], facts: Facts) -> tuple[int, bytes]:
         """Keeps `holder`'s CUDA storages (IPC handles on this GPU) mapped for the pulls to come
-        (rlsync.transfer.held); returns how many were newly mapped. Only an engine that pulls in
-        this process can."""
+        (rlsync.transfer.held) -> (how many were newly mapped, the handle of a bell that starts a
+        pull armed at wake, or b"": rlsync.transfer.armed). Only an engine that pulls in this
+        process can."""
         raise FailedPrecondition(f"the {self.kind} engine receives updates outside the rollout process: it maps "
                                  "the trainer's memory at each update and holds nothing between them")
 

@@ -26,11 +26,12 @@ from rlsync.errors import EngineDead, FailedPrecondition, InvalidArgument
 from rlsync.flat import FlatStore
 from rlsync.rollout.detokenize import IncrementalText
 from rlsync.rollout.engines.base import Engine
+from rlsync.rollout.engines.hf_armed import Arming
 from rlsync.rollout.engines.hf_batch import Batch, Sequence
 from rlsync.rollout.engines.hf_lora import Adapter
 from rlsync.rollout.engines.hf_weights import Weights
 from rlsync.rollout.sampling import make_generator, sample
-from rlsync.rollout.staging import StagedUpdate, ensure_room, pulled
+from rlsync.rollout.staging import AdoptedUpdate, StagedUpdate, ensure_room, pulled
 from rlsync.transfer import answer
 from rlsync.transfer.handshake import same_gpu
 from rlsync.transfer.held import HELD
@@ -123,6 +124,7 @@ class HFEngine(Engine):
         self.adapter = Adapter(self.weights.model, self.device, next(iter(self.weights.specs.values()))[1])
         self._update: tuple[StagedUpdate, FlatStore] | None = None
         self._layout: tuple[list | None, bool] = (None, False)  # the last manifest's specs: a delta base?
+        self._arming = Arming(self.device)  # pulls queued at wake (rlsync.transfer.armed): touched between steps
 
     def _eos_ids(self, config: Any) -> set[int]:
         ids = config.eos_token_id
@@ -346,8 +348,13 @@ class HFEngine(Engine):
         await self._call(apply)
 
     async def wake_up(self, tags: frozenset[WakeTag]) -> None:
+        def wake() -> None:
+            self.weights.wake_up()
+            if self.device.type == "cuda":
+                self._arming.arm(self.weights)  # the update these weights woke for may start on the GPU
+
         if WakeTag.WEIGHTS in tags:
-            await self._call(self.weights.wake_up)
+            await self._call(wake)
 
     def not_ready(self) -> str | None:
         return self.weights.not_ready
@@ -383,14 +390,23 @@ class HFEngine(Engine):
         def receive(staging: FlatStore) -> StagedUpdate:  # a pull is done (or queued: offer.mapped.waits) on return
             return StagedUpdate(offer, ans, staging, 0, self.device, timeout, base=base)
 
-        def in_place() -> StagedUpdate | None:
+        def in_place() -> StagedUpdate | AdoptedUpdate | None:
             """Between two steps: a woken engine whose weights are not refilled yet receives right
-            into them (the backup still holds the current version)."""
+            into them (the backup still holds the current version): the copy armed at its wake when
+            this offer started it, else a pull or a receive."""
             if not self.weights.pending_restore:
                 return None
             self.weights.receiving_in_place = True
             try:
-                return receive(self.weights.store)
+                specs = from_proto(offer.manifest)
+                if ans.pull and (armed := self._arming.adopt(self.weights, specs, offer.mapped)) is not None:
+                    clock.lap("adopt")
+                    return AdoptedUpdate(armed, offer.manifest.version)
+                self.weights.disarm()
+                update = receive(self.weights.store)
+                if ans.pull and update.poll().get("copied"):  # from held storages, for a sender that waits
+                    self._arming.learn(specs, offer.mapped)
+                return update
             except BaseException:
                 self.weights.receiving_in_place = False
                 raise
@@ -406,6 +422,8 @@ class HFEngine(Engine):
             raise
         staging = self.weights.store
         if update is None:
+            if self.weights.armed is not None:  # (an adapter, say) before anything here allocates or frees
+                await self._call(self.weights.disarm)
             specs = from_proto(offer.manifest) if lora else None
             ensure_room(sum(s.nbytes for s in specs) if lora else self.weights.device_bytes(), self.device,
                         offer.manifest.version)
@@ -426,13 +444,23 @@ class HFEngine(Engine):
         self._update = (update, staging, offer.manifest.adapter if lora else None)
         return ans
 
-    async def hold_weights(self, holder: str, handles: list[bytes], facts) -> int:
+    async def hold_weights(self, holder: str, handles: list[bytes], facts) -> tuple[int, bytes]:
         if (why := same_gpu(facts, self.device)) is not None:
             raise FailedPrecondition(f"cannot hold {holder}'s weights mapped: {why}")
-        return await asyncio.to_thread(HELD.hold, holder, handles, self.device)
+
+        def hold() -> tuple[int, bytes]:
+            self.weights.disarm()  # before a storage an armed copy reads may close
+            return HELD.hold(holder, handles, self.device), self._arming.hold(holder, handles)
+
+        return await self._call(hold)
 
     async def release_weights(self, holder: str) -> int:
-        return await asyncio.to_thread(HELD.release, holder)
+        def release() -> int:
+            self.weights.disarm()
+            self._arming.release(holder)
+            return HELD.release(holder)
+
+        return await self._call(release)
 
     def _delta_base(self, offer) -> dict[str, torch.Tensor] | None:
         """The live weights, as the base a broadcast may send deltas against: when they are the
@@ -463,6 +491,7 @@ class HFEngine(Engine):
         self._update = None
 
         def swap() -> int:
+            self.weights.disarm()  # an adopted copy: done (the trainer waited for it); never a wait on a bell
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             if adapter is not None:

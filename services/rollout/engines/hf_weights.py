@@ -10,6 +10,7 @@ import torch
 
 from rlsync.flat import FlatStore, specs_of
 from rlsync.models import torch_dtype
+from rlsync.transfer.armed import Armed
 
 
 class Weights:
@@ -28,6 +29,9 @@ class Weights:
         # before an update replaces them (the colocated cycle never pays it).
         self.pending_restore = False
         self.receiving_in_place = False  # an update is landing straight in the woken store
+        # A pull queued into the woken store at wake, waiting for the trainer's bell
+        # (rlsync.transfer.armed); kept until the update it went to commits or anything else runs.
+        self.armed: Armed | None = None
         self.from_checkpoint = True  # False once a weight update has replaced the checkpoint's values
         self.not_ready: str | None = None
         self.version = 0
@@ -56,7 +60,15 @@ class Weights:
     def device_bytes(self) -> int:
         return self.store.nbytes() if self.store is not None else 0
 
+    def disarm(self) -> None:
+        """Lets an armed copy run out (its bytes are overwritten before use unless an update took
+        them). First in whatever else touches the store or waits for the whole device."""
+        if self.armed is not None:
+            self.armed.disarm()
+            self.armed = None
+
     def sleep(self, level: int) -> None:
+        self.disarm()
         if self.store is None:
             return
         if level == 1 and self.device.type != "cpu":
@@ -100,12 +112,14 @@ class Weights:
     def ensure_restored(self) -> None:
         """Refills woken weights from the backup, before anything reads them."""
         if self.pending_restore and not self.receiving_in_place:
+            self.disarm()
             self.store.copy_from(self.backup)
             self.backup, self.pending_restore = None, False
 
     def swap(self, store: FlatStore, version: int) -> None:
         """Makes a fully received update live: the parameters point at it (O(1); nothing to do when
         it was received in place); the old store is freed."""
+        self.disarm()
         if store is not self.store:
             self._place(store)
         self.backup, self.pending_restore, self.receiving_in_place = None, False, False
@@ -120,5 +134,6 @@ class Weights:
         return {n: audit_entry(p.data) for n, p in self.params.items()}
 
     def release(self) -> None:
+        self.disarm()
         self._place(None)
         self.backup = None

@@ -181,7 +181,7 @@ class _Mapped(abc.ABC):
         locations = job.welcome.locations
         if len(locations) != len(job.specs):
             raise DataLoss(f"sender described {len(locations)} tensors, manifest has {len(job.specs)}")
-        whole = _contiguous(job.specs, locations)
+        whole = contiguous(job.specs, locations)
         if whole is not None and job.writer.whole is not None:  # flat on both sides: one copy
             region, start, nbytes = whole
             job.writer.write_whole(regions[region][start:start + nbytes])
@@ -299,7 +299,7 @@ def describe_cuda(sources, cache: dict) -> dict:
     return cache[key]
 
 
-def _contiguous(specs, locations) -> tuple[int, int, int] | None:
+def contiguous(specs, locations) -> tuple[int, int, int] | None:
     """(region, start, bytes) when the tensors lie back to back in one region, in manifest order."""
     items = [(loc, s.nbytes) for s, loc in zip(specs, locations) if s.nbytes]
     if not items:

@@ -95,16 +95,18 @@ class Offer(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., facts: _Optional[_Union[Facts, _Mapping]] = ..., backends: _Optional[_Iterable[_Union[Backend, str]]] = ..., token: _Optional[str] = ..., control_address: _Optional[str] = ..., local_control: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., one_copy: _Optional[bool] = ..., transfer_id: _Optional[str] = ..., mapped: _Optional[_Union[MappedTensors, _Mapping]] = ...) -> None: ...
 
 class MappedTensors(_message.Message):
-    __slots__ = ("ipc", "region", "offset", "waits")
+    __slots__ = ("ipc", "region", "offset", "waits", "bell")
     IPC_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     WAITS_FIELD_NUMBER: _ClassVar[int]
+    BELL_FIELD_NUMBER: _ClassVar[int]
     ipc: _containers.RepeatedScalarFieldContainer[bytes]
     region: _containers.RepeatedScalarFieldContainer[int]
     offset: _containers.RepeatedScalarFieldContainer[int]
     waits: bool
-    def __init__(self, ipc: _Optional[_Iterable[bytes]] = ..., region: _Optional[_Iterable[int]] = ..., offset: _Optional[_Iterable[int]] = ..., waits: _Optional[bool] = ...) -> None: ...
+    bell: int
+    def __init__(self, ipc: _Optional[_Iterable[bytes]] = ..., region: _Optional[_Iterable[int]] = ..., offset: _Optional[_Iterable[int]] = ..., waits: _Optional[bool] = ..., bell: _Optional[int] = ...) -> None: ...
 
 class Answer(_message.Message):
     __slots__ = ("backend", "receiver_id", "ranks", "bucket_bytes", "reason", "facts", "transfer_id", "pull", "stages", "delta", "base_version", "copied")

@@ -1,0 +1,95 @@
+"""A pull queued before its offer, started by the sender on the GPU: no Python between the offer
+and the copy.
+
+A colocated replica that holds its trainer's memory (rlsync.transfer.held) and pulled from it
+before knows, when its weights wake, what the next pull will copy: the same bytes of the held
+storage into the same place in its weights. So it queues that copy at once (`Armed`), on a stream
+of its own, behind a wait on 4 bytes of its memory (its `Bell`, `cuStreamWaitValue32`), with an
+event after it. The trainer maps the bell at its onload (HoldWeightsResponse.bell) and writes it on
+its stream once its weights are final, just before it rings the replica (`ring_bell`): the GPU
+starts the copy there, while the ring's PrepareUpdate is on its way. The prepare adopts the copy
+when the offer is the one it was armed for (`Armed.adoptable`) and answers with the event, which
+the trainer waits on as for any pull answered early (rlsync.transfer.copied).
+
+A copy the replica does not adopt is disarmed: it writes its bell itself and waits for the copy,
+whose bytes the weights' backup then overwrites before anything reads them. Disarm before anything
+that waits for the whole device (a synchronize, a cudaFree): a copy waiting on its bell would make
+it wait forever.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import torch
+
+from rlsync.transfer.memory import export_cuda
+
+_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
+
+
+@cache
+def _wait_value32():
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = getattr(lib, "cuStreamWaitValue32_v2", None) or lib.cuStreamWaitValue32
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+class Bell:
+    """A replica's 4-byte flag on its GPU, the stream its armed copies wait on, and the handle a
+    trainer maps the flag by. Made once per process and device (the trainer's mapping stays valid)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.flag = torch.zeros(1, dtype=torch.int32, device=device)
+        self.handle = export_cuda(self.flag).SerializeToString()
+        self.stream = torch.cuda.Stream(device)
+        self.event = torch.cuda.Event(interprocess=True)  # recorded after each armed copy
+        self.event_handle = self.event.ipc_handle()
+
+    def read(self) -> int:
+        return int(self.flag.item())
+
+
+class Armed:
+    """One copy of `src` into `dst`, queued to start when the bell is written (the sender's value,
+    `offer.mapped.bell`, from 1 up). `key` says which offer it copies: its specs and the mapped
+    locations of the pull it repeats."""
+
+    def __init__(self, bell: Bell, src: torch.Tensor, dst: torch.Tensor, key: tuple):
+        self.bell, self.key, self.nbytes = bell, key, dst.numel()
+        bell.flag.zero_()
+        torch.cuda.current_stream(bell.device).synchronize()  # zeroed before the wait is queued
+        with torch.cuda.stream(bell.stream):
+            rc = _wait_value32()(ctypes.c_void_p(bell.stream.cuda_stream), bell.flag.data_ptr(), 1, _WAIT_GEQ)
+            if rc != 0:
+                raise RuntimeError(f"cuStreamWaitValue32 failed (CUresult {rc})")
+            dst.copy_(src, non_blocking=True)
+            bell.event.record(bell.stream)
+        self.done = False
+        self.adopted = False  # an update took it: its bytes are the update's
+
+    def adoptable(self, key: tuple, rung: int) -> bool:
+        """Whether the copy is this offer's: armed for its tensors and locations, and started by the
+        value the sender wrote for it (`rung`; 0: it wrote none) or not started yet. A bell written
+        with another value started the copy for an earlier offer, whose bytes may be older."""
+        if self.done or self.adopted or rung <= 0 or key != self.key:
+            return False
+        return self.bell.read() in (0, rung)
+
+    def disarm(self) -> None:
+        """Lets the copy run, if the sender has not, and waits for it. Idempotent."""
+        if self.done:
+            return
+        self.bell.flag.fill_(1)  # on this process's stream: the armed one does not wait for it
+        self.bell.stream.synchronize()
+        self.done = True
+
+
+def ring_bell(flag: torch.Tensor, value: int) -> None:
+    """The trainer's side: writes `value` into a replica's mapped bell on the current stream, after
+    everything queued there (its weights, final)."""
+    flag.view(torch.int32)[:1].fill_(value)
