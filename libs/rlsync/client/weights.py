@@ -63,6 +63,9 @@ async def _ring_here(doorbells: list[Doorbell], ring_one) -> list:
     return results
 
 
+_BELL_VALUES = itertools.count()  # one per ring that writes bells: a copy started by an older one is refused
+
+
 async def ring_prepare(offer: Offer, doorbells: list[Doorbell], token: str, force_backend: str = "",
                        timeout: float = 0, lines: Lines | None = None,
                        bells: Mapping[str, torch.Tensor] | None = None) -> tuple[list, float]:
@@ -98,7 +101,6 @@ async def ring_prepare(offer: Offer, doorbells: list[Doorbell], token: str, forc
     return [Rung() if a is None else Rung(rung=True, answer=a.answer) for a in answers], seconds
 
 
-_BELL_VALUES = itertools.count()  # one per ring that writes bells: a copy started by an older one is refused
 HOLD_TIMEOUT = 30.0  # mapping or closing a few storages takes milliseconds
 
 

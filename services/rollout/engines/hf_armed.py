@@ -55,7 +55,7 @@ class Arming:
         dst = weights.store.whole_for(specs)
         if src is None or dst is None or dst.numel() != nbytes or src.numel() < start + nbytes:
             return
-        weights.armed = Armed(self.bell, src[start:start + nbytes], dst, (specs, handles, region, offset))
+        weights.armed = Armed(self.bell, src[start:start + nbytes], dst, key_of(specs, handles, region, offset))
 
     def adopt(self, weights, specs: list, mapped: pb.MappedTensors) -> Armed | None:
         """The armed copy, when it is this offer's (rung with a bell value); else None."""

@@ -118,8 +118,8 @@ class Weights:
 
     def swap(self, store: FlatStore, version: int) -> None:
         """Makes a fully received update live: the parameters point at it (O(1); nothing to do when
-        it was received in place); the old store is freed."""
-        self.disarm()
+        it was received in place); the old store is freed. (The caller disarmed before its device
+        synchronize.)"""
         if store is not self.store:
             self._place(store)
         self.backup, self.pending_restore, self.receiving_in_place = None, False, False
