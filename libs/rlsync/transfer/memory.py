@@ -93,6 +93,7 @@ def export_cuda(t: torch.Tensor) -> pb.CudaIpcHandle:
 def import_cuda(h: pb.CudaIpcHandle, device: torch.device) -> torch.Tensor:
     """Maps another process's CUDA storage on `device` (the same GPU, possibly under another
     index in this process); returns its bytes as a flat uint8 tensor."""
+    torch.cuda.init()  # _new_shared_cuda does not: in a process that has not used CUDA yet it crashes
     storage = torch.UntypedStorage._new_shared_cuda(
         device.index if device.index is not None else torch.cuda.current_device(), h.handle,
         h.storage_size_bytes, h.storage_offset_bytes, h.ref_counter_handle, h.ref_counter_offset,
