@@ -51,7 +51,8 @@ def chunk_to_proto(c: Chunk) -> gen_pb.GenerateChunk:
 
 def memory_to_proto(m: MemoryUsage) -> pb.MemoryUsage:
     return pb.MemoryUsage(device=m.device, weights_bytes=m.weights_bytes, kv_cache_bytes=m.kv_cache_bytes,
-                          device_reserved_bytes=m.device_reserved_bytes, staging_bytes=m.staging_bytes)
+                          device_reserved_bytes=m.device_reserved_bytes, staging_bytes=m.staging_bytes,
+                          spare_bytes=m.spare_bytes)
 
 
 def info_to_proto(i: Info) -> pb.RolloutInfo:

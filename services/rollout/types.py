@@ -111,3 +111,4 @@ class MemoryUsage:
     kv_cache_bytes: int
     device_reserved_bytes: int = 0
     staging_bytes: int = 0  # a prepared update being received: one more copy of the weights
+    spare_bytes: int = 0  # the weights the last update retired, kept to receive the next into

@@ -62,6 +62,23 @@ def test_update_makes_engine_weights_bit_identical_to_the_trainer(pair, backend)
     assert set(tokens.token_versions) == {report.version}
 
 
+@pytest.mark.parametrize("pair", ["hf"], indirect=True)  # vLLM reloads in place: it keeps no second store
+def test_an_update_lands_in_the_store_the_last_one_retired_and_a_sleep_frees_it(pair):
+    trainer, rollout, _, _ = pair
+    for seed in (5, 6):  # the second lands in what the first retired, whose bytes are a version older
+        _train_once(trainer, rollout, seed=seed)
+        push_weights(trainer, [rollout], force_backend="shm")
+        memory = rollout.info().memory
+        assert memory.spare_bytes == memory.weights_bytes > 0 and memory.staging_bytes == 0
+        assert _audit(trainer, rollout) == []
+    rollout.sleep(level=1)
+    assert rollout.info().memory.spare_bytes == 0, "a sleeping engine gives the spare's memory back"
+    rollout.wake_up()
+    _train_once(trainer, rollout, seed=7)
+    push_weights(trainer, [rollout], force_backend="shm")  # staged in a new store again
+    assert _audit(trainer, rollout) == [] and rollout.info().memory.spare_bytes > 0
+
+
 def test_greedy_output_equals_transformers_on_the_trainers_weights(pair, tmp_path):
     trainer, rollout, _, _ = pair
     _train_once(trainer, rollout, seed=2)

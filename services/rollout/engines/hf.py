@@ -367,8 +367,9 @@ class HFEngine(Engine):
             reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
             staging = self._update[1] if self._update is not None else None
             staging_bytes = staging.nbytes() if staging is not None and staging is not self.weights.store else 0
+            spare = self.weights.spare
             return MemoryUsage(str(self.device), self.weights.device_bytes(), self.batch.kv_bytes(), reserved,
-                               staging_bytes)
+                               staging_bytes, spare.nbytes() if spare is not None else 0)
 
         return await self._call(read)
 
@@ -425,12 +426,15 @@ class HFEngine(Engine):
             if self.weights.armed is not None:  # (an adapter, say) before anything here allocates or frees
                 await self._call(self.weights.disarm)
             specs = from_proto(offer.manifest) if lora else None
-            ensure_room(sum(s.nbytes for s in specs) if lora else self.weights.device_bytes(), self.device,
-                        offer.manifest.version)
+            if lora or self.weights.spare is None:
+                ensure_room(sum(s.nbytes for s in specs) if lora else self.weights.device_bytes(), self.device,
+                            offer.manifest.version)
+            clock.lap("room")
 
             def stage() -> tuple[FlatStore, StagedUpdate]:  # one thread hop, not two (a busy replica's GIL)
+                clock.lap("thread")  # (waiting for a worker thread, and for the GIL the engine thread holds)
                 # cast on arrival
-                staging = self.adapter.staging(specs) if lora else FlatStore(self.weights.specs, self.device)
+                staging = self.adapter.staging(specs) if lora else self.weights.staging()
                 clock.lap("staging")
                 return staging, receive(staging)
 

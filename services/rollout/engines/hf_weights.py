@@ -24,6 +24,9 @@ class Weights:
         self.specs = specs_of(self.params)
         self.store: FlatStore | None = None
         self.backup: FlatStore | None = None  # Sleep(level=1) on an accelerator: the weights, in host memory
+        # The store the last swap retired: the next staged update lands in it (double buffering: the
+        # room an update needs is held, and neither allocated nor laid out again per update).
+        self.spare: FlatStore | None = None
         self._host: FlatStore | None = None  # pinned host memory for backups, allocated once
         # Woken but not yet refilled from the backup: the copy happens only if the weights are used
         # before an update replaces them (the colocated cycle never pays it).
@@ -69,6 +72,7 @@ class Weights:
 
     def sleep(self, level: int) -> None:
         self.disarm()
+        self.spare = None  # its memory goes back with the rest
         if self.store is None:
             return
         if level == 1 and self.device.type != "cpu":
@@ -116,12 +120,19 @@ class Weights:
             self.store.copy_from(self.backup)
             self.backup, self.pending_restore = None, False
 
+    def staging(self) -> FlatStore:
+        """Where an update is received while these weights serve: the spare, else a new store."""
+        spare, self.spare = self.spare, None
+        return spare if spare is not None else FlatStore(self.specs, self.device)
+
     def swap(self, store: FlatStore, version: int) -> None:
         """Makes a fully received update live: the parameters point at it (O(1); nothing to do when
-        it was received in place); the old store is freed. (The caller disarmed before its device
-        synchronize.)"""
+        it was received in place); the old store becomes the spare. (The caller disarmed and
+        synchronized the device first: nothing reads the old store any more.)"""
         if store is not self.store:
+            retired = self.store
             self._place(store)
+            self.spare = retired
         self.backup, self.pending_restore, self.receiving_in_place = None, False, False
         self.from_checkpoint = False
         self.not_ready = None
@@ -136,4 +147,4 @@ class Weights:
     def release(self) -> None:
         self.disarm()
         self._place(None)
-        self.backup = None
+        self.backup = self.spare = None

@@ -194,18 +194,20 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class MemoryUsage(_message.Message):
-    __slots__ = ("device", "weights_bytes", "kv_cache_bytes", "device_reserved_bytes", "staging_bytes")
+    __slots__ = ("device", "weights_bytes", "kv_cache_bytes", "device_reserved_bytes", "staging_bytes", "spare_bytes")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     STAGING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPARE_BYTES_FIELD_NUMBER: _ClassVar[int]
     device: str
     weights_bytes: int
     kv_cache_bytes: int
     device_reserved_bytes: int
     staging_bytes: int
-    def __init__(self, device: _Optional[str] = ..., weights_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., device_reserved_bytes: _Optional[int] = ..., staging_bytes: _Optional[int] = ...) -> None: ...
+    spare_bytes: int
+    def __init__(self, device: _Optional[str] = ..., weights_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., device_reserved_bytes: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., spare_bytes: _Optional[int] = ...) -> None: ...
 
 class RolloutInfo(_message.Message):
     __slots__ = ("engine", "model", "weight_version", "state", "in_flight", "asleep", "max_model_len", "tensor_parallel_size", "replica_id", "memory", "vocab_size", "pending_version", "dtype", "dead_reason", "requests_admitted", "doorbell")
