@@ -45,6 +45,7 @@ def replica(src_handle: str, nbytes: int, repeats: int, idle: float) -> None:
     print(json.dumps({"bell": bell.handle.hex()}), flush=True)
     for writer in WRITERS:
         for i in range(repeats + 1):  # the first warms up
+            dst.zero_()  # so that the check below sees the last copy's bytes
             armed = Armed(bell, src, dst, key=())
             time.sleep(idle)
             if writer == "replica":
@@ -65,7 +66,7 @@ def replica(src_handle: str, nbytes: int, repeats: int, idle: float) -> None:
 
 def trainer(nbytes: int, repeats: int, idle: float) -> dict:
     limit = d2d_limit(nbytes, "cuda:0")  # GB/s, a warm loop in this process
-    src = torch.ones(nbytes, dtype=torch.uint8, device=DEVICE)
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=DEVICE)
     child = subprocess.Popen([sys.executable, __file__, "--replica", export_cuda(src).SerializeToString().hex(),
                               "--bytes", str(nbytes), "--repeats", str(repeats), "--idle", str(idle)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -102,5 +102,7 @@ def ring_bell(flag: torch.Tensor, value: int) -> None:
     A stream write, not a kernel: with a kernel of the trainer's context in between, the replica's
     copy ends 0.27 ms later on an H100 (the GPU switching contexts; with the stream write, as soon
     as when the replica writes its own bell)."""
-    with torch.cuda.device(flag.device):  # its context current on this thread, as the driver call needs
+    # (On a stream torch created the driver takes the stream's context; on the legacy default
+    # stream, this thread's, current since it mapped the bell.)
+    with torch.cuda.device(flag.device):
         _queue("cuStreamWriteValue32", torch.cuda.current_stream(), flag.data_ptr(), value, _WRITE_FENCED)

@@ -31,7 +31,7 @@ from rlsync.rollout.engines.hf_batch import Batch, Sequence
 from rlsync.rollout.engines.hf_lora import Adapter
 from rlsync.rollout.engines.hf_weights import Weights
 from rlsync.rollout.sampling import make_generator, sample
-from rlsync.rollout.staging import AdoptedUpdate, StagedUpdate, ensure_room, pulled
+from rlsync.rollout.staging import AdoptedUpdate, StagedUpdate, ensure_room, free_bytes, pulled
 from rlsync.transfer import answer
 from rlsync.transfer.handshake import same_gpu
 from rlsync.transfer.held import HELD
@@ -40,6 +40,10 @@ from rlsync.rollout.types import (Delta, FinishReason, GenerationRequest, Memory
                                   WakeTag)
 
 log = logging.getLogger(__name__)
+
+# Kept free beside the spare weights (besides room for the batch's cache to be copied once): a
+# prefill's activations and logits, up to max_prefill_tokens x the vocabulary.
+SPARE_HEADROOM = 1 << 30
 
 
 @dataclasses.dataclass
@@ -213,6 +217,8 @@ class HFEngine(Engine):
     def _step(self) -> None:
         """Admit waiting requests (prefill), then one decode step for every running sequence."""
         self.weights.ensure_restored()
+        if self.weights.spare is not None:  # a join or a step copies the cache: room for it again, and some
+            self.weights.yield_spare(free_bytes(self.device), 2 * self.batch.kv_bytes() + SPARE_HEADROOM)
         joining, budget, room = [], self.args.max_prefill_tokens, self.args.max_num_seqs - len(self.batch)
         while self._admitting and self._waiting and room > 0 and budget > 0:
             request, sink = self._waiting.popleft()
@@ -425,10 +431,9 @@ class HFEngine(Engine):
         if update is None:
             if self.weights.armed is not None:  # (an adapter, say) before anything here allocates or frees
                 await self._call(self.weights.disarm)
-            specs = from_proto(offer.manifest) if lora else None
-            if lora or self.weights.spare is None:
-                ensure_room(sum(s.nbytes for s in specs) if lora else self.weights.device_bytes(), self.device,
-                            offer.manifest.version)
+            specs = from_proto(offer.manifest)
+            ensure_room(sum(s.nbytes for s in specs) if lora else self.weights.staging_bytes(specs), self.device,
+                        offer.manifest.version)
             clock.lap("room")
 
             def stage() -> tuple[FlatStore, StagedUpdate]:  # one thread hop, not two (a busy replica's GIL)
@@ -444,7 +449,7 @@ class HFEngine(Engine):
         except BaseException:
             await self._call(self._stop_in_place)
             raise
-        ans.stages.update(clock.stages)  # (the hops onto threads are left to the caller's prepare_rpc)
+        ans.stages.update(clock.stages)  # (the hop back from the worker thread is left to the caller's)
         self._update = (update, staging, offer.manifest.adapter if lora else None)
         return ans
 

@@ -125,6 +125,19 @@ class Weights:
         spare, self.spare = self.spare, None
         return spare if spare is not None else FlatStore(self.specs, self.device)
 
+    def staging_bytes(self, specs) -> int:
+        """What staging an update of `specs` (a manifest's) allocates: a store unless the spare is
+        kept, and a buffer per tensor that arrives in another dtype (cast into it once complete)."""
+        cast = sum(s.nbytes for s in specs if s.name in self.specs and self.specs[s.name][1] != s.dtype)
+        return cast + (0 if self.spare is not None else self.device_bytes())
+
+    def yield_spare(self, free: int, need: int) -> None:
+        """Generation comes first: the spare is dropped when what the device can still allocate
+        beside it (`free`) is less than what the batch may take next (`need`). The next update then
+        allocates its staging, or is refused for room, as without a spare."""
+        if self.spare is not None and free < need:
+            self.spare = None
+
     def swap(self, store: FlatStore, version: int) -> None:
         """Makes a fully received update live: the parameters point at it (O(1); nothing to do when
         it was received in place); the old store becomes the spare. (The caller disarmed and

@@ -1,0 +1,52 @@
+"""The hf engine's weight stores: an update is staged in the store the previous one retired
+(double buffering), and that spare gives way to sleep, release and the batch's need for memory."""
+
+from __future__ import annotations
+
+import torch
+
+from rlsync.rollout.engines.hf_weights import Weights
+from rlsync.transfer.manifest import Spec
+
+
+def _weights() -> Weights:
+    torch.manual_seed(0)
+    return Weights(torch.nn.Linear(4, 3).requires_grad_(False), "", torch.device("cpu"))  # as the engine loads it
+
+
+def test_an_update_is_staged_in_the_store_the_last_one_retired():
+    w = _weights()
+    first = w.store
+    staged = w.staging()
+    assert staged is not first, "no spare yet: a new store"
+    staged.views["weight"].fill_(2.0)
+    staged.views["bias"].fill_(3.0)
+    w.swap(staged, version=1)
+    assert w.store is staged and w.spare is first
+    assert torch.equal(w.params["weight"].data, torch.full((3, 4), 2.0)), "the parameters point at the update"
+    assert w.staging() is first and w.spare is None, "taken: the next update lands in it, and only that one"
+
+
+def test_the_spare_goes_at_sleep_release_and_when_the_batch_needs_its_room():
+    w = _weights()
+    w.swap(w.staging(), version=1)
+    w.yield_spare(free=100, need=100)
+    assert w.spare is not None, "room enough beside it"
+    w.yield_spare(free=99, need=100)
+    assert w.spare is None, "generation comes first"
+    w.swap(w.staging(), version=2)
+    w.sleep(level=1)
+    assert w.spare is None
+    w.swap(w.staging(), version=3)
+    w.release()
+    assert w.spare is None and w.store is None
+
+
+def test_staging_counts_a_store_unless_the_spare_is_kept_and_every_buffer_a_cast_needs():
+    w = _weights()
+    store = w.device_bytes()
+    same = [Spec("weight", torch.float32, (3, 4), 48), Spec("bias", torch.float32, (3,), 12)]
+    cast = [Spec("weight", torch.bfloat16, (3, 4), 24), Spec("bias", torch.float32, (3,), 12)]
+    assert store == 60 and w.staging_bytes(same) == 60 and w.staging_bytes(cast) == 60 + 24
+    w.swap(w.staging(), version=1)
+    assert w.staging_bytes(same) == 0 and w.staging_bytes(cast) == 24
