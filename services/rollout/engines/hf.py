@@ -42,8 +42,10 @@ from rlsync.rollout.types import (Delta, FinishReason, GenerationRequest, Memory
 log = logging.getLogger(__name__)
 
 # Kept free beside the spare weights (besides room for the batch's cache to be copied once): a
-# prefill's activations and logits, up to max_prefill_tokens x the vocabulary.
+# prefill's activations and logits, up to max_prefill_tokens x the vocabulary, and what the cache
+# grows by between two checks (SPARE_CHECK_STEPS decode steps, or a join).
 SPARE_HEADROOM = 1 << 30
+SPARE_CHECK_STEPS = 32
 
 
 @dataclasses.dataclass
@@ -129,6 +131,7 @@ class HFEngine(Engine):
         self._update: tuple[StagedUpdate, FlatStore] | None = None
         self._layout: tuple[list | None, bool] = (None, False)  # the last manifest's specs: a delta base?
         self._arming = Arming(self.device)  # pulls queued at wake (rlsync.transfer.armed): touched between steps
+        self._steps_unchecked = 0  # decode steps since the spare's room was last checked
 
     def _eos_ids(self, config: Any) -> set[int]:
         ids = config.eos_token_id
@@ -214,11 +217,20 @@ class HFEngine(Engine):
                 self._fail_all(EngineDead(f"hf engine step failed: {e!r}"))
                 return
 
+    def _check_spare(self, joining: bool) -> None:
+        """Drops the spare weights when the batch may need their memory: a join or a step copies
+        the cache, so room for it again and the headroom must stay free beside them. Checked at
+        every join and every SPARE_CHECK_STEPS steps (a device query is not free)."""
+        self._steps_unchecked += 1
+        if self.weights.spare is None or not (joining or self._steps_unchecked >= SPARE_CHECK_STEPS):
+            return
+        self._steps_unchecked = 0
+        self.weights.yield_spare(free_bytes(self.device), 2 * self.batch.kv_bytes() + SPARE_HEADROOM)
+
     def _step(self) -> None:
         """Admit waiting requests (prefill), then one decode step for every running sequence."""
         self.weights.ensure_restored()
-        if self.weights.spare is not None:  # a join or a step copies the cache: room for it again, and some
-            self.weights.yield_spare(free_bytes(self.device), 2 * self.batch.kv_bytes() + SPARE_HEADROOM)
+        self._check_spare(joining=bool(self._admitting and self._waiting))
         joining, budget, room = [], self.args.max_prefill_tokens, self.args.max_num_seqs - len(self.batch)
         while self._admitting and self._waiting and room > 0 and budget > 0:
             request, sink = self._waiting.popleft()
@@ -432,8 +444,8 @@ class HFEngine(Engine):
             if self.weights.armed is not None:  # (an adapter, say) before anything here allocates or frees
                 await self._call(self.weights.disarm)
             specs = from_proto(offer.manifest)
-            ensure_room(sum(s.nbytes for s in specs) if lora else self.weights.staging_bytes(specs), self.device,
-                        offer.manifest.version)
+            if need := sum(s.nbytes for s in specs) if lora else self.weights.staging_bytes(specs):
+                ensure_room(need, self.device, offer.manifest.version)
             clock.lap("room")
 
             def stage() -> tuple[FlatStore, StagedUpdate]:  # one thread hop, not two (a busy replica's GIL)
