@@ -24,8 +24,8 @@ class Weights:
         self.specs = specs_of(self.params)
         self.store: FlatStore | None = None
         self.backup: FlatStore | None = None  # Sleep(level=1) on an accelerator: the weights, in host memory
-        # The store the last swap retired: the next staged update lands in it (double buffering: the
-        # room an update needs is held, and neither allocated nor laid out again per update).
+        # The store the last swap retired: the next staged update lands in it (double buffering: no
+        # store allocated or laid out per update). Kept while the batch leaves room for it.
         self.spare: FlatStore | None = None
         self._host: FlatStore | None = None  # pinned host memory for backups, allocated once
         # Woken but not yet refilled from the backup: the copy happens only if the weights are used
