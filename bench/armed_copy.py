@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from rlsync.transfer.armed import Armed, Bell, ring_bell
+from rlsync.transfer.armed import Armed, Bell, open_bell, ring_bell
 from rlsync.transfer.memory import export_cuda, open_cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -75,7 +75,7 @@ def trainer(nbytes: int, repeats: int, idle: float) -> dict:
     for line in child.stdout:
         msg = json.loads(line)
         if "bell" in msg:
-            flag = open_cuda(bytes.fromhex(msg["bell"]), DEVICE)[:4]
+            flag = open_bell(bytes.fromhex(msg["bell"]), DEVICE)
         elif "ring" in msg:
             start = time.perf_counter()
             if msg["ring"] == "stream_write":

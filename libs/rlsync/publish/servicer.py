@@ -17,8 +17,8 @@ from rlsync.rpc import unary
 from rlsync.rpc.doorbell import Lines
 from rlsync.trainer.v1 import trainer_pb2 as pb
 from rlsync.trainer.v1 import trainer_pb2_grpc
+from rlsync.transfer.armed import open_bell
 from rlsync.transfer.copied import sender_device
-from rlsync.transfer.memory import open_cuda
 from rlsync.transfer.v1.transfer_pb2 import Doorbell
 
 
@@ -30,7 +30,6 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
         self.holder = holder  # the name replicas hold this trainer's weights mapped under
         self.holding: dict[str, Doorbell] = {}  # address -> doorbell of a replica that holds them
         self.bells: dict[str, torch.Tensor] = {}  # address -> that replica's bell, mapped (rlsync.transfer.armed)
-        self._bell_maps: dict[bytes, torch.Tensor] = {}  # bell handle -> its mapping, kept for the replica's life
         self.lines = Lines()  # connections to the replicas' doorbells, kept between updates
 
     def state(self) -> pb.TrainerState:
@@ -64,7 +63,7 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
             for d, bell in await ring_hold(self.holder, *regions, list(request.ring), self.token, self.lines):
                 self.holding[d.address] = d
                 if bell:
-                    self.bells[d.address] = self._bell(bell, device)
+                    self.bells[d.address] = open_bell(bell, device)
             if self.publisher.offloaded:  # an Offload ran while they mapped: they let go now
                 await self._release()
         return pb.OnloadResponse(state=self.state(), held=len(self.holding))
@@ -81,14 +80,6 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
         rung, seconds = await ring_prepare(offer, list(request.ring), self.token, request.force_backend,
                                            request.timeout, self.lines, self.bells)
         return pb.OfferWeightsResponse(offer=offer, rung=rung, ring_seconds=seconds)
-
-    def _bell(self, handle: bytes, device: torch.device) -> torch.Tensor:
-        """A replica's bell, mapped once (4 bytes of its memory, for as long as it lives)."""
-        if handle not in self._bell_maps:
-            if len(self._bell_maps) >= 64:  # replicas that came and went: their handles never come back
-                self._bell_maps.pop(next(iter(self._bell_maps)))
-            self._bell_maps[handle] = open_cuda(handle, device)
-        return self._bell_maps[handle]
 
     @unary
     async def PublishWeights(self, request: pb.PublishWeightsRequest, context) -> pb.PublishWeightsResponse:

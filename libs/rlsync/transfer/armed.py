@@ -20,11 +20,11 @@ it wait forever.
 from __future__ import annotations
 
 import ctypes
-from functools import cache
+from functools import cache, lru_cache
 
 import torch
 
-from rlsync.transfer.memory import export_cuda
+from rlsync.transfer.memory import export_cuda, open_cuda
 
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
 _WRITE_FENCED = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: what the stream wrote before is visible first
@@ -93,6 +93,12 @@ class Armed:
         self.bell.flag.fill_(1)  # on this process's stream: the armed one does not wait for it
         self.bell.stream.synchronize()
         self.done = True
+
+
+@lru_cache(maxsize=64)  # mapped once per replica, for as long as it lives; gone ones age out
+def open_bell(handle: bytes, device: torch.device) -> torch.Tensor:
+    """The trainer's side: a replica's bell (HoldWeightsResponse.bell), mapped on `device`."""
+    return open_cuda(handle, device)
 
 
 def ring_bell(flag: torch.Tensor, value: int) -> None:

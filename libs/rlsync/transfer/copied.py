@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
 from collections.abc import Iterable
-from functools import cache
+from functools import cache, lru_cache
 
 import torch
 
@@ -40,19 +39,9 @@ def record_copied(device: torch.device) -> bytes:
     return handle
 
 
-_OPENED: OrderedDict[tuple[int, bytes], torch.cuda.Event] = OrderedDict()
-_KEEP = 64  # receivers whose events stay open (one each, for as long as it lives)
-
-
+@lru_cache(maxsize=64)  # a receiver's event stays open for as long as it lives (one each)
 def _opened(device: int, handle: bytes) -> torch.cuda.Event:
-    key = (device, handle)
-    if key in _OPENED:
-        _OPENED.move_to_end(key)
-    else:
-        _OPENED[key] = torch.cuda.Event.from_ipc_handle(device, handle)
-        if len(_OPENED) > _KEEP:
-            _OPENED.popitem(last=False)
-    return _OPENED[key]
+    return torch.cuda.Event.from_ipc_handle(device, handle)
 
 
 def sender_device(mapped: pb.MappedTensors) -> int:
