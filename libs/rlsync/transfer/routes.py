@@ -1,0 +1,230 @@
+"""Routing, pure: which trainer rank sends which slice of which tensor to which engine ranks.
+
+Both sides describe a layout: for every rank, the boxes of each tensor it holds (a trainer rank:
+its shard, or the whole tensor when replicated) or loads (an engine rank: its tensor-parallel slice,
+or the whole tensor). A box is a [start, stop) range per dimension of the whole tensor. The plan cuts
+each tensor along every box edge of both sides; each cell goes from one trainer rank that holds it
+(the least loaded so far, so replicated tensors are spread) to every engine rank that loads it. Cells
+with the same sender and the same receivers are merged back into boxes and sent together: a transfer
+is one sender, a set of receivers (a broadcast; one receiver is point to point) and its pieces.
+
+Every byte an engine rank loads comes from exactly one trainer rank, once; a trainer rank sends a
+byte it alone holds at most once. Like bucket planning, the plan is computed once per pair of
+layouts (`cached_routes`) and never travels: both sides compute it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from itertools import product
+
+from rlsync.errors import InvalidArgument
+
+Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension; () is a 0-dim tensor
+
+
+def whole(shape: Sequence[int]) -> Box:
+    return tuple((0, int(d)) for d in shape)
+
+
+def volume(box: Box) -> int:
+    return math.prod(stop - start for start, stop in box)
+
+
+def extent(box: Box) -> tuple[int, ...]:
+    return tuple(stop - start for start, stop in box)
+
+
+def chunks(size: int, n: int) -> list[tuple[int, int]]:
+    """[start, stop) of each of `n` parts of `size`, as torch.chunk and DTensor's Shard split a
+    dimension: parts of ceil(size / n), the last ones shorter or empty."""
+    step = -(-size // n) if size else 0
+    return [(min(i * step, size), min((i + 1) * step, size)) for i in range(n)]
+
+
+def contains(outer: Box, inner: Box) -> bool:
+    return all(o0 <= i0 and i1 <= o1 for (o0, o1), (i0, i1) in zip(outer, inner))
+
+
+def relative(inner: Box, outer: Box) -> Box:
+    """`inner` in the coordinates of `outer` (which contains it)."""
+    return tuple((i0 - o0, i1 - o0) for (i0, i1), (o0, _) in zip(inner, outer))
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    itemsize: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """`held[rank][tensor]`: the boxes of tensor `tensor` (an index into `tensors`) that `rank` holds."""
+
+    tensors: tuple[TensorInfo, ...]
+    held: tuple[tuple[tuple[Box, ...], ...], ...]
+
+    @property
+    def ranks(self) -> int:
+        return len(self.held)
+
+    def nbytes(self, rank: int) -> int:
+        """Bytes `rank` holds (a box held twice counts twice)."""
+        return sum(volume(b) * t.itemsize for t, boxes in zip(self.tensors, self.held[rank]) for b in boxes)
+
+
+def layout(tensors: Sequence[TensorInfo], held: Sequence[Sequence[Sequence[Box]]]) -> Layout:
+    """A checked Layout: every rank says something (maybe nothing) of every tensor, boxes lie inside it."""
+    tensors = tuple(tensors)
+    out = []
+    for rank, boxes in enumerate(held):
+        if len(boxes) != len(tensors):
+            raise InvalidArgument(f"rank {rank} describes {len(boxes)} tensors, the layout has {len(tensors)}")
+        for t, tensor_boxes in zip(tensors, boxes):
+            for b in tensor_boxes:
+                if len(b) != len(t.shape) or not contains(whole(t.shape), b) or any(s > e for s, e in b):
+                    raise InvalidArgument(f"rank {rank}: box {list(map(list, b))} is not inside {t.name!r} of shape "
+                                          f"{list(t.shape)}")
+        out.append(tuple(tuple(tuple(map(tuple, b)) for b in tensor_boxes if volume(b) or not b)
+                         for tensor_boxes in boxes))
+    return Layout(tensors, tuple(out))
+
+
+@dataclass(frozen=True)
+class Piece:
+    tensor: int  # index into the layouts' tensors
+    box: Box  # in the whole tensor's coordinates; its bytes travel packed, row-major
+
+    def nbytes(self, tensors: Sequence[TensorInfo]) -> int:
+        return volume(self.box) * tensors[self.tensor].itemsize
+
+
+@dataclass(frozen=True)
+class Transfer:
+    src: int  # trainer rank
+    dsts: tuple[int, ...]  # engine ranks that each receive every piece
+    pieces: tuple[Piece, ...]  # in tensor order, then box order
+
+
+@dataclass(frozen=True)
+class Routes:
+    tensors: tuple[TensorInfo, ...]
+    transfers: tuple[Transfer, ...]
+    senders: int
+    receivers: int
+
+    def sent_bytes(self) -> list[int]:
+        """Per trainer rank: the payload it sends (a broadcast's bytes once)."""
+        out = [0] * self.senders
+        for t in self.transfers:
+            out[t.src] += sum(p.nbytes(self.tensors) for p in t.pieces)
+        return out
+
+    def received_bytes(self) -> list[int]:
+        out = [0] * self.receivers
+        for t in self.transfers:
+            size = sum(p.nbytes(self.tensors) for p in t.pieces)
+            for d in t.dsts:
+                out[d] += size
+        return out
+
+    def of_sender(self, rank: int) -> list[Transfer]:
+        return [t for t in self.transfers if t.src == rank]
+
+    def of_receiver(self, rank: int) -> list[Transfer]:
+        return [t for t in self.transfers if rank in t.dsts]
+
+
+def plan_routes(trainer: Layout, engine: Layout) -> Routes:
+    """Pairs every box an engine rank loads with the trainer ranks that hold it (see the module doc).
+    Refuses layouts of different tensors, and a box an engine rank loads that no trainer rank holds."""
+    _check_same_tensors(trainer.tensors, engine.tensors)
+    load = [0] * trainer.ranks
+    groups: dict[tuple[int, tuple[int, ...]], list[Piece]] = defaultdict(list)
+    for index, info in enumerate(trainer.tensors):
+        holders = [(r, b) for r in range(trainer.ranks) for b in trainer.held[r][index]]
+        needers = [(r, b) for r in range(engine.ranks) for b in engine.held[r][index]]
+        if not needers:
+            continue
+        cells: dict[tuple[int, tuple[int, ...]], list[Box]] = defaultdict(list)
+        for cell in _cells(info.shape, [b for _, b in holders] + [b for _, b in needers]):
+            dsts = tuple(sorted({r for r, b in needers if contains(b, cell)}))
+            if not dsts:
+                continue
+            owners = sorted({r for r, b in holders if contains(b, cell)})
+            if not owners:
+                raise InvalidArgument(f"no trainer rank holds {info.name!r}{list(map(list, cell))}, which engine rank "
+                                      f"{dsts[0]} loads: the trainer's layout does not cover the tensor")
+            src = min(owners, key=lambda r: (load[r], r))
+            load[src] += volume(cell) * info.itemsize
+            cells[(src, dsts)].append(cell)
+        for key, boxes in cells.items():
+            groups[key].extend(Piece(index, b) for b in _merge(boxes))
+    transfers = tuple(Transfer(src, dsts, tuple(pieces)) for (src, dsts), pieces in sorted(groups.items()))
+    return Routes(trainer.tensors, transfers, trainer.ranks, engine.ranks)
+
+
+@lru_cache(maxsize=16)
+def cached_routes(trainer: Layout, engine: Layout) -> Routes:
+    """plan_routes, remembered: the same layouts meet again at every update."""
+    return plan_routes(trainer, engine)
+
+
+def _check_same_tensors(a: Sequence[TensorInfo], b: Sequence[TensorInfo]) -> None:
+    if tuple(a) == tuple(b):
+        return
+    problems = []
+    mine = {t.name: t for t in a}
+    theirs = {t.name: t for t in b}
+    for name in sorted(set(mine) ^ set(theirs)):
+        problems.append(f"{name!r} only on the {'trainer' if name in mine else 'engine'}")
+    for name in sorted(set(mine) & set(theirs)):
+        if mine[name] != theirs[name]:
+            problems.append(f"{name!r} is {list(mine[name].shape)} x {mine[name].itemsize} B on the trainer, "
+                            f"{list(theirs[name].shape)} x {theirs[name].itemsize} B on the engine")
+    if not problems:
+        problems.append("the tensors are in another order")
+    raise InvalidArgument("the trainer's and the engine's layouts describe different tensors: " + "; ".join(problems[:8])
+                          + (f" (+{len(problems) - 8} more)" if len(problems) > 8 else ""))
+
+
+def _cells(shape: tuple[int, ...], boxes: list[Box]) -> list[Box]:
+    """The grid every box edge cuts the tensor into (cells of no volume left out)."""
+    if not shape:
+        return [()]
+    cuts = []
+    for dim, size in enumerate(shape):
+        edges = sorted({0, size, *(b[dim][0] for b in boxes), *(b[dim][1] for b in boxes)})
+        cuts.append(list(zip(edges, edges[1:])))
+    return [tuple(c) for c in product(*cuts)]
+
+
+def _merge(boxes: list[Box]) -> list[Box]:
+    """Joins boxes that touch along one dimension and match in all others, until none do."""
+    boxes = sorted(boxes)
+    merged = True
+    while merged and len(boxes) > 1:
+        merged = False
+        for dim in reversed(range(len(boxes[0]))):
+            by_rest: dict[tuple, list[Box]] = defaultdict(list)
+            for b in boxes:
+                by_rest[b[:dim] + b[dim + 1:]].append(b)
+            out = []
+            for run in by_rest.values():
+                run.sort(key=lambda b: b[dim][0])
+                current = run[0]
+                for b in run[1:]:
+                    if b[dim][0] == current[dim][1]:
+                        current = current[:dim] + ((current[dim][0], b[dim][1]),) + current[dim + 1:]
+                        merged = True
+                    else:
+                        out.append(current)
+                        current = b
+                out.append(current)
+            boxes = sorted(out)
+    return boxes
