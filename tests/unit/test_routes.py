@@ -27,7 +27,8 @@ def _case(draw):
     k = draw(st.integers(1, 4))
     trainer = [[] for _ in range(k)]
     for t in tensors:
-        how = draw(st.sampled_from(["replicate", "shard", "mesh"] if t.shape else ["replicate"]))
+        how = draw(st.sampled_from(["replicate", "shard", "mesh", "fused"] if t.shape else ["replicate"]))
+        cut = draw(st.integers(0, t.shape[0])) if t.shape else 0  # fused: two parts along dim 0
         dim = draw(st.integers(0, max(len(t.shape) - 1, 0)))
         for r in range(k):
             if how == "replicate":
@@ -35,6 +36,9 @@ def _case(draw):
             elif how == "mesh" and k == 4 and len(t.shape) >= 2:  # Shard(0) x Shard(1) on a 2x2 mesh
                 box = _sharded(t.shape, 0, 2, r // 2)
                 boxes = [tuple([box[0], chunks(t.shape[1], 2)[r % 2], *box[2:]])]
+            elif how == "fused":  # parts [0, cut) and [cut, n) of dim 0, each split over the ranks
+                boxes = [tuple([(start + a, start + b), *whole(t.shape)[1:]])
+                         for start, stop in ((0, cut), (cut, t.shape[0])) for a, b in [chunks(stop - start, k)[r]]]
             else:
                 boxes = [_sharded(t.shape, dim, k, r)]
             trainer[r].append(boxes)

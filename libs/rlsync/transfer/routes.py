@@ -151,20 +151,22 @@ def plan_routes(trainer: Layout, engine: Layout) -> Routes:
         needers = [(r, b) for r in range(engine.ranks) for b in engine.held[r][index]]
         if not needers:
             continue
-        cells: dict[tuple[int, tuple[int, ...]], list[Box]] = defaultdict(list)
+        # (sender, receivers, the sender's box it comes from) -> cells: a piece never spans two boxes
+        # of its sender (two parts of a fused tensor lie in two tensors there).
+        cells: dict[tuple[int, tuple[int, ...], Box], list[Box]] = defaultdict(list)
         for cell in _cells(info.shape, [b for _, b in holders] + [b for _, b in needers]):
             dsts = tuple(sorted({r for r, b in needers if contains(b, cell)}))
             if not dsts:
                 continue
-            owners = sorted({r for r, b in holders if contains(b, cell)})
+            owners = [(r, b) for r, b in holders if contains(b, cell)]
             if not owners:
                 raise InvalidArgument(f"no trainer rank holds {info.name!r}{list(map(list, cell))}, which engine rank "
                                       f"{dsts[0]} loads: the trainer's layout does not cover the tensor")
-            src = min(owners, key=lambda r: (load[r], r))
+            src, held = min(owners, key=lambda o: (load[o[0]], o[0]))
             load[src] += volume(cell) * info.itemsize
-            cells[(src, dsts)].append(cell)
-        for key, boxes in cells.items():
-            groups[key].extend(Piece(index, b) for b in _merge(boxes))
+            cells[(src, dsts, held)].append(cell)
+        for (src, dsts, _), boxes in sorted(cells.items()):
+            groups[(src, dsts)].extend(Piece(index, b) for b in _merge(boxes))
     transfers = tuple(Transfer(src, dsts, tuple(pieces)) for (src, dsts), pieces in sorted(groups.items()))
     return Routes(trainer.tensors, transfers, trainer.ranks, engine.ranks)
 

@@ -1,0 +1,203 @@
+"""Routed transfers: every trainer rank sends its pieces straight to the engine ranks that load them,
+point to point, in one process group over the trainer's ranks and the engine's (gloo on CPU, NCCL
+on GPUs). No rank gathers a tensor; an engine rank receives exactly the boxes it loads.
+
+Every member computes the same schedule from the routes (`rlsync.transfer.routes`) and the bucket
+size: each transfer's pieces are packed into buckets (`plan.py`), and the buckets of all transfers
+are taken in turn (bucket 0 of every transfer, then bucket 1, ...), each with its own tag. A member
+runs only its own sends and receives, in that order, two at a time: since all follow one order, the
+earliest pending operation always has both ends on their way to it, so no member waits on another
+that waits on it. A sender packs a bucket into a slot unless its bytes already lie end to end in
+one tensor; a receiver lands a bucket straight in place when its destination is contiguous there.
+
+Group ranks: trainer rank k is k, engine rank e is `senders + e`.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from rlsync.errors import DeadlineExceeded, Unavailable
+from rlsync.transfer.backends.base import sync
+from rlsync.transfer.control import Deadline
+from rlsync.transfer.manifest import Spec
+from rlsync.transfer.plan import Bucket, cached_plan
+from rlsync.transfer.routes import Box, Piece, Routes, extent, relative
+from rlsync.transfer.spans import span
+from rlsync.transfer.writer import DestWriter
+
+WINDOW = 2  # operations in flight per member
+
+
+@dataclass(frozen=True)
+class Op:
+    transfer: int  # index into routes.transfers
+    bucket: Bucket
+    tag: int
+
+
+def schedule(routes: Routes, bucket_bytes: int) -> list[Op]:
+    """Every bucket of every transfer, in the one order all members follow."""
+    plans = [cached_plan(tuple(p.nbytes(routes.tensors) for p in t.pieces), bucket_bytes) for t in routes.transfers]
+    ops, tag = [], 0
+    for i in range(max((len(p) for p in plans), default=0)):
+        for j, plan in enumerate(plans):
+            if i < len(plan):
+                ops.append(Op(j, plan[i], tag))
+                tag += 1
+    return ops
+
+
+def piece_name(name: str, box: Box) -> str:
+    return name + "[" + ",".join(f"{a}:{b}" for a, b in box) + "]"
+
+
+def group(store: dist.Store, gid: str, rank: int, world: int, device: torch.device, timeout: float):
+    """The routed transfer's process group over `store`, private to rlsync (no default group touched)."""
+    prefixed = dist.PrefixStore(f"rlsync-routed/{gid}", store)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = datetime.timedelta(seconds=timeout)
+        return dist.ProcessGroupNCCL(prefixed, rank, world, options)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=timeout)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=_host_of(store))]
+    return dist.ProcessGroupGloo(prefixed, rank, world, options)
+
+
+def _host_of(store: dist.Store) -> str:
+    host = getattr(store, "host", "") or "127.0.0.1"
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return host
+    from rlsync.transfer.backends.collective import _address_toward
+
+    return _address_toward(host)
+
+
+class _Window:
+    """At most WINDOW operations in flight; a finished one runs its completion (scatter, release)."""
+
+    def __init__(self, deadline: Deadline):
+        self.deadline = deadline
+        self.pending: deque = deque()
+
+    def reserve(self) -> None:
+        """Room for one more operation: called before its slot is written (the one WINDOW back is done)."""
+        while len(self.pending) >= WINDOW:
+            self._finish_one()
+
+    def add(self, works: list, done: Callable[[], None] | None = None) -> None:
+        self.pending.append((works, done))
+
+    def drain(self) -> None:
+        while self.pending:
+            self._finish_one()
+
+    def _finish_one(self) -> None:
+        works, done = self.pending.popleft()
+        for w in works:
+            try:
+                w.wait(datetime.timedelta(seconds=self.deadline.remaining("moving a bucket")))
+            except RuntimeError as e:
+                self.pending.clear()
+                if "imeout" in str(e) or "imed out" in str(e):
+                    raise DeadlineExceeded(f"{self.deadline.what}: a peer did not take part in time ({e})") from e
+                raise Unavailable(f"{self.deadline.what}: a peer failed or is gone ({e})") from e
+        if done is not None:
+            done()
+
+
+def send(pg, routes: Routes, rank: int, piece: Callable[[Piece], torch.Tensor], bucket_bytes: int,
+         deadline: Deadline, device: torch.device) -> int:
+    """Trainer rank `rank`'s share: its pieces (made by `piece`, contiguous, in the engine's dtype)
+    to every engine rank that loads them. Returns the payload bytes it sent (a bucket once per receiver)."""
+    slots = [torch.empty(bucket_bytes, dtype=torch.uint8, device=device) for _ in range(WINDOW)]
+    current: dict[int, tuple[int, torch.Tensor]] = {}  # transfer -> (piece index, its bytes): one piece each
+    window, sent, turn = _Window(deadline), 0, 0
+    for op in schedule(routes, bucket_bytes):
+        transfer = routes.transfers[op.transfer]
+        if transfer.src != rank:
+            continue
+        window.reserve()
+        parts = []
+        for s in op.bucket.slices:
+            index, data = current.get(op.transfer, (-1, None))
+            if index != s.tensor:
+                data = _bytes(piece(transfer.pieces[s.tensor]))
+                current[op.transfer] = (s.tensor, data)
+            parts.append(data[s.src:s.src + s.length])
+        view = span(parts)
+        if view is None or view.device != device:
+            view = slots[turn % WINDOW][:op.bucket.nbytes]
+            turn += 1
+            for s, part in zip(op.bucket.slices, parts):
+                view[s.dst:s.dst + s.length].copy_(part, non_blocking=True)
+            sync(device)
+        works = [pg.send([view], routes.senders + dst, op.tag) for dst in transfer.dsts]
+        window.add(works)
+        sent += op.bucket.nbytes * len(transfer.dsts)
+    window.drain()
+    return sent
+
+
+def destinations(routes: Routes, rank: int, specs: Sequence[Spec], staging: Mapping[str, tuple[Box, torch.Tensor]]) \
+        -> tuple[list[Spec], dict[str, torch.Tensor]]:
+    """Engine rank `rank`'s pieces as specs, and where each lands: a view of the staging tensor of
+    its tensor (`staging[name]`: the box it holds of the whole tensor, and that box's tensor)."""
+    piece_specs, views = [], {}
+    for transfer in routes.of_receiver(rank):
+        for p in transfer.pieces:
+            spec = specs[p.tensor]
+            box, tensor = staging[spec.name]
+            name = piece_name(spec.name, p.box)
+            region = relative(p.box, box)
+            views[name] = tensor[tuple(slice(a, b) for a, b in region)] if region else tensor
+            piece_specs.append(Spec(name, spec.dtype, extent(p.box), views[name].numel() * views[name].element_size()))
+    return piece_specs, views
+
+
+def receive(pg, routes: Routes, rank: int, writer: DestWriter, bucket_bytes: int, deadline: Deadline,
+            device: torch.device) -> int:
+    """Engine rank `rank`'s share: every piece it loads, written through `writer` (laid out over
+    `destinations(...)`, pieces in the order they list them). Returns the bytes received."""
+    first: dict[int, int] = {}  # transfer -> index of its first piece in the writer
+    for j, transfer in enumerate(routes.transfers):
+        if rank in transfer.dsts:
+            first[j] = sum(len(routes.transfers[i].pieces) for i in first)
+    slots = [torch.empty(bucket_bytes, dtype=torch.uint8, device=device) for _ in range(WINDOW)]
+    window, turn = _Window(deadline), 0
+    for op in schedule(routes, bucket_bytes):
+        if op.transfer not in first:
+            continue
+        transfer, base = routes.transfers[op.transfer], first[op.transfer]
+        window.reserve()
+        parts = [writer.direct_view(base + s.tensor, s.src, s.length) for s in op.bucket.slices]
+        view = span(parts) if all(p is not None for p in parts) else None
+        in_place = view is not None and view.device == device
+        if not in_place:
+            view = slots[turn % WINDOW][:op.bucket.nbytes]
+            turn += 1
+
+        def land(op=op, base=base, view=view, in_place=in_place):
+            for s in op.bucket.slices:
+                if in_place:
+                    writer.mark(base + s.tensor, s.length)
+                else:
+                    writer.write(base + s.tensor, s.src, view[s.dst:s.dst + s.length])
+            if not in_place:
+                sync(device)  # the slot is reused two operations later
+
+        window.add([pg.recv([view], transfer.src, op.tag)], land)
+    window.drain()
+    sync(device)
+    return writer.finish()
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
