@@ -91,7 +91,8 @@ def main():
         sent = routed.send(pg, routes, RANK, shards.piece, BUCKET, deadline, torch.device("cpu"))
         print(json.dumps({"role": ROLE, "rank": RANK, "sent": sent, "planned": routes.sent_bytes()[RANK],
                           "held": shards.layout.nbytes(RANK),
-                          "layout_as_expected": shards.layout == trainer_layout(entries), "seconds": time.perf_counter() - start}), flush=True)
+                          "layout_as_expected": shards.layout == trainer_layout(entries),
+                          "seconds": time.perf_counter() - start}), flush=True)
         dist.barrier()
         dist.destroy_process_group()
     else:

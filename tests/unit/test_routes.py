@@ -22,8 +22,8 @@ def _case(draw):
     mesh sharded along two dims); an engine of replicas x TP ranks (each tensor whole, or sliced
     along a dim, with head groups replicated when TP exceeds their count)."""
     count = draw(st.integers(1, 4))
-    tensors = [TensorInfo(f"t{i}", tuple(draw(st.lists(st.integers(0, 9), max_size=3))), draw(st.sampled_from([1, 2, 4])))
-               for i in range(count)]
+    tensors = [TensorInfo(f"t{i}", tuple(draw(st.lists(st.integers(0, 9), max_size=3))),
+                          draw(st.sampled_from([1, 2, 4]))) for i in range(count)]
     k = draw(st.integers(1, 4))
     trainer = [[] for _ in range(k)]
     for t in tensors:

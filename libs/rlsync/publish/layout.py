@@ -83,12 +83,11 @@ class RankShards:
         """The piece's values from this rank's local shard, contiguous, in the engine's dtype (a view
         when nothing needs copying)."""
         entry = self.entries[p.tensor]
-        for box, (part, part_box) in self._mine[p.tensor]:
-            if contains(box, p.box):
-                break
-        else:
+        found = next(((box, part) for box, (part, _) in self._mine[p.tensor] if contains(box, p.box)), None)
+        if found is None:
             raise InvalidArgument(f"rank {self.rank} does not hold {entry.name!r}{[list(b) for b in p.box]}: the route "
                                   "was planned for another layout")
+        box, part = found
         t = self.tensors[part]
         local = t.to_local() if isinstance(t, DTensor) else t
         local = local.detach()

@@ -191,8 +191,8 @@ def _check_same_tensors(a: Sequence[TensorInfo], b: Sequence[TensorInfo]) -> Non
                             f"{list(theirs[name].shape)} x {theirs[name].itemsize} B on the engine")
     if not problems:
         problems.append("the tensors are in another order")
-    raise InvalidArgument("the trainer's and the engine's layouts describe different tensors: " + "; ".join(problems[:8])
-                          + (f" (+{len(problems) - 8} more)" if len(problems) > 8 else ""))
+    raise InvalidArgument("the trainer's and the engine's layouts describe different tensors: "
+                          + "; ".join(problems[:8]) + (f" (+{len(problems) - 8} more)" if len(problems) > 8 else ""))
 
 
 def _cells(shape: tuple[int, ...], boxes: list[Box]) -> list[Box]:
