@@ -1,6 +1,7 @@
 """One rank of a 2-rank check (started by a test with RANK/WORLD_SIZE set): a module whose parameters
-are DTensors of every placement a trainer may use is published as a source, and rank 0 checks each
-produced tensor against the whole tensor it was sharded from. Prints one JSON line on rank 0."""
+are DTensors of every placement a trainer may use is published as a sharded source, and rank 0 checks
+each tensor its audit gathers against the whole tensor it was sharded from. Prints one JSON line on
+rank 0."""
 
 import json
 import os
@@ -12,8 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from rlsync.publish import WeightMap
-from rlsync.publish.source import module_source
-from rlsync.transfer.source import StreamedSource
+from rlsync.publish.source import ShardedModule, module_source
 
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -27,8 +27,8 @@ for name, t in whole.items():
     value = distribute_tensor(t, mesh, [placements[name]]) if name in placements else t
     model.register_parameter(name, nn.Parameter(value))
 source, _ = module_source(model, WeightMap(dtype=torch.bfloat16))
-assert isinstance(source, StreamedSource)
-produced = dict(source.items())  # one pass: every rank runs the same gathers
+assert isinstance(source, ShardedModule)
+produced = dict(source.audit.items())  # one pass: every rank runs the same gathers
 if dist.get_rank() == 0:
     wrong = [n for n, t in whole.items() if not torch.equal(produced[n], t.to(torch.bfloat16))]
     print(json.dumps({"checked": sorted(produced), "wrong": wrong}), flush=True)

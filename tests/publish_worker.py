@@ -1,6 +1,6 @@
 """One rank of examples/fsdp2_publish.py, started by a test (not torchrun, which would end the other
-ranks as soon as one dies). RLSYNC_FAULT=die_after_gathers:N makes this rank die (no cleanup) once it
-has produced N tensors for publishing: in the middle of a publish, whatever the other ranks do."""
+ranks as soon as one dies). RLSYNC_FAULT=die_after_pieces:N makes this rank die (no cleanup) once it
+has cut N pieces of its shards for sending: in the middle of a publish, whatever the other ranks do."""
 
 import os
 import runpy
@@ -8,19 +8,19 @@ import sys
 from pathlib import Path
 
 fault = os.environ.get("RLSYNC_FAULT", "")
-if fault.startswith("die_after_gathers:"):
-    from rlsync.publish import source
+if fault.startswith("die_after_pieces:"):
+    from rlsync.publish.layout import RankShards
 
-    limit, real = int(fault.split(":")[1]), source._whole
+    limit, real = int(fault.split(":")[1]), RankShards.piece
     count = {"n": 0}
 
-    def _whole_then_maybe_die(*args):
+    def _piece_then_maybe_die(*args):
         count["n"] += 1
         if count["n"] > limit:
             os._exit(9)
         return real(*args)
 
-    source._whole = _whole_then_maybe_die
+    RankShards.piece = _piece_then_maybe_die
 
 example = Path(__file__).resolve().parents[1] / "examples" / "fsdp2_publish.py"
 sys.argv = [str(example), *sys.argv[1:]]

@@ -11,7 +11,8 @@ import torch
 
 from rlsync.flat import FlatStore
 from rlsync.errors import Aborted, DeadlineExceeded, ResourceExhausted, RlsyncError
-from rlsync.transfer import Receiver, Report
+from rlsync.transfer import Report
+from rlsync.transfer.receiver import receiver_for
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 
@@ -44,11 +45,12 @@ def ensure_room(nbytes: int, device: torch.device, version: int) -> None:
 
 class StagedUpdate:
     def __init__(self, offer: pb.Offer, answer: pb.Answer, staging: dict[str, torch.Tensor] | FlatStore, rank: int,
-                 device: torch.device, timeout: float, expected=None, base: dict[str, torch.Tensor] | None = None):
+                 device: torch.device, timeout: float, expected=None, base: dict[str, torch.Tensor] | None = None,
+                 boxes=None):
         self.version = offer.manifest.version
         self.staging = staging
-        self.receiver = Receiver(offer, answer, staging, rank=rank, device=device, timeout=timeout,
-                                 expected=expected, base=base)
+        self.receiver = receiver_for(offer, answer, staging, rank=rank, device=device, timeout=timeout,
+                                     expected=expected, base=base, boxes=boxes)
         self.future: concurrent.futures.Future[Report] = concurrent.futures.Future()
         self.started = time.perf_counter()
         if answer.pull:  # the bytes are right there to copy: done before the prepare answers

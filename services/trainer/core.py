@@ -22,7 +22,7 @@ from rlsync.common import metrics as prometheus
 from rlsync.errors import FailedPrecondition, InvalidArgument
 from rlsync.models import resolve_model
 from rlsync.publish.core import PublisherCore, at_publish_points, in_thread
-from rlsync.publish.ranks import TRAIN, PublishPoints, Ranks, hooks
+from rlsync.publish.ranks import ROUTED, TRAIN, PublishPoints, Ranks, hooks
 from rlsync.publish.source import module_source
 from rlsync.address import advertise_host
 from rlsync.trainer import checkpoint
@@ -100,10 +100,11 @@ class TrainerCore:
         self.max_len = self.policy.model.config.max_position_embeddings
         self.step = 0
         self.lock = asyncio.Lock()
-        if self.sharded:  # shards gathered tensor by tensor; every rank serves what rank 0 queues
+        if self.sharded:  # every rank sends its own shards; every rank serves what rank 0 queues
             source = lambda: module_source(self.policy.model)[0]  # noqa: E731
             handlers = {**hooks(self.policy.offload, self.policy.onload),
-                        TRAIN: lambda payload: self._train(*ranks.parse_train_payload(payload))}
+                        TRAIN: lambda payload: self._train(*ranks.parse_train_payload(payload)),
+                        ROUTED: lambda payload: self.publisher.send_routed(payload)}
             rank = Ranks()
             self.points = PublishPoints(rank, lambda: self.publisher.pass_source(rank.rank), handlers)
             run = at_publish_points(self.points)
@@ -117,6 +118,8 @@ class TrainerCore:
             advertise=advertise_host(cfg.server.advertise), checksums=cfg.checksums,
             transfer_timeout=cfg.transfer_timeout, delta=cfg.delta,
             offload=self.policy.offload, onload=self.policy.onload)
+        if self.sharded:
+            self.publisher.ranks = rank
         self._serving: concurrent.futures.Future | None = None
         if self.sharded and rank.rank == 0:  # rank 0 serves the queue for good; the others follow it
             self._serving = concurrent.futures.Future()

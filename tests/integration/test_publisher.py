@@ -109,9 +109,10 @@ def test_renamed_and_cast_model_publishes_and_a_mismatch_is_refused_by_name(flee
 
 def test_a_rank_killed_mid_publish_fails_cleanly_and_the_old_version_stays(fleet, tmp_path):
     coordinator, replica = fleet("hf")
-    # Tiny model: 26 tensors. Rank 1 dies half way through gathering step 2's tensors.
+    # Tiny model: 26 tensors, each sharded by rows: rank 1 sends a piece of each. It dies half way
+    # through sending step 2's pieces.
     procs = start_ranks(tmp_path, ["--coordinator", coordinator, "--steps", "2", "--bucket-bytes", "65536"],
-                        fault={1: "die_after_gathers:39"})
+                        fault={1: "die_after_pieces:39"})
     codes = [p.wait(240) for p in procs]
     log = (tmp_path / "rank0.log").read_text()
     assert codes[1] == 9 and codes[0] != 0, (codes, log[-3000:])
@@ -140,11 +141,11 @@ def test_every_dtensor_placement_is_gathered_whole_and_cast(tmp_path):
 def test_the_trainer_killed_mid_transfer_leaves_the_old_version_and_a_new_trainer_syncs(fleet, tmp_path):
     coordinator, replica = fleet("hf")
     # One rank, so the process that dies is the one serving the transfer: half way through sending
-    # step 2's 26 tensors (bucketed, streamed as they are produced), with buckets already on the replica.
+    # step 2's 26 tensors (a piece each, bucketed as they are cut), with buckets already on the replica.
     dead = tmp_path / "dead"
     dead.mkdir()
     (proc,) = start_ranks(dead, ["--coordinator", coordinator, "--steps", "2", "--bucket-bytes", "65536"], world=1,
-                          fault={0: "die_after_gathers:39"})
+                          fault={0: "die_after_pieces:39"})
     assert proc.wait(240) == 9
     assert [s["version"] for s in _lines(dead / "rank0.log")] == [1]
     deadline = time.monotonic() + 30  # the replica hears of it from the broken channel, then the coordinator

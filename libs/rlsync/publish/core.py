@@ -13,15 +13,17 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
-from rlsync.errors import FailedPrecondition, InvalidArgument, NotFound
-from rlsync.publish.ranks import OFFLOAD, ONLOAD, PASSES, PublishPoints
+from rlsync.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from rlsync.publish.ranks import OFFLOAD, ONLOAD, PASSES, ROUTED, PublishPoints, Ranks
+from rlsync.publish.source import ShardedModule
 from rlsync.transfer import Report, WeightSender, audit_entry
 from rlsync.transfer.dtypes import dtype_of
 from rlsync.transfer.handshake import local_facts
+from rlsync.transfer.sharded import ShardedSender
 from rlsync.transfer.source import ResidentSource, StreamedSource
 from rlsync.transfer.v1 import transfer_pb2 as tpb
 
-Source = ResidentSource | StreamedSource
+Source = ResidentSource | StreamedSource | ShardedModule
 #: run(fn, op, passes, payload) -> fn's result, run where the trainer allows it (on every rank: the
 #: others get op, passes and payload).
 Runner = Callable[..., Awaitable[object]]
@@ -56,24 +58,42 @@ class PublisherCore:
         self.offloaded = False
         self.published = 0  # the last version published (or offered for receivers to pull)
         self.current = 0  # the version the weights are now (an offer without a version gets it)
-        self._sender: WeightSender | None = None
+        self._sender: WeightSender | ShardedSender | None = None
+        self._source: Source | None = None  # what the sender sends (and audits read)
         self._offers: dict[str, tpb.Offer] = {}
+        self.ranks: Ranks | None = None  # a sharded trainer's ranks: each sends its own shards
 
     def _require_on_device(self, action: str) -> None:
         if self.offloaded:
             raise FailedPrecondition(f"trainer is offloaded: call Onload before {action}")
 
-    def _sender_now(self) -> WeightSender:
+    def _sender_now(self) -> WeightSender | ShardedSender:
         if self._sender is None:
-            self._sender = WeightSender(self.source(), bucket_bytes=self.bucket_bytes, host=self.host,
-                                        advertise=self.advertise, checksums=self.checksums_in_manifest,
-                                        delta=self.delta)
+            source = self.source()
+            if isinstance(source, ShardedModule):  # every rank sends its own shards
+                if self.delta:
+                    raise InvalidArgument("delta updates need resident tensors: a sharded model's ranks each send "
+                                          "their own shards, and keep no copy of what they sent")
+                self._sender = source.sender(bucket_bytes=self.bucket_bytes, host=self.host, advertise=self.advertise)
+            else:
+                self._sender = WeightSender(source, bucket_bytes=self.bucket_bytes, host=self.host,
+                                            advertise=self.advertise, checksums=self.checksums_in_manifest,
+                                            delta=self.delta)
+            self._source = source
         return self._sender
 
+    def _audited(self) -> ResidentSource | StreamedSource:
+        """What an audit reads: the sender's tensors (a sharded model's, gathered one at a time)."""
+        self._sender_now()
+        return self._source.audit if isinstance(self._source, ShardedModule) else self._source
+
     def pass_source(self, rank: int) -> Source:
-        """What a rank's passes walk: rank 0 its sender's source (the one a send reads), the other
-        ranks a source of their own over their shards (they only take part in the gathers)."""
-        return self._sender_now().source if rank == 0 else self.source()
+        """What a rank's passes walk: rank 0 the source its sender reads, the other ranks a source of
+        their own over their shards (they only take part in the gathers)."""
+        if rank == 0:
+            return self._audited()
+        source = self.source()
+        return source.audit if isinstance(source, ShardedModule) else source
 
     def drop_sender(self) -> None:
         """Forgets the sender and its offers (the parameters' memory is about to move)."""
@@ -82,10 +102,14 @@ class PublisherCore:
             self._sender = None
             self._offers.clear()
 
-    def _passes(self, per_send: int) -> int:
-        """Passes a request makes over a streamed source (none over a resident one). Asked on the
-        thread that runs the request, when the model is at rest between steps."""
-        return per_send if isinstance(self._sender_now().source, StreamedSource) else 0
+    def _passes(self, per_send: int, audit: bool = False) -> int:
+        """Passes a request makes over a streamed source (none over a resident one; a sharded model's
+        only for an audit). Asked on the thread that runs the request, when the model is at rest
+        between steps."""
+        sender = self._sender_now()
+        if isinstance(sender, ShardedSender):
+            return per_send if audit else 0
+        return per_send if isinstance(sender.source, StreamedSource) else 0
 
     # ---- what the coordinator calls ---------------------------------------------------------------
     # Each request checks the state and builds the sender inside the work `run` schedules: by then an
@@ -94,7 +118,8 @@ class PublisherCore:
         """pull: receivers on the trainer's GPU copy the weights themselves (see OfferWeightsRequest)."""
         def offer() -> tpb.Offer:
             self._require_on_device("publishing weights")
-            return self._sender_now().offer(version, pull)
+            sender = self._sender_now()
+            return sender.offer(version) if isinstance(sender, ShardedSender) else sender.offer(version, pull)
 
         offer = await self.run(offer, PASSES, lambda: self._passes(1 if self.checksums_in_manifest else 0))
         self._offers[offer.transfer_id] = offer
@@ -117,9 +142,13 @@ class PublisherCore:
                 raise NotFound(f"offer {transfer_id!r} was dropped when the trainer offloaded: call OfferWeights")
             return self._sender_now().send(offer, answers, timeout or self.transfer_timeout)
 
-        # A streamed source makes one pass per channel (receivers that pulled need none).
-        pushed = {a.backend for a in answers if not a.pull}
-        report = await self.run(send, PASSES, lambda: self._passes(len(pushed)))
+        if offer.HasField("routing"):  # every rank sends its own shards (the others get the same request)
+            timeout = timeout or self.transfer_timeout
+            payload = tpb.RoutedSend(offer=offer, answers=answers, timeout_seconds=timeout).SerializeToString()
+            report = await self.run(lambda: self.send_routed(payload), ROUTED, 0, payload)
+        else:  # a streamed source makes one pass per channel (receivers that pulled need none)
+            pushed = {a.backend for a in answers if not a.pull}
+            report = await self.run(send, PASSES, lambda: self._passes(len(pushed)))
         self._offers.pop(transfer_id, None)
         self.published = offer.manifest.version
         return offer.manifest.version, report
@@ -131,14 +160,38 @@ class PublisherCore:
         def audit() -> Audit:
             self._require_on_device("GetWeightChecksums")
             out = {}
-            source = self._sender_now().source
+            source = self._audited()
             with torch.no_grad():  # a LoRA adapter's audit covers its frozen base too: the whole policy served
                 for name, t in itertools.chain(source.items(), source.frozen.items()):
                     t = t.detach()
                     out[name] = audit_entry(t.to(target) if target is not None and t.is_floating_point() else t)
             return out
 
-        return await self.run(audit, PASSES, lambda: self._passes(1))
+        return await self.run(audit, PASSES, lambda: self._passes(1, audit=True))
+
+    def rank_handlers(self, ranks: Ranks) -> dict:
+        """What this core's other ranks run for the requests rank 0 queues (see PublishPoints)."""
+        self.ranks = ranks
+        return {ROUTED: self.send_routed}
+
+    def send_routed(self, payload: bytes) -> Report | None:
+        """Every rank of a sharded trainer: its part of a routed transfer (rank 0 is handed the same
+        request its other ranks get as `payload`). The ranks then agree: one that failed fails the
+        publish on rank 0, which answers the coordinator."""
+        request = tpb.RoutedSend.FromString(payload)
+        report, error = None, None
+        try:
+            self._require_on_device("publishing weights")
+            report = self._sender_now().send(request.offer, list(request.answers), request.timeout_seconds)
+        except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
+            error = e
+        failed = self.ranks.agree(error is None) if self.ranks is not None else int(error is not None)
+        if error is not None:
+            raise error
+        if failed:
+            raise Unavailable(f"{failed} rank(s) of the trainer failed to send their shards (see their logs); "
+                              "the replicas keep the version they had")
+        return report
 
     async def offload(self) -> None:
         def offload() -> None:

@@ -68,12 +68,12 @@ class WeightPublisher:
         self.model, self.weights = model, weights or WeightMap()
         self.ranks = Ranks(group)
         module_source(model, self.weights)  # a name or dtype problem is refused now, on every rank
-        self.core = PublisherCore(lambda: module_source(self.model, self.weights, self.ranks.src)[0], None,
+        self.core = PublisherCore(lambda: module_source(self.model, self.weights, self.ranks.src, group)[0], None,
                                   bucket_bytes=bucket_bytes, host=host, advertise=advertise_host(advertise),
                                   checksums=checksums, transfer_timeout=transfer_timeout,
                                   offload=offload, onload=onload)
         self.points = PublishPoints(self.ranks, lambda: self.core.pass_source(self.ranks.rank),
-                                    hooks(offload, onload))
+                                    {**hooks(offload, onload), **self.core.rank_handlers(self.ranks)})
         self.core.run = at_publish_points(self.points)
         self.coordinator = None
         if self.ranks.rank == 0:

@@ -25,7 +25,7 @@ from rlsync.transfer.source import StreamedSource, run_pass
 
 log = logging.getLogger(__name__)
 
-PASSES, OFFLOAD, ONLOAD, DONE, FAILED, TRAIN, KEEPALIVE = range(7)
+PASSES, OFFLOAD, ONLOAD, DONE, FAILED, TRAIN, KEEPALIVE, ROUTED = range(8)
 # Idle ranks wait in a broadcast, which times out with the process group (gloo: 30 min by
 # default): rank 0 says "still here" well before that.
 KEEPALIVE_SECONDS = 60.0
@@ -66,6 +66,17 @@ class Ranks:
             else torch.empty(size, dtype=torch.uint8, device=self.device)
         dist.broadcast(body, self.src, group=self.group)
         return op, count, body.cpu().numpy().tobytes()
+
+    def agree(self, ok: bool) -> int:
+        """How many ranks report a failure (every rank calls it once, with its own outcome)."""
+        if self.world == 1:
+            return 0 if ok else 1
+        flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=self.device)
+        try:
+            dist.all_reduce(flag, group=self.group)
+        except RuntimeError as e:  # a rank is gone
+            raise Unavailable(f"a rank of the trainer is gone (did it die?): {e}") from e
+        return int(flag.item())
 
 
 def hooks(offload: Callable[[], None] | None, onload: Callable[[], None] | None) -> dict:

@@ -1,11 +1,14 @@
-"""A module's parameters as a transfer source: as they are when they can be sent as they are, else
-produced tensor by tensor (gathered from DTensor shards, cast, fused) while the transfer runs.
+"""A module's parameters as a transfer source: as they are when they can be sent as they are; routed
+from every rank's own shards when they are sharded; else produced tensor by tensor (cast, fused)
+while the transfer runs.
 
-Sharded parameters (FSDP2's fully_shard, tensor parallel) are DTensors: each one is gathered whole,
-after casting the local shard, in a collective every rank runs for the same tensor in the same order.
-FSDP2's layout (dim 0 over a 1-D mesh) is gathered to the sending rank only (measured on 2 gloo
-ranks, a 32.8 MB tensor: 32 ms and nothing held on the other ranks, against 160 ms and 82 MB on
-every rank for `full_tensor`); any other placement goes through `full_tensor`.
+Sharded parameters (FSDP2's fully_shard, tensor parallel) are DTensors: every rank sends the pieces
+of its shards that the receivers load (`ShardedModule`, rlsync.transfer.routed); nothing is gathered
+to move weights. Only an audit (GetWeightChecksums) gathers them, tensor by tensor, after casting the
+local shard, in a collective every rank runs for the same tensor in the same order. FSDP2's layout
+(dim 0 over a 1-D mesh) is gathered to the auditing rank only (measured on 2 gloo ranks, a 32.8 MB
+tensor: 32 ms and nothing held on the other ranks, against 160 ms and 82 MB on every rank for
+`full_tensor`); any other placement goes through `full_tensor`.
 """
 
 from __future__ import annotations
@@ -14,10 +17,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dataclasses import dataclass
+
 from rlsync import lora
 from rlsync.errors import InvalidArgument
+from rlsync.publish.layout import RankShards, publisher_ranks
 from rlsync.publish.mapping import Entry, WeightMap
 from rlsync.transfer.manifest import Spec
+from rlsync.transfer.sharded import ShardedSender
 from rlsync.transfer.source import ResidentSource, StreamedSource
 
 try:
@@ -84,9 +91,27 @@ def _gather_rows(t, dst: int) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
 
-def module_source(model: nn.Module, weights: WeightMap | None = None, dst: int = 0) \
-        -> tuple[ResidentSource | StreamedSource, list[Entry]]:
-    """The source to send `model` through (from global rank `dst`), and the plan of each engine tensor."""
+@dataclass
+class ShardedModule:
+    """A sharded model: this rank's shards (what it sends; see RankShards) and, for audits only, the
+    same tensors gathered one at a time (`audit`: a pass every rank walks)."""
+
+    shards: RankShards
+    specs: list[Spec]
+    audit: StreamedSource
+    device: torch.device
+    adapter = None
+    frozen: dict = None
+
+    def sender(self, **kwargs) -> ShardedSender:
+        return ShardedSender(self.shards.layout, self.specs, self.shards.rank, self.shards.piece,
+                             device=self.device, **kwargs)
+
+
+def module_source(model: nn.Module, weights: WeightMap | None = None, dst: int = 0, group=None) \
+        -> tuple[ResidentSource | StreamedSource | ShardedModule, list[Entry]]:
+    """The source to send `model` through (a sharded one from every rank of `group`; else from global
+    rank `dst`), and the plan of each engine tensor."""
     weights = weights or WeightMap()
     tensors = module_tensors(model)
     adapter = lora.adapter_of(model)
@@ -117,7 +142,12 @@ def module_source(model: nn.Module, weights: WeightMap | None = None, dst: int =
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
     specs = [Spec(e.name, e.dtype, e.shape, _nbytes(e)) for e in entries]
-    return StreamedSource(specs, device, produce, adapter=adapter, frozen=frozen), entries
+    streamed = StreamedSource(specs, device, produce, adapter=adapter, frozen=frozen)
+    if not any(is_sharded(tensors[p]) for e in entries for p in e.parts):
+        return streamed, entries
+    rank, world, global_ranks = publisher_ranks(group)
+    shards = RankShards(tensors, entries, rank, world, global_ranks)
+    return ShardedModule(shards, specs, streamed, device, frozen={}), entries
 
 
 def _nbytes(e: Entry) -> int:

@@ -19,17 +19,38 @@ from rlsync.transfer.manifest import check_against, from_proto
 from rlsync.transfer.messages import Hello, Reject, Welcome, error_from
 from rlsync.transfer.plan import cached_plan
 from rlsync.transfer.sender import Report
+from rlsync.transfer.sharded import RoutedReceiver, whole_layout
 from rlsync.transfer.v1 import transfer_pb2 as pb
 from rlsync.transfer.writer import Destination, DestWriter
 
 
 def answer(offer: pb.Offer, receiver_id: str, *, device: torch.device | str = "cpu", ranks: int = 1,
-           force: str | None = None, bucket_bytes: int = 0, base_version: int | None = None) -> pb.Answer:
+           force: str | None = None, bucket_bytes: int = 0, base_version: int | None = None,
+           layout: list[pb.RankLayout] | None = None) -> pb.Answer:
     """Chooses the channel for a receiver whose destination tensors live on `device`.
     base_version: the version of the weights this receiver will hand Receiver as `base` (laid out
-    as the manifest: same names, dtypes and shapes), so a broadcast may send it deltas."""
-    return make_answer(offer, receiver_id, local_facts(device), ranks, available(),
-                       backend_of(force) if force else None, bucket_bytes, base_version)
+    as the manifest: same names, dtypes and shapes), so a broadcast may send it deltas.
+    layout: for a routed offer (a sharded sender), the boxes each of the `ranks` loads; left out,
+    every rank loads every tensor whole."""
+    routed = offer.HasField("routing")
+    ans = make_answer(offer, receiver_id, local_facts(device), ranks, available(),
+                      backend_of(force) if force else None, bucket_bytes, None if routed else base_version)
+    if routed:
+        specs = from_proto(offer.manifest)
+        ans.layout.extend(layout if layout is not None else [whole_layout(specs)] * ranks)
+        if len(ans.layout) != ranks:
+            raise InvalidArgument(f"a layout of {len(ans.layout)} ranks for a receiver of {ranks}")
+    return ans
+
+
+def receiver_for(offer: pb.Offer, answer: pb.Answer, dest: Destination, **kwargs) -> Receiver | RoutedReceiver:
+    """The receiving end this offer needs: a routed one for a sharded sender (its `boxes` say which
+    box of each tensor `dest` holds), else a Receiver (its `expected` and `base` apply)."""
+    if offer.HasField("routing"):
+        kwargs.pop("expected", None), kwargs.pop("base", None)
+        return RoutedReceiver(offer, answer, dest, **kwargs)
+    kwargs.pop("boxes", None)
+    return Receiver(offer, answer, dest, **kwargs)
 
 
 class Receiver:

@@ -99,6 +99,12 @@ class _Window:
         while self.pending:
             self._finish_one()
 
+    def __enter__(self) -> _Window:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.pending.clear()  # a failure leaves no work holding the group (see sharded._close)
+
     def _finish_one(self) -> None:
         works, done = self.pending.popleft()
         for w in works:
@@ -117,9 +123,14 @@ def send(pg, routes: Routes, rank: int, piece: Callable[[Piece], torch.Tensor], 
          deadline: Deadline, device: torch.device) -> int:
     """Trainer rank `rank`'s share: its pieces (made by `piece`, contiguous, in the engine's dtype)
     to every engine rank that loads them. Returns the payload bytes it sent (a bucket once per receiver)."""
+    with _Window(deadline) as window:
+        return _send(pg, routes, rank, piece, bucket_bytes, window, device)
+
+
+def _send(pg, routes, rank, piece, bucket_bytes, window, device) -> int:
     slots = [torch.empty(bucket_bytes, dtype=torch.uint8, device=device) for _ in range(WINDOW)]
     current: dict[int, tuple[int, torch.Tensor]] = {}  # transfer -> (piece index, its bytes): one piece each
-    window, sent, turn = _Window(deadline), 0, 0
+    sent, turn = 0, 0
     for op in schedule(routes, bucket_bytes):
         transfer = routes.transfers[op.transfer]
         if transfer.src != rank:
@@ -170,8 +181,13 @@ def receive(pg, routes: Routes, rank: int, writer: DestWriter, bucket_bytes: int
     for j, transfer in enumerate(routes.transfers):
         if rank in transfer.dsts:
             first[j] = sum(len(routes.transfers[i].pieces) for i in first)
+    with _Window(deadline) as window:
+        return _receive(pg, routes, first, writer, bucket_bytes, window, device)
+
+
+def _receive(pg, routes, first, writer, bucket_bytes, window, device) -> int:
     slots = [torch.empty(bucket_bytes, dtype=torch.uint8, device=device) for _ in range(WINDOW)]
-    window, turn = _Window(deadline), 0
+    turn = 0
     for op in schedule(routes, bucket_bytes):
         if op.transfer not in first:
             continue

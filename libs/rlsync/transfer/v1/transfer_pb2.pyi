@@ -69,7 +69,7 @@ class Facts(_message.Message):
     def __init__(self, host_id: _Optional[str] = ..., device_type: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., hostname: _Optional[str] = ...) -> None: ...
 
 class Offer(_message.Message):
-    __slots__ = ("protocol_version", "manifest", "facts", "backends", "token", "control_address", "local_control", "bucket_bytes", "one_copy", "transfer_id", "mapped")
+    __slots__ = ("protocol_version", "manifest", "facts", "backends", "token", "control_address", "local_control", "bucket_bytes", "one_copy", "transfer_id", "mapped", "routing")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     FACTS_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class Offer(_message.Message):
     ONE_COPY_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     MAPPED_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     manifest: Manifest
     facts: Facts
@@ -92,7 +93,45 @@ class Offer(_message.Message):
     one_copy: bool
     transfer_id: str
     mapped: MappedTensors
-    def __init__(self, protocol_version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., facts: _Optional[_Union[Facts, _Mapping]] = ..., backends: _Optional[_Iterable[_Union[Backend, str]]] = ..., token: _Optional[str] = ..., control_address: _Optional[str] = ..., local_control: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., one_copy: _Optional[bool] = ..., transfer_id: _Optional[str] = ..., mapped: _Optional[_Union[MappedTensors, _Mapping]] = ...) -> None: ...
+    routing: Routing
+    def __init__(self, protocol_version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., facts: _Optional[_Union[Facts, _Mapping]] = ..., backends: _Optional[_Iterable[_Union[Backend, str]]] = ..., token: _Optional[str] = ..., control_address: _Optional[str] = ..., local_control: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., one_copy: _Optional[bool] = ..., transfer_id: _Optional[str] = ..., mapped: _Optional[_Union[MappedTensors, _Mapping]] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ...) -> None: ...
+
+class Box(_message.Message):
+    __slots__ = ("start", "stop")
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    start: _containers.RepeatedScalarFieldContainer[int]
+    stop: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, start: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RankLayout(_message.Message):
+    __slots__ = ("tensors",)
+    class Boxes(_message.Message):
+        __slots__ = ("boxes",)
+        BOXES_FIELD_NUMBER: _ClassVar[int]
+        boxes: _containers.RepeatedCompositeFieldContainer[Box]
+        def __init__(self, boxes: _Optional[_Iterable[_Union[Box, _Mapping]]] = ...) -> None: ...
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[RankLayout.Boxes]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[RankLayout.Boxes, _Mapping]]] = ...) -> None: ...
+
+class RoutedSend(_message.Message):
+    __slots__ = ("offer", "answers", "timeout_seconds")
+    OFFER_FIELD_NUMBER: _ClassVar[int]
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    offer: Offer
+    answers: _containers.RepeatedCompositeFieldContainer[Answer]
+    timeout_seconds: float
+    def __init__(self, offer: _Optional[_Union[Offer, _Mapping]] = ..., answers: _Optional[_Iterable[_Union[Answer, _Mapping]]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class Routing(_message.Message):
+    __slots__ = ("ranks", "store")
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    ranks: _containers.RepeatedCompositeFieldContainer[RankLayout]
+    store: str
+    def __init__(self, ranks: _Optional[_Iterable[_Union[RankLayout, _Mapping]]] = ..., store: _Optional[str] = ...) -> None: ...
 
 class MappedTensors(_message.Message):
     __slots__ = ("ipc", "region", "offset", "waits", "bell")
@@ -109,7 +148,7 @@ class MappedTensors(_message.Message):
     def __init__(self, ipc: _Optional[_Iterable[bytes]] = ..., region: _Optional[_Iterable[int]] = ..., offset: _Optional[_Iterable[int]] = ..., waits: _Optional[bool] = ..., bell: _Optional[int] = ...) -> None: ...
 
 class Answer(_message.Message):
-    __slots__ = ("backend", "receiver_id", "ranks", "bucket_bytes", "reason", "facts", "transfer_id", "pull", "stages", "delta", "base_version", "copied")
+    __slots__ = ("backend", "receiver_id", "ranks", "bucket_bytes", "reason", "facts", "transfer_id", "pull", "stages", "delta", "base_version", "copied", "layout")
     class StagesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +168,7 @@ class Answer(_message.Message):
     DELTA_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     COPIED_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     backend: Backend
     receiver_id: str
     ranks: int
@@ -141,7 +181,8 @@ class Answer(_message.Message):
     delta: bool
     base_version: int
     copied: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, backend: _Optional[_Union[Backend, str]] = ..., receiver_id: _Optional[str] = ..., ranks: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., reason: _Optional[str] = ..., facts: _Optional[_Union[Facts, _Mapping]] = ..., transfer_id: _Optional[str] = ..., pull: _Optional[bool] = ..., stages: _Optional[_Mapping[str, float]] = ..., delta: _Optional[bool] = ..., base_version: _Optional[int] = ..., copied: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    layout: _containers.RepeatedCompositeFieldContainer[RankLayout]
+    def __init__(self, backend: _Optional[_Union[Backend, str]] = ..., receiver_id: _Optional[str] = ..., ranks: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., reason: _Optional[str] = ..., facts: _Optional[_Union[Facts, _Mapping]] = ..., transfer_id: _Optional[str] = ..., pull: _Optional[bool] = ..., stages: _Optional[_Mapping[str, float]] = ..., delta: _Optional[bool] = ..., base_version: _Optional[int] = ..., copied: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Iterable[_Union[RankLayout, _Mapping]]] = ...) -> None: ...
 
 class Doorbell(_message.Message):
     __slots__ = ("host_id", "address", "name")

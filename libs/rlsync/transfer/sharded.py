@@ -1,0 +1,209 @@
+"""Both ends of a routed transfer, over the same offers and answers as any other transfer.
+
+A sharded trainer offers with `Offer.routing`: every rank's layout and the store its ranks and the
+receivers meet at. A receiver answers with the boxes each of its ranks loads (`Answer.layout`).
+Both sides then plan the same routes (`routes.cached_routes`), form one process group per receiving
+replica (the trainer's ranks, then the replica's ranks) and move the pieces (`routed.py`).
+
+    sender = ShardedSender(shards, host=...)        # on every trainer rank
+    offer = sender.offer(version)                   # rank 0; handed to replicas as any offer
+    ans = answer(offer, "replica-0", layout=[...])  # receiver: its ranks' boxes
+    RoutedReceiver(offer, ans, staging, rank=r).run()
+    sender.send(offer, answers)                     # every trainer rank, the same offer and answers
+"""
+
+from __future__ import annotations
+
+import datetime
+import secrets
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from rlsync.address import reachable_host
+from rlsync.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rlsync.transfer import routed
+from rlsync.transfer.control import Deadline
+from rlsync.transfer.handshake import NAMES, PROTOCOL_VERSION, local_facts
+from rlsync.transfer.manifest import Spec, from_proto, to_proto
+from rlsync.flat import FlatStore
+from rlsync.transfer.routes import Box, Layout, Piece, TensorInfo, cached_routes, layout, whole
+from rlsync.transfer.sender import Report
+from rlsync.transfer.v1 import transfer_pb2 as pb
+from rlsync.transfer.writer import DestWriter
+
+
+def to_layout_proto(held: Sequence[Sequence[Box]]) -> pb.RankLayout:
+    """One rank's boxes of each tensor, in manifest order."""
+    return pb.RankLayout(tensors=[pb.RankLayout.Boxes(boxes=[
+        pb.Box(start=[a for a, _ in b], stop=[e for _, e in b]) for b in boxes]) for boxes in held])
+
+
+def layout_of(specs: Sequence[Spec], ranks: Sequence[pb.RankLayout]) -> Layout:
+    """The Layout the ranks describe, checked against the manifest's tensors."""
+    infos = [TensorInfo(s.name, tuple(s.shape), s.nbytes // max(_numel(s.shape), 1) if s.nbytes else
+                        torch.empty((), dtype=s.dtype).element_size()) for s in specs]
+    held = []
+    for r, rank in enumerate(ranks):
+        if len(rank.tensors) != len(specs):
+            raise InvalidArgument(f"rank {r}'s layout describes {len(rank.tensors)} tensors, the manifest has "
+                                  f"{len(specs)}")
+        held.append([[tuple(zip(b.start, b.stop)) for b in t.boxes] for t in rank.tensors])
+    return layout(infos, held)
+
+
+def whole_layout(specs: Sequence[Spec]) -> pb.RankLayout:
+    """A receiver rank that loads every tensor whole (an engine without tensor parallelism)."""
+    return to_layout_proto([[whole(s.shape)] if _numel(s.shape) else [] for s in specs])
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _store(address: str, master: bool, timeout: float) -> dist.TCPStore:
+    host, _, port = address.rpartition(":")
+    return dist.TCPStore(host, int(port), is_master=master, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout))
+
+
+def _group_id(offer: pb.Offer, receiver_id: str) -> str:
+    return f"{offer.transfer_id}/{receiver_id}"
+
+
+def _close(pg, deadline: Deadline, error: BaseException | None) -> None:
+    """Releases a routed group. After a success every member waits for the others first (one that
+    left early would close connections a peer still reads from). After a failure it goes at once,
+    and with it every reference: only the group's destruction closes its connections, which is what
+    fails a peer still waiting on this member at once instead of at its deadline (gloo's shutdown
+    leaves them open), so the failure's traceback must not keep it alive either."""
+    if error is None:
+        try:
+            pg.barrier().wait(datetime.timedelta(seconds=max(deadline.remaining("leaving the group"), 0.1)))
+        except Exception:  # noqa: BLE001 - the transfer's own outcome is what matters
+            pass
+    try:
+        pg.shutdown()
+    except Exception:  # noqa: BLE001 - already broken
+        pass
+    if error is not None:
+        traceback.clear_frames(error.__traceback__)
+
+
+class ShardedSender:
+    """One trainer rank's end: `layout` says what every rank holds of each tensor of `specs`, and
+    `piece` cuts a piece from this rank's own shards (contiguous, in the spec's dtype). Rank 0 hosts
+    the store (on `host`, advertised as `advertise`) and makes offers; every rank sends."""
+
+    def __init__(self, layout: Layout, specs: Sequence[Spec], rank: int, piece: Callable[[Piece], torch.Tensor], *,
+                 bucket_bytes: int, host: str = "127.0.0.1", advertise: str | None = None,
+                 device: torch.device | None = None):
+        self.layout, self.specs, self.rank, self.piece = layout, list(specs), rank, piece
+        self.world, self.bucket_bytes = layout.ranks, bucket_bytes
+        self.device = device or torch.device("cpu")
+        self._store = None
+        if self.rank == 0:
+            self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            self.store_address = f"{advertise or reachable_host(host)}:{self._store.port}"
+        self.backends = [pb.BACKEND_NCCL] if self.device.type == "cuda" else [pb.BACKEND_GLOO]
+
+    def offer(self, version: int) -> pb.Offer:
+        if self.rank != 0:
+            raise FailedPrecondition("offers are made by rank 0 of the trainer")
+        return pb.Offer(
+            protocol_version=PROTOCOL_VERSION, manifest=to_proto(self.specs, version),
+            facts=local_facts(self.device), backends=self.backends, token=secrets.token_hex(16),
+            bucket_bytes=self.bucket_bytes, transfer_id=uuid.uuid4().hex,
+            routing=pb.Routing(ranks=[to_layout_proto(r) for r in self.layout.held], store=self.store_address))
+
+    def send(self, offer: pb.Offer, answers: Sequence[pb.Answer], timeout: float = 300.0) -> Report:
+        """This rank's pieces to every answering replica, one after another; returns what it sent."""
+        deadline = Deadline(timeout, f"routed transfer {offer.transfer_id[:8]} (version {offer.manifest.version})")
+        start, sent = time.perf_counter(), 0
+        store = self._store if self._store is not None else _store(offer.routing.store, False,
+                                                                   deadline.remaining("joining the store"))
+        for a in answers:
+            if a.transfer_id != offer.transfer_id:
+                raise InvalidArgument(f"answer from {a.receiver_id!r} is for transfer {a.transfer_id!r}, "
+                                      f"not {offer.transfer_id!r}: pass the answers to this offer")
+            engine = layout_of(self.specs, a.layout)
+            routes = cached_routes(self.layout, engine)
+            pg = _join(store, _group_id(offer, a.receiver_id), self.rank, self.world + engine.ranks, self.device,
+                       deadline)
+            try:
+                sent += routed.send(pg, routes, self.rank, self.piece, a.bucket_bytes or self.bucket_bytes,
+                                    deadline, self.device)
+            except BaseException as e:
+                _close(pg, deadline, e)
+                del pg
+                raise
+            _close(pg, deadline, None)
+        seconds = time.perf_counter() - start
+        return Report(sent, seconds, {NAMES[self.backends[0]]: sum(a.ranks for a in answers)}, seconds,
+                      {"data": seconds}, sent)
+
+    def close(self) -> None:
+        self._store = None
+
+
+def _join(store, gid: str, rank: int, world: int, device: torch.device, deadline: Deadline):
+    try:
+        return routed.group(store, gid, rank, world, device, deadline.remaining("forming the routed group"))
+    except dist.DistError as e:
+        raise Unavailable(f"forming the routed group {gid[:12]} failed, a member is gone or unreachable: {e}") from e
+
+
+class RoutedReceiver:
+    """One receiver rank's end (the interface of transfer.Receiver: run(), close()). `dest` holds this
+    rank's box of each tensor it loads, by name (`boxes[name]` says which box; whole by default)."""
+
+    def __init__(self, offer: pb.Offer, answer: pb.Answer, dest: Mapping[str, torch.Tensor] | FlatStore, *,
+                 rank: int = 0, device: torch.device | str | None = None, timeout: float = 300.0,
+                 boxes: Mapping[str, Box] | None = None):
+        self.offer, self.answer, self.rank = offer, answer, rank
+        self.specs = from_proto(offer.manifest)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.trainer = layout_of(self.specs, offer.routing.ranks)
+        self.routes = cached_routes(self.trainer, layout_of(self.specs, answer.layout))
+        dest = dest.views if isinstance(dest, FlatStore) else dest
+        staging = {s.name: ((boxes or {}).get(s.name, whole(s.shape)), dest[s.name]) for s in self.specs
+                   if s.name in dest}
+        piece_specs, views = routed.destinations(self.routes, rank, self.specs, staging)
+        self.writer = DestWriter(piece_specs, views, self.device)
+        self.deadline = Deadline(timeout, f"receiving routed transfer {offer.transfer_id[:8]} "
+                                          f"(version {offer.manifest.version})")
+        self.start = time.perf_counter()
+        self._pg = None
+
+    def run(self) -> Report:
+        senders = self.trainer.ranks
+        store = _store(self.offer.routing.store, False, self.deadline.remaining("joining the store"))
+        self._pg = _join(store, _group_id(self.offer, self.answer.receiver_id), senders + self.rank,
+                         senders + self.routes.receivers, self.device, self.deadline)
+        pg = self._pg
+        try:
+            nbytes = routed.receive(pg, self.routes, self.rank, self.writer,
+                                    self.answer.bucket_bytes or self.offer.bucket_bytes, self.deadline, self.device)
+        except BaseException as e:
+            self._pg = None
+            _close(pg, self.deadline, e)
+            del pg
+            raise
+        self._pg = None
+        _close(pg, self.deadline, None)
+        return Report(nbytes, time.perf_counter() - self.start, {NAMES[self.answer.backend]: 1})
+
+    def close(self) -> None:
+        """Ends the transfer from another thread: run() then fails instead of waiting on."""
+        if self._pg is not None:
+            try:
+                self._pg.abort()
+            except Exception:  # noqa: BLE001 - already gone
+                pass
