@@ -2,12 +2,12 @@
 the same run, per case (ranks, layout, backend), with the peak extra memory each rank needed against
 the bound (two buckets plus the largest tensor). Prints one JSON line per case, then a summary.
 
-    python bench/publish.py                       # CPU: 1 rank (as is / cast on the fly), 2 ranks FSDP2 (gloo)
-    python bench/publish.py --device cuda         # GPU: cuda_ipc to GPU 0; nccl to GPU 1 with 2+ GPUs
+    python bench/publish.py                       # CPU: 1 rank (as is / cast on the fly)
+    python bench/publish.py --device cuda         # GPU: cuda_ipc to GPU 0
 
 Layouts: "module" = a plain module's parameters, one allocation each, sent as they are; "cast" = fp32
-parameters published as bf16 (produced tensor by tensor); "fsdp2" = fully_shard over the ranks
-(gathered tensor by tensor, cast before the gather).
+parameters published as bf16 (produced tensor by tensor). Sharded models (FSDP2 over several ranks):
+bench/sharded.py, the rank-0 path and routes side by side.
 """
 
 from __future__ import annotations
@@ -15,16 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -151,76 +148,6 @@ def single_rank(args, shapes, bucket) -> list[dict]:
     return cases
 
 
-def _nbytes(shape, dtype) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n * torch.empty((), dtype=dtype).element_size()
-
-
-def raw_gather(nbytes: int, device: str) -> float:
-    """GB/s of one plain dist.gather of `nbytes` (split over the ranks) to rank 0: the floor of
-    collecting shards, whatever publishes them."""
-    world = dist.get_world_size()
-    part = torch.ones(nbytes // world, dtype=torch.uint8, device=device)
-    out = [torch.empty_like(part) for _ in range(world)] if dist.get_rank() == 0 else None
-    times = []
-    for _ in range(4):
-        dist.barrier()
-        start = time.perf_counter()
-        dist.gather(part, out, dst=0)
-        times.append(time.perf_counter() - start)
-    return nbytes / statistics.median(times[1:]) / GB
-
-
-def multi_rank_worker(args, shapes, bucket) -> None:
-    """One rank of the FSDP2 case (started by this script with RANK/WORLD_SIZE set)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    cuda = args.device == "cuda"
-    rank = int(os.environ["RANK"])
-    if cuda:
-        torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = f"cuda:{rank}" if cuda else "cpu"
-    model = build_module(shapes, torch.float32, device)
-    fully_shard(model, mesh=init_device_mesh("cuda" if cuda else "cpu", (dist.get_world_size(),)))
-    backend, receivers = ("nccl", [f"cuda:{dist.get_world_size()}"]) if cuda else ("gloo", ["cpu"])
-    if cuda and torch.cuda.device_count() <= dist.get_world_size():
-        backend, receivers = "cuda_ipc", ["cuda:0"]
-    gather_limit = raw_gather(sum(_nbytes(shape, torch.bfloat16) for shape in shapes.values()), device)
-    r = run_case(model, WeightMap(dtype=torch.bfloat16), backend, receivers, bucket, args.repeats, device,
-                 dist.get_world_size(), rank)
-    gathered = [None] * dist.get_world_size()
-    peak = torch.tensor([r["peak_extra_bytes"] if rank else r["peak_extra_bytes"][0]], dtype=torch.int64,
-                        device=device)
-    all_peaks = [torch.zeros_like(peak) for _ in gathered]
-    dist.all_gather(all_peaks, peak)
-    if rank == 0:
-        r["peak_extra_bytes"] = {i: int(p) for i, p in enumerate(all_peaks)}
-        r["raw_gather_GB_s"] = round(gather_limit, 3)
-        print("RESULT " + json.dumps(r), flush=True)
-    dist.destroy_process_group()
-
-
-def multi_rank(args, ranks: int) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(ranks),
-           "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, __file__, "--worker", "--device", args.device, "--preset", args.preset,
-           "--bucket-mib", str(args.bucket_mib), "--repeats", str(args.repeats)]
-    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              text=True) for r in range(ranks)]
-    outs = [p.communicate(timeout=1800)[0] for p in procs]
-    line = next((x for x in outs[0].splitlines() if x.startswith("RESULT ")), None)
-    if line is None or any(p.returncode for p in procs):
-        raise RuntimeError(f"a rank failed: {[p.returncode for p in procs]}, result: {line}")
-    return json.loads(line[len("RESULT "):])
-
-
 def main() -> None:
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
         # Large blocks straight from mmap and back to the OS when freed, so resident memory shows what
@@ -231,29 +158,11 @@ def main() -> None:
     parser.add_argument("--preset", default="", help="model shapes (default: small on CPU, qwen3-4b on GPU)")
     parser.add_argument("--bucket-mib", type=int, default=0, help="default: 32 on CPU, 512 on GPU")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--ranks", type=int, default=2, help="ranks of the FSDP2 case (0: skip it)")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.preset = args.preset or ("small" if args.device == "cpu" else "qwen3-4b")
     args.bucket_mib = args.bucket_mib or (32 if args.device == "cpu" else 512)
     shapes, bucket = preset_shapes(args.preset), args.bucket_mib << 20
-    if args.worker:
-        multi_rank_worker(args, shapes, bucket)
-        return
     cases = single_rank(args, shapes, bucket)
-    if args.device == "cuda" and args.ranks > torch.cuda.device_count():  # one GPU per rank
-        print(json.dumps({"layout": "fsdp2", "ranks": args.ranks, "skipped": f"needs {args.ranks} GPUs, "
-                          f"this machine has {torch.cuda.device_count()}"}), flush=True)
-    elif args.ranks > 1:
-        r = multi_rank(args, args.ranks)
-        key = "memcpy_1_thread" if args.device == "cpu" else ("d2d_copy" if r["backend"] == "cuda_ipc" else "")
-        limit = cases[0]["limit_GB_s"] if key == cases[0]["limit"] else None
-        r.update(layout="fsdp2", limit=key or "none measured", limit_GB_s=limit,
-                 ratio=round(r["GB/s"] / limit, 3) if limit else None,
-                 ratio_to_raw_gather=round(r["GB/s"] / r["raw_gather_GB_s"], 3),
-                 within_bound=all(v <= r["bound_bytes"] for v in r["peak_extra_bytes"].values()))
-        print(json.dumps(r), flush=True)
-        cases.append(r)
     print(json.dumps({"preset": args.preset, "device": args.device, "bucket_bytes": bucket, "cases": cases}))
 
 

@@ -136,19 +136,26 @@ def _send(pg, routes, rank, piece, bucket_bytes, window, device) -> int:
         if transfer.src != rank:
             continue
         window.reserve()
-        parts = []
-        for s in op.bucket.slices:
-            index, data = current.get(op.transfer, (-1, None))
-            if index != s.tensor:
-                data = _bytes(piece(transfer.pieces[s.tensor]))
-                current[op.transfer] = (s.tensor, data)
-            parts.append(data[s.src:s.src + s.length])
-        view = span(parts)
-        if view is None or view.device != device:
+
+        def bytes_of(index: int, key: int = op.transfer, pieces=transfer.pieces) -> torch.Tensor:
+            """Piece `index` of this transfer; the one before it is let go first (one made at a time)."""
+            held = current.pop(key, (-1, None))
+            if held[0] == index:
+                current[key] = held
+                return held[1]
+            del held
+            data = _bytes(piece(pieces[index]))
+            current[key] = (index, data)
+            return data
+
+        if len(op.bucket.slices) == 1 and (s := op.bucket.slices[0]) and \
+                (view := bytes_of(s.tensor)[s.src:s.src + s.length]).device == device:
+            pass  # one piece's bytes, contiguous: sent from where they are
+        else:  # packed slice by slice, so no two pieces are held at once
             view = slots[turn % WINDOW][:op.bucket.nbytes]
             turn += 1
-            for s, part in zip(op.bucket.slices, parts):
-                view[s.dst:s.dst + s.length].copy_(part, non_blocking=True)
+            for s in op.bucket.slices:
+                view[s.dst:s.dst + s.length].copy_(bytes_of(s.tensor)[s.src:s.src + s.length], non_blocking=True)
             sync(device)
         works = [pg.send([view], routes.senders + dst, op.tag) for dst in transfer.dsts]
         window.add(works)

@@ -1,0 +1,209 @@
+"""Sharded updates, side by side in one run: the rank-0 path (every tensor gathered to trainer rank 0,
+then sent whole to every engine rank) against routes (every trainer rank sends its own pieces, every
+engine rank receives only the boxes it loads), for K trainer ranks (FSDP2 over gloo) x g engine ranks
+(tensor parallel as vLLM lays a decoder out: 2-D weights split by rows, 1-D whole).
+
+    python bench/sharded.py                 # CPU, K in {1, 2, 4} x g in {1, 2}, preset "small"
+
+Per case and path: sync seconds (median of --repeats after a warm-up), the peak extra memory of every
+trainer rank against its bound (two buckets plus the largest slice it sends), staging per engine rank
+against its shard, bytes received per engine rank over its shard. Offers and answers travel through
+the TCPStore the processes share (protobuf bytes), as they would through the coordinator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from models import preset_shapes  # noqa: E402
+from publish import Peak, build_module  # noqa: E402
+
+from rlsync.publish import WeightMap  # noqa: E402
+from rlsync.publish.source import module_source  # noqa: E402
+from rlsync.transfer import Receiver, WeightSender, answer  # noqa: E402
+from rlsync.transfer.manifest import from_proto  # noqa: E402
+from rlsync.transfer.routes import chunks, whole  # noqa: E402
+from rlsync.transfer.sharded import RoutedReceiver, to_layout_proto  # noqa: E402
+from rlsync.transfer.source import run_pass  # noqa: E402
+from rlsync.transfer.v1 import transfer_pb2 as pb  # noqa: E402
+
+GB = 1e9
+
+
+def engine_boxes(specs, g: int, rank: int) -> list[list]:
+    """What tensor-parallel rank `rank` of `g` loads: 2-D weights by rows, everything else whole."""
+    out = []
+    for s in specs:
+        box = whole(s.shape)
+        if len(s.shape) == 2 and g > 1:
+            box = (chunks(s.shape[0], g)[rank], box[1])
+        out.append([box] if all(b > a for a, b in box) else [])
+    return out
+
+
+def _get(store, key: str, timeout: float = 600) -> bytes:
+    store.wait([key], datetime.timedelta(seconds=timeout))
+    return store.get(key)
+
+
+def trainer(args, shapes, bucket, k: int, g: int, rank: int, store) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = build_module(shapes, torch.float32, "cpu")
+    fully_shard(model, mesh=init_device_mesh("cpu", (k,)))
+    module, _ = module_source(model, WeightMap(dtype=torch.bfloat16))
+    largest = max(s.nbytes for s in module.specs)
+    out = {}
+    for path in ("rank0", "routed"):
+        dist.barrier()
+        peak, seconds = Peak("cpu"), []
+        sender = WeightSender(module.audit, bucket_bytes=bucket, backends=["gloo"]) if path == "rank0" and rank == 0 \
+            else module.sender(bucket_bytes=bucket) if path == "routed" else None
+        for i in range(args.repeats + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            if path == "rank0":
+                if rank == 0:
+                    offer = sender.offer(version=i)
+                    store.set(f"{path}/offer/{i}", offer.SerializeToString())
+                    answers = [pb.Answer.FromString(_get(store, f"{path}/answer/{i}/{e}")) for e in range(g)]
+                    sender.send(offer, answers, timeout=600)
+                else:
+                    run_pass(module.audit)  # takes part in the gathers
+            else:
+                if rank == 0:
+                    offer = sender.offer(version=i)
+                    store.set(f"{path}/offer/{i}", offer.SerializeToString())
+                offer = pb.Offer.FromString(_get(store, f"{path}/offer/{i}"))
+                answers = [pb.Answer.FromString(_get(store, f"{path}/answer/{i}/{e}")) for e in range(g)]
+                sender.send(offer, answers[:1], timeout=600)  # the g ranks answer as one replica
+            _get(store, f"{path}/done/{i}")  # every engine rank confirmed
+            if i:
+                seconds.append(time.perf_counter() - start)
+        if rank == 0 or path == "routed":
+            sender.close()
+        out[path] = {"seconds": statistics.median(seconds), "peak_extra_bytes": peak.extra(),
+                     "bound_bytes": 2 * bucket + largest}
+    return out
+
+
+def engine(args, k: int, g: int, rank: int, store) -> dict:
+    out = {}
+    for path in ("rank0", "routed"):
+        for i in range(args.repeats + 1):
+            offer = pb.Offer.FromString(_get(store, f"{path}/offer/{i}"))
+            specs = from_proto(offer.manifest)
+            mine = engine_boxes(specs, g, rank)
+            if path == "rank0":  # every engine rank receives the whole checkpoint, as before
+                staging = {s.name: torch.empty(s.shape, dtype=s.dtype) for s in specs}
+                ans = answer(offer, f"engine-{rank}", force="gloo")
+                store.set(f"{path}/answer/{i}/{rank}", ans.SerializeToString())
+                report = Receiver(offer, ans, staging).run()
+            else:
+                boxes = {s.name: b[0] for s, b in zip(specs, mine) if b}
+                staging = {s.name: torch.empty(tuple(e - a for a, e in boxes[s.name]), dtype=s.dtype)
+                           for s in specs if s.name in boxes}
+                layouts = [to_layout_proto(engine_boxes(specs, g, r)) for r in range(g)]
+                ans = answer(offer, "replica", ranks=g, layout=layouts)
+                store.set(f"{path}/answer/{i}/{rank}", ans.SerializeToString())
+                report = RoutedReceiver(offer, ans, staging, rank=rank, boxes=boxes).run()
+            done = store.add(f"{path}/count/{i}", 1)
+            if done == g:
+                store.set(f"{path}/done/{i}", b"1")
+        shard = sum(t.numel() * t.element_size() for t in staging.values())
+        loads = sum(math.prod(e - a for a, e in b[0]) * s.dtype.itemsize for s, b in zip(specs, mine) if b)
+        out[path] = {"staging_bytes": shard, "received_bytes": report.nbytes, "shard_bytes": loads}
+    return out
+
+
+def worker(args) -> None:
+    role, k, g, rank = os.environ["ROLE"], int(os.environ["K"]), int(os.environ["G"]), int(os.environ["RANK"])
+    shapes, bucket = preset_shapes(args.preset), args.bucket_mib << 20
+    host, port = os.environ["BENCH_STORE"].split(":")
+    store = dist.TCPStore(host, int(port), is_master=False)
+    if role == "trainer":
+        dist.init_process_group("gloo")
+        result = trainer(args, shapes, bucket, k, g, rank, store)
+    else:
+        result = engine(args, k, g, rank, store)
+    print("RESULT " + json.dumps({"role": role, "rank": rank, **result}), flush=True)
+    os._exit(0)  # gloo's threads may still hold work objects at finalization
+
+
+def run_case(args, k: int, g: int) -> dict:
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    store = dist.TCPStore("127.0.0.1", ports[0], is_master=True, wait_for_workers=False)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(ports[1]), "WORLD_SIZE": str(k),
+           "OMP_NUM_THREADS": "1", "K": str(k), "G": str(g), "BENCH_STORE": f"127.0.0.1:{ports[0]}"}
+    cmd = [sys.executable, __file__, "--worker", "--preset", args.preset, "--bucket-mib", str(args.bucket_mib),
+           "--repeats", str(args.repeats)]
+    procs = [subprocess.Popen(cmd, env={**env, "ROLE": role, "RANK": str(r)}, stdout=subprocess.PIPE, text=True)
+             for role, n in (("trainer", k), ("engine", g)) for r in range(n)]
+    outs = [p.communicate(timeout=1800)[0] for p in procs]
+    del store
+    results = []
+    for p, out in zip(procs, outs):
+        line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
+        if line is None or p.returncode:
+            raise RuntimeError(f"a process failed: {[p.returncode for p in procs]}")
+        results.append(json.loads(line[len("RESULT "):]))
+    trainers = [r for r in results if r["role"] == "trainer"]
+    engines = [r for r in results if r["role"] == "engine"]
+    case = {"trainer_ranks": k, "engine_ranks": g}
+    for path in ("rank0", "routed"):
+        case[path] = {
+            "seconds": round(trainers[0][path]["seconds"], 4),
+            "peak_extra_bytes": [t[path]["peak_extra_bytes"] for t in trainers],
+            "bound_bytes": trainers[0][path]["bound_bytes"],
+            "within_bound": all(t[path]["peak_extra_bytes"] <= t[path]["bound_bytes"] for t in trainers),
+            "staging_bytes": [e[path]["staging_bytes"] for e in engines],
+            "received_over_shard": [round(e[path]["received_bytes"] / e[path]["shard_bytes"], 3) for e in engines]}
+    case["routed_over_rank0_seconds"] = round(case["routed"]["seconds"] / case["rank0"]["seconds"], 3)
+    return case
+
+
+def main() -> None:
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:  # freed blocks go back to the OS: RSS shows what is held
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--bucket-mib", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--trainer-ranks", default="1,2,4")
+    parser.add_argument("--engine-ranks", default="1,2")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    cases = []
+    for k in map(int, args.trainer_ranks.split(",")):
+        for g in map(int, args.engine_ranks.split(",")):
+            case = run_case(args, k, g)
+            print(json.dumps(case), flush=True)
+            cases.append(case)
+    print(json.dumps({"preset": args.preset, "device": "cpu", "bucket_bytes": args.bucket_mib << 20,
+                      "cases": cases}))
+
+
+if __name__ == "__main__":
+    main()
