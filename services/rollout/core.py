@@ -48,6 +48,7 @@ class Info:
     dead_reason: str = ""
     requests_admitted: int = 0
     doorbell: str = ""  # where a trainer on this host hands it offers (rlsync.rpc.doorbell)
+    received_bytes: tuple[int, ...] = ()  # per engine rank, the last update it waited for
 
 
 @dataclass(frozen=True)
@@ -236,7 +237,8 @@ class RolloutCore:
         memory = MemoryUsage("", 0, 0, 0) if dead else await e.memory()
         return Info(e.kind, e.model, self.weight_version, state, len(self.in_flight), frozenset(self.asleep),
                     e.max_model_len, e.tensor_parallel_size, self.replica_id, e.vocab_size, memory,
-                    -1 if self.pending is None else self.pending, e.dtype, dead or "", self.admitted, self.doorbell)
+                    -1 if self.pending is None else self.pending, e.dtype, dead or "", self.admitted, self.doorbell,
+                    tuple(e.received_bytes))
 
     # ---- weight updates -------------------------------------------------------------------------
     async def prepare_update(self, offer: Offer, force_backend: str = "", timeout: float = 0,

@@ -86,6 +86,39 @@ def test_fsdp2_over_two_ranks_publishes_bit_exact(fleet, tmp_path, engine):
     assert serves_exactly(replica, load_file(saved)) == [], "the replica serves the unsharded state dict, bit for bit"
 
 
+def test_fsdp2_over_two_ranks_into_a_tensor_parallel_vllm_replica_routes_each_worker_its_boxes(services, tmp_path):
+    """Every trainer rank sends its own rows; each of the replica's two workers receives only the boxes
+    its loaders keep (found by vLLM's own loaders), and serves exactly the unsharded state dict."""
+    co = services.start("coordinator", ["--sync-mode", "async"], name="co-tp2")
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    replica = RolloutClient(services.start("rollout", rollout_args("vllm", "--coordinator", co.address,
+                                                                   tensor_parallel_size=2, dtype="float32"),
+                                           env=env, name="pub-tp2").address)
+    with CoordinatorClient(co.address) as c:
+        c.wait_ready(1)
+    saved = tmp_path / "full.safetensors"
+    procs = start_ranks(tmp_path, ["--coordinator", co.address, "--steps", "3", "--verify", "--save", str(saved),
+                                   "--bucket-bytes", "65536"])
+    codes = [p.wait(300) for p in procs]
+    assert codes == [0, 0], "\n".join(f"rank {r}: {(tmp_path / f'rank{r}.log').read_text()[-2000:]}" for r in (0, 1))
+    steps = _lines(tmp_path / "rank0.log")
+    assert [s["version"] for s in steps] == [1, 2, 3] and all(s["verified"] for s in steps), steps
+    info = replica.info()
+    assert info.weight_version == 3
+    assert serves_exactly(replica, load_file(saved)) == [], "the workers' boxes add up to the unsharded state dict"
+    served = {t.name for t in replica.checksums().tensors}  # the checkpoint's (a tied lm_head is not one)
+    split, held_whole = _tp_split({n: t for n, t in load_file(saved).items() if n in served})
+    assert list(info.received_bytes) == [split // 2 + held_whole] * 2, "each worker received exactly its boxes"
+
+
+def _tp_split(tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
+    """fp32 bytes two tensor-parallel ranks of the tiny Qwen2 split between them (weights by rows or
+    columns, the vocabulary by rows, the q/k/v biases with their heads: 2 key/value heads over 2
+    ranks), and bytes each holds whole (the norms)."""
+    split = sum(t.numel() * 4 for n, t in tensors.items() if t.dim() == 2 or n.endswith(".bias"))
+    return split, sum(t.numel() * 4 for n, t in tensors.items() if t.dim() == 1 and not n.endswith(".bias"))
+
+
 def test_renamed_and_cast_model_publishes_and_a_mismatch_is_refused_by_name(fleet, tiny_model):
     coordinator, replica = fleet("hf")
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)

@@ -91,3 +91,40 @@ def checksum_tensor(t: torch.Tensor) -> str:
 def audit_entry(t: torch.Tensor) -> tuple[str, tuple[int, ...], str]:
     """(dtype, shape, checksum) of one tensor: a row of a weight audit (rlsync.common.audit)."""
     return str(t.dtype).removeprefix("torch."), tuple(t.shape), checksum_tensor(t)
+
+
+def box_sums(values: torch.Tensor, box: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> tuple[int, int]:
+    """What a box of a tensor adds to the tensor's checksum sums (s1, s2), its bytes counted at their
+    places in the whole tensor: since a word is the sum of its bytes times 256^(place mod 8), the sums
+    of a tensor cut into parts are the sums of its parts, modulo 2^64, however it is cut. `values`:
+    the box's elements (its shape). Rows of the box go a few at a time (positions take 8 bytes a byte)."""
+    values = values.detach().contiguous()
+    itemsize = values.element_size()
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    device = values.device
+    within = torch.arange(itemsize, device=device, dtype=torch.int64)
+    s1 = s2 = 0
+    rows = values.shape[0] if values.dim() else 1
+    per_row = max(values[0].numel() if values.dim() else 1, 1)
+    step = max(1, (1 << 20) // (per_row * itemsize))
+    for r0 in range(0, rows, step):
+        part = values[r0:r0 + step] if values.dim() else values
+        index = torch.zeros((), dtype=torch.int64, device=device)
+        for d, ((start, stop), stride) in enumerate(zip(box, strides)):
+            lo = start + (r0 if d == 0 else 0)
+            hi = min(stop, lo + step) if d == 0 else stop
+            axis = torch.arange(lo, hi, device=device, dtype=torch.int64) * stride
+            index = index.unsqueeze(-1) + axis if d else axis  # the element's place in the whole tensor
+        pos = (index.reshape(-1, 1) * itemsize + within).reshape(-1)
+        data = part.reshape(-1).view(torch.uint8).to(torch.int64)
+        weighted = data * torch.bitwise_left_shift(torch.ones_like(pos), (pos % 8) * 8)  # wraps: arithmetic mod 2^64
+        s1 += int(weighted.sum())
+        s2 += int((weighted * (pos // 8 + 1)).sum())
+    return s1 & _MASK, s2 & _MASK
+
+
+def from_sums(nbytes: int, s1: int, s2: int) -> str:
+    """The checksum string of a tensor of `nbytes` whose sums (added up from its parts) are s1, s2."""
+    return f"{nbytes:x}:{s1 & _MASK:016x}:{s2 & _MASK:016x}"

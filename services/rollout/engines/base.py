@@ -73,6 +73,8 @@ class Engine(abc.ABC):
     # ---- weight updates: staged, then switched atomically ----------------------------------------
     #: The weight version the engine serves; it tags the tokens it produces.
     version: int = 0
+    #: Bytes each engine rank received for the last update finish_update waited for.
+    received_bytes: tuple[int, ...] = ()
     #: The dtype the engine computes in.
     dtype: str = ""
 

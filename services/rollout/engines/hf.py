@@ -504,7 +504,8 @@ class HFEngine(Engine):
     async def finish_update(self, timeout: float) -> float:
         update = self._update[0]
         start = time.perf_counter()
-        await asyncio.to_thread(update.wait, timeout)
+        report = await asyncio.to_thread(update.wait, timeout)
+        self.received_bytes = (report.nbytes,) if report is not None else ()
         return time.perf_counter() - start
 
     async def commit_update(self, version: int, recompute_kv: bool = False) -> int:

@@ -23,6 +23,9 @@ from rlsync.errors import DeadlineExceeded, EngineDead, FailedPrecondition, Inva
 from rlsync.rollout.engines.process import CRASH_DIR_ENV, crash_reports, own_log
 from rlsync.rollout.staging import pulled, raise_failure
 from rlsync.transfer.handshake import NAMES, PREFERENCE
+from rlsync.transfer.checksum import from_sums
+from rlsync.transfer.manifest import from_proto
+from rlsync.transfer.sharded import layout_of
 from rlsync.transfer.v1 import transfer_pb2
 from rlsync.rollout.engines.base import Engine
 from rlsync.rollout.engines.vllm_lora import Adapters
@@ -200,14 +203,21 @@ class VLLMEngine(Engine):
             return await self.adapters.prepare(offer, receiver_id, force_backend, timeout)
         raw = offer.SerializeToString()
         tp = self.tensor_parallel_size
-        answers = [transfer_pb2.Answer.FromString(a) for a in
-                   await self.llm.collective_rpc("rlsync_answer", args=(raw, receiver_id, tp, force_backend))]
+        # From a sharded trainer each worker receives only the boxes its loaders keep (found by vLLM's
+        # own loaders); otherwise every worker stages the whole checkpoint.
+        layouts = await self.llm.collective_rpc("rlsync_layout", args=(raw,)) if offer.HasField("routing") else None
+        answers = [transfer_pb2.Answer.FromString(a) for a in await self.llm.collective_rpc(
+            "rlsync_answer", args=(raw, receiver_id, tp, force_backend, layouts))]
         if len({a.backend for a in answers}) > 1:  # workers on different GPUs: one channel that suits all
             common = max((a.backend for a in answers), key=PREFERENCE.index)
             answers = [transfer_pb2.Answer.FromString(a) for a in await self.llm.collective_rpc(
-                "rlsync_answer", args=(raw, receiver_id, tp, NAMES[common]))]
+                "rlsync_answer", args=(raw, receiver_id, tp, NAMES[common], layouts))]
         ans = answers[0]
-        needed = sum(t.nbytes for t in offer.manifest.tensors)  # every worker stages the whole checkpoint
+        if layouts is not None:
+            held = layout_of(from_proto(offer.manifest), ans.layout)
+            needed = max(held.nbytes(r) for r in range(held.ranks))
+        else:
+            needed = sum(t.nbytes for t in offer.manifest.tensors)
         refusals = [r for r in await self.llm.collective_rpc("rlsync_room", args=(needed, offer.manifest.version)) if r]
         if refusals:
             raise ResourceExhausted(refusals[0])
@@ -230,6 +240,7 @@ class VLLMEngine(Engine):
                 await self._read_memory()  # a failed transfer has dropped its staging
                 for s in states:
                     raise_failure(s)
+                self.received_bytes = tuple(s.get("bytes", 0) for s in states)
                 return time.perf_counter() - start
             if time.perf_counter() - start > timeout:
                 await self.abort_update()
@@ -277,9 +288,17 @@ class VLLMEngine(Engine):
         await self._read_memory()
 
     async def checksums(self):
-        applied = (await self.llm.collective_rpc("rlsync_applied"))[0]
+        per_worker = await self.llm.collective_rpc("rlsync_applied")
+        applied = per_worker[0]
         if applied is None:  # still the checkpoint it started from
             base, what = await asyncio.to_thread(_checkpoint_checksums, self.model), "checkpoint loaded at start"
+        elif "parts" in applied:  # each worker holds its boxes: every tensor's sums are its workers' shares
+            base = {}
+            for name, (dtype, shape, nbytes, *_) in applied["parts"].items():
+                s1 = sum(w["parts"][name][3] for w in per_worker)
+                s2 = sum(w["parts"][name][4] for w in per_worker)
+                base[name] = (dtype, tuple(shape), from_sums(nbytes, s1, s2))
+            what = "tensors applied by the last commit, each worker's boxes summed"
         else:
             base = {n: (d, tuple(s), c) for n, (d, s, c) in applied.items()}
             what = "tensors applied by the last commit"

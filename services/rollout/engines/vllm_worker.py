@@ -3,7 +3,9 @@
 Registered through vLLM's public `worker_extension_cls` engine argument. Arguments and results are
 plain ints, strings, bytes and dicts (tensors do not cross the engine's process boundary): each
 worker receives the weights itself, straight from the trainer, into its own staging memory, and
-loads them through the worker's reload path at commit.
+loads them through the worker's reload path at commit. From a sharded trainer (a routed offer) a
+worker receives only the box of each tensor its loaders keep (`vllm_layout`), straight from the
+trainer ranks that hold it.
 """
 
 from __future__ import annotations
@@ -15,8 +17,13 @@ import torch
 from rlsync.flat import flat_like
 from rlsync.rollout.engines.process import prepare_engine_process
 from rlsync.errors import ResourceExhausted
+from rlsync.rollout.engines.vllm_layout import BoxStaging, loaded_boxes
 from rlsync.rollout.staging import StagedUpdate, ensure_room
 from rlsync.transfer import answer, audit_entry, from_proto
+from rlsync.transfer.checksum import box_sums
+from rlsync.transfer.dtypes import dtype_name
+from rlsync.transfer.routes import cached_routes, layout, relative, volume, whole
+from rlsync.transfer.sharded import layout_of, to_layout_proto
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 # vLLM imports this module in every worker process while it builds the worker, before any forward.
@@ -57,7 +64,8 @@ class RlsyncWorkerExtension:
         device = next(model.parameters()).device
         reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
         update = getattr(self, "_rlsync_update", None)
-        staging = sum(t.numel() * t.element_size() for t in update.staging.values()) if update is not None else 0
+        staging = 0 if update is None else update.staging.nbytes() if isinstance(update.staging, BoxStaging) \
+            else sum(t.numel() * t.element_size() for t in update.staging.values())
         return {"device": str(device), "weights_bytes": weights, "kv_cache_bytes": kv, "reserved_bytes": reserved,
                 "staging_bytes": staging}
 
@@ -72,19 +80,42 @@ class RlsyncWorkerExtension:
     def _rlsync_device(self) -> torch.device:
         return next(self.model_runner.get_model().parameters()).device
 
-    def rlsync_answer(self, offer: bytes, receiver_id: str, ranks: int, force: str) -> bytes:
-        """This worker's choice of channel (its own device decides: same GPU as the trainer or not)."""
+    def rlsync_layout(self, offer: bytes) -> bytes:
+        """The boxes of each tensor of a routed offer this worker's loaders keep (a RankLayout),
+        found once per tensor list by running vLLM's own loaders on probes."""
+        specs = from_proto(pb.Offer.FromString(offer).manifest)
+        return to_layout_proto([[b] if b is not None else [] for b in self._rlsync_boxes(specs)]).SerializeToString()
+
+    def _rlsync_boxes(self, specs) -> list:
+        key = tuple((s.name, s.shape) for s in specs)
+        cached = getattr(self, "_rlsync_layout", None)
+        if cached is None or cached[0] != key:
+            self._rlsync_layout = cached = (key, loaded_boxes(self.model_runner.get_model(), specs))
+        return cached[1]
+
+    def rlsync_answer(self, offer: bytes, receiver_id: str, ranks: int, force: str,
+                      layouts: list[bytes] | None = None) -> bytes:
+        """This worker's choice of channel (its own device decides: same GPU as the trainer or not);
+        for a routed offer, with every worker's boxes (`layouts`, by rank)."""
         ans = answer(pb.Offer.FromString(offer), receiver_id, device=self._rlsync_device(), ranks=ranks,
-                     force=force or None)
+                     force=force or None, layout=[pb.RankLayout.FromString(b) for b in layouts] if layouts else None)
         return ans.SerializeToString()
 
     def rlsync_begin(self, offer: bytes, answer_bytes: bytes, timeout: float) -> dict:
-        """Starts receiving the whole checkpoint into staging memory, in the background (a pull is
-        done when this returns); returns its state, as rlsync_poll."""
+        """Starts receiving into staging memory, in the background (a pull is done when this returns):
+        the whole checkpoint, or from a routed offer only this worker's boxes. Returns its state, as
+        rlsync_poll."""
         o, ans = pb.Offer.FromString(offer), pb.Answer.FromString(answer_bytes)
         device = self._rlsync_device()
-        staging = flat_like(from_proto(o.manifest), device)
-        self._rlsync_update = StagedUpdate(o, ans, staging, self.rank, device, timeout)
+        specs = from_proto(o.manifest)
+        if o.HasField("routing"):
+            boxes = self._rlsync_boxes(specs)
+            staging = BoxStaging(specs, boxes, device)
+            self._rlsync_update = StagedUpdate(o, ans, staging.views(), self.rank, device, timeout,
+                                               boxes=staging.boxes)
+            self._rlsync_update.staging = staging
+        else:
+            self._rlsync_update = StagedUpdate(o, ans, flat_like(specs, device), self.rank, device, timeout)
         return self._rlsync_update.poll()
 
     def rlsync_poll(self) -> dict:
@@ -93,13 +124,38 @@ class RlsyncWorkerExtension:
 
     def rlsync_commit(self) -> None:
         """Loads the received tensors through vLLM's reload path, and remembers their checksums
-        (vLLM's CPU build prepacks linear weights, so the live ones cannot be read back)."""
+        (vLLM's CPU build prepacks linear weights, so the live ones cannot be read back). Boxes are
+        handed to the loaders as full-shape views (BoxStaging.full), audited per box."""
         update = self._rlsync_update
         self._rlsync_update = None
         staging = update.staging
-        self.reload_weights(weights_iterator=iter(staging.items()))
+        if isinstance(staging, BoxStaging):
+            self.reload_weights(weights_iterator=staging.full())
+            self._rlsync_applied = {"parts": self._rlsync_parts(update, staging)}
+        else:
+            self.reload_weights(weights_iterator=iter(staging.items()))
+            self._rlsync_applied = {n: audit_entry(t) for n, t in staging.items()}
         refresh_tied(self.model_runner.get_model())
-        self._rlsync_applied = {n: audit_entry(t) for n, t in staging.items()}
+
+    def _rlsync_parts(self, update: StagedUpdate, staging: BoxStaging) -> dict:
+        """This worker's share of each tensor's checksum: the replica's workers split every tensor
+        among them (routes from their boxes to one whole copy, so a box two workers hold counts once)
+        and each adds up the sums of its part (checksum.box_sums); the replica adds the shares."""
+        specs = from_proto(update.receiver.offer.manifest)
+        held = layout_of(specs, update.receiver.answer.layout)
+        one = layout(held.tensors, [[[whole(t.shape)] if volume(whole(t.shape)) else [] for t in held.tensors]])
+        views, out = staging.views(), {}
+        for s in specs:
+            out[s.name] = [dtype_name(s.dtype), list(s.shape), s.nbytes, 0, 0]
+        for transfer in cached_routes(held, one).of_sender(self.rank):
+            for p in transfer.pieces:
+                s = specs[p.tensor]
+                region = relative(p.box, staging.boxes[s.name])
+                values = views[s.name][tuple(slice(a, b) for a, b in region)] if region else views[s.name]
+                s1, s2 = box_sums(values, p.box, s.shape)
+                out[s.name][3] += s1
+                out[s.name][4] += s2
+        return out
 
     def rlsync_abort(self) -> None:
         update = getattr(self, "_rlsync_update", None)

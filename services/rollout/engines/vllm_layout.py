@@ -1,0 +1,169 @@
+"""Which box of each checkpoint tensor a vLLM worker loads, found by vLLM's own weight loaders, and
+staging that holds only those boxes yet hands the loaders full-shape tensors.
+
+`loaded_boxes` runs the model's `load_weights` once on probes (each element's value is its unique id)
+into float64 shadow parameters swapped in for the live ones (which are put back untouched), and reads
+back which elements each rank's loaders kept: column and row parallel linears, merged qkv and gate_up,
+key/value heads replicated over ranks, padded vocabularies, for every model vLLM loads, with no table
+per architecture. The shadows copy the parameters as vLLM recorded them before processing them (its
+layerwise reload metadata: on the CPU build linear weights are prepacked afterwards).
+
+`BoxStaging` packs the boxes in one buffer per dtype and gives the loader each tensor as a full-shape
+strided view whose in-box elements are the staged box (out-of-box elements alias neighbouring boxes;
+the loaders never read them: that is what the probe established). Slices are ordered so neighbours
+cover each other's out-of-box range, so the buffer is the boxes and little more.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from rlsync.transfer.manifest import Spec
+from rlsync.transfer.routes import Box
+
+
+def _original_loader(fn):
+    while getattr(fn, "__name__", "") == "online_process_loader":  # vLLM's layerwise-reload wrapper
+        fn = fn.__wrapped__
+    return fn
+
+
+def _shadow(template: torch.Tensor, module: torch.nn.Module, record) -> torch.Tensor:
+    """A float64 meta tensor with the template's class and attributes (its weight_loader bound to
+    `module`), whose loader runs the original one on a real scratch copy and records what landed."""
+    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    t = torch.empty(tuple(template.shape), dtype=torch.float64, device="meta")
+    t.__class__ = template.__class__
+    t.__dict__ = template.__dict__.copy()
+    restore_layer_refs(t, module)
+    original = _original_loader(getattr(t, "weight_loader", default_weight_loader))
+
+    def recording_loader(param, loaded_weight, *args, **kwargs):
+        scratch = torch.zeros(tuple(param.shape), dtype=torch.float64)
+        scratch.__class__ = param.__class__
+        scratch.__dict__ = param.__dict__.copy()
+        scratch.weight_loader = original
+        result = original(scratch, loaded_weight, *args, **kwargs)
+        record(scratch)
+        return result
+
+    t.weight_loader = recording_loader
+    return t
+
+
+def loaded_boxes(model: torch.nn.Module, specs: Sequence[Spec]) -> list[Box | None]:
+    """Per tensor of `specs` (the checkpoint's), the box this rank loads (the bounding box when its
+    loaders keep an irregular set, as for a pre-merged qkv), or None when it loads nothing of it."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    numels = [math.prod(s.shape) for s in specs]
+    bases = np.concatenate([[0], np.cumsum(numels)]).astype(np.int64)
+    if bases[-1] >= 2 ** 53:
+        raise ValueError("the checkpoint has too many elements for float64 probe ids")
+    low = [None] * len(specs)
+    high = [None] * len(specs)
+
+    def record(scratch: torch.Tensor) -> None:
+        values = scratch.detach().reshape(-1)
+        ids = values[values != 0].to(torch.int64).numpy() - 1
+        which = np.searchsorted(bases, ids, side="right") - 1
+        for t in np.unique(which):
+            flat = ids[which == t] - bases[t]
+            coords = np.stack(np.unravel_index(flat, specs[t].shape), 1) if specs[t].shape else \
+                np.zeros((len(flat), 0), np.int64)
+            lo, hi = coords.min(0), coords.max(0) + 1
+            low[t] = lo if low[t] is None else np.minimum(low[t], lo)
+            high[t] = hi if high[t] is None else np.maximum(high[t], hi)
+
+    saved, shadows = [], {}
+    for module in model.modules():
+        info = LAYERWISE_INFO.get(module)
+        recorded = info.restore_metadata[0] if info is not None else {}
+        live = {k: v for k, v in module._parameters.items() if v is not None}
+        if not live and not recorded:
+            continue
+        saved.append((module, dict(module._parameters)))
+        for name in [*live, *(k for k in recorded if k not in live)]:
+            param = live.get(name)
+            if param is not None and id(param) in shadows:  # tied: one shadow for both owners
+                module._parameters[name] = shadows[id(param)]
+                continue
+            module._parameters[name] = shadow = _shadow(recorded.get(name, param), module, record)
+            if param is not None:
+                shadows[id(param)] = shadow
+
+    def probes() -> Iterator[tuple[str, torch.Tensor]]:
+        for i, s in enumerate(specs):
+            yield s.name, (torch.arange(numels[i], dtype=torch.float64) + float(bases[i] + 1)).reshape(s.shape)
+
+    try:
+        with torch.no_grad():
+            model.load_weights(probes())
+    finally:
+        for module, params in saved:
+            module._parameters.clear()
+            module._parameters.update(params)
+    return [None if lo is None else tuple((int(a), int(b)) for a, b in zip(lo, hi)) for lo, hi in zip(low, high)]
+
+
+def _strides(shape: Sequence[int]) -> list[int]:
+    out, step = [], 1
+    for d in reversed(shape):
+        out.append(step)
+        step *= d
+    return out[::-1]
+
+
+class BoxStaging:
+    """This rank's boxes of the tensors of `specs`, packed per dtype (see the module's doc)."""
+
+    def __init__(self, specs: Sequence[Spec], boxes: Sequence[Box | None], device: torch.device):
+        self.specs = [s for s, b in zip(specs, boxes) if b is not None]
+        self.boxes = {s.name: b for s, b in zip(specs, boxes) if b is not None}
+        self.place: dict[str, tuple[torch.dtype, int, list[int]]] = {}  # name -> dtype, offset, box strides
+        self.buffers: dict[torch.dtype, torch.Tensor] = {}
+        for dtype in dict.fromkeys(s.dtype for s in self.specs):
+            items = []
+            for s in (s for s in self.specs if s.dtype == dtype):
+                box = self.boxes[s.name]
+                extent = [b - a for a, b in box]
+                strides = _strides(extent)
+                before = sum(a * st for (a, _), st in zip(box, strides))  # elements the full view reaches back
+                reach = sum((d - 1) * st for d, st in zip(s.shape, strides)) + 1 if s.shape else 1
+                items.append((s.name, strides, before, reach, math.prod(extent)))
+            items.sort(key=lambda it: it[2] - (it[3] - it[2] - it[4]))  # room before late, room after early
+            start = filled = 0
+            for _, _, before, _, numel in items:
+                start = max(start, before - filled)
+                filled += numel
+            offset = end = start
+            for name, strides, before, reach, numel in items:
+                self.place[name] = (dtype, offset, strides)
+                end = max(end, offset - before + reach, offset + numel)
+                offset += numel
+            self.buffers[dtype] = torch.empty(max(end, offset), dtype=dtype, device=device)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+    def views(self) -> dict[str, torch.Tensor]:
+        """Each tensor's box, contiguous: where the transfer lands it."""
+        out = {}
+        for s in self.specs:
+            dtype, offset, strides = self.place[s.name]
+            extent = [b - a for a, b in self.boxes[s.name]]
+            out[s.name] = self.buffers[dtype].as_strided(extent, strides, offset)
+        return out
+
+    def full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, a full-shape view whose box holds the staged values), for the loaders."""
+        for s in self.specs:
+            dtype, offset, strides = self.place[s.name]
+            before = sum(a * st for (a, _), st in zip(self.boxes[s.name], strides))
+            yield s.name, self.buffers[dtype].as_strided(s.shape, strides, offset - before)
