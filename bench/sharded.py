@@ -35,13 +35,41 @@ from publish import Peak, build_module  # noqa: E402
 from rlsync.publish import WeightMap  # noqa: E402
 from rlsync.publish.source import module_source  # noqa: E402
 from rlsync.transfer import Receiver, WeightSender, answer  # noqa: E402
-from rlsync.transfer.manifest import from_proto  # noqa: E402
+from rlsync.transfer.manifest import Spec, from_proto  # noqa: E402
 from rlsync.transfer.routes import chunks, whole  # noqa: E402
 from rlsync.transfer.sharded import RoutedReceiver, to_layout_proto  # noqa: E402
-from rlsync.transfer.source import run_pass  # noqa: E402
+from rlsync.transfer.source import StreamedSource, run_pass  # noqa: E402
 from rlsync.transfer.v1 import transfer_pb2 as pb  # noqa: E402
 
 GB = 1e9
+
+
+def rank0_source(model, weights: WeightMap) -> StreamedSource:
+    """The rank-0 path, kept here as the baseline: every tensor cast on each rank, then its shards
+    gathered to rank 0 (dim-0 shards with one plain gather, padded as torch.chunk splits), tensor
+    after tensor in a pass every rank walks."""
+    from torch.distributed.tensor import DTensor
+
+    tensors = dict(model.named_parameters())
+    entries = weights.plan([(n, tuple(t.shape), t.dtype) for n, t in tensors.items()])
+
+    def gathered(t):
+        t = t.detach().to(torch.bfloat16)
+        if not isinstance(t, DTensor):
+            return t
+        group, world, rows = t.device_mesh.get_group(), t.device_mesh.size(), t.shape[0]
+        local, chunk = t.to_local(), -(-rows // world)
+        padded = local.new_zeros((chunk, *local.shape[1:]))
+        padded[:local.shape[0]] = local
+        if dist.get_rank() == 0:
+            out = local.new_empty((chunk * world, *local.shape[1:]))
+            dist.gather(padded, list(out.chunk(world)), dst=0, group=group)
+            return out[:rows]
+        dist.gather(padded, None, dst=0, group=group)
+        return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+    specs = [Spec(e.name, e.dtype, e.shape, math.prod(e.shape) * e.dtype.itemsize) for e in entries]
+    return StreamedSource(specs, torch.device("cpu"), lambda i: gathered(tensors[entries[i].parts[0]]))
 
 
 def engine_boxes(specs, g: int, rank: int) -> list[list]:
@@ -67,12 +95,13 @@ def trainer(args, shapes, bucket, k: int, g: int, rank: int, store) -> dict:
     model = build_module(shapes, torch.float32, "cpu")
     fully_shard(model, mesh=init_device_mesh("cpu", (k,)))
     module, _ = module_source(model, WeightMap(dtype=torch.bfloat16))
+    baseline = rank0_source(model, WeightMap(dtype=torch.bfloat16))
     largest = max(s.nbytes for s in module.specs)
     out = {}
     for path in ("rank0", "routed"):
         dist.barrier()
         peak, seconds = Peak("cpu"), []
-        sender = WeightSender(module.audit, bucket_bytes=bucket, backends=["gloo"]) if path == "rank0" and rank == 0 \
+        sender = WeightSender(baseline, bucket_bytes=bucket, backends=["gloo"]) if path == "rank0" and rank == 0 \
             else module.sender(bucket_bytes=bucket) if path == "routed" else None
         for i in range(args.repeats + 1):
             dist.barrier()
@@ -84,7 +113,7 @@ def trainer(args, shapes, bucket, k: int, g: int, rank: int, store) -> dict:
                     answers = [pb.Answer.FromString(_get(store, f"{path}/answer/{i}/{e}")) for e in range(g)]
                     sender.send(offer, answers, timeout=600)
                 else:
-                    run_pass(module.audit)  # takes part in the gathers
+                    run_pass(baseline)  # takes part in the gathers
             else:
                 if rank == 0:
                     offer = sender.offer(version=i)

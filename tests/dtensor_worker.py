@@ -1,7 +1,7 @@
 """One rank of a 2-rank check (started by a test with RANK/WORLD_SIZE set): a module whose parameters
-are DTensors of every placement a trainer may use is published as a sharded source, and rank 0 checks
-each tensor its audit gathers against the whole tensor it was sharded from. Prints one JSON line on
-rank 0."""
+are DTensors of every placement a trainer may use is published as a sharded source; each rank checks
+the boxes it holds against the whole tensors they were sharded from, and the checksums the ranks'
+shares add up to against the whole tensors'. Each rank prints one JSON line."""
 
 import json
 import os
@@ -13,7 +13,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from rlsync.publish import WeightMap
+from rlsync.publish.ranks import Ranks
 from rlsync.publish.source import ShardedModule, module_source
+from rlsync.transfer.checksum import checksum_tensor, from_sums
+from rlsync.transfer.routes import Piece
 
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -28,10 +31,18 @@ for name, t in whole.items():
     model.register_parameter(name, nn.Parameter(value))
 source, _ = module_source(model, WeightMap(dtype=torch.bfloat16))
 assert isinstance(source, ShardedModule)
-produced = dict(source.audit.items())  # one pass: every rank runs the same gathers
-if dist.get_rank() == 0:
-    wrong = [n for n, t in whole.items() if not torch.equal(produced[n], t.to(torch.bfloat16))]
-    print(json.dumps({"checked": sorted(produced), "wrong": wrong}), flush=True)
+shards, rank = source.shards, dist.get_rank()
+wrong = []  # every box this rank holds, cut from its local shard, is the whole tensor's box, cast
+for index, entry in enumerate(shards.entries):
+    expected = whole[entry.name].to(torch.bfloat16)
+    for box in shards.layout.held[rank][index]:
+        if not torch.equal(shards.piece(Piece(index, box)), expected[tuple(slice(a, b) for a, b in box)]):
+            wrong.append(f"{entry.name} rank {rank}")
+# An audit adds up every rank's share of each checksum: it equals the whole tensor's, nothing gathered.
+totals = Ranks().add_up([v for pair in shards.checksum_share() for v in pair])
+audit = {s.name: from_sums(s.nbytes, totals[2 * i], totals[2 * i + 1]) for i, s in enumerate(source.specs)}
+wrong += [n for n, t in whole.items() if audit[n] != checksum_tensor(t.to(torch.bfloat16))]
+print(json.dumps({"checked": sorted(audit), "wrong": wrong}), flush=True)
 dist.barrier()  # leave together: a rank tearing gloo down while its peer still talks can abort
 dist.destroy_process_group()
 # Skip interpreter finalization: gloo's worker threads can still hold work objects whose teardown

@@ -22,7 +22,7 @@ from rlsync.common import metrics as prometheus
 from rlsync.errors import FailedPrecondition, InvalidArgument
 from rlsync.models import resolve_model
 from rlsync.publish.core import PublisherCore, at_publish_points, in_thread
-from rlsync.publish.ranks import ROUTED, TRAIN, PublishPoints, Ranks, hooks
+from rlsync.publish.ranks import TRAIN, PublishPoints, Ranks, hooks
 from rlsync.publish.source import module_source
 from rlsync.address import advertise_host
 from rlsync.trainer import checkpoint
@@ -103,8 +103,7 @@ class TrainerCore:
         if self.sharded:  # every rank sends its own shards; every rank serves what rank 0 queues
             source = lambda: module_source(self.policy.model)[0]  # noqa: E731
             handlers = {**hooks(self.policy.offload, self.policy.onload),
-                        TRAIN: lambda payload: self._train(*ranks.parse_train_payload(payload)),
-                        ROUTED: lambda payload: self.publisher.send_routed(payload)}
+                        TRAIN: lambda payload: self._train(*ranks.parse_train_payload(payload))}
             rank = Ranks()
             self.points = PublishPoints(rank, lambda: self.publisher.pass_source(rank.rank), handlers)
             run = at_publish_points(self.points)
@@ -118,8 +117,8 @@ class TrainerCore:
             advertise=advertise_host(cfg.server.advertise), checksums=cfg.checksums,
             transfer_timeout=cfg.transfer_timeout, delta=cfg.delta,
             offload=self.policy.offload, onload=self.policy.onload)
-        if self.sharded:
-            self.publisher.ranks = rank
+        if self.sharded:  # the publisher's own requests (routed sends, audits) on every rank too
+            self.points.handlers.update(self.publisher.rank_handlers(rank))
         self._serving: concurrent.futures.Future | None = None
         if self.sharded and rank.rank == 0:  # rank 0 serves the queue for good; the others follow it
             self._serving = concurrent.futures.Future()

@@ -157,9 +157,10 @@ def test_a_rank_killed_mid_publish_fails_cleanly_and_the_old_version_stays(fleet
         assert c.status().members, "the coordinator is up and still has the replica"
 
 
-def test_every_dtensor_placement_is_gathered_whole_and_cast(tmp_path):
+def test_every_dtensor_placement_is_cut_into_boxes_and_audited_without_a_gather(tmp_path):
     """Dim-0 shards (uneven, empty, fewer rows than ranks), dim-1 shards (tensor parallel),
-    replicated and plain tensors, over 2 gloo ranks: each arrives whole on rank 0, cast to bf16."""
+    replicated and plain tensors, over 2 gloo ranks: each rank's boxes are the whole tensors' cast to
+    bf16, and the checksum shares of the ranks add up to the whole tensors' checksums."""
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, str(WORKER.parent / "dtensor_worker.py")], stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -167,8 +168,9 @@ def test_every_dtensor_placement_is_gathered_whole_and_cast(tmp_path):
                                    "RANK": str(r), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}) for r in range(2)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
-    (result,) = [json.loads(line) for line in outs[0].splitlines() if line.startswith("{")]
-    assert result["wrong"] == [] and len(result["checked"]) == 6
+    for out in outs:
+        (result,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert result["wrong"] == [] and len(result["checked"]) == 6
 
 
 def test_the_trainer_killed_mid_transfer_leaves_the_old_version_and_a_new_trainer_syncs(fleet, tmp_path):

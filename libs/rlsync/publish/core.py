@@ -14,10 +14,11 @@ from collections.abc import Awaitable, Callable
 import torch
 
 from rlsync.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from rlsync.publish.ranks import OFFLOAD, ONLOAD, PASSES, ROUTED, PublishPoints, Ranks
+from rlsync.publish.ranks import AUDIT, OFFLOAD, ONLOAD, PASSES, ROUTED, PublishPoints, Ranks
 from rlsync.publish.source import ShardedModule
 from rlsync.transfer import Report, WeightSender, audit_entry
-from rlsync.transfer.dtypes import dtype_of
+from rlsync.transfer.checksum import from_sums
+from rlsync.transfer.dtypes import dtype_name, dtype_of
 from rlsync.transfer.handshake import local_facts
 from rlsync.transfer.sharded import ShardedSender
 from rlsync.transfer.source import ResidentSource, StreamedSource
@@ -82,18 +83,10 @@ class PublisherCore:
             self._source = source
         return self._sender
 
-    def _audited(self) -> ResidentSource | StreamedSource:
-        """What an audit reads: the sender's tensors (a sharded model's, gathered one at a time)."""
-        self._sender_now()
-        return self._source.audit if isinstance(self._source, ShardedModule) else self._source
-
     def pass_source(self, rank: int) -> Source:
-        """What a rank's passes walk: rank 0 the source its sender reads, the other ranks a source of
-        their own over their shards (they only take part in the gathers)."""
-        if rank == 0:
-            return self._audited()
-        source = self.source()
-        return source.audit if isinstance(source, ShardedModule) else source
+        """What a rank's passes walk (a streamed source's; a sharded model makes none): rank 0 the
+        source its sender reads, the other ranks a source of their own."""
+        return self.source_kind() if rank == 0 else self.source()
 
     def drop_sender(self) -> None:
         """Forgets the sender and its offers (the parameters' memory is about to move)."""
@@ -102,14 +95,12 @@ class PublisherCore:
             self._sender = None
             self._offers.clear()
 
-    def _passes(self, per_send: int, audit: bool = False) -> int:
-        """Passes a request makes over a streamed source (none over a resident one; a sharded model's
-        only for an audit). Asked on the thread that runs the request, when the model is at rest
-        between steps."""
+    def _passes(self, per_send: int) -> int:
+        """Passes a request makes over a streamed source (none over a resident one, nor a sharded
+        model's: its ranks each send their own shards). Asked on the thread that runs the request,
+        when the model is at rest between steps."""
         sender = self._sender_now()
-        if isinstance(sender, ShardedSender):
-            return per_send if audit else 0
-        return per_send if isinstance(sender.source, StreamedSource) else 0
+        return per_send if isinstance(sender, WeightSender) and isinstance(sender.source, StreamedSource) else 0
 
     # ---- what the coordinator calls ---------------------------------------------------------------
     # Each request checks the state and builds the sender inside the work `run` schedules: by then an
@@ -160,19 +151,43 @@ class PublisherCore:
         def audit() -> Audit:
             self._require_on_device("GetWeightChecksums")
             out = {}
-            source = self._audited()
+            source = self.source_kind()
             with torch.no_grad():  # a LoRA adapter's audit covers its frozen base too: the whole policy served
                 for name, t in itertools.chain(source.items(), source.frozen.items()):
                     t = t.detach()
                     out[name] = audit_entry(t.to(target) if target is not None and t.is_floating_point() else t)
             return out
 
-        return await self.run(audit, PASSES, lambda: self._passes(1, audit=True))
+        if isinstance(self.source_kind(), ShardedModule):  # every rank adds its share; nothing is gathered
+            payload = dtype.encode()
+            return await self.run(lambda: self.audit_shares(payload), AUDIT, 0, payload)
+        return await self.run(audit, PASSES, lambda: self._passes(1))
+
+    def source_kind(self) -> Source:
+        """The source the sender sends (built if need be)."""
+        self._sender_now()
+        return self._source
+
+    def audit_shares(self, payload: bytes) -> Audit:
+        """Every rank of a sharded trainer: its share of each tensor's checksum; the ranks add them up
+        (see RankShards.checksum_share). `payload`: the dtype to cast to, or empty."""
+        self._require_on_device("GetWeightChecksums")
+        target = dtype_of(payload.decode()) if payload else None
+        module = self.source_kind()
+        shares = module.shards.checksum_share(target)
+        ranks = self.ranks or Ranks()
+        totals = ranks.add_up([v for pair in shares for v in pair])
+        out = {}
+        for i, spec in enumerate(module.specs):
+            dtype = target if target is not None and spec.dtype.is_floating_point else spec.dtype
+            nbytes = spec.nbytes // spec.dtype.itemsize * dtype.itemsize
+            out[spec.name] = (dtype_name(dtype), tuple(spec.shape), from_sums(nbytes, totals[2 * i], totals[2 * i + 1]))
+        return out
 
     def rank_handlers(self, ranks: Ranks) -> dict:
         """What this core's other ranks run for the requests rank 0 queues (see PublishPoints)."""
         self.ranks = ranks
-        return {ROUTED: self.send_routed}
+        return {ROUTED: self.send_routed, AUDIT: self.audit_shares}
 
     def send_routed(self, payload: bytes) -> Report | None:
         """Every rank of a sharded trainer: its part of a routed transfer (rank 0 is handed the same

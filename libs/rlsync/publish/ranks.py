@@ -25,7 +25,8 @@ from rlsync.transfer.source import StreamedSource, run_pass
 
 log = logging.getLogger(__name__)
 
-PASSES, OFFLOAD, ONLOAD, DONE, FAILED, TRAIN, KEEPALIVE, ROUTED = range(8)
+PASSES, OFFLOAD, ONLOAD, DONE, FAILED, TRAIN, KEEPALIVE, ROUTED, AUDIT = range(9)
+_MASK = (1 << 64) - 1
 # Idle ranks wait in a broadcast, which times out with the process group (gloo: 30 min by
 # default): rank 0 says "still here" well before that.
 KEEPALIVE_SECONDS = 60.0
@@ -66,6 +67,18 @@ class Ranks:
             else torch.empty(size, dtype=torch.uint8, device=self.device)
         dist.broadcast(body, self.src, group=self.group)
         return op, count, body.cpu().numpy().tobytes()
+
+    def add_up(self, values: list[int]) -> list[int]:
+        """Every rank's `values` added up, modulo 2^64 (checksum sums; every rank calls it)."""
+        if self.world == 1:
+            return [v & _MASK for v in values]
+        signed = [(v & _MASK) - (1 << 64) if v & _MASK >= 1 << 63 else v & _MASK for v in values]
+        t = torch.tensor(signed, dtype=torch.int64, device=self.device)
+        try:
+            dist.all_reduce(t, group=self.group)  # int64 addition wraps: arithmetic modulo 2^64
+        except RuntimeError as e:
+            raise Unavailable(f"a rank of the trainer is gone (did it die?): {e}") from e
+        return [v & _MASK for v in t.tolist()]
 
     def agree(self, ok: bool) -> int:
         """How many ranks report a failure (every rank calls it once, with its own outcome)."""
