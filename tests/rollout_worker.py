@@ -1,6 +1,8 @@
 """A rollout replica started by a test (Services.start(..., script=)), with a fault injected first.
 RLSYNC_FAULT=die_after_broadcasts:N makes it die (no cleanup) at its (N+1)th collective broadcast:
 in the middle of receiving an update over gloo or NCCL, whatever its peers do.
+RLSYNC_FAULT=die_after_receives:N makes it die the same way at its (N+1)th routed receive (a bucket
+from a sharded trainer's rank).
 RLSYNC_FAULT=corrupt_base_at:N flips a byte of the base the Nth bucket it receives as a delta is
 rebuilt on, as if the weights it holds had gone bad."""
 
@@ -36,6 +38,27 @@ if fault.startswith("die_after_broadcasts:"):
         return session
 
     collective._Broadcast._join = _join
+
+if fault.startswith("die_after_receives:"):
+    from rlsync.transfer import routed
+
+    limit, count = int(fault.split(":")[1]), {"n": 0}
+
+    class _DyingGroup:
+        def __init__(self, group):
+            self._group = group
+
+        def recv(self, *args, **kwargs):
+            count["n"] += 1
+            if count["n"] > limit:
+                os._exit(9)
+            return self._group.recv(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self._group, name)
+
+    real_receive = routed.receive
+    routed.receive = lambda pg, *args, **kwargs: real_receive(_DyingGroup(pg), *args, **kwargs)
 
 if fault.startswith("corrupt_base_at:"):
     from rlsync.transfer import delta

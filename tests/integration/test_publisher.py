@@ -119,6 +119,31 @@ def _tp_split(tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
     return split, sum(t.numel() * 4 for n, t in tensors.items() if t.dim() == 1 and not n.endswith(".bias"))
 
 
+def test_a_replica_killed_mid_routed_transfer_fails_that_sync_fast_and_the_survivor_gets_it(services, tmp_path):
+    """FSDP2 over 2 ranks into two hf replicas; one dies in the middle of receiving step 2's boxes.
+    The trainer's ranks fail at once (not at the transfer deadline), the coordinator takes the update
+    to the survivor in the same sync, and every step is verified there."""
+    co = services.start("coordinator", ["--sync-mode", "async", "--lease", "1.5", "--heartbeat-interval", "0.3"],
+                        name="co-routed-dies")
+    dying = Path(__file__).resolve().parents[1] / "rollout_worker.py"
+    replicas = [services.start("rollout", [*rollout_args("hf"), "--coordinator", co.address, "--replica-id", f"r{i}"],
+                               name=f"routed-r{i}", env={"RLSYNC_FAULT": "die_after_receives:40"} if i == 0 else None,
+                               script=dying if i == 0 else None) for i in range(2)]
+    with CoordinatorClient(co.address) as c:
+        c.wait_ready(2)
+    # The tiny model in 64 KiB buckets: each rank sends a replica about 26 buckets a step, so r0
+    # dies in the middle of step 2.
+    procs = start_ranks(tmp_path, ["--coordinator", co.address, "--steps", "3", "--verify", "--bucket-bytes", "65536"])
+    codes = [p.wait(240) for p in procs]
+    assert codes == [0, 0], "\n".join(f"rank {r}: {(tmp_path / f'rank{r}.log').read_text()[-2000:]}" for r in (0, 1))
+    assert replicas[0].proc.wait(30) == 9
+    steps = _lines(tmp_path / "rank0.log")
+    assert [s["version"] for s in steps] == [1, 2, 3] and all(s["verified"] for s in steps), steps
+    assert steps[1]["sync_seconds"] < 30, "the dead replica's group failed at once, not at the 300 s deadline"
+    survivor = RolloutClient(replicas[1].address)
+    assert survivor.info().weight_version == 3
+
+
 def test_renamed_and_cast_model_publishes_and_a_mismatch_is_refused_by_name(fleet, tiny_model):
     coordinator, replica = fleet("hf")
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)

@@ -8,6 +8,7 @@ trainer's lock, or at the publish points of a loop whose ranks must all take par
 from __future__ import annotations
 
 import asyncio
+import logging
 import itertools
 from collections.abc import Awaitable, Callable
 
@@ -23,6 +24,8 @@ from rlsync.transfer.handshake import local_facts
 from rlsync.transfer.sharded import ShardedSender
 from rlsync.transfer.source import ResidentSource, StreamedSource
 from rlsync.transfer.v1 import transfer_pb2 as tpb
+
+log = logging.getLogger(__name__)
 
 Source = ResidentSource | StreamedSource | ShardedModule
 #: run(fn, op, passes, payload) -> fn's result, run where the trainer allows it (on every rank: the
@@ -201,6 +204,10 @@ class PublisherCore:
         except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
             error = e
         failed = self.ranks.agree(error is None) if self.ranks is not None else int(error is not None)
+        if self.ranks is not None and self.ranks.rank != 0:
+            if error is not None:  # rank 0 answers for every rank; this one follows on to the next request
+                log.warning("rank %d could not send its shards: %s", self.ranks.rank, error)
+            return report
         if error is not None:
             raise error
         if failed:
