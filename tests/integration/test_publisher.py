@@ -86,21 +86,23 @@ def test_fsdp2_over_two_ranks_publishes_bit_exact(fleet, tmp_path, engine):
     assert serves_exactly(replica, load_file(saved)) == [], "the replica serves the unsharded state dict, bit for bit"
 
 
-def test_fsdp2_over_two_ranks_into_a_tensor_parallel_vllm_replica_routes_each_worker_its_boxes(services, tmp_path):
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp2_into_a_tensor_parallel_vllm_replica_routes_each_worker_its_boxes(services, tmp_path, world):
     """Every trainer rank sends its own rows; each of the replica's two workers receives only the boxes
     its loaders keep (found by vLLM's own loaders), and serves exactly the unsharded state dict."""
-    co = services.start("coordinator", ["--sync-mode", "async"], name="co-tp2")
+    co = services.start("coordinator", ["--sync-mode", "async"], name=f"co-tp2-{world}")
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     replica = RolloutClient(services.start("rollout", rollout_args("vllm", "--coordinator", co.address,
                                                                    tensor_parallel_size=2, dtype="float32"),
-                                           env=env, name="pub-tp2").address)
+                                           env=env, name=f"pub-tp2-{world}").address)
     with CoordinatorClient(co.address) as c:
         c.wait_ready(1)
     saved = tmp_path / "full.safetensors"
     procs = start_ranks(tmp_path, ["--coordinator", co.address, "--steps", "3", "--verify", "--save", str(saved),
-                                   "--bucket-bytes", "65536"])
+                                   "--bucket-bytes", "65536"], world=world)
     codes = [p.wait(300) for p in procs]
-    assert codes == [0, 0], "\n".join(f"rank {r}: {(tmp_path / f'rank{r}.log').read_text()[-2000:]}" for r in (0, 1))
+    assert codes == [0] * world, "\n".join(f"rank {r}: {(tmp_path / f'rank{r}.log').read_text()[-2000:]}"
+                                          for r in range(world))
     steps = _lines(tmp_path / "rank0.log")
     assert [s["version"] for s in steps] == [1, 2, 3] and all(s["verified"] for s in steps), steps
     info = replica.info()
