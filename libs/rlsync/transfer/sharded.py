@@ -2,8 +2,11 @@
 
 A sharded trainer offers with `Offer.routing`: every rank's layout and the store its ranks and the
 receivers meet at. A receiver answers with the boxes each of its ranks loads (`Answer.layout`).
-Both sides then plan the same routes (`routes.cached_routes`), form one process group per receiving
-replica (the trainer's ranks, then the replica's ranks) and move the pieces (`routed.py`).
+At the send, trainer rank 0 puts the answers in the store (the roster: which replicas take part, in
+which order); every member then plans the same routes (`routes.cached_routes`) from the trainer's
+layout and every replica's, forms one process group (the trainer's ranks, then each replica's ranks
+in roster order) and moves its pieces (`routed.py`): all replicas at once, each member two
+operations at a time.
 
     sender = ShardedSender(shards, host=...)        # on every trainer rank
     offer = sender.offer(version)                   # rank 0; handed to replicas as any offer
@@ -74,8 +77,17 @@ def _store(address: str, master: bool, timeout: float) -> dist.TCPStore:
                          timeout=datetime.timedelta(seconds=timeout))
 
 
-def _group_id(offer: pb.Offer, receiver_id: str) -> str:
-    return f"{offer.transfer_id}/{receiver_id}"
+def _roster_key(offer: pb.Offer) -> str:
+    return f"rlsync-routed/{offer.transfer_id}/roster"
+
+
+def engine_layout(specs: Sequence[Spec], answers: Sequence[pb.Answer]) -> Layout:
+    """Every receiver rank of the roster, replica after replica."""
+    return layout_of(specs, [rank for a in answers for rank in a.layout])
+
+
+def _bucket(offer: pb.Offer, answers: Sequence[pb.Answer]) -> int:
+    return min(a.bucket_bytes or offer.bucket_bytes for a in answers)
 
 
 def _close(pg, deadline: Deadline, error: BaseException | None) -> None:
@@ -124,27 +136,27 @@ class ShardedSender:
             routing=pb.Routing(ranks=[to_layout_proto(r) for r in self.layout.held], store=self.store_address))
 
     def send(self, offer: pb.Offer, answers: Sequence[pb.Answer], timeout: float = 300.0) -> Report:
-        """This rank's pieces to every answering replica, one after another; returns what it sent."""
+        """This rank's pieces to every answering replica's ranks; returns what it sent."""
         deadline = Deadline(timeout, f"routed transfer {offer.transfer_id[:8]} (version {offer.manifest.version})")
-        start, sent = time.perf_counter(), 0
-        store = self._store if self._store is not None else _store(offer.routing.store, False,
-                                                                   deadline.remaining("joining the store"))
+        start = time.perf_counter()
         for a in answers:
             if a.transfer_id != offer.transfer_id:
                 raise InvalidArgument(f"answer from {a.receiver_id!r} is for transfer {a.transfer_id!r}, "
                                       f"not {offer.transfer_id!r}: pass the answers to this offer")
-            engine = layout_of(self.specs, a.layout)
-            routes = cached_routes(self.layout, engine)
-            pg = _join(store, _group_id(offer, a.receiver_id), self.rank, self.world + engine.ranks, self.device,
-                       deadline)
-            try:
-                sent += routed.send(pg, routes, self.rank, self.piece, a.bucket_bytes or self.bucket_bytes,
-                                    deadline, self.device)
-            except BaseException as e:
-                _close(pg, deadline, e)
-                del pg
-                raise
-            _close(pg, deadline, None)
+        store = self._store if self._store is not None else _store(offer.routing.store, False,
+                                                                   deadline.remaining("joining the store"))
+        if self.rank == 0:
+            store.set(_roster_key(offer), pb.RoutedSend(answers=answers).SerializeToString())
+        engine = engine_layout(self.specs, answers)
+        routes = cached_routes(self.layout, engine)
+        pg = _join(store, offer.transfer_id, self.rank, self.world + engine.ranks, self.device, deadline)
+        try:
+            sent = routed.send(pg, routes, self.rank, self.piece, _bucket(offer, answers), deadline, self.device)
+        except BaseException as e:
+            _close(pg, deadline, e)
+            del pg
+            raise
+        _close(pg, deadline, None)
         seconds = time.perf_counter() - start
         return Report(sent, seconds, {NAMES[self.backends[0]]: sum(a.ranks for a in answers)}, seconds,
                       {"data": seconds}, sent)
@@ -171,26 +183,42 @@ class RoutedReceiver:
         self.specs = from_proto(offer.manifest)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.trainer = layout_of(self.specs, offer.routing.ranks)
-        self.routes = cached_routes(self.trainer, layout_of(self.specs, answer.layout))
+        layout_of(self.specs, answer.layout)  # a layout that does not fit the manifest is refused now
         dest = dest.views if isinstance(dest, FlatStore) else dest
-        staging = {s.name: ((boxes or {}).get(s.name, whole(s.shape)), dest[s.name]) for s in self.specs
-                   if s.name in dest}
-        piece_specs, views = routed.destinations(self.routes, rank, self.specs, staging)
-        self.writer = DestWriter(piece_specs, views, self.device)
+        self.staging = {s.name: ((boxes or {}).get(s.name, whole(s.shape)), dest[s.name]) for s in self.specs
+                        if s.name in dest}
         self.deadline = Deadline(timeout, f"receiving routed transfer {offer.transfer_id[:8]} "
                                           f"(version {offer.manifest.version})")
         self.start = time.perf_counter()
         self._pg = None
 
-    def run(self) -> Report:
-        senders = self.trainer.ranks
-        store = _store(self.offer.routing.store, False, self.deadline.remaining("joining the store"))
-        self._pg = _join(store, _group_id(self.offer, self.answer.receiver_id), senders + self.rank,
-                         senders + self.routes.receivers, self.device, self.deadline)
-        pg = self._pg
+    def _roster(self, store) -> tuple[list[pb.Answer], int]:
+        """The replicas taking part (as the trainer's rank 0 put them), and this rank's place among
+        all their ranks."""
+        key = _roster_key(self.offer)
         try:
-            nbytes = routed.receive(pg, self.routes, self.rank, self.writer,
-                                    self.answer.bucket_bytes or self.offer.bucket_bytes, self.deadline, self.device)
+            store.wait([key], datetime.timedelta(seconds=self.deadline.remaining("waiting for the trainer to send")))
+        except dist.DistError as e:
+            raise Unavailable(f"{self.deadline.what}: the trainer did not start sending ({e})") from e
+        answers = list(pb.RoutedSend.FromString(store.get(key)).answers)
+        ids = [a.receiver_id for a in answers]
+        if self.answer.receiver_id not in ids:
+            raise FailedPrecondition(f"the trainer sends transfer {self.offer.transfer_id[:8]} to {ids}, not to "
+                                     f"{self.answer.receiver_id!r}: this prepared update was dropped from it")
+        index = ids.index(self.answer.receiver_id)
+        return answers, sum(a.ranks for a in answers[:index]) + self.rank
+
+    def run(self) -> Report:
+        store = _store(self.offer.routing.store, False, self.deadline.remaining("joining the store"))
+        answers, me = self._roster(store)
+        routes = cached_routes(self.trainer, engine_layout(self.specs, answers))
+        piece_specs, views = routed.destinations(routes, me, self.specs, self.staging)
+        writer = DestWriter(piece_specs, views, self.device)
+        senders = self.trainer.ranks
+        self._pg = pg = _join(store, self.offer.transfer_id, senders + me, senders + routes.receivers, self.device,
+                              self.deadline)
+        try:
+            nbytes = routed.receive(pg, routes, me, writer, _bucket(self.offer, answers), self.deadline, self.device)
         except BaseException as e:
             self._pg = None
             _close(pg, self.deadline, e)
@@ -202,8 +230,9 @@ class RoutedReceiver:
 
     def close(self) -> None:
         """Ends the transfer from another thread: run() then fails instead of waiting on."""
-        if self._pg is not None:
+        pg = self._pg
+        if pg is not None:
             try:
-                self._pg.abort()
+                pg.abort()
             except Exception:  # noqa: BLE001 - already gone
                 pass
