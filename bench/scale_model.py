@@ -121,8 +121,8 @@ def broadcast_from_rank0(nbytes: float, across_nodes: bool, root_node_receives: 
 
 
 def rank0(nbytes: float, trainer_gpus: int, across_nodes: bool, root_node_receives: bool, ln: Links) -> dict:
-    """Today's publisher: gather to rank 0, then one sender broadcasts the whole model to every engine GPU, one
-    after the other (the streamed source gathers a tensor, then it is sent)."""
+    """The rank-0 design (rlsync's publisher until routes; still what several systems do): gather to rank 0, then
+    one sender broadcasts the whole model to every engine GPU. Kept to set published rank-0 systems beside."""
     return {"gather_s": gather_to_rank0(nbytes, trainer_gpus, ln),
             "broadcast_s": broadcast_from_rank0(nbytes, across_nodes, root_node_receives, ln)}
 
@@ -147,6 +147,16 @@ def async_sharded(nbytes: float, trainer_nodes: int, rollout_nodes: int, g_r: in
     return {"network_s": max(nbytes / trainer_nodes, per_node) / ln.node, "fanout_s": fanout}
 
 
+def async_routed(nbytes: float, trainer_gpus: int, rollout_gpus: int, g_r: int, ln: Links) -> dict:
+    """rlsync today (routes, rlsync.transfer.routed): every trainer GPU sends its own pieces point to point to
+    every engine GPU that loads them, all replicas at once, no relay. A trainer GPU holds nbytes / trainer_gpus
+    and sends it to each of the R = rollout_gpus / g_r replicas; an engine GPU receives its shard nbytes / g_r.
+    Each GPU's own link is the limit: NVLink within one node (the one-node split), its NIC across nodes."""
+    replicas = rollout_gpus / g_r
+    link = ln.nvlink if rollout_gpus + trainer_gpus <= GPUS_PER_NODE else ln.nic
+    return {"send_s": nbytes / trainer_gpus * replicas / link, "receive_s": nbytes / g_r / link}
+
+
 def trainer_fits(params: float, gpus: int) -> bool:
     return TRAIN_BYTES_PER_PARAM * params <= TRAIN_SHARE * GPU_MEMORY * gpus
 
@@ -156,8 +166,6 @@ def predictions(ln: Links) -> list[dict]:
     for name, params, bpp in MODELS:
         nbytes = params * bpp
         g_r = replica_gpus(nbytes)
-        # rlsync today: every engine GPU stages the whole checkpoint beside its own shard
-        today_fits = nbytes + nbytes / g_r <= GPU_MEMORY
         for k in NODES:
             gpus = k * GPUS_PER_NODE
             # async: half the nodes train, half generate (one node: 4 GPUs each)
@@ -166,19 +174,18 @@ def predictions(ln: Links) -> list[dict]:
             co_fits = trainer_fits(params, gpus) and gpus >= g_r
             async_fits = trainer_fits(params, half) and half >= g_r
             modes = {
-                "colocated-sharded": (colocated_sharded(nbytes, k, g_r, ln), co_fits, True),
-                "colocated-rank0": (rank0(nbytes, gpus, k > 1, True, ln), co_fits, today_fits),
-                "async-rank0": (rank0(nbytes, half, k > 1, False, ln), async_fits, today_fits),
-                "async-sharded": (async_sharded(nbytes, t_nodes, r_nodes, g_r, ln), async_fits, True),
+                "colocated-sharded": (colocated_sharded(nbytes, k, g_r, ln), co_fits),
+                "async-routed": (async_routed(nbytes, half, half, g_r, ln), async_fits),
+                "async-sharded": (async_sharded(nbytes, t_nodes, r_nodes, g_r, ln), async_fits),
             }
-            for mode, (terms, fits, runs_today) in modes.items():
-                data = max(terms.values()) if mode == "async-sharded" else sum(terms.values())
+            for mode, (terms, fits) in modes.items():
+                data = max(terms.values()) if mode in ("async-sharded", "async-routed") else sum(terms.values())
                 if not fits:  # the trainer's state or one inference replica does not fit in these GPUs
                     continue
                 rows.append({"model": name, "params": params, "dtype": "bf16" if bpp == 2 else "fp8",
                              "bytes": nbytes, "nodes": k, "gpus": gpus, "replica_gpus": g_r, "mode": mode,
                              "terms_s": {t: round(v, 4) for t, v in terms.items()}, "fixed_s": round(ln.fixed, 4),
-                             "seconds": round(data + ln.fixed, 4), "stages_whole_checkpoint_ok": runs_today})
+                             "seconds": round(data + ln.fixed, 4)})
                 if mode == "colocated-sharded":  # the brief's floor: the copy alone, engine layout already in place
                     rows[-1]["copy_only_s"] = round(terms["copy_s"] + ln.fixed, 4)
     return rows
@@ -277,6 +284,9 @@ def published(ln: Links) -> list[dict]:
         if mode == "async-sharded":
             terms = async_sharded(b, p["trainer_nodes"], p["rollout_nodes"], p["replica_gpus"], ln)
             row["model_s"] = max(terms.values()) + ln.fixed
+            routes = async_routed(b, p["trainer_nodes"] * GPUS_PER_NODE, p["rollout_nodes"] * GPUS_PER_NODE,
+                                  p["replica_gpus"], ln)
+            row["rlsync_routes_s"] = round(max(routes.values()) + ln.fixed, 3)  # rlsync today, same setup
         elif mode == "async-rank0":
             gpus = p.get("trainer_gpus", p.get("trainer_nodes", 0) * GPUS_PER_NODE)
             row["model_s"] = sum(rank0(b, gpus, True, p.get("root_node_receives", False), ln).values()) + ln.fixed
@@ -295,8 +305,7 @@ def fmt(s: float) -> str:
 
 
 COLUMNS = {"colocated: copy only": "colocated-sharded", "colocated: reshard + copy": "colocated-sharded",
-           "colocated today (rank 0)": "colocated-rank0", "async today (rank 0)": "async-rank0",
-           "async sharded": "async-sharded"}
+           "async today (routes)": "async-routed", "async, relayed": "async-sharded"}
 
 
 def markdown(result: dict) -> str:
@@ -316,7 +325,7 @@ def markdown(result: dict) -> str:
             for label, mode in COLUMNS.items():
                 r = by.get(mode)
                 s = r and (r["copy_only_s"] if label.endswith("copy only") else r["seconds"])
-                cells.append("—" if r is None else fmt(s) + ("" if r["stages_whole_checkpoint_ok"] else " †"))
+                cells.append("—" if r is None else fmt(s))
             out.append(f"| {k} | {k * GPUS_PER_NODE} | " + " | ".join(cells) + " |")
         out.append("")
     out.append("**Check against what was measured (1-2 GPUs)**\n")
@@ -325,15 +334,16 @@ def markdown(result: dict) -> str:
             for c in result["check"]]
     out.append("\n**Published figures of other systems**\n")
     out.append("| system | date | model | setup | published | this model, same bytes and layout (published / model) "
-               "| source |")
-    out.append("|---|---|---|---|---|---|---|")
+               "| rlsync's routes today, same setup (model) | source |")
+    out.append("|---|---|---|---|---|---|---|---|")
     for p in result["published"]:
         ratio = p.get("published_over_model", 0)
         model = f"{fmt(p['model_s'])} ({p['mode']}; {ratio:.{2 if ratio < 10 else 0}f}x)" \
             if "model_s" in p else "—"
         source = f"[link]({p['url']})" if p["url"] else "environment facts"
+        routes = fmt(p["rlsync_routes_s"]) if "rlsync_routes_s" in p else "—"
         out.append(f"| {p['system']} | {p['date']} | {p['model']} | {p['setup']} | {fmt(p['seconds'])} | {model} | "
-                   f"{source} |")
+                   f"{routes} | {source} |")
     return "\n".join(out)
 
 
