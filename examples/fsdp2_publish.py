@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 examples/fsdp2_publish.py --coordinator 127.0.0.1:50050
 
 Every rank builds the model, shards it with fully_shard and trains; every rank calls publish(),
-and rlsync gathers the shards tensor by tensor on the way out (gloo on CPU, NCCL on GPU). The loss
+and every rank sends its own shards straight to the engine ranks that load them (gloo on CPU, NCCL on GPU). The loss
 here is plain next-token prediction on random tokens: bring your own.
 """
 

@@ -83,8 +83,8 @@ class TrainerCore:
             if cfg.lora_rank > 0:
                 raise InvalidArgument("--lora-rank needs --nproc 1: adapters of sharded models are not published yet")
             if cfg.delta:
-                raise InvalidArgument("--delta needs --nproc 1: sharded weights are gathered once per pass, so a "
-                                      "bucket rebuilt wrong could not be sent again")
+                raise InvalidArgument("--delta needs --nproc 1: each rank of a sharded trainer sends its own shards "
+                                      "and keeps no copy of what it sent to take deltas against")
             if not torch.distributed.is_initialized():  # rank 0; the other ranks joined in ranks.follow
                 self.rank_procs = ranks.start_ranks(cfg)
             self.policy = ShardedPolicy(self.model_path, cfg.device, cfg.dtype, cfg.lr, cfg.weight_decay)
@@ -116,7 +116,7 @@ class TrainerCore:
             source, run, bucket_bytes=cfg.bucket_bytes, host=cfg.server.host,
             advertise=advertise_host(cfg.server.advertise), checksums=cfg.checksums,
             transfer_timeout=cfg.transfer_timeout, delta=cfg.delta,
-            offload=self.policy.offload, onload=self.policy.onload)
+            offload=self.policy.offload, onload=self.policy.onload, sharded=self.sharded)
         if self.sharded:  # the publisher's own requests (routed sends, audits) on every rank too
             self.points.handlers.update(self.publisher.rank_handlers(rank))
         self._serving: concurrent.futures.Future | None = None

@@ -2,7 +2,7 @@
 holding 1/N of the parameters, gradients and optimizer state (gloo on CPU, NCCL with a GPU each).
 
 The same surface as `Policy` for the trainer core: model, params, optimizer, offload/onload.
-Parameters are DTensors; rlsync.publish gathers them tensor by tensor when the weights go out.
+Parameters are DTensors; every rank sends its own shards when the weights go out (rlsync.publish).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class ShardedPolicy:
         self.trainable = self.params  # no LoRA on a sharded trainer yet: every parameter trains
         self.specs = {n: (p.shape, p.dtype) for n, p in self.params.items()}
         self.optimizer = torch.optim.AdamW(self.params.values(), lr=lr, weight_decay=weight_decay)
-        self.arena = None  # shards are never mapped by a receiver: they are gathered first
+        self.arena = None  # shards are never mapped by a receiver: every rank sends its own pieces
         self.offloaded = False
 
     def reference_model_params(self):

@@ -21,6 +21,7 @@ from rlsync.transfer import Report, WeightSender, audit_entry
 from rlsync.transfer.checksum import from_sums
 from rlsync.transfer.dtypes import dtype_name, dtype_of
 from rlsync.transfer.handshake import local_facts
+from rlsync.transfer.manifest import from_proto
 from rlsync.transfer.sharded import ShardedSender
 from rlsync.transfer.source import ResidentSource, StreamedSource
 from rlsync.transfer.v1 import transfer_pb2 as tpb
@@ -53,9 +54,10 @@ class PublisherCore:
     def __init__(self, source: Callable[[], Source], run: Runner, *, bucket_bytes: int, host: str = "127.0.0.1",
                  advertise: str | None = None, checksums: bool = False, transfer_timeout: float = 300.0,
                  offload: Callable[[], None] | None = None, onload: Callable[[], None] | None = None,
-                 delta: bool = False):
+                 delta: bool = False, sharded: bool = False):
         self.source, self.run = source, run
         self.delta = delta  # see WeightSender: resident sources only
+        self.sharded = sharded  # a sharded model (ShardedModule): routed sends, audits by checksum shares
         self.bucket_bytes, self.host, self.advertise = bucket_bytes, host, advertise
         self.checksums_in_manifest, self.transfer_timeout = checksums, transfer_timeout
         self.hooks = {OFFLOAD: offload, ONLOAD: onload}
@@ -78,6 +80,10 @@ class PublisherCore:
                 if self.delta:
                     raise InvalidArgument("delta updates need resident tensors: a sharded model's ranks each send "
                                           "their own shards, and keep no copy of what they sent")
+                if self.checksums_in_manifest:
+                    raise InvalidArgument("per-tensor checksums in the manifest are not sent by a sharded model's "
+                                          "ranks (each holds part of every tensor): verify the sync instead "
+                                          "(SyncWeights verify), which adds up every rank's checksum share")
                 self._sender = source.sender(bucket_bytes=self.bucket_bytes, host=self.host, advertise=self.advertise)
             else:
                 self._sender = WeightSender(source, bucket_bytes=self.bucket_bytes, host=self.host,
@@ -161,7 +167,7 @@ class PublisherCore:
                     out[name] = audit_entry(t.to(target) if target is not None and t.is_floating_point() else t)
             return out
 
-        if isinstance(self.source_kind(), ShardedModule):  # every rank adds its share; nothing is gathered
+        if self.sharded:  # every rank adds its share; nothing is gathered
             payload = dtype.encode()
             return await self.run(lambda: self.audit_shares(payload), AUDIT, 0, payload)
         return await self.run(audit, PASSES, lambda: self._passes(1))
@@ -197,22 +203,38 @@ class PublisherCore:
         request its other ranks get as `payload`). The ranks then agree: one that failed fails the
         publish on rank 0, which answers the coordinator."""
         request = tpb.RoutedSend.FromString(payload)
+        ranks = self.ranks or Ranks()
         report, error = None, None
-        try:
-            self._require_on_device("publishing weights")
-            report = self._sender_now().send(request.offer, list(request.answers), request.timeout_seconds)
+        try:  # every rank checks it can send before any joins the transfer (a rank that cannot would hold
+            self._require_on_device("publishing weights")  # the others and the replicas in its group)
+            sender = self._sender_now()
         except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
             error = e
-        failed = self.ranks.agree(error is None) if self.ranks is not None else int(error is not None)
-        if self.ranks is not None and self.ranks.rank != 0:
+        if ranks.agree(error is None):
+            if ranks.rank != 0:
+                return None
+            why = error or Unavailable("another rank of the trainer cannot send its shards (see its log)")
+            if error is None:  # the receivers wait for the roster: tell them now, not at their deadline
+                sender.refuse(request.offer, str(why))
+            raise why
+        try:
+            report = sender.send(request.offer, list(request.answers), request.timeout_seconds)
+        except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
+            error = e
+        sent = [0] * ranks.world
+        sent[ranks.rank] = report.wire_bytes if report is not None else 0
+        failed, *sent = ranks.add_up([int(error is not None), *sent])
+        if ranks.rank != 0:
             if error is not None:  # rank 0 answers for every rank; this one follows on to the next request
-                log.warning("rank %d could not send its shards: %s", self.ranks.rank, error)
+                log.warning("rank %d could not send its shards: %s", ranks.rank, error)
             return report
         if error is not None:
             raise error
         if failed:
             raise Unavailable(f"{failed} rank(s) of the trainer failed to send their shards (see their logs); "
                               "the replicas keep the version they had")
+        report.nbytes = sum(s.nbytes for s in from_proto(request.offer.manifest))
+        report.wire_bytes, report.rank_bytes = sum(sent), sent
         return report
 
     async def offload(self) -> None:

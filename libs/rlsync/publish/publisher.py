@@ -33,7 +33,7 @@ from rlsync.publish.core import PublisherCore, at_publish_points
 from rlsync.publish.mapping import WeightMap
 from rlsync.publish.ranks import DONE, FAILED, PublishPoints, Ranks, hooks
 from rlsync.publish.servicer import PublisherServicer
-from rlsync.publish.source import module_source, module_tensors
+from rlsync.publish.source import ShardedModule, module_source, module_tensors
 from rlsync.rpc.auth import TokenAuthInterceptor
 from rlsync.rpc.registrar import Registrar
 from rlsync.trainer.v1 import trainer_pb2_grpc
@@ -50,7 +50,8 @@ class WeightPublisher:
         back its device (say, catching up a replica while the trainer is offloaded). Colocated
         syncs need the coordinator's Train RPC and are refused; publish to an async coordinator.
     group: the process group of the model's ranks (default: the whole world, if torch.distributed
-        is initialised). Rank 0 of it sends; the others only take part in gathers.
+        is initialised). Rank 0 of it serves the trainer API; with a sharded model every rank sends its
+        own shards (otherwise rank 0 sends).
     host, advertise, token: left out, they come from RLSYNC_HOST, RLSYNC_ADVERTISE and RLSYNC_TOKEN,
         as the services' options do (a launcher such as `rlsync up` sets them).
     """
@@ -67,11 +68,11 @@ class WeightPublisher:
         token = env.token if token is None else token
         self.model, self.weights = model, weights or WeightMap()
         self.ranks = Ranks(group)
-        module_source(model, self.weights)  # a name or dtype problem is refused now, on every rank
+        first, _ = module_source(model, self.weights, group)  # a name or dtype problem is refused now, on every rank
         self.core = PublisherCore(lambda: module_source(self.model, self.weights, group)[0], None,
                                   bucket_bytes=bucket_bytes, host=host, advertise=advertise_host(advertise),
                                   checksums=checksums, transfer_timeout=transfer_timeout,
-                                  offload=offload, onload=onload)
+                                  offload=offload, onload=onload, sharded=isinstance(first, ShardedModule))
         self.points = PublishPoints(self.ranks, lambda: self.core.pass_source(self.ranks.rank),
                                     {**hooks(offload, onload), **self.core.rank_handlers(self.ranks)})
         self.core.run = at_publish_points(self.points)

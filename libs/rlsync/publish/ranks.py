@@ -1,11 +1,12 @@
 """Runs the coordinator's requests on every rank of a sharded trainer, at the points its loop allows.
 
-Requests reach rank 0 (the one that serves gRPC) at any time; gathering a sharded weight needs every
-rank. So rank 0 queues each request, and while the loop sits in `publish()` every rank serves them in
-step: rank 0 broadcasts what comes next (an op and a count as an int64 tensor, then any payload as
-bytes, protobuf or text: no pickle), then all ranks run it. A request is a number of passes over the
-source (see rlsync.transfer.source), or a handler every rank runs with the payload (offload, onload,
-a training step of a sharded trainer).
+Requests reach rank 0 (the one that serves gRPC) at any time; a sharded model's ranks each send their
+own shards and add their share to an audit, so every rank must take part. So rank 0 queues each
+request, and while the loop sits in `publish()` every rank serves them in step: rank 0 broadcasts
+what comes next (an op and a count as an int64 tensor, then any payload as bytes, protobuf or text:
+no pickle), then all ranks run it. A request is a handler every rank runs with the payload (a routed
+send, an audit, offload, onload, a training step of a sharded trainer), or a number of passes over a
+streamed source (see rlsync.transfer.source).
 """
 
 from __future__ import annotations
@@ -186,9 +187,10 @@ class PublishPoints:
                 if self.handlers.get(op) is not None:
                     self.handlers[op](payload)
                 continue
-            source = self.source()
-            for _ in range(count):
-                run_pass(source)
+            if count:
+                source = self.source()
+                for _ in range(count):
+                    run_pass(source)
 
     @staticmethod
     def _finish_passes(source, left: int) -> None:

@@ -86,7 +86,8 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
         version, report = await self.publisher.publish(request.transfer_id, list(request.answers), request.timeout)
         return pb.PublishWeightsResponse(version=version, bytes=report.nbytes, seconds=report.seconds,
                                          data_seconds=report.data_seconds, backends=report.backends,
-                                         profile=report.profile, wire_bytes=report.wire_bytes)
+                                         profile=report.profile, wire_bytes=report.wire_bytes,
+                                         rank_bytes=report.rank_bytes)
 
     @unary
     async def GetWeightChecksums(self, request: weights_pb2.GetWeightChecksumsRequest, context):

@@ -99,6 +99,8 @@ def box_sums(values: torch.Tensor, box: tuple[tuple[int, int], ...], shape: tupl
     of a tensor cut into parts are the sums of its parts, modulo 2^64, however it is cut. `values`:
     the box's elements (its shape). Rows of the box go a few at a time (positions take 8 bytes a byte)."""
     values = values.detach().contiguous()
+    if not values.numel():
+        return 0, 0
     itemsize = values.element_size()
     strides = [1] * len(shape)
     for d in range(len(shape) - 2, -1, -1):

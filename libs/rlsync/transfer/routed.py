@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rlsync.errors import DeadlineExceeded, Unavailable
+from rlsync.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from rlsync.transfer.backends.base import sync
 from rlsync.transfer.control import Deadline
 from rlsync.transfer.manifest import Spec
@@ -127,11 +127,28 @@ def send(pg, routes: Routes, rank: int, piece: Callable[[Piece], torch.Tensor], 
         return _send(pg, routes, rank, piece, bucket_bytes, window, device)
 
 
+class _Slots:
+    """WINDOW staging buffers of a bucket each, allocated when first needed (a member that sends or
+    lands every bucket in place never needs them)."""
+
+    def __init__(self, bucket_bytes: int, device: torch.device):
+        self.bucket_bytes, self.device, self.slots, self.turn = bucket_bytes, device, [], 0
+
+    def next(self, nbytes: int) -> torch.Tensor:
+        if len(self.slots) < WINDOW:
+            self.slots.append(torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device))
+        slot = self.slots[self.turn % WINDOW]
+        self.turn += 1
+        return slot[:nbytes]
+
+
 def _send(pg, routes, rank, piece, bucket_bytes, window, device) -> int:
-    slots = [torch.empty(bucket_bytes, dtype=torch.uint8, device=device) for _ in range(WINDOW)]
+    slots = _Slots(bucket_bytes, device)
     current: dict[int, tuple[int, torch.Tensor]] = {}  # transfer -> (piece index, its bytes): one piece each
-    sent, turn = 0, 0
-    for op in schedule(routes, bucket_bytes):
+    ops = schedule(routes, bucket_bytes)
+    last = {op.transfer: op.tag for op in ops}  # each transfer's last bucket: its piece goes after it
+    sent = 0
+    for op in ops:
         transfer = routes.transfers[op.transfer]
         if transfer.src != rank:
             continue
@@ -152,13 +169,14 @@ def _send(pg, routes, rank, piece, bucket_bytes, window, device) -> int:
                 (view := bytes_of(s.tensor)[s.src:s.src + s.length]).device == device:
             pass  # one piece's bytes, contiguous: sent from where they are
         else:  # packed slice by slice, so no two pieces are held at once
-            view = slots[turn % WINDOW][:op.bucket.nbytes]
-            turn += 1
+            view = slots.next(op.bucket.nbytes)
             for s in op.bucket.slices:
                 view[s.dst:s.dst + s.length].copy_(bytes_of(s.tensor)[s.src:s.src + s.length], non_blocking=True)
             sync(device)
         works = [pg.send([view], routes.senders + dst, op.tag) for dst in transfer.dsts]
         window.add(works)
+        if last[op.transfer] == op.tag:
+            current.pop(op.transfer, None)  # a view in flight keeps what it sends; nothing else is held
         sent += op.bucket.nbytes * len(transfer.dsts)
     window.drain()
     return sent
@@ -172,6 +190,10 @@ def destinations(routes: Routes, rank: int, specs: Sequence[Spec], staging: Mapp
     for transfer in routes.of_receiver(rank):
         for p in transfer.pieces:
             spec = specs[p.tensor]
+            if spec.name not in staging:
+                raise InvalidArgument(f"engine rank {rank} loads {spec.name!r}{[list(b) for b in p.box]} by its "
+                                      "layout, but has no staging for it: the layout it answered with and the "
+                                      "tensors it staged disagree")
             box, tensor = staging[spec.name]
             name = piece_name(spec.name, p.box)
             region = relative(p.box, box)
@@ -193,8 +215,7 @@ def receive(pg, routes: Routes, rank: int, writer: DestWriter, bucket_bytes: int
 
 
 def _receive(pg, routes, first, writer, bucket_bytes, window, device) -> int:
-    slots = [torch.empty(bucket_bytes, dtype=torch.uint8, device=device) for _ in range(WINDOW)]
-    turn = 0
+    slots = _Slots(bucket_bytes, device)
     for op in schedule(routes, bucket_bytes):
         if op.transfer not in first:
             continue
@@ -204,8 +225,7 @@ def _receive(pg, routes, first, writer, bucket_bytes, window, device) -> int:
         view = span(parts) if all(p is not None for p in parts) else None
         in_place = view is not None and view.device == device
         if not in_place:
-            view = slots[turn % WINDOW][:op.bucket.nbytes]
-            turn += 1
+            view = slots.next(op.bucket.nbytes)
 
         def land(op=op, base=base, view=view, in_place=in_place):
             for s in op.bucket.slices:

@@ -38,6 +38,7 @@ class Report:
     profile: dict[str, float] = field(default_factory=dict)  # seconds per stage (see WeightSender.send)
     wire_bytes: int = 0  # payload bytes sent, summed over backends: below nbytes when deltas went out
     copied: bytes = b""  # a pull answered before its copy completed: the CUDA IPC event after it
+    rank_bytes: list[int] = field(default_factory=list)  # a routed transfer: payload bytes each trainer rank sent
 
     @property
     def gbps(self) -> float:
@@ -56,7 +57,7 @@ class WeightSender:
         sender.send(offer, answers, timeout=120)     # answers: what each receiver replied
 
     `tensors` is a mapping of whole tensors, or a source (rlsync.transfer.source) whose tensors are
-    produced while the transfer runs (gathered from shards, cast on the fly). Every offer has a new
+    produced while the transfer runs (cast or fused on the fly). Every offer has a new
     transfer id and single-use token. One-copy is used (unless one_copy=False) when the tensors
     already live in memory a receiver can map: any contiguous CUDA tensors, or CPU tensors
     allocated from `arena`.

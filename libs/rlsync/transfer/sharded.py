@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import secrets
+import threading
 import time
 import traceback
 import uuid
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from rlsync.address import reachable_host
-from rlsync.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rlsync.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
 from rlsync.transfer import routed
 from rlsync.transfer.control import Deadline
 from rlsync.transfer.handshake import NAMES, PROTOCOL_VERSION, local_facts
@@ -77,12 +78,25 @@ def _store(address: str, master: bool, timeout: float) -> dist.TCPStore:
                          timeout=datetime.timedelta(seconds=timeout))
 
 
+# A group forms when every member has joined; one that never comes (dead before the transfer) must not
+# hold the others for the whole transfer deadline.
+JOIN_SECONDS = 30.0
+
+
 def _roster_key(offer: pb.Offer) -> str:
     return f"rlsync-routed/{offer.transfer_id}/roster"
 
 
+def _refused_key(offer: pb.Offer) -> str:
+    return f"rlsync-routed/{offer.transfer_id}/refused"
+
+
 def engine_layout(specs: Sequence[Spec], answers: Sequence[pb.Answer]) -> Layout:
     """Every receiver rank of the roster, replica after replica."""
+    for a in answers:
+        if len(a.layout) != a.ranks:
+            raise InvalidArgument(f"{a.receiver_id!r} answered for {a.ranks} ranks with a layout of {len(a.layout)}: "
+                                  "answer a routed offer with one layout per rank")
     return layout_of(specs, [rank for a in answers for rank in a.layout])
 
 
@@ -161,13 +175,19 @@ class ShardedSender:
         return Report(sent, seconds, {NAMES[self.backends[0]]: sum(a.ranks for a in answers)}, seconds,
                       {"data": seconds}, sent)
 
+    def refuse(self, offer: pb.Offer, reason: str) -> None:
+        """Rank 0: tells the receivers waiting for this offer's roster that no send will come, and why."""
+        if self._store is not None:
+            self._store.set(_refused_key(offer), reason.encode())
+
     def close(self) -> None:
         self._store = None
 
 
 def _join(store, gid: str, rank: int, world: int, device: torch.device, deadline: Deadline):
     try:
-        return routed.group(store, gid, rank, world, device, deadline.remaining("forming the routed group"))
+        return routed.group(store, gid, rank, world, device,
+                            min(JOIN_SECONDS, deadline.remaining("forming the routed group")))
     except dist.DistError as e:
         raise Unavailable(f"forming the routed group {gid[:12]} failed, a member is gone or unreachable: {e}") from e
 
@@ -191,15 +211,21 @@ class RoutedReceiver:
                                           f"(version {offer.manifest.version})")
         self.start = time.perf_counter()
         self._pg = None
+        self._closed = threading.Event()
 
     def _roster(self, store) -> tuple[list[pb.Answer], int]:
         """The replicas taking part (as the trainer's rank 0 put them), and this rank's place among
-        all their ranks."""
-        key = _roster_key(self.offer)
+        all their ranks. Waits for it until the deadline, a refusal from the trainer, or close()."""
+        key, refused = _roster_key(self.offer), _refused_key(self.offer)
         try:
-            store.wait([key], datetime.timedelta(seconds=self.deadline.remaining("waiting for the trainer to send")))
+            while not store.check([key]):
+                if store.check([refused]):
+                    raise Unavailable(f"{self.deadline.what}: {store.get(refused).decode(errors='replace')}")
+                if self._closed.wait(0.02):
+                    raise Aborted(f"{self.deadline.what}: closed before the trainer sent")
+                self.deadline.remaining("waiting for the trainer to send")
         except dist.DistError as e:
-            raise Unavailable(f"{self.deadline.what}: the trainer did not start sending ({e})") from e
+            raise Unavailable(f"{self.deadline.what}: the trainer's store is gone ({e})") from e
         answers = list(pb.RoutedSend.FromString(store.get(key)).answers)
         ids = [a.receiver_id for a in answers]
         if self.answer.receiver_id not in ids:
@@ -229,7 +255,10 @@ class RoutedReceiver:
         return Report(nbytes, time.perf_counter() - self.start, {NAMES[self.answer.backend]: 1})
 
     def close(self) -> None:
-        """Ends the transfer from another thread: run() then fails instead of waiting on."""
+        """Ends the transfer from another thread: run() then fails instead of waiting on, and lets go
+        of the staging it was to write."""
+        self._closed.set()
+        self.staging = {}
         pg = self._pg
         if pg is not None:
             try:

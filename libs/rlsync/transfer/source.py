@@ -7,8 +7,8 @@ Two kinds, one interface for the channels (`job.sources[i]` is tensor i's bytes,
 - ResidentSource: whole tensors already in memory (a flat parameter store, a state dict). Channels
   index them in any order, several backends at once; a receiver may map them (one copy).
 - StreamedSource: each tensor is produced on demand, in manifest order, and dropped when the next
-  one is asked for: gathered from shards (FSDP2, tensor parallel) or cast on the fly. A pass walks
-  every tensor exactly once, so ranks that take part in a gather can run the same sequence blind.
+  one is asked for: cast or fused on the fly. A pass walks every tensor exactly once (a `produce`
+  that is a collective would have every rank run the same sequence blind).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class Pass(Sequence):
         except torch.OutOfMemoryError as e:
             raise ResourceExhausted(f"out of memory producing {s.name!r} ({s.nbytes} bytes) for the transfer: "
                                     "use smaller buckets, or free memory before publishing") from e
-        except RuntimeError as e:  # a gather whose peer rank died, most often
+        except RuntimeError as e:  # a collective whose peer rank died, most often
             raise Unavailable(f"producing {s.name!r} for the transfer failed (did a rank of the trainer die?): "
                               f"{e}") from e
         if tuple(t.shape) != s.shape or t.dtype != s.dtype:

@@ -190,7 +190,7 @@ class PublishWeightsRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., answers: _Optional[_Iterable[_Union[_transfer_pb2.Answer, _Mapping]]] = ..., timeout: _Optional[float] = ...) -> None: ...
 
 class PublishWeightsResponse(_message.Message):
-    __slots__ = ("version", "bytes", "seconds", "data_seconds", "backends", "profile", "wire_bytes")
+    __slots__ = ("version", "bytes", "seconds", "data_seconds", "backends", "profile", "wire_bytes", "rank_bytes")
     class BackendsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +212,7 @@ class PublishWeightsResponse(_message.Message):
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RANK_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: int
     bytes: int
     seconds: float
@@ -219,4 +220,5 @@ class PublishWeightsResponse(_message.Message):
     backends: _containers.ScalarMap[str, int]
     profile: _containers.ScalarMap[str, float]
     wire_bytes: int
-    def __init__(self, version: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., data_seconds: _Optional[float] = ..., backends: _Optional[_Mapping[str, int]] = ..., profile: _Optional[_Mapping[str, float]] = ..., wire_bytes: _Optional[int] = ...) -> None: ...
+    rank_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., data_seconds: _Optional[float] = ..., backends: _Optional[_Mapping[str, int]] = ..., profile: _Optional[_Mapping[str, float]] = ..., wire_bytes: _Optional[int] = ..., rank_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
