@@ -11,30 +11,37 @@ import runpy
 import sys
 
 fault = os.environ.get("RLSYNC_FAULT", "")
+
+
+class _Dying:
+    """A process group whose `method` kills this process (no cleanup) once called more than `limit` times."""
+
+    def __init__(self, group, method: str, limit: int, count: dict):
+        self._group, self._method, self._limit, self._count = group, method, limit, count
+
+    def __getattr__(self, name):
+        attr = getattr(self._group, name)
+        if name != self._method:
+            return attr
+
+        def dying(*args, **kwargs):
+            self._count["n"] += 1
+            if self._count["n"] > self._limit:
+                os._exit(9)
+            return attr(*args, **kwargs)
+        return dying
+
+
 if fault.startswith("die_after_broadcasts:"):
     from rlsync.transfer.backends import collective
 
     limit, count = int(fault.split(":")[1]), {"n": 0}
-
-    class _Dying:
-        def __init__(self, group):
-            self._group = group
-
-        def broadcast(self, *args, **kwargs):
-            count["n"] += 1
-            if count["n"] > limit:
-                os._exit(9)
-            return self._group.broadcast(*args, **kwargs)
-
-        def __getattr__(self, name):
-            return getattr(self._group, name)
-
     real = collective._Broadcast._join
 
     def _join(self, job):
         session = real(self, job)
         if not isinstance(session.group, _Dying):
-            session.group = _Dying(session.group)
+            session.group = _Dying(session.group, "broadcast", limit, count)
         return session
 
     collective._Broadcast._join = _join
@@ -43,22 +50,8 @@ if fault.startswith("die_after_receives:"):
     from rlsync.transfer import routed
 
     limit, count = int(fault.split(":")[1]), {"n": 0}
-
-    class _DyingGroup:
-        def __init__(self, group):
-            self._group = group
-
-        def recv(self, *args, **kwargs):
-            count["n"] += 1
-            if count["n"] > limit:
-                os._exit(9)
-            return self._group.recv(*args, **kwargs)
-
-        def __getattr__(self, name):
-            return getattr(self._group, name)
-
     real_receive = routed.receive
-    routed.receive = lambda pg, *args, **kwargs: real_receive(_DyingGroup(pg), *args, **kwargs)
+    routed.receive = lambda pg, *args, **kwargs: real_receive(_Dying(pg, "recv", limit, count), *args, **kwargs)
 
 if fault.startswith("corrupt_base_at:"):
     from rlsync.transfer import delta
