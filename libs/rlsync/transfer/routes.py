@@ -16,6 +16,7 @@ layouts (`cached_routes`) and never travels: both sides compute it.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -154,15 +155,18 @@ def plan_routes(trainer: Layout, engine: Layout) -> Routes:
         # (sender, receivers, the sender's box it comes from) -> cells: a piece never spans two boxes
         # of its sender (two parts of a fused tensor lie in two tensors there).
         cells: dict[tuple[int, tuple[int, ...], Box], list[Box]] = defaultdict(list)
-        for cell in _cells(info.shape, [b for _, b in holders] + [b for _, b in needers]):
-            dsts = tuple(sorted({r for r, b in needers if contains(b, cell)}))
-            if not dsts:
-                continue
-            owners = [(r, b) for r, b in holders if contains(b, cell)]
+        grid = _Grid(info.shape, [b for _, b in holders] + [b for _, b in needers])
+        wanted = grid.covering(needers)
+        owning = grid.covering(holders)
+        for key in sorted(wanted):
+            cell = grid.cell(key)
+            dsts = tuple(sorted({r for r, _ in wanted[key]}))
+            owners = owning.get(key)
             if not owners:
                 raise InvalidArgument(f"no trainer rank holds {info.name!r}{list(map(list, cell))}, which engine rank "
                                       f"{dsts[0]} loads: the trainer's layout does not cover the tensor")
-            src, held = min(owners, key=lambda o: (load[o[0]], o[0]))
+            src = min((r for r, _ in owners), key=lambda r: (load[r], r))
+            held = next(b for r, b in owners if r == src)
             load[src] += volume(cell) * info.itemsize
             cells[(src, dsts, held)].append(cell)
         for (src, dsts, _), boxes in sorted(cells.items()):
@@ -195,15 +199,26 @@ def _check_same_tensors(a: Sequence[TensorInfo], b: Sequence[TensorInfo]) -> Non
                           + "; ".join(problems[:8]) + (f" (+{len(problems) - 8} more)" if len(problems) > 8 else ""))
 
 
-def _cells(shape: tuple[int, ...], boxes: list[Box]) -> list[Box]:
-    """The grid every box edge cuts the tensor into (cells of no volume left out)."""
-    if not shape:
-        return [()]
-    cuts = []
-    for dim, size in enumerate(shape):
-        edges = sorted({0, size, *(b[dim][0] for b in boxes), *(b[dim][1] for b in boxes)})
-        cuts.append(list(zip(edges, edges[1:])))
-    return [tuple(c) for c in product(*cuts)]
+class _Grid:
+    """The grid every box edge cuts a tensor into, indexed: a cell is a tuple of interval indices, one
+    per dimension, and each box covers a block of them (found by bisection), so finding who holds or
+    loads each cell costs the cells each box covers, not cells times boxes."""
+
+    def __init__(self, shape: tuple[int, ...], boxes: list[Box]):
+        self.edges = [sorted({0, size, *(b[d][0] for b in boxes), *(b[d][1] for b in boxes)})
+                      for d, size in enumerate(shape)]
+
+    def covering(self, owned: list[tuple[int, Box]]) -> dict[tuple[int, ...], list[tuple[int, Box]]]:
+        """cell key -> the (rank, box) of every box that covers the cell (cells of no volume left out)."""
+        out: dict[tuple[int, ...], list[tuple[int, Box]]] = defaultdict(list)
+        for rank, box in owned:
+            ranges = [range(bisect_left(e, a), bisect_left(e, b)) for e, (a, b) in zip(self.edges, box)]
+            for key in product(*ranges):
+                out[key].append((rank, box))
+        return out
+
+    def cell(self, key: tuple[int, ...]) -> Box:
+        return tuple((e[i], e[i + 1]) for e, i in zip(self.edges, key))
 
 
 def _merge(boxes: list[Box]) -> list[Box]:
