@@ -8,7 +8,8 @@ engine rank receives only the boxes it loads), for K trainer ranks (FSDP2 over g
 Per case and path: sync seconds (median of --repeats after a warm-up), the peak extra memory of every
 trainer rank against its bound (two buckets plus the largest slice it sends), staging per engine rank
 against its shard, bytes received per engine rank over its shard. Offers and answers travel through
-the TCPStore the processes share (protobuf bytes), as they would through the coordinator.
+the TCPStore the processes share (protobuf bytes), as they would through the coordinator. Last, how
+long planning the routes takes at scale (256 trainer ranks into 4 TP=8 replicas, 50 tensors).
 """
 
 from __future__ import annotations
@@ -210,6 +211,20 @@ def run_case(args, k: int, g: int) -> dict:
     return case
 
 
+def plan_seconds(k: int = 256, replicas: int = 4, tp: int = 8, tensors: int = 50, n: int = 4096) -> dict:
+    """How long planning takes at scale: k row shards of `tensors` n x n tensors into `replicas`
+    tensor-parallel replicas of `tp` ranks that split columns (every cell its own piece)."""
+    from rlsync.transfer.routes import TensorInfo, layout, plan_routes
+
+    infos = [TensorInfo(f"t{i}", (n, n), 2) for i in range(tensors)]
+    trainer = layout(infos, [[[(chunks(n, k)[r], (0, n))] for _ in infos] for r in range(k)])
+    engine = layout(infos, [[[((0, n), chunks(n, tp)[e % tp])] for _ in infos] for e in range(replicas * tp)])
+    start = time.perf_counter()
+    routes = plan_routes(trainer, engine)
+    return {"trainer_ranks": k, "replicas": replicas, "tp": tp, "tensors": tensors, "shape": [n, n],
+            "transfers": len(routes.transfers), "seconds": round(time.perf_counter() - start, 3)}
+
+
 def main() -> None:
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:  # freed blocks go back to the OS: RSS shows what is held
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
@@ -230,8 +245,10 @@ def main() -> None:
             case = run_case(args, k, g)
             print(json.dumps(case), flush=True)
             cases.append(case)
+    plan = plan_seconds()
+    print(json.dumps({"plan": plan}), flush=True)
     print(json.dumps({"preset": args.preset, "device": "cpu", "bucket_bytes": args.bucket_mib << 20,
-                      "cases": cases}))
+                      "cases": cases, "plan": plan}))
 
 
 if __name__ == "__main__":
