@@ -63,6 +63,7 @@ def main() -> None:
             if rank == 0:
                 print(json.dumps({"step": step, "loss": round(float(loss), 4), "version": sync.version,
                                   "sync_seconds": round(sync.seconds, 4), "bytes": sync.bytes,
+                                  "rank_bytes": list(sync.trainer_rank_bytes),
                                   "verified": sync.verified}), flush=True)
         if args.save:
             from safetensors.torch import save_file

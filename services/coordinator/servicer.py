@@ -34,7 +34,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         return pb.SyncWeightsResponse(version=r.version, mode=MODES[self.core.cfg.sync_mode], phases=r.phases,
                                       seconds=r.seconds, replicas=r.replicas, bytes=r.bytes, backends=r.backends,
                                       verified=r.verified, transfer_profile=r.transfer_profile,
-                                      wire_bytes=r.wire_bytes)
+                                      wire_bytes=r.wire_bytes, trainer_rank_bytes=r.trainer_rank_bytes)
 
     @unary
     async def GetStatus(self, request, context) -> pb.FleetStatus:

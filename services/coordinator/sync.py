@@ -34,6 +34,7 @@ class SyncResult:
     verified: bool = False
     transfer_profile: dict[str, float] = field(default_factory=dict)
     wire_bytes: int = 0
+    trainer_rank_bytes: list[int] = field(default_factory=list)
 
 
 class Syncer:
@@ -178,7 +179,7 @@ class Syncer:
             seconds = time.perf_counter() - start - verify_seconds
             _record(self.cfg.sync_mode, seconds, phases, push)
             return SyncResult(push.version, phases, seconds, len(replicas), push.bytes, push.backends, verified,
-                              push.profile, push.wire_bytes)
+                              push.profile, push.wire_bytes, push.rank_bytes)
 
     async def _survivors(self, replicas: list[Member]) -> list[Member]:
         """The replicas still alive; the others leave the rotation now rather than at their lease

@@ -111,6 +111,9 @@ def test_fsdp2_into_a_tensor_parallel_vllm_replica_routes_each_worker_its_boxes(
     served = {t.name for t in replica.checksums().tensors}  # the checkpoint's (a tied lm_head is not one)
     split, held_whole = _tp_split({n: t for n, t in load_file(saved).items() if n in served})
     assert list(info.received_bytes) == [split // 2 + held_whole] * 2, "each worker received exactly its boxes"
+    sent = steps[-1]["rank_bytes"]  # what each trainer rank sent: together every received byte, each its share
+    assert len(sent) == world and sum(sent) == sum(info.received_bytes), sent
+    assert max(sent) <= 1.25 * sum(sent) / world, f"rank 0 sends no more than its share: {sent}"
 
 
 def _tp_split(tensors: dict[str, torch.Tensor]) -> tuple[int, int]:

@@ -41,6 +41,7 @@ class PushReport:
     profile: dict[str, float] = field(default_factory=dict)  # the transfer phase broken down
     channels: list[str] = field(default_factory=list)  # the backend each rollout chose, in their order
     wire_bytes: int = 0  # what the trainer sent (deltas: only what changed; pulled replicas copied theirs)
+    rank_bytes: list[int] = field(default_factory=list)  # a sharded trainer: what each of its ranks sent
 
 
 async def _ring_here(doorbells: list[Doorbell], ring_one) -> list:
@@ -175,7 +176,8 @@ def _report(offer, pub, phases: dict[str, float], answers: list, rung: list[bool
         for stage, seconds in pub.profile.items():  # the slowest receiver, pulled or pushed
             profile[stage] = max(profile.get(stage, 0.0), seconds)
     return PushReport(offer.manifest.version, sum(t.nbytes for t in offer.manifest.tensors), backends, phases,
-                      profile, channels, pub.wire_bytes if pub is not None else 0)
+                      profile, channels, pub.wire_bytes if pub is not None else 0,
+                      list(pub.rank_bytes) if pub is not None else [])
 
 
 def _bells(doorbells: list[Doorbell | None] | None, n: int) -> list[Doorbell]:

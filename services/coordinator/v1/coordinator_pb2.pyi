@@ -50,7 +50,7 @@ class SyncWeightsRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., force_backend: _Optional[str] = ..., verify: _Optional[bool] = ...) -> None: ...
 
 class SyncWeightsResponse(_message.Message):
-    __slots__ = ("version", "mode", "phases", "seconds", "replicas", "bytes", "backends", "verified", "transfer_profile", "wire_bytes")
+    __slots__ = ("version", "mode", "phases", "seconds", "replicas", "bytes", "backends", "verified", "transfer_profile", "wire_bytes", "trainer_rank_bytes")
     class PhasesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class SyncWeightsResponse(_message.Message):
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_PROFILE_FIELD_NUMBER: _ClassVar[int]
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_RANK_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: int
     mode: SyncMode
     phases: _containers.ScalarMap[str, float]
@@ -92,7 +93,8 @@ class SyncWeightsResponse(_message.Message):
     verified: bool
     transfer_profile: _containers.ScalarMap[str, float]
     wire_bytes: int
-    def __init__(self, version: _Optional[int] = ..., mode: _Optional[_Union[SyncMode, str]] = ..., phases: _Optional[_Mapping[str, float]] = ..., seconds: _Optional[float] = ..., replicas: _Optional[int] = ..., bytes: _Optional[int] = ..., backends: _Optional[_Mapping[str, int]] = ..., verified: _Optional[bool] = ..., transfer_profile: _Optional[_Mapping[str, float]] = ..., wire_bytes: _Optional[int] = ...) -> None: ...
+    trainer_rank_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., mode: _Optional[_Union[SyncMode, str]] = ..., phases: _Optional[_Mapping[str, float]] = ..., seconds: _Optional[float] = ..., replicas: _Optional[int] = ..., bytes: _Optional[int] = ..., backends: _Optional[_Mapping[str, int]] = ..., verified: _Optional[bool] = ..., transfer_profile: _Optional[_Mapping[str, float]] = ..., wire_bytes: _Optional[int] = ..., trainer_rank_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()
