@@ -17,8 +17,7 @@ import torch.distributed as dist
 from rlsync.errors import InvalidArgument
 from rlsync.publish.mapping import Entry
 from rlsync.transfer.checksum import box_sums
-from rlsync.transfer.routes import (
-    Box, Layout, Piece, TensorInfo, cached_routes, chunks, contains, layout, relative, volume, whole)
+from rlsync.transfer.routes import Box, Layout, Piece, TensorInfo, chunks, contains, layout, relative, share, whole
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -104,16 +103,13 @@ class RankShards:
         """This rank's share of each engine tensor's checksum sums (checksum.box_sums), cast to `dtype`
         when given: routes from every rank's boxes to one whole copy split each tensor among the ranks
         (a replicated box counts once), so the ranks' shares add up to the whole tensor's sums."""
-        one = layout(self.layout.tensors, [[[whole(t.shape)] if volume(whole(t.shape)) else []
-                                            for t in self.layout.tensors]])
         sums = [(0, 0)] * len(self.entries)
-        for transfer in cached_routes(self.layout, one).of_sender(self.rank):
-            for p in transfer.pieces:
-                values = self.piece(p)
-                if dtype is not None and values.is_floating_point():
-                    values = values.to(dtype)
-                s1, s2 = box_sums(values, p.box, self.entries[p.tensor].shape)
-                sums[p.tensor] = (sums[p.tensor][0] + s1, sums[p.tensor][1] + s2)
+        for p in share(self.layout, self.rank):
+            values = self.piece(p)
+            if dtype is not None and values.is_floating_point():
+                values = values.to(dtype)
+            s1, s2 = box_sums(values, p.box, self.entries[p.tensor].shape)
+            sums[p.tensor] = (sums[p.tensor][0] + s1, sums[p.tensor][1] + s2)
         return sums
 
 

@@ -181,6 +181,13 @@ def cached_routes(trainer: Layout, engine: Layout) -> Routes:
     return plan_routes(trainer, engine)
 
 
+def share(held: Layout, rank: int) -> list[Piece]:
+    """The pieces `rank` covers when each tensor is split once among the ranks that hold it (routes to
+    one whole copy; a box several ranks hold counts once): what its share of a checksum is summed over."""
+    one = layout(held.tensors, [[[whole(t.shape)] if volume(whole(t.shape)) else [] for t in held.tensors]])
+    return [p for transfer in cached_routes(held, one).of_sender(rank) for p in transfer.pieces]
+
+
 def _check_same_tensors(a: Sequence[TensorInfo], b: Sequence[TensorInfo]) -> None:
     if tuple(a) == tuple(b):
         return

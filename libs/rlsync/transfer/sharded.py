@@ -18,6 +18,7 @@ operations at a time.
 from __future__ import annotations
 
 import datetime
+import math
 import secrets
 import threading
 import time
@@ -49,7 +50,7 @@ def to_layout_proto(held: Sequence[Sequence[Box]]) -> pb.RankLayout:
 
 def layout_of(specs: Sequence[Spec], ranks: Sequence[pb.RankLayout]) -> Layout:
     """The Layout the ranks describe, checked against the manifest's tensors."""
-    infos = [TensorInfo(s.name, tuple(s.shape), s.nbytes // max(_numel(s.shape), 1) if s.nbytes else
+    infos = [TensorInfo(s.name, tuple(s.shape), s.nbytes // max(math.prod(s.shape), 1) if s.nbytes else
                         torch.empty((), dtype=s.dtype).element_size()) for s in specs]
     held = []
     for r, rank in enumerate(ranks):
@@ -62,14 +63,7 @@ def layout_of(specs: Sequence[Spec], ranks: Sequence[pb.RankLayout]) -> Layout:
 
 def whole_layout(specs: Sequence[Spec]) -> pb.RankLayout:
     """A receiver rank that loads every tensor whole (an engine without tensor parallelism)."""
-    return to_layout_proto([[whole(s.shape)] if _numel(s.shape) else [] for s in specs])
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return to_layout_proto([[whole(s.shape)] if math.prod(s.shape) else [] for s in specs])
 
 
 def _store(address: str, master: bool, timeout: float) -> dist.TCPStore:

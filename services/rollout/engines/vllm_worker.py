@@ -22,7 +22,7 @@ from rlsync.rollout.staging import StagedUpdate, ensure_room
 from rlsync.transfer import answer, audit_entry, from_proto
 from rlsync.transfer.checksum import box_sums
 from rlsync.transfer.dtypes import dtype_name
-from rlsync.transfer.routes import cached_routes, layout, relative, volume, whole
+from rlsync.transfer.routes import relative, share
 from rlsync.transfer.sharded import layout_of, to_layout_proto
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
@@ -142,19 +142,15 @@ class RlsyncWorkerExtension:
         among them (routes from their boxes to one whole copy, so a box two workers hold counts once)
         and each adds up the sums of its part (checksum.box_sums); the replica adds the shares."""
         specs = from_proto(update.receiver.offer.manifest)
-        held = layout_of(specs, update.receiver.answer.layout)
-        one = layout(held.tensors, [[[whole(t.shape)] if volume(whole(t.shape)) else [] for t in held.tensors]])
-        views, out = staging.views(), {}
-        for s in specs:
-            out[s.name] = [dtype_name(s.dtype), list(s.shape), s.nbytes, 0, 0]
-        for transfer in cached_routes(held, one).of_sender(self.rank):
-            for p in transfer.pieces:
-                s = specs[p.tensor]
-                region = relative(p.box, staging.boxes[s.name])
-                values = views[s.name][tuple(slice(a, b) for a, b in region)] if region else views[s.name]
-                s1, s2 = box_sums(values, p.box, s.shape)
-                out[s.name][3] += s1
-                out[s.name][4] += s2
+        views = staging.views()
+        out = {s.name: [dtype_name(s.dtype), list(s.shape), s.nbytes, 0, 0] for s in specs}
+        for p in share(layout_of(specs, update.receiver.answer.layout), self.rank):
+            s = specs[p.tensor]
+            region = relative(p.box, staging.boxes[s.name])
+            values = views[s.name][tuple(slice(a, b) for a, b in region)] if region else views[s.name]
+            s1, s2 = box_sums(values, p.box, s.shape)
+            out[s.name][3] += s1
+            out[s.name][4] += s2
         return out
 
     def rlsync_abort(self) -> None:
