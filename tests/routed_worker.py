@@ -1,7 +1,10 @@
-"""One member of a routed transfer (started by a test): ROLE=trainer ranks hold DTensor shards of every
-placement a trainer may use (FSDP2's fully_shard among them) and send what the routes ask of them;
-ROLE=engine ranks receive the boxes a tensor-parallel engine loads and check them bit for bit against
-the whole tensors. Every member prints one JSON line."""
+"""One member of a routed transfer (started by a test), through the library's two ends (ShardedSender,
+RoutedReceiver): ROLE=trainer ranks hold DTensor shards of every placement a trainer may use (FSDP2's
+fully_shard among them) and send what the routes ask of them; ROLE=engine ranks are one replica's
+tensor-parallel ranks, which load the boxes such an engine loads and check them bit for bit against
+the whole tensors. DEVICE=cuda puts every member on one GPU (receiver ranks then pull). Trainer rank 0
+hosts a board (ROUTED_STORE) where the offer and the replica's answer are passed. Every member prints
+one JSON line."""
 
 import json
 import os
@@ -13,17 +16,18 @@ import torch.distributed as dist
 from torch import nn
 
 from rlsync.publish import WeightMap
-from rlsync.publish.layout import RankShards
-from rlsync.transfer import routed
-from rlsync.transfer.control import Deadline
-from rlsync.transfer.manifest import Spec
+from rlsync.publish.source import module_source
+from rlsync.transfer import answer
+from rlsync.transfer.handshake import local_facts
 from rlsync.transfer.routes import TensorInfo, chunks, layout, plan_routes, volume, whole
-from rlsync.transfer.writer import DestWriter
+from rlsync.transfer.sharded import RoutedReceiver, to_layout_proto
+from rlsync.transfer.v1 import transfer_pb2 as pb
 
 ROLE, K, G = os.environ["ROLE"], int(os.environ["SENDERS"]), int(os.environ["RECEIVERS"])
 RANK = int(os.environ["RANK"])
-STORE = os.environ["ROUTED_STORE"]  # host:port; trainer rank 0 hosts it
+STORE = os.environ["ROUTED_STORE"]  # host:port of the board; trainer rank 0 hosts it
 BUCKET = int(os.environ.get("BUCKET", 1 << 12))
+DEVICE = torch.device(os.environ.get("DEVICE", "cpu"))
 
 
 def model() -> nn.Module:
@@ -37,7 +41,7 @@ def model() -> nn.Module:
     m.norm = nn.Parameter(torch.randn(16))  # replicated on the engine
     m.scalar = nn.Parameter(torch.randn(()))
     m.empty = nn.Parameter(torch.randn(0, 4))
-    return m
+    return m.to(DEVICE)
 
 
 WEIGHTS = WeightMap(dtype=torch.bfloat16, fuse={"qk": ["q", "k"]})
@@ -64,59 +68,74 @@ def engine_layout(entries):
 def main():
     whole_model = model()
     entries = WEIGHTS.plan([(n, tuple(p.shape), p.dtype) for n, p in whole_model.named_parameters()])
-    specs = [Spec(e.name, e.dtype, e.shape, volume(whole(e.shape)) * 2) for e in entries]
     host, port = STORE.rsplit(":", 1)
-    deadline = Deadline(60, "routed transfer")
+    board = dist.TCPStore(host, int(port), is_master=ROLE == "trainer" and RANK == 0, wait_for_workers=False)
     if ROLE == "trainer":
-        dist.init_process_group("gloo")
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-        mesh = init_device_mesh("cpu", (K,))
-        sharded = model()
-        scalar = sharded.scalar
-        del sharded.scalar  # FSDP2 refuses 0-dim parameters: it stays a plain tensor on every rank
-        fully_shard(sharded, mesh=mesh)  # FSDP2: Shard(0) on every parameter ...
-        sharded.scalar = scalar
-        with torch.no_grad():  # ... but o by columns and norm replicated, as tensor parallel would
-            sharded.o = nn.Parameter(distribute_tensor(whole_model.o.detach(), mesh, [Shard(1)]))
-            sharded.norm = nn.Parameter(distribute_tensor(whole_model.norm.detach(), mesh, [Replicate()]))
-        params = dict(sharded.named_parameters())
-        shards = RankShards(params, entries, RANK, K)
-        routes = plan_routes(shards.layout, engine_layout(entries))
-        store = dist.TCPStore(host, int(port), is_master=RANK == 0, wait_for_workers=False)
-        pg = routed.group(store, "test", RANK, K + G, torch.device("cpu"), 60)
-        start = time.perf_counter()
-        sent = routed.send(pg, routes, RANK, shards.piece, BUCKET, deadline, torch.device("cpu"))
-        print(json.dumps({"role": ROLE, "rank": RANK, "sent": sent, "planned": routes.sent_bytes()[RANK],
-                          "held": shards.layout.nbytes(RANK),
-                          "layout_as_expected": shards.layout == trainer_layout(entries),
-                          "seconds": time.perf_counter() - start}), flush=True)
-        dist.barrier()
-        dist.destroy_process_group()
+        trainer(whole_model, entries, board)
     else:
-        # The engine needs only the trainer's layout, which it computes from the shapes and placements
-        # (here: as the trainer ranks make them, without their processes).
-        trainer = trainer_layout(entries)
-        routes = plan_routes(trainer, engine_layout(entries))
-        mine = engine_layout(entries).held[RANK]
-        staging = {e.name: (boxes[0], torch.full(tuple(b - a for a, b in boxes[0]), float("nan"), dtype=e.dtype))
-                   for e, boxes in zip(entries, mine) if boxes}
-        piece_specs, views = routed.destinations(routes, RANK, specs, staging)
-        writer = DestWriter(piece_specs, views, torch.device("cpu"))
-        store = dist.TCPStore(host, int(port), is_master=False)
-        pg = routed.group(store, "test", K + RANK, K + G, torch.device("cpu"), 60)
-        received = routed.receive(pg, routes, RANK, writer, BUCKET, deadline, torch.device("cpu"))
-        full = {e.name: torch.cat([dict(whole_model.named_parameters())[p].detach() for p in e.parts]).to(e.dtype)
-                if len(e.parts) > 1 else dict(whole_model.named_parameters())[e.parts[0]].detach().to(e.dtype)
-                for e in entries}
-        wrong = [n for n, (box, t) in staging.items()
-                 if not torch.equal(t, full[n][tuple(slice(a, b) for a, b in box)] if box else full[n])]
-        print(json.dumps({"role": ROLE, "rank": RANK, "received": received,
-                          "loads": engine_layout(entries).nbytes(RANK), "wrong": wrong,
-                          "tensors": sorted(staging)}), flush=True)
+        engine(whole_model, entries, board)
     os._exit(0)  # see dtensor_worker.py: gloo's threads may still hold work objects at finalization
+
+
+def trainer(whole_model, entries, board):
+    dist.init_process_group("cpu:gloo,cuda:gloo" if DEVICE.type == "cuda" else "gloo")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = init_device_mesh(DEVICE.type, (K,))
+    sharded = model()
+    scalar = sharded.scalar
+    del sharded.scalar  # FSDP2 refuses 0-dim parameters: it stays a plain tensor on every rank
+    fully_shard(sharded, mesh=mesh)  # FSDP2: Shard(0) on every parameter ...
+    sharded.scalar = scalar
+    o = whole_model.o.detach()
+    columns = slice(*chunks(o.shape[1], K)[RANK])
+    with torch.no_grad():  # ... but o by columns and norm replicated, as tensor parallel would
+        sharded.o = nn.Parameter(DTensor.from_local(o[:, columns].contiguous(), mesh, [Shard(1)], run_check=False,
+                                                    shape=o.shape, stride=o.stride()))
+        sharded.norm = nn.Parameter(DTensor.from_local(whole_model.norm.detach().clone(), mesh, [Replicate()],
+                                                       run_check=False))
+    module, entries = module_source(sharded, WEIGHTS)  # in the manifest's order
+    sender = module.sender(bucket_bytes=BUCKET)
+    if RANK == 0:
+        board.set("offer", sender.offer(version=1).SerializeToString())
+    offer = pb.Offer.FromString(board.get("offer"))
+    ans = pb.Answer.FromString(board.get("answer"))
+    start = time.perf_counter()
+    report = sender.send(offer, [ans], timeout=60)
+    routes = plan_routes(module.shards.layout, engine_layout(entries))
+    print(json.dumps({"role": ROLE, "rank": RANK, "sent": report.wire_bytes, "planned": routes.sent_bytes()[RANK],
+                      "held": module.shards.layout.nbytes(RANK), "channels": report.backends,
+                      "layout_as_expected": module.shards.layout == trainer_layout(entries),
+                      "seconds": time.perf_counter() - start}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def engine(whole_model, entries, board):
+    """One rank of a tensor-parallel replica: rank 0 answers for all of them, with every rank's boxes."""
+    offer = pb.Offer.FromString(board.get("offer"))
+    order = [t.name for t in offer.manifest.tensors]
+    entries = sorted(entries, key=lambda e: order.index(e.name))  # laid out as the manifest lists them
+    mine = engine_layout(entries).held[RANK]
+    board.set(f"layout/{RANK}", to_layout_proto(mine, local_facts(DEVICE)).SerializeToString())
+    if RANK == 0:
+        layouts = [pb.RankLayout.FromString(board.get(f"layout/{e}")) for e in range(G)]
+        board.set("answer", answer(offer, "replica", device=DEVICE, ranks=G, layout=layouts).SerializeToString())
+    ans = pb.Answer.FromString(board.get("answer"))
+    staging = {e.name: torch.full(tuple(b - a for a, b in boxes[0]), float("nan"), dtype=e.dtype, device=DEVICE)
+               for e, boxes in zip(entries, mine) if boxes}
+    boxes = {e.name: boxes[0] for e, boxes in zip(entries, mine) if boxes}
+    report = RoutedReceiver(offer, ans, staging, rank=RANK, device=DEVICE, timeout=60, boxes=boxes).run()
+    params = dict(whole_model.named_parameters())
+    full = {e.name: (torch.cat([params[p].detach() for p in e.parts]) if len(e.parts) > 1 else
+                     params[e.parts[0]].detach()).to(e.dtype) for e in entries}
+    wrong = [n for n, t in staging.items()
+             if not torch.equal(t, full[n][tuple(slice(a, b) for a, b in boxes[n])] if boxes[n] else full[n])]
+    print(json.dumps({"role": ROLE, "rank": RANK, "received": report.nbytes, "channels": report.backends,
+                      "loads": engine_layout(entries).nbytes(RANK), "wrong": wrong,
+                      "tensors": sorted(staging)}), flush=True)
 
 
 def trainer_layout(entries):

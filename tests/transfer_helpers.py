@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +16,33 @@ import torch
 TESTS = Path(__file__).resolve().parent  # on PYTHONPATH of peers: fault_injection lives here
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
           torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_routed(senders: int, receivers: int, bucket: int, device: str = "cpu") -> list[dict]:
+    """A routed transfer between real processes (routed_worker.py): `senders` trainer ranks, one replica
+    of `receivers` tensor-parallel ranks; every member's JSON line, trainer ranks first."""
+    store, master = free_port(), free_port()
+    procs = []
+    for role, count in (("trainer", senders), ("engine", receivers)):
+        for rank in range(count):
+            env = {**os.environ, "ROLE": role, "SENDERS": str(senders), "RECEIVERS": str(receivers),
+                   "RANK": str(rank), "WORLD_SIZE": str(senders), "MASTER_ADDR": "127.0.0.1", "DEVICE": device,
+                   "MASTER_PORT": str(master), "ROUTED_STORE": f"127.0.0.1:{store}", "BUCKET": str(bucket)}
+            procs.append(subprocess.Popen([sys.executable, str(TESTS / "routed_worker.py")], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                          stdin=subprocess.DEVNULL))
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=120)
+        assert p.returncode == 0, stderr[-3000:]
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    return out
 
 
 class Peer:

@@ -89,15 +89,26 @@ class RankShards:
             raise InvalidArgument(f"rank {self.rank} does not hold {entry.name!r}{[list(b) for b in p.box]}: the route "
                                   "was planned for another layout")
         box, part = found
-        t = self.tensors[part]
-        local = t.to_local() if isinstance(t, DTensor) else t
-        local = local.detach()
+        local = self._local(part)
         region = relative(p.box, box)
         out = local[tuple(slice(a, b) for a, b in region)] if region else local
         if out.dtype != entry.dtype:
             out = out.to(entry.dtype)
         return out.contiguous()
 
+
+    def held_tensors(self) -> list[list[torch.Tensor]]:
+        """This rank's boxes as tensors (its local shards, or parts of them), per engine tensor in its
+        layout's order: what receiver ranks on its GPU pull from (rlsync.transfer.pulls)."""
+        out = []
+        for index, boxes in enumerate(self.layout.held[self.rank]):
+            mine = {box: part for box, (part, _) in self._mine[index]}
+            out.append([self._local(mine[box]) for box in boxes])
+        return out
+
+    def _local(self, part: str) -> torch.Tensor:
+        t = self.tensors[part]
+        return (t.to_local() if isinstance(t, DTensor) else t).detach()
 
     def checksum_share(self, dtype: torch.dtype | None = None) -> list[tuple[int, int]]:
         """This rank's share of each engine tensor's checksum sums (checksum.box_sums), cast to `dtype`

@@ -63,7 +63,7 @@ class ShardedModule:
 
     def sender(self, **kwargs) -> ShardedSender:
         return ShardedSender(self.shards.layout, self.specs, self.shards.rank, self.shards.piece,
-                             device=self.device, **kwargs)
+                             device=self.device, held=self.shards.held_tensors, **kwargs)
 
 
 def module_source(model: nn.Module, weights: WeightMap | None = None, group=None) \

@@ -33,13 +33,17 @@ def answer(offer: pb.Offer, receiver_id: str, *, device: torch.device | str = "c
     layout: for a routed offer (a sharded sender), the boxes each of the `ranks` loads; left out,
     every rank loads every tensor whole."""
     routed = offer.HasField("routing")
-    ans = make_answer(offer, receiver_id, local_facts(device), ranks, available(),
+    facts = local_facts(device)
+    ans = make_answer(offer, receiver_id, facts, ranks, available(),
                       backend_of(force) if force else None, bucket_bytes, None if routed else base_version)
     if routed:
         specs = from_proto(offer.manifest)
         ans.layout.extend(layout if layout is not None else [whole_layout(specs)] * ranks)
         if len(ans.layout) != ranks:
             raise InvalidArgument(f"a layout of {len(ans.layout)} ranks for a receiver of {ranks}")
+        for rank in ans.layout:  # a rank that did not say where it runs runs here
+            if not rank.HasField("facts"):
+                rank.facts.CopyFrom(facts)
     return ans
 
 

@@ -43,8 +43,9 @@ class Op:
 
 
 def schedule(routes: Routes, bucket_bytes: int) -> list[Op]:
-    """Every bucket of every transfer, in the one order all members follow."""
-    plans = [cached_plan(tuple(p.nbytes(routes.tensors) for p in t.pieces), bucket_bytes) for t in routes.transfers]
+    """Every bucket of every transfer (that has a receiver), in the one order all members follow."""
+    plans = [cached_plan(tuple(p.nbytes(routes.tensors) for p in t.pieces), bucket_bytes) if t.dsts else []
+             for t in routes.transfers]
     ops, tag = [], 0
     for i in range(max((len(p) for p in plans), default=0)):
         for j, plan in enumerate(plans):

@@ -18,8 +18,8 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from itertools import product
 
@@ -123,7 +123,8 @@ class Routes:
         """Per trainer rank: the payload it sends (a broadcast's bytes once)."""
         out = [0] * self.senders
         for t in self.transfers:
-            out[t.src] += sum(p.nbytes(self.tensors) for p in t.pieces)
+            if t.dsts:
+                out[t.src] += sum(p.nbytes(self.tensors) for p in t.pieces)
         return out
 
     def received_bytes(self) -> list[int]:
@@ -139,6 +140,12 @@ class Routes:
 
     def of_receiver(self, rank: int) -> list[Transfer]:
         return [t for t in self.transfers if rank in t.dsts]
+
+    def only(self, keep: Callable[[int, int], bool]) -> Routes:
+        """The same transfers, each to the receivers `keep(src, dst)` picks (in the same places, so a
+        transfer's index means the same in both; one left with no receiver moves nothing)."""
+        return replace(self, transfers=tuple(Transfer(t.src, tuple(d for d in t.dsts if keep(t.src, d)), t.pieces)
+                                             for t in self.transfers))
 
 
 def plan_routes(trainer: Layout, engine: Layout) -> Routes:

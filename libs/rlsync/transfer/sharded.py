@@ -30,22 +30,22 @@ import torch
 import torch.distributed as dist
 
 from rlsync.address import reachable_host
-from rlsync.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
-from rlsync.transfer import routed
+from rlsync.errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from rlsync.transfer import pulls, routed
 from rlsync.transfer.control import Deadline
 from rlsync.transfer.handshake import NAMES, PROTOCOL_VERSION, local_facts
 from rlsync.transfer.manifest import Spec, from_proto, to_proto
 from rlsync.flat import FlatStore
-from rlsync.transfer.routes import Box, Layout, Piece, TensorInfo, cached_routes, layout, whole
+from rlsync.transfer.routes import Box, Layout, Piece, Routes, TensorInfo, cached_routes, layout, whole
 from rlsync.transfer.sender import Report
 from rlsync.transfer.v1 import transfer_pb2 as pb
 from rlsync.transfer.writer import DestWriter
 
 
-def to_layout_proto(held: Sequence[Sequence[Box]]) -> pb.RankLayout:
-    """One rank's boxes of each tensor, in manifest order."""
+def to_layout_proto(held: Sequence[Sequence[Box]], facts: pb.Facts | None = None) -> pb.RankLayout:
+    """One rank's boxes of each tensor, in manifest order (and where the rank runs, when given)."""
     return pb.RankLayout(tensors=[pb.RankLayout.Boxes(boxes=[
-        pb.Box(start=[a for a, _ in b], stop=[e for _, e in b]) for b in boxes]) for boxes in held])
+        pb.Box(start=[a for a, _ in b], stop=[e for _, e in b]) for b in boxes]) for boxes in held], facts=facts)
 
 
 def layout_of(specs: Sequence[Spec], ranks: Sequence[pb.RankLayout]) -> Layout:
@@ -83,6 +83,53 @@ def _roster_key(offer: pb.Offer) -> str:
 
 def _refused_key(offer: pb.Offer) -> str:
     return f"rlsync-routed/{offer.transfer_id}/refused"
+
+
+def _memory_key(offer: pb.Offer, rank: int) -> str:
+    return f"rlsync-routed/{offer.transfer_id}/memory/{rank}"
+
+
+def _pulled_key(offer: pb.Offer, rank: int) -> str:
+    return f"rlsync-routed/{offer.transfer_id}/pulled/{rank}"
+
+
+def _memories(store, offer: pb.Offer, senders: int, deadline: Deadline) -> list[pb.RankMemory]:
+    """Every trainer rank's RankMemory, as each puts it in the store when it starts to send."""
+    keys = [_memory_key(offer, k) for k in range(senders)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=min(JOIN_SECONDS, deadline.remaining("meeting the trainer"))))
+        return [pb.RankMemory.FromString(v) for v in store.multi_get(keys)]
+    except dist.DistError as e:
+        raise Unavailable(f"{deadline.what}: a trainer rank did not start sending, or its store is gone ({e})") from e
+
+
+def _await_pulls(store, offer: pb.Offer, ranks: Sequence[int], deadline: Deadline) -> None:
+    """Until every receiver rank in `ranks` says it has copied what it pulls from this rank (after
+    which this rank's memory may change); one that failed fails this rank too, with its reason."""
+    if not ranks:
+        return
+    keys = [_pulled_key(offer, r) for r in ranks]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=max(deadline.remaining("waiting for the pulls"), 0.001)))
+        outcomes = store.multi_get(keys)
+    except dist.DistError as e:
+        raise DeadlineExceeded(f"{deadline.what}: receiver ranks {list(ranks)} did not finish pulling in time "
+                               f"({e})") from e
+    failed = [(r, o.decode(errors="replace")) for r, o in zip(ranks, outcomes) if o]
+    if failed:
+        raise Unavailable(f"{deadline.what}: receiver rank {failed[0][0]} failed to pull its pieces: {failed[0][1]}")
+
+
+def _say(store, key: str, value: bytes) -> None:
+    try:
+        store.set(key, value)
+    except dist.DistError:  # the trainer's store is gone: nobody is left to tell
+        pass
+
+
+def engine_facts(answers: Sequence[pb.Answer]) -> list[pb.Facts]:
+    """Where each receiver rank of the roster runs (its layout's facts, else its answer's)."""
+    return [rank.facts if rank.HasField("facts") else a.facts for a in answers for rank in a.layout]
 
 
 def engine_layout(specs: Sequence[Spec], answers: Sequence[pb.Answer]) -> Layout:
@@ -124,15 +171,18 @@ class ShardedSender:
 
     def __init__(self, layout: Layout, specs: Sequence[Spec], rank: int, piece: Callable[[Piece], torch.Tensor], *,
                  bucket_bytes: int, host: str = "127.0.0.1", advertise: str | None = None,
-                 device: torch.device | None = None):
-        self.layout, self.specs, self.rank, self.piece = layout, list(specs), rank, piece
+                 device: torch.device | None = None,
+                 held: Callable[[], Sequence[Sequence[torch.Tensor]]] | None = None):
+        """held: the tensors of this rank's boxes (per tensor, in its layout's order), for receiver
+        ranks on its GPU to pull from (pulls.py); without it every receiver gets its pieces over the group."""
+        self.layout, self.specs, self.rank, self.piece, self.held = layout, list(specs), rank, piece, held
         self.world, self.bucket_bytes = layout.ranks, bucket_bytes
         self.device = device or torch.device("cpu")
         self._store = None
         if self.rank == 0:
             self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
             self.store_address = f"{advertise or reachable_host(host)}:{self._store.port}"
-        self.backends = [pb.BACKEND_NCCL] if self.device.type == "cuda" else [pb.BACKEND_GLOO]
+        self.backends = [pb.BACKEND_CUDA_IPC, pb.BACKEND_NCCL] if self.device.type == "cuda" else [pb.BACKEND_GLOO]
 
     def offer(self, version: int) -> pb.Offer:
         if self.rank != 0:
@@ -157,16 +207,26 @@ class ShardedSender:
             store.set(_roster_key(offer), pb.RoutedSend(answers=answers).SerializeToString())
         engine = engine_layout(self.specs, answers)
         routes = cached_routes(self.layout, engine)
-        pg = _join(store, offer.transfer_id, self.rank, self.world + engine.ranks, self.device, deadline)
+        facts, receivers = local_facts(self.device), engine_facts(answers)
+        near = self.held is not None and any(pulls.same_gpu(facts, f) for f in receivers)
+        store.set(_memory_key(offer, self.rank), pulls.memory(self.held() if near else None, facts).SerializeToString())
+        pulled, pushed = pulls.split(routes, _memories(store, offer, self.world, deadline), receivers)
+        sent = _wire_bytes(pulled, self.rank)
+        pg = None
         try:
-            sent = routed.send(pg, routes, self.rank, self.piece, _bucket(offer, answers), deadline, self.device)
+            if any(t.dsts for t in pushed.transfers):
+                pg = _join(store, offer.transfer_id, self.rank, self.world + engine.ranks, self.device, deadline)
+                sent += routed.send(pg, pushed, self.rank, self.piece, _bucket(offer, answers), deadline, self.device)
+            _await_pulls(store, offer, sorted({d for t in pulled.of_sender(self.rank) for d in t.dsts}), deadline)
         except BaseException as e:
-            _close(pg, deadline, e)
+            if pg is not None:
+                _close(pg, deadline, e)
             del pg
             raise
-        _close(pg, deadline, None)
+        if pg is not None:
+            _close(pg, deadline, None)
         seconds = time.perf_counter() - start
-        return Report(sent, seconds, {NAMES[self.backends[0]]: sum(a.ranks for a in answers)}, seconds,
+        return Report(sent, seconds, _channels(pulled, pushed, self.backends[-1], sender=self.rank), seconds,
                       {"data": seconds}, sent)
 
     def refuse(self, offer: pb.Offer, reason: str) -> None:
@@ -176,6 +236,22 @@ class ShardedSender:
 
     def close(self) -> None:
         self._store = None
+
+
+def _wire_bytes(routes: Routes, rank: int) -> int:
+    """What trainer rank `rank` moves on these routes: each piece once per receiver."""
+    return sum(p.nbytes(routes.tensors) * len(t.dsts) for t in routes.of_sender(rank) for p in t.pieces)
+
+
+def _channels(pulled: Routes, pushed: Routes, backend: int, *, sender: int | None = None,
+              receiver: int | None = None) -> dict[str, int]:
+    """Pairs of one member, by channel: cuda_ipc pulls, and the group's backend for the rest."""
+    def pairs(routes: Routes) -> int:
+        if sender is not None:
+            return len({d for t in routes.of_sender(sender) for d in t.dsts})
+        return len({t.src for t in routes.of_receiver(receiver)})
+    out = {"cuda_ipc": pairs(pulled), NAMES[backend]: pairs(pushed)}
+    return {k: v for k, v in out.items() if v}
 
 
 def _join(store, gid: str, rank: int, world: int, device: torch.device, deadline: Deadline):
@@ -231,7 +307,25 @@ class RoutedReceiver:
     def run(self) -> Report:
         store = _store(self.offer.routing.store, False, self.deadline.remaining("joining the store"))
         answers, me = self._roster(store)
-        routes = cached_routes(self.trainer, engine_layout(self.specs, answers))
+        nbytes = 0
+        try:
+            routes = cached_routes(self.trainer, engine_layout(self.specs, answers))
+            memories = _memories(store, self.offer, self.trainer.ranks, self.deadline)
+            pulled, pushed = pulls.split(routes, memories, engine_facts(answers))
+            if pulled.of_receiver(me):
+                _, views = routed.destinations(pulled, me, self.specs, self.staging)
+                nbytes = pulls.pull(pulled, me, self.trainer, memories, self.specs, views, self.device)
+        except BaseException as e:  # a trainer rank waiting on this rank's pull fails at once, with the reason
+            _say(store, _pulled_key(self.offer, me), (str(e) or type(e).__name__).encode())
+            raise
+        _say(store, _pulled_key(self.offer, me), b"")
+        if any(t.dsts for t in pushed.transfers):
+            nbytes += self._receive(store, pushed, me, answers)
+        backend = pb.BACKEND_NCCL if self.device.type == "cuda" else pb.BACKEND_GLOO
+        return Report(nbytes, time.perf_counter() - self.start, _channels(pulled, pushed, backend, receiver=me))
+
+    def _receive(self, store, routes: Routes, me: int, answers: Sequence[pb.Answer]) -> int:
+        """The pieces that come over the group (every member joins it, with or without pieces of its own)."""
         piece_specs, views = routed.destinations(routes, me, self.specs, self.staging)
         writer = DestWriter(piece_specs, views, self.device)
         senders = self.trainer.ranks
@@ -246,7 +340,7 @@ class RoutedReceiver:
             raise
         self._pg = None
         _close(pg, self.deadline, None)
-        return Report(nbytes, time.perf_counter() - self.start, {NAMES[self.answer.backend]: 1})
+        return nbytes
 
     def close(self) -> None:
         """Ends the transfer from another thread: run() then fails instead of waiting on, and lets go

@@ -22,6 +22,7 @@ from rlsync.rollout.staging import StagedUpdate, ensure_room
 from rlsync.transfer import answer, audit_entry, from_proto
 from rlsync.transfer.checksum import box_sums
 from rlsync.transfer.dtypes import dtype_name
+from rlsync.transfer.handshake import local_facts
 from rlsync.transfer.routes import relative, share
 from rlsync.transfer.sharded import layout_of, to_layout_proto
 from rlsync.transfer.v1 import transfer_pb2 as pb
@@ -84,7 +85,8 @@ class RlsyncWorkerExtension:
         """The boxes of each tensor of a routed offer this worker's loaders keep (a RankLayout),
         found once per tensor list by running vLLM's own loaders on probes."""
         specs = from_proto(pb.Offer.FromString(offer).manifest)
-        return to_layout_proto([[b] if b is not None else [] for b in self._rlsync_boxes(specs)]).SerializeToString()
+        return to_layout_proto([[b] if b is not None else [] for b in self._rlsync_boxes(specs)],
+                               local_facts(self._rlsync_device())).SerializeToString()
 
     def _rlsync_boxes(self, specs) -> list:
         key = tuple((s.name, s.shape) for s in specs)

@@ -105,15 +105,38 @@ class Box(_message.Message):
     def __init__(self, start: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RankLayout(_message.Message):
-    __slots__ = ("tensors",)
+    __slots__ = ("tensors", "facts")
     class Boxes(_message.Message):
         __slots__ = ("boxes",)
         BOXES_FIELD_NUMBER: _ClassVar[int]
         boxes: _containers.RepeatedCompositeFieldContainer[Box]
         def __init__(self, boxes: _Optional[_Iterable[_Union[Box, _Mapping]]] = ...) -> None: ...
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    FACTS_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[RankLayout.Boxes]
-    def __init__(self, tensors: _Optional[_Iterable[_Union[RankLayout.Boxes, _Mapping]]] = ...) -> None: ...
+    facts: Facts
+    def __init__(self, tensors: _Optional[_Iterable[_Union[RankLayout.Boxes, _Mapping]]] = ..., facts: _Optional[_Union[Facts, _Mapping]] = ...) -> None: ...
+
+class RankMemory(_message.Message):
+    __slots__ = ("facts", "ipc", "held")
+    class Held(_message.Message):
+        __slots__ = ("region", "offset", "stride", "dtype")
+        REGION_FIELD_NUMBER: _ClassVar[int]
+        OFFSET_FIELD_NUMBER: _ClassVar[int]
+        STRIDE_FIELD_NUMBER: _ClassVar[int]
+        DTYPE_FIELD_NUMBER: _ClassVar[int]
+        region: int
+        offset: int
+        stride: _containers.RepeatedScalarFieldContainer[int]
+        dtype: str
+        def __init__(self, region: _Optional[int] = ..., offset: _Optional[int] = ..., stride: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+    FACTS_FIELD_NUMBER: _ClassVar[int]
+    IPC_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    facts: Facts
+    ipc: _containers.RepeatedScalarFieldContainer[bytes]
+    held: _containers.RepeatedCompositeFieldContainer[RankMemory.Held]
+    def __init__(self, facts: _Optional[_Union[Facts, _Mapping]] = ..., ipc: _Optional[_Iterable[bytes]] = ..., held: _Optional[_Iterable[_Union[RankMemory.Held, _Mapping]]] = ...) -> None: ...
 
 class RoutedSend(_message.Message):
     __slots__ = ("offer", "answers", "timeout_seconds")

@@ -1,0 +1,26 @@
+"""Routed transfers on one GPU (GPU machine only): FSDP2 trainer ranks and a tensor-parallel replica's
+ranks all on it. NCCL takes no two members on one GPU, so every receiver rank pulls its boxes straight
+from the trainer ranks' memory (CUDA IPC), casting on the copy, and no group is formed."""
+
+from __future__ import annotations
+
+import pytest
+
+from transfer_helpers import run_routed
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("senders,receivers", [(2, 2), (4, 2), (1, 2)])
+def test_colocated_ranks_pull_exactly_their_boxes_from_every_trainer_rank(senders, receivers):
+    results = run_routed(senders, receivers, 1 << 12, device="cuda")
+    trainers = [r for r in results if r["role"] == "trainer"]
+    engines = [r for r in results if r["role"] == "engine"]
+    for e in engines:
+        assert e["wrong"] == [], f"engine rank {e['rank']}: these boxes differ from the whole tensors: {e['wrong']}"
+        assert e["received"] == e["loads"], "an engine rank receives its shard's bytes, ratio 1.00"
+        assert set(e["channels"]) == {"cuda_ipc"}, f"every piece is pulled on one GPU: {e['channels']}"
+    for t in trainers:
+        assert t["layout_as_expected"]
+        assert set(t["channels"]) <= {"cuda_ipc"}, f"nothing goes over a group on one GPU: {t['channels']}"
+    assert sum(t["sent"] for t in trainers) == sum(e["received"] for e in engines)
