@@ -4,6 +4,12 @@ engine rank receives only the boxes it loads), for K trainer ranks (FSDP2 over g
 (tensor parallel as vLLM lays a decoder out: 2-D weights split by rows, 1-D whole).
 
     python bench/sharded.py                 # CPU, K in {1, 2, 4} x g in {1, 2}, preset "small"
+    python bench/sharded.py --device cuda --preset qwen3-1.7b   # every process on one GPU: pulls
+
+On one GPU every trainer rank and engine rank shares the GPU: the receivers pull their boxes over CUDA
+IPC (casting fp32 to bf16 on the copy), and the rank-0 path cannot run at all (it gathers among ranks
+on one GPU, which NCCL refuses and gloo does not do on CUDA). The limit there is a device copy of the
+bytes received, and the same with the cast, timed in the same run.
 
 Per case and path: sync seconds (median of --repeats after a warm-up), the peak extra memory of every
 trainer rank against its bound (two buckets plus the largest slice it sends), staging per engine rank
@@ -32,6 +38,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import preset_shapes  # noqa: E402
 from publish import Peak, build_module  # noqa: E402
+from transfer import _timed, d2d_limit  # noqa: E402
 
 from rlsync.publish import WeightMap  # noqa: E402
 from rlsync.publish.source import module_source  # noqa: E402
@@ -89,19 +96,23 @@ def _get(store, key: str, timeout: float = 600) -> bytes:
     return store.get(key)
 
 
+def paths(device: str) -> tuple[str, ...]:
+    return ("rank0", "routed") if device == "cpu" else ("routed",)
+
+
 def trainer(args, shapes, bucket, k: int, g: int, rank: int, store) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = build_module(shapes, torch.float32, "cpu")
-    fully_shard(model, mesh=init_device_mesh("cpu", (k,)))
+    model = build_module(shapes, torch.float32, args.device)
+    fully_shard(model, mesh=init_device_mesh(torch.device(args.device).type, (k,)))
     module, _ = module_source(model, WeightMap(dtype=torch.bfloat16))
-    baseline = rank0_source(model, WeightMap(dtype=torch.bfloat16))
+    baseline = rank0_source(model, WeightMap(dtype=torch.bfloat16)) if args.device == "cpu" else None
     largest = max(s.nbytes for s in module.specs)
     out = {}
-    for path in ("rank0", "routed"):
+    for path in paths(args.device):
         dist.barrier()
-        peak, seconds = Peak("cpu"), []
+        peak, seconds = Peak(args.device), []
         sender = WeightSender(baseline, bucket_bytes=bucket, backends=["gloo"]) if path == "rank0" and rank == 0 \
             else module.sender(bucket_bytes=bucket) if path == "routed" else None
         for i in range(args.repeats + 1):
@@ -121,20 +132,22 @@ def trainer(args, shapes, bucket, k: int, g: int, rank: int, store) -> dict:
                     store.set(f"{path}/offer/{i}", offer.SerializeToString())
                 offer = pb.Offer.FromString(_get(store, f"{path}/offer/{i}"))
                 answers = [pb.Answer.FromString(_get(store, f"{path}/answer/{i}/{e}")) for e in range(g)]
-                sender.send(offer, answers[:1], timeout=600)  # the g ranks answer as one replica
+                report = sender.send(offer, answers[:1], timeout=600)  # the g ranks answer as one replica
+                profile = {k: round(v, 4) for k, v in report.profile.items()}
             _get(store, f"{path}/done/{i}")  # every engine rank confirmed
             if i:
                 seconds.append(time.perf_counter() - start)
         if rank == 0 or path == "routed":
             sender.close()
         out[path] = {"seconds": statistics.median(seconds), "peak_extra_bytes": peak.extra(),
-                     "bound_bytes": 2 * bucket + largest}
+                     "bound_bytes": 2 * bucket + largest, **({"profile": profile} if path == "routed" else {})}
     return out
 
 
 def engine(args, k: int, g: int, rank: int, store) -> dict:
     out = {}
-    for path in ("rank0", "routed"):
+    for path in paths(args.device):
+        seconds = []
         for i in range(args.repeats + 1):
             offer = pb.Offer.FromString(_get(store, f"{path}/offer/{i}"))
             specs = from_proto(offer.manifest)
@@ -146,18 +159,22 @@ def engine(args, k: int, g: int, rank: int, store) -> dict:
                 report = Receiver(offer, ans, staging).run()
             else:
                 boxes = {s.name: b[0] for s, b in zip(specs, mine) if b}
-                staging = {s.name: torch.empty(tuple(e - a for a, e in boxes[s.name]), dtype=s.dtype)
-                           for s in specs if s.name in boxes}
+                staging = {s.name: torch.empty(tuple(e - a for a, e in boxes[s.name]), dtype=s.dtype,
+                                               device=args.device) for s in specs if s.name in boxes}
                 layouts = [to_layout_proto(engine_boxes(specs, g, r)) for r in range(g)]
-                ans = answer(offer, "replica", ranks=g, layout=layouts)
+                ans = answer(offer, "replica", ranks=g, layout=layouts, device=args.device)
                 store.set(f"{path}/answer/{i}/{rank}", ans.SerializeToString())
-                report = RoutedReceiver(offer, ans, staging, rank=rank, boxes=boxes).run()
+                report = RoutedReceiver(offer, ans, staging, rank=rank, boxes=boxes, device=args.device).run()
+            if i:
+                seconds.append(report.seconds)
             done = store.add(f"{path}/count/{i}", 1)
             if done == g:
                 store.set(f"{path}/done/{i}", b"1")
         shard = sum(t.numel() * t.element_size() for t in staging.values())
         loads = sum(math.prod(e - a for a, e in b[0]) * s.dtype.itemsize for s, b in zip(specs, mine) if b)
-        out[path] = {"staging_bytes": shard, "received_bytes": report.nbytes, "shard_bytes": loads}
+        out[path] = {"staging_bytes": shard, "received_bytes": report.nbytes, "shard_bytes": loads,
+                     "receive_seconds": statistics.median(seconds), "channels": report.backends,
+                     "profile": {k: round(v, 4) for k, v in report.profile.items()}}
     return out
 
 
@@ -167,7 +184,7 @@ def worker(args) -> None:
     host, port = os.environ["BENCH_STORE"].split(":")
     store = dist.TCPStore(host, int(port), is_master=False)
     if role == "trainer":
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo" if args.device == "cpu" else "cpu:gloo,cuda:gloo")
         result = trainer(args, shapes, bucket, k, g, rank, store)
     else:
         result = engine(args, k, g, rank, store)
@@ -185,7 +202,7 @@ def run_case(args, k: int, g: int) -> dict:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(ports[1]), "WORLD_SIZE": str(k),
            "OMP_NUM_THREADS": "1", "K": str(k), "G": str(g), "BENCH_STORE": f"127.0.0.1:{ports[0]}"}
     cmd = [sys.executable, __file__, "--worker", "--preset", args.preset, "--bucket-mib", str(args.bucket_mib),
-           "--repeats", str(args.repeats)]
+           "--repeats", str(args.repeats), "--device", args.device]
     procs = [subprocess.Popen(cmd, env={**env, "ROLE": role, "RANK": str(r)}, stdout=subprocess.PIPE, text=True)
              for role, n in (("trainer", k), ("engine", g)) for r in range(n)]
     outs = [p.communicate(timeout=1800)[0] for p in procs]
@@ -199,16 +216,42 @@ def run_case(args, k: int, g: int) -> dict:
     trainers = [r for r in results if r["role"] == "trainer"]
     engines = [r for r in results if r["role"] == "engine"]
     case = {"trainer_ranks": k, "engine_ranks": g}
-    for path in ("rank0", "routed"):
+    for path in paths(args.device):
         case[path] = {
             "seconds": round(trainers[0][path]["seconds"], 4),
             "peak_extra_bytes": [t[path]["peak_extra_bytes"] for t in trainers],
             "bound_bytes": trainers[0][path]["bound_bytes"],
             "within_bound": all(t[path]["peak_extra_bytes"] <= t[path]["bound_bytes"] for t in trainers),
             "staging_bytes": [e[path]["staging_bytes"] for e in engines],
-            "received_over_shard": [round(e[path]["received_bytes"] / e[path]["shard_bytes"], 3) for e in engines]}
-    case["routed_over_rank0_seconds"] = round(case["routed"]["seconds"] / case["rank0"]["seconds"], 3)
+            "received_over_shard": [round(e[path]["received_bytes"] / e[path]["shard_bytes"], 3) for e in engines],
+            "receive_seconds": [round(e[path]["receive_seconds"], 4) for e in engines],
+            "channels": [e[path]["channels"] for e in engines],
+            "profile": [e[path]["profile"] for e in engines]}
+        if path == "routed":
+            case[path]["trainer_profile"] = [t[path]["profile"] for t in trainers]
+    if "rank0" in case:
+        case["routed_over_rank0_seconds"] = round(case["routed"]["seconds"] / case["rank0"]["seconds"], 3)
+    if args.device != "cpu":  # the limit: a device copy of the bytes every engine rank received, plain and cast
+        received = sum(e["routed"]["received_bytes"] for e in engines)
+        rate = received / case["routed"]["seconds"] / GB
+        copy, cast = d2d_limit(received, args.device), cast_copy_limit(received, args.device)
+        case["routed"].update({"GBps": round(rate, 2), "copy_limit_GBps": round(copy, 2),
+                               "cast_copy_limit_GBps": round(cast, 2), "ratio_to_copy": round(rate / copy, 3),
+                               "ratio_to_cast_copy": round(rate / cast, 3)})
     return case
+
+
+def cast_copy_limit(nbytes: int, device: str) -> float:
+    """GB/s (of bf16 written) of casting fp32 values into bf16 on the device: what a pull of the
+    trainer's fp32 masters into the engine's bf16 does."""
+    src = torch.ones(nbytes // 2, dtype=torch.float32, device=device)
+    dst = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+
+    def copy():
+        dst.copy_(src)
+        torch.cuda.synchronize(device)
+
+    return nbytes / _timed(copy, 5) / GB
 
 
 def plan_seconds(k: int = 256, replicas: int = 4, tp: int = 8, tensors: int = 50, n: int = 4096) -> dict:
@@ -234,6 +277,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--trainer-ranks", default="1,2,4")
     parser.add_argument("--engine-ranks", default="1,2")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: every process on one GPU")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -247,7 +291,8 @@ def main() -> None:
             cases.append(case)
     plan = plan_seconds()
     print(json.dumps({"plan": plan}), flush=True)
-    print(json.dumps({"preset": args.preset, "device": "cpu", "bucket_bytes": args.bucket_mib << 20,
+    device = torch.cuda.get_device_name(args.device) if args.device != "cpu" else "cpu"
+    print(json.dumps({"preset": args.preset, "device": device, "bucket_bytes": args.bucket_mib << 20,
                       "cases": cases, "plan": plan}))
 
 

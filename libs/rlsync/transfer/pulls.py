@@ -10,6 +10,7 @@ takes no two members on one GPU, so this is also what makes colocated sharded tr
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -54,12 +55,12 @@ def split(routes: Routes, trainer: Sequence[pb.RankMemory], engine: Sequence[pb.
 
 
 def pull(routes: Routes, rank: int, trainer: Layout, memories: Sequence[pb.RankMemory], specs: Sequence,
-         views: Mapping[str, torch.Tensor], device: torch.device) -> int:
+         views: Mapping[str, torch.Tensor], device: torch.device, profile: dict[str, float] | None = None) -> int:
     """Receiver rank `rank`: copies every piece it pulls (`routes`, as split() gives them) from the
     trainer ranks' memory into its view (`routed.destinations`), and waits for the copies. Returns the
-    bytes it received."""
+    bytes it received; `profile` gets the seconds spent mapping, copying (queued and done) and unmapping."""
     opened: dict[tuple[int, int], torch.Tensor] = {}
-    nbytes = 0
+    nbytes, mapping, start = 0, 0.0, time.perf_counter()
     for transfer in routes.of_receiver(rank):
         held, memory_ = trainer.held[transfer.src], memories[transfer.src]
         first = [0]  # where each tensor's boxes start among memory_.held
@@ -70,7 +71,9 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Sequence[pb.RankM
             box, where = held[p.tensor][j], memory_.held[first[p.tensor] + j]
             key = (transfer.src, where.region)
             if key not in opened:
+                mapped = time.perf_counter()
                 opened[key] = open_cuda(memory_.ipc[where.region], device)
+                mapping += time.perf_counter() - mapped
             dtype = dtype_of(where.dtype)
             values = opened[key]
             values = values[:values.numel() - values.numel() % itemsize(dtype)]
@@ -81,4 +84,8 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Sequence[pb.RankM
             nbytes += dst.numel() * dst.element_size()
     if opened:
         torch.cuda.current_stream(device).synchronize()  # the copies are done before the mappings close
+    copied = time.perf_counter()
+    opened.clear()
+    if profile is not None:
+        profile.update(map=mapping, copy=copied - start - mapping, unmap=time.perf_counter() - copied)
     return nbytes

@@ -210,14 +210,18 @@ class ShardedSender:
         facts, receivers = local_facts(self.device), engine_facts(answers)
         near = self.held is not None and any(pulls.same_gpu(facts, f) for f in receivers)
         store.set(_memory_key(offer, self.rank), pulls.memory(self.held() if near else None, facts).SerializeToString())
+        profile = {"export": time.perf_counter() - start}
         pulled, pushed = pulls.split(routes, _memories(store, offer, self.world, deadline), receivers)
+        profile["meet"] = time.perf_counter() - start - profile["export"]
         sent = _wire_bytes(pulled, self.rank)
         pg = None
         try:
             if any(t.dsts for t in pushed.transfers):
                 pg = _join(store, offer.transfer_id, self.rank, self.world + engine.ranks, self.device, deadline)
                 sent += routed.send(pg, pushed, self.rank, self.piece, _bucket(offer, answers), deadline, self.device)
+            waited = time.perf_counter()
             _await_pulls(store, offer, sorted({d for t in pulled.of_sender(self.rank) for d in t.dsts}), deadline)
+            profile["pulls"] = time.perf_counter() - waited
         except BaseException as e:
             if pg is not None:
                 _close(pg, deadline, e)
@@ -227,7 +231,7 @@ class ShardedSender:
             _close(pg, deadline, None)
         seconds = time.perf_counter() - start
         return Report(sent, seconds, _channels(pulled, pushed, self.backends[-1], sender=self.rank), seconds,
-                      {"data": seconds}, sent)
+                      {"data": seconds, **profile}, sent)
 
     def refuse(self, offer: pb.Offer, reason: str) -> None:
         """Rank 0: tells the receivers waiting for this offer's roster that no send will come, and why."""
@@ -307,22 +311,26 @@ class RoutedReceiver:
     def run(self) -> Report:
         store = _store(self.offer.routing.store, False, self.deadline.remaining("joining the store"))
         answers, me = self._roster(store)
-        nbytes = 0
+        nbytes, profile = 0, {"roster": time.perf_counter() - self.start}
         try:
             routes = cached_routes(self.trainer, engine_layout(self.specs, answers))
             memories = _memories(store, self.offer, self.trainer.ranks, self.deadline)
             pulled, pushed = pulls.split(routes, memories, engine_facts(answers))
+            profile["plan"] = time.perf_counter() - self.start - profile["roster"]
             if pulled.of_receiver(me):
                 _, views = routed.destinations(pulled, me, self.specs, self.staging)
-                nbytes = pulls.pull(pulled, me, self.trainer, memories, self.specs, views, self.device)
+                nbytes = pulls.pull(pulled, me, self.trainer, memories, self.specs, views, self.device, profile)
         except BaseException as e:  # a trainer rank waiting on this rank's pull fails at once, with the reason
             _say(store, _pulled_key(self.offer, me), (str(e) or type(e).__name__).encode())
             raise
         _say(store, _pulled_key(self.offer, me), b"")
         if any(t.dsts for t in pushed.transfers):
+            received = time.perf_counter()
             nbytes += self._receive(store, pushed, me, answers)
+            profile["group"] = time.perf_counter() - received
         backend = pb.BACKEND_NCCL if self.device.type == "cuda" else pb.BACKEND_GLOO
-        return Report(nbytes, time.perf_counter() - self.start, _channels(pulled, pushed, backend, receiver=me))
+        return Report(nbytes, time.perf_counter() - self.start, _channels(pulled, pushed, backend, receiver=me),
+                      profile=profile)
 
     def _receive(self, store, routes: Routes, me: int, answers: Sequence[pb.Answer]) -> int:
         """The pieces that come over the group (every member joins it, with or without pieces of its own)."""
