@@ -22,13 +22,14 @@ from rlsync.transfer.routes import Layout, Routes, contains, extent, relative
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 
-def memory(held: Sequence[Sequence[torch.Tensor]] | None, facts: pb.Facts) -> pb.RankMemory:
+def memory(held: Sequence[Sequence[torch.Tensor]] | None, facts: pb.Facts, shares: dict) -> pb.RankMemory:
     """A trainer rank's RankMemory: `held[t]`, the tensors of its boxes of tensor t (in its layout's
-    order). No handles when any of them cannot be mapped (not on a GPU)."""
+    order). No handles when any of them cannot be mapped (not on a GPU). `shares` keeps each storage's
+    exported handle (and the storage) from one transfer to the next: the caller empties it when its
+    tensors may move."""
     out = pb.RankMemory(facts=facts)
     if held is None or facts.device_type != "cuda":
         return out
-    shares: dict = {}
     regions: dict[bytes, int] = {}
     for tensors in held:
         for t in tensors:

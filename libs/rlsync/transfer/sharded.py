@@ -179,6 +179,7 @@ class ShardedSender:
         self.world, self.bucket_bytes = layout.ranks, bucket_bytes
         self.device = device or torch.device("cpu")
         self._store = None
+        self._shares: dict = {}  # exported CUDA IPC handles, kept until close() (the trainer offloads)
         if self.rank == 0:
             self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
             self.store_address = f"{advertise or reachable_host(host)}:{self._store.port}"
@@ -209,7 +210,8 @@ class ShardedSender:
         routes = cached_routes(self.layout, engine)
         facts, receivers = local_facts(self.device), engine_facts(answers)
         near = self.held is not None and any(pulls.same_gpu(facts, f) for f in receivers)
-        store.set(_memory_key(offer, self.rank), pulls.memory(self.held() if near else None, facts).SerializeToString())
+        memory = pulls.memory(self.held() if near else None, facts, self._shares)
+        store.set(_memory_key(offer, self.rank), memory.SerializeToString())
         profile = {"export": time.perf_counter() - start}
         pulled, pushed = pulls.split(routes, _memories(store, offer, self.world, deadline), receivers)
         profile["meet"] = time.perf_counter() - start - profile["export"]
@@ -238,8 +240,14 @@ class ShardedSender:
         if self._store is not None:
             self._store.set(_refused_key(offer), reason.encode())
 
+    def regions(self) -> None:
+        """Replicas cannot hold a sharded trainer's memory mapped between updates yet (each rank's
+        handles would have to reach rank 0): every pull maps what it copies."""
+        return None
+
     def close(self) -> None:
         self._store = None
+        self._shares = {}
 
 
 def _wire_bytes(routes: Routes, rank: int) -> int:
