@@ -52,13 +52,17 @@ lock:
 demo: $(STAMP)
 	$(BIN)/rlsync demo $(ARGS)
 
-# The compose test (marker docker: image build, a stack of four containers) runs in a second pytest
-# beside the rest, its output shown after theirs; it skips itself, with the reason, without a Docker engine.
+# Three pytest processes side by side, each one's output shown after the first's: the end-to-end
+# suites (whole fleets, demos, the fleet CLI) beside the unit and integration tests, and the compose
+# test (marker docker: image build, a stack of four containers), which skips itself, with the reason,
+# without a Docker engine.
 test: $(STAMP) protos-check
 	@mkdir -p .cache; $(BIN)/python -m pytest -m docker -s $(PYTEST_ARGS) tests/e2e > .cache/test-docker.log 2>&1 & \
-	docker=$$!; $(BIN)/python -m pytest -m "not gpu and not docker" $(PYTEST_ARGS) tests; rc=$$?; \
+	docker=$$!; $(BIN)/python -m pytest -m "not gpu and not docker" $(PYTEST_ARGS) tests/e2e > .cache/test-e2e.log 2>&1 & \
+	e2e=$$!; $(BIN)/python -m pytest -m "not gpu and not docker" $(PYTEST_ARGS) tests --ignore=tests/e2e; rc=$$?; \
+	wait $$e2e; erc=$$?; echo "---- pytest tests/e2e ----"; cat .cache/test-e2e.log; \
 	wait $$docker; drc=$$?; echo "---- pytest -m docker (compose stack) ----"; cat .cache/test-docker.log; \
-	exit $$(( rc ? rc : drc ))
+	exit $$(( rc ? rc : erc ? erc : drc ))
 
 # The GPU machine has no network: `make wheels` here downloads what its image lacks (Python 3.12
 # wheels, into ./wheels, carried along), `make gpu-setup` there installs them and rlsync itself.
