@@ -53,14 +53,18 @@ demo: $(STAMP)
 	$(BIN)/rlsync demo $(ARGS)
 
 # Three pytest processes side by side, each one's output shown after the first's: the end-to-end
-# suites (whole fleets, demos, the fleet CLI) beside the unit and integration tests, and the compose
+# suites (whole fleets, demos) with the Ray fleet tests (one Ray at a time on this machine: the fleet
+# CLI finds the Ray that `rlsync up` started) beside the unit and integration tests, and the compose
 # test (marker docker: image build, a stack of four containers), which skips itself, with the reason,
 # without a Docker engine.
+RAY_TESTS := tests/integration/test_fleet_ray.py
 test: $(STAMP) protos-check
 	@mkdir -p .cache; $(BIN)/python -m pytest -m docker -s $(PYTEST_ARGS) tests/e2e > .cache/test-docker.log 2>&1 & \
-	docker=$$!; $(BIN)/python -m pytest -m "not gpu and not docker" $(PYTEST_ARGS) tests/e2e > .cache/test-e2e.log 2>&1 & \
-	e2e=$$!; $(BIN)/python -m pytest -m "not gpu and not docker" $(PYTEST_ARGS) tests --ignore=tests/e2e; rc=$$?; \
-	wait $$e2e; erc=$$?; echo "---- pytest tests/e2e ----"; cat .cache/test-e2e.log; \
+	docker=$$!; $(BIN)/python -m pytest -m "not gpu and not docker" $(PYTEST_ARGS) tests/e2e $(RAY_TESTS) \
+	    > .cache/test-e2e.log 2>&1 & \
+	e2e=$$!; $(BIN)/python -m pytest -m "not gpu and not docker" $(PYTEST_ARGS) tests --ignore=tests/e2e \
+	    --ignore=$(RAY_TESTS); rc=$$?; \
+	wait $$e2e; erc=$$?; echo "---- pytest tests/e2e $(RAY_TESTS) ----"; cat .cache/test-e2e.log; \
 	wait $$docker; drc=$$?; echo "---- pytest -m docker (compose stack) ----"; cat .cache/test-docker.log; \
 	exit $$(( rc ? rc : erc ? erc : drc ))
 
