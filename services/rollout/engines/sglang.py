@@ -1,0 +1,328 @@
+"""The SGLang engine, driven only through SGLang's public interfaces: its Engine (the tokenizer
+manager's requests on the replica's own event loop) and its custom weight loader hook.
+
+Updates are received in this process, over rlsync's own channels, into staging memory another
+process can map (memfd), while the engine serves the weights it has; the commit pauses the engine
+between two batches and hands the scheduler a request naming that memory (sglang_scheduler.py),
+which maps it and loads it with the model's own load_weights. No tensor is pickled: SGLang's call
+carries one empty tensor and a name.
+
+On CPU: SGLang's kernels (sgl_kernel) are built for CUDA and are called only on processors with AMX;
+the replica's environment has a placeholder sgl_kernel (deploy/sglang-cpu), which registers no torch
+operator, so SGLang takes its non-AMX path on every processor. Sleep releases nothing on CPU (SGLang
+frees memory only with its CUDA memory saver); LoRA adapters are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import tempfile
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+from rlsync.errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument
+from rlsync.flat import FlatStore
+from rlsync.rollout.engines.base import Engine
+from rlsync.rollout.engines.sglang_scheduler import LOADER, PREFIX, Reply, Request, Tensor
+from rlsync.rollout.staging import StagedUpdate, ensure_room, pulled, raise_failure
+from rlsync.rollout.types import Delta, FinishReason, GenerationRequest, MemoryUsage, PauseMode, WakeTag
+from rlsync.transfer import answer
+from rlsync.transfer.dtypes import dtype_name
+from rlsync.transfer.manifest import from_proto
+from rlsync.transfer.memory import SharedArena
+
+log = logging.getLogger(__name__)
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+# What the replica sets unless its engine args say otherwise: CPU, no CUDA graphs, deltas while streaming.
+_DEFAULTS = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True,
+             "mem_fraction_static": 0.05, "log_level": "warning"}
+
+
+class SGLangEngine(Engine):
+    kind = "sglang"
+
+    def __init__(self, model: str, engine_args: dict[str, Any]):
+        super().__init__(model, engine_args)
+        if "custom_weight_loader" in engine_args:
+            raise InvalidArgument("custom_weight_loader is rlsync's own on an sglang replica (it loads updates "
+                                  "through it): leave it out of the engine args")
+        self.args = {**_DEFAULTS, **engine_args, "incremental_streaming_output": True,
+                     "custom_weight_loader": [LOADER]}
+        self.device = torch.device("cuda" if self.args["device"] == "cuda" else "cpu")
+        self.engine = None
+        self._rids: dict[str, str] = {}  # request id -> the prefix of its SGLang rids
+        self._paused = False
+        self._update: StagedUpdate | None = None
+        self._applied: dict | None = None
+        self._replies = tempfile.TemporaryDirectory(prefix="rlsync-sglang-")
+
+    async def start(self) -> None:
+        os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1" if self.device.type == "cpu" else "0")
+        os.environ.setdefault("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")  # logprobs of the model, not of the sampler
+        import sglang
+
+        try:
+            self.engine = sglang.Engine(model_path=self.model, **self.args)
+        except TypeError as e:  # an unknown keyword: SGLang's own message names it
+            raise InvalidArgument(f"sglang engine argument refused: {e}") from e
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model)
+        config = AutoConfig.from_pretrained(self.model)
+        manager = self.engine.tokenizer_manager
+        self.max_model_len = int(getattr(manager, "context_len", 0) or config.max_position_embeddings)
+        self.vocab_size = config.vocab_size
+        self.dtype = str(getattr(getattr(manager, "model_config", None), "dtype", self.args.get("dtype", "auto")))
+        self.dtype = self.dtype.removeprefix("torch.")
+        await self._set_version(self.version)
+
+    async def shutdown(self) -> None:
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            await asyncio.to_thread(engine.shutdown)
+        self._replies.cleanup()
+
+    # ---- generation ------------------------------------------------------------------------------
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        p = request.sampling
+        params = {"max_new_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p,
+                  "top_k": p.top_k if p.top_k > 0 else -1, "stop": list(p.stop) or None, "ignore_eos": p.ignore_eos}
+        prefix = self._rids[request.request_id] = uuid.uuid4().hex
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def one(index: int) -> None:
+            seeded = {**params, "sampling_seed": p.seed + index} if p.seed is not None else params
+            try:
+                stream = await self.engine.async_generate(
+                    input_ids=list(request.prompt_token_ids), sampling_params=seeded, stream=True,
+                    return_logprob=p.logprobs, rid=f"{prefix}-{index}")
+                async with contextlib.aclosing(stream):
+                    async for chunk in stream:
+                        await queue.put(self._delta(index, chunk, p.logprobs))
+            except ValueError as e:  # SGLang validates requests with ValueError
+                await queue.put(InvalidArgument(f"sglang refused the request: {e}"))
+            finally:
+                await queue.put(None)
+
+        tasks = [asyncio.create_task(one(i)) for i in range(p.n)]
+        try:
+            open_ = p.n
+            while open_:
+                item = await queue.get()
+                if item is None:
+                    open_ -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            self._rids.pop(request.request_id, None)
+
+    def _delta(self, index: int, chunk: dict, want_logprobs: bool) -> Delta:
+        meta = chunk["meta_info"]
+        finish = meta.get("finish_reason")
+        reason = _FINISH.get(finish["type"]) if finish else None
+        detail = ""
+        if reason is FinishReason.STOP:
+            matched = finish.get("matched")
+            detail = f"stop string {matched!r}" if isinstance(matched, str) else "end of sequence"
+        logprobs = [float(lp) for lp, _, _ in meta.get("output_token_logprobs") or []] if want_logprobs else None
+        version = meta.get("weight_version")
+        version = int(version) if isinstance(version, str) and version.isdigit() else self.version
+        return Delta(index, list(chunk.get("output_ids") or []), chunk.get("text", ""), logprobs, reason, detail,
+                     version)
+
+    async def abort(self, request_id: str) -> None:
+        prefix = self._rids.get(request_id)
+        if prefix is not None:
+            self.engine.tokenizer_manager.abort_request(prefix)
+
+    async def pause(self, mode: PauseMode) -> None:
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+        if mode is PauseMode.WAIT:  # SGLang has no such mode: let what runs finish, then freeze
+            while self._rids:
+                await asyncio.sleep(0.01)
+        await self.engine.tokenizer_manager.pause_generation(
+            PauseGenerationReqInput(mode="abort" if mode is PauseMode.ABORT else "in_place"))
+        self._paused = True
+
+    async def resume(self) -> None:
+        from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+
+        await self.engine.tokenizer_manager.continue_generation(ContinueGenerationReqInput(torch_empty_cache=False))
+        self._paused = False
+
+    async def sleep(self, level: int) -> None:
+        log.info("sleep(%d): SGLang releases memory only with its CUDA memory saver; on this replica nothing is "
+                 "released, and Generate waits for WakeUp as on any engine", level)
+
+    async def wake_up(self, tags: frozenset[WakeTag]) -> None:
+        pass
+
+    async def memory(self) -> MemoryUsage:
+        """The checkpoint's bytes (SGLang does not say what its scheduler holds), and the staging of
+        an update being received."""
+        weights = sum(math.prod(shape) * _ITEMSIZE.get(dtype, 4) for shape, dtype in _checkpoint(self.model).values())
+        staging = self._update.staging.nbytes() if self._update is not None else 0
+        return MemoryUsage(str(self.device), weights, 0, 0, staging)
+
+    # ---- weight updates --------------------------------------------------------------------------
+    def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], None]]:
+        return {n: (shape, None) for n, (shape, _) in _checkpoint(self.model).items()}
+
+    def max_lora_rank(self) -> int | None:
+        raise FailedPrecondition("this sglang replica takes no LoRA adapters: SGLang's LoRA layers need pinned "
+                                 "memory (a GPU) and dynamic adapters need enable_lora at start; publish full "
+                                 "weights, or use a vllm or hf replica for LoRA")
+
+    async def prepare_update(self, offer, receiver_id: str, force_backend: str, timeout: float):
+        if offer.manifest.HasField("adapter"):
+            self.max_lora_rank()
+        specs = from_proto(offer.manifest)
+        needed = sum(s.nbytes for s in specs)
+        ensure_room(needed, self.device, offer.manifest.version)
+        staging = SharedStaging(specs)
+        ans = answer(offer, receiver_id, device=self.device, force=force_backend or None)
+        self._update = StagedUpdate(offer, ans, staging.store, 0, self.device, timeout)
+        self._update.staging = staging
+        try:
+            return pulled(ans, [self._update.poll()])
+        except BaseException:
+            await self.abort_update()
+            raise
+
+    async def finish_update(self, timeout: float) -> float:
+        update = self._update
+        if update is None:
+            raise FailedPrecondition("no update is prepared")
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        try:
+            report = await asyncio.to_thread(update.wait, timeout)
+        except DeadlineExceeded:
+            self._update = None
+            raise
+        raise_failure(update.poll())
+        self.received_bytes = (report.nbytes,)
+        return loop.time() - start
+
+    async def commit_update(self, version: int, recompute_kv: bool = False) -> int:
+        from sglang.srt.managers.io_struct import (BeginWeightUpdateReqInput, EndWeightUpdateReqInput,
+                                                   UpdateWeightsFromTensorReqInput)
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        update, self._update = self._update, None
+        if update is None:
+            raise FailedPrecondition("no update is prepared")
+        staging: SharedStaging = update.staging
+        reply = os.path.join(self._replies.name, uuid.uuid4().hex)
+        request = Request(reply=reply, pid=os.getpid(), fd=staging.fd, nbytes=staging.nbytes(),
+                          tensors=staging.tensors)
+        named = [(PREFIX + msgspec.json.encode(request).decode(), torch.empty(0))]
+        manager = self.engine.tokenizer_manager
+        was_paused = self._paused
+        if not was_paused:  # between two batches: requests in flight keep their place (and their KV unless recomputed)
+            from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+            await manager.pause_generation(PauseGenerationReqInput(mode="retract" if recompute_kv else "in_place"))
+        recomputed = len(self._rids) if recompute_kv else 0
+        try:
+            await _ok(manager.begin_weight_update(BeginWeightUpdateReqInput(selector="all"), None), "begin")
+            try:
+                await _ok(manager.update_weights_from_tensor(UpdateWeightsFromTensorReqInput(
+                    serialized_named_tensors=[MultiprocessingSerializer.serialize(named)], load_format=LOADER,
+                    flush_cache=recompute_kv), None), "load")
+            finally:
+                await _ok(manager.end_weight_update(EndWeightUpdateReqInput(), None), "end")
+            result = msgspec.json.decode(Path(reply + ".0").read_bytes(), type=Reply)
+            if not result.ok:
+                raise Aborted(f"the sglang scheduler could not load version {version}: {result.error}")
+            self._applied = {n: (d, tuple(s), c) for n, (d, s, c) in result.applied.items()}
+            await self._set_version(version)
+        finally:
+            staging.close()
+            if not was_paused:
+                await self.resume()
+        return recomputed
+
+    async def abort_update(self) -> None:
+        update, self._update = self._update, None
+        if update is not None:
+            await asyncio.to_thread(update.abort)
+            update.staging.close()
+
+    async def checksums(self):
+        if self._applied is None:
+            from safetensors.torch import load_file
+
+            from rlsync.transfer import audit_entry
+
+            files = sorted(Path(self.model).glob("*.safetensors"))
+            audit = await asyncio.to_thread(lambda: {n: audit_entry(t) for f in files for n, t in load_file(f).items()})
+            return audit, "checkpoint loaded at start"
+        return dict(self._applied), "tensors the scheduler loaded at the last commit"
+
+    async def _set_version(self, version: int) -> None:
+        from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput
+
+        await self.engine.tokenizer_manager.update_weight_version(
+            UpdateWeightVersionReqInput(new_version=str(version), abort_all_requests=False))
+        self.version = version
+
+
+async def _ok(call, what: str) -> None:
+    result = await call
+    success, message = (result[0], result[1]) if isinstance(result, tuple) else (result.success, result.message)
+    if not success:
+        raise Aborted(f"sglang refused the weight update ({what}): {message}")
+
+
+class SharedStaging:
+    """Staging tensors in one memfd the scheduler process maps: the manifest's tensors, packed."""
+
+    def __init__(self, specs):
+        nbytes = sum(s.nbytes for s in specs) + SharedArena.ALIGN * (len(specs) + 1)
+        self.arena = SharedArena(chunk_bytes=max(nbytes, 1))
+        self.store = FlatStore({s.name: (torch.Size(s.shape), s.dtype) for s in specs},
+                               allocate=lambda n, dtype: self.arena.empty(n, dtype))
+        self.tensors = []
+        for s in specs:
+            view = self.store.views[s.name]
+            place = self.arena.locate(view) if view.numel() else (0, 0)
+            self.tensors.append(Tensor(s.name, dtype_name(s.dtype), list(s.shape), place[1]))
+        self.fd = self.arena.buffers[0].fd if self.arena.buffers else -1
+
+    def nbytes(self) -> int:
+        return self.arena.buffers[0].nbytes if self.arena.buffers else 0
+
+    def close(self) -> None:
+        self.arena.close()
+
+
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def _checkpoint(model: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name -> (shape, safetensors dtype) of every tensor of the checkpoint the replica started from."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(Path(model).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                sl = st.get_slice(name)
+                out[name] = (tuple(sl.get_shape()), sl.get_dtype())
+    return out
