@@ -10,7 +10,7 @@ LOCK_VENV ?= .lock-venv
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv lock protos protos-check lint wheels base-image image-wheels gpu-setup gpu-test clean
+.PHONY: demo test venv venv-sglang lock protos protos-check lint wheels base-image image-wheels gpu-setup gpu-test clean
 
 venv: $(STAMP)
 
@@ -25,6 +25,23 @@ $(STAMP): $(LOCK) pyproject.toml setup.py
 	$(BIN)/pip install -q --no-deps --only-binary=:all: -r $(LOCK)
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
+
+# SGLang's own environment (it pins another torch than vLLM's CPU build): the pinned set in
+# $(SGLANG_LOCK), rlsync itself, and the placeholder sgl_kernel on the path (deploy/sglang-cpu: SGLang's
+# CUDA kernels do not load without a GPU, and SGLang's CPU path needs them only with AMX).
+SGLANG_VENV ?= .venv-sglang
+SGLANG_LOCK := requirements/sglang-lock.txt
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+
+venv-sglang: $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): $(SGLANG_LOCK) pyproject.toml setup.py
+	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install -q --no-deps $$(grep -E '^pip==' $(SGLANG_LOCK))
+	$(SGLANG_VENV)/bin/pip install -q --no-deps -r $(SGLANG_LOCK)
+	$(SGLANG_VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
+	echo "$(CURDIR)/deploy/sglang-cpu" > "$$($(SGLANG_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/rlsync-sglang-cpu.pth"
+	touch $(SGLANG_STAMP)
 
 # Refreshes $(LOCK) on purpose: run it after changing dependencies in pyproject.toml, or to take
 # newer releases; commit the lock's diff with the change. It resolves afresh in a scratch venv:
@@ -120,4 +137,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check libs services tests bench examples
 
 clean:
-	rm -rf $(VENV) $(LOCK_VENV) .rlsync-cache runs
+	rm -rf $(VENV) $(SGLANG_VENV) $(LOCK_VENV) .rlsync-cache runs

@@ -22,6 +22,17 @@ VLLM_TEST_ARGS = {"enforce_eager": True, "kv_cache_memory_bytes": 64 << 20, "max
 HF_TEST_ARGS: dict = {}
 
 
+# SGLang runs in its own environment (`make venv-sglang`): its replicas start with that Python, and the
+# tests parametrized with it skip, saying so, where it is not built.
+SGLANG_PYTHON = Path(__file__).resolve().parents[1] / ".venv-sglang" / "bin" / "python"
+
+
+def engines(*names: str) -> list:
+    """Engine parameters for a test or fixture: sglang only where its environment is built."""
+    skip = pytest.mark.skipif(not SGLANG_PYTHON.exists(), reason="no SGLang environment: run make venv-sglang")
+    return [pytest.param(n, marks=skip) if n == "sglang" else n for n in names]
+
+
 def engine_args(engine: str, **extra) -> str:
     return json.dumps({**(VLLM_TEST_ARGS if engine == "vllm" else HF_TEST_ARGS), **extra})
 
@@ -53,8 +64,12 @@ class Services:
         name = name or service
         log = self.logs / f"{name}-{len(list(self.logs.iterdir()))}.log"
         args = ["--port", "0", *args]
-        proc = ServiceProcess(service, args, env=env, log_path=log, name=name,
-                              command=[sys.executable, str(script), *args] if script else None)
+        command = None
+        if script is not None:
+            command = [sys.executable, str(script), *args]
+        elif service == "rollout" and "sglang" in args:  # SGLang's own environment runs its replicas
+            command = [str(SGLANG_PYTHON), "-m", "rlsync.rollout", *args]
+        proc = ServiceProcess(service, args, env=env, log_path=log, name=name, command=command)
         self.started.append(proc)
         if wait:
             proc.wait_ready()

@@ -13,7 +13,8 @@ DEFAULT_PORT = 50051
 @dataclasses.dataclass
 class RolloutConfig:
     server: ServerConfig = dataclasses.field(default_factory=lambda: ServerConfig(port=DEFAULT_PORT))
-    engine: str = option("vllm", "inference engine", choices=("vllm", "hf"))
+    engine: str = option("vllm", "inference engine (sglang runs in its own environment: make venv-sglang)",
+                         choices=("vllm", "hf", "sglang"))
     model: str = option("tiny", "model folder, or 'tiny' for the locally built default model")
     engine_args: dict[str, Any] = option(factory=dict, help="JSON object of engine arguments, passed "
                                          "through with the engine's own defaults (vLLM: tensor_parallel_size, "

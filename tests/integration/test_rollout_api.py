@@ -7,12 +7,12 @@ import time
 import grpc
 import pytest
 
-from conftest import rollout_args
+from conftest import engines, rollout_args
 from rlsync.client import RolloutClient, RpcError
 from streams import Stream, frozen_streams, wait_in_flight
 
 
-@pytest.fixture(scope="module", params=["hf", "vllm"])
+@pytest.fixture(scope="module", params=engines("hf", "vllm", "sglang"))
 def rollout(request, module_services) -> RolloutClient:
     proc = module_services.start("rollout", rollout_args(request.param), name=f"rollout-{request.param}")
     with RolloutClient(proc.address) as client:
@@ -54,6 +54,8 @@ def test_greedy_is_deterministic(rollout):
 
 def test_seed_reproduces_and_differs(rollout):
     kw = dict(max_tokens=24, temperature=1.0, ignore_eos=True)
+    if rollout.engine == "sglang":
+        pytest.skip("SGLang applies seeds only with deterministic inference, which its CPU attention backend lacks")
     a = rollout.complete("alpha beta", seed=7, **kw)[0]
     b = rollout.complete("alpha beta", seed=7, **kw)[0]
     c = rollout.complete("alpha beta", seed=8, **kw)[0]
@@ -62,7 +64,7 @@ def test_seed_reproduces_and_differs(rollout):
 
 
 def test_n_completions_stream_under_their_index(rollout):
-    out = rollout.complete([5, 6, 7], n=3, max_tokens=8, temperature=1.0, seed=1, ignore_eos=True)
+    out = rollout.complete([5, 6, 7], n=3, max_tokens=8, temperature=1.0, ignore_eos=True)
     assert [c.index for c in out] == [0, 1, 2]
     assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in out)
     assert len({tuple(c.token_ids) for c in out}) > 1, "sampled completions should differ"

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import rollout_args
+from conftest import engines, rollout_args
 from rlsync.client import RolloutClient, RpcError, TrainerClient, push_weights, trajectory
 from rlsync.common.audit import differences, trainer_dtype
 from rlsync.rollout.v1 import rollout_pb2 as rpb
@@ -18,7 +18,7 @@ from rlsync.transfer.v1 import transfer_pb2 as tpb
 from streams import frozen_streams
 
 # vLLM computes in float32 here so that its audit and its greedy output compare exactly.
-ENGINE_EXTRA = {"vllm": {"dtype": "float32"}, "hf": {}}
+ENGINE_EXTRA = {"vllm": {"dtype": "float32"}, "sglang": {"dtype": "float32"}, "hf": {}}
 
 
 def _trainer_args(*extra: str) -> list[str]:
@@ -36,7 +36,7 @@ def _audit(trainer: TrainerClient, rollout: RolloutClient) -> list[str]:
     return differences(trainer.checksums(dtype=trainer_dtype(served)), served)
 
 
-@pytest.fixture(scope="module", params=["hf", "vllm"])
+@pytest.fixture(scope="module", params=engines("hf", "vllm", "sglang"))
 def pair(request, module_services):
     engine = request.param
     trainer = module_services.start("trainer", _trainer_args(), name=f"trainer-for-{engine}")

@@ -10,7 +10,9 @@ carries one empty tensor and a name.
 On CPU: SGLang's kernels (sgl_kernel) are built for CUDA and are called only on processors with AMX;
 the replica's environment has a placeholder sgl_kernel (deploy/sglang-cpu), which registers no torch
 operator, so SGLang takes its non-AMX path on every processor. Sleep releases nothing on CPU (SGLang
-frees memory only with its CUDA memory saver); LoRA adapters are refused.
+frees memory only with its CUDA memory saver); LoRA adapters are refused; a request's seed is passed
+on, but SGLang applies seeds only with enable_deterministic_inference, which its CPU attention backend
+(torch_native) does not support, so seeded samples do not repeat there.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class SGLangEngine(Engine):
                      "custom_weight_loader": [LOADER]}
         self.device = torch.device("cuda" if self.args["device"] == "cuda" else "cpu")
         self.engine = None
-        self._rids: dict[str, str] = {}  # request id -> the prefix of its SGLang rids
+        self._rids: dict[str, list[str]] = {}  # request id -> its SGLang rids (one per completion)
         self._paused = False
         self._update: StagedUpdate | None = None
         self._applied: dict | None = None
@@ -97,7 +99,8 @@ class SGLangEngine(Engine):
         p = request.sampling
         params = {"max_new_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p,
                   "top_k": p.top_k if p.top_k > 0 else -1, "stop": list(p.stop) or None, "ignore_eos": p.ignore_eos}
-        prefix = self._rids[request.request_id] = uuid.uuid4().hex
+        prefix = uuid.uuid4().hex
+        self._rids[request.request_id] = [f"{prefix}-{i}" for i in range(p.n)]
         queue: asyncio.Queue = asyncio.Queue()
 
         async def one(index: int) -> None:
@@ -145,9 +148,8 @@ class SGLangEngine(Engine):
                      version)
 
     async def abort(self, request_id: str) -> None:
-        prefix = self._rids.get(request_id)
-        if prefix is not None:
-            self.engine.tokenizer_manager.abort_request(prefix)
+        for rid in self._rids.get(request_id, ()):
+            self.engine.tokenizer_manager.abort_request(rid)
 
     async def pause(self, mode: PauseMode) -> None:
         from sglang.srt.managers.io_struct import PauseGenerationReqInput
@@ -155,6 +157,8 @@ class SGLangEngine(Engine):
         if mode is PauseMode.WAIT:  # SGLang has no such mode: let what runs finish, then freeze
             while self._rids:
                 await asyncio.sleep(0.01)
+        if mode is PauseMode.ABORT and self._paused:  # frozen requests end only once the scheduler runs again
+            await self.resume()
         await self.engine.tokenizer_manager.pause_generation(
             PauseGenerationReqInput(mode="abort" if mode is PauseMode.ABORT else "in_place"))
         self._paused = True
