@@ -22,8 +22,8 @@ VLLM_TEST_ARGS = {"enforce_eager": True, "kv_cache_memory_bytes": 64 << 20, "max
 HF_TEST_ARGS: dict = {}
 
 
-# SGLang runs in its own environment (`make venv-sglang`): its replicas start with that Python, and the
-# tests parametrized with it skip, saying so, where it is not built.
+# SGLang runs in its own environment (`make venv-sglang`; rlsync.launch starts its replicas with that
+# Python): the tests parametrized with it skip, saying so, where it is not built.
 SGLANG_PYTHON = Path(__file__).resolve().parents[1] / ".venv-sglang" / "bin" / "python"
 
 
@@ -64,12 +64,8 @@ class Services:
         name = name or service
         log = self.logs / f"{name}-{len(list(self.logs.iterdir()))}.log"
         args = ["--port", "0", *args]
-        command = None
-        if script is not None:
-            command = [sys.executable, str(script), *args]
-        elif service == "rollout" and "sglang" in args:  # SGLang's own environment runs its replicas
-            command = [str(SGLANG_PYTHON), "-m", "rlsync.rollout", *args]
-        proc = ServiceProcess(service, args, env=env, log_path=log, name=name, command=command)
+        proc = ServiceProcess(service, args, env=env, log_path=log, name=name,
+                              command=[sys.executable, str(script), *args] if script else None)
         self.started.append(proc)
         if wait:
             proc.wait_ready()

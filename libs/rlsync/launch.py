@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -35,6 +36,18 @@ def _on_parent_death(sig: int):
     return preexec
 
 
+def python_for(service: str, args: list[str]) -> str:
+    """The Python that runs a service: this one, except for an SGLang replica, which runs in SGLang's
+    own environment (it pins another torch than vLLM): $RLSYNC_SGLANG_PYTHON, else the checkout's
+    .venv-sglang (`make venv-sglang`) when this one has no sglang."""
+    if service != "rollout" or "sglang" not in args or importlib.util.find_spec("sglang") is not None:
+        return sys.executable
+    if python := os.environ.get("RLSYNC_SGLANG_PYTHON"):
+        return python
+    checkout = Path(__file__).resolve().parents[2] / ".venv-sglang" / "bin" / "python"
+    return str(checkout) if checkout.exists() else sys.executable  # which then says what to install
+
+
 class ServiceProcess:
     """One service in its own process (and process group), e.g. ServiceProcess("rollout", ["--engine", "hf"]).
 
@@ -51,7 +64,7 @@ class ServiceProcess:
         launcher's owner thread, so a member dies with the launcher that placed it)."""
         self.service = service
         self.name = name or service
-        cmd = command or [sys.executable, "-m", f"rlsync.{service}", *args]
+        cmd = command or [python_for(service, args), "-m", f"rlsync.{service}", *args]
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix=f"rlsync-{self.name}-", suffix=".log")
             os.close(fd)

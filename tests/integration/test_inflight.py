@@ -11,15 +11,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from conftest import rollout_args
+from conftest import engines, rollout_args
 from rlsync.client import RolloutClient, TrainerClient, commit_staged, push_weights, stage_weights, trajectory
 from streams import Stream, wait_in_flight
 
-ENGINE_EXTRA = {"vllm": {"dtype": "float32"}, "hf": {}}
+ENGINE_EXTRA = {"vllm": {"dtype": "float32"}, "sglang": {"dtype": "float32"}, "hf": {}}
 TOKENS = 900  # long enough that the push lands while the stream runs
 
 
-@pytest.fixture(scope="module", params=["hf", "vllm"])
+@pytest.fixture(scope="module", params=engines("hf", "vllm", "sglang"))
 def pair(request, module_services):
     engine = request.param
     trainer = module_services.start("trainer", ["--lr", "0.05"], name=f"trainer-inflight-{engine}")

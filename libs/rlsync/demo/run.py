@@ -68,7 +68,8 @@ def plot(records: list[StepRecord], path: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlsync demo", description=__doc__)
     parser.add_argument("--mode", choices=("colocated", "async", "inflight"), default="async")
-    parser.add_argument("--engine", choices=("vllm", "hf"), default="vllm")
+    parser.add_argument("--engine", choices=("vllm", "sglang", "hf"), default="vllm",
+                        help="sglang runs in its own environment: make venv-sglang first")
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
