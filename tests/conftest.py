@@ -27,10 +27,12 @@ HF_TEST_ARGS: dict = {}
 SGLANG_PYTHON = Path(__file__).resolve().parents[1] / ".venv-sglang" / "bin" / "python"
 
 
+NEEDS_SGLANG = pytest.mark.skipif(not SGLANG_PYTHON.exists(), reason="no SGLang environment: run make venv-sglang")
+
+
 def engines(*names: str) -> list:
     """Engine parameters for a test or fixture: sglang only where its environment is built."""
-    skip = pytest.mark.skipif(not SGLANG_PYTHON.exists(), reason="no SGLang environment: run make venv-sglang")
-    return [pytest.param(n, marks=skip) if n == "sglang" else n for n in names]
+    return [pytest.param(n, marks=NEEDS_SGLANG) if n == "sglang" else n for n in names]
 
 
 def engine_args(engine: str, **extra) -> str:

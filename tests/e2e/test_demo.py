@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from conftest import NEEDS_SGLANG
+
 
 def run_demo(tmp_path, *args: str) -> dict:
     out = tmp_path / "run"
@@ -18,7 +20,9 @@ def run_demo(tmp_path, *args: str) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
-@pytest.mark.parametrize("mode, engine", [("async", "vllm"), ("colocated", "hf")])
+@pytest.mark.parametrize("mode, engine", [
+    ("async", "vllm"), ("colocated", "hf"),
+    pytest.param("inflight", "sglang", marks=NEEDS_SGLANG)])
 def test_demo_learns_with_weight_sync(tmp_path, mode, engine):
     summary = run_demo(tmp_path, "--mode", mode, "--engine", engine, "--steps", "15")
     steps = summary["steps"]
