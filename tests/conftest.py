@@ -32,7 +32,7 @@ NEEDS_SGLANG = pytest.mark.skipif(not SGLANG_PYTHON.exists(), reason="no SGLang 
 
 def engines(*names: str) -> list:
     """Engine parameters for a test or fixture: sglang only where its environment is built."""
-    return [pytest.param(n, marks=NEEDS_SGLANG) if n == "sglang" else n for n in names]
+    return [pytest.param(n, marks=[NEEDS_SGLANG, pytest.mark.sglang]) if n == "sglang" else n for n in names]
 
 
 def engine_args(engine: str, **extra) -> str:

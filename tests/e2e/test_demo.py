@@ -22,7 +22,7 @@ def run_demo(tmp_path, *args: str) -> dict:
 
 @pytest.mark.parametrize("mode, engine", [
     ("async", "vllm"), ("colocated", "hf"),
-    pytest.param("inflight", "sglang", marks=NEEDS_SGLANG)])
+    pytest.param("inflight", "sglang", marks=[NEEDS_SGLANG, pytest.mark.sglang])])
 def test_demo_learns_with_weight_sync(tmp_path, mode, engine):
     summary = run_demo(tmp_path, "--mode", mode, "--engine", engine, "--steps", "15")
     steps = summary["steps"]
