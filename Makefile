@@ -66,7 +66,7 @@ lock:
 	mv $(LOCK).tmp $(LOCK)
 	rm -rf $(LOCK_VENV)
 
-demo: $(STAMP)
+demo: $(STAMP) $(if $(findstring sglang,$(ARGS)),$(SGLANG_STAMP))
 	$(BIN)/rlsync demo $(ARGS)
 
 # Four pytest processes side by side, each one's output shown after the first's: the unit and
