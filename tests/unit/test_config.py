@@ -26,7 +26,7 @@ def test_bad_values_exit_with_the_field_name():
     with pytest.raises(SystemExit, match="port"):
         build(RolloutConfig, _parse([]), env={"RLSYNC_PORT": "many"})
     with pytest.raises(SystemExit, match="engine"):
-        build(RolloutConfig, _parse([]), env={"RLSYNC_ENGINE": "sglang"})
+        build(RolloutConfig, _parse([]), env={"RLSYNC_ENGINE": "tgi"})
     with pytest.raises(SystemExit, match="engine_args"):
         build(RolloutConfig, _parse([]), env={"RLSYNC_ENGINE_ARGS": "[1, 2]"})
 

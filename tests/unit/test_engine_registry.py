@@ -1,5 +1,7 @@
 """The engine registry names the package to install when an engine cannot load."""
 
+import importlib.util
+
 import pytest
 
 from rlsync.rollout import engines
@@ -7,7 +9,14 @@ from rlsync.rollout.engines import EngineUnavailable, load_engine_class
 
 
 def test_unknown_engine_lists_the_known_ones():
-    with pytest.raises(EngineUnavailable, match="unknown engine 'sglang': choose one of hf, vllm"):
+    with pytest.raises(EngineUnavailable, match="unknown engine 'tgi': choose one of hf, sglang, vllm"):
+        load_engine_class("tgi")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="this environment has sglang")
+def test_sglang_outside_its_environment_says_how_to_build_it():
+    with pytest.raises(EngineUnavailable, match="sglang engine unavailable: install sglang, in its own environment: "
+                                                "make venv-sglang"):
         load_engine_class("sglang")
 
 

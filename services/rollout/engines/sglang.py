@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import math
 import os
@@ -41,6 +42,9 @@ from rlsync.transfer import answer
 from rlsync.transfer.dtypes import dtype_name
 from rlsync.transfer.manifest import from_proto
 from rlsync.transfer.memory import SharedArena
+
+if importlib.util.find_spec("sglang") is None:  # the registry says what to install
+    raise ImportError("No module named 'sglang' in this environment")
 
 log = logging.getLogger(__name__)
 
