@@ -71,16 +71,18 @@ demo: $(STAMP) $(if $(findstring sglang,$(ARGS)),$(SGLANG_STAMP))
 
 # Three pytest processes side by side, each one's output shown after the first's: the unit and
 # integration tests; the end-to-end suites (whole fleets, demos) with the Ray fleet tests (one Ray at a
-# time on a machine: the fleet CLI finds the Ray that `rlsync up` started); and the compose test
-# (marker docker: image build, a stack of four containers), which skips itself, with the reason,
-# without a Docker engine. The SGLang replicas' tests (marker sglang) run in `make test-sglang`.
-RAY_TESTS := tests/integration/test_fleet_ray.py
+# time on a machine: the fleet CLI finds the Ray that `rlsync up` started) and two slow integration
+# modules, which even out the two; and the compose test (marker docker: image build, a stack of four
+# containers), which skips itself, with the reason, without a Docker engine. The SGLang replicas'
+# tests (marker sglang) run in `make test-sglang`.
+SIDE_TESTS := tests/e2e tests/integration/test_fleet_ray.py tests/integration/test_publisher.py \
+	tests/integration/test_lora_updates.py
 CPU_TESTS := -m "not gpu and not docker and not sglang" $(PYTEST_ARGS)
 test: $(STAMP) protos-check
 	@mkdir -p .cache; $(BIN)/python -m pytest -m docker -s $(PYTEST_ARGS) tests/e2e > .cache/test-docker.log 2>&1 & \
-	docker=$$!; $(BIN)/python -m pytest $(CPU_TESTS) tests/e2e $(RAY_TESTS) > .cache/test-e2e.log 2>&1 & \
-	e2e=$$!; $(BIN)/python -m pytest $(CPU_TESTS) tests --ignore=tests/e2e --ignore=$(RAY_TESTS); rc=$$?; \
-	wait $$e2e; erc=$$?; echo "---- pytest tests/e2e $(RAY_TESTS) ----"; cat .cache/test-e2e.log; \
+	docker=$$!; $(BIN)/python -m pytest $(CPU_TESTS) $(SIDE_TESTS) > .cache/test-side.log 2>&1 & \
+	side=$$!; $(BIN)/python -m pytest $(CPU_TESTS) tests $(addprefix --ignore=,$(SIDE_TESTS)); rc=$$?; \
+	wait $$side; erc=$$?; echo "---- pytest $(SIDE_TESTS) ----"; cat .cache/test-side.log; \
 	wait $$docker; drc=$$?; echo "---- pytest -m docker (compose stack) ----"; cat .cache/test-docker.log; \
 	exit $$(( rc ? rc : erc ? erc : drc ))
 
