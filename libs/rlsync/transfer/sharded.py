@@ -180,6 +180,7 @@ class ShardedSender:
         self.device = device or torch.device("cpu")
         self._store = None
         self._shares: dict = {}  # exported CUDA IPC handles, kept until close() (the trainer offloads)
+        self._spent: list[str] = []  # rank 0: the store keys of the last transfer
         if self.rank == 0:
             self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
             self.store_address = f"{advertise or reachable_host(host)}:{self._store.port}"
@@ -205,6 +206,10 @@ class ShardedSender:
         store = self._store if self._store is not None else _store(offer.routing.store, False,
                                                                    deadline.remaining("joining the store"))
         if self.rank == 0:
+            self._forget(store)
+            receivers = sum(a.ranks for a in answers)
+            self._spent += [_roster_key(offer), *(_memory_key(offer, k) for k in range(self.world)),
+                            *(_pulled_key(offer, e) for e in range(receivers))]
             store.set(_roster_key(offer), pb.RoutedSend(answers=answers).SerializeToString())
         engine = engine_layout(self.specs, answers)
         routes = cached_routes(self.layout, engine)
@@ -238,7 +243,19 @@ class ShardedSender:
     def refuse(self, offer: pb.Offer, reason: str) -> None:
         """Rank 0: tells the receivers waiting for this offer's roster that no send will come, and why."""
         if self._store is not None:
+            self._forget(self._store)
+            self._spent.append(_refused_key(offer))
             self._store.set(_refused_key(offer), reason.encode())
+
+    def _forget(self, store) -> None:
+        """Rank 0: drops the keys of the transfer before (every member is done with it once another
+        starts), so a long run does not pile up every transfer's handles in the store."""
+        for key in self._spent:
+            try:
+                store.delete_key(key)
+            except dist.DistError:
+                break
+        self._spent = []
 
     def regions(self) -> None:
         """Replicas cannot hold a sharded trainer's memory mapped between updates yet (each rank's
