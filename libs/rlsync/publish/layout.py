@@ -96,7 +96,6 @@ class RankShards:
             out = out.to(entry.dtype)
         return out.contiguous()
 
-
     def held_tensors(self) -> list[list[torch.Tensor]]:
         """This rank's boxes as tensors (its local shards, or parts of them), per engine tensor in its
         layout's order: what receiver ranks on its GPU pull from (rlsync.transfer.pulls)."""

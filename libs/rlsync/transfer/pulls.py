@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from itertools import accumulate
 
 import torch
 
@@ -60,25 +61,24 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Sequence[pb.RankM
     """Receiver rank `rank`: copies every piece it pulls (`routes`, as split() gives them) from the
     trainer ranks' memory into its view (`routed.destinations`), and waits for the copies. Returns the
     bytes it received; `profile` gets the seconds spent mapping, copying (queued and done) and unmapping."""
-    opened: dict[tuple[int, int], torch.Tensor] = {}
+    opened: dict[tuple[int, int], torch.Tensor] = {}  # (trainer rank, region) -> its bytes, mapped
+    typed: dict[tuple[int, int, str], torch.Tensor] = {}  # ... and those bytes as one dtype
     nbytes, mapping, start = 0, 0.0, time.perf_counter()
     for transfer in routes.of_receiver(rank):
         held, memory_ = trainer.held[transfer.src], memories[transfer.src]
-        first = [0]  # where each tensor's boxes start among memory_.held
-        for boxes in held:
-            first.append(first[-1] + len(boxes))
+        first = list(accumulate((len(boxes) for boxes in held), initial=0))  # each tensor's first box in .held
         for p in transfer.pieces:
             j = next(j for j, box in enumerate(held[p.tensor]) if contains(box, p.box))
             box, where = held[p.tensor][j], memory_.held[first[p.tensor] + j]
-            key = (transfer.src, where.region)
-            if key not in opened:
-                mapped = time.perf_counter()
-                opened[key] = open_cuda(memory_.ipc[where.region], device)
-                mapping += time.perf_counter() - mapped
-            dtype = dtype_of(where.dtype)
-            values = opened[key]
-            values = values[:values.numel() - values.numel() % itemsize(dtype)]
-            src = torch.as_strided(values.view(dtype), extent(box), tuple(where.stride), where.offset)
+            key = (transfer.src, where.region, where.dtype)
+            if key not in typed:
+                if key[:2] not in opened:
+                    mapped = time.perf_counter()
+                    opened[key[:2]] = open_cuda(memory_.ipc[where.region], device)
+                    mapping += time.perf_counter() - mapped
+                dtype, values = dtype_of(where.dtype), opened[key[:2]]
+                typed[key] = values[:values.numel() - values.numel() % itemsize(dtype)].view(dtype)
+            src = torch.as_strided(typed[key], extent(box), tuple(where.stride), where.offset)
             region = relative(p.box, box)
             dst = views[piece_name(specs[p.tensor].name, p.box)]
             dst.copy_(src[tuple(slice(a, b) for a, b in region)] if region else src, non_blocking=True)
@@ -86,6 +86,7 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Sequence[pb.RankM
     if opened:
         torch.cuda.current_stream(device).synchronize()  # the copies are done before the mappings close
     copied = time.perf_counter()
+    typed.clear()
     opened.clear()
     if profile is not None:
         profile.update(map=mapping, copy=copied - start - mapping, unmap=time.perf_counter() - copied)

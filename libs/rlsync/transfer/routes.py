@@ -172,8 +172,7 @@ def plan_routes(trainer: Layout, engine: Layout) -> Routes:
             if not owners:
                 raise InvalidArgument(f"no trainer rank holds {info.name!r}{list(map(list, cell))}, which engine rank "
                                       f"{dsts[0]} loads: the trainer's layout does not cover the tensor")
-            src = min((r for r, _ in owners), key=lambda r: (load[r], r))
-            held = next(b for r, b in owners if r == src)
+            src, held = min(owners, key=lambda o: (load[o[0]], o[0]))
             load[src] += volume(cell) * info.itemsize
             cells[(src, dsts, held)].append(cell)
         for (src, dsts, _), boxes in sorted(cells.items()):

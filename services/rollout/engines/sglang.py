@@ -35,6 +35,7 @@ import torch
 from rlsync.errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument
 from rlsync.flat import FlatStore
 from rlsync.rollout.engines.base import Engine
+from rlsync.rollout.engines.checkpoint import ITEMSIZE, checkpoint_checksums, checkpoint_tensors
 from rlsync.rollout.engines.sglang_scheduler import LOADER, PREFIX, Reply, Request, Tensor
 from rlsync.rollout.staging import StagedUpdate, ensure_room, pulled, raise_failure
 from rlsync.rollout.types import Delta, FinishReason, GenerationRequest, MemoryUsage, PauseMode, WakeTag
@@ -183,13 +184,14 @@ class SGLangEngine(Engine):
     async def memory(self) -> MemoryUsage:
         """The checkpoint's bytes (SGLang does not say what its scheduler holds), and the staging of
         an update being received."""
-        weights = sum(math.prod(shape) * _ITEMSIZE.get(dtype, 4) for shape, dtype in _checkpoint(self.model).values())
+        checkpoint = checkpoint_tensors(self.model).values()
+        weights = sum(math.prod(shape) * ITEMSIZE.get(dtype, 4) for shape, dtype in checkpoint)
         staging = self._update.staging.nbytes() if self._update is not None else 0
         return MemoryUsage(str(self.device), weights, 0, 0, staging)
 
     # ---- weight updates --------------------------------------------------------------------------
     def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], None]]:
-        return {n: (shape, None) for n, (shape, _) in _checkpoint(self.model).items()}
+        return {n: (shape, None) for n, (shape, _) in checkpoint_tensors(self.model).items()}
 
     def max_lora_rank(self) -> int | None:
         raise FailedPrecondition("this sglang replica takes no LoRA adapters: SGLang's LoRA layers need pinned "
@@ -274,13 +276,7 @@ class SGLangEngine(Engine):
 
     async def checksums(self):
         if self._applied is None:
-            from safetensors.torch import load_file
-
-            from rlsync.transfer import audit_entry
-
-            files = sorted(Path(self.model).glob("*.safetensors"))
-            audit = await asyncio.to_thread(lambda: {n: audit_entry(t) for f in files for n, t in load_file(f).items()})
-            return audit, "checkpoint loaded at start"
+            return await asyncio.to_thread(checkpoint_checksums, self.model), "checkpoint loaded at start"
         return dict(self._applied), "tensors the scheduler loaded at the last commit"
 
     async def _set_version(self, version: int) -> None:
@@ -319,18 +315,3 @@ class SharedStaging:
     def close(self) -> None:
         self.arena.close()
 
-
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-
-
-def _checkpoint(model: str) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Name -> (shape, safetensors dtype) of every tensor of the checkpoint the replica started from."""
-    from safetensors import safe_open
-
-    out = {}
-    for f in sorted(Path(model).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            for name in st.keys():
-                sl = st.get_slice(name)
-                out[name] = (tuple(sl.get_shape()), sl.get_dtype())
-    return out

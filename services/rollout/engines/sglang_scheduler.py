@@ -8,7 +8,7 @@ old ones. The reply goes to the file the request names (SGLang's call returns no
 
 from __future__ import annotations
 
-import mmap
+import math
 import os
 from pathlib import Path
 
@@ -41,22 +41,15 @@ class Reply(msgspec.Struct):
 
 
 def request_tensors(request: Request) -> list[tuple[str, torch.Tensor]]:
-    """The staged tensors, mapped read-only from the rollout process (no copy until load_weights)."""
-    from rlsync.transfer.dtypes import dtype_of
+    """The staged tensors, mapped from the rollout process's memfd (no copy until load_weights)."""
+    from rlsync.transfer.dtypes import dtype_of, itemsize
+    from rlsync.transfer.memory import SharedBuffer
 
-    fd = os.open(f"/proc/{request.pid}/fd/{request.fd}", os.O_RDONLY)
-    try:
-        buf = mmap.mmap(fd, max(request.nbytes, 1), prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
-    raw = torch.frombuffer(buf, dtype=torch.uint8)
+    raw = SharedBuffer.attach(os.open(f"/proc/{request.pid}/fd/{request.fd}", os.O_RDWR), request.nbytes).tensor
     out = []
     for t in request.tensors:
         dtype = dtype_of(t.dtype)
-        n = 1
-        for d in t.shape:
-            n *= d
-        size = n * torch.empty((), dtype=dtype).element_size()
+        size = math.prod(t.shape) * itemsize(dtype)
         out.append((t.name, raw[t.offset:t.offset + size].view(dtype).view(t.shape)))
     return out
 
@@ -65,13 +58,9 @@ def load(model, named_tensors) -> None:
     (name, _), = named_tensors
     request = msgspec.json.decode(name[len(PREFIX):], type=Request)
     try:
-        import warnings
-
         from rlsync.transfer import audit_entry
 
-        with warnings.catch_warnings():  # torch warns that the read-only mapping is not writable
-            warnings.simplefilter("ignore")
-            tensors = request_tensors(request)
+        tensors = request_tensors(request)
         model.load_weights(tensors)
         applied = {n: audit_entry(t) for n, t in tensors}
         reply = Reply(True, applied={n: (d, list(s), c) for n, (d, s, c) in applied.items()})

@@ -28,6 +28,7 @@ from rlsync.transfer.manifest import from_proto
 from rlsync.transfer.sharded import layout_of
 from rlsync.transfer.v1 import transfer_pb2
 from rlsync.rollout.engines.base import Engine
+from rlsync.rollout.engines.checkpoint import checkpoint_checksums, checkpoint_tensors
 from rlsync.rollout.engines.vllm_lora import Adapters
 from rlsync.rollout.types import Delta, FinishReason, GenerationRequest, MemoryUsage, PauseMode, WakeTag
 
@@ -181,16 +182,7 @@ class VLLMEngine(Engine):
 
     # ---- weight updates -------------------------------------------------------------------------
     def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], None]]:
-        from pathlib import Path
-
-        from safetensors import safe_open
-
-        out = {}
-        for f in sorted(Path(self.model).glob("*.safetensors")):
-            with safe_open(str(f), "pt") as st:
-                for name in st.keys():
-                    out[name] = (tuple(st.get_slice(name).get_shape()), None)
-        return out
+        return {n: (shape, None) for n, (shape, _) in checkpoint_tensors(self.model).items()}
 
     def max_lora_rank(self) -> int | None:
         if not self.args.enable_lora:
@@ -291,7 +283,7 @@ class VLLMEngine(Engine):
         per_worker = await self.llm.collective_rpc("rlsync_applied")
         applied = per_worker[0]
         if applied is None:  # still the checkpoint it started from
-            base, what = await asyncio.to_thread(_checkpoint_checksums, self.model), "checkpoint loaded at start"
+            base, what = await asyncio.to_thread(checkpoint_checksums, self.model), "checkpoint loaded at start"
         elif "parts" in applied:  # each worker holds its boxes: every tensor's sums are its workers' shares
             base = {}
             for name, (dtype, shape, nbytes, *_) in applied["parts"].items():
@@ -306,12 +298,3 @@ class VLLMEngine(Engine):
             return {**base, **self.adapters.applied}, what + ", and the LoRA adapter applied since"
         return base, what
 
-
-def _checkpoint_checksums(model: str) -> dict[str, tuple[str, tuple[int, ...], str]]:
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    from rlsync.transfer import audit_entry
-
-    return {n: audit_entry(t) for f in sorted(Path(model).glob("*.safetensors")) for n, t in load_file(f).items()}
