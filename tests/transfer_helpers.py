@@ -79,8 +79,11 @@ class Peer:
 
 
 def shm_entries() -> set[str]:
-    # psm_*/sem.mp-* belong to Python multiprocessing (vLLM servers other tests may still run).
-    return {n for n in os.listdir("/dev/shm") if not n.startswith(("psm_", "sem.mp-"))}
+    """Segments in /dev/shm the transfer library could have left. psm_*/sem.mp-* belong to Python
+    multiprocessing (vLLM servers other tests may still run); folders belong to rollout replicas that
+    tests in a parallel process run (a vLLM replica's LoRA adapters) — the library makes only files."""
+    return {e.name for e in os.scandir("/dev/shm")
+            if not e.name.startswith(("psm_", "sem.mp-")) and not e.is_dir(follow_symlinks=False)}
 
 
 def zoo() -> dict[str, torch.Tensor]:
