@@ -31,13 +31,8 @@ RUN /opt/venv/bin/pip install -q --no-deps --no-build-isolation . && rm -rf buil
 
 # ---- run: the environment alone (no wheels, no build files) -------------------------------------
 FROM ${BASE}
-# vLLM's CPU kernels link libnuma; torch's compiler, which vLLM runs at start-up, needs g++ and
-# Python's headers (a python:3.11 image has them, Debian's python3 does not).
-RUN apt-get update -q \
-    && pkgs="libnuma1 g++" \
-    && if ! python3 -c "import os, sysconfig; assert os.path.exists(sysconfig.get_paths()['include'] + '/Python.h')" \
-        2>/dev/null; then pkgs="$pkgs python3-dev"; fi \
-    && apt-get install -y -q --no-install-recommends $pkgs && rm -rf /var/lib/apt/lists/*
+COPY deploy/runtime-packages.sh /tmp/
+RUN sh /tmp/runtime-packages.sh && rm /tmp/runtime-packages.sh
 COPY --from=build /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 RLSYNC_CACHE=/opt/rlsync-cache
 WORKDIR /opt/rlsync

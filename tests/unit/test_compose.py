@@ -25,16 +25,26 @@ def compose() -> dict:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 
 
-RLSYNC = ("coordinator", "trainer", "rollout")
+RLSYNC = ("coordinator", "trainer", "rollout", "rollout-sglang")
 
 
 def test_services_and_build(compose):
     assert set(compose["services"]) == {*RLSYNC, "prometheus", "grafana"}
-    assert (ROOT / "Dockerfile").exists()
     for name in RLSYNC:
         svc = compose["services"][name]
-        assert svc["build"]["context"] == "." and svc["image"] == "rlsync:latest" and "profiles" not in svc
+        sglang = name == "rollout-sglang"
+        assert svc["build"]["context"] == "." and (ROOT / svc["build"].get("dockerfile", "Dockerfile")).exists()
         assert svc["build"]["args"]["BASE"] == "${RLSYNC_BASE_IMAGE:-python:3.11-slim}"
+        assert svc["image"] == ("rlsync:sglang" if sglang else "rlsync:latest")
+        assert svc.get("profiles") == (["sglang"] if sglang else None), "SGLang replicas only on request"
+
+
+def test_the_sglang_image_installs_its_own_lock_and_the_cpu_kernel_placeholder():
+    dockerfile = (ROOT / "deploy/sglang/Dockerfile").read_text()
+    assert "requirements/sglang-lock.txt" in dockerfile and "deploy/sglang-cpu" in dockerfile
+    assert (ROOT / "deploy/sglang-cpu/sgl_kernel/__init__.py").exists()
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert ".venv-sglang" in ignored, "the build context leaves the local SGLang environment out"
 
 
 def test_monitoring_profile_scrapes_every_service_into_the_dashboard(compose):
@@ -56,11 +66,12 @@ def test_monitoring_profile_scrapes_every_service_into_the_dashboard(compose):
     assert used and base <= known, f"the dashboard queries series no service exports: {base - known}"
 
 
-@pytest.mark.parametrize("name", ["coordinator", "trainer", "rollout"])
+@pytest.mark.parametrize("name", RLSYNC)
 def test_command_is_a_real_cli_invocation(compose, name):
     command = compose["services"][name]["command"]
-    assert command[0] == name and name in COMMANDS
-    module, cls = CONFIGS[name].split(":")
+    service = name.split("-")[0]
+    assert command[0] == service and service in COMMANDS
+    module, cls = CONFIGS[service].split(":")
     parser = argparse.ArgumentParser()
     add_arguments(parser, getattr(importlib.import_module(module), cls))
     parser.parse_args(command[1:])  # exits on an unknown flag or bad value
@@ -70,9 +81,11 @@ def test_ports_and_scaling(compose):
     services = compose["services"]
     assert services["coordinator"]["ports"] == ["${RLSYNC_PORT:-50050}:50050", "${RLSYNC_HTTP_PORT:-8000}:8000"], \
         "clients reach the coordinator (on other host ports where the defaults are taken)"
-    rollout = services["rollout"]
-    assert "ports" not in rollout and "container_name" not in rollout, "--scale rollout=N needs no fixed host port"
-    for name in ("trainer", "rollout"):
+    for rollout in (services["rollout"], services["rollout-sglang"]):
+        assert "ports" not in rollout and "container_name" not in rollout, "--scale rollout=N needs no fixed host port"
+    sglang = services["rollout-sglang"]["command"]
+    assert sglang[sglang.index("--engine") + 1] == "sglang"
+    for name in ("trainer", "rollout", "rollout-sglang"):
         cmd = services[name]["command"]
         assert cmd[cmd.index("--coordinator") + 1] == "coordinator:50050", "members find the coordinator by name"
         assert services[name]["depends_on"] == ["coordinator"]

@@ -28,7 +28,7 @@ def test_defaults_make_a_whole_fleet():
 
 
 @pytest.mark.parametrize("text, where", [
-    ("rollout: [{engine: sglang}]", "$.rollout[0].engine"),
+    ("rollout: [{engine: tgi}]", "$.rollout[0].engine"),
     ("rollout: [{replicas: two}]", "$.rollout[0].replicas"),
     ("trainer: {nproc: 1.5}", "$.trainer.nproc"),
     ("coordinator: {prot: 1}", "unknown field `prot`"),

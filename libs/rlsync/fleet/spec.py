@@ -8,6 +8,7 @@ typed structs, so a wrong key, type or value is refused with the path to it befo
     trainer: {nproc: 1, gpus_per_rank: 0, args: ["--lr", "1e-3"]}     # or script: my_loop.py
     rollout:
       - {name: rollout, engine: vllm, replicas: 4, gpus: 1, engine_args: {max_num_seqs: 64}}
+      - {name: sgl, engine: sglang, replicas: 2, gpus: 1}    # env: {RLSYNC_SGLANG_PYTHON: ...} where it lives
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class TrainerSpec(_Spec):
 
 class RolloutGroup(_Spec):
     name: str = "rollout"
-    engine: Literal["vllm", "hf"] = "vllm"
+    engine: Literal["vllm", "sglang", "hf"] = "vllm"  # sglang: its Python is $RLSYNC_SGLANG_PYTHON on every node
     replicas: int = 1
     gpus: float = 0.0  # per replica (tensor-parallel engines take several)
     cpus: float = 1.0
