@@ -5,11 +5,17 @@ engine rank receives only the boxes it loads), for K trainer ranks (FSDP2 over g
 
     python bench/sharded.py                 # CPU, K in {1, 2, 4} x g in {1, 2}, preset "small"
     python bench/sharded.py --device cuda --preset qwen3-1.7b   # every process on one GPU: pulls
+    python bench/sharded.py --device cuda --gpus 2 --placement apart       # trainer on GPU 0, engine on 1: NCCL
+    python bench/sharded.py --device cuda --gpus 2 --placement colocated   # rank r on GPU r % 2: both
 
 On one GPU every trainer rank and engine rank shares the GPU: the receivers pull their boxes over CUDA
 IPC (casting fp32 to bf16 on the copy), and the rank-0 path cannot run at all (it gathers among ranks
 on one GPU, which NCCL refuses and gloo does not do on CUDA). The limit there is a device copy of the
-bytes received, and the same with the cast, timed in the same run.
+bytes received, and the same with the cast, timed in the same run. On two GPUs, `apart` puts every
+trainer rank on GPU 0 and every engine rank on GPU 1 (every pair over NCCL; the limit is a raw NCCL
+transfer of the bytes between the two GPUs, timed in the same run), and `colocated` puts trainer rank r
+and engine rank e on GPUs r % 2 and e % 2, as a trainer and an engine sharing two GPUs are laid out
+(pairs on one GPU pull, the others go over NCCL; both limits reported).
 
 Per case and path: sync seconds (median of --repeats after a warm-up), the peak extra memory of every
 trainer rank against its bound (two buckets plus the largest slice it sends), staging per engine rank
@@ -38,7 +44,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import preset_shapes  # noqa: E402
 from publish import Peak, build_module  # noqa: E402
-from transfer import _timed, d2d_limit  # noqa: E402
+from transfer import _timed, d2d_limit, nccl_limit  # noqa: E402
 
 from rlsync.publish import WeightMap  # noqa: E402
 from rlsync.publish.source import module_source  # noqa: E402
@@ -178,8 +184,17 @@ def engine(args, k: int, g: int, rank: int, store) -> dict:
     return out
 
 
+def gpu_of(args, role: str, rank: int) -> int:
+    if args.placement == "apart":
+        return 0 if role == "trainer" else 1
+    return rank % args.gpus
+
+
 def worker(args) -> None:
     role, k, g, rank = os.environ["ROLE"], int(os.environ["K"]), int(os.environ["G"]), int(os.environ["RANK"])
+    if args.gpus > 1:
+        args.device = f"cuda:{gpu_of(args, role, rank)}"
+        torch.cuda.set_device(args.device)  # before the device mesh, which would pick one itself
     shapes, bucket = preset_shapes(args.preset), args.bucket_mib << 20
     host, port = os.environ["BENCH_STORE"].split(":")
     store = dist.TCPStore(host, int(port), is_master=False)
@@ -202,7 +217,8 @@ def run_case(args, k: int, g: int) -> dict:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(ports[1]), "WORLD_SIZE": str(k),
            "OMP_NUM_THREADS": "1", "K": str(k), "G": str(g), "BENCH_STORE": f"127.0.0.1:{ports[0]}"}
     cmd = [sys.executable, __file__, "--worker", "--preset", args.preset, "--bucket-mib", str(args.bucket_mib),
-           "--repeats", str(args.repeats), "--device", args.device]
+           "--repeats", str(args.repeats), "--device", args.device, "--gpus", str(args.gpus),
+           "--placement", args.placement]
     procs = [subprocess.Popen(cmd, env={**env, "ROLE": role, "RANK": str(r)}, stdout=subprocess.PIPE, text=True)
              for role, n in (("trainer", k), ("engine", g)) for r in range(n)]
     outs = [p.communicate(timeout=1800)[0] for p in procs]
@@ -234,10 +250,14 @@ def run_case(args, k: int, g: int) -> dict:
     if args.device != "cpu":  # the limit: a device copy of the bytes every engine rank received, plain and cast
         received = sum(e["routed"]["received_bytes"] for e in engines)
         rate = received / case["routed"]["seconds"] / GB
-        copy, cast = d2d_limit(received, args.device), cast_copy_limit(received, args.device)
-        case["routed"].update({"GBps": round(rate, 2), "copy_limit_GBps": round(copy, 2),
-                               "cast_copy_limit_GBps": round(cast, 2), "ratio_to_copy": round(rate / copy, 3),
-                               "ratio_to_cast_copy": round(rate / cast, 3)})
+        limits = {}
+        if args.gpus == 1 or args.placement == "colocated":
+            limits |= {"copy": d2d_limit(received, "cuda:0"), "cast_copy": cast_copy_limit(received, "cuda:0")}
+        if args.gpus > 1:
+            limits["nccl"] = nccl_limit(received, 2)
+        case["routed"]["GBps"] = round(rate, 2)
+        for name, limit in limits.items():
+            case["routed"] |= {f"{name}_limit_GBps": round(limit, 2), f"ratio_to_{name}": round(rate / limit, 3)}
     return case
 
 
@@ -278,6 +298,8 @@ def main() -> None:
     parser.add_argument("--trainer-ranks", default="1,2,4")
     parser.add_argument("--engine-ranks", default="1,2")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: every process on one GPU")
+    parser.add_argument("--gpus", type=int, default=1, choices=(1, 2), help="with --device cuda")
+    parser.add_argument("--placement", default="apart", choices=("apart", "colocated"), help="with --gpus 2")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -292,6 +314,8 @@ def main() -> None:
     plan = plan_seconds()
     print(json.dumps({"plan": plan}), flush=True)
     device = torch.cuda.get_device_name(args.device) if args.device != "cpu" else "cpu"
+    if args.gpus > 1:
+        device = f"{device} x{args.gpus} ({args.placement})"
     print(json.dumps({"preset": args.preset, "device": device, "bucket_bytes": args.bucket_mib << 20,
                       "cases": cases, "plan": plan}))
 

@@ -2,7 +2,8 @@
 RoutedReceiver): ROLE=trainer ranks hold DTensor shards of every placement a trainer may use (FSDP2's
 fully_shard among them) and send what the routes ask of them; ROLE=engine ranks are one replica's
 tensor-parallel ranks, which load the boxes such an engine loads and check them bit for bit against
-the whole tensors. DEVICE=cuda puts every member on one GPU (receiver ranks then pull). Trainer rank 0
+the whole tensors. DEVICE=cuda puts every member on one GPU (receiver ranks then pull); DEVICE=cuda:i
+puts this member on GPU i (pairs on one GPU pull, the others go over NCCL). Trainer rank 0
 hosts a board (ROUTED_STORE) where the offer and the replica's answer are passed. Every member prints
 one JSON line."""
 
@@ -28,6 +29,8 @@ RANK = int(os.environ["RANK"])
 STORE = os.environ["ROUTED_STORE"]  # host:port of the board; trainer rank 0 hosts it
 BUCKET = int(os.environ.get("BUCKET", 1 << 12))
 DEVICE = torch.device(os.environ.get("DEVICE", "cpu"))
+if DEVICE.index is not None:
+    torch.cuda.set_device(DEVICE)
 
 
 def model() -> nn.Module:

@@ -1,10 +1,13 @@
-"""Routed transfers on one GPU (GPU machine only): FSDP2 trainer ranks and a tensor-parallel replica's
-ranks all on it. NCCL takes no two members on one GPU, so every receiver rank pulls its boxes straight
-from the trainer ranks' memory (CUDA IPC), casting on the copy, and no group is formed."""
+"""Routed transfers on GPUs (GPU machine only): FSDP2 trainer ranks and a tensor-parallel replica's
+ranks. All on one GPU, every receiver rank pulls its boxes straight from the trainer ranks' memory
+(CUDA IPC), casting on the copy, and no group is formed. Over two GPUs, laid out as a colocated trainer
+and engine are (trainer rank r and engine rank e on GPUs r and e), pairs on one GPU pull and the others
+go over NCCL, in a group where two members share each GPU: only pairs ever form communicators."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from transfer_helpers import run_routed
 
@@ -23,4 +26,19 @@ def test_colocated_ranks_pull_exactly_their_boxes_from_every_trainer_rank(sender
     for t in trainers:
         assert t["layout_as_expected"]
         assert set(t["channels"]) <= {"cuda_ipc"}, f"nothing goes over a group on one GPU: {t['channels']}"
+    assert sum(t["sent"] for t in trainers) == sum(e["received"] for e in engines)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("senders,receivers", [(2, 2), (1, 2), (2, 1)])
+def test_ranks_over_two_gpus_pull_on_their_gpu_and_take_the_rest_over_nccl(senders, receivers):
+    results = run_routed(senders, receivers, 1 << 12, device="cuda", gpus=2)
+    trainers = [r for r in results if r["role"] == "trainer"]
+    engines = [r for r in results if r["role"] == "engine"]
+    for e in engines:
+        assert e["wrong"] == [], f"engine rank {e['rank']}: these boxes differ from the whole tensors: {e['wrong']}"
+        assert e["received"] == e["loads"], "an engine rank receives its shard's bytes, ratio 1.00"
+        assert set(e["channels"]) <= {"cuda_ipc", "nccl"}, e["channels"]
+    channels = {c for e in engines for c in e["channels"]}
+    assert channels == {"cuda_ipc", "nccl"}, f"pairs on one GPU pull, the others go over NCCL: {channels}"
     assert sum(t["sent"] for t in trainers) == sum(e["received"] for e in engines)

@@ -93,6 +93,10 @@ def _pulled_key(offer: pb.Offer, rank: int) -> str:
     return f"rlsync-routed/{offer.transfer_id}/pulled/{rank}"
 
 
+def _left_keys(gid: str) -> tuple[str, str]:
+    return f"rlsync-routed/{gid}/left", f"rlsync-routed/{gid}/all-left"
+
+
 def _memories(store, offer: pb.Offer, senders: int, deadline: Deadline) -> list[pb.RankMemory]:
     """Every trainer rank's RankMemory, as each puts it in the store when it starts to send."""
     keys = [_memory_key(offer, k) for k in range(senders)]
@@ -145,15 +149,21 @@ def _bucket(offer: pb.Offer, answers: Sequence[pb.Answer]) -> int:
     return min(a.bucket_bytes or offer.bucket_bytes for a in answers)
 
 
-def _close(pg, deadline: Deadline, error: BaseException | None) -> None:
+def _close(pg, store, gid: str, world: int, deadline: Deadline, error: BaseException | None) -> None:
     """Releases a routed group. After a success every member waits for the others first (one that
-    left early would close connections a peer still reads from). After a failure it goes at once,
-    and with it every reference: only the group's destruction closes its connections, which is what
-    fails a peer still waiting on this member at once instead of at its deadline (gloo's shutdown
-    leaves them open), so the failure's traceback must not keep it alive either."""
+    left early would close connections a peer still reads from), through the store: a barrier on the
+    group itself would make NCCL form one communicator of every member, which it refuses where two
+    members share a GPU (a trainer rank and an engine rank colocated), while point-to-point sends only
+    ever join the two ends of a pair. After a failure it goes at once, and with it every reference:
+    only the group's destruction closes its connections, which is what fails a peer still waiting on
+    this member at once instead of at its deadline (gloo's shutdown leaves them open), so the
+    failure's traceback must not keep it alive either."""
     if error is None:
+        left, everyone = _left_keys(gid)
         try:
-            pg.barrier().wait(datetime.timedelta(seconds=max(deadline.remaining("leaving the group"), 0.1)))
+            if store.add(left, 1) == world:
+                store.set(everyone, b"1")
+            store.wait([everyone], datetime.timedelta(seconds=max(deadline.remaining("leaving the group"), 0.1)))
         except Exception:  # noqa: BLE001 - the transfer's own outcome is what matters
             pass
     try:
@@ -209,7 +219,7 @@ class ShardedSender:
             self._forget(store)
             receivers = sum(a.ranks for a in answers)
             self._spent += [_roster_key(offer), *(_memory_key(offer, k) for k in range(self.world)),
-                            *(_pulled_key(offer, e) for e in range(receivers))]
+                            *(_pulled_key(offer, e) for e in range(receivers)), *_left_keys(offer.transfer_id)]
             store.set(_roster_key(offer), pb.RoutedSend(answers=answers).SerializeToString())
         engine = engine_layout(self.specs, answers)
         routes = cached_routes(self.layout, engine)
@@ -222,20 +232,21 @@ class ShardedSender:
         profile["meet"] = time.perf_counter() - start - profile["export"]
         sent = _wire_bytes(pulled, self.rank)
         pg = None
+        members = self.world + engine.ranks
         try:
             if any(t.dsts for t in pushed.transfers):
-                pg = _join(store, offer.transfer_id, self.rank, self.world + engine.ranks, self.device, deadline)
+                pg = _join(store, offer.transfer_id, self.rank, members, self.device, deadline)
                 sent += routed.send(pg, pushed, self.rank, self.piece, _bucket(offer, answers), deadline, self.device)
             waited = time.perf_counter()
             _await_pulls(store, offer, sorted({d for t in pulled.of_sender(self.rank) for d in t.dsts}), deadline)
             profile["pulls"] = time.perf_counter() - waited
         except BaseException as e:
             if pg is not None:
-                _close(pg, deadline, e)
+                _close(pg, store, offer.transfer_id, members, deadline, e)
             del pg
             raise
         if pg is not None:
-            _close(pg, deadline, None)
+            _close(pg, store, offer.transfer_id, members, deadline, None)
         seconds = time.perf_counter() - start
         return Report(sent, seconds, _channels(pulled, pushed, self.backends[-1], sender=self.rank), seconds,
                       {"data": seconds, **profile}, sent)
@@ -361,18 +372,18 @@ class RoutedReceiver:
         """The pieces that come over the group (every member joins it, with or without pieces of its own)."""
         piece_specs, views = routed.destinations(routes, me, self.specs, self.staging)
         writer = DestWriter(piece_specs, views, self.device)
-        senders = self.trainer.ranks
-        self._pg = pg = _join(store, self.offer.transfer_id, senders + me, senders + routes.receivers, self.device,
-                              self.deadline)
+        senders, gid = self.trainer.ranks, self.offer.transfer_id
+        members = senders + routes.receivers
+        self._pg = pg = _join(store, gid, senders + me, members, self.device, self.deadline)
         try:
             nbytes = routed.receive(pg, routes, me, writer, _bucket(self.offer, answers), self.deadline, self.device)
         except BaseException as e:
             self._pg = None
-            _close(pg, self.deadline, e)
+            _close(pg, store, gid, members, self.deadline, e)
             del pg
             raise
         self._pg = None
-        _close(pg, self.deadline, None)
+        _close(pg, store, gid, members, self.deadline, None)
         return nbytes
 
     def close(self) -> None:
