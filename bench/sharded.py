@@ -51,6 +51,7 @@ from rlsync.publish.source import module_source  # noqa: E402
 from rlsync.transfer import Receiver, WeightSender, answer  # noqa: E402
 from rlsync.transfer.manifest import Spec, from_proto  # noqa: E402
 from rlsync.transfer.routes import chunks, whole  # noqa: E402
+from rlsync.transfer.handshake import local_facts  # noqa: E402
 from rlsync.transfer.sharded import RoutedReceiver, to_layout_proto  # noqa: E402
 from rlsync.transfer.source import StreamedSource, run_pass  # noqa: E402
 from rlsync.transfer.v1 import transfer_pb2 as pb  # noqa: E402
@@ -167,7 +168,8 @@ def engine(args, k: int, g: int, rank: int, store) -> dict:
                 boxes = {s.name: b[0] for s, b in zip(specs, mine) if b}
                 staging = {s.name: torch.empty(tuple(e - a for a, e in boxes[s.name]), dtype=s.dtype,
                                                device=args.device) for s in specs if s.name in boxes}
-                layouts = [to_layout_proto(engine_boxes(specs, g, r)) for r in range(g)]
+                layouts = [to_layout_proto(engine_boxes(specs, g, r), local_facts(engine_device(args, r)))
+                           for r in range(g)]  # where each rank runs: pairs on one GPU pull
                 ans = answer(offer, "replica", ranks=g, layout=layouts, device=args.device)
                 store.set(f"{path}/answer/{i}/{rank}", ans.SerializeToString())
                 report = RoutedReceiver(offer, ans, staging, rank=rank, boxes=boxes, device=args.device).run()
@@ -188,6 +190,10 @@ def gpu_of(args, role: str, rank: int) -> int:
     if args.placement == "apart":
         return 0 if role == "trainer" else 1
     return rank % args.gpus
+
+
+def engine_device(args, rank: int) -> str:
+    return f"cuda:{gpu_of(args, 'engine', rank)}" if args.gpus > 1 else args.device
 
 
 def worker(args) -> None:
