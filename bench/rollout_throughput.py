@@ -1,4 +1,4 @@
-"""Rollout service throughput on the tiny model, for each engine: tokens/s of one stream and of
+"""Rollout service throughput on the tiny model, for each engine (vLLM, SGLang, hf): tokens/s of one stream and of
 many concurrent streams, measured through gRPC by a client in another process. Prints JSON.
 
     python bench/rollout_throughput.py
@@ -11,9 +11,10 @@ import json
 import time
 
 from rlsync.client import AsyncRolloutClient
-from rlsync.launch import ServiceProcess
+from rlsync.launch import ServiceProcess, sglang_python
 
 ENGINES = {"vllm": {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 256},
+           "sglang": {"max_running_requests": 256},  # in its own environment (make venv-sglang)
            "hf": {"max_num_seqs": 256}}
 
 
@@ -36,6 +37,9 @@ async def measure(address: str, streams: int, max_tokens: int, repeats: int = 3)
 def main() -> None:
     out = {}
     for engine, args in ENGINES.items():
+        if engine == "sglang" and sglang_python() is None:
+            out[engine] = {"skipped": "no SGLang environment: make venv-sglang"}
+            continue
         proc = ServiceProcess("rollout", ["--port", "0", "--engine", engine, "--engine-args", json.dumps(args)],
                               log_path=f"runs/throughput/{engine}.log")
         try:

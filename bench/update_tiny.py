@@ -1,5 +1,5 @@
 """Weight update time of the embedded tiny model, trainer process -> rollout process, for each
-engine and CPU channel: offer + prepare, transfer, commit (medians of --updates pushes after one
+engine (hf, vLLM, SGLang) and CPU channel: offer + prepare, transfer, commit (medians of --updates pushes after one
 warm-up), with the transfer's profile and shared-memory copy speed measured in the same run.
 Prints JSON.
 
@@ -18,9 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from transfer import memcpy_limit  # noqa: E402
 
 from rlsync.client import RolloutClient, TrainerClient, push_weights  # noqa: E402
-from rlsync.launch import ServiceProcess  # noqa: E402
+from rlsync.launch import ServiceProcess, sglang_python  # noqa: E402
 
-ENGINES = {"hf": {}, "vllm": {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20}}
+ENGINES = {"hf": {}, "vllm": {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20},
+           "sglang": {}}  # in its own environment (make venv-sglang); left out, with the reason, without it
 
 
 def median_of(reports, field: str) -> dict[str, float]:
@@ -36,6 +37,9 @@ def main() -> None:
     args = parser.parse_args()
     out = {"limits": {"memcpy_1_thread_GB/s": round(memcpy_limit(1 << 28, 1), 2)}, "engines": {}}
     for engine, engine_args in ENGINES.items():
+        if engine == "sglang" and sglang_python() is None:
+            out["engines"][engine] = {"skipped": "no SGLang environment: make venv-sglang"}
+            continue
         trainer = ServiceProcess("trainer", ["--port", "0"], log_path=f"{args.logs}/trainer-{engine}.log")
         rollout = ServiceProcess("rollout", ["--port", "0", "--engine", engine,
                                              "--engine-args", json.dumps(engine_args)],

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 from rlsync.client import trajectory  # noqa: E402
-from rlsync.launch import ServiceProcess  # noqa: E402
+from rlsync.launch import ServiceProcess, python_for, sglang_python  # noqa: E402
 from rlsync.models import ensure_tiny_model  # noqa: E402
 
 # Small, fast vLLM settings for the CPU build: eager mode, a 64 MiB KV cache.
@@ -24,10 +23,7 @@ HF_TEST_ARGS: dict = {}
 
 # SGLang runs in its own environment (`make venv-sglang`; rlsync.launch starts its replicas with that
 # Python): the tests parametrized with it skip, saying so, where it is not built.
-SGLANG_PYTHON = Path(__file__).resolve().parents[1] / ".venv-sglang" / "bin" / "python"
-
-
-NEEDS_SGLANG = pytest.mark.skipif(not SGLANG_PYTHON.exists(), reason="no SGLang environment: run make venv-sglang")
+NEEDS_SGLANG = pytest.mark.skipif(sglang_python() is None, reason="no SGLang environment: run make venv-sglang")
 
 
 def engines(*names: str) -> list:
@@ -67,7 +63,7 @@ class Services:
         log = self.logs / f"{name}-{len(list(self.logs.iterdir()))}.log"
         args = ["--port", "0", *args]
         proc = ServiceProcess(service, args, env=env, log_path=log, name=name,
-                              command=[sys.executable, str(script), *args] if script else None)
+                              command=[python_for(service, args), str(script), *args] if script else None)
         self.started.append(proc)
         if wait:
             proc.wait_ready()

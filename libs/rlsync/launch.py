@@ -36,16 +36,24 @@ def _on_parent_death(sig: int):
     return preexec
 
 
-def python_for(service: str, args: list[str]) -> str:
-    """The Python that runs a service: this one, except for an SGLang replica, which runs in SGLang's
-    own environment (it pins another torch than vLLM): $RLSYNC_SGLANG_PYTHON, else the checkout's
-    .venv-sglang (`make venv-sglang`) when this one has no sglang."""
-    if service != "rollout" or "sglang" not in args or importlib.util.find_spec("sglang") is not None:
+def sglang_python() -> str | None:
+    """SGLang's Python (it pins another torch than vLLM, so it has an environment of its own): this one
+    if it has sglang, else $RLSYNC_SGLANG_PYTHON, else the checkout's .venv-sglang (`make venv-sglang`);
+    None where there is none."""
+    if importlib.util.find_spec("sglang") is not None:
         return sys.executable
     if python := os.environ.get("RLSYNC_SGLANG_PYTHON"):
         return python
     checkout = Path(__file__).resolve().parents[2] / ".venv-sglang" / "bin" / "python"
-    return str(checkout) if checkout.exists() else sys.executable  # which then says what to install
+    return str(checkout) if checkout.exists() else None
+
+
+def python_for(service: str, args: list[str]) -> str:
+    """The Python that runs a service: this one, except for an SGLang replica, which runs in SGLang's
+    environment where there is one (else this one, which then says what to install)."""
+    if service != "rollout" or "sglang" not in args:
+        return sys.executable
+    return sglang_python() or sys.executable
 
 
 class ServiceProcess:

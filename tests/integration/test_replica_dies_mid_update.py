@@ -2,13 +2,16 @@
 processes throughout. The broadcast fails for every receiver; the coordinator takes the dead one out
 of the rotation and gives the two survivors the update at once, in the same SyncWeights call, over
 a new process group; nobody serves a half-updated model; a replacement is caught up before it
-takes traffic."""
+takes traffic. The replica that dies runs each engine that stages an update in the replica's own
+process (hf; SGLang, whose scheduler loads it after)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import rl_step, rollout_args
+import pytest
+
+from conftest import engines, rl_step, rollout_args
 from rlsync.client import CoordinatorClient, RolloutClient, TrainerClient
 from rlsync.common.audit import differences
 from rlsync.coordinator.v1 import coordinator_pb2 as pb
@@ -19,11 +22,13 @@ DYING = Path(__file__).resolve().parents[1] / "rollout_worker.py"
 FAULT = {"RLSYNC_FAULT": "die_after_broadcasts:40"}
 
 
-def test_survivors_get_the_update_without_the_replica_that_died_mid_broadcast(services):
+@pytest.mark.parametrize("engine", engines("hf", "sglang"))
+def test_survivors_get_the_update_without_the_replica_that_died_mid_broadcast(services, engine):
     co = services.start("coordinator", ["--sync-mode", "async", "--force-backend", "gloo", "--lease", "1.5",
                                         "--heartbeat-interval", "0.3"], name="coordinator")
     tr = services.start("trainer", ["--coordinator", co.address, "--bucket-bytes", "65536"], name="trainer")
-    replicas = [services.start("rollout", [*rollout_args("hf"), "--coordinator", co.address, "--replica-id", f"r{i}"],
+    replicas = [services.start("rollout", [*rollout_args(engine if i == 0 else "hf"), "--coordinator", co.address,
+                                           "--replica-id", f"r{i}"],
                                name=f"r{i}", env=FAULT if i == 0 else None, script=DYING if i == 0 else None)
                 for i in range(3)]
     client = CoordinatorClient(co.address)
@@ -41,7 +46,7 @@ def test_survivors_get_the_update_without_the_replica_that_died_mid_broadcast(se
         assert differences(trainer.checksums(), RolloutClient(p.address).checksums()) == []
     third = rl_step(client, 2)  # the group of two is the one used from now on
     assert third.version == 3 and third.replicas == 2 and third.verified
-    back = services.start("rollout", [*rollout_args("hf"), "--coordinator", co.address, "--replica-id", "r0"],
+    back = services.start("rollout", [*rollout_args(engine), "--coordinator", co.address, "--replica-id", "r0"],
                           name="r0-again")
     client.wait_ready(4)
     assert RolloutClient(back.address).info().weight_version == 3, "caught up before it takes traffic"
