@@ -1,6 +1,7 @@
-"""The generation gateway: routes each completion to a replica and, when a weight update (or a dying
-replica) cuts it short, resubmits prompt + tokens so far, so the caller sees one continuous stream
-in which every token names the weight version that produced it."""
+"""The generation gateway: routes each completion to a replica and, when a weight update (or a replica
+that dies, or hangs until the registry drops it: its stream then ends with Gone) cuts it short,
+resubmits prompt + tokens so far, so the caller sees one continuous stream in which every token
+names the weight version that produced it."""
 
 from __future__ import annotations
 

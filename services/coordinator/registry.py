@@ -1,4 +1,5 @@
-"""Who is in the fleet: members register and heartbeat; a silent one leaves the rotation."""
+"""Who is in the fleet: members register and heartbeat; a silent one leaves the rotation, and every
+call the coordinator still waits on it for is abandoned then (its `gone`)."""
 
 from __future__ import annotations
 
@@ -25,11 +26,15 @@ class Member:
     client: AsyncRolloutClient | AsyncTrainerClient
     last_seen: float = field(default_factory=time.monotonic)
     state: str = "syncing"  # rollouts: syncing (being brought up to date) -> ready; gone when lost
+    left: str = ""  # once gone: "<name> left the fleet: <why>"
     weight_version: int = 0
     backend: str = ""  # the channel its last update came through
     in_flight: int = 0  # gateway streams on it
     static: bool = False  # configured by address: never expires
     doorbell: Doorbell | None = None  # a rollout's (RolloutInfo.doorbell): a trainer on its host prepares it
+    # Completed, with the reason, when the fleet loses it (its lease ran out, a new process took its
+    # place, a sync found it dead): its client's calls in flight and later fail at once with Gone.
+    gone: asyncio.Future | None = None
 
 
 class Registry:
@@ -54,10 +59,12 @@ class Registry:
             raise InvalidArgument("Register needs the address the coordinator can reach the service at")
         for m in list(self.members.values()):  # a restarted service registers again: replace it
             if m.address == address or (name and m.name == name and m.role == role):
-                self.remove(m.id, "registered again")
+                self.lose(m.id, "registered again")
         client_cls = AsyncRolloutClient if role == pb.ROLE_ROLLOUT else AsyncTrainerClient
+        gone = asyncio.get_running_loop().create_future()
         member = Member(uuid.uuid4().hex[:12], role, address, name or address,
-                        client_cls(address, token=self.token, timeout=None, retries=False), static=static)
+                        client_cls(address, token=self.token, timeout=None, retries=False, gone=gone), static=static,
+                        gone=gone)
         if role == pb.ROLE_TRAINER:
             member.state = "ready"
         self.members[member.id] = member
@@ -74,12 +81,21 @@ class Registry:
         return True
 
     def remove(self, member_id: str, why: str) -> None:
+        """A member that leaves in order (deregistered): what it has in flight ends on its own."""
         member = self.members.pop(member_id, None)
         if member is not None:
-            member.state = "gone"
-            log.warning("%s left the fleet: %s", member.name, why)
+            member.state, member.left = "gone", f"{member.name} left the fleet: {why}"
+            log.warning("%s", member.left)
             self.changed.set()
             self.spawn(_close_when_idle(member))
+
+    def lose(self, member_id: str, why: str) -> None:
+        """A member the fleet lost (silent, replaced, found dead): it leaves, and every call to it is
+        abandoned now, as if it had died (a hung process would never answer them)."""
+        member = self.members.get(member_id)
+        self.remove(member_id, why)
+        if member is not None and member.gone is not None and not member.gone.done():
+            member.gone.set_result(member.left)
 
     async def expire_forever(self) -> None:
         while True:
@@ -87,7 +103,7 @@ class Registry:
             now = time.monotonic()
             for m in list(self.members.values()):
                 if not m.static and now - m.last_seen > self.lease:
-                    self.remove(m.id, f"no heartbeat for {now - m.last_seen:.1f}s")
+                    self.lose(m.id, f"no heartbeat for {now - m.last_seen:.1f}s")
 
     def rollouts(self, state: str | None = "ready") -> list[Member]:
         return [m for m in self.members.values() if m.role == pb.ROLE_ROLLOUT and (state is None or m.state == state)]

@@ -1,5 +1,9 @@
 """The weight-sync sequences. Each is one short, numbered function: read it top to bottom to know
-exactly what happens to every replica and the trainer, in which order."""
+exactly what happens to every replica and the trainer, in which order.
+
+A member the registry loses (its lease ran out: dead, or hung and silent) has every call to it
+abandoned at once (Member.gone): a step every replica takes on its own goes on without it, and a
+transfer it was part of fails and is run again with the survivors, in the same SyncWeights call."""
 
 from __future__ import annotations
 
@@ -10,17 +14,21 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from rlsync.client import RpcError, abort_staged_async, commit_staged_async, push_weights_async, stage_weights_async
+from rlsync.client import (Gone, RpcError, abort_staged_async, commit_staged_async, push_weights_async,
+                           stage_weights_async)
 from rlsync.common import metrics
-from rlsync.common.aio import settle
 from rlsync.common.audit import differences, trainer_dtype
 from rlsync.common.timing import Stopwatch
 from rlsync.coordinator.config import CoordinatorConfig
 from rlsync.coordinator.registry import Member, Registry
-from rlsync.errors import FailedPrecondition
+from rlsync.errors import FailedPrecondition, Unavailable
 from rlsync.rollout.v1 import rollout_pb2
 
 log = logging.getLogger(__name__)
+# A transfer's deadline, once a sync has measured the rate: MARGIN times what the largest update seen
+# takes at that rate, never below FLOOR seconds (a new group's setup, a busy host) nor above
+# --update-timeout, which alone bounds the first sync.
+DEADLINE_FLOOR, DEADLINE_MARGIN = 30.0, 10.0
 
 
 @dataclass
@@ -46,6 +54,8 @@ class Syncer:
         self.lock = asyncio.Lock()  # one sync, train or catch-up at a time
         self.ready = asyncio.Event()  # set while replicas may take generation requests
         self.ready.set()
+        self._rate = 0.0  # bytes per second the last sync moved (prepare + transfer)
+        self._largest = 0  # the largest update's bytes so far
         metrics.FLEET_VERSION.set_function(lambda: self.version)
         metrics.TRAINER_STEP.set_function(lambda: self.trainer_step)
         metrics.REPLICAS.labels("ready").set_function(lambda: len(registry.rollouts("ready")))
@@ -71,10 +81,11 @@ class Syncer:
             trainer, replicas, p = self._trainer(), self._replicas(), Stopwatch()
             self.ready.clear()  # the gateway holds new requests until the next sync wakes the engines
             # 1. Put the engines to sleep (requests in flight are aborted; the gateway resubmits them).
-            await asyncio.gather(*(r.client.sleep(level=1) for r in replicas))
+            await self._each(replicas, lambda r: r.client.sleep(level=1))
             p.lap("sleep")
             # 2. Bring the trainer back onto the GPU; replicas on it map its weights while it trains.
-            holders = [d for d in self._doorbells(replicas) if d is not None] if self.cfg.hold_weights else []
+            holders = [d for r, d in zip(replicas, self._doorbells(replicas))
+                       if d is not None and r.state != "gone"] if self.cfg.hold_weights else []
             await trainer.client.onload(ring=holders)
             p.lap("onload")
             return p.stages
@@ -83,13 +94,13 @@ class Syncer:
                          verify: bool) -> tuple:
         p = Stopwatch()
         # 1. Wake the engines' weights: memory to receive the update into.
-        await asyncio.gather(*(r.client.wake_up("weights") for r in replicas))
+        await self._each(replicas, lambda r: r.client.wake_up("weights"))
         p.lap("wake_weights")
         # 2. Handshake + transfer (CUDA IPC / shm), 3. commit on every engine.
         # Nothing trains until the next before_train (this lock is held): replicas on the trainer's GPU
         # may pull the weights straight from its memory while they prepare.
         push = await push_weights_async(trainer.client, [r.client for r in replicas], version, backend,
-                                        self.cfg.update_timeout, pull=True, doorbells=self._doorbells(replicas))
+                                        self._deadline(), pull=True, doorbells=self._doorbells(replicas))
         p.add(push.phases)
         verified = await self._verify(trainer, replicas) if verify else False  # while the trainer is on the GPU
         p.lap("verify")
@@ -97,7 +108,7 @@ class Syncer:
         await trainer.client.offload()
         p.lap("offload")
         # 5. Wake the KV cache: generation can start on the new weights.
-        await asyncio.gather(*(r.client.wake_up("kv_cache") for r in replicas))
+        await self._each(replicas, lambda r: r.client.wake_up("kv_cache"))
         p.lap("wake_kv_cache")
         self.ready.set()
         return push, p.stages, verified
@@ -107,17 +118,17 @@ class Syncer:
                      verify: bool) -> tuple:
         p, clients = Stopwatch(), [r.client for r in replicas]
         # 1. Handshake + broadcast (NCCL / gloo / shm) into every replica's staging, while it serves N.
-        push = await stage_weights_async(trainer.client, clients, version, backend, self.cfg.update_timeout,
+        push = await stage_weights_async(trainer.client, clients, version, backend, self._deadline(),
                                          doorbells=self._doorbells(replicas))
         p.add(push.phases)
         # 2. Pause every replica, aborting requests in flight; returns once none still runs on the old
         #    weights (an acknowledged barrier). The gateway resubmits the aborted requests after step 4.
         self.ready.clear()
         try:
-            await settle(*(r.client.pause("abort") for r in replicas))  # the resume below cannot overtake one
+            await self._each(replicas, lambda r: r.client.pause("abort"))  # all settle: no resume overtakes one
             p.lap("pause")
             # 3. Commit everywhere: the staged weights go live (a pointer swap, or vLLM's reload).
-            await commit_staged_async(clients, push, self.cfg.update_timeout)
+            await commit_staged_async(clients, push, self._deadline())
             p.add({"commit": push.phases["commit"]})
         except BaseException:
             await abort_staged_async(clients)  # (a no-op where the commit went through)
@@ -140,7 +151,7 @@ class Syncer:
         #    aborted: their tokens so far carry N, the next ones N+1 (optionally on a KV cache
         #    recomputed with N+1). Every replica switches at its own next step boundary.
         push = await push_weights_async(trainer.client, [r.client for r in replicas], version, backend,
-                                        self.cfg.update_timeout, recompute_kv=self.cfg.recompute_kv,
+                                        self._deadline(), recompute_kv=self.cfg.recompute_kv,
                                         doorbells=self._doorbells(replicas))
         p.add(push.phases)
         verified = await self._verify(trainer, replicas) if verify else False
@@ -154,21 +165,26 @@ class Syncer:
             sequence = {"colocated": self._colocated, "async": self._async, "inflight": self._inflight}[
                 self.cfg.sync_mode]
             backend = backend or self.cfg.force_backend
-            try:
-                push, phases, verified = await sequence(trainer, replicas, version, backend, verify)
-            except Exception:
-                # A replica that died mid-update (a broadcast fails for every receiver) leaves the
-                # rotation now, and the survivors get the update at once, without it. (Not colocated:
-                # a failure there can leave the trainer offloaded and the engines half awake.)
-                if self.cfg.sync_mode == "colocated":
-                    raise
-                survivors = await self._survivors(replicas)
-                if not survivors or len(survivors) == len(replicas):
-                    raise
-                log.warning("sync failed with %d replica(s) gone; again with the %d alive",
-                            len(replicas) - len(survivors), len(survivors), exc_info=True)
-                replicas = survivors
-                push, phases, verified = await sequence(trainer, replicas, version, backend, verify)
+            while True:
+                try:
+                    push, phases, verified = await sequence(trainer, replicas, version, backend, verify)
+                    break
+                except Exception as e:
+                    if trainer.state == "gone":  # lost mid-sync: its calls were abandoned (Member.gone)
+                        raise Unavailable(f"{trainer.left}: the sync is abandoned; the replicas keep the "
+                                          f"weights they serve (fleet version {self.version}) and drop what was "
+                                          "staged; sync again once a trainer has registered") from e
+                    # A replica that died or hung mid-update (a broadcast fails for every receiver; calls
+                    # to a hung one are abandoned when its lease runs out) leaves the rotation now, and
+                    # the survivors get the update at once, without it.
+                    survivors = await self._survivors(replicas)
+                    if not survivors or len(survivors) == len(replicas):
+                        raise
+                    log.warning("sync failed with %d replica(s) gone; again with the %d alive",
+                                len(replicas) - len(survivors), len(survivors), exc_info=True)
+                    replicas = survivors
+                    if self.cfg.sync_mode == "colocated":  # a failure after step 4 left it offloaded
+                        await self._onloaded(trainer)
             verify_seconds = phases.pop("verify")  # an audit, not part of the sync itself
             self.version = push.version
             self.trainer_step = max(self.trainer_step, push.version)  # a trainer with its own loop never calls Train
@@ -176,10 +192,35 @@ class Syncer:
             for r, channel in zip(replicas, push.channels):
                 r.weight_version, r.backend = push.version, channel
             self.syncs += 1
+            self._measure(push)
             seconds = time.perf_counter() - start - verify_seconds
             _record(self.cfg.sync_mode, seconds, phases, push)
-            return SyncResult(push.version, phases, seconds, len(replicas), push.bytes, push.backends, verified,
+            serving = sum(r.state != "gone" for r in replicas)  # one lost after its commit is not counted
+            return SyncResult(push.version, phases, seconds, serving, push.bytes, push.backends, verified,
                               push.profile, push.wire_bytes, push.rank_bytes)
+
+    def _deadline(self) -> float:
+        """Seconds the next transfer may take (DEADLINE_FLOOR, DEADLINE_MARGIN)."""
+        if not self._rate:
+            return self.cfg.update_timeout
+        return min(self.cfg.update_timeout, max(DEADLINE_FLOOR, DEADLINE_MARGIN * self._largest / self._rate))
+
+    def _measure(self, push) -> None:
+        moving = push.phases.get("prepare", 0.0) + push.phases.get("transfer", 0.0)  # offer in hand -> bytes in place
+        if push.bytes and moving > 0:
+            self._rate, self._largest = push.bytes / moving, max(self._largest, push.bytes)
+
+    async def _each(self, replicas: list[Member], call) -> None:
+        """call(r) on every replica at once, all settled; a replica that leaves the fleet meanwhile is
+        left out (its call abandoned: Gone), any other failure is raised."""
+        failed = [e for e in await asyncio.gather(*(call(r) for r in replicas), return_exceptions=True)
+                  if isinstance(e, BaseException) and not isinstance(e, Gone)]
+        if failed:
+            raise failed[0]
+
+    async def _onloaded(self, trainer: Member) -> None:
+        if (await trainer.client.state()).offloaded:
+            await trainer.client.onload()
 
     async def _survivors(self, replicas: list[Member]) -> list[Member]:
         """The replicas still alive; the others leave the rotation now rather than at their lease
@@ -200,7 +241,7 @@ class Syncer:
                 r.state = "syncing"
                 self.registry.spawn(self.catch_up(r))
             else:  # registers again when it is back
-                self.registry.remove(r.id, "gone during a sync")
+                self.registry.lose(r.id, "gone during a sync")
         return [r for r, ok in zip(replicas, checks) if ok]
 
     def _doorbells(self, replicas: list[Member]) -> list:
@@ -210,8 +251,15 @@ class Syncer:
     async def _verify(self, trainer: Member, replicas: list[Member]) -> bool:
         """Trainer and replica checksums, tensor for tensor (the trainer must be on its device)."""
         for r in replicas:
-            served = await r.client.checksums()
-            problems = differences(await trainer.client.checksums(trainer_dtype(served)), served)
+            try:
+                served = await r.client.checksums()
+            except Gone:
+                continue  # it left the fleet: what it serves is no longer the fleet's
+            try:
+                problems = differences(await trainer.client.checksums(trainer_dtype(served)), served)
+            except Gone as e:  # the update is live already: an audit cannot undo it
+                log.error("could not verify the sync: %s", e.message)
+                return False
             if problems:
                 log.error("replica %s does not serve the trainer's weights: %s", r.name, problems[:3])
                 return False
@@ -225,7 +273,7 @@ class Syncer:
         except Exception:  # noqa: BLE001 - out of rotation until it registers again, and tries again then
             log.exception("could not bring %s up to date; it leaves the fleet and registers again", member.name)
             if not member.static:  # its next heartbeat is answered "unknown": it registers again
-                self.registry.remove(member.id, "could not be caught up")
+                self.registry.lose(member.id, "could not be caught up")
 
     async def _catch_up(self, member: Member) -> None:
         async with self.lock:
@@ -253,7 +301,7 @@ class Syncer:
                 # (then they are its newer step, and say so).
                 version = self.version if self.syncs and self.trainer_step == self.version else None
                 push = await push_weights_async(trainer.client, [member.client], version, self.cfg.force_backend,
-                                                self.cfg.update_timeout, doorbells=self._doorbells([member]))
+                                                self._deadline(), doorbells=self._doorbells([member]))
                 if state.offloaded:
                     await trainer.client.offload()
                 member.weight_version, member.backend = push.version, push.channels[0]

@@ -25,6 +25,15 @@ class RpcError(Exception):
         return self.code == grpc.StatusCode.UNAVAILABLE
 
 
+class Gone(RpcError):
+    """The call was abandoned because its caller learnt the service is gone (the coordinator's
+    registry, when the service's lease ran out): UNAVAILABLE, as for a service that died. A hung
+    process gets no other answer."""
+
+    def __init__(self, why: str, method: str = ""):
+        super().__init__(grpc.StatusCode.UNAVAILABLE, why, method)
+
+
 @contextlib.contextmanager
 def translated(method: str) -> Iterator[None]:
     """Re-raises grpc errors as RpcError(code, message)."""

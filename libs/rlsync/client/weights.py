@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from rlsync.client.base import until_gone
 from rlsync.client.rollout import AsyncRolloutClient, RolloutClient
 from rlsync.client.trainer import AsyncTrainerClient, TrainerClient
 from rlsync.common.aio import settle
@@ -261,7 +262,11 @@ async def stage_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncR
     those on its host itself, the others are prepared here."""
     clock, bells = Stopwatch(), _bells(doorbells, len(rollouts))
     try:
-        offered = await trainer.offer_weights(version, pull, [d for d in bells if d.address], force_backend, timeout)
+        # The trainer's calls wait on the replicas (it rings them, then sends to them): a replica that is
+        # gone (its client's `gone`, see AsyncClient) abandons them at once.
+        gone = [getattr(r, "gone", None) for r in rollouts]
+        offered = await until_gone(trainer.offer_weights(version, pull, [d for d in bells if d.address], force_backend,
+                                                         timeout), *gone, method="OfferWeights")
         offer, answers = offered.offer, _rung(bells, offered)
         clock.lap("offer")
         rest = [i for i, a in enumerate(answers) if a is None]
@@ -270,7 +275,8 @@ async def stage_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncR
             answers[i] = p.answer
         clock.lap("prepare")
         pushed = _pushed(answers)
-        pub = await trainer.publish_weights(offer.transfer_id, pushed, timeout) if pushed else None
+        pub = await until_gone(trainer.publish_weights(offer.transfer_id, pushed, timeout), *gone,
+                               method="PublishWeights") if pushed else None
     except BaseException:  # cancelled too: nothing may stay staged
         await abort_staged_async(rollouts)
         raise

@@ -84,15 +84,16 @@ class _Broadcast(abc.ABC):
     def _session(self, job: SendJob) -> tuple[_Session, bool]:
         members = tuple(sorted((h.receiver_id, h.rank) for _, h in job.conns))
         key = ("group", self.backend, members)
-        session = job.cache.get(key)
+        job.scratch["key"] = key
+        # Out of the cache while a transfer uses it: one abandoned mid-way (a hung peer: its collectives
+        # cannot be interrupted) runs on until its timeout, and must never share its group with the next.
+        session = job.cache.pop(key, None)
         if session is not None and all(session.gid in h.groups for _, h in job.conns):
             return session, True
-        _drop(job.cache.pop(key, None))
+        _drop(session)
         timeout = datetime.timedelta(seconds=job.deadline.remaining("creating the process group"))
         store = dist.TCPStore(job.store_host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
-        session = _Session(uuid.uuid4().hex, store, None)
-        job.cache[key] = session
-        return session, False
+        return _Session(uuid.uuid4().hex, store, None), False
 
     def send(self, job: SendJob) -> None:
         session, reuse = self._session(job)
@@ -131,7 +132,6 @@ class _Broadcast(abc.ABC):
             if job.delta_base is not None:
                 self._refill(job, session, slots[0])
         except BaseException as e:
-            job.cache.pop(next((k for k, v in job.cache.items() if v is session), None), None)
             inflight.clear()  # pending work holds the group too
             _drop(session)
             if isinstance(e, RuntimeError):  # the group failed: say which peer problem caused it
@@ -139,7 +139,13 @@ class _Broadcast(abc.ABC):
             raise
         finally:
             watchdog.stop()
-        collect_results(job)
+        try:
+            collect_results(job)
+        except BaseException:
+            _drop(session)
+            raise
+        if job.cache.setdefault(job.scratch["key"], session) is not session:  # a newer transfer's is there
+            _drop(session)
 
     def _outgoing(self, job: SendJob, bucket, slot: torch.Tensor) -> torch.Tensor:
         """A bucket's bytes where a broadcast can read them: the sender's storage when contiguous
@@ -195,16 +201,19 @@ class _Broadcast(abc.ABC):
         try:
             nbytes = self._receive(job)
         except Exception as exc:
-            _drop(_HELD.pop(job.welcome.group, None))
+            _drop(job.scratch.pop("session", None))
             report_failure(job.conn, exc)
             raise
+        _HELD[job.welcome.group] = job.scratch.pop("session")  # idle: offered for reuse again (held_groups)
+        while len(_HELD) > _HELD_MAX:
+            _drop(_HELD.popitem(last=False)[1])
         job.conn.send(Result(ok=True, nbytes=nbytes, stages=job.clock.stages))
 
     def _join(self, job: ReceiveJob) -> _Session:
         w = job.welcome
-        if w.reuse:
-            _HELD.move_to_end(w.group)
-            return _HELD[w.group]
+        if w.reuse:  # out of _HELD while in use (see _session)
+            job.scratch["session"] = _HELD.pop(w.group)
+            return job.scratch["session"]
         host, _, port = w.store.rpartition(":")
 
         def join():
@@ -213,11 +222,8 @@ class _Broadcast(abc.ABC):
             return store, self._group(store, w.rank, w.world, job.deadline, w.group)
 
         store, group = _bounded(join, [job.conn], job.deadline, "joining the process group")
-        session = _Session(w.group, store, group)
-        _HELD[w.group] = session
-        while len(_HELD) > _HELD_MAX:
-            _drop(_HELD.popitem(last=False)[1])
-        return session
+        job.scratch["session"] = _Session(w.group, store, group)
+        return job.scratch["session"]
 
     def _receive(self, job: ReceiveJob) -> int:
         session = self._join(job)
