@@ -4,8 +4,9 @@ fully_shard among them) and send what the routes ask of them; ROLE=engine ranks 
 tensor-parallel ranks, which load the boxes such an engine loads and check them bit for bit against
 the whole tensors. DEVICE=cuda puts every member on one GPU (receiver ranks then pull); DEVICE=cuda:i
 puts this member on GPU i (pairs on one GPU pull, the others go over NCCL). Trainer rank 0
-hosts a board (ROUTED_STORE) where the offer and the replica's answer are passed. Every member prints
-one JSON line."""
+hosts a board (ROUTED_STORE) where the offer and the replica's answer are passed. TRANSFERS updates
+(2 by default) run one after the other in the same processes, as a trainer and a replica do. Every
+member prints one JSON line: the last transfer's outcome, and the routed group each transfer used."""
 
 import json
 import os
@@ -18,7 +19,7 @@ from torch import nn
 
 from rlsync.publish import WeightMap
 from rlsync.publish.source import module_source
-from rlsync.transfer import answer
+from rlsync.transfer import answer, routed_groups
 from rlsync.transfer.handshake import local_facts
 from rlsync.transfer.routes import TensorInfo, chunks, layout, plan_routes, volume, whole
 from rlsync.transfer.sharded import RoutedReceiver, to_layout_proto
@@ -28,6 +29,7 @@ ROLE, K, G = os.environ["ROLE"], int(os.environ["SENDERS"]), int(os.environ["REC
 RANK = int(os.environ["RANK"])
 STORE = os.environ["ROUTED_STORE"]  # host:port of the board; trainer rank 0 hosts it
 BUCKET = int(os.environ.get("BUCKET", 1 << 12))
+TRANSFERS = int(os.environ.get("TRANSFERS", 2))
 DEVICE = torch.device(os.environ.get("DEVICE", "cpu"))
 if DEVICE.index is not None:
     torch.cuda.set_device(DEVICE)
@@ -101,36 +103,43 @@ def trainer(whole_model, entries, board):
                                                        run_check=False))
     module, entries = module_source(sharded, WEIGHTS)  # in the manifest's order
     sender = module.sender(bucket_bytes=BUCKET)
-    if RANK == 0:
-        board.set("offer", sender.offer(version=1).SerializeToString())
-    offer = pb.Offer.FromString(board.get("offer"))
-    ans = pb.Answer.FromString(board.get("answer"))
-    start = time.perf_counter()
-    report = sender.send(offer, [ans], timeout=60)
+    groups = []
+    for i in range(TRANSFERS):
+        if RANK == 0:
+            board.set(f"offer/{i}", sender.offer(version=i + 1).SerializeToString())
+        offer = pb.Offer.FromString(board.get(f"offer/{i}"))
+        ans = pb.Answer.FromString(board.get(f"answer/{i}"))
+        start = time.perf_counter()
+        report = sender.send(offer, [ans], timeout=60)
+        groups.append(last_group())
     routes = plan_routes(module.shards.layout, engine_layout(entries))
     print(json.dumps({"role": ROLE, "rank": RANK, "sent": report.wire_bytes, "planned": routes.sent_bytes()[RANK],
                       "held": module.shards.layout.nbytes(RANK), "channels": report.backends,
                       "layout_as_expected": module.shards.layout == trainer_layout(entries),
-                      "seconds": time.perf_counter() - start}), flush=True)
+                      "seconds": time.perf_counter() - start, "groups": groups}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def engine(whole_model, entries, board):
     """One rank of a tensor-parallel replica: rank 0 answers for all of them, with every rank's boxes."""
-    offer = pb.Offer.FromString(board.get("offer"))
-    order = [t.name for t in offer.manifest.tensors]
-    entries = sorted(entries, key=lambda e: order.index(e.name))  # laid out as the manifest lists them
-    mine = engine_layout(entries).held[RANK]
-    board.set(f"layout/{RANK}", to_layout_proto(mine, local_facts(DEVICE)).SerializeToString())
-    if RANK == 0:
-        layouts = [pb.RankLayout.FromString(board.get(f"layout/{e}")) for e in range(G)]
-        board.set("answer", answer(offer, "replica", device=DEVICE, ranks=G, layout=layouts).SerializeToString())
-    ans = pb.Answer.FromString(board.get("answer"))
-    staging = {e.name: torch.full(tuple(b - a for a, b in boxes[0]), float("nan"), dtype=e.dtype, device=DEVICE)
-               for e, boxes in zip(entries, mine) if boxes}
-    boxes = {e.name: boxes[0] for e, boxes in zip(entries, mine) if boxes}
-    report = RoutedReceiver(offer, ans, staging, rank=RANK, device=DEVICE, timeout=60, boxes=boxes).run()
+    groups = []
+    for i in range(TRANSFERS):
+        offer = pb.Offer.FromString(board.get(f"offer/{i}"))
+        order = [t.name for t in offer.manifest.tensors]
+        entries = sorted(entries, key=lambda e: order.index(e.name))  # laid out as the manifest lists them
+        mine = engine_layout(entries).held[RANK]
+        board.set(f"layout/{i}/{RANK}", to_layout_proto(mine, local_facts(DEVICE)).SerializeToString())
+        if RANK == 0:
+            layouts = [pb.RankLayout.FromString(board.get(f"layout/{i}/{e}")) for e in range(G)]
+            board.set(f"answer/{i}", answer(offer, "replica", device=DEVICE, ranks=G, layout=layouts)
+                      .SerializeToString())
+        ans = pb.Answer.FromString(board.get(f"answer/{i}"))
+        staging = {e.name: torch.full(tuple(b - a for a, b in boxes[0]), float("nan"), dtype=e.dtype, device=DEVICE)
+                   for e, boxes in zip(entries, mine) if boxes}
+        boxes = {e.name: boxes[0] for e, boxes in zip(entries, mine) if boxes}
+        report = RoutedReceiver(offer, ans, staging, rank=RANK, device=DEVICE, timeout=60, boxes=boxes).run()
+        groups.append(last_group())
     params = dict(whole_model.named_parameters())
     full = {e.name: (torch.cat([params[p].detach() for p in e.parts]) if len(e.parts) > 1 else
                      params[e.parts[0]].detach()).to(e.dtype) for e in entries}
@@ -138,7 +147,13 @@ def engine(whole_model, entries, board):
              if not torch.equal(t, full[n][tuple(slice(a, b) for a, b in boxes[n])] if boxes[n] else full[n])]
     print(json.dumps({"role": ROLE, "rank": RANK, "received": report.nbytes, "channels": report.backends,
                       "loads": engine_layout(entries).nbytes(RANK), "wrong": wrong,
-                      "tensors": sorted(staging)}), flush=True)
+                      "tensors": sorted(staging), "groups": groups}), flush=True)
+
+
+def last_group() -> str:
+    """The routed group this process used last ("" where every pair pulled and none formed)."""
+    held = routed_groups.held()
+    return held[-1] if held else ""
 
 
 def trainer_layout(entries):

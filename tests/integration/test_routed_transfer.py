@@ -1,6 +1,7 @@
 """Routed transfers between real processes: trainer ranks holding FSDP2 / DTensor shards send each
 engine rank exactly the boxes it loads, point to point over gloo; nothing is gathered anywhere. Both
-ends are the library's (ShardedSender from an FSDP2 module, RoutedReceiver), as a replica uses them."""
+ends are the library's (ShardedSender from an FSDP2 module, RoutedReceiver), as a replica uses them.
+Two updates run one after the other: the second reuses the group the first formed."""
 
 import pytest
 
@@ -22,3 +23,6 @@ def test_each_engine_rank_receives_exactly_its_boxes_from_the_ranks_that_hold_th
         per_receiver = t["planned"]
         assert per_receiver <= t["held"], "no trainer rank sends more than it holds"
     assert sum(t["sent"] for t in trainers) == sum(e["received"] for e in engines)
+    used = {tuple(r["groups"]) for r in results}
+    assert len(used) == 1 and len(set(*used)) == 1 and "" not in set(*used), \
+        f"every member took one group for both transfers (the second reused the first's): {used}"

@@ -11,6 +11,7 @@ import torch
 from rlsync.errors import Aborted, DataLoss, InvalidArgument
 from rlsync.flat import FlatStore
 from rlsync.transfer.backends import available, channel
+from rlsync.transfer import routed_groups
 from rlsync.transfer.backends.collective import held_groups
 from rlsync.transfer.backends.base import ReceiveJob
 from rlsync.transfer.control import Deadline, connect
@@ -44,6 +45,7 @@ def answer(offer: pb.Offer, receiver_id: str, *, device: torch.device | str = "c
         for rank in ans.layout:  # a rank that did not say where it runs runs here
             if not rank.HasField("facts"):
                 rank.facts.CopyFrom(facts)
+        ans.groups.extend(routed_groups.held())  # the sender may reuse one (this process's, for all its ranks)
     return ans
 
 

@@ -21,7 +21,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from rlsync.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from rlsync.transfer.backends.base import sync
@@ -57,28 +56,6 @@ def schedule(routes: Routes, bucket_bytes: int) -> list[Op]:
 
 def piece_name(name: str, box: Box) -> str:
     return name + "[" + ",".join(f"{a}:{b}" for a, b in box) + "]"
-
-
-def group(store: dist.Store, gid: str, rank: int, world: int, device: torch.device, timeout: float):
-    """The routed transfer's process group over `store`, private to rlsync (no default group touched)."""
-    prefixed = dist.PrefixStore(f"rlsync-routed/{gid}", store)
-    if device.type == "cuda":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = datetime.timedelta(seconds=timeout)
-        return dist.ProcessGroupNCCL(prefixed, rank, world, options)
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = datetime.timedelta(seconds=timeout)
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=_host_of(store))]
-    return dist.ProcessGroupGloo(prefixed, rank, world, options)
-
-
-def _host_of(store: dist.Store) -> str:
-    host = getattr(store, "host", "") or "127.0.0.1"
-    if host in ("127.0.0.1", "localhost", "::1"):
-        return host
-    from rlsync.transfer.backends.collective import _address_toward
-
-    return _address_toward(host)
 
 
 class _Window:

@@ -4,9 +4,10 @@ A sharded trainer offers with `Offer.routing`: every rank's layout and the store
 receivers meet at. A receiver answers with the boxes each of its ranks loads (`Answer.layout`).
 At the send, trainer rank 0 puts the answers in the store (the roster: which replicas take part, in
 which order); every member then plans the same routes (`routes.cached_routes`) from the trainer's
-layout and every replica's, forms one process group (the trainer's ranks, then each replica's ranks
-in roster order) and moves its pieces (`routed.py`): all replicas at once, each member two
-operations at a time.
+layout and every replica's. Pairs on one GPU pull (`pulls.py`); the rest take one process group (the
+trainer's ranks, then each replica's ranks in roster order; formed once per membership and held
+across transfers, `routed_groups.py`) and move their pieces over it (`routed.py`): all replicas at
+once, each member two operations at a time.
 
     sender = ShardedSender(shards, host=...)        # on every trainer rank
     offer = sender.offer(version)                   # rank 0; handed to replicas as any offer
@@ -22,7 +23,6 @@ import math
 import secrets
 import threading
 import time
-import traceback
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 
@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from rlsync.address import reachable_host
 from rlsync.errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
-from rlsync.transfer import pulls, routed
+from rlsync.transfer import pulls, routed, routed_groups
 from rlsync.transfer.control import Deadline
 from rlsync.transfer.handshake import NAMES, PROTOCOL_VERSION, local_facts
 from rlsync.transfer.manifest import Spec, from_proto, to_proto
@@ -72,11 +72,6 @@ def _store(address: str, master: bool, timeout: float) -> dist.TCPStore:
                          timeout=datetime.timedelta(seconds=timeout))
 
 
-# A group forms when every member has joined; one that never comes (dead before the transfer) must not
-# hold the others for the whole transfer deadline.
-JOIN_SECONDS = 30.0
-
-
 def _roster_key(offer: pb.Offer) -> str:
     return f"rlsync-routed/{offer.transfer_id}/roster"
 
@@ -93,15 +88,13 @@ def _pulled_key(offer: pb.Offer, rank: int) -> str:
     return f"rlsync-routed/{offer.transfer_id}/pulled/{rank}"
 
 
-def _left_keys(gid: str) -> tuple[str, str]:
-    return f"rlsync-routed/{gid}/left", f"rlsync-routed/{gid}/all-left"
-
 
 def _memories(store, offer: pb.Offer, senders: int, deadline: Deadline) -> list[pb.RankMemory]:
     """Every trainer rank's RankMemory, as each puts it in the store when it starts to send."""
     keys = [_memory_key(offer, k) for k in range(senders)]
     try:
-        store.wait(keys, datetime.timedelta(seconds=min(JOIN_SECONDS, deadline.remaining("meeting the trainer"))))
+        wait = min(routed_groups.JOIN_SECONDS, deadline.remaining("meeting the trainer"))
+        store.wait(keys, datetime.timedelta(seconds=wait))
         return [pb.RankMemory.FromString(v) for v in store.multi_get(keys)]
     except dist.DistError as e:
         raise Unavailable(f"{deadline.what}: a trainer rank did not start sending, or its store is gone ({e})") from e
@@ -149,31 +142,6 @@ def _bucket(offer: pb.Offer, answers: Sequence[pb.Answer]) -> int:
     return min(a.bucket_bytes or offer.bucket_bytes for a in answers)
 
 
-def _close(pg, store, gid: str, world: int, deadline: Deadline, error: BaseException | None) -> None:
-    """Releases a routed group. After a success every member waits for the others first (one that
-    left early would close connections a peer still reads from), through the store: a barrier on the
-    group itself would make NCCL form one communicator of every member, which it refuses where two
-    members share a GPU (a trainer rank and an engine rank colocated), while point-to-point sends only
-    ever join the two ends of a pair. After a failure it goes at once, and with it every reference:
-    only the group's destruction closes its connections, which is what fails a peer still waiting on
-    this member at once instead of at its deadline (gloo's shutdown leaves them open), so the
-    failure's traceback must not keep it alive either."""
-    if error is None:
-        left, everyone = _left_keys(gid)
-        try:
-            if store.add(left, 1) == world:
-                store.set(everyone, b"1")
-            store.wait([everyone], datetime.timedelta(seconds=max(deadline.remaining("leaving the group"), 0.1)))
-        except Exception:  # noqa: BLE001 - the transfer's own outcome is what matters
-            pass
-    try:
-        pg.shutdown()
-    except Exception:  # noqa: BLE001 - already broken
-        pass
-    if error is not None:
-        traceback.clear_frames(error.__traceback__)
-
-
 class ShardedSender:
     """One trainer rank's end: `layout` says what every rank holds of each tensor of `specs`, and
     `piece` cuts a piece from this rank's own shards (contiguous, in the spec's dtype). Rank 0 hosts
@@ -191,6 +159,7 @@ class ShardedSender:
         self._store = None
         self._shares: dict = {}  # exported CUDA IPC handles, kept until close() (the trainer offloads)
         self._spent: list[str] = []  # rank 0: the store keys of the last transfer
+        self._group = routed_groups.Decider()  # rank 0: the routed group of the last transfer
         if self.rank == 0:
             self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
             self.store_address = f"{advertise or reachable_host(host)}:{self._store.port}"
@@ -219,34 +188,40 @@ class ShardedSender:
             self._forget(store)
             receivers = sum(a.ranks for a in answers)
             self._spent += [_roster_key(offer), *(_memory_key(offer, k) for k in range(self.world)),
-                            *(_pulled_key(offer, e) for e in range(receivers)), *_left_keys(offer.transfer_id)]
+                            *(_pulled_key(offer, e) for e in range(receivers)), routed_groups.key(offer.transfer_id)]
             store.set(_roster_key(offer), pb.RoutedSend(answers=answers).SerializeToString())
         engine = engine_layout(self.specs, answers)
         routes = cached_routes(self.layout, engine)
         facts, receivers = local_facts(self.device), engine_facts(answers)
         near = self.held is not None and any(pulls.same_gpu(facts, f) for f in receivers)
         memory = pulls.memory(self.held() if near else None, facts, self._shares)
+        memory.groups.extend(routed_groups.held())
         store.set(_memory_key(offer, self.rank), memory.SerializeToString())
         profile = {"export": time.perf_counter() - start}
-        pulled, pushed = pulls.split(routes, _memories(store, offer, self.world, deadline), receivers)
+        memories = _memories(store, offer, self.world, deadline)
+        pulled, pushed = pulls.split(routes, memories, receivers)
         profile["meet"] = time.perf_counter() - start - profile["export"]
-        sent = _wire_bytes(pulled, self.rank)
-        pg = None
+        sent, gid, pg = _wire_bytes(pulled, self.rank), "", None
         members = self.world + engine.ranks
         try:
             if any(t.dsts for t in pushed.transfers):
-                pg = _join(store, offer.transfer_id, self.rank, members, self.device, deadline)
+                if self.rank == 0:
+                    self._group.decide(store, offer.transfer_id, self.world, answers, memories)
+                gid, pg = routed_groups.take(store, offer.transfer_id, self.rank, members, self.device, deadline)
+                profile["group"] = time.perf_counter() - start - profile["export"] - profile["meet"]
                 sent += routed.send(pg, pushed, self.rank, self.piece, _bucket(offer, answers), deadline, self.device)
             waited = time.perf_counter()
             _await_pulls(store, offer, sorted({d for t in pulled.of_sender(self.rank) for d in t.dsts}), deadline)
             profile["pulls"] = time.perf_counter() - waited
         except BaseException as e:
+            if self.rank == 0:
+                self._group.forget()
             if pg is not None:
-                _close(pg, store, offer.transfer_id, members, deadline, e)
+                routed_groups.release(pg, e)
             del pg
             raise
         if pg is not None:
-            _close(pg, store, offer.transfer_id, members, deadline, None)
+            routed_groups.keep(gid, pg)
         seconds = time.perf_counter() - start
         return Report(sent, seconds, _channels(pulled, pushed, self.backends[-1], sender=self.rank), seconds,
                       {"data": seconds, **profile}, sent)
@@ -292,14 +267,6 @@ def _channels(pulled: Routes, pushed: Routes, backend: int, *, sender: int | Non
         return len({t.src for t in routes.of_receiver(receiver)})
     out = {"cuda_ipc": pairs(pulled), NAMES[backend]: pairs(pushed)}
     return {k: v for k, v in out.items() if v}
-
-
-def _join(store, gid: str, rank: int, world: int, device: torch.device, deadline: Deadline):
-    try:
-        return routed.group(store, gid, rank, world, device,
-                            min(JOIN_SECONDS, deadline.remaining("forming the routed group")))
-    except dist.DistError as e:
-        raise Unavailable(f"forming the routed group {gid[:12]} failed, a member is gone or unreachable: {e}") from e
 
 
 class RoutedReceiver:
@@ -372,18 +339,19 @@ class RoutedReceiver:
         """The pieces that come over the group (every member joins it, with or without pieces of its own)."""
         piece_specs, views = routed.destinations(routes, me, self.specs, self.staging)
         writer = DestWriter(piece_specs, views, self.device)
-        senders, gid = self.trainer.ranks, self.offer.transfer_id
+        tid, senders = self.offer.transfer_id, self.trainer.ranks
         members = senders + routes.receivers
-        self._pg = pg = _join(store, gid, senders + me, members, self.device, self.deadline)
+        gid, pg = routed_groups.take(store, tid, senders + me, members, self.device, self.deadline)
+        self._pg = pg
         try:
             nbytes = routed.receive(pg, routes, me, writer, _bucket(self.offer, answers), self.deadline, self.device)
         except BaseException as e:
             self._pg = None
-            _close(pg, store, gid, members, self.deadline, e)
+            routed_groups.release(pg, e)
             del pg
             raise
         self._pg = None
-        _close(pg, store, gid, members, self.deadline, None)
+        routed_groups.keep(gid, pg)
         return nbytes
 
     def close(self) -> None:

@@ -118,7 +118,7 @@ class RankLayout(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[RankLayout.Boxes, _Mapping]]] = ..., facts: _Optional[_Union[Facts, _Mapping]] = ...) -> None: ...
 
 class RankMemory(_message.Message):
-    __slots__ = ("facts", "ipc", "held")
+    __slots__ = ("facts", "ipc", "held", "groups")
     class Held(_message.Message):
         __slots__ = ("region", "offset", "stride", "dtype")
         REGION_FIELD_NUMBER: _ClassVar[int]
@@ -133,10 +133,20 @@ class RankMemory(_message.Message):
     FACTS_FIELD_NUMBER: _ClassVar[int]
     IPC_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     facts: Facts
     ipc: _containers.RepeatedScalarFieldContainer[bytes]
     held: _containers.RepeatedCompositeFieldContainer[RankMemory.Held]
-    def __init__(self, facts: _Optional[_Union[Facts, _Mapping]] = ..., ipc: _Optional[_Iterable[bytes]] = ..., held: _Optional[_Iterable[_Union[RankMemory.Held, _Mapping]]] = ...) -> None: ...
+    groups: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, facts: _Optional[_Union[Facts, _Mapping]] = ..., ipc: _Optional[_Iterable[bytes]] = ..., held: _Optional[_Iterable[_Union[RankMemory.Held, _Mapping]]] = ..., groups: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RoutedGroup(_message.Message):
+    __slots__ = ("id", "reuse")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REUSE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    reuse: bool
+    def __init__(self, id: _Optional[str] = ..., reuse: _Optional[bool] = ...) -> None: ...
 
 class RoutedSend(_message.Message):
     __slots__ = ("offer", "answers", "timeout_seconds")
@@ -171,7 +181,7 @@ class MappedTensors(_message.Message):
     def __init__(self, ipc: _Optional[_Iterable[bytes]] = ..., region: _Optional[_Iterable[int]] = ..., offset: _Optional[_Iterable[int]] = ..., waits: _Optional[bool] = ..., bell: _Optional[int] = ...) -> None: ...
 
 class Answer(_message.Message):
-    __slots__ = ("backend", "receiver_id", "ranks", "bucket_bytes", "reason", "facts", "transfer_id", "pull", "stages", "delta", "base_version", "copied", "layout")
+    __slots__ = ("backend", "receiver_id", "ranks", "bucket_bytes", "reason", "facts", "transfer_id", "pull", "stages", "delta", "base_version", "copied", "layout", "groups")
     class StagesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +202,7 @@ class Answer(_message.Message):
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     COPIED_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     backend: Backend
     receiver_id: str
     ranks: int
@@ -205,7 +216,8 @@ class Answer(_message.Message):
     base_version: int
     copied: _containers.RepeatedScalarFieldContainer[bytes]
     layout: _containers.RepeatedCompositeFieldContainer[RankLayout]
-    def __init__(self, backend: _Optional[_Union[Backend, str]] = ..., receiver_id: _Optional[str] = ..., ranks: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., reason: _Optional[str] = ..., facts: _Optional[_Union[Facts, _Mapping]] = ..., transfer_id: _Optional[str] = ..., pull: _Optional[bool] = ..., stages: _Optional[_Mapping[str, float]] = ..., delta: _Optional[bool] = ..., base_version: _Optional[int] = ..., copied: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Iterable[_Union[RankLayout, _Mapping]]] = ...) -> None: ...
+    groups: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, backend: _Optional[_Union[Backend, str]] = ..., receiver_id: _Optional[str] = ..., ranks: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., reason: _Optional[str] = ..., facts: _Optional[_Union[Facts, _Mapping]] = ..., transfer_id: _Optional[str] = ..., pull: _Optional[bool] = ..., stages: _Optional[_Mapping[str, float]] = ..., delta: _Optional[bool] = ..., base_version: _Optional[int] = ..., copied: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Iterable[_Union[RankLayout, _Mapping]]] = ..., groups: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Doorbell(_message.Message):
     __slots__ = ("host_id", "address", "name")
