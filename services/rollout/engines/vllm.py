@@ -205,6 +205,8 @@ class VLLMEngine(Engine):
             answers = [transfer_pb2.Answer.FromString(a) for a in await self.llm.collective_rpc(
                 "rlsync_answer", args=(raw, receiver_id, tp, NAMES[common], layouts))]
         ans = answers[0]
+        held = set.intersection(*(set(a.groups) for a in answers))  # a routed group only every worker holds
+        ans.groups[:] = [g for g in ans.groups if g in held]
         if layouts is not None:
             held = layout_of(from_proto(offer.manifest), ans.layout)
             needed = max(held.nbytes(r) for r in range(held.ranks))
