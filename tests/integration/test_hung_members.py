@@ -7,7 +7,6 @@ every replica serves on. Each test prints how long the fleet took to move on."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import signal
 import time
@@ -19,11 +18,9 @@ from conftest import rl_step, rollout_args
 from rlsync.client import CoordinatorClient, RolloutClient, RpcError, TrainerClient, trajectory
 from rlsync.common.audit import differences
 from rlsync.coordinator.v1 import coordinator_pb2 as pb
+from hangs import FAST, SLOW, in_background, report, train, wait_prepared
 from streams import Stream
 
-LEASE = 2.5
-FAST = ["--lease", str(LEASE), "--heartbeat-interval", "0.3"]
-MOVE_ON = LEASE + 10  # what "promptly" means on two busy cores: the lease, its check, and a margin
 SERVING = 1  # rollout_pb2.SERVING_STATE_SERVING
 
 
@@ -59,33 +56,6 @@ def fleet(services, mode="async", replicas=2, model=None, co_extra=(), trainer_e
     client = CoordinatorClient(co.address)
     client.wait_ready(replicas + 1)
     return co, client, tr, ros
-
-
-def train(client, seed=0):
-    done = client.complete("3+4=", n=4, max_tokens=8, temperature=1.0, logprobs=True, seed=seed)
-    client.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])
-
-
-def in_background(fn, *args):
-    return concurrent.futures.ThreadPoolExecutor(1).submit(fn, *args)
-
-
-def wait_prepared(replicas: list[RolloutClient], timeout=60.0) -> None:
-    """Until every replica holds a prepared update: the transfer into them is about to run or runs."""
-    deadline = time.monotonic() + timeout
-    while not all(r.info().pending_version >= 0 for r in replicas):
-        assert time.monotonic() < deadline, "the replicas never prepared the update"
-        time.sleep(0.01)
-
-
-def report(what: str, seconds: float, also: float = 0.0) -> None:
-    """also: what the fleet does after moving on that counts here (a transfer made slow on purpose)."""
-    print(f"\n[hung] {what}: moved on in {seconds:.1f}s (lease {LEASE}s)")
-    assert seconds < MOVE_ON + also, f"{what}: took {seconds:.1f}s, more than the lease ({LEASE}s) + 10s"
-
-
-# A slow transfer to stop a member in the middle of: ~90 MB in 16 KiB buckets over gloo.
-SLOW = {"trainer_extra": ("--bucket-bytes", "16384"), "co_extra": ("--force-backend", "gloo")}
 
 
 def test_a_replica_hung_mid_transfer_is_dropped_and_the_survivor_gets_the_update(services, small_model, freeze):
