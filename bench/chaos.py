@@ -1,10 +1,12 @@
 """Chaos: the RL loop runs (generate a batch through the gateway, train, sync verified) while a
-member of the fleet (a replica, the trainer or the coordinator) is killed with SIGKILL at random
-moments and started again. Prints one JSON object: kills per member, steps, syncs (and how many
-verified), requests sent, completed, lost, duplicated, the versions served, the calls the loop had
-to retry (by status) and any call that hung past its deadline.
+member of the fleet (a replica, the trainer or the coordinator) is hit at random moments: killed with
+SIGKILL and started again, or hung (SIGSTOP for 2-20 s, every process of it, then SIGCONT: a stuck
+kernel, a frozen container). Prints one JSON object: kills and hangs per member, steps, syncs (and
+how many verified), the longest and median sync, requests sent, completed, lost, duplicated, the
+versions served, the calls the loop had to retry (by status) and any call stuck past its deadline.
 
-    python bench/chaos.py --kills 10
+    python bench/chaos.py --faults kill,hang --kills 20
+    python bench/chaos.py --faults kill,hang --kills 20 --engine vllm
 
 The loop behaves as an RL job would: a call that fails because a member is down is retried once
 the fleet answers again (a generation with the same request id: the client keeps at most one
@@ -17,7 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import signal
+import statistics
 import sys
 import tempfile
 import threading
@@ -30,23 +35,26 @@ from rlsync.client import CoordinatorClient, RpcError, TrainerClient, collect, g
 from rlsync.launch import ServiceProcess
 
 DEADLINE = 120.0  # no call may take longer, whatever is killed
+LEASE = 1.5  # the coordinator's --lease
+ENGINE_ARGS = {"hf": {}, "vllm": {"enforce_eager": True, "kv_cache_memory_bytes": 64 << 20, "max_num_seqs": 32}}
 
 
 class Fleet:
     """The members, each restartable with the arguments (and address) it first had."""
 
-    def __init__(self, logs: Path, replicas: int):
+    def __init__(self, logs: Path, replicas: int, engine: str):
         self.logs, self.lock = logs, threading.Lock()
         self.procs: dict[str, ServiceProcess] = {}
-        self._start("coordinator", ["--port", "0", "--sync-mode", "async", "--lease", "1.5",
+        self._start("coordinator", ["--port", "0", "--sync-mode", "async", "--lease", str(LEASE),
                                     "--heartbeat-interval", "0.3"])
         self.coordinator = self.procs["coordinator"].wait_ready()
         self.args = {"coordinator": ["--port", self.coordinator.rsplit(":", 1)[1], "--sync-mode", "async",
-                                     "--lease", "1.5", "--heartbeat-interval", "0.3"],
+                                     "--lease", str(LEASE), "--heartbeat-interval", "0.3"],
                      "trainer": ["--port", "0", "--coordinator", self.coordinator]}
         for i in range(replicas):
-            self.args[f"r{i}"] = ["--port", "0", "--coordinator", self.coordinator, "--engine", "hf",
-                                  "--replica-id", f"r{i}", "--coordinator-lease", "10"]
+            self.args[f"r{i}"] = ["--port", "0", "--coordinator", self.coordinator, "--engine", engine,
+                                  "--engine-args", json.dumps(ENGINE_ARGS[engine]), "--replica-id", f"r{i}",
+                                  "--coordinator-lease", "10"]
         for name in self.args:
             if name != "coordinator":
                 self._start(name, self.args[name])
@@ -64,6 +72,16 @@ class Fleet:
             time.sleep(down_seconds)
             self._start(name, self.args[name])
             self.procs[name].wait_ready(300)
+
+    def hang(self, name: str, seconds: float) -> None:
+        """Every process of the member stops (its process group: engine workers too), then goes on."""
+        with self.lock:
+            group = os.getpgid(self.procs[name].proc.pid)
+            os.killpg(group, signal.SIGSTOP)
+            try:
+                time.sleep(seconds)
+            finally:
+                os.killpg(group, signal.SIGCONT)
 
     def address(self, name: str) -> str:
         """The member's current address; a member still starting again is unavailable, as a call to
@@ -87,7 +105,7 @@ def retrying(call, what: str, stats: dict):
             return call()
         except RpcError as e:
             if time.monotonic() - start > DEADLINE:
-                stats["hangs"].append(f"{what}: {e}")
+                stats["stuck_calls"].append(f"{what}: {e}")
                 raise
             stats["retries"][e.code.name] = stats["retries"].get(e.code.name, 0) + 1
             time.sleep(0.5)
@@ -95,7 +113,9 @@ def retrying(call, what: str, stats: dict):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument("--kills", type=int, default=10, help="faults to inject (kills or hangs)")
+    parser.add_argument("--faults", default="kill", help="comma-separated: kill, hang")
+    parser.add_argument("--engine", default="hf", choices=sorted(ENGINE_ARGS))
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8, help="requests per step")
     parser.add_argument("--max-tokens", type=int, default=24)
@@ -106,19 +126,25 @@ def main() -> None:
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
     checkpoint = tempfile.mkdtemp(prefix="rlsync-chaos-")
-    fleet = Fleet(logs, args.replicas)
-    stats: dict = {"kills": {}, "steps": 0, "syncs": 0, "verified": 0, "sent": 0, "completed": 0, "lost": 0,
-                   "duplicated": 0, "versions_served": set(), "hangs": [], "trainer_restored": 0,
-                   "retries": {}}
+    faults = args.faults.split(",")
+    fleet = Fleet(logs, args.replicas, args.engine)
+    stats: dict = {"engine": args.engine, "kills": {}, "hangs": {}, "hang_seconds": [], "steps": 0, "syncs": 0,
+                   "verified": 0, "sync_seconds": [], "sent": 0, "completed": 0, "lost": 0, "duplicated": 0,
+                   "versions_served": set(), "stuck_calls": [], "trainer_restored": 0, "retries": {}}
     done = threading.Event()
 
     def chaos() -> None:
         for _ in range(args.kills):
             if done.wait(rng.uniform(2.0, 6.0)):
                 return
-            victim = rng.choice(list(fleet.args))
-            stats["kills"][victim] = stats["kills"].get(victim, 0) + 1
-            fleet.kill_and_restart(victim, rng.uniform(0.0, 2.0))
+            victim, fault = rng.choice(list(fleet.args)), rng.choice(faults)
+            stats["kills" if fault == "kill" else "hangs"][victim] = \
+                stats["kills" if fault == "kill" else "hangs"].get(victim, 0) + 1
+            if fault == "kill":
+                fleet.kill_and_restart(victim, rng.uniform(0.0, 2.0))
+            else:
+                stats["hang_seconds"].append(round(seconds := rng.uniform(2.0, 20.0), 1))
+                fleet.hang(victim, seconds)
 
     client = CoordinatorClient(fleet.coordinator, timeout=DEADLINE)
     start = time.monotonic()
@@ -159,7 +185,9 @@ def main() -> None:
                     stats["trainer_restored"] += 1
                 if trainer.state().step < step:
                     client.train([trajectory(c, reward=float(i % 2), group_id="g") for i, c in enumerate(batch)])
+                begun = time.monotonic()
                 sync = client.sync_weights(verify=True)
+                stats["sync_seconds"].append(time.monotonic() - begun)
                 TrainerClient(fleet.address("trainer")).save_checkpoint(checkpoint)
                 return sync
 
@@ -175,9 +203,13 @@ def main() -> None:
     stats["versions_served"] = {"count": len(served), "first": served[0] if served else None,
                                 "last": served[-1] if served else None}
     stats["seconds"] = round(seconds, 1)
+    synced = stats.pop("sync_seconds")  # the successful syncs' own time (a failed attempt is a retry)
+    stats["longest_sync_s"] = round(max(synced, default=0.0), 2)
+    stats["median_sync_s"] = round(statistics.median(synced), 3) if synced else None
+    stats["lease_s"] = LEASE
     print(json.dumps(stats, indent=1))
     sys.exit(0 if not stats["lost"] and not stats["duplicated"] and stats["verified"] == stats["syncs"]
-             and not stats["hangs"] else 1)
+             and not stats["stuck_calls"] else 1)
 
 
 if __name__ == "__main__":
