@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from rlsync.checks import StartupError
+
 # subcommand -> (module with main(argv), or module:function(argv); one-line help)
 COMMANDS = {
     "demo": ("rlsync.demo.run", "run the RL demo on the tiny model (coordinator, trainer, replicas)"),
@@ -36,7 +38,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if argv else 2
     module, _, function = COMMANDS[argv[0]][0].partition(":")
-    return getattr(importlib.import_module(module), function or "main")(argv[1:]) or 0
+    try:
+        return getattr(importlib.import_module(module), function or "main")(argv[1:]) or 0
+    except StartupError as e:  # a value the command cannot start with: one line, as argparse says a bad flag
+        print(f"rlsync {argv[0]}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

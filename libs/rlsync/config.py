@@ -2,6 +2,11 @@
 
 Precedence: command-line flag > environment variable `RLSYNC_<FIELD>` > the field's default.
 Nested dataclass fields are flattened (their fields become flags of the outer config).
+
+A value a service cannot start with is refused before anything loads, in one line that names the
+flag and its variable (StartupError): `build` refuses what does not parse, `validate` what is out of
+a field's bounds, fails its `check`, or fails the config's own `check()` (a port in use, a missing
+file, two values that contradict each other).
 """
 
 from __future__ import annotations
@@ -12,17 +17,24 @@ import json
 import os
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from rlsync.checks import ENV_PREFIX, advertise_address, check_ports, check_tls, flag, refused
+
 T = TypeVar("T")
-ENV_PREFIX = "RLSYNC_"
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = dataclasses.MISSING,
-           choices: tuple[str, ...] | None = None, secret: bool = False) -> Any:
-    """A config field: its default and the help text that flags and docs show."""
-    meta = {"help": help, "choices": choices, "secret": secret}
+           choices: tuple[str, ...] | None = None, secret: bool = False, minimum: float | None = None,
+           maximum: float | None = None, above: float | None = None,
+           check: Callable[[Any], str | None] | None = None) -> Any:
+    """A config field: its default and the help text that flags and docs show.
+
+    minimum / maximum: inclusive bounds; above: an exclusive lower bound (a timeout above 0).
+    check: value -> what is wrong with it (None: nothing), run by `validate` (at start-up only)."""
+    meta = {"help": help, "choices": choices, "secret": secret, "minimum": minimum, "maximum": maximum,
+            "above": above, "check": check}
     if factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -33,20 +45,32 @@ class ServerConfig:
     """How a service listens: address, access control, message limits, shutdown."""
 
     host: str = option("127.0.0.1", "address to bind; loopback by default, 0.0.0.0 to serve other hosts")
-    port: int = option(0, "port to bind; 0 picks a free one (printed at start)")
+    port: int = option(0, "port to bind; 0 picks a free one (printed at start)", minimum=0, maximum=65535)
     token: str = option("", "shared secret; when set, every RPC but health must send "
                             "'authorization: Bearer <token>'", secret=True)
     tls_cert: str = option("", "PEM certificate file; with --tls-key, serve TLS")
     tls_key: str = option("", "PEM private key file for --tls-cert")
     max_message_bytes: int = option(16 << 20, "largest request or response message; larger ones "
-                                              "get RESOURCE_EXHAUSTED")
+                                              "get RESOURCE_EXHAUSTED", minimum=1, maximum=(1 << 31) - 1)
     advertise: str = option("", "host (or host:port) other machines reach this service at; empty = the bind "
-                                "address, or this host's address when bound to all")
+                                "address, or this host's address when bound to all", check=advertise_address)
     grace_seconds: float = option(5.0, "on SIGTERM: time in-flight work gets to finish (a replica's requests, "
-                                       "then the server's RPCs: up to twice this in all)")
+                                       "then the server's RPCs: up to twice this in all)", minimum=0)
     log_level: str = option("INFO", "logging level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     metrics_port: int = option(-1, "port of the Prometheus /metrics endpoint (bound to --host); 0 picks a free "
-                                   "one; -1: off")
+                                   "one; -1: off", minimum=-1, maximum=65535)
+
+    def check(self) -> None:
+        """What only this host can say: TLS files that load, a --host of this host, ports not in use."""
+        if bool(self.tls_cert) != bool(self.tls_key):
+            given, missing = ("tls_cert", "tls_key") if self.tls_cert else ("tls_key", "tls_cert")
+            raise refused(given, f"TLS needs both --tls-cert and --tls-key: give {flag(missing)} too")
+        if self.tls_cert:
+            check_tls(self.tls_cert, self.tls_key)
+        ports = {"port": self.port}
+        if self.metrics_port >= 0:
+            ports["metrics_port"] = self.metrics_port
+        check_ports(self.host, ports)
 
 
 def _fields(cls: type) -> list[tuple[dataclasses.Field, type]]:
@@ -83,23 +107,27 @@ def _parse(raw: str, tp: Any, name: str) -> Any:
         if origin in (dict, Mapping):
             value = json.loads(raw) if raw else {}
             if not isinstance(value, dict):
-                raise ValueError("expected a JSON object")
+                raise ValueError("not an object")
             return value
         if origin in (list, tuple):
             items = [s for s in raw.split(",") if s]
             (item_tp, *_) = typing.get_args(base) or (str,)
-            return type(origin)(_parse(s, item_tp, name) for s in items) if origin is tuple else \
+            return tuple(_parse(s, item_tp, name) for s in items) if origin is tuple else \
                 [_parse(s, item_tp, name) for s in items]
         return base(raw)
     except ValueError as e:
-        raise SystemExit(f"invalid value {raw!r} for {name}: {e}") from None
+        if origin in (dict, Mapping):
+            expected = "a JSON object" + (f" ({e})" if isinstance(e, json.JSONDecodeError) else "")
+        else:
+            expected = {bool: "true or false", int: "an integer", float: "a number"}.get(base, str(e))
+        raise refused(name, f"invalid value {raw!r} for {name}: expected {expected}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """Adds one --flag per (flattened) field of `cls`."""
     defaults = describe(cls())
     for f, tp in _fields(cls):
-        flag = "--" + f.name.replace("_", "-")
+        option_string = "--" + f.name.replace("_", "-")
         env = ENV_PREFIX + f.name.upper()
         shown = defaults[f.name]
         help_text = f"{f.metadata.get('help', '')} [env {env}; default {shown!r}]"
@@ -110,7 +138,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             kwargs["metavar"] = f.name.upper()
             if f.metadata.get("choices"):
                 kwargs["choices"] = f.metadata["choices"]
-        parser.add_argument(flag, **kwargs)
+        parser.add_argument(option_string, **kwargs)
 
 
 def build(cls: type[T], args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None,
@@ -127,9 +155,45 @@ def build(cls: type[T], args: argparse.Namespace | None = None, env: Mapping[str
         if value is not None:
             choices = f.metadata.get("choices")
             if choices and value not in choices:
-                raise SystemExit(f"invalid value {value!r} for {f.name}: choose from {', '.join(choices)}")
+                raise refused(f.name, f"invalid choice: {value!r} (choose from {', '.join(choices)})")
             values[f.name] = value
     return _construct(cls, values)
+
+
+def validate(cfg: Any) -> None:
+    """Refuses (StartupError, naming the flag) a value `cfg` cannot start with: first each field on
+    its own (its bounds, its check), then each config's `check()` (nested ones first): values together,
+    and what only this host can say (ports in use, files). Reads the file system and binds probe
+    sockets: the entry point calls it once, before anything loads."""
+    configs = _configs(cfg)
+    for config in configs:
+        for f in dataclasses.fields(config):
+            if not dataclasses.is_dataclass(value := getattr(config, f.name)):
+                _check_field(f, value)
+    for config in configs:
+        if hasattr(config, "check"):
+            config.check()
+
+
+def _configs(cfg: Any) -> list[Any]:
+    """`cfg` and the configs nested in it, the nested ones first."""
+    nested = [c for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(c := getattr(cfg, f.name))]
+    return [*(inner for c in nested for inner in _configs(c)), cfg]
+
+
+def _check_field(f: dataclasses.Field, value: Any) -> None:
+    meta = f.metadata
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value != value:
+            raise refused(f.name, "must be a number, got nan")
+        if meta.get("minimum") is not None and value < meta["minimum"]:
+            raise refused(f.name, f"must be at least {meta['minimum']}, got {value}")
+        if meta.get("maximum") is not None and value > meta["maximum"]:
+            raise refused(f.name, f"must be at most {meta['maximum']}, got {value}")
+        if meta.get("above") is not None and value <= meta["above"]:
+            raise refused(f.name, f"must be more than {meta['above']}, got {value}")
+    if meta.get("check") is not None and (problem := meta["check"](value)):
+        raise refused(f.name, problem)
 
 
 def _construct(cls: type[T], values: dict[str, Any]) -> T:

@@ -7,7 +7,8 @@ import logging
 import grpc
 
 from rlsync.config import describe
-from rlsync.rpc.http import HttpServer, serve_http
+from rlsync.rpc.http import HttpServer
+from rlsync.rpc.server import serve_http_on
 from rlsync.coordinator.config import CoordinatorConfig
 from rlsync.coordinator.core import Coordinator
 from rlsync.coordinator.openai_api import make_app
@@ -35,8 +36,9 @@ class CoordinatorService:
 
     async def serving(self, host: str, port: int) -> None:
         if self.cfg.http_port >= 0:
-            self.http = await serve_http(make_app(self.core.gateway, self.cfg.served_model_name,
-                                                  self.cfg.server.token), self.cfg.server, self.cfg.http_port)
+            self.http = await serve_http_on(make_app(self.core.gateway, self.cfg.served_model_name,
+                                                     self.cfg.server.token), self.cfg.server, self.cfg.http_port,
+                                            "http_port")
 
     async def drain(self, reason: str) -> None:
         # Gateway streams end with the servers' grace periods (HTTP first); replicas keep their own.

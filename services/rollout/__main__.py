@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+from rlsync.checks import StartupError
 from rlsync.rollout.config import RolloutConfig
 from rlsync.rpc.server import serve_main
 
@@ -12,7 +13,7 @@ from rlsync.rpc.server import serve_main
 def parse_engine_arg(item: str) -> tuple[str, object]:
     key, sep, raw = item.partition("=")
     if not sep or not key:
-        raise SystemExit(f"--engine-arg expects KEY=VALUE, got {item!r}")
+        raise StartupError(f"argument -E/--engine-arg: expects KEY=VALUE, got {item!r}")
     try:
         return key.replace("-", "_"), json.loads(raw)
     except json.JSONDecodeError:

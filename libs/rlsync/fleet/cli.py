@@ -16,20 +16,41 @@ import sys
 import threading
 import time
 
+from rlsync.checks import StartupError
 from rlsync.errors import RlsyncError
 
 
 def refusals_exit_2(command):
-    """A refusal (a bad fleet file, an unknown group, no such fleet) is one line and status 2."""
+    """A refusal (a bad fleet file, an unknown group, no such fleet, no Ray cluster) is one line,
+    `rlsync <command>: error: <reason>`, and status 2."""
     @functools.wraps(command)
     def run(argv: list[str]) -> int:
         try:
             return command(argv)
-        except RlsyncError as e:
-            print(f"rlsync: error: {e}", file=sys.stderr)
+        except (RlsyncError, StartupError) as e:
+            print(f"rlsync {command.__name__}: error: {e}", file=sys.stderr)
             return 2
 
     return run
+
+
+def _no_cluster(address: str | None) -> StartupError:
+    """Ray found no cluster to join (its ConnectionError): say where it looked and what to do."""
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        return StartupError(f"no Ray cluster answers at {address} (from --address or RAY_ADDRESS): is the "
+                            "address right, and the cluster up?")
+    return StartupError("no Ray cluster runs on this machine: bring a fleet up with `rlsync up FLEET_FILE`, or "
+                        "give the cluster's address with --address (or RAY_ADDRESS)")
+
+
+def _connect(args: argparse.Namespace):
+    from rlsync.fleet.launcher import Fleet
+
+    try:
+        return Fleet.connect(args.name, args.address)
+    except ConnectionError:
+        raise _no_cluster(args.address) from None
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -58,10 +79,15 @@ def up(argv: list[str]) -> int:
     p.add_argument("--detach", action="store_true", help="return once it is up (needs a cluster: --address)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for every member")
     args = p.parse_args(argv)
+    if not args.timeout > 0:
+        p.error(f"argument --timeout: must be more than 0 seconds, got {args.timeout}")
     spec = load(args.fleet_file)
     if args.detach and not (args.address or os.environ.get("RAY_ADDRESS")):
         p.error("--detach needs a Ray cluster that outlives this command: --address or RAY_ADDRESS")
-    fleet = Fleet.up(spec, args.address, args.timeout, on_event=_print)
+    try:
+        fleet = Fleet.up(spec, args.address, args.timeout, on_event=_print)
+    except ConnectionError:
+        raise _no_cluster(args.address) from None
     try:
         status = fleet.wait_ready(args.timeout)
     except BaseException:  # not ready, or Ctrl-C: take it down rather than leave it half up
@@ -91,8 +117,6 @@ def up(argv: list[str]) -> int:
 
 @refusals_exit_2
 def scale(argv: list[str]) -> int:
-    from rlsync.fleet.launcher import Fleet
-
     p = argparse.ArgumentParser(prog="rlsync scale", description="Set rollout groups' replica counts.")
     p.add_argument("counts", nargs="+", metavar="GROUP=N")
     _named(p)
@@ -103,7 +127,7 @@ def scale(argv: list[str]) -> int:
         if not sep or not count.isdigit():
             p.error(f"{item!r}: write GROUP=N, e.g. rollout=4")
         wanted.append((group, int(count)))
-    fleet = Fleet.connect(args.name, args.address)
+    fleet = _connect(args)
     for group, count in wanted:
         print(json.dumps(fleet.scale(group, count)), flush=True)
     return 0
@@ -111,13 +135,11 @@ def scale(argv: list[str]) -> int:
 
 @refusals_exit_2
 def status(argv: list[str]) -> int:
-    from rlsync.fleet.launcher import Fleet
-
     p = argparse.ArgumentParser(prog="rlsync status", description="Every member: node, address, state.")
     _named(p)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    s = Fleet.connect(args.name, args.address).status()
+    s = _connect(args).status()
     if args.json:
         print(json.dumps(s))
         return 0
@@ -131,25 +153,23 @@ def status(argv: list[str]) -> int:
 
 @refusals_exit_2
 def logs(argv: list[str]) -> int:
-    from rlsync.fleet.launcher import Fleet
-
     p = argparse.ArgumentParser(prog="rlsync logs", description="The end of a member's log.")
     p.add_argument("member")
     _named(p)
     p.add_argument("-n", "--lines", type=int, default=40)
     args = p.parse_args(argv)
-    print(Fleet.connect(args.name, args.address).log_tail(args.member, args.lines))
+    if args.lines < 1:
+        p.error(f"argument -n/--lines: must be at least 1, got {args.lines}")
+    print(_connect(args).log_tail(args.member, args.lines))
     return 0
 
 
 @refusals_exit_2
 def down(argv: list[str]) -> int:
-    from rlsync.fleet.launcher import Fleet
-
     p = argparse.ArgumentParser(prog="rlsync down", description="Drain and stop every member of a fleet.")
     _named(p)
     args = p.parse_args(argv)
-    Fleet.connect(args.name, args.address).down()
+    _connect(args).down()
     return 0
 
 

@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rlsync.common.metrics import metrics_app
 from rlsync.config import ServerConfig
+from rlsync.checks import StartupError, bind_problem, bind_refusal
 from rlsync.rpc.http import serve_http
 from rlsync.rpc.auth import TokenAuthInterceptor
 from rlsync.address import advertised
@@ -66,17 +67,30 @@ def server_options(cfg: ServerConfig) -> list[tuple[str, int]]:
 
 
 def _bind(server: grpc.aio.Server, cfg: ServerConfig) -> int:
+    """Binds cfg.host:cfg.port; one that cannot be bound (taken since the check at start-up, or never
+    checked: a caller of run_service) is refused in one line that names the port and its flag."""
     address = f"{cfg.host}:{cfg.port}"
     if bool(cfg.tls_cert) != bool(cfg.tls_key):
-        raise SystemExit("TLS needs both --tls-cert and --tls-key")
-    if cfg.tls_cert:
-        creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
-        port = server.add_secure_port(address, creds)
-    else:
-        port = server.add_insecure_port(address)
+        raise StartupError("TLS needs both --tls-cert and --tls-key")
+    try:
+        if cfg.tls_cert:
+            creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
+            port = server.add_secure_port(address, creds)
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError:  # grpcio >= 1.60: "Failed to bind to address ..."; older ones return 0
+        port = 0
     if port == 0:
-        raise SystemExit(f"cannot bind {address}: in use or not an address of this host")
+        raise bind_refusal(cfg.host, cfg.port, "port", bind_problem(cfg.host, cfg.port))
     return port
+
+
+async def serve_http_on(app, cfg: ServerConfig, port: int, name: str, what: str = "http"):
+    """serve_http, with a port that cannot be bound refused like the gRPC one (name: its field)."""
+    try:
+        return await serve_http(app, cfg, port, what)
+    except OSError as e:
+        raise bind_refusal(cfg.host, port, name, e) from None
 
 
 async def run_service(cfg: ServerConfig, service: Service, stop: asyncio.Event | None = None) -> None:
@@ -87,36 +101,39 @@ async def run_service(cfg: ServerConfig, service: Service, stop: asyncio.Event |
         loop.add_signal_handler(sig, stop.set)
 
     await service.start()
-    interceptors = [TokenAuthInterceptor(cfg.token)] if cfg.token else []
-    server = grpc.aio.server(interceptors=interceptors, options=server_options(cfg))
-    service.add_to_server(server)
-    health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    for name in ["", *service.service_names]:
-        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection(
-        [*service.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME], server)
-    port = _bind(server, cfg)
-    await server.start()
-    # One machine-readable line on stdout: scripts, launchers and tests wait for it.
-    address = advertised(cfg.host, port, cfg.advertise)
-    print(json.dumps({"event": "listening", "service": service.name, "address": address}), flush=True)
-    log.info("%s listening on %s:%d (others dial %s)%s", service.name, cfg.host, port, address,
-             " (TLS)" if cfg.tls_cert else "")
-    await service.serving(cfg.host, port)
-    metrics = await serve_http(metrics_app(), cfg, cfg.metrics_port, "metrics") if cfg.metrics_port >= 0 else None
-    watch = asyncio.create_task(_not_serving_on_failure(service, health)) if hasattr(service, "failure") else None
+    server, metrics = None, None
+    try:  # from here on, a failure to start (a port taken meanwhile) still closes what start() opened
+        interceptors = [TokenAuthInterceptor(cfg.token)] if cfg.token else []
+        server = grpc.aio.server(interceptors=interceptors, options=server_options(cfg))
+        service.add_to_server(server)
+        health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        for name in ["", *service.service_names]:
+            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        reflection.enable_server_reflection(
+            [*service.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME], server)
+        port = _bind(server, cfg)
+        await server.start()
+        # One machine-readable line on stdout: scripts, launchers and tests wait for it.
+        address = advertised(cfg.host, port, cfg.advertise)
+        print(json.dumps({"event": "listening", "service": service.name, "address": address}), flush=True)
+        log.info("%s listening on %s:%d (others dial %s)%s", service.name, cfg.host, port, address,
+                 " (TLS)" if cfg.tls_cert else "")
+        await service.serving(cfg.host, port)
+        if cfg.metrics_port >= 0:
+            metrics = await serve_http_on(metrics_app(), cfg, cfg.metrics_port, "metrics_port", "metrics")
+        watch = asyncio.create_task(_not_serving_on_failure(service, health)) if hasattr(service, "failure") else None
 
-    await stop.wait()
-    if watch is not None:
-        watch.cancel()
-    log.info("%s shutting down", service.name)
-    await health.enter_graceful_shutdown()
-    try:
+        await stop.wait()
+        if watch is not None:
+            watch.cancel()
+        log.info("%s shutting down", service.name)
+        await health.enter_graceful_shutdown()
         await service.drain(f"{service.name} is shutting down")
     finally:
-        await server.stop(cfg.grace_seconds)
+        if server is not None:
+            await server.stop(cfg.grace_seconds)
         if metrics is not None:
             await metrics.stop()
         await service.close()
@@ -138,10 +155,12 @@ def setup_logging(level: str) -> None:
 def serve_main(prog: str, doc: str | None, config_cls: type, make_service, argv: list[str] | None = None,
                extra_arguments=None, adjust=None) -> int:
     """The `python -m rlsync.<service>` entry point every service shares: flags -> typed config ->
-    serve until SIGTERM. A refused argument exits with status 2 and the reason."""
+    serve until SIGTERM. A refused argument, or a value it cannot start with (a missing model, a port
+    in use: StartupError, checked before anything loads), or an engine's refusal of its arguments
+    (RlsyncError) exits with status 2 and one line, `<prog>: error: <reason>`, as argparse's own do."""
     import argparse
 
-    from rlsync.config import add_arguments, build
+    from rlsync.config import add_arguments, build, validate
     from rlsync.errors import RlsyncError
 
     parser = argparse.ArgumentParser(prog=prog, description=doc)
@@ -149,14 +168,15 @@ def serve_main(prog: str, doc: str | None, config_cls: type, make_service, argv:
     if extra_arguments:
         extra_arguments(parser)
     args = parser.parse_args(argv)
-    cfg = build(config_cls, args)
-    if adjust:
-        adjust(cfg, args)
-    setup_logging(cfg.server.log_level)
-    faulthandler.enable(all_threads=True)  # a fatal signal leaves its name and stacks in the log
     try:
+        cfg = build(config_cls, args)
+        if adjust:
+            adjust(cfg, args)
+        validate(cfg)
+        setup_logging(cfg.server.log_level)
+        faulthandler.enable(all_threads=True)  # a fatal signal leaves its name and stacks in the log
         asyncio.run(run_service(cfg.server, make_service(cfg)))
-    except RlsyncError as e:
+    except (StartupError, RlsyncError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     return 0
