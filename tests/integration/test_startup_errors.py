@@ -187,6 +187,8 @@ def test_tls_files(tmp_path):
     (["rollout", "--engine-args", "[1, 2]"], {}, ["--engine-args", "JSON object"]),
     (["rollout", "--engine-args", "{bad"], {}, ["--engine-args", "JSON object"]),
     (["rollout", "-E", "no-equals-sign"], {}, ["-E/--engine-arg", "KEY=VALUE", "'no-equals-sign'"]),
+    (["rollout", "--engine", "hf", "-E", "dtype=bogus"], {}, ["hf engine argument dtype='bogus'", "float32"]),
+    (["rollout", "--engine", "hf", "-E", "device=gpu"], {}, ["hf engine argument device='gpu'", "cuda:N"]),
     (["trainer", "--nproc", "0"], {}, ["--nproc (RLSYNC_NPROC)", "at least 1"]),
     (["trainer", "--micro-batch", "0"], {}, ["--micro-batch", "at least 1"]),
     (["trainer", "--lr", "-0.1"], {}, ["--lr", "at least 0"]),
@@ -218,6 +220,8 @@ def test_spool_dir_that_is_a_file(tmp_path):
     (["logs", "rollout-1", "-n", "0"], "rlsync logs: error: argument -n/--lines: must be at least 1"),
     (["rollout", "--engine", "tgi"], "rlsync rollout: error: argument --engine: invalid choice: 'tgi'"),
     (["nonsense"], "rlsync: error: unknown command 'nonsense'"),
+    (["demo", "--model", "/nonexistent"], "rlsync demo: error: argument --model: /nonexistent does not exist"),
+    (["demo", "--replicas", "0"], "rlsync demo: error: --replicas and --steps take 1 or more"),
 ])
 def test_argparse_refusals(argv, fragment):
     out = run([sys.executable, "-m", "rlsync.cli", *argv])

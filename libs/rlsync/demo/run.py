@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from rlsync.checks import local_model
 from rlsync.client import CoordinatorClient
 from rlsync.demo.loop import LoopConfig, StepRecord, run_loop, summarize
 from rlsync.demo.task import DigitsTask
@@ -82,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-sync", action="store_true", help="control run: engines never get new weights")
     parser.add_argument("--out", default="runs/demo")
     args = parser.parse_args(argv)
+    if args.replicas < 1 or args.steps < 1:
+        parser.error("--replicas and --steps take 1 or more")
+    if problem := local_model(args.model):
+        parser.error(f"argument --model: {problem}")
     if args.lr is None:
         args.lr = 3e-2 if args.lora else 5e-3
 

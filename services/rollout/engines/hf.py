@@ -73,6 +73,14 @@ class HFEngineArgs:
         if args.max_num_seqs < 1 or args.max_prefill_tokens < 1:
             raise InvalidArgument(f"max_num_seqs and max_prefill_tokens must be >= 1, got {args.max_num_seqs} and "
                                   f"{args.max_prefill_tokens}")
+        if args.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise InvalidArgument(f"hf engine argument dtype={args.dtype!r}: auto, float32, bfloat16 or float16")
+        if args.device != "auto":
+            try:
+                torch.device(args.device)
+            except RuntimeError:
+                raise InvalidArgument(f"hf engine argument device={args.device!r}: auto, cpu, cuda or cuda:N") \
+                    from None
         return args
 
 
