@@ -98,9 +98,16 @@ class Registry:
             member.gone.set_result(member.left)
 
     async def expire_forever(self) -> None:
+        tick = self.lease / 3
+        last = time.monotonic()
         while True:
-            await asyncio.sleep(self.lease / 3)
+            await asyncio.sleep(tick)
             now = time.monotonic()
+            if now - last > tick + self.lease / 2:  # this process stood still (stopped, starved, swapped):
+                log.warning("the coordinator stood still for %.1fs: every member gets a lease from now", now - last)
+                for m in self.members.values():  # silence it could not hear is not theirs
+                    m.last_seen = max(m.last_seen, now)
+            last = now
             for m in list(self.members.values()):
                 if not m.static and now - m.last_seen > self.lease:
                     self.lose(m.id, f"no heartbeat for {now - m.last_seen:.1f}s")
