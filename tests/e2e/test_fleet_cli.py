@@ -75,8 +75,8 @@ def test_up_status_scale_down(tmp_path, tiny_model):
 
 def test_a_bad_fleet_file_is_refused_before_anything_starts(tmp_path):
     bad = tmp_path / "fleet.yaml"
-    bad.write_text("rollout: [{engine: sglang, replicas: 2}]\n")
+    bad.write_text("rollout: [{engine: tgi, replicas: 2}]\n")
     result = rlsync("up", str(bad))
     assert result.returncode == 2
-    assert "$.rollout[0].engine" in result.stderr and "sglang" in result.stderr
+    assert "$.rollout[0].engine" in result.stderr and "tgi" in result.stderr
     assert "Ray" not in result.stderr  # refused while reading the file, before any Ray started
