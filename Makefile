@@ -71,13 +71,13 @@ demo: $(STAMP) $(if $(findstring sglang,$(ARGS)),$(SGLANG_STAMP))
 
 # Three pytest processes side by side, each one's output shown after the first's: the unit and
 # integration tests; the end-to-end suites (whole fleets, demos) with the Ray fleet tests (one Ray at a
-# time on a machine: the fleet CLI finds the Ray that `rlsync up` started) and two slow integration
+# time on a machine: the fleet CLI finds the Ray that `rlsync up` started) and three integration
 # modules, which even out the two; and the compose test (marker docker: image build, a stack of four
 # containers), which skips itself, with the reason, without a Docker engine. The SGLang replicas'
 # tests (marker sglang) run in `make test-sglang`: an SGLang replica takes about 6 GB (its scheduler,
 # detokenizer and workers), and beside the other three suites on 2 cores and 24 GiB they failed.
 SIDE_TESTS := tests/e2e tests/integration/test_fleet_ray.py tests/integration/test_publisher.py \
-	tests/integration/test_lora_updates.py
+	tests/integration/test_lora_updates.py tests/integration/test_startup_errors.py
 CPU_TESTS := -m "not gpu and not docker and not sglang" $(PYTEST_ARGS)
 test: $(STAMP) protos-check
 	@mkdir -p .cache; $(BIN)/python -m pytest -m docker -s $(PYTEST_ARGS) tests/e2e > .cache/test-docker.log 2>&1 & \
