@@ -118,6 +118,9 @@ def run_case(model: nn.Module, weights: WeightMap, backend: str, receivers: list
                     produce_seconds[0] = 0.0
     finally:
         group.close()
+    crashed = [p.returncode for p in group.procs if p.returncode]
+    if crashed:  # a receiver that aborts at exit is a failed run, not a footnote on stderr
+        raise RuntimeError(f"{backend}: receiver exit codes {crashed}")
     s = statistics.median(seconds)
     return {"ranks": ranks, "backend": backend, "mode": "one_copy" if offer.one_copy else "staged",
             "streamed": bool(passes), "bytes": nbytes, "tensors": len(source.specs()), "seconds": round(s, 4),

@@ -207,10 +207,11 @@ def worker(args) -> None:
     if role == "trainer":
         dist.init_process_group("gloo" if args.device == "cpu" else "cpu:gloo,cuda:gloo")
         result = trainer(args, shapes, bucket, k, g, rank, store)
+        dist.barrier()  # the trainer ranks leave together, then tear their group down
+        dist.destroy_process_group()
     else:
         result = engine(args, k, g, rank, store)
     print("RESULT " + json.dumps({"role": role, "rank": rank, **result}), flush=True)
-    os._exit(0)  # gloo's threads may still hold work objects at finalization
 
 
 def run_case(args, k: int, g: int) -> dict:

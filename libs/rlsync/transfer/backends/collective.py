@@ -12,6 +12,7 @@ place; anything else goes through one of two staging slots.
 from __future__ import annotations
 
 import abc
+import atexit
 import datetime
 import os
 import select
@@ -43,6 +44,9 @@ class _Session:
     group: object
     slots: list[torch.Tensor] | None = None
 
+    def close(self) -> None:  # a sender's cache holds sessions: WeightSender.close() releases them here
+        _drop(self)
+
 
 # Receiver side: sessions this process holds, by group id (a receiver may serve several senders).
 _HELD: OrderedDict[str, _Session] = OrderedDict()
@@ -51,6 +55,18 @@ _HELD_MAX = 4
 
 def held_groups() -> list[str]:
     return list(_HELD)
+
+
+def release_held() -> None:
+    """Releases every held group, oldest first. Runs at exit: a gloo group still alive when the
+    interpreter finalizes has worker threads that may drop a finished broadcast's tensors then, and
+    taking the GIL to do it aborts the process ("terminate called without an active exception").
+    Destroyed here, while the interpreter is whole, each group joins its threads."""
+    while _HELD:
+        _drop(_HELD.popitem(last=False)[1])
+
+
+atexit.register(release_held)
 
 
 def _drop(session: _Session | None) -> None:
