@@ -106,7 +106,7 @@ class Registry:
             if now - last > tick + self.lease / 2:  # this process stood still (stopped, starved, swapped):
                 log.warning("the coordinator stood still for %.1fs: every member gets a lease from now", now - last)
                 for m in self.members.values():  # silence it could not hear is not theirs
-                    m.last_seen = max(m.last_seen, now)
+                    m.last_seen = now
             last = now
             for m in list(self.members.values()):
                 if not m.static and now - m.last_seen > self.lease:

@@ -17,6 +17,7 @@ import grpc
 from rlsync.client import (Gone, RpcError, abort_staged_async, commit_staged_async, push_weights_async,
                            stage_weights_async)
 from rlsync.common import metrics
+from rlsync.common.aio import settle
 from rlsync.common.audit import differences, trainer_dtype
 from rlsync.common.timing import Stopwatch
 from rlsync.coordinator.config import CoordinatorConfig
@@ -213,10 +214,13 @@ class Syncer:
     async def _each(self, replicas: list[Member], call) -> None:
         """call(r) on every replica at once, all settled; a replica that leaves the fleet meanwhile is
         left out (its call abandoned: Gone), any other failure is raised."""
-        failed = [e for e in await asyncio.gather(*(call(r) for r in replicas), return_exceptions=True)
-                  if isinstance(e, BaseException) and not isinstance(e, Gone)]
-        if failed:
-            raise failed[0]
+        async def one(r: Member) -> None:
+            try:
+                await call(r)
+            except Gone:
+                pass
+
+        await settle(*(one(r) for r in replicas))
 
     async def _onloaded(self, trainer: Member) -> None:
         if (await trainer.client.state()).offloaded:
