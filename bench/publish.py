@@ -81,7 +81,7 @@ class Peak:
 
 
 def run_case(model: nn.Module, weights: WeightMap, backend: str, receivers: list[str], bucket: int, repeats: int,
-             device: str, ranks: int, rank: int) -> dict | None:
+             device: str, ranks: int, rank: int, hold: bool = False) -> dict | None:
     source, _ = module_source(model, weights)
     passes = 1 if isinstance(source, StreamedSource) else 0
     produce_seconds = [0.0]
@@ -101,7 +101,7 @@ def run_case(model: nn.Module, weights: WeightMap, backend: str, receivers: list
             for _ in range(passes):
                 run_pass(source)
         return {"rank": rank, "peak_extra_bytes": peak.extra()}
-    group = Receivers(receivers, backend)
+    group = Receivers(receivers, backend, hold)
     seconds = []
     try:
         with WeightSender(source, bucket_bytes=bucket, backends=[backend]) as sender:
@@ -122,7 +122,7 @@ def run_case(model: nn.Module, weights: WeightMap, backend: str, receivers: list
     if crashed:  # a receiver that aborts at exit is a failed run, not a footnote on stderr
         raise RuntimeError(f"{backend}: receiver exit codes {crashed}")
     s = statistics.median(seconds)
-    return {"ranks": ranks, "backend": backend, "mode": "one_copy" if offer.one_copy else "staged",
+    return {"ranks": ranks, "backend": backend, "mode": "one_copy" if offer.one_copy else "staged", "held": hold,
             "streamed": bool(passes), "bytes": nbytes, "tensors": len(source.specs()), "seconds": round(s, 4),
             "GB/s": round(nbytes / s / GB, 3), "peak_extra_bytes": {0: peak.extra()},
             "bound_bytes": 2 * bucket + largest, "produce_seconds": round(produce_seconds[0] / repeats, 4)}
@@ -133,17 +133,21 @@ def single_rank(args, shapes, bucket) -> list[dict]:
     cases = []
     if args.device == "cpu":
         limit = {"memcpy_1_thread": round(memcpy_limit(1 << 30, 1), 2)}
-        plan = [("module", torch.bfloat16, None, "shm", ["cpu"]), ("module", torch.bfloat16, None, "gloo", ["cpu"]),
-                ("cast", torch.float32, torch.bfloat16, "shm", ["cpu"])]
+        plan = [("module", torch.bfloat16, None, "shm", ["cpu"], False),
+                ("module", torch.bfloat16, None, "gloo", ["cpu"], False),
+                ("cast", torch.float32, torch.bfloat16, "shm", ["cpu"], False)]
         key = "memcpy_1_thread"
     else:
         limit = {"d2d_copy": round(d2d_limit(4 << 30, device), 1)}
-        plan = [("module", torch.bfloat16, None, "cuda_ipc", [device]),
-                ("cast", torch.float32, torch.bfloat16, "cuda_ipc", [device])]
+        # held: the replica keeps the model's storages mapped between updates (as rlsync's replicas do for
+        # a trainer on their GPU), else it maps and closes every storage at each update
+        plan = [("module", torch.bfloat16, None, "cuda_ipc", [device], False),
+                ("module", torch.bfloat16, None, "cuda_ipc", [device], True),
+                ("cast", torch.float32, torch.bfloat16, "cuda_ipc", [device], False)]
         key = "d2d_copy"
-    for layout, dtype, out, backend, receivers in plan:
+    for layout, dtype, out, backend, receivers, hold in plan:
         model = build_module(shapes, dtype, device)
-        r = run_case(model, WeightMap(dtype=out), backend, receivers, bucket, args.repeats, device, 1, 0)
+        r = run_case(model, WeightMap(dtype=out), backend, receivers, bucket, args.repeats, device, 1, 0, hold)
         r.update(layout=layout, limit=key, limit_GB_s=limit[key], ratio=round(r["GB/s"] / limit[key], 3))
         print(json.dumps(r), flush=True)
         cases.append(r)

@@ -101,10 +101,11 @@ def nccl_limit(nbytes: int, world: int) -> float:
 class Receivers:
     """Receiver processes that take one offer per line and report each transfer."""
 
-    def __init__(self, devices: list[str], backend: str):
+    def __init__(self, devices: list[str], backend: str, hold: bool = False):
+        """hold: a cuda_ipc one-copy receiver keeps the sender's storages mapped between transfers."""
         self.procs = [subprocess.Popen([sys.executable, "-m", "rlsync.transfer.peer", "receive", "--loop",
                                         "--device", d, "--backend", backend, "--receiver-id", f"r{i}",
-                                        "--timeout", "600"],
+                                        "--timeout", "600", *(["--hold", "bench"] if hold else [])],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                       for i, d in enumerate(devices)]
 
@@ -130,9 +131,9 @@ class Receivers:
 
 
 def run_channel(tensors, backend: str, one_copy: bool, receivers: list[str], bucket: int, repeats: int,
-                arena=None) -> dict:
+                arena=None, hold: bool = False) -> dict:
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    group = Receivers(receivers, backend)
+    group = Receivers(receivers, backend, hold)
     seconds, data_seconds, pulled = [], [], False
     try:
         with WeightSender(tensors, bucket_bytes=bucket, arena=arena, backends=[backend],
@@ -156,7 +157,7 @@ def run_channel(tensors, backend: str, one_copy: bool, receivers: list[str], buc
         group.close()
     s, d = statistics.median(seconds), statistics.median(data_seconds)
     return {"backend": backend, "mode": "pull" if pulled else "one_copy" if one_copy else "staged",
-            "receivers": len(receivers),
+            "held": hold, "receivers": len(receivers),
             "bucket_bytes": bucket, "seconds": round(s, 4), "GB/s": round(nbytes / s / GB, 2),
             "data_seconds": round(d, 4), "data_GB/s": round(nbytes / d / GB, 2)}
 
@@ -180,7 +181,8 @@ def main() -> None:
         layouts = {"arena": make_tensors(shapes, "cpu", "flat", arena)}
         out["limits"] = {"memcpy_1_thread": round(memcpy_limit(1 << 30, 1), 2),
                          "memcpy_all_threads": round(memcpy_limit(1 << 30, os.cpu_count() or 1), 2)}
-        runs = [("shm", True, "arena", ["cpu"]), ("shm", False, "arena", ["cpu"]), ("gloo", False, "arena", ["cpu"])]
+        runs = [("shm", True, "arena", ["cpu"], False), ("shm", False, "arena", ["cpu"], False),
+                ("gloo", False, "arena", ["cpu"], False)]
         limit_of = {"shm": "memcpy_1_thread", "gloo": "memcpy_1_thread"}
     else:
         arena = None
@@ -189,19 +191,22 @@ def main() -> None:
         out["gpu"] = torch.cuda.get_device_name(0)
         out["gpus"] = gpus
         out["limits"] = {"d2d_copy": round(d2d_limit(4 << 30, "cuda:0"), 1)}
-        runs = [("cuda_ipc", True, "flat", ["cuda:0"]), ("cuda_ipc", True, "scattered", ["cuda:0"]),
-                ("cuda_ipc", False, "scattered", ["cuda:0"])]
+        # held: the receiver keeps the storages mapped from one transfer to the next (what a replica does
+        # for a trainer on its GPU), else it maps and closes them at each
+        runs = [("cuda_ipc", True, "flat", ["cuda:0"], False), ("cuda_ipc", True, "scattered", ["cuda:0"], False),
+                ("cuda_ipc", True, "flat", ["cuda:0"], True), ("cuda_ipc", True, "scattered", ["cuda:0"], True),
+                ("cuda_ipc", False, "scattered", ["cuda:0"], False)]
         limit_of = {"cuda_ipc": "d2d_copy", "nccl": "nccl_broadcast"}
         if gpus >= 2 and (not only or "nccl" in only):
             out["limits"]["nccl_broadcast"] = round(nccl_limit(nbytes, gpus), 1)
             receivers = [f"cuda:{i}" for i in range(1, gpus)]
-            runs += [("nccl", False, "flat", receivers), ("nccl", False, "scattered", receivers)]
+            runs += [("nccl", False, "flat", receivers, False), ("nccl", False, "scattered", receivers, False)]
     out["bytes"] = nbytes
     out["tensors"] = len(shapes)
-    for backend, one_copy, layout, receivers in runs:
+    for backend, one_copy, layout, receivers, hold in runs:
         if only and backend not in only:
             continue
-        result = run_channel(layouts[layout], backend, one_copy, receivers, bucket, args.repeats, arena)
+        result = run_channel(layouts[layout], backend, one_copy, receivers, bucket, args.repeats, arena, hold)
         limit = out["limits"][limit_of[backend]]
         result.update(layout=layout, limit=limit_of[backend], ratio=round(result["GB/s"] / limit, 3),
                       data_ratio=round(result["data_GB/s"] / limit, 3))

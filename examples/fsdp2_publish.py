@@ -32,6 +32,9 @@ def main() -> None:
     parser.add_argument("--publish-dtype", default="", help="cast on the way out, e.g. bfloat16 (default: as trained)")
     parser.add_argument("--bucket-bytes", type=int, default=64 << 20)
     parser.add_argument("--verify", action="store_true", help="compare the replicas' checksums after each sync")
+    parser.add_argument("--keep-going", action="store_true",
+                        help="a step whose publish failed is reported and training goes on (the replicas keep "
+                             "the version they had; the next publish carries the newer weights)")
     parser.add_argument("--save", default="", help="rank 0 writes the full state dict here (safetensors) at the end")
     args = parser.parse_args()
 
@@ -59,9 +62,16 @@ def main() -> None:
             loss.backward()
             opt.step()
             opt.zero_grad()
-            sync = pub.publish(step, verify=args.verify)  # every rank; rank 0 gets the coordinator's answer
+            try:
+                sync = pub.publish(step, verify=args.verify)  # every rank; rank 0 gets the coordinator's answer
+            except Exception as e:  # raised on every rank alike
+                if not args.keep_going:
+                    raise
+                if rank == 0:
+                    print(json.dumps({"step": step, "failed": str(e)}), flush=True)
+                continue
             if rank == 0:
-                print(json.dumps({"step": step, "loss": round(float(loss), 4), "version": sync.version,
+                print(json.dumps({"step": step, "loss": round(loss.item(), 4), "version": sync.version,
                                   "sync_seconds": round(sync.seconds, 4), "bytes": sync.bytes,
                                   "rank_bytes": list(sync.trainer_rank_bytes),
                                   "verified": sync.verified}), flush=True)

@@ -52,5 +52,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     @unary
     async def Deregister(self, request: pb.DeregisterRequest, context) -> pb.DeregisterResponse:
-        self.core.registry.remove(request.member_id, "deregistered")
+        if request.reason:
+            self.core.registry.lose(request.member_id, request.reason)
+        else:
+            self.core.registry.remove(request.member_id, "deregistered")
         return pb.DeregisterResponse()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -18,7 +19,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from conftest import rollout_args
+from hangs import FAST, report
 from rlsync.client import CoordinatorClient, RolloutClient, RpcError
+from rlsync.coordinator.v1.coordinator_pb2 import ROLE_TRAINER
 from rlsync.common.audit import LIVE, differences, to_proto, trainer_dtype
 from rlsync.publish import WeightMap, WeightPublisher
 from rlsync.transfer import audit_entry
@@ -185,6 +188,49 @@ def test_a_rank_killed_mid_publish_fails_cleanly_and_the_old_version_stays(fleet
     assert replica.complete("still serving", max_tokens=4, ignore_eos=True)[0].token_ids, "the replica serves on"
     with CoordinatorClient(coordinator) as c:
         assert c.status().members, "the coordinator is up and still has the replica"
+
+
+def test_a_rank_hung_mid_publish_takes_the_trainer_out_within_the_lease_and_a_later_step_publishes(services,
+                                                                                                    tmp_path):
+    """FSDP2 over 2 ranks; rank 1 stops (SIGSTOP) half way through cutting step 2's pieces (26 a step, and
+    26 more for each verify's audit). Rank 0 still
+    answers the coordinator, but once rank 1 is silent for the lease it takes the trainer out of the
+    fleet: the sync under way is abandoned and the replica serves step 1 with nothing staged. After
+    SIGCONT the trainer registers again, step 2 fails on both ranks (the loop goes on: --keep-going) and
+    step 3 is published and verified."""
+    co = services.start("coordinator", ["--sync-mode", "async", *FAST], name="co-rank-hangs")
+    replica = RolloutClient(services.start("rollout", rollout_args("hf", "--coordinator", co.address),
+                                           name="rank-hangs-r0").address)
+    client = CoordinatorClient(co.address)
+    client.wait_ready(1)
+    procs = start_ranks(tmp_path, ["--coordinator", co.address, "--steps", "3", "--verify", "--keep-going",
+                                   "--bucket-bytes", "65536"], fault={1: "hang_after_pieces:65"})
+    deadline = time.monotonic() + 120
+    while _state(procs[1].pid) != "T":
+        assert time.monotonic() < deadline and procs[1].poll() is None, (tmp_path / "rank1.log").read_text()[-2000:]
+        time.sleep(0.01)
+    stopped = time.monotonic()
+    try:
+        while any(m.role == ROLE_TRAINER for m in client.status().members) or replica.info().pending_version != -1:
+            assert time.monotonic() < stopped + 60, "the trainer stayed in the fleet 60 s after a rank hung"
+            time.sleep(0.05)
+        report("a rank of a sharded loop hung mid-publish", time.monotonic() - stopped)
+        info = replica.info()
+        assert info.state == 1 and info.weight_version == 1 and info.memory.staging_bytes == 0, info
+        assert replica.complete("still serving", max_tokens=4, ignore_eos=True)[0].max_weight_version == 1
+    finally:
+        os.kill(procs[1].pid, signal.SIGCONT)
+    codes = [p.wait(240) for p in procs]
+    assert codes == [0, 0], "\n".join(f"rank {r}: {(tmp_path / f'rank{r}.log').read_text()[-2000:]}" for r in (0, 1))
+    steps = _lines(tmp_path / "rank0.log")
+    assert [s.get("version") for s in steps] == [1, None, 3], steps
+    assert "rank 1 of its 2 ranks has not been heard from" in steps[1]["failed"], steps[1]
+    assert steps[2]["verified"] and replica.info().weight_version == 3
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (T: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 def test_every_dtensor_placement_is_cut_into_boxes_and_audited_without_a_gather(tmp_path):

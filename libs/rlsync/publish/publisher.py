@@ -7,7 +7,8 @@
 
 Every rank calls `publish`; rank 0 serves the trainer's gRPC API (on a thread of its own) and asks
 the coordinator to sync, and the coordinator's requests (offer, publish, checksums, offload) run while
-the ranks sit in `publish`, each rank gathering its shards bucket by bucket.
+the ranks sit in `publish`, each rank gathering its shards bucket by bucket. While any rank is silent
+(hung) for the coordinator's lease, rank 0 takes the trainer out of the fleet (rlsync.publish.liveness).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from rlsync.config import ServerConfig, build
 from rlsync.coordinator.v1.coordinator_pb2 import ROLE_TRAINER, SYNC_MODE_COLOCATED
 from rlsync.errors import FailedPrecondition, Unavailable
 from rlsync.publish.core import PublisherCore, at_publish_points
+from rlsync.publish.liveness import RankBeats
 from rlsync.publish.mapping import WeightMap
 from rlsync.publish.ranks import DONE, FAILED, PublishPoints, Ranks, hooks
 from rlsync.publish.servicer import PublisherServicer
@@ -40,6 +42,8 @@ from rlsync.trainer.v1 import trainer_pb2_grpc
 from rlsync.transfer.sender import DEFAULT_BUCKET_BYTES
 
 log = logging.getLogger(__name__)
+
+DEFAULT_LEASE = 3.0  # how long a rank may be silent before the coordinator's lease is known
 
 
 class WeightPublisher:
@@ -76,18 +80,23 @@ class WeightPublisher:
         self.points = PublishPoints(self.ranks, lambda: self.core.pass_source(self.ranks.rank),
                                     {**hooks(offload, onload), **self.core.rank_handlers(self.ranks)})
         self.core.run = at_publish_points(self.points)
-        self.coordinator = None
+        self.coordinator, self.beats, self.register_timeout, self._silent = None, None, register_timeout, ""
         if self.ranks.rank == 0:
             try:
                 self._start(coordinator, host, port, advertise, token, name, register_timeout)
+                if self.ranks.world > 1:
+                    self.beats = RankBeats.watch(self.ranks.world, self.address.rsplit(":", 1)[0],
+                                                 lambda: self._registrar.lease or DEFAULT_LEASE,
+                                                 self._rank_silent, self._ranks_back)
             except Exception as e:  # the other ranks must hear it, or they would wait at their first publish
                 self.ranks.broadcast(FAILED, payload=f"{type(e).__name__}: {e}".encode())
                 raise
-            self.ranks.broadcast(DONE)
+            self.ranks.broadcast(DONE, payload=self.beats.address.encode() if self.beats else b"")
         else:
-            op, _, why = self.ranks.broadcast(DONE)
+            op, _, said = self.ranks.broadcast(DONE)
             if op == FAILED:
-                raise Unavailable(f"rank 0 could not start the publisher: {why.decode(errors='replace')}")
+                raise Unavailable(f"rank 0 could not start the publisher: {said.decode(errors='replace')}")
+            self.beats = RankBeats.beat(self.ranks.rank, said.decode())
 
     def _start(self, coordinator: str, host: str, port: int, advertise: str, token: str, name: str,
                register_timeout: float) -> None:
@@ -111,7 +120,7 @@ class WeightPublisher:
         done = None
         self.core.current = step  # what a replica joining meanwhile is caught up with
         if self.ranks.rank == 0:
-            done = self._syncs.submit(self.coordinator.sync_weights, version=step, verify=verify)
+            done = self._syncs.submit(self._sync, step, verify)
         try:
             self.points.serve_until(done)
             return done.result() if done is not None else None
@@ -120,7 +129,13 @@ class WeightPublisher:
                        "the replicas keep serving the version they had")
             raise
 
+    def _sync(self, step: int, verify: bool):
+        self._wait_registered(self.register_timeout)  # out of the fleet while a rank was silent: back first
+        return self.coordinator.sync_weights(version=step, verify=verify)
+
     def close(self) -> None:
+        if self.beats is not None:
+            self.beats.close()
         if self.ranks.rank == 0 and self._loop.is_running():
             self._call(self._stop())
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -165,9 +180,25 @@ class WeightPublisher:
         await self._server.stop(2)
         self._servicer.lines.close()
 
+    def _rank_silent(self, rank: int, seconds: float) -> None:
+        """The watch's thread: the trainer leaves the fleet, and the coordinator abandons what it asked."""
+        why = (f"rank {rank} of its {self.ranks.world} ranks has not been heard from for {seconds:.1f}s (hung?); "
+               "the trainer registers again once it is")
+        self._silent = why
+        try:  # out before the watch can see the rank back (and register again)
+            asyncio.run_coroutine_threadsafe(self._registrar.leave(why), self._loop).result(10)
+        except Exception:  # noqa: BLE001 - the coordinator is unreachable: its lease drops the trainer anyway
+            log.warning("could not leave the fleet with a silent rank", exc_info=True)
+
+    def _ranks_back(self) -> None:
+        self._silent = ""
+        self._loop.call_soon_threadsafe(self._registrar.start)
+
     def _wait_registered(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while not self._registrar.member_id:
+            if time.monotonic() > deadline and self._silent:
+                raise Unavailable(f"the trainer is out of the fleet: {self._silent}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"could not register with the coordinator at {self.coordinator.address} "
                                    f"within {timeout:.0f}s: is it running, and is the token right?")

@@ -1,5 +1,6 @@
 """Member side of the coordinator's registry: register, heartbeat, register again after a
-coordinator restart, deregister on shutdown. Services with --coordinator run one."""
+coordinator restart, deregister on shutdown (or, with a reason, while it cannot serve: `leave`).
+Services with --coordinator run one."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class Registrar:
         self.channel = aio_channel(coordinator, token)
         self.stub = CoordinatorServiceStub(self.channel)
         self.member_id = ""
+        self.lease = 0.0  # the coordinator's, once registered
         self._task: asyncio.Task | None = None
         self._heard = time.monotonic()  # the coordinator's last answer
 
@@ -28,12 +30,13 @@ class Registrar:
         return time.monotonic() - self._heard
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
+        if self._task is None:
+            self._task = asyncio.create_task(self._run())
 
     async def _register(self) -> float:
         r = await self.stub.Register(pb.RegisterRequest(role=self.role, address=self.address, name=self.name),
                                      timeout=10)
-        self.member_id = r.member_id
+        self.member_id, self.lease = r.member_id, r.lease
         self._heard = time.monotonic()
         log.info("registered with the coordinator at %s as %s", self.coordinator, r.member_id)
         return r.heartbeat_interval
@@ -59,15 +62,21 @@ class Registrar:
                 self.member_id = ""
             await asyncio.sleep(interval)
 
-    async def stop(self) -> None:
-        """Leaves the fleet; safe to call twice."""
+    async def leave(self, reason: str = "") -> None:
+        """Leaves the fleet until `start()` again. With a reason (this member cannot serve what it is
+        asked), the coordinator abandons every call to it at once and says why; without, the calls in
+        flight end on their own. Safe to call twice."""
         if self._task is not None:
             self._task.cancel()
             self._task = None
         member_id, self.member_id = self.member_id, ""
         if member_id:
             try:
-                await self.stub.Deregister(pb.DeregisterRequest(member_id=member_id), timeout=3)
+                await self.stub.Deregister(pb.DeregisterRequest(member_id=member_id, reason=reason), timeout=3)
             except Exception:  # noqa: BLE001 - leaving anyway; the lease expires it
                 pass
+
+    async def stop(self) -> None:
+        """Leaves the fleet for good; safe to call twice."""
+        await self.leave()
         await self.channel.close()

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from rlsync.transfer.checksum import as_bytes
 from rlsync.transfer.memory import SharedArena
 from rlsync.transfer.receiver import answer as make_answer
+from rlsync.transfer.held import HELD
 from rlsync.transfer.receiver import Receiver
 from rlsync.transfer.sender import DEFAULT_BUCKET_BYTES, WeightSender
 from rlsync.transfer.v1 import transfer_pb2 as pb
@@ -64,7 +65,8 @@ def run_receive(args) -> int:
         if dest is None:
             dest = flat_destination(offer.manifest, args.device)
         try:
-            receiver = Receiver(offer, ans, dest, rank=args.rank, timeout=args.timeout)  # ready before answering
+            receiver = Receiver(offer, ans, dest, rank=args.rank, timeout=args.timeout,  # ready before answering
+                                hold=args.hold)
             report = receiver.run() if ans.pull else None  # a pull is done before its answer goes back
             if args.rank == 0:
                 emit("ANSWER", encode(ans))
@@ -83,6 +85,8 @@ def run_receive(args) -> int:
                                    "verified": verified}))
         if not args.loop:
             break
+    if args.hold:
+        HELD.release(args.hold)  # before the sender's memory may go (it waits for this process to exit)
     return status
 
 
@@ -123,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", type=int, default=1)
     parser.add_argument("--checksums", action="store_true")
     parser.add_argument("--loop", action="store_true", help="receiver: one transfer per offer line until EOF")
+    parser.add_argument("--hold", default="", help="receiver (cuda_ipc one-copy): keep the sender's storages mapped "
+                                                   "from one transfer to the next under this holder name")
     parser.add_argument("--staged", action="store_true", help="sender: no one-copy even when possible")
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--inject", default="", help="tests only: a module imported first (fault injection)")

@@ -70,13 +70,19 @@ class Receiver:
     copies, and must return before the answer is handed back, since the sender does not wait for
     receivers that pulled. When the sender waits on the GPU instead (offer.mapped.waits) and the
     memory stays mapped, run() returns once the copy is queued; the report's `copied` is the CUDA
-    event to put in the answer (rlsync.transfer.copied)."""
+    event to put in the answer (rlsync.transfer.copied).
+
+    hold: a cuda_ipc one-copy keeps the sender's storages mapped afterwards, under this holder name
+    (rlsync.transfer.held): the next transfer from memory still in place maps and closes nothing,
+    and a storage it no longer lists is closed then. The caller must `HELD.release(hold)` before the
+    sender's memory may leave the GPU (memory another process maps is not freed)."""
 
     def __init__(self, offer: pb.Offer, answer: pb.Answer, dest: Destination, *, rank: int = 0,
                  device: torch.device | str | None = None, timeout: float = 300.0,
                  expected: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]] | None = None,
-                 base: Mapping[str, torch.Tensor] | None = None):
+                 base: Mapping[str, torch.Tensor] | None = None, hold: str = ""):
         setup = time.perf_counter()
+        self.hold = hold
         self.offer, self.answer = offer, answer
         self.specs = from_proto(offer.manifest)
         if expected is not None:
@@ -118,7 +124,7 @@ class Receiver:
                 raise Aborted(f"protocol error: expected Welcome, got {type(msg).__name__}")
             plan = list(cached_plan(tuple(s.nbytes for s in self.specs), msg.bucket_bytes))
             self.channel.receive(ReceiveJob(self.conn, msg, fds, self.specs, plan, self.writer, self.device,
-                                            self.deadline, self.offer.transfer_id, base=self.base))
+                                            self.deadline, self.offer.transfer_id, base=self.base, hold=self.hold))
         finally:
             self.conn.close()
         return Report(sum(s.nbytes for s in self.specs), time.perf_counter() - self.start,
@@ -132,7 +138,7 @@ class Receiver:
         welcome = Welcome(self.answer.backend, self.offer.bucket_bytes, one_copy=True, ipc=list(mapped.ipc),
                           locations=list(zip(mapped.region, mapped.offset)))
         job = ReceiveJob(None, welcome, [], self.specs, [], self.writer, self.device, self.deadline,
-                         self.offer.transfer_id)
+                         self.offer.transfer_id, hold=self.hold)
         nbytes, copied = self.channel.pull(job, queued=mapped.waits)
         return Report(nbytes, time.perf_counter() - self.start, {NAMES[self.answer.backend]: 1},
                       profile={"setup": self.setup, **job.clock.stages}, copied=copied)

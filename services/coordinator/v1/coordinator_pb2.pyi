@@ -175,10 +175,12 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
-    __slots__ = ("member_id",)
+    __slots__ = ("member_id", "reason")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     member_id: str
-    def __init__(self, member_id: _Optional[str] = ...) -> None: ...
+    reason: str
+    def __init__(self, member_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class DeregisterResponse(_message.Message):
     __slots__ = ()

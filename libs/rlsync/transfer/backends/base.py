@@ -59,6 +59,7 @@ class ReceiveJob:
     scratch: dict = field(default_factory=dict)  # the channel's state for this one transfer
     clock: Stopwatch = field(default_factory=Stopwatch)
     base: Mapping[str, torch.Tensor] | None = None  # delta mode: the weights this receiver holds, by name
+    hold: str = ""  # cuda_ipc one-copy: keep the sender's storages mapped under this holder (transfer.held)
 
 
 class Channel(Protocol):

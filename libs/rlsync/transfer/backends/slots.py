@@ -272,7 +272,10 @@ class CudaIpcChannel(_Mapped):
         return describe_cuda(job.sources, job.cache), []
 
     def open_regions(self, job):
-        # Storages their owner asked this process to keep mapped are open already (rlsync.transfer.held).
+        # Storages their owner asked this process to keep mapped are open already (rlsync.transfer.held);
+        # a receiver told to hold them keeps this transfer's open for the next (closing those not listed).
+        if job.hold:
+            HELD.hold(job.hold, job.welcome.ipc, job.device)
         held = [HELD.get(raw) for raw in job.welcome.ipc]
         job.scratch["held"] = all(t is not None for t in held)
         return [open_cuda(raw, job.device) if t is None else t for raw, t in zip(job.welcome.ipc, held)]
