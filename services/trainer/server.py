@@ -56,6 +56,8 @@ class TrainerService:
             await self.registrar.stop()
         async with self.core.lock:  # let a running step or publish finish
             pass
+        if getattr(self, "servicer", None) is not None:
+            await self.servicer.release_held()
 
     async def close(self) -> None:
         if getattr(self, "servicer", None) is not None:

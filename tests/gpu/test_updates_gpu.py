@@ -110,6 +110,26 @@ def test_a_replica_holds_the_trainers_weights_mapped_from_onload_to_offload(serv
     assert rollout.complete("3+4=", max_tokens=4, temperature=0)[0].max_weight_version == report.version
 
 
+def test_a_replica_on_the_trainers_gpu_holds_its_weights_from_the_first_pushed_update(services):
+    """Async and in-flight updates ring the replicas on the trainer's host with the offer: the first has
+    the one on its GPU map the trainer's storages and keep them (HoldWeights), later ones map nothing;
+    the trainer's Offload has it let go."""
+    trainer, rollout = _fleet(services, "0", "0")
+    bell = rollout.info().doorbell
+    for seed in (4, 5):
+        done = rollout.complete("3+4=", max_tokens=8, logprobs=True, ignore_eos=True, n=4, seed=seed)
+        trainer.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])
+        report = push_weights(trainer, [rollout], doorbells=[bell])  # pushed: no pull, as async and inflight
+        assert report.backends == {"cuda_ipc": 1} and "rpc" in report.profile
+        assert differences(trainer.checksums(), rollout.checksums()) == []
+    offer = trainer.offer_weights(pull=True).offer
+    again = rollout.hold_weights("trainer", offer.mapped, offer.facts)
+    assert (again.mapped, again.held) == (0, 1), "held since the first update: nothing to map"
+    off = trainer.offload()
+    assert off.released == 1
+    assert rollout.release_weights("trainer").released == 0
+
+
 def test_a_replica_arms_its_next_pull_at_wake_and_the_trainers_bell_starts_it(services, tmp_path):
     """The colocated cycle with holds, three times: the first pull teaches the replica what to copy;
     from then on its wake queues that copy behind its bell, the trainer's ring starts it on the GPU,

@@ -114,20 +114,26 @@ class PublisherCore:
     # ---- what the coordinator calls ---------------------------------------------------------------
     # Each request checks the state and builds the sender inside the work `run` schedules: by then an
     # offload queued before it has happened, and a sharded model is not in the middle of a step.
-    async def offer(self, version: int, pull: bool = False) -> tpb.Offer:
-        """pull: receivers on the trainer's GPU copy the weights themselves (see OfferWeightsRequest)."""
-        def offer() -> tpb.Offer:
+    async def offer(self, version: int, pull: bool = False,
+                    describe: bool = False) -> tuple[tpb.Offer, tuple[tpb.MappedTensors, tpb.Facts] | None]:
+        """pull: receivers on the trainer's GPU copy the weights themselves (see OfferWeightsRequest).
+        describe: also where the weights lie on the GPU, for replicas on it to keep mapped (see onload);
+        None when they cannot be mapped."""
+        def offer() -> tuple[tpb.Offer, tuple[tpb.MappedTensors, tpb.Facts] | None]:
             self._require_on_device("publishing weights")
             sender = self._sender_now()
-            return sender.offer(version) if isinstance(sender, ShardedSender) else sender.offer(version, pull)
+            if isinstance(sender, ShardedSender):
+                return sender.offer(version), None
+            regions = sender.regions() if describe else None
+            return sender.offer(version, pull), None if regions is None else (regions, local_facts(sender.device))
 
-        offer = await self.run(offer, PASSES, lambda: self._passes(1 if self.checksums_in_manifest else 0))
+        offer, regions = await self.run(offer, PASSES, lambda: self._passes(1 if self.checksums_in_manifest else 0))
         self._offers[offer.transfer_id] = offer
         if offer.mapped.ipc:  # receivers pull it from here, with no PublishWeights
             self.published = offer.manifest.version
         while len(self._offers) > 8:
             self._offers.pop(next(iter(self._offers)))
-        return offer
+        return offer, regions
 
     async def publish(self, transfer_id: str, answers: list[tpb.Answer], timeout: float = 0) -> tuple[int, Report]:
         offer = self._offers.get(transfer_id)

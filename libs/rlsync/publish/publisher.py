@@ -177,6 +177,7 @@ class WeightPublisher:
 
     async def _stop(self) -> None:
         await self._registrar.stop()
+        await self._servicer.release_held()
         await self._server.stop(2)
         self._servicer.lines.close()
 

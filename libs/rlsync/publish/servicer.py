@@ -29,6 +29,8 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
         self.token = token  # the fleet's: rung replicas check it as their gRPC servers do
         self.holder = holder  # the name replicas hold this trainer's weights mapped under
         self.holding: dict[str, Doorbell] = {}  # address -> doorbell of a replica that holds them
+        self.held: dict[str, tuple[bytes, ...]] = {}  # address -> the storages it holds (their handles)
+        self.cannot_hold: set[str] = set()  # addresses of replicas that refused to (until the next Offload)
         self.bells: dict[str, torch.Tensor] = {}  # address -> that replica's bell, mapped (rlsync.transfer.armed)
         self.lines = Lines()  # connections to the replicas' doorbells, kept between updates
 
@@ -51,7 +53,7 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
     @unary
     async def Offload(self, request, context) -> pb.OffloadResponse:
-        released = await self._release()
+        released = await self.release_held()
         await self.publisher.offload()
         return pb.OffloadResponse(state=self.state(), released=released)
 
@@ -61,23 +63,43 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
         if regions is not None:  # replicas on this GPU map the weights while training runs
             device = torch.device("cuda", sender_device(regions[0]))
             for d, bell in await ring_hold(self.holder, *regions, list(request.ring), self.token, self.lines):
-                self.holding[d.address] = d
+                self.holding[d.address], self.held[d.address] = d, tuple(regions[0].ipc)
                 if bell:
                     self.bells[d.address] = open_bell(bell, device)
             if self.publisher.offloaded:  # an Offload ran while they mapped: they let go now
-                await self._release()
+                await self.release_held()
         return pb.OnloadResponse(state=self.state(), held=len(self.holding))
 
-    async def _release(self) -> int:
-        """Has every replica that holds the weights mapped let go (before they leave the GPU)."""
+    async def _hold(self, regions: tuple, ring: list[Doorbell]) -> None:
+        """Replicas on this GPU keep the weights mapped from one update to the next, in every mode (they
+        stay where they are until an Offload, which has them let go first): each is asked once per set
+        of storages, and one that cannot hold (another GPU, another engine) is not asked again."""
+        handles = tuple(regions[0].ipc)
+        todo = [d for d in ring if d.address not in self.cannot_hold and self.held.get(d.address) != handles]
+        if not todo:
+            return
+        held = {d.address for d, _ in await ring_hold(self.holder, *regions, todo, self.token, self.lines)}
+        for d in todo:
+            if d.address in held:
+                self.holding[d.address], self.held[d.address] = d, handles
+            else:
+                self.cannot_hold.add(d.address)
+
+    async def release_held(self) -> int:
+        """Has every replica that holds the weights mapped let go (before they leave the GPU, and when the
+        trainer leaves: a replica that maps a process's memory keeps it on the GPU after that process ends)."""
         holding, self.holding, self.bells = list(self.holding.values()), {}, {}
+        self.held, self.cannot_hold = {}, set()
         return await ring_release(self.holder, holding, self.token, self.lines) if holding else 0
 
     @unary
     async def OfferWeights(self, request: pb.OfferWeightsRequest, context) -> pb.OfferWeightsResponse:
-        offer = await self.publisher.offer(request.version if request.HasField("version") else self.step(),
-                                           request.pull)
-        rung, seconds = await ring_prepare(offer, list(request.ring), self.token, request.force_backend,
+        ring = list(request.ring)
+        offer, regions = await self.publisher.offer(request.version if request.HasField("version") else self.step(),
+                                                    request.pull, describe=bool(ring))
+        if regions is not None:
+            await self._hold(regions, ring)
+        rung, seconds = await ring_prepare(offer, ring, self.token, request.force_backend,
                                            request.timeout, self.lines, self.bells)
         return pb.OfferWeightsResponse(offer=offer, rung=rung, ring_seconds=seconds)
 
