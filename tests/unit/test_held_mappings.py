@@ -47,3 +47,22 @@ def test_a_handle_that_does_not_open_leaves_the_holders_set_as_it_was():
     with pytest.raises(RuntimeError, match="cannot open"):
         held.hold("trainer", [b"c", b"bad"], torch.device("cpu"))
     assert held.get(b"a") is not None and held.get(b"c") is None
+
+
+def test_a_memo_lives_exactly_as_long_as_its_holder_keeps_the_same_storages():
+    held = HeldMappings(Opener())
+    cpu = torch.device("cpu")
+    assert held.memo((b"a",)) is None, "nothing held: nothing to remember views of"
+    held.hold("trainer", [b"a", b"b"], cpu)
+    memo = held.memo((b"a", b"b"))
+    memo["views"] = [held.get(b"a")[:2]]
+    assert held.memo((b"b",)) is memo and held.memo((b"a", b"z")) is None
+    held.hold("trainer", [b"b", b"a"], cpu)  # the same storages again: the views still show them
+    assert held.memo((b"a", b"b")) is memo
+    held.hold("trainer", [b"a"], cpu)  # "b" closes: views cut from the old set go with it
+    assert held.memo((b"a",)) == {}
+    held.memo((b"a",))["views"] = []
+    held.release("trainer")
+    assert held.memo((b"a",)) is None
+    held.hold("trainer", [b"a"], cpu)
+    assert held.memo((b"a",)) == {}, "a new hold starts with nothing remembered"

@@ -34,6 +34,7 @@ class HeldMappings:
         self._open = opener
         self._lock = threading.Lock()
         self._held: dict[str, dict[bytes, torch.Tensor]] = {}
+        self._memos: dict[str, dict] = {}  # holder -> what pulls derived from its mappings (see memo)
 
     def hold(self, holder: str, handles: Iterable[bytes], device: torch.device) -> int:
         """Keeps exactly `handles` mapped for `holder` (those already mapped stay as they are, the
@@ -44,6 +45,8 @@ class HeldMappings:
             mine = self._held.get(holder, {})
             opened = {h: mine[h] if h in mine else self._open(h, device) for h in handles}
             new = sum(h not in mine for h in handles)
+            if new or len(opened) != len(mine):  # views of mappings about to close must not outlive them
+                self._memos.pop(holder, None)
             if opened:
                 self._held[holder] = opened
             else:
@@ -55,6 +58,7 @@ class HeldMappings:
         """Closes what `holder` held; returns how many."""
         with self._lock:
             mine = self._held.pop(holder, {})
+            self._memos.pop(holder, None)
         _settle(mine.values())
         return len(mine)
 
@@ -64,6 +68,17 @@ class HeldMappings:
             for mine in self._held.values():
                 if (t := mine.get(handle)) is not None:
                     return t
+        return None
+
+    def memo(self, handles: tuple[bytes, ...]) -> dict | None:
+        """A dict that lives as long as one holder keeps every one of `handles` mapped, unchanged: a pull
+        keeps there the views it cuts from them (slicing 399 storages costs as much CPU as copying them
+        takes the GPU), so a pull from the same memory into the same layout cuts none. None when no
+        holder keeps them all."""
+        with self._lock:
+            for holder, mine in self._held.items():
+                if handles and all(h in mine for h in handles):
+                    return self._memos.setdefault(holder, {})
         return None
 
     def count(self) -> int:

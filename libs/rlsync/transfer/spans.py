@@ -1,5 +1,6 @@
 """Byte views that continue each other in memory become one view: one copy (or one broadcast)
-instead of many, whenever both ends keep tensors packed in one buffer (flat storage)."""
+instead of many, whenever both ends keep tensors packed in one buffer (flat storage); and many
+copies are launched as few."""
 
 from __future__ import annotations
 
@@ -54,3 +55,18 @@ def coalesce(pairs: list[tuple[torch.Tensor, int, torch.Tensor, int]]) -> list[t
         run.append(item)
     close()
     return out
+
+
+SMALL = 1 << 20  # bytes: below it, a copy costs its launch more than its bytes
+
+
+def copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Queues dst.copy_(src) for every (src, dst) of one device: the small ones in one
+    torch._foreach_copy_ (a kernel launch per ~100 tensors instead of one each), the large ones one
+    copy each, at the copy's full rate (bench/scatter_copy.py: 399 tensors of a 4B model on H100,
+    0.86x of one flat copy, against 0.84x a copy_ each and 0.56x all in _foreach_copy_)."""
+    small = [(s, d) for s, d in pairs if s.numel() < SMALL]
+    if len(small) > 1:
+        torch._foreach_copy_([d for _, d in small], [s for s, _ in small], non_blocking=True)
+    for src, dst in pairs if len(small) <= 1 else [(s, d) for s, d in pairs if s.numel() >= SMALL]:
+        dst.copy_(src, non_blocking=True)

@@ -15,7 +15,7 @@ from rlsync.errors import DataLoss, InvalidArgument
 from rlsync.flat import FlatStore
 from rlsync.transfer.checksum import checksum_bytes
 from rlsync.transfer.manifest import Spec
-from rlsync.transfer.spans import byte_view, coalesce
+from rlsync.transfer.spans import byte_view, coalesce, copy_all
 
 Destination = Mapping[str, torch.Tensor] | FlatStore | Callable[[str, torch.Tensor], None]
 
@@ -123,8 +123,7 @@ class DestWriter:
                 marks.append(i)
             else:
                 self.write(i, 0, item[0])
-        for src, dst in coalesce(pairs):
-            dst.copy_(src, non_blocking=True)
+        copy_all(coalesce(pairs))
         for i in marks:
             self.mark(i, self.specs[i].nbytes)
 
