@@ -134,7 +134,7 @@ def run_channel(tensors, backend: str, one_copy: bool, receivers: list[str], buc
                 arena=None, hold: bool = False) -> dict:
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     group = Receivers(receivers, backend, hold)
-    seconds, data_seconds, pulled = [], [], False
+    seconds, data_seconds, pulled, stages = [], [], False, []
     try:
         with WeightSender(tensors, bucket_bytes=bucket, arena=arena, backends=[backend],
                           one_copy=None if one_copy else False) as sender:
@@ -150,6 +150,7 @@ def run_channel(tensors, backend: str, one_copy: bool, receivers: list[str], buc
                 if i and pulled:  # the receivers did it all, before answering (no connection)
                     seconds.append(max(r["seconds"] for r in results))
                     data_seconds.append(seconds[-1])
+                    stages.append(max(results, key=lambda r: r["seconds"])["stages"])
                 elif i:
                     seconds.append(report.seconds)
                     data_seconds.append(report.data_seconds)
@@ -159,7 +160,10 @@ def run_channel(tensors, backend: str, one_copy: bool, receivers: list[str], buc
     return {"backend": backend, "mode": "pull" if pulled else "one_copy" if one_copy else "staged",
             "held": hold, "receivers": len(receivers),
             "bucket_bytes": bucket, "seconds": round(s, 4), "GB/s": round(nbytes / s / GB, 2),
-            "data_seconds": round(d, 4), "data_GB/s": round(nbytes / d / GB, 2)}
+            "data_seconds": round(d, 4), "data_GB/s": round(nbytes / d / GB, 2),
+            # a pull's stages on its slowest receiver (medians, ms): where the time beyond the copy goes
+            **({"receiver_ms": {k: round(1e3 * statistics.median(s.get(k, 0.0) for s in stages), 3)
+                                for k in stages[0]}} if stages else {})}
 
 
 def main() -> None:

@@ -70,6 +70,11 @@ class HeldMappings:
                     return t
         return None
 
+    def get_many(self, handles: list[bytes]) -> list[torch.Tensor | None]:
+        """get() of each handle, under one lock."""
+        with self._lock:
+            return [next((mine[h] for mine in self._held.values() if h in mine), None) for h in handles]
+
     def memo(self, handles: tuple[bytes, ...]) -> dict | None:
         """A dict that lives as long as one holder keeps every one of `handles` mapped, unchanged: a pull
         keeps there the views it cuts from them (slicing 399 storages costs as much CPU as copying them

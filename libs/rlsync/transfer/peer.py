@@ -82,7 +82,7 @@ def run_receive(args) -> int:
             reference = load_file(args.file, device="cpu")
             verified = all(torch.equal(as_bytes(dest[n].cpu()), as_bytes(t)) for n, t in reference.items())
         emit("RESULT", json.dumps({"ok": True, "bytes": report.nbytes, "seconds": report.seconds,
-                                   "verified": verified}))
+                                   "verified": verified, "stages": report.profile}))
         if not args.loop:
             break
     if args.hold:

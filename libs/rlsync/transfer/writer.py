@@ -113,17 +113,20 @@ class DestWriter:
 
     def write_all(self, sources: list[tuple[torch.Tensor, int] | None]) -> None:
         """Writes whole tensors, given as (bytes, storage pointer of those bytes) or None to skip;
-        runs that are contiguous on both sides become one copy."""
-        pairs, marks = [], []
-        for i, item in enumerate(sources):
-            if item is None or not item[0].numel():
-                continue
-            if self.direct[i]:
-                pairs.append((item[0], item[1], self.targets[i], self.bases[i]))
-                marks.append(i)
-            else:
-                self.write(i, 0, item[0])
-        copy_all(coalesce(pairs))
+        runs that are contiguous on both sides become one copy, and copies start as they are found."""
+        marks = []
+
+        def direct():
+            for i, item in enumerate(sources):
+                if item is None or not item[0].numel():
+                    continue
+                if self.direct[i]:
+                    marks.append(i)
+                    yield item[0], item[1], self.targets[i], self.bases[i]
+                else:
+                    self.write(i, 0, item[0])
+
+        copy_all(coalesce(direct()))
         for i in marks:
             self.mark(i, self.specs[i].nbytes)
 

@@ -135,6 +135,7 @@ class _Mapped(abc.ABC):
             job.clock.lap("queue")
             nbytes = job.writer.finish()
             return nbytes, record_copied(job.device)
+        job.clock.lap("launch")  # the copies queued: beyond it, the GPU's time
         sync(job.device)
         job.clock.lap("copy")
         del regions  # mappings opened for this pull close now, after the copy ("release")
@@ -290,7 +291,7 @@ class CudaIpcChannel(_Mapped):
         # a receiver told to hold them keeps this transfer's open for the next (closing those not listed).
         if job.hold:
             HELD.hold(job.hold, job.welcome.ipc, job.device)
-        held = [HELD.get(raw) for raw in job.welcome.ipc]
+        held = HELD.get_many(job.welcome.ipc)
         job.scratch["held"] = all(t is not None for t in held)
         return [open_cuda(raw, job.device) if t is None else t for raw, t in zip(job.welcome.ipc, held)]
 
