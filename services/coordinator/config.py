@@ -41,9 +41,10 @@ class CoordinatorConfig:
                                 check=_backend)
     doorbell: bool = option(True, "let the trainer hand each offer straight to the replicas on its host (their "
                                   "doorbells: a Unix socket instead of a gRPC PrepareUpdate from here)")
-    hold_weights: bool = option(True, "colocated: replicas on the trainer's GPU map its weights at its onload, "
-                                      "through their doorbells, and hold them until it offloads, so an update "
-                                      "neither maps nor closes them")
+    hold_weights: bool = option(True, "replicas on the trainer's GPU map its weights once, through their "
+                                      "doorbells (colocated: at its onload; other modes: with its first offer), "
+                                      "and hold them until it offloads or leaves, so an update neither maps "
+                                      "nor closes them")
     update_timeout: float = option(300.0, "seconds a weight transfer may take", above=0)
     max_resubmissions: int = option(50, "times the gateway resubmits one completion before giving up", minimum=0)
     http_port: int = option(-1, "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "

@@ -101,7 +101,8 @@ class Syncer:
         # Nothing trains until the next before_train (this lock is held): replicas on the trainer's GPU
         # may pull the weights straight from its memory while they prepare.
         push = await push_weights_async(trainer.client, [r.client for r in replicas], version, backend,
-                                        self._deadline(), pull=True, doorbells=self._doorbells(replicas))
+                                        self._deadline(), pull=True, doorbells=self._doorbells(replicas),
+                                        hold=self.cfg.hold_weights)
         p.add(push.phases)
         verified = await self._verify(trainer, replicas) if verify else False  # while the trainer is on the GPU
         p.lap("verify")
@@ -120,7 +121,7 @@ class Syncer:
         p, clients = Stopwatch(), [r.client for r in replicas]
         # 1. Handshake + broadcast (NCCL / gloo / shm) into every replica's staging, while it serves N.
         push = await stage_weights_async(trainer.client, clients, version, backend, self._deadline(),
-                                         doorbells=self._doorbells(replicas))
+                                         doorbells=self._doorbells(replicas), hold=self.cfg.hold_weights)
         p.add(push.phases)
         # 2. Pause every replica, aborting requests in flight; returns once none still runs on the old
         #    weights (an acknowledged barrier). The gateway resubmits the aborted requests after step 4.
@@ -153,7 +154,7 @@ class Syncer:
         #    recomputed with N+1). Every replica switches at its own next step boundary.
         push = await push_weights_async(trainer.client, [r.client for r in replicas], version, backend,
                                         self._deadline(), recompute_kv=self.cfg.recompute_kv,
-                                        doorbells=self._doorbells(replicas))
+                                        doorbells=self._doorbells(replicas), hold=self.cfg.hold_weights)
         p.add(push.phases)
         verified = await self._verify(trainer, replicas) if verify else False
         p.lap("verify")

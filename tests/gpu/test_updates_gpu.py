@@ -119,7 +119,7 @@ def test_a_replica_on_the_trainers_gpu_holds_its_weights_from_the_first_pushed_u
     for seed in (4, 5):
         done = rollout.complete("3+4=", max_tokens=8, logprobs=True, ignore_eos=True, n=4, seed=seed)
         trainer.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])
-        report = push_weights(trainer, [rollout], doorbells=[bell])  # pushed: no pull, as async and inflight
+        report = push_weights(trainer, [rollout], doorbells=[bell], hold=True)  # pushed, as async and inflight
         assert report.backends == {"cuda_ipc": 1} and "rpc" in report.profile
         assert differences(trainer.checksums(), rollout.checksums()) == []
     offer = trainer.offer_weights(pull=True).offer

@@ -57,12 +57,14 @@ class _TrainerMethods:
         return self._call("LoadCheckpoint", pb.LoadCheckpointRequest(path=path), timeout=600)
 
     def offer_weights(self, version: int | None = None, pull: bool = False,
-                      ring: Iterable[transfer_pb2.Doorbell] = (), force_backend: str = "", timeout: float = 0):
+                      ring: Iterable[transfer_pb2.Doorbell] = (), force_backend: str = "", timeout: float = 0,
+                      hold: bool = False):
         """-> OfferWeightsResponse. pull: see OfferWeightsRequest.pull (only while nothing trains until
         every replica prepared). ring: replicas' doorbells the trainer hands the offer to, when on its
-        host (force_backend and timeout are theirs)."""
+        host (force_backend and timeout are theirs). hold: those on its GPU keep its weights mapped
+        from now on (OfferWeightsRequest.hold)."""
         request = pb.OfferWeightsRequest(version=version, pull=pull, ring=list(ring), force_backend=force_backend,
-                                         timeout=timeout)
+                                         timeout=timeout, hold=hold)
         # Longer than the trainer's rings ((timeout or 300) + 30), so a silent replica's own error comes back.
         return self._call("OfferWeights", request, timeout=(timeout or 300) + 60 if request.ring else None)
 

@@ -205,7 +205,7 @@ def _prepared(clock: Stopwatch, offer, offered, pub, answers: list, rest: list[i
 
 def stage_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version: int | None = None,
                   force_backend: str = "", timeout: float = 0, pull: bool = False,
-                  doorbells: list[Doorbell | None] | None = None) -> PushReport:
+                  doorbells: list[Doorbell | None] | None = None, hold: bool = False) -> PushReport:
     """Offer -> prepare on every replica -> publish, one call after the other (stage_weights_async
     overlaps the replicas). Every replica then holds the new version in staging; commit it with
     commit_staged (or RolloutClient.abort_update). On failure nothing stays staged.
@@ -213,10 +213,12 @@ def stage_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version
     pull: replicas on the trainer's GPU copy the weights while they prepare (no publish for them);
     only while nothing trains, offloads or loads until this returns.
     doorbells: each replica's (RolloutInfo.doorbell; None: none); the trainer prepares those on its
-    host itself, the others are prepared here."""
+    host itself, the others are prepared here. hold: those on its GPU keep its weights mapped from
+    now on (OfferWeightsRequest.hold)."""
     clock, bells = Stopwatch(), _bells(doorbells, len(rollouts))
     try:
-        offered = trainer.offer_weights(version, pull, [d for d in bells if d.address], force_backend, timeout)
+        offered = trainer.offer_weights(version, pull, [d for d in bells if d.address], force_backend, timeout,
+                                        hold)
         offer, answers = offered.offer, _rung(bells, offered)
         clock.lap("offer")
         rest = [i for i, a in enumerate(answers) if a is None]
@@ -245,19 +247,21 @@ def commit_staged(rollouts: list[RolloutClient], push: PushReport, timeout: floa
 
 def push_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version: int | None = None,
                  force_backend: str = "", timeout: float = 0, recompute_kv: bool = False,
-                 pull: bool = False, doorbells: list[Doorbell | None] | None = None) -> PushReport:
+                 pull: bool = False, doorbells: list[Doorbell | None] | None = None,
+                 hold: bool = False) -> PushReport:
     """Stage, then commit at once."""
-    push = stage_weights(trainer, rollouts, version, force_backend, timeout, pull, doorbells)
+    push = stage_weights(trainer, rollouts, version, force_backend, timeout, pull, doorbells, hold)
     commit_staged(rollouts, push, timeout, recompute_kv)
     return push
 
 
 async def stage_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncRolloutClient],
                               version: int | None = None, force_backend: str = "", timeout: float = 0,
-                              pull: bool = False, doorbells: list[Doorbell | None] | None = None) -> PushReport:
+                              pull: bool = False, doorbells: list[Doorbell | None] | None = None,
+                              hold: bool = False) -> PushReport:
     """Offer -> prepare on every replica -> publish: every replica then holds the new version in
     staging, received while it kept serving, and not yet live. Commit with commit_staged_async (or
-    drop it with abort_staged_async). On failure nothing stays staged. pull: as stage_weights.
+    drop it with abort_staged_async). On failure nothing stays staged. pull, hold: as stage_weights.
     doorbells: each replica's (RolloutInfo.doorbell; None or empty: none); the trainer prepares
     those on its host itself, the others are prepared here."""
     clock, bells = Stopwatch(), _bells(doorbells, len(rollouts))
@@ -266,7 +270,7 @@ async def stage_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncR
         # gone (its client's `gone`, see AsyncClient) abandons them at once.
         gone = [getattr(r, "gone", None) for r in rollouts]
         offered = await until_gone(trainer.offer_weights(version, pull, [d for d in bells if d.address], force_backend,
-                                                         timeout), *gone, method="OfferWeights")
+                                                         timeout, hold), *gone, method="OfferWeights")
         offer, answers = offered.offer, _rung(bells, offered)
         clock.lap("offer")
         rest = [i for i, a in enumerate(answers) if a is None]
@@ -307,8 +311,8 @@ async def abort_staged_async(rollouts: list[AsyncRolloutClient]) -> None:
 async def push_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncRolloutClient],
                              version: int | None = None, force_backend: str = "", timeout: float = 0,
                              recompute_kv: bool = False, pull: bool = False,
-                             doorbells: list[Doorbell | None] | None = None) -> PushReport:
+                             doorbells: list[Doorbell | None] | None = None, hold: bool = False) -> PushReport:
     """Stage, then commit at once."""
-    push = await stage_weights_async(trainer, rollouts, version, force_backend, timeout, pull, doorbells)
+    push = await stage_weights_async(trainer, rollouts, version, force_backend, timeout, pull, doorbells, hold)
     await commit_staged_async(rollouts, push, timeout, recompute_kv)
     return push

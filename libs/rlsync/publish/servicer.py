@@ -96,7 +96,7 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
     async def OfferWeights(self, request: pb.OfferWeightsRequest, context) -> pb.OfferWeightsResponse:
         ring = list(request.ring)
         offer, regions = await self.publisher.offer(request.version if request.HasField("version") else self.step(),
-                                                    request.pull, describe=bool(ring))
+                                                    request.pull, describe=request.hold and bool(ring))
         if regions is not None:
             await self._hold(regions, ring)
         rung, seconds = await ring_prepare(offer, ring, self.token, request.force_backend,

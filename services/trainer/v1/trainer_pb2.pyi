@@ -148,18 +148,20 @@ class LoadCheckpointResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ...) -> None: ...
 
 class OfferWeightsRequest(_message.Message):
-    __slots__ = ("version", "pull", "ring", "force_backend", "timeout")
+    __slots__ = ("version", "pull", "ring", "force_backend", "timeout", "hold")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
     RING_FIELD_NUMBER: _ClassVar[int]
     FORCE_BACKEND_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
     version: int
     pull: bool
     ring: _containers.RepeatedCompositeFieldContainer[_transfer_pb2.Doorbell]
     force_backend: str
     timeout: float
-    def __init__(self, version: _Optional[int] = ..., pull: _Optional[bool] = ..., ring: _Optional[_Iterable[_Union[_transfer_pb2.Doorbell, _Mapping]]] = ..., force_backend: _Optional[str] = ..., timeout: _Optional[float] = ...) -> None: ...
+    hold: bool
+    def __init__(self, version: _Optional[int] = ..., pull: _Optional[bool] = ..., ring: _Optional[_Iterable[_Union[_transfer_pb2.Doorbell, _Mapping]]] = ..., force_backend: _Optional[str] = ..., timeout: _Optional[float] = ..., hold: _Optional[bool] = ...) -> None: ...
 
 class OfferWeightsResponse(_message.Message):
     __slots__ = ("offer", "rung", "ring_seconds")
