@@ -150,7 +150,7 @@ class SGLangEngine(Engine):
         version = meta.get("weight_version")
         version = int(version) if isinstance(version, str) and version.isdigit() else self.version
         return Delta(index, list(chunk.get("output_ids") or []), chunk.get("text", ""), logprobs, reason, detail,
-                     version)
+                     version, _spans(meta.get("weight_versions")) if reason is not None else None)
 
     async def abort(self, request_id: str) -> None:
         for rid in self._rids.get(request_id, ()):
@@ -285,6 +285,20 @@ class SGLangEngine(Engine):
         await self.engine.tokenizer_manager.update_weight_version(
             UpdateWeightVersionReqInput(new_version=str(version), abort_all_requests=False))
         self.version = version
+
+
+def _spans(recorded) -> list[tuple[int, int, int]] | None:
+    """The scheduler's record of which weight version made which of a completion's tokens
+    (meta_info["weight_versions"]: version, start, end), as (version, start, length); None where it
+    keeps none. A chunk carries one version (its last token's); this record says which version made
+    each token, a chunk that straddles a commit included."""
+    if not recorded:
+        return None
+    try:
+        spans = [(int(s["version"]), int(s["start"]), int(s["end"]) - int(s["start"])) for s in recorded]
+    except (KeyError, TypeError, ValueError):  # a version that is not ours (set by hand): not a record to trust
+        return None
+    return [s for s in spans if s[2] > 0] or None
 
 
 async def _ok(call, what: str) -> None:
