@@ -192,12 +192,11 @@ def test_a_rank_killed_mid_publish_fails_cleanly_and_the_old_version_stays(fleet
 
 def test_a_rank_hung_mid_publish_takes_the_trainer_out_within_the_lease_and_a_later_step_publishes(services,
                                                                                                     tmp_path):
-    """FSDP2 over 2 ranks; rank 1 stops (SIGSTOP) half way through cutting step 2's pieces (26 a step, and
-    26 more for each verify's audit). Rank 0 still
-    answers the coordinator, but once rank 1 is silent for the lease it takes the trainer out of the
-    fleet: the sync under way is abandoned and the replica serves step 1 with nothing staged. After
-    SIGCONT the trainer registers again, step 2 fails on both ranks (the loop goes on: --keep-going) and
-    step 3 is published and verified."""
+    """FSDP2 over 2 ranks; rank 1 stops (SIGSTOP) half way through cutting step 2's pieces (26 a step,
+    and 26 more for each verify's audit). Rank 0 still answers the coordinator, but once rank 1 is
+    silent for the lease it takes the trainer out of the fleet: the sync under way is abandoned and the
+    replica serves step 1 with nothing staged. After SIGCONT the trainer registers again, step 2 fails
+    on both ranks (the loop goes on: --keep-going) and step 3 is published and verified."""
     co = services.start("coordinator", ["--sync-mode", "async", *FAST], name="co-rank-hangs")
     replica = RolloutClient(services.start("rollout", rollout_args("hf", "--coordinator", co.address),
                                            name="rank-hangs-r0").address)

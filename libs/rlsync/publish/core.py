@@ -124,8 +124,10 @@ class PublisherCore:
             sender = self._sender_now()
             if isinstance(sender, ShardedSender):
                 return sender.offer(version), None
-            regions = sender.regions() if describe else None
-            return sender.offer(version, pull), None if regions is None else (regions, local_facts(sender.device))
+            offer = sender.offer(version, pull)
+            # a pull's offer already says where the weights lie
+            regions = (offer.mapped if offer.mapped.ipc else sender.regions()) if describe else None
+            return offer, None if regions is None else (regions, local_facts(sender.device))
 
         offer, regions = await self.run(offer, PASSES, lambda: self._passes(1 if self.checksums_in_manifest else 0))
         self._offers[offer.transfer_id] = offer

@@ -198,9 +198,9 @@ class WeightPublisher:
     def _wait_registered(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while not self._registrar.member_id:
-            if time.monotonic() > deadline and self._silent:
-                raise Unavailable(f"the trainer is out of the fleet: {self._silent}")
             if time.monotonic() > deadline:
+                if self._silent:
+                    raise Unavailable(f"the trainer is out of the fleet: {self._silent}")
                 raise TimeoutError(f"could not register with the coordinator at {self.coordinator.address} "
                                    f"within {timeout:.0f}s: is it running, and is the token right?")
             time.sleep(0.05)

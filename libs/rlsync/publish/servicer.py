@@ -28,8 +28,8 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
         self.describe = describe  # () -> dict of TrainerState fields beside step and offloaded
         self.token = token  # the fleet's: rung replicas check it as their gRPC servers do
         self.holder = holder  # the name replicas hold this trainer's weights mapped under
-        self.holding: dict[str, Doorbell] = {}  # address -> doorbell of a replica that holds them
-        self.held: dict[str, tuple[bytes, ...]] = {}  # address -> the storages it holds (their handles)
+        # address -> (doorbell, handles of the storages) of a replica that holds the weights mapped
+        self.holding: dict[str, tuple[Doorbell, tuple[bytes, ...]]] = {}
         self.cannot_hold: set[str] = set()  # addresses of replicas that refused to (until the next Offload)
         self.bells: dict[str, torch.Tensor] = {}  # address -> that replica's bell, mapped (rlsync.transfer.armed)
         self.lines = Lines()  # connections to the replicas' doorbells, kept between updates
@@ -63,7 +63,7 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
         if regions is not None:  # replicas on this GPU map the weights while training runs
             device = torch.device("cuda", sender_device(regions[0]))
             for d, bell in await ring_hold(self.holder, *regions, list(request.ring), self.token, self.lines):
-                self.holding[d.address], self.held[d.address] = d, tuple(regions[0].ipc)
+                self.holding[d.address] = d, tuple(regions[0].ipc)
                 if bell:
                     self.bells[d.address] = open_bell(bell, device)
             if self.publisher.offloaded:  # an Offload ran while they mapped: they let go now
@@ -75,21 +75,22 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
         stay where they are until an Offload, which has them let go first): each is asked once per set
         of storages, and one that cannot hold (another GPU, another engine) is not asked again."""
         handles = tuple(regions[0].ipc)
-        todo = [d for d in ring if d.address not in self.cannot_hold and self.held.get(d.address) != handles]
+        todo = [d for d in ring if d.address not in self.cannot_hold
+                and self.holding.get(d.address, (None, ()))[1] != handles]
         if not todo:
             return
         held = {d.address for d, _ in await ring_hold(self.holder, *regions, todo, self.token, self.lines)}
         for d in todo:
             if d.address in held:
-                self.holding[d.address], self.held[d.address] = d, handles
+                self.holding[d.address] = d, handles
             else:
                 self.cannot_hold.add(d.address)
 
     async def release_held(self) -> int:
         """Has every replica that holds the weights mapped let go (before they leave the GPU, and when the
         trainer leaves: a replica that maps a process's memory keeps it on the GPU after that process ends)."""
-        holding, self.holding, self.bells = list(self.holding.values()), {}, {}
-        self.held, self.cannot_hold = {}, set()
+        holding = [d for d, _ in self.holding.values()]
+        self.holding, self.bells, self.cannot_hold = {}, {}, set()
         return await ring_release(self.holder, holding, self.token, self.lines) if holding else 0
 
     @unary

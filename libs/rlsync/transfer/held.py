@@ -64,11 +64,7 @@ class HeldMappings:
 
     def get(self, handle: bytes) -> torch.Tensor | None:
         """The open mapping of `handle` when some holder keeps it, else None."""
-        with self._lock:
-            for mine in self._held.values():
-                if (t := mine.get(handle)) is not None:
-                    return t
-        return None
+        return self.get_many([handle])[0]
 
     def get_many(self, handles: list[bytes]) -> list[torch.Tensor | None]:
         """get() of each handle, under one lock."""

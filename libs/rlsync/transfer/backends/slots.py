@@ -195,9 +195,10 @@ class _Mapped(abc.ABC):
         """(bytes, storage pointer) of every tensor in the regions; cut once for as long as the regions
         stay held (HeldMappings.memo), else at every transfer."""
         memo = HELD.memo(tuple(job.welcome.ipc)) if job.scratch.get("held") else None
-        key = ("sources", tuple(map(tuple, job.welcome.locations)), tuple(s.nbytes for s in job.specs))
-        if memo is not None and key in memo:
-            return memo[key]
+        if memo is not None:
+            key = ("sources", tuple(map(tuple, job.welcome.locations)), tuple(s.nbytes for s in job.specs))
+            if key in memo:
+                return memo[key]
         bases = [r.untyped_storage().data_ptr() for r in regions]
         sources = [(regions[region][offset:offset + spec.nbytes], bases[region]) if spec.nbytes else None
                    for spec, (region, offset) in zip(job.specs, job.welcome.locations)]
