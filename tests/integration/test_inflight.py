@@ -38,10 +38,10 @@ def _train(trainer: TrainerClient, rollout: RolloutClient, seed: int) -> None:
 def _update_under(trainer: TrainerClient, rollout: RolloutClient, prompt, recompute_kv: bool, seed: int,
                   served: Path | None = None, **kw) -> tuple[Stream, int]:
     """Trains a step, stages its weights, opens a stream and commits once the replica runs it (its
-    own count: chunks can reach a busy client late); returns the stream once it ends, and the
-    version it started on (with `served`: its weights saved there). On a busy machine a stream can
-    still finish before the commit lands (its final record then holds one version), and then it is
-    all done again."""
+    own count: chunks can reach a busy client late) and a token of it has come; returns the stream
+    once it ends, and the version it started on (with `served`: its weights saved there). On a busy
+    machine a stream can still finish before the commit lands (its final record then holds one
+    version), and then it is all done again."""
     for attempt in range(5):
         if served is not None:  # the trainer's weights are the replica's until the step below
             trainer.save_checkpoint(str(served))
@@ -50,6 +50,7 @@ def _update_under(trainer: TrainerClient, rollout: RolloutClient, prompt, recomp
         push = stage_weights(trainer, [rollout])
         stream = Stream(rollout, prompt, max_tokens=TOKENS, ignore_eos=True, **kw)
         wait_in_flight(rollout, 1, streams=[stream])
+        stream.first.wait(30)  # in flight may still mean queued (SGLang): the switch must follow a token
         commit_staged([rollout], push, recompute_kv=recompute_kv)  # lands while the stream runs, or just after
         stream.thread.join(120)
         assert not stream.thread.is_alive() and not stream.error, stream.error

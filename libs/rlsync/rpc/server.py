@@ -97,10 +97,14 @@ async def run_service(cfg: ServerConfig, service: Service, stop: asyncio.Event |
     """Serves `service` until SIGTERM/SIGINT (or `stop` is set), then shuts down in order."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
 
+    def stop_on_signals() -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+
+    stop_on_signals()
     await service.start()
+    stop_on_signals()  # again: an engine may put its own in place while it starts (SGLang's drains and exits)
     server, metrics = None, None
     try:  # from here on, a failure to start (a port taken meanwhile) still closes what start() opened
         interceptors = [TokenAuthInterceptor(cfg.token)] if cfg.token else []
