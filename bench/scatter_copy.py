@@ -8,7 +8,9 @@ memory mapped by CUDA IPC (as a replica pulls from its trainer).
 Ways: "flat" (one copy of every byte: the limit), "per_tensor" (a copy_ per tensor), "foreach_u8"
 (torch._foreach_copy_ over every tensor as bytes), "foreach_wide" (the same over 8-byte words, where
 a tensor's address and size allow), "hybrid" (foreach for tensors under 1 MiB, a copy_ each for the
-rest: rlsync.transfer.spans.copy_all). Each is timed from the first launch to the device's
+rest: copy_all without its table), "table" (one kernel launch over a table of chunks:
+rlsync.transfer.batched, what copy_all does on a GPU), and the table's variants (chunk bytes, words
+a step, warps; "table_best" is the fastest). Each is timed from the first launch to the device's
 synchronize, medians of `--repeats` after a warm-up; the launch time (CPU) is reported beside it.
 Prints one JSON object.
 """
@@ -16,6 +18,7 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import subprocess
@@ -30,6 +33,8 @@ from models import preset_shapes  # noqa: E402
 from transfer import d2d_limit, make_tensors  # noqa: E402
 
 from rlsync.transfer.memory import export_cuda, open_cuda  # noqa: E402
+from rlsync.transfer import batched  # noqa: E402
+from rlsync.transfer.batched import BLOCK, CHUNK, WARPS  # noqa: E402
 from rlsync.transfer.spans import copy_all  # noqa: E402
 
 GB = 1e9
@@ -74,11 +79,25 @@ def ways(srcs: list[torch.Tensor], dsts: list[torch.Tensor], repeats: int) -> di
             dsts[i].copy_(srcs[i], non_blocking=True)
 
     out = {"small_tensors": len(small), "wide_tensors": len(same)}
-    for name, fn in {"per_tensor": per_tensor, "hybrid": lambda: copy_all(list(zip(srcs, dsts))),
+    for d in dsts:
+        d.zero_()
+    copy_all(list(zip(srcs, dsts)))  # one launch over a table (rlsync.transfer.batched)
+    out["table_exact"] = all(torch.equal(a, b) for a, b in zip(srcs, dsts))
+    pairs = list(zip(srcs, dsts))
+    for chunk, block, warps in itertools.product((1 << 18, 1 << 20, 1 << 22), (1024, 2048, 4096), (4, 8)):
+        batched.CHUNK, batched.BLOCK, batched.WARPS = chunk, block, warps
+        seconds, launch = timed(lambda: copy_all(pairs), repeats)
+        out.setdefault("table_variants", []).append({"chunk": chunk, "block": block, "warps": warps,
+                                                     "ms": round(seconds * 1e3, 3), "GB/s": nbytes / seconds / GB})
+    best = min(out["table_variants"], key=lambda v: v["ms"])
+    batched.CHUNK, batched.BLOCK, batched.WARPS = CHUNK, BLOCK, WARPS
+    for name, fn in {"per_tensor": per_tensor, "table": lambda: copy_all(pairs),
+                     "hybrid": lambda: copy_all(pairs, one_launch=False),
                      "foreach_u8": lambda: torch._foreach_copy_(dsts, srcs, non_blocking=True),
                      "foreach_wide": foreach_wide}.items():
         seconds, launch = timed(fn, repeats)
         out[name] = {"ms": round(seconds * 1e3, 3), "launch_ms": round(launch * 1e3, 3), "GB/s": nbytes / seconds / GB}
+    out["table_best"] = best
     out["copied_exactly"] = all(torch.equal(a, b) for a, b in zip(srcs, dsts))
     return out
 
@@ -126,8 +145,8 @@ def main() -> None:
         raise RuntimeError(f"the mapping process exited {proc.returncode}")
     out["ipc_mapped"] = json.loads(mapped.strip().splitlines()[-1])
     for part in ("own_memory", "ipc_mapped"):
-        for way in out[part].values():
-            if isinstance(way, dict):
+        for way in [*out[part].values(), *out[part]["table_variants"]]:
+            if isinstance(way, dict) and "GB/s" in way:
                 way["ratio"] = round(way.pop("GB/s") / limit, 3)
     out["flat"]["ratio"] = round(out["flat"].pop("GB/s") / limit, 3)
     print(json.dumps(out, indent=1))

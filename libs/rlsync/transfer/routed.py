@@ -206,12 +206,11 @@ def _receive(pg, routes, first, writer, bucket_bytes, window, device) -> int:
             view = slots.next(op.bucket.nbytes)
 
         def land(op=op, base=base, view=view, in_place=in_place):
-            for s in op.bucket.slices:
-                if in_place:
+            if in_place:
+                for s in op.bucket.slices:
                     writer.mark(base + s.tensor, s.length)
-                else:
-                    writer.write(base + s.tensor, s.src, view[s.dst:s.dst + s.length])
-            if not in_place:
+            else:
+                writer.write_many([(base + s.tensor, s.src, view[s.dst:s.dst + s.length]) for s in op.bucket.slices])
                 sync(device)  # the slot is reused two operations later
 
         window.add([pg.recv([view], transfer.src, op.tag)], land)

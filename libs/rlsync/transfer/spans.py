@@ -5,8 +5,11 @@ copies are launched as few."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from itertools import chain
 
 import torch
+
+from rlsync.transfer import batched
 
 
 def byte_view(storage: torch.UntypedStorage, start: int, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -64,12 +67,23 @@ def _merged(run: list[View]) -> tuple[torch.Tensor, torch.Tensor]:
 SMALL = 1 << 20  # bytes: below it, a copy costs its launch more than its bytes
 
 
-def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Queues dst.copy_(src) for every (src, dst) of one device, as they come: a large one at once (the
-    GPU starts while the rest are still being made), the small ones together at the end in one
-    torch._foreach_copy_ (a launch per ~100 tensors instead of one each). bench/scatter_copy.py, 399
-    tensors of a 4B model on H100: 0.85x of one flat copy, against 0.83x a copy_ each and 0.56x all
-    in _foreach_copy_."""
+def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], one_launch: bool = True) -> None:
+    """Queues dst.copy_(src) for every (src, dst) of one device. On a GPU (with Triton), every pair
+    whose addresses and size allow it goes in one kernel launch over a table of them
+    (rlsync.transfer.batched; `one_launch=False` leaves that out). The rest are copied as they come:
+    a large one at once (the GPU starts while the rest are still being made), the small ones together
+    at the end in one torch._foreach_copy_ (a launch per ~100 tensors instead of one each).
+    bench/scatter_copy.py, 399 tensors of a 4B model on H100: a copy_ each 0.83x of one flat copy,
+    this without the table 0.86x."""
+    pairs = iter(pairs)
+    first = next(pairs, None)
+    if first is None:
+        return
+    pairs = chain([first], pairs)
+    device = first[1].device
+    if one_launch and batched.available(device):
+        rows, pairs = batched.split(list(pairs))
+        batched.copy_rows(rows, device)
     small = []
     for src, dst in pairs:
         if src.numel() < SMALL:

@@ -96,6 +96,12 @@ class DestWriter:
         self.targets[index][offset:offset + n].copy_(data, non_blocking=True)
         self.mark(index, n)
 
+    def write_many(self, pieces: list[tuple[int, int, torch.Tensor]]) -> None:
+        """write() of every (tensor index, offset, bytes), in as few launches as copy_all makes."""
+        copy_all((data, self.targets[index][offset:offset + data.numel()]) for index, offset, data in pieces)
+        for index, _, data in pieces:
+            self.mark(index, data.numel())
+
     def direct_view(self, index: int, offset: int, nbytes: int) -> torch.Tensor | None:
         """Where bytes [offset, offset+nbytes) of tensor `index` land, if they land in place."""
         return self.targets[index][offset:offset + nbytes] if self.direct[index] else None

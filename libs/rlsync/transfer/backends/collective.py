@@ -31,7 +31,7 @@ from rlsync.transfer.backends.base import ReceiveJob, SendJob, collect_results, 
 from rlsync.transfer.checksum import Checksums, as_bytes, checksum_bytes
 from rlsync.transfer.control import Deadline
 from rlsync.transfer.messages import Done, Mismatch, Refill, Result, Welcome
-from rlsync.transfer.spans import span
+from rlsync.transfer.spans import copy_all, span
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 SLOTS = 2  # buckets in flight
@@ -171,8 +171,7 @@ class _Broadcast(abc.ABC):
         view = span(parts)
         if view is None or view.device.type != self.slot_device:
             view = slot[:bucket.nbytes]
-            for s, part in zip(bucket.slices, parts):
-                view[s.dst:s.dst + s.length].copy_(part, non_blocking=True)
+            copy_all((part, view[s.dst:s.dst + s.length]) for s, part in zip(bucket.slices, parts))
         return view
 
     def _send_deltas(self, job: SendJob, session: _Session, slots, checksums: Checksums) -> None:
@@ -291,11 +290,11 @@ class _Broadcast(abc.ABC):
                 work.wait()
                 if job.welcome.verify:
                     checksums.add(view)  # queued before the slot's next broadcast, which waits for it
-                for s in bucket.slices:
-                    if in_place:
+                if in_place:
+                    for s in bucket.slices:
                         job.writer.mark(s.tensor, s.length)
-                    else:
-                        job.writer.write(s.tensor, s.src, view[s.dst:s.dst + s.length])
+                else:
+                    job.writer.write_many([(s.tensor, s.src, view[s.dst:s.dst + s.length]) for s in bucket.slices])
                 if not in_place and view.device.type == "cpu":
                     sync(job.device)  # the slot is reused by the next broadcast
                 if pending:
@@ -326,8 +325,7 @@ class _Broadcast(abc.ABC):
                     out[s.dst:s.dst + s.length].copy_(base[s.tensor][s.src:s.src + s.length])
                 delta.apply(payload, out)
             checksums.add(out)
-            for s in bucket.slices:
-                job.writer.write(s.tensor, s.src, out[s.dst:s.dst + s.length])
+            job.writer.write_many([(s.tensor, s.src, out[s.dst:s.dst + s.length]) for s in bucket.slices])
             sync(job.device)  # the slot is reused by the next bucket
 
     def _refilled(self, job: ReceiveJob, session: _Session, slot: torch.Tensor, wrong: list[int],

@@ -13,13 +13,13 @@ import abc
 import torch
 
 from rlsync.errors import DataLoss, FailedPrecondition
-from rlsync.transfer.backends.base import (ReceiveJob, SendJob, collect_results, expect, report_failure,
-                                           sync)
+from rlsync.transfer.backends.base import ReceiveJob, SendJob, collect_results, expect, report_failure, sync
 from rlsync.transfer.checksum import checksum_bytes
 from rlsync.transfer.copied import record_copied
 from rlsync.transfer.held import HELD
 from rlsync.transfer.memory import SharedBuffer, open_cuda, share_cuda
 from rlsync.transfer.messages import Done, Events, Freed, Ready, Result, Welcome
+from rlsync.transfer.spans import copy_all
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 SLOTS = 2
@@ -92,8 +92,8 @@ class _Mapped(abc.ABC):
                 self._await_freed(job, in_slot[slot])
                 self.before_pack(job, slot, peers)
             view = slots[slot]
-            for s in bucket.slices:
-                view[s.dst:s.dst + s.length].copy_(job.sources[s.tensor][s.src:s.src + s.length], non_blocking=True)
+            copy_all((job.sources[s.tensor][s.src:s.src + s.length], view[s.dst:s.dst + s.length])
+                     for s in bucket.slices)
             self.after_pack(job, slot)
             cs = checksum_bytes(view[:bucket.nbytes]) if job.verify else ""
             for conn, _ in job.conns:
@@ -162,8 +162,7 @@ class _Mapped(abc.ABC):
             if msg.checksum and checksum_bytes(view[:bucket.nbytes]) != msg.checksum:
                 raise DataLoss(f"bucket {bucket.index} arrived corrupted (checksum mismatch): "
                                "the destination must not be used")
-            for s in bucket.slices:
-                job.writer.write(s.tensor, s.src, view[s.dst:s.dst + s.length])
+            job.writer.write_many([(s.tensor, s.src, view[s.dst:s.dst + s.length]) for s in bucket.slices])
             self.after_unpack(job, msg.slot, own)
             job.conn.send(Freed(bucket.index))
         expect(job.conn, Done, job.deadline, "waiting for the end of the transfer")

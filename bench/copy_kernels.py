@@ -1,0 +1,122 @@
+"""Which form of the table-driven copy kernel (rlsync.transfer.batched) moves a user's scattered
+model at the device's copy rate: the same 399 tensors of a 4B model into one buffer, each form timed
+against one flat copy of the same bytes in the same run (medians of --repeats after a warm-up).
+
+    python bench/copy_kernels.py [--preset qwen3-4b] [--repeats 10]
+
+Forms: "masked" (8-byte words, every step masked: the library's first form), "unmasked" (whole
+steps unmasked, one masked tail), "pairs" (steps of [BLOCK, 2] words, each pair one 16-byte access:
+what rlsync.transfer.batched_kernel keeps, the fastest on H200), each over chunk sizes, steps and
+warps. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from models import preset_shapes  # noqa: E402
+from transfer import make_tensors  # noqa: E402
+
+from rlsync.transfer import batched  # noqa: E402
+
+
+@triton.jit
+def masked(table, BLOCK: tl.constexpr):
+    row = table + tl.program_id(0) * 3
+    src = tl.multiple_of(tl.load(row).to(tl.pointer_type(tl.int64)), 16)
+    dst = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(tl.int64)), 16)
+    words = tl.multiple_of(tl.load(row + 2) // 8, 2)
+    for start in range(0, words, BLOCK):
+        at = start + tl.arange(0, BLOCK)
+        inside = at < words
+        tl.store(dst + at, tl.load(src + at, mask=inside, eviction_policy="evict_first"), mask=inside)
+
+
+@triton.jit
+def unmasked(table, BLOCK: tl.constexpr):
+    row = table + tl.program_id(0) * 3
+    src = tl.multiple_of(tl.load(row), 16).to(tl.pointer_type(tl.int64))
+    dst = tl.multiple_of(tl.load(row + 1), 16).to(tl.pointer_type(tl.int64))
+    words = tl.load(row + 2) // 8
+    whole = words // BLOCK * BLOCK
+    for start in range(0, whole, BLOCK):
+        at = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
+        tl.store(dst + at, tl.load(src + at))
+    at = whole + tl.arange(0, BLOCK)
+    inside = at < words
+    tl.store(dst + at, tl.load(src + at, mask=inside), mask=inside)
+
+
+@triton.jit
+def pairs(table, BLOCK: tl.constexpr):
+    row = table + tl.program_id(0) * 3
+    src = tl.multiple_of(tl.load(row), 16).to(tl.pointer_type(tl.int64))
+    dst = tl.multiple_of(tl.load(row + 1), 16).to(tl.pointer_type(tl.int64))
+    halves = tl.load(row + 2) // 16
+    for start in range(0, halves, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        at = i[:, None] * 2 + tl.arange(0, 2)[None, :]
+        inside = (i < halves)[:, None]
+        tl.store(dst + at, tl.load(src + at, mask=inside), mask=inside)
+
+
+FORMS = {"masked": masked, "unmasked": unmasked, "pairs": pairs}
+
+
+def timed(fn, repeats: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    out = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="qwen3-4b")
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    shapes = preset_shapes(args.preset)
+    srcs = [t.view(-1).view(torch.uint8) for t in make_tensors(shapes, "cuda:0", "scattered").values()]
+    dsts = [t.view(-1).view(torch.uint8) for t in make_tensors(shapes, "cuda:0", "flat").values()]
+    nbytes = sum(t.numel() for t in srcs)
+    rows, rest = batched.split(list(zip(srcs, dsts)))
+    flat_src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    flat_dst = torch.empty_like(flat_src)
+    flat = timed(lambda: flat_dst.copy_(flat_src), args.repeats)
+    out = {"gpu": torch.cuda.get_device_name(0), "bytes": nbytes, "tensors": len(srcs), "in_table": len(rows),
+           "flat_ms": round(flat * 1e3, 3), "forms": []}
+    for (name, kernel), chunk, warps in itertools.product(FORMS.items(), (1 << 18, 1 << 20), (4, 8)):
+        table = torch.from_numpy(batched.chunks(rows, chunk)).cuda()
+        for block in (1024, 2048):
+            for d in dsts:
+                d.zero_()
+            seconds = timed(lambda k=kernel, t=table, b=block, w=warps: k[(t.shape[0],)](t, BLOCK=b, num_warps=w),
+                            args.repeats)
+            for a, b in rest:  # what the table leaves out
+                b.copy_(a)
+            exact = all(torch.equal(a, b) for a, b in zip(srcs, dsts))
+            out["forms"].append({"form": name, "chunk": chunk, "block": block, "warps": warps,
+                                 "ms": round(seconds * 1e3, 3), "ratio": round(flat / seconds, 3), "exact": exact})
+    out["best"] = max((f for f in out["forms"] if f["exact"]), key=lambda f: f["ratio"])
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
