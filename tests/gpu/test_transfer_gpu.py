@@ -99,3 +99,29 @@ def test_copy_all_lands_every_byte_of_a_scattered_layout_in_one_launch():
     torch.cuda.synchronize()
     assert all(torch.equal(s, d) for s, d in pairs)
     assert all(not d[:16].any() and not d[16 + s.numel():].any() for s, d in zip(srcs, dsts))
+
+
+def test_a_held_scattered_pull_copies_each_steps_new_values_from_the_plan_it_keeps():
+    """A receiver that holds a scattered sender's storages keeps, after its first pull, the table of
+    copies it launched; later pulls (the sender's tensors changed in place, as a training step does)
+    launch it again and land every new byte (checksums in the manifest), mapping nothing."""
+    g = torch.Generator().manual_seed(1)
+    tensors = {f"layer{i}": torch.randn(int(n), generator=g).to(torch.bfloat16).cuda()  # one allocation each
+               for i, n in enumerate(torch.randint(8, 70000, (24,), generator=g) * 8)}
+    with WeightSender(tensors, backends=["cuda_ipc"], checksums=True) as sender:
+        peer = Peer("receive", "--loop", "--hold", "test", "--backend", "cuda_ipc", "--device", "cuda:0")
+        try:
+            results = []
+            for step in range(3):
+                for t in tensors.values():
+                    t.add_(1)  # in place: the storages stay where the receiver holds them
+                offer = sender.offer(version=step, pull=True)
+                peer.send(encode(offer))
+                ans = decode(pb.Answer, peer.line("ANSWER"))
+                sender.send(offer, [ans], timeout=60)
+                results.append(peer.result(60))
+        finally:
+            peer.proc.stdin.close()
+            peer.proc.wait(30)
+    assert all(r["ok"] for r in results), results  # every tensor's checksum matched the sender's
+    assert all(r["stages"]["map"] < results[0]["stages"]["map"] for r in results[1:]), "held: nothing mapped again"

@@ -186,26 +186,29 @@ class _Mapped(abc.ABC):
             region, start, nbytes = whole
             job.writer.write_whole(regions[region][start:start + nbytes])
         else:
-            job.writer.write_all(self._sources(job, regions))
+            job.writer.write_all(*self._sources(job, regions))
         return regions
 
     @staticmethod
-    def _sources(job: ReceiveJob, regions: list[torch.Tensor]) -> list[tuple[torch.Tensor, int] | None]:
-        """(bytes, storage pointer) of every tensor in the regions; cut once for as long as the regions
-        stay held (HeldMappings.memo), else at every transfer."""
+    def _sources(job: ReceiveJob, regions: list[torch.Tensor]) -> tuple[list[tuple[torch.Tensor, int] | None],
+                                                                         dict | None]:
+        """(bytes, storage pointer) of every tensor in the regions, and a dict for what the writer derives
+        from them: both kept for as long as the regions stay held (HeldMappings.memo), so a repeat pull
+        cuts no view and plans no copy again; else made at every transfer (and no dict)."""
         memo = HELD.memo(tuple(job.welcome.ipc)) if job.scratch.get("held") else None
         if memo is not None:
-            key = ("sources", tuple(map(tuple, job.welcome.locations)), tuple(s.nbytes for s in job.specs))
+            key = ("layout", tuple(map(tuple, job.welcome.locations)), tuple(s.nbytes for s in job.specs))
             if key in memo:
                 return memo[key]
         bases = [r.untyped_storage().data_ptr() for r in regions]
         sources = [(regions[region][offset:offset + spec.nbytes], bases[region]) if spec.nbytes else None
                    for spec, (region, offset) in zip(job.specs, job.welcome.locations)]
-        if memo is not None:
-            if len(memo) >= 8:  # layouts come and go (a LoRA adapter, a delta): keep the latest few
-                memo.clear()
-            memo[key] = sources
-        return sources
+        if memo is None:
+            return sources, None
+        if len(memo) >= 8:  # layouts come and go (a LoRA adapter, a delta): keep the latest few
+            memo.clear()
+        memo[key] = sources, {}
+        return memo[key]
 
 
 class ShmChannel(_Mapped):
