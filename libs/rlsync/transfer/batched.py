@@ -56,7 +56,7 @@ def chunks(rows: np.ndarray, chunk: int = CHUNK) -> np.ndarray:
 
 
 _TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # (CHUNK, rows' bytes) -> the chunk table on the device
-_TABLES_MAX = 8
+_TABLES_MAX = 64  # a transfer's buckets each have theirs
 
 
 def copy_rows(rows: np.ndarray, device: torch.device) -> None:
@@ -66,7 +66,7 @@ def copy_rows(rows: np.ndarray, device: torch.device) -> None:
     key = (CHUNK, rows.tobytes())
     table = _TABLES.get(key)
     if table is None or table.device != device:
-        table = torch.from_numpy(chunks(rows)).to(device)
+        table = torch.from_numpy(chunks(rows)).to(device)  # waits for the stream: once per layout
         _TABLES[key] = table
         while len(_TABLES) > _TABLES_MAX:
             _TABLES.popitem(last=False)

@@ -13,9 +13,9 @@ import torch
 
 from rlsync.errors import DataLoss, InvalidArgument
 from rlsync.flat import FlatStore
+from rlsync.transfer import batched
 from rlsync.transfer.checksum import checksum_bytes
 from rlsync.transfer.manifest import Spec
-from rlsync.transfer import batched
 from rlsync.transfer.spans import byte_view, coalesce, copy_all
 
 Destination = Mapping[str, torch.Tensor] | FlatStore | Callable[[str, torch.Tensor], None]
