@@ -5,15 +5,15 @@ from __future__ import annotations
 import signal
 import time
 import subprocess
-import sys
 
 import grpc
 import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import engines, rollout_args
+from conftest import NEEDS_SGLANG, engines, rollout_args
 from rlsync.client import RolloutClient, RpcError
+from rlsync.launch import python_for
 from streams import frozen_streams
 
 
@@ -73,10 +73,12 @@ def test_tls_from_cert_files(services, tmp_path):
     ("hf", ["--engine-args", '{"max_prefill_tokens": 0}'], "max_prefill_tokens must be >= 1"),
     ("vllm", ["-E", "bogus_flag=1"], "bogus_flag"),
     ("vllm", ["-E", "tensor_parallel_size=0"], "tensor_parallel_size"),
+    pytest.param("sglang", ["-E", "tp_size=2"], "runs one rank (tp_size=2 asked)",  # SGLang's CPU TP needs AMX kernels
+                 marks=[NEEDS_SGLANG, pytest.mark.sglang]),
 ])
 def test_wrong_engine_argument_is_refused_at_start(tiny_model, engine, args, fragment):
-    out = subprocess.run([sys.executable, "-m", "rlsync.rollout", "--engine", engine, "--port", "0", *args],
-                         capture_output=True, text=True, timeout=180)
+    command = [python_for("rollout", ["--engine", engine]), "-m", "rlsync.rollout", "--engine", engine, "--port", "0"]
+    out = subprocess.run([*command, *args], capture_output=True, text=True, timeout=180)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "rlsync rollout: error:" in out.stderr, out.stderr[-2000:]
     assert fragment in out.stderr[out.stderr.index("rlsync rollout: error:"):]

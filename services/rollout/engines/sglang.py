@@ -66,6 +66,13 @@ class SGLangEngine(Engine):
         self.args = {**_DEFAULTS, **engine_args, "incremental_streaming_output": True,
                      "custom_weight_loader": [LOADER]}
         self.device = torch.device("cuda" if self.args["device"] == "cuda" else "cpu")
+        ranks = {k: self.args[k] for k in ("tp_size", "dp_size", "pp_size") if int(self.args.get(k) or 1) > 1}
+        if self.device.type == "cpu" and ranks:
+            raise InvalidArgument(
+                f"an sglang replica on CPU runs one rank ({', '.join(f'{k}={v}' for k, v in ranks.items())} asked): "
+                "SGLang's CPU all-reduce comes only with its AMX kernels (sgl_kernel's CPU build), and this "
+                "environment has a placeholder sgl_kernel (deploy/sglang-cpu); use tp_size 1, a GPU, or a vllm "
+                "replica for tensor parallel on CPU")
         self.engine = None
         self._rids: dict[str, list[str]] = {}  # request id -> its SGLang rids (one per completion)
         self._paused = False
