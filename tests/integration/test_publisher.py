@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from conftest import rollout_args
+from conftest import engines, rollout_args
 from hangs import FAST, report
 from rlsync.client import CoordinatorClient, RolloutClient, RpcError
 from rlsync.coordinator.v1.coordinator_pb2 import ROLE_TRAINER
@@ -75,7 +75,7 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
 
 
-@pytest.mark.parametrize("engine", ["hf", "vllm"])
+@pytest.mark.parametrize("engine", engines("hf", "vllm", "sglang"))
 def test_fsdp2_over_two_ranks_publishes_bit_exact(fleet, tmp_path, engine):
     coordinator, replica = fleet(engine)
     saved = tmp_path / "full.safetensors"
