@@ -66,8 +66,8 @@ class SGLangEngine(Engine):
         self.args = {**_DEFAULTS, **engine_args, "incremental_streaming_output": True,
                      "custom_weight_loader": [LOADER]}
         self.device = torch.device("cuda" if self.args["device"] == "cuda" else "cpu")
-        ranks = {k: self.args[k] for k in ("tp_size", "dp_size", "pp_size") if int(self.args.get(k) or 1) > 1}
-        if self.device.type == "cpu" and ranks:
+        ranks = {k: self.args[k] for k in ("tp_size", "dp_size", "pp_size") if self.args.get(k) not in (None, 1)}
+        if self.args["device"] == "cpu" and ranks:
             raise InvalidArgument(
                 f"an sglang replica on CPU runs one rank ({', '.join(f'{k}={v}' for k, v in ranks.items())} asked): "
                 "SGLang's CPU all-reduce comes only with its AMX kernels (sgl_kernel's CPU build), and this "
