@@ -83,11 +83,13 @@ class Peer:
 
 def shm_entries() -> set[str]:
     """Segments in /dev/shm the transfer library could have left. psm_*/sem.mp-* belong to Python
-    multiprocessing (vLLM servers other tests may still run), sglang_* to SGLang's schedulers (the
-    SGLang suite runs in a parallel process); folders belong to rollout replicas that tests in a
-    parallel process run (a vLLM replica's LoRA adapters) — the library makes only files."""
+    multiprocessing (vLLM servers other tests may still run), vllm_* to a tensor-parallel vLLM
+    replica's workers and sglang_* to SGLang's schedulers (suites in parallel processes run them);
+    folders belong to rollout replicas that tests in a parallel process run (a vLLM replica's LoRA
+    adapters) — the library makes only files."""
+    engines = ("psm_", "sem.mp-", "vllm_", "sglang_")
     return {e.name for e in os.scandir("/dev/shm")
-            if not e.name.startswith(("psm_", "sem.mp-", "sglang_")) and not e.is_dir(follow_symlinks=False)}
+            if not e.name.startswith(engines) and not e.is_dir(follow_symlinks=False)}
 
 
 def zoo() -> dict[str, torch.Tensor]:
