@@ -58,7 +58,7 @@ for n in sizes:  # scattered on both sides: every copy its own place, gaps betwe
     pairs.append((src_buf[s:s + n], dst_buf[d:d + n]))
     s, d = s + n, d + n + 16 * int(torch.randint(0, 3, (1,), generator=g))
 rows, rest = batched.split(pairs)
-batched.copy_rows(rows, torch.device("cpu"))
+batched.launch(batched.table(rows, torch.device("cpu")))
 copy_all(rest, one_launch=False)
 print(json.dumps({"exact": all(torch.equal(a, b) for a, b in pairs), "kernel": len(rows), "rest": len(rest),
                   "untouched": int(dst_buf.count_nonzero()) == sum(int(a.count_nonzero()) for a, _ in pairs)}))

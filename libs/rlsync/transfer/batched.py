@@ -87,12 +87,6 @@ def launch(table: torch.Tensor) -> None:
         run(table, BLOCK=BLOCK)
 
 
-def copy_rows(rows: np.ndarray, device: torch.device) -> None:
-    """Queues every copy `rows` describes on the current stream, in one launch."""
-    if len(rows):
-        launch(table(rows, device))
-
-
 def _indexed(device: torch.device) -> torch.device:
     """`cuda` as the device it means now (`cuda:N`), so tables made under either name are one."""
     if device.type == "cuda" and device.index is None:

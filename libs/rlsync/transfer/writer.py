@@ -128,22 +128,15 @@ class DestWriter:
             whole = self.whole  # laid out as the manifest (whose sizes `plans` is kept for): its address says all
             key = ("whole", whole.data_ptr()) if whole is not None else tuple(t.data_ptr() for t in self.tensors)
             table = plans.get(key)
-            if table is None:
-                pairs = list(coalesce(item[:1] + (item[1], self.targets[i], self.bases[i])
-                                      for i, item in enumerate(sources) if item is not None and item[0].numel()))
-                table = ()
-                if pairs and batched.available(pairs[0][1].device):
-                    device = pairs[0][1].device
-                    rows, pairs = batched.split(pairs)
-                    if len(rows):
-                        table = batched.table(rows, device)
-                        if not pairs:  # every copy in the table: the next write only launches it
-                            if len(plans) >= 8:  # destinations come and go: keep the latest few
-                                plans.clear()
-                            plans[key] = table
-                copy_all(pairs, one_launch=False)
-            if len(table):
+            if table is not None:
                 batched.launch(table)
+            else:
+                table = copy_all(coalesce(item[:1] + (item[1], self.targets[i], self.bases[i])
+                                          for i, item in enumerate(sources) if item is not None and item[0].numel()))
+                if table is not None:  # every copy in one launch: the next write only launches it
+                    if len(plans) >= 8:  # destinations come and go: keep the latest few
+                        plans.clear()
+                    plans[key] = table
             for i, item in enumerate(sources):  # every one lands in place: nothing to complete
                 if item is not None:
                     self.received[i] = self.specs[i].nbytes
