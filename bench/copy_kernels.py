@@ -17,6 +17,7 @@ import itertools
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -75,6 +76,33 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(out)
 
 
+def launch_costs(rows, calls: int = 200) -> dict:
+    """CPU microseconds per launch of the library's table (its rows cut to 16 bytes: the GPU's time
+    is not what is measured), as batched.launch makes it, as a replay of a CUDA graph of it, and of
+    one copy_ for scale."""
+    tiny = rows.copy()
+    tiny[:, 2] = 16
+    table = batched.table(tiny, torch.device("cuda:0"))
+    side = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    batched.launch(table)  # compiled before capture
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+        batched.launch(table)
+    a, b = torch.empty(16, dtype=torch.uint8, device="cuda:0"), torch.empty(16, dtype=torch.uint8, device="cuda:0")
+    out = {}
+    for name, fn in (("triton", lambda: batched.launch(table)), ("graph_replay", graph.replay),
+                     ("copy_", lambda: b.copy_(a, non_blocking=True))):
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out[name] = round((time.perf_counter() - start) / calls * 1e6, 1)
+        torch.cuda.synchronize()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3-4b")
@@ -103,6 +131,7 @@ def main() -> None:
             out["forms"].append({"form": name, "chunk": chunk, "block": block, "warps": warps,
                                  "ms": round(seconds * 1e3, 3), "ratio": round(flat / seconds, 3), "exact": exact})
     out["best"] = max((f for f in out["forms"] if f["exact"]), key=lambda f: f["ratio"])
+    out["launch_us"] = launch_costs(rows)
     print(json.dumps(out, indent=1))
 
 

@@ -101,9 +101,12 @@ def nccl_limit(nbytes: int, world: int) -> float:
 class Receivers:
     """Receiver processes that take one offer per line and report each transfer."""
 
-    def __init__(self, devices: list[str], backend: str, hold: bool = False):
-        """hold: a cuda_ipc one-copy receiver keeps the sender's storages mapped between transfers."""
-        self.procs = [subprocess.Popen([sys.executable, "-m", "rlsync.transfer.peer", "receive", "--loop",
+    def __init__(self, devices: list[str], backend: str, hold: bool = False, profile: str = ""):
+        """hold: a cuda_ipc one-copy receiver keeps the sender's storages mapped between transfers.
+        profile: each receiver runs under cProfile and writes its stats to `profile`-r<i>.prof."""
+        self.procs = [subprocess.Popen([sys.executable,
+                                        *(["-m", "cProfile", "-o", f"{profile}-r{i}.prof"] if profile else []),
+                                        "-m", "rlsync.transfer.peer", "receive", "--loop",
                                         "--device", d, "--backend", backend, "--receiver-id", f"r{i}",
                                         "--timeout", "600", *(["--hold", "bench"] if hold else [])],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -131,9 +134,9 @@ class Receivers:
 
 
 def run_channel(tensors, backend: str, one_copy: bool, receivers: list[str], bucket: int, repeats: int,
-                arena=None, hold: bool = False) -> dict:
+                arena=None, hold: bool = False, profile: str = "") -> dict:
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    group = Receivers(receivers, backend, hold)
+    group = Receivers(receivers, backend, hold, profile)
     seconds, data_seconds, pulled, stages = [], [], False, []
     try:
         with WeightSender(tensors, bucket_bytes=bucket, arena=arena, backends=[backend],
@@ -173,6 +176,8 @@ def main() -> None:
     parser.add_argument("--bucket-mib", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", default="", help="comma-separated backends to run")
+    parser.add_argument("--profile", default="", help="a folder: each receiver runs under cProfile and leaves "
+                                                      "<backend>-<layout>-<held|mapped>-r<i>.prof there")
     args = parser.parse_args()
 
     shapes = preset_shapes(args.preset)
@@ -210,7 +215,12 @@ def main() -> None:
     for backend, one_copy, layout, receivers, hold in runs:
         if only and backend not in only:
             continue
-        result = run_channel(layouts[layout], backend, one_copy, receivers, bucket, args.repeats, arena, hold)
+        profile = (os.path.join(args.profile, f"{backend}-{layout}-{'held' if hold else 'mapped'}"
+                                f"{'' if one_copy else '-staged'}") if args.profile else "")
+        if profile:
+            os.makedirs(args.profile, exist_ok=True)
+        result = run_channel(layouts[layout], backend, one_copy, receivers, bucket, args.repeats, arena, hold,
+                             profile)
         limit = out["limits"][limit_of[backend]]
         result.update(layout=layout, limit=limit_of[backend], ratio=round(result["GB/s"] / limit, 3),
                       data_ratio=round(result["data_GB/s"] / limit, 3))

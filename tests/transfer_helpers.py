@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import select
+import queue
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -49,23 +50,34 @@ def run_routed(senders: int, receivers: int, bucket: int, device: str = "cpu", g
 
 
 class Peer:
-    """`python -m rlsync.transfer.peer ...` in its own process, talked to line by line."""
+    """`python -m rlsync.transfer.peer ...` in its own process, talked to line by line. Its stdout is
+    read by a thread of its own: select() on the pipe would miss a line already in the reader's
+    buffer (two lines written at once), and wait for a third that never comes."""
 
     def __init__(self, *args: str, env: dict | None = None):
         self.proc = subprocess.Popen([sys.executable, "-m", "rlsync.transfer.peer", *args], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True,
                                      env={**os.environ, "PYTHONPATH": str(TESTS), **(env or {})})
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for raw in self.proc.stdout:
+            self.lines.put(raw)
+        self.lines.put(None)  # the peer closed its stdout (exited)
 
     def line(self, kind: str, timeout: float = 60) -> str:
         end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
-            if ready:
-                raw = self.proc.stdout.readline()
-                if not raw:
-                    break
-                if raw.startswith(kind + " "):
-                    return raw[len(kind) + 1:].strip()
+        while (left := end - time.monotonic()) > 0:
+            try:
+                raw = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if raw is None:
+                self.lines.put(None)  # every later call sees the end too
+                break
+            if raw.startswith(kind + " "):
+                return raw[len(kind) + 1:].strip()
         raise AssertionError(f"peer gave no {kind} line (exit code {self.proc.poll()})")
 
     def send(self, text: str) -> None:

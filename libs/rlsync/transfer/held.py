@@ -34,13 +34,19 @@ class HeldMappings:
         self._open = opener
         self._lock = threading.Lock()
         self._held: dict[str, dict[bytes, torch.Tensor]] = {}
+        self._given: dict[str, tuple] = {}  # holder -> (device, handles) of its last hold, as given
+        self._index: dict[bytes, torch.Tensor] = {}  # every holder's mappings by handle (get_many)
         self._memos: dict[str, dict] = {}  # holder -> what pulls derived from its mappings (see memo)
 
     def hold(self, holder: str, handles: Iterable[bytes], device: torch.device) -> int:
         """Keeps exactly `handles` mapped for `holder` (those already mapped stay as they are, the
         holder's others are closed). Returns how many were newly mapped. A handle that does not
         open raises, and the holder's set is left as it was."""
-        handles = list(dict.fromkeys(handles))
+        given = (device, list(handles))
+        with self._lock:  # a trainer holds the same storages at every step: nothing to look at then
+            if given[1] and self._given.get(holder) == given:
+                return 0
+        handles = list(dict.fromkeys(given[1]))
         with self._lock:
             mine = self._held.get(holder, {})
             opened = {h: mine[h] if h in mine else self._open(h, device) for h in handles}
@@ -48,9 +54,10 @@ class HeldMappings:
             if new or len(opened) != len(mine):  # views of mappings about to close must not outlive them
                 self._memos.pop(holder, None)
             if opened:
-                self._held[holder] = opened
+                self._held[holder], self._given[holder] = opened, given
             else:
-                self._held.pop(holder, None)
+                self._held.pop(holder, None), self._given.pop(holder, None)
+            self._reindex()
         _settle([t for h, t in mine.items() if h not in opened])
         return new  # the closed ones go with the dropped references
 
@@ -58,7 +65,8 @@ class HeldMappings:
         """Closes what `holder` held; returns how many."""
         with self._lock:
             mine = self._held.pop(holder, {})
-            self._memos.pop(holder, None)
+            self._given.pop(holder, None), self._memos.pop(holder, None)
+            self._reindex()
         _settle(mine.values())
         return len(mine)
 
@@ -69,16 +77,21 @@ class HeldMappings:
     def get_many(self, handles: list[bytes]) -> list[torch.Tensor | None]:
         """get() of each handle, under one lock."""
         with self._lock:
-            return [next((mine[h] for mine in self._held.values() if h in mine), None) for h in handles]
+            index = self._index
+            return [index.get(h) for h in handles]
+
+    def _reindex(self) -> None:
+        self._index = {h: t for mine in reversed(self._held.values()) for h, t in mine.items()}
 
     def memo(self, handles: tuple[bytes, ...]) -> dict | None:
         """A dict that lives as long as one holder keeps every one of `handles` mapped, unchanged: a pull
         keeps there the views it cuts from them (slicing 399 storages costs as much CPU as copying them
         takes the GPU), so a pull from the same memory into the same layout cuts none. None when no
         holder keeps them all."""
+        wanted = set(handles)
         with self._lock:
             for holder, mine in self._held.items():
-                if handles and all(h in mine for h in handles):
+                if wanted and mine.keys() >= wanted:
                     return self._memos.setdefault(holder, {})
         return None
 

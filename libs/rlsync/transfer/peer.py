@@ -16,7 +16,9 @@ import sys
 import torch
 from safetensors.torch import load_file
 
+from rlsync.flat import FlatStore
 from rlsync.transfer.checksum import as_bytes
+from rlsync.transfer.manifest import from_proto
 from rlsync.transfer.memory import SharedArena
 from rlsync.transfer.receiver import answer as make_answer
 from rlsync.transfer.held import HELD
@@ -80,7 +82,7 @@ def run_receive(args) -> int:
         verified = None
         if args.file:
             reference = load_file(args.file, device="cpu")
-            verified = all(torch.equal(as_bytes(dest[n].cpu()), as_bytes(t)) for n, t in reference.items())
+            verified = all(torch.equal(as_bytes(dest.views[n].cpu()), as_bytes(t)) for n, t in reference.items())
         emit("RESULT", json.dumps({"ok": True, "bytes": report.nbytes, "seconds": report.seconds,
                                    "verified": verified, "stages": report.profile}))
         if not args.loop:
@@ -107,11 +109,9 @@ def run_send(args) -> int:
     return 0
 
 
-def flat_destination(manifest: pb.Manifest, device: str) -> dict[str, torch.Tensor]:
-    from rlsync.flat import flat_like
-    from rlsync.transfer.manifest import from_proto
-
-    return flat_like(from_proto(manifest), device)
+def flat_destination(manifest: pb.Manifest, device: str) -> FlatStore:
+    """The manifest's tensors in one buffer per dtype, as an engine keeps its weights."""
+    return FlatStore({s.name: (torch.Size(s.shape), s.dtype) for s in from_proto(manifest)}, device)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -137,9 +137,7 @@ class DestWriter:
                     if len(plans) >= 8:  # destinations come and go: keep the latest few
                         plans.clear()
                     plans[key] = table
-            for i, item in enumerate(sources):  # every one lands in place: nothing to complete
-                if item is not None:
-                    self.received[i] = self.specs[i].nbytes
+            self.received = [s.nbytes for s in self.specs]  # every one lands in place: nothing to complete
             return
         marks = []
 
@@ -173,8 +171,8 @@ class DestWriter:
     def finish(self) -> int:
         """Checks that every byte arrived (and per-tensor checksums, when the manifest has them);
         returns the bytes received."""
-        short = [(s.name, got, s.nbytes) for s, got in zip(self.specs, self.received) if got != s.nbytes]
-        if short:
+        if self.received != [s.nbytes for s in self.specs]:
+            short = [(s.name, got, s.nbytes) for s, got in zip(self.specs, self.received) if got != s.nbytes]
             name, got, want = short[0]
             raise DataLoss(f"transfer truncated: {len(short)} tensor(s) incomplete, e.g. {name!r} got "
                            f"{got} of {want} bytes; the destination must not be used")

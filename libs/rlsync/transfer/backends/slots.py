@@ -9,6 +9,7 @@ them and copies every tensor exactly once — the physical limit of a device-to-
 from __future__ import annotations
 
 import abc
+from functools import cached_property
 
 import torch
 
@@ -178,37 +179,49 @@ class _Mapped(abc.ABC):
         """Queues the copy of every tensor out of the sender's regions -> the regions (mapped)."""
         regions = self.open_regions(job)
         job.clock.lap("map")
-        locations = job.welcome.locations
-        if len(locations) != len(job.specs):
-            raise DataLoss(f"sender described {len(locations)} tensors, manifest has {len(job.specs)}")
-        whole = contiguous(job.specs, locations)
-        if whole is not None and job.writer.whole is not None:  # flat on both sides: one copy
-            region, start, nbytes = whole
+        if len(job.welcome.locations) != len(job.specs):
+            raise DataLoss(f"sender described {len(job.welcome.locations)} tensors, manifest has {len(job.specs)}")
+        layout = self._layout(job, regions)
+        if layout.whole is not None and job.writer.whole is not None:  # flat on both sides: one copy
+            region, start, nbytes = layout.whole
             job.writer.write_whole(regions[region][start:start + nbytes])
         else:
-            job.writer.write_all(*self._sources(job, regions))
+            job.writer.write_all(layout.sources, layout.plans)
         return regions
 
     @staticmethod
-    def _sources(job: ReceiveJob, regions: list[torch.Tensor]) -> tuple[list[tuple[torch.Tensor, int] | None],
-                                                                         dict | None]:
-        """(bytes, storage pointer) of every tensor in the regions, and a dict for what the writer derives
-        from them: both kept for as long as the regions stay held (HeldMappings.memo), so a repeat pull
-        cuts no view and plans no copy again; else made at every transfer (and no dict)."""
-        memo = HELD.memo(tuple(job.welcome.ipc)) if job.scratch.get("held") else None
-        if memo is not None:
-            key = ("layout", tuple(map(tuple, job.welcome.locations)), tuple(s.nbytes for s in job.specs))
-            if key in memo:
-                return memo[key]
-        bases = [r.untyped_storage().data_ptr() for r in regions]
-        sources = [(regions[region][offset:offset + spec.nbytes], bases[region]) if spec.nbytes else None
-                   for spec, (region, offset) in zip(job.specs, job.welcome.locations)]
+    def _layout(job: ReceiveJob, regions: list[torch.Tensor]) -> _Layout:
+        """Where the tensors lie in the regions, kept for as long as the regions stay held
+        (HeldMappings.memo): a repeat pull looks at no tensor and cuts no view again; else made at
+        every transfer."""
+        memo = HELD.memo(job.welcome.ipc) if job.scratch.get("held") else None
         if memo is None:
-            return sources, None
-        if len(memo) >= 8:  # layouts come and go (a LoRA adapter, a delta): keep the latest few
-            memo.clear()
-        memo[key] = sources, {}
+            return _Layout(job.specs, job.welcome.locations, regions, None)
+        key = ("layout", tuple(map(tuple, job.welcome.locations)), tuple(s.nbytes for s in job.specs))
+        if key not in memo:
+            if len(memo) >= 8:  # layouts come and go (a LoRA adapter, a delta): keep the latest few
+                memo.clear()
+            memo[key] = _Layout(job.specs, job.welcome.locations, regions, {})
         return memo[key]
+
+
+class _Layout:
+    """What a pull derives from the regions and the tensors' locations in them: whether they lie back
+    to back in one (`whole`: region, start, bytes), else each tensor's bytes (`sources`); and `plans`,
+    a dict for what the writer derives from those (DestWriter.write_all), when the regions are held."""
+
+    def __init__(self, specs, locations, regions: list[torch.Tensor], plans: dict | None):
+        self.whole = contiguous(specs, locations)
+        self.plans = plans
+        self._args = specs, locations, regions
+
+    @cached_property
+    def sources(self) -> list[tuple[torch.Tensor, int] | None]:
+        """(bytes, storage pointer) of every tensor, None for an empty one."""
+        specs, locations, regions = self._args
+        bases = [r.untyped_storage().data_ptr() for r in regions]
+        return [(regions[region][offset:offset + spec.nbytes], bases[region]) if spec.nbytes else None
+                for spec, (region, offset) in zip(specs, locations)]
 
 
 class ShmChannel(_Mapped):
