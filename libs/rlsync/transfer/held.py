@@ -80,6 +80,15 @@ class HeldMappings:
             index = self._index
             return [index.get(h) for h in handles]
 
+    def get_all(self, handles: list[bytes]) -> list[torch.Tensor] | None:
+        """get() of each handle when some holder keeps every one of them, else None."""
+        with self._lock:
+            index = self._index
+            try:
+                return [index[h] for h in handles]
+            except KeyError:
+                return None
+
     def _reindex(self) -> None:
         self._index = {h: t for mine in reversed(self._held.values()) for h, t in mine.items()}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from functools import cached_property
+from operator import itemgetter
 
 import torch
 
@@ -31,6 +32,7 @@ class DestWriter:
         self.specs = specs
         self.device = device
         self.received = [0] * len(specs)
+        self.landed = False  # every tensor's bytes are in (written in place in one go)
         flat = dest if isinstance(dest, FlatStore) else None
         self.dest = flat.views if flat is not None else dest
         # All destinations back to back in one buffer (flat engine weights): one view of them all.
@@ -116,7 +118,7 @@ class DestWriter:
     def write_whole(self, data: torch.Tensor) -> None:
         """All tensors at once, when both sides lay them out back to back (see `whole`)."""
         self.whole.copy_(data, non_blocking=True)
-        self.received = [s.nbytes for s in self.specs]  # every one lands in place: nothing to complete
+        self.landed = True  # every one lands in place: nothing to complete
 
     def write_all(self, sources: list[tuple[torch.Tensor, int] | None], plans: dict | None = None) -> None:
         """Writes whole tensors, given as (bytes, storage pointer of those bytes) or None to skip;
@@ -137,7 +139,7 @@ class DestWriter:
                     if len(plans) >= 8:  # destinations come and go: keep the latest few
                         plans.clear()
                     plans[key] = table
-            self.received = [s.nbytes for s in self.specs]  # every one lands in place: nothing to complete
+            self.landed = True  # every one lands in place: nothing to complete
             return
         marks = []
 
@@ -171,18 +173,21 @@ class DestWriter:
     def finish(self) -> int:
         """Checks that every byte arrived (and per-tensor checksums, when the manifest has them);
         returns the bytes received."""
-        if self.received != [s.nbytes for s in self.specs]:
+        if not self.landed and self.received != [s.nbytes for s in self.specs]:
             short = [(s.name, got, s.nbytes) for s, got in zip(self.specs, self.received) if got != s.nbytes]
             name, got, want = short[0]
             raise DataLoss(f"transfer truncated: {len(short)} tensor(s) incomplete, e.g. {name!r} got "
                            f"{got} of {want} bytes; the destination must not be used")
-        for i, spec in enumerate(self.specs):
+        for i, spec in enumerate(self.specs if any(map(_checksum, self.specs)) else ()):
             if spec.checksum:
                 got = checksum_bytes(self.targets[i])
                 if got != spec.checksum:
                     raise DataLoss(f"checksum mismatch for {spec.name!r} (sent {spec.checksum}, received {got}): "
                                    "the bytes were corrupted on the way; the destination must not be used")
-        return sum(self.received)
+        return sum(map(_nbytes, self.specs)) if self.landed else sum(self.received)
+
+
+_nbytes, _checksum = itemgetter(3), itemgetter(4)  # Spec.nbytes, Spec.checksum
 
 
 def _numel(shape: tuple[int, ...]) -> int:

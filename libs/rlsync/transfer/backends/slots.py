@@ -197,12 +197,14 @@ class _Mapped(abc.ABC):
         memo = HELD.memo(job.welcome.ipc) if job.scratch.get("held") else None
         if memo is None:
             return _Layout(job.specs, job.welcome.locations, regions, None)
-        key = ("layout", tuple(map(tuple, job.welcome.locations)), tuple(s.nbytes for s in job.specs))
-        if key not in memo:
-            if len(memo) >= 8:  # layouts come and go (a LoRA adapter, a delta): keep the latest few
-                memo.clear()
-            memo[key] = _Layout(job.specs, job.welcome.locations, regions, {})
-        return memo[key]
+        kept = memo.setdefault("layouts", [])
+        found = next((layout for layout in kept if layout.serves(job.specs, job.welcome.locations)), None)
+        if found is None:
+            if len(kept) >= 8:  # layouts come and go (a LoRA adapter, a delta): keep the latest few
+                kept.pop(0)
+            found = _Layout(job.specs, job.welcome.locations, regions, {})
+            kept.append(found)
+        return found
 
 
 class _Layout:
@@ -214,6 +216,11 @@ class _Layout:
         self.whole = contiguous(specs, locations)
         self.plans = plans
         self._args = specs, locations, regions
+        self._sizes = [s.nbytes for s in specs]
+
+    def serves(self, specs, locations) -> bool:
+        """Whether a pull of `specs` from `locations` (of the same regions) is this layout's."""
+        return locations == self._args[1] and (specs == self._args[0] or [s.nbytes for s in specs] == self._sizes)
 
     @cached_property
     def sources(self) -> list[tuple[torch.Tensor, int] | None]:
@@ -307,9 +314,12 @@ class CudaIpcChannel(_Mapped):
         # a receiver told to hold them keeps this transfer's open for the next (closing those not listed).
         if job.hold:
             HELD.hold(job.hold, job.welcome.ipc, job.device)
-        held = HELD.get_many(job.welcome.ipc)
-        job.scratch["held"] = all(t is not None for t in held)
-        return [open_cuda(raw, job.device) if t is None else t for raw, t in zip(job.welcome.ipc, held)]
+        held = HELD.get_all(job.welcome.ipc)
+        job.scratch["held"] = held is not None
+        if held is not None:
+            return held
+        return [open_cuda(raw, job.device) if t is None else t
+                for raw, t in zip(job.welcome.ipc, HELD.get_many(job.welcome.ipc))]
 
 
 def describe_cuda(sources, cache: dict) -> dict:
