@@ -81,7 +81,9 @@ class Peak:
 
 
 def run_case(model: nn.Module, weights: WeightMap, backend: str, receivers: list[str], bucket: int, repeats: int,
-             device: str, ranks: int, rank: int, hold: bool = False) -> dict | None:
+             device: str, ranks: int, rank: int, hold: bool = False, pull: bool = False) -> dict | None:
+    """pull: receivers on the trainer's GPU copy the weights themselves, before they answer (what a
+    colocated replica does); their own seconds are the figure."""
     source, _ = module_source(model, weights)
     passes = 1 if isinstance(source, StreamedSource) else 0
     produce_seconds = [0.0]
@@ -108,12 +110,15 @@ def run_case(model: nn.Module, weights: WeightMap, backend: str, receivers: list
             nbytes = sum(s.nbytes for s in source.specs())
             largest = max(s.nbytes for s in source.specs())
             for i in range(repeats + 1):  # the first one warms up
-                offer = sender.offer(version=i)
-                report = sender.send(offer, group.answers(offer), timeout=600)
-                if not all(r["ok"] for r in group.results()):
+                offer = sender.offer(version=i, pull=pull)
+                answers = group.answers(offer)
+                report = sender.send(offer, answers, timeout=600)
+                results = group.results()
+                if not all(r["ok"] for r in results):
                     raise RuntimeError(f"{backend}: a receiver failed")
+                pulled = all(a.pull for a in answers)  # done by the receivers before they answered
                 if i:
-                    seconds.append(report.seconds)
+                    seconds.append(max(r["seconds"] for r in results) if pulled else report.seconds)
                 else:
                     produce_seconds[0] = 0.0
     finally:
@@ -122,10 +127,26 @@ def run_case(model: nn.Module, weights: WeightMap, backend: str, receivers: list
     if crashed:  # a receiver that aborts at exit is a failed run, not a footnote on stderr
         raise RuntimeError(f"{backend}: receiver exit codes {crashed}")
     s = statistics.median(seconds)
-    return {"ranks": ranks, "backend": backend, "mode": "one_copy" if offer.one_copy else "staged", "held": hold,
+    mode = "pull" if pulled else "one_copy" if offer.one_copy else "staged"
+    return {"ranks": ranks, "backend": backend, "mode": mode, "cast_by_receiver": bool(offer.mapped.dtype),
+            "held": hold,
             "streamed": bool(passes), "bytes": nbytes, "tensors": len(source.specs()), "seconds": round(s, 4),
             "GB/s": round(nbytes / s / GB, 3), "peak_extra_bytes": {0: peak.extra()},
             "bound_bytes": 2 * bucket + largest, "produce_seconds": round(produce_seconds[0] / repeats, 4)}
+
+
+def cast_limit(elements: int, device: str) -> float:
+    """GB/s of bf16 written by one fp32 -> bf16 cast of `elements` (median of 5): a cast's own limit."""
+    src = torch.ones(elements, dtype=torch.float32, device=device)
+    dst = torch.empty(elements, dtype=torch.bfloat16, device=device)
+    times = []
+    for _ in range(6):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return round(elements * 2 / statistics.median(times[1:]) / GB, 1)
 
 
 def single_rank(args, shapes, bucket) -> list[dict]:
@@ -133,22 +154,31 @@ def single_rank(args, shapes, bucket) -> list[dict]:
     cases = []
     if args.device == "cpu":
         limit = {"memcpy_1_thread": round(memcpy_limit(1 << 30, 1), 2)}
-        plan = [("module", torch.bfloat16, None, "shm", ["cpu"], False),
-                ("module", torch.bfloat16, None, "gloo", ["cpu"], False),
-                ("cast", torch.float32, torch.bfloat16, "shm", ["cpu"], False)]
+        plan = [("module", torch.bfloat16, None, "shm", ["cpu"], False, False),
+                ("module", torch.bfloat16, None, "gloo", ["cpu"], False, False),
+                ("cast", torch.float32, torch.bfloat16, "shm", ["cpu"], False, False)]
         key = "memcpy_1_thread"
     else:
-        limit = {"d2d_copy": round(d2d_limit(4 << 30, device), 1)}
+        limit = {"d2d_copy": round(d2d_limit(4 << 30, device), 1), "cast_fp32_to_bf16": cast_limit(1 << 30, device)}
         # held: the replica keeps the model's storages mapped between updates (as rlsync's replicas do for
         # a trainer on their GPU), else it maps and closes every storage at each update
-        plan = [("module", torch.bfloat16, None, "cuda_ipc", [device], False),
-                ("module", torch.bfloat16, None, "cuda_ipc", [device], True),
-                ("cast", torch.float32, torch.bfloat16, "cuda_ipc", [device], False)]
+        # a replica; pull: it copies before it answers, as a colocated replica does (else over a connection),
+        # and a cast is then its own, out of the fp32 parameters (else the trainer's, streamed through slots)
+        plan = [("module", torch.bfloat16, None, "cuda_ipc", [device], False, False),
+                ("module", torch.bfloat16, None, "cuda_ipc", [device], True, False),
+                ("module", torch.bfloat16, None, "cuda_ipc", [device], True, True),
+                ("cast", torch.float32, torch.bfloat16, "cuda_ipc", [device], False, False),
+                ("cast", torch.float32, torch.bfloat16, "cuda_ipc", [device], False, True),
+                ("cast", torch.float32, torch.bfloat16, "cuda_ipc", [device], True, True)]
         key = "d2d_copy"
-    for layout, dtype, out, backend, receivers, hold in plan:
+    for layout, dtype, out, backend, receivers, hold, pull in plan:
         model = build_module(shapes, dtype, device)
-        r = run_case(model, WeightMap(dtype=out), backend, receivers, bucket, args.repeats, device, 1, 0, hold)
+        r = run_case(model, WeightMap(dtype=out), backend, receivers, bucket, args.repeats, device, 1, 0, hold,
+                     pull)
         r.update(layout=layout, limit=key, limit_GB_s=limit[key], ratio=round(r["GB/s"] / limit[key], 3))
+        if layout == "cast" and "cast_fp32_to_bf16" in limit:  # the cast kernel's own rate bounds a cast
+            r.update(cast_limit_GB_s=limit["cast_fp32_to_bf16"],
+                     ratio_to_cast=round(r["GB/s"] / limit["cast_fp32_to_bf16"], 3))
         print(json.dumps(r), flush=True)
         cases.append(r)
         del model

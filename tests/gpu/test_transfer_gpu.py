@@ -125,3 +125,38 @@ def test_a_held_scattered_pull_copies_each_steps_new_values_from_the_plan_it_kee
             peer.proc.wait(30)
     assert all(r["ok"] for r in results), results  # every tensor's checksum matched the sender's
     assert all(r["stages"]["map"] < results[0]["stages"]["map"] for r in results[1:]), "held: nothing mapped again"
+
+
+def test_fp32_parameters_published_as_bf16_are_cast_by_the_receiver_as_it_pulls_them():
+    """A module trained in fp32, published as bf16: the offer maps the fp32 parameters themselves
+    (MappedTensors.dtype) and the receiver, holding them, casts as it copies. Three steps of changing
+    values land exactly as the sender's own cast (checksums of the bf16 values in the manifest)."""
+    from torch import nn
+
+    from rlsync.publish import WeightMap
+    from rlsync.publish.source import module_source
+
+    g = torch.Generator().manual_seed(2)
+    model = nn.Module()
+    for i, n in enumerate(torch.randint(1, 5000, (12,), generator=g)):
+        model.register_parameter(f"w{i}", nn.Parameter(torch.randn(int(n), 3, generator=g).cuda()))
+    source, _ = module_source(model, WeightMap(dtype=torch.bfloat16))
+    with WeightSender(source, backends=["cuda_ipc"], checksums=True) as sender:
+        peer = Peer("receive", "--loop", "--hold", "test", "--backend", "cuda_ipc", "--device", "cuda:0")
+        try:
+            results = []
+            for step in range(3):
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(1.37).add_(0.01)  # in place: the storages stay where the receiver holds them
+                offer = sender.offer(version=step, pull=True)
+                assert set(offer.mapped.dtype) == {"float32"} and offer.manifest.tensors[0].dtype == "bfloat16"
+                peer.send(encode(offer))
+                ans = decode(pb.Answer, peer.line("ANSWER"))
+                assert ans.pull
+                sender.send(offer, [ans], timeout=60)
+                results.append(peer.result(60))
+        finally:
+            peer.proc.stdin.close()
+            peer.proc.wait(30)
+    assert all(r["ok"] for r in results), results  # every tensor's bf16 checksum matched the sender's cast

@@ -1,6 +1,7 @@
 """DestWriter over an engine's flat weights: a FlatStore laid out as the manifest is taken whole,
 without looking at any tensor; any other layout falls back to per-tensor destinations."""
 
+import pytest
 import torch
 
 from rlsync.flat import FlatStore
@@ -45,3 +46,20 @@ def test_another_order_or_mixed_dtypes_fall_back_to_each_tensor():
             writer.write(i, 0, sent[s.name].reshape(-1).view(torch.uint8))
         assert writer.finish() == sum(s.nbytes for s in specs)
         assert all(torch.equal(store.views[n], t) for n, t in sent.items())
+
+
+def test_tensors_sent_in_another_dtype_are_cast_as_they_are_written():
+    """A pull that casts (fp32 at the sender, bf16 in the manifest): each tensor lands as the sender's own
+    cast would make it, in place or through the buffer of a destination in a third dtype."""
+    from rlsync.errors import DataLoss
+
+    store = _store(SHAPES, {"b": torch.float16})
+    specs = [Spec(s.name, torch.bfloat16, s.shape, s.nbytes // s.dtype.itemsize * 2) for s in _specs(store, SHAPES)]
+    sent = {s.name: torch.randn(s.shape) * 3 for s in specs}
+    writer = DestWriter(specs, store, torch.device("cpu"))
+    writer.write_cast([sent[s.name].reshape(-1) if s.nbytes else None for s in specs])
+    assert writer.finish() == sum(s.nbytes for s in specs)
+    assert all(torch.equal(store.views[n], t.to(torch.bfloat16).to(store.views[n].dtype)) for n, t in sent.items())
+    short = DestWriter(specs, store, torch.device("cpu"))
+    with pytest.raises(DataLoss, match="'a': 11 elements sent"):
+        short.write_cast([torch.zeros(11)] + [None] * (len(specs) - 1))

@@ -56,3 +56,21 @@ def test_a_tensor_produced_unlike_its_spec_is_refused():
     wrong = [TENSORS[0].double(), TENSORS[1], TENSORS[2]]
     with pytest.raises(InvalidArgument, match="'t0' was described as float32"):
         source([], wrong).stream()[0]
+
+
+def test_a_module_published_in_another_dtype_offers_its_parameters_to_cast_on_the_way():
+    """fp32 parameters published as bf16: the source keeps the parameters themselves (a receiver on
+    their GPU maps them and casts as it copies); fusing two into one leaves nothing to map."""
+    from torch import nn
+
+    from rlsync.publish import WeightMap
+    from rlsync.publish.source import module_source
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(4, 3))
+    cast, _ = module_source(model, WeightMap(dtype=torch.bfloat16))
+    assert [t.data_ptr() for t in cast.originals] == [p.data_ptr() for p in model.parameters()]
+    assert [s.dtype for s in cast.specs()] == [torch.bfloat16] * 4
+    fused, _ = module_source(model, WeightMap(dtype=torch.bfloat16, fuse={"w": ["0.weight", "1.weight"]}))
+    assert fused.originals is None
+    with pytest.raises(InvalidArgument, match="originals"):
+        StreamedSource(cast.specs(), torch.device("cpu"), lambda i: None, originals=cast.originals[:1])

@@ -103,7 +103,10 @@ def module_source(model: nn.Module, weights: WeightMap | None = None, group=None
         parts = [tensors[p].detach().to(entries[i].dtype) for p in entries[i].parts]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
-    return StreamedSource(specs, device, produce, adapter=adapter, frozen=frozen), entries
+    # Every tensor one whole parameter, only cast: a receiver on the GPU can cast as it copies
+    cast_only = all(len(e.parts) == 1 and tensors[e.parts[0]].is_contiguous() for e in entries)
+    originals = [tensors[e.parts[0]].detach() for e in entries] if cast_only else None
+    return StreamedSource(specs, device, produce, adapter=adapter, frozen=frozen, originals=originals), entries
 
 
 def _nbytes(e: Entry) -> int:

@@ -40,6 +40,7 @@ class Welcome(msgspec.Struct, tag="welcome"):
     events: list[bytes] = []  # cuda_ipc staged: IPC handles of the events that mark each slot packed
     regions: list[int] = []  # shm one-copy: byte size of each region (sent as file descriptors)
     locations: list[tuple[int, int]] = []  # one-copy: (region, byte offset) of each tensor
+    dtypes: list[str] = []  # a pull that casts: each tensor's dtype in the regions (MappedTensors.dtype)
     verify: bool = False  # collectives: per-bucket checksums follow in Done
     group: str = ""  # collectives: the group's id ...
     reuse: bool = False  # ... and whether the receiver's held group of that id is used again

@@ -133,10 +133,12 @@ class Receiver:
     def _pull(self) -> Report:
         """Maps the memory the offer describes and copies every tensor from it (cuda_ipc)."""
         mapped = self.offer.mapped
-        if not (len(mapped.region) == len(mapped.offset) == len(self.specs)):
-            raise DataLoss(f"the offer maps {len(mapped.region)} tensors, its manifest has {len(self.specs)}")
+        if not (len(mapped.region) == len(mapped.offset) == len(self.specs)) or (
+                mapped.dtype and len(mapped.dtype) != len(self.specs)):
+            raise DataLoss(f"the offer maps {len(mapped.region)} tensors ({len(mapped.dtype)} dtypes), its manifest "
+                           f"has {len(self.specs)}")
         welcome = Welcome(self.answer.backend, self.offer.bucket_bytes, one_copy=True, ipc=list(mapped.ipc),
-                          locations=list(zip(mapped.region, mapped.offset)))
+                          locations=list(zip(mapped.region, mapped.offset)), dtypes=list(mapped.dtype))
         job = ReceiveJob(None, welcome, [], self.specs, [], self.writer, self.device, self.deadline,
                          self.offer.transfer_id, hold=self.hold)
         nbytes, copied = self.channel.pull(job, queued=mapped.waits)

@@ -18,6 +18,7 @@ from rlsync.transfer.backends import available, channel
 from rlsync.transfer.backends.base import SendJob, expect
 from rlsync.transfer.backends.slots import describe_cuda
 from rlsync.transfer.control import Conn, Deadline, Listener
+from rlsync.transfer.dtypes import dtype_name
 from rlsync.transfer.handshake import NAMES, PROTOCOL_VERSION, backend_of, local_facts
 from rlsync.transfer.manifest import Spec, from_proto, to_proto
 from rlsync.transfer.memory import SharedArena
@@ -123,7 +124,7 @@ class WeightSender:
             protocol_version=PROTOCOL_VERSION, manifest=manifest, facts=local_facts(self.device),
             backends=self.backends, token=secrets.token_hex(16), control_address=self.listener.address,
             local_control=self.listener.local_name, bucket_bytes=self.bucket_bytes, one_copy=one_copy,
-            transfer_id=transfer_id, mapped=self._mapped() if one_copy and pull else None)
+            transfer_id=transfer_id, mapped=self._mapped() if pull else None)
 
     def _mapped(self) -> pb.MappedTensors | None:
         """Where the CUDA tensors lie, for receivers on this GPU to pull them (cuda_ipc)."""
@@ -135,12 +136,23 @@ class WeightSender:
     def regions(self) -> pb.MappedTensors | None:
         """A handle per CUDA storage, and the region and offset of every tensor in them, for
         receivers on this GPU to map; None when they cannot (not CUDA, cuda_ipc not offered,
-        tensors not in place). It holds until the tensors move (the trainer offloads)."""
-        if self.device.type != "cuda" or pb.BACKEND_CUDA_IPC not in self.backends or not self._one_copy():
+        tensors not in place). It holds until the tensors move (the trainer offloads). A source that
+        casts whole tensors (StreamedSource.originals) describes those, with their dtypes: a receiver
+        casts as it copies."""
+        if self.device.type != "cuda" or pb.BACKEND_CUDA_IPC not in self.backends or not self.allow_one_copy:
             return None
-        described = describe_cuda(list(self.source.tensors.values()), self.cache)  # the addresses of resident()
+        if self._one_copy():
+            tensors, dtypes = list(self.source.tensors.values()), []  # the addresses of resident()
+        elif isinstance(self.source, StreamedSource) and self.source.originals is not None \
+                and all(t.is_cuda for t in self.source.originals):
+            tensors = self.source.originals
+            cast = any(t.dtype != s.dtype for t, s in zip(tensors, self.source.specs()))
+            dtypes = [dtype_name(t.dtype) for t in tensors] if cast else []
+        else:
+            return None
+        described = describe_cuda(tensors, self.cache)
         regions, offsets = zip(*described["locations"]) if described["locations"] else ((), ())
-        return pb.MappedTensors(ipc=described["ipc"], region=regions, offset=offsets)
+        return pb.MappedTensors(ipc=described["ipc"], region=regions, offset=offsets, dtype=dtypes)
 
     def send(self, offer: pb.Offer, answers: list[pb.Answer], timeout: float = 300.0) -> Report:
         """Moves the tensors to every answering receiver; returns once all confirmed receipt.

@@ -68,7 +68,15 @@ class StreamedSource:
     arena = None  # produced tensors never live in shared memory a receiver could map
 
     def __init__(self, specs: list[Spec], device: torch.device, produce: Callable[[int], torch.Tensor],
-                 adapter: pb.LoraAdapter | None = None, frozen: Mapping[str, torch.Tensor] | None = None):
+                 adapter: pb.LoraAdapter | None = None, frozen: Mapping[str, torch.Tensor] | None = None,
+                 originals: list[torch.Tensor] | None = None):
+        """originals: when every tensor is one whole tensor cast (`produce(i)` is `originals[i]` cast to
+        specs[i]'s dtype), those tensors: a receiver on their GPU may map them and cast as it copies
+        (MappedTensors.dtype), the one pass over the bytes."""
+        if originals is not None and not (len(originals) == len(specs) and all(
+                t.is_contiguous() and t.shape == s.shape for t, s in zip(originals, specs))):
+            raise InvalidArgument("originals must be one contiguous tensor of each spec's shape")
+        self.originals = originals
         self._specs = specs
         self.adapter, self.frozen = adapter, dict(frozen or {})
         self.device = device

@@ -16,6 +16,7 @@ from rlsync.errors import DataLoss, InvalidArgument
 from rlsync.flat import FlatStore
 from rlsync.transfer import batched
 from rlsync.transfer.checksum import checksum_bytes
+from rlsync.transfer.dtypes import itemsize
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.spans import byte_view, coalesce, copy_all
 
@@ -156,6 +157,18 @@ class DestWriter:
         copy_all(coalesce(direct()))
         for i in marks:
             self.mark(i, self.specs[i].nbytes)
+
+    def write_cast(self, sources: list[torch.Tensor | None]) -> None:
+        """Writes whole tensors given flat in another dtype (None: an empty one), cast as they are
+        copied: one pass over the bytes, a kernel per tensor."""
+        for i, src in enumerate(sources):
+            if src is None:
+                continue
+            spec = self.specs[i]
+            if src.numel() * itemsize(spec.dtype) != spec.nbytes:
+                raise DataLoss(f"{spec.name!r}: {src.numel()} elements sent, the manifest says {list(spec.shape)}")
+            self.targets[i].view(spec.dtype).copy_(src, non_blocking=True)
+            self.mark(i, spec.nbytes)
 
     def _typed(self, index: int) -> torch.Tensor:
         spec = self.specs[index]

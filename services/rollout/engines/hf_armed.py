@@ -38,8 +38,10 @@ class Arming:
     def learn(self, specs: list, mapped: pb.MappedTensors) -> None:
         """Remembers a pull from held storages that its sender waited for on the GPU (a ring), to
         queue it again at the next wake. One run of one storage into the whole store, or nothing; and
-        nothing for a manifest with checksums (they change with every version, and must be checked)."""
-        run = None if any(s.checksum for s in specs) else contiguous(specs, list(zip(mapped.region, mapped.offset)))
+        nothing for a manifest with checksums (they change with every version, and must be checked), nor
+        for a pull that casts (MappedTensors.dtype: not a copy of bytes)."""
+        run = None if mapped.dtype or any(s.checksum for s in specs) else \
+            contiguous(specs, list(zip(mapped.region, mapped.offset)))
         self.plan = (specs, tuple(mapped.region), tuple(mapped.offset), run) if run is not None else None
 
     def arm(self, weights) -> None:

@@ -17,6 +17,7 @@ from rlsync.errors import DataLoss, FailedPrecondition
 from rlsync.transfer.backends.base import ReceiveJob, SendJob, collect_results, expect, report_failure, sync
 from rlsync.transfer.checksum import checksum_bytes
 from rlsync.transfer.copied import record_copied
+from rlsync.transfer.dtypes import dtype_of, itemsize
 from rlsync.transfer.held import HELD
 from rlsync.transfer.memory import SharedBuffer, open_cuda, share_cuda
 from rlsync.transfer.messages import Done, Events, Freed, Ready, Result, Welcome
@@ -182,7 +183,9 @@ class _Mapped(abc.ABC):
         if len(job.welcome.locations) != len(job.specs):
             raise DataLoss(f"sender described {len(job.welcome.locations)} tensors, manifest has {len(job.specs)}")
         layout = self._layout(job, regions)
-        if layout.whole is not None and job.writer.whole is not None:  # flat on both sides: one copy
+        if job.welcome.dtypes:  # in another dtype at the sender: cast as copied
+            job.writer.write_cast(layout.typed(job.welcome.dtypes))
+        elif layout.whole is not None and job.writer.whole is not None:  # flat on both sides: one copy
             region, start, nbytes = layout.whole
             job.writer.write_whole(regions[region][start:start + nbytes])
         else:
@@ -217,10 +220,32 @@ class _Layout:
         self.plans = plans
         self._args = specs, locations, regions
         self._sizes = [s.nbytes for s in specs]
+        self._typed: tuple[tuple[str, ...], list] | None = None
 
     def serves(self, specs, locations) -> bool:
         """Whether a pull of `specs` from `locations` (of the same regions) is this layout's."""
         return locations == self._args[1] and (specs == self._args[0] or [s.nbytes for s in specs] == self._sizes)
+
+    def typed(self, dtypes: list[str]) -> list[torch.Tensor | None]:
+        """Every tensor as it lies in the regions, in `dtypes` (one name each), flat; None for an empty
+        one. Kept per list of dtypes, as `sources` is."""
+        key = tuple(dtypes)
+        if self._typed is None or self._typed[0] != key:
+            specs, locations, regions = self._args
+            out = []
+            for spec, name, (region, offset) in zip(specs, dtypes, locations):
+                dtype = dtype_of(name)
+                count = spec.nbytes // itemsize(spec.dtype) if spec.nbytes else 0
+                if not count:
+                    out.append(None)
+                    continue
+                view = regions[region][offset:offset + count * itemsize(dtype)]
+                if view.numel() != count * itemsize(dtype) or offset % itemsize(dtype):
+                    raise DataLoss(f"{spec.name!r}: {count} {name} elements at byte {offset} do not lie inside "
+                                   f"region {region} ({regions[region].numel()} bytes)")
+                out.append(view.view(dtype))
+            self._typed = key, out
+        return self._typed[1]
 
     @cached_property
     def sources(self) -> list[tuple[torch.Tensor, int] | None]:

@@ -167,18 +167,20 @@ class Routing(_message.Message):
     def __init__(self, ranks: _Optional[_Iterable[_Union[RankLayout, _Mapping]]] = ..., store: _Optional[str] = ...) -> None: ...
 
 class MappedTensors(_message.Message):
-    __slots__ = ("ipc", "region", "offset", "waits", "bell")
+    __slots__ = ("ipc", "region", "offset", "waits", "bell", "dtype")
     IPC_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     WAITS_FIELD_NUMBER: _ClassVar[int]
     BELL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     ipc: _containers.RepeatedScalarFieldContainer[bytes]
     region: _containers.RepeatedScalarFieldContainer[int]
     offset: _containers.RepeatedScalarFieldContainer[int]
     waits: bool
     bell: int
-    def __init__(self, ipc: _Optional[_Iterable[bytes]] = ..., region: _Optional[_Iterable[int]] = ..., offset: _Optional[_Iterable[int]] = ..., waits: _Optional[bool] = ..., bell: _Optional[int] = ...) -> None: ...
+    dtype: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ipc: _Optional[_Iterable[bytes]] = ..., region: _Optional[_Iterable[int]] = ..., offset: _Optional[_Iterable[int]] = ..., waits: _Optional[bool] = ..., bell: _Optional[int] = ..., dtype: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Answer(_message.Message):
     __slots__ = ("backend", "receiver_id", "ranks", "bucket_bytes", "reason", "facts", "transfer_id", "pull", "stages", "delta", "base_version", "copied", "layout", "groups")
