@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import statistics
 import sys
 import time
@@ -76,6 +77,31 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(out)
 
 
+def cast_forms(shapes, repeats: int) -> dict:
+    """The same tensors in fp32, scattered, cast into one bf16 buffer: the library's cast kernel in one
+    launch over a table, a copy_ each (torch's cast kernel per tensor), and one flat copy_ of all the
+    elements (torch's cast at its best), each bit for bit against torch's own cast."""
+    srcs = [torch.randn(math.prod(shape), device="cuda:0") for shape in shapes.values()]
+    flat = torch.empty(sum(t.numel() for t in srcs), dtype=torch.bfloat16, device="cuda:0")
+    dsts = list(torch.split(flat, [t.numel() for t in srcs]))
+    rows, rest = batched.split_cast(list(zip(srcs, dsts)))
+    table = batched.table(rows, torch.device("cuda:0"), cast=True)
+    flat_src = torch.cat(srcs)
+    out = {"elements": flat.numel(), "in_table": len(rows), "rest": len(rest),
+           "flat_copy_ms": round(timed(lambda: flat.copy_(flat_src), repeats) * 1e3, 3)}
+    for name, fn in (("table", lambda: batched.launch(table)),
+                     ("copy_each", lambda: [d.copy_(s) for s, d in zip(srcs, dsts)])):
+        flat.zero_()
+        out[f"{name}_ms"] = round(timed(fn, repeats) * 1e3, 3)
+        for a, b in rest:
+            b.copy_(a)
+        out[f"{name}_exact"] = all(torch.equal(d.view(torch.int16), s.to(torch.bfloat16).view(torch.int16))
+                                   for s, d in zip(srcs, dsts))
+    out["table_vs_flat"] = round(out["flat_copy_ms"] / out["table_ms"], 3)
+    out["copy_each_vs_flat"] = round(out["flat_copy_ms"] / out["copy_each_ms"], 3)
+    return out
+
+
 def launch_costs(rows, calls: int = 200) -> dict:
     """CPU microseconds per launch of the library's table (its rows cut to 16 bytes: the GPU's time
     is not what is measured), as batched.launch makes it, as a replay of a CUDA graph of it, and of
@@ -132,6 +158,8 @@ def main() -> None:
                                  "ms": round(seconds * 1e3, 3), "ratio": round(flat / seconds, 3), "exact": exact})
     out["best"] = max((f for f in out["forms"] if f["exact"]), key=lambda f: f["ratio"])
     out["launch_us"] = launch_costs(rows)
+    del srcs, dsts
+    out["cast"] = cast_forms(shapes, args.repeats)
     print(json.dumps(out, indent=1))
 
 

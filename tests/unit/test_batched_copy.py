@@ -73,3 +73,37 @@ def test_the_kernel_lands_every_byte_of_a_scattered_layout_under_tritons_interpr
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["exact"] and got["untouched"], got
     assert got["kernel"] > 0 and got["rest"] > 0, f"both paths must run: {got}"
+
+
+CAST_RUN = r"""
+import json, sys, torch
+from rlsync.transfer import batched
+from rlsync.transfer.spans import cast_all
+batched.CAST_CHUNK = 64  # many chunks per tensor, and tails
+g = torch.Generator().manual_seed(int(sys.argv[1]))
+counts = [int(n) for n in torch.randint(0, 90, (20,), generator=g) * 2]  # some not multiples of 4
+src = torch.randn(sum(counts) + 64, generator=g) * 100
+src[:8] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 1e-40, -1e-39, 3e38, 0.0, -0.0])  # ties, subnormals
+dst = torch.zeros(sum(counts) * 2 + 64, dtype=torch.bfloat16)
+pairs, s, d = [], (-src.data_ptr() % 16) // 4, (-dst.data_ptr() % 8) // 2
+for n in counts:  # scattered on both sides
+    pairs.append((src[s:s + n], dst[d:d + n]))
+    s, d = s + n + 4 * (n % 3 == 0), d + n + 4
+rows, rest = batched.split_cast(pairs)
+batched.launch(batched.table(rows, torch.device("cpu"), cast=True))  # the kernel, interpreted
+for a, b in rest:
+    b.copy_(a)
+print(json.dumps({"exact": all(torch.equal(b.view(torch.int16), a.to(torch.bfloat16).view(torch.int16))
+                                for a, b in pairs), "kernel": len(rows), "rest": len(rest),
+                  "cast_all_off_gpu": cast_all(pairs) is None}))
+"""
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_cast_kernel_rounds_as_torch_does_under_tritons_interpreter(seed):
+    """fp32 -> bf16 in one launch, bit for bit as torch's own cast (ties to even, subnormals, signs)."""
+    done = subprocess.run([sys.executable, "-c", CAST_RUN, str(seed)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["exact"] and got["kernel"] > 0 and got["rest"] > 0 and got["cast_all_off_gpu"], got

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections import OrderedDict
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -24,6 +25,9 @@ ALIGN = 16  # bytes: addresses and sizes the kernel takes
 CHUNK = 1 << 18  # bytes a program copies at most
 BLOCK = 2048  # 16-byte pairs of words a program moves per step
 WARPS = 4  # the fastest of bench/copy_kernels.py's forms, H200
+CAST = (torch.float32, torch.bfloat16)  # the one cast the cast kernel makes (fp32 master weights, bf16 engine)
+CAST_CHUNK = 1 << 16  # elements a program casts at most (256 KiB read)
+CAST_BLOCK = 1024
 
 
 def available(device: torch.device) -> bool:
@@ -44,47 +48,71 @@ def split(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[np.ndarray, l
     return np.array(rows, dtype=np.int64).reshape(-1, 3), rest
 
 
-def chunks(rows: np.ndarray, chunk: int) -> np.ndarray:
-    """Each row cut into rows of at most `chunk` bytes, in order: [src, dst, bytes]."""
+def split_cast(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[np.ndarray, list]:
+    """split() for casts: rows [src address, dst address, elements] of the (fp32, bf16) flat pairs the
+    cast kernel takes (addresses multiples of 16 and 8 bytes, elements of 4, one device), and the rest."""
+    rows, rest = [], []
+    for src, dst in pairs:
+        s, d, n = src.data_ptr(), dst.data_ptr(), src.numel()
+        if (src.dtype, dst.dtype) != CAST or s % 16 or d % 8 or n % 4 or dst.numel() != n or src.device != dst.device:
+            rest.append((src, dst))
+        else:
+            rows.append((s, d, n))
+    return np.array(rows, dtype=np.int64).reshape(-1, 3), rest
+
+
+def chunks(rows: np.ndarray, chunk: int, sizes: tuple[int, int] = (1, 1)) -> np.ndarray:
+    """Each row cut into rows of at most `chunk` units, in order: [src, dst, units]; a unit is `sizes`
+    bytes at the source and at the destination (1 and 1 for a copy's rows, 4 and 2 for a cast's)."""
     counts = (rows[:, 2] + chunk - 1) // chunk
     which = np.repeat(np.arange(len(rows)), counts)
     offsets = (np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)) * chunk
     out = rows[which].copy()
-    out[:, 0] += offsets
-    out[:, 1] += offsets
+    out[:, 0] += offsets * sizes[0]
+    out[:, 1] += offsets * sizes[1]
     out[:, 2] = np.minimum(chunk, out[:, 2] - offsets)
     return out
 
 
-_TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # (device, CHUNK, rows' bytes) -> chunk table there
+_TABLES: OrderedDict[tuple, Table] = OrderedDict()  # (device, CHUNK, rows' bytes) -> chunk table there
 _TABLES_MAX = 64  # a transfer's buckets each have theirs
 _LOCK = threading.Lock()  # senders and receivers run in threads of their own
 
 
-def table(rows: np.ndarray, device: torch.device) -> torch.Tensor:
-    """The chunk table of `rows` on `device`, made once (its upload waits for the stream) and kept
-    while in use; a caller that launches it again and again keeps it itself (a held pull's plan)."""
+def table(rows: np.ndarray, device: torch.device, cast: bool = False) -> Table:
+    """The chunk table of `rows` (of split(), or of split_cast() with `cast`) on `device`, made once
+    (its upload waits for the stream) and kept while in use; a caller that launches it again and
+    again keeps it itself (a held pull's plan)."""
     device = _indexed(device)
-    key = (device, CHUNK, rows.tobytes())
+    chunk = CAST_CHUNK if cast else CHUNK
+    key = (device, chunk, cast, rows.tobytes())
     with _LOCK:
         found = _TABLES.pop(key, None)
         if found is None:
-            found = torch.from_numpy(chunks(rows, CHUNK)).to(device)
+            sizes = (CAST[0].itemsize, CAST[1].itemsize) if cast else (1, 1)
+            found = Table(torch.from_numpy(chunks(rows, chunk, sizes)).to(device), cast)
         _TABLES[key] = found
         while len(_TABLES) > _TABLES_MAX:
             _TABLES.popitem(last=False)
     return found
 
 
-def launch(table: torch.Tensor) -> None:
-    """Queues every copy of `table` on the current stream of its device, in one launch."""
-    run = _kernel()[(table.shape[0],)]
-    if table.device.type == "cuda":
-        with torch.cuda.device(table.device):
-            table.record_stream(torch.cuda.current_stream(table.device))  # read there, whoever made it
-            run(table, BLOCK=BLOCK, num_warps=WARPS)
+class Table(NamedTuple):
+    rows: torch.Tensor  # [src, dst, count] per chunk, int64, on the device
+    cast: bool  # counts are elements to cast (split_cast), else bytes to copy
+
+
+def launch(table: Table) -> None:
+    """Queues every copy (or cast) of `table` on the current stream of its device, in one launch."""
+    rows = table.rows
+    kernel, block = (_kernel().cast_chunks, CAST_BLOCK) if table.cast else (_kernel().copy_chunks, BLOCK)
+    run = kernel[(rows.shape[0],)]
+    if rows.device.type == "cuda":
+        with torch.cuda.device(rows.device):
+            rows.record_stream(torch.cuda.current_stream(rows.device))  # read there, whoever made it
+            run(rows, BLOCK=block, num_warps=WARPS)
     else:  # only under TRITON_INTERPRET=1
-        run(table, BLOCK=BLOCK)
+        run(rows, BLOCK=block)
 
 
 def _indexed(device: torch.device) -> torch.device:
@@ -98,7 +126,7 @@ def _indexed(device: torch.device) -> torch.device:
 def _kernel():
     """The kernel, built at first use (importing Triton takes a fraction of a second); None without Triton."""
     try:
-        from rlsync.transfer.batched_kernel import copy_chunks
+        from rlsync.transfer import batched_kernel
     except ImportError:
         return None
-    return copy_chunks
+    return batched_kernel

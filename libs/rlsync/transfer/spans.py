@@ -67,7 +67,7 @@ def _merged(run: list[View]) -> tuple[torch.Tensor, torch.Tensor]:
 SMALL = 1 << 20  # bytes: below it, a copy costs its launch more than its bytes
 
 
-def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], one_launch: bool = True) -> torch.Tensor | None:
+def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], one_launch: bool = True) -> batched.Table | None:
     """Queues dst.copy_(src) for every (src, dst) of one device. On a GPU (with Triton), every pair
     whose addresses and size allow it goes in one kernel launch over a table of them
     (rlsync.transfer.batched; `one_launch=False` leaves that out). The rest are copied as they come:
@@ -90,6 +90,22 @@ def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], one_launch: boo
     if table is not None:
         batched.launch(table)
     _copy_each(rest)
+    return None if rest else table
+
+
+def cast_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> batched.Table | None:
+    """Queues dst.copy_(src) for every flat (src, dst) of one device, in different dtypes (a cast): on
+    a GPU (with Triton), the fp32 -> bf16 ones in one kernel launch (batched.split_cast), the rest a
+    copy_ each. Returns the table when every pair went in it, else None (as copy_all)."""
+    if not pairs:
+        return None
+    device = pairs[0][1].device
+    rows, rest = batched.split_cast(pairs) if batched.available(device) else (None, pairs)
+    table = batched.table(rows, device, cast=True) if rows is not None and len(rows) else None
+    if table is not None:
+        batched.launch(table)
+    for src, dst in rest:
+        dst.copy_(src, non_blocking=True)
     return None if rest else table
 
 

@@ -18,7 +18,7 @@ from rlsync.transfer import batched
 from rlsync.transfer.checksum import checksum_bytes
 from rlsync.transfer.dtypes import itemsize
 from rlsync.transfer.manifest import Spec
-from rlsync.transfer.spans import byte_view, coalesce, copy_all
+from rlsync.transfer.spans import byte_view, cast_all, coalesce, copy_all
 
 Destination = Mapping[str, torch.Tensor] | FlatStore | Callable[[str, torch.Tensor], None]
 
@@ -127,20 +127,11 @@ class DestWriter:
         `plans`: a dict kept as long as `sources` stay where they are (a held mapping's); where every
         copy lands in place and fits one kernel launch, the launch's table is kept there under the
         destinations' addresses, and a repeat write cuts no view and looks at no tensor pair again."""
-        if plans is not None and all(self.direct):
-            whole = self.whole  # laid out as the manifest (whose sizes `plans` is kept for): its address says all
-            key = ("whole", whole.data_ptr()) if whole is not None else tuple(t.data_ptr() for t in self.tensors)
-            table = plans.get(key)
-            if table is not None:
-                batched.launch(table)
-            else:
-                table = copy_all(coalesce(item[:1] + (item[1], self.targets[i], self.bases[i])
-                                          for i, item in enumerate(sources) if item is not None and item[0].numel()))
-                if table is not None:  # every copy in one launch: the next write only launches it
-                    if len(plans) >= 8:  # destinations come and go: keep the latest few
-                        plans.clear()
-                    plans[key] = table
-            self.landed = True  # every one lands in place: nothing to complete
+        key = self._plan_key(plans, "copy")
+        if key is not None:
+            self._planned(plans, key, sources, lambda: copy_all(coalesce(
+                item[:1] + (item[1], self.targets[i], self.bases[i])
+                for i, item in enumerate(sources) if item is not None and item[0].numel())))
             return
         marks = []
 
@@ -158,17 +149,49 @@ class DestWriter:
         for i in marks:
             self.mark(i, self.specs[i].nbytes)
 
-    def write_cast(self, sources: list[torch.Tensor | None]) -> None:
+    def write_cast(self, sources: list[torch.Tensor | None], plans: dict | None = None) -> None:
         """Writes whole tensors given flat in another dtype (None: an empty one), cast as they are
-        copied: one pass over the bytes, a kernel per tensor."""
+        copied: one pass over the bytes (spans.cast_all). `plans`: as for write_all."""
+        def cast() -> batched.Table | None:
+            pairs = []
+            for i, src in enumerate(sources):
+                spec = self.specs[i]
+                if src is not None and src.numel() * itemsize(spec.dtype) != spec.nbytes:
+                    raise DataLoss(f"{spec.name!r}: {src.numel()} elements sent, the manifest says "
+                                   f"{list(spec.shape)}")
+                if src is not None:
+                    pairs.append((src, self.targets[i].view(spec.dtype)))
+            return cast_all(pairs)
+
+        key = self._plan_key(plans, "cast")
+        if key is not None:
+            self._planned(plans, key, sources, cast)
+            return
+        cast()
         for i, src in enumerate(sources):
-            if src is None:
-                continue
-            spec = self.specs[i]
-            if src.numel() * itemsize(spec.dtype) != spec.nbytes:
-                raise DataLoss(f"{spec.name!r}: {src.numel()} elements sent, the manifest says {list(spec.shape)}")
-            self.targets[i].view(spec.dtype).copy_(src, non_blocking=True)
-            self.mark(i, spec.nbytes)
+            if src is not None:
+                self.mark(i, self.specs[i].nbytes)
+
+    def _plan_key(self, plans: dict | None, kind: str) -> tuple | None:
+        """Where a kept launch may serve (every destination in place): the destinations' addresses."""
+        if plans is None or not all(self.direct):
+            return None
+        whole = self.whole  # laid out as the manifest (whose sizes `plans` is kept for): its address says all
+        return (kind, whole.data_ptr()) if whole is not None else (kind, *(t.data_ptr() for t in self.tensors))
+
+    def _planned(self, plans: dict, key: tuple, sources: list, write: Callable[[], batched.Table | None]) -> None:
+        """Launches the table kept under `key` for these very `sources` (a held layout keeps its list),
+        else writes, and keeps the table when everything went in one launch."""
+        kept = plans.get(key)
+        if kept is not None and kept[0] is sources:
+            batched.launch(kept[1])
+        else:
+            table = write()
+            if table is not None:  # every copy in one launch: the next write only launches it
+                if len(plans) >= 8:  # destinations come and go: keep the latest few
+                    plans.clear()
+                plans[key] = sources, table  # the list itself: its id alone could be a new list's
+        self.landed = True  # every one lands in place: nothing to complete
 
     def _typed(self, index: int) -> torch.Tensor:
         spec = self.specs[index]

@@ -184,7 +184,7 @@ class _Mapped(abc.ABC):
             raise DataLoss(f"sender described {len(job.welcome.locations)} tensors, manifest has {len(job.specs)}")
         layout = self._layout(job, regions)
         if job.welcome.dtypes:  # in another dtype at the sender: cast as copied
-            job.writer.write_cast(layout.typed(job.welcome.dtypes))
+            job.writer.write_cast(layout.typed(job.welcome.dtypes), layout.plans)
         elif layout.whole is not None and job.writer.whole is not None:  # flat on both sides: one copy
             region, start, nbytes = layout.whole
             job.writer.write_whole(regions[region][start:start + nbytes])
