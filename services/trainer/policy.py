@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from rlsync.common.timing import Stopwatch
 from rlsync.flat import FlatStore, specs_of
 from rlsync.lora import split as lora_split
 from rlsync.models import torch_dtype
@@ -28,16 +29,21 @@ class _Stash:
             free = pinned.setdefault(key, [])
             self.host = free.pop() if free else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             self._pool = free
-            self.host.copy_(t)
-            self.path = None
+            self.host.copy_(t, non_blocking=True)  # the offload waits for every copy at once (stream order
+            self.path = None  # keeps t's memory from being reused before: its frees are stream-ordered)
         else:
             self.host = None
             self.path = spool / f"{uuid.uuid4().hex}.bin"
             t.contiguous().reshape(-1).view(torch.uint8).numpy().tofile(self.path)
 
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
+
     def restore_into(self, out: torch.Tensor) -> torch.Tensor:
+        """Queues the copy back (the onload waits for them all before the pinned buffer is reused)."""
         if self.host is not None:
-            out.copy_(self.host, non_blocking=False)
+            out.copy_(self.host, non_blocking=True)
             self._pool.append(self.host)
         else:
             with open(self.path, "rb") as f:
@@ -87,6 +93,7 @@ class Policy:
         self.offloaded = False
         self._stashed: dict = {}
         self._pinned: dict = {}
+        self.switch_profile: dict[str, dict[str, float]] = {}  # the last offload's and onload's stages
         self.spool = Path(spool_dir) if spool_dir else Path(tempfile.mkdtemp(prefix="rlsync-spool-"))
         self.spool.mkdir(parents=True, exist_ok=True)
 
@@ -134,6 +141,7 @@ class Policy:
     def offload(self) -> None:
         if self.offloaded:
             return
+        clock = Stopwatch()
         self.optimizer.zero_grad(set_to_none=True)
         for group, store in {"params": self.store, "reference": self.reference}.items():
             if store is not None:
@@ -151,13 +159,21 @@ class Policy:
             self.arena.close()
             self.arena = None
         self.offloaded = True
+        clock.lap("queue")
         if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # every copy to pinned memory done
+            clock.lap("copy")
             torch.cuda.ipc_collect()  # memory receivers mapped (CUDA IPC) is only freed once collected
             torch.cuda.empty_cache()
+            clock.lap("release")
+        moved = sum(stash.nbytes for group in self._stashed.values() for stash in group.values())
+        self.switch_profile["offload"] = {**clock.stages, "bytes_to_host": moved}
 
     def onload(self) -> None:
         if not self.offloaded:
             return
+        clock = Stopwatch()
+        moved = sum(stash.nbytes for group in self._stashed.values() for stash in group.values())
         self.store = self._new_store()
         for dtype, stash in self._stashed.pop("params").items():
             stash.restore_into(self.store.buffers[dtype])
@@ -169,7 +185,12 @@ class Policy:
         states = list(self.optimizer.state.values())
         for (i, k), stash in self._stashed.pop("optimizer").items():
             states[i][k] = stash.restore()
+        clock.lap("queue")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # back on the GPU, and the pinned buffers free to reuse
+            clock.lap("copy")
         self.offloaded = False
+        self.switch_profile["onload"] = {**clock.stages, "bytes_to_device": moved}
 
     def close(self) -> None:
         for group in self._stashed.values():

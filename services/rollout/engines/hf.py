@@ -113,6 +113,7 @@ class HFEngine(Engine):
         self._admitting = True  # Pause(ABORT|WAIT): running sequences go on, new ones wait
         self._drained: list[concurrent.futures.Future] = []  # Pause(WAIT) callers
         self._rng = torch.Generator().manual_seed(self.args.seed)
+        self.switch_profile: dict[str, dict[str, float]] = {}  # the last sleep's stages (bench/switch.py)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -364,12 +365,20 @@ class HFEngine(Engine):
     # ---- memory ---------------------------------------------------------------------------------
     async def sleep(self, level: int) -> None:
         def apply() -> None:
+            clock = Stopwatch()
             self._abort_all("aborted by Sleep")
             self.batch.remove(set(self.batch.seqs))
-            self.weights.sleep(level)
+            clock.lap("abort")
+            moved = self.weights.sleep(level)
+            clock.lap("weights")
+            allocated = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
             gc.collect()
+            freed = allocated - (torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0)
+            clock.lap("gc")
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+            clock.lap("empty_cache")
+            self.switch_profile["sleep"] = {**clock.stages, "bytes_to_host": moved, "gc_freed_bytes": freed}
 
         await self._call(apply)
 

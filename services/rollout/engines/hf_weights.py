@@ -70,22 +70,25 @@ class Weights:
             self.armed.disarm()
             self.armed = None
 
-    def sleep(self, level: int) -> None:
+    def sleep(self, level: int) -> int:
+        """-> the bytes copied to host memory."""
         self.disarm()
         self.spare = None  # its memory goes back with the rest
         if self.store is None:
-            return
+            return 0
+        moved = 0
         if level == 1 and self.device.type != "cpu":
             if not self.pending_restore:  # else the backup still holds the weights
                 self._host = self._host or FlatStore(self.specs, torch.device("cpu"), pin=True)
                 self._host.copy_from(self.store)
                 torch.cuda.synchronize(self.device)
-                self.backup = self._host
+                self.backup, moved = self._host, self.store.nbytes()
         elif level == 1:
-            return  # already in host memory: nothing to move off the device
+            return 0  # already in host memory: nothing to move off the device
         else:
             self.backup, self.pending_restore = None, False
         self._place(None)
+        return moved
 
     def wake_up(self) -> None:
         if self.store is not None:
