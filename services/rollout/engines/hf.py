@@ -372,7 +372,9 @@ class HFEngine(Engine):
             moved = self.weights.sleep(level)
             clock.lap("weights")
             allocated = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-            gc.collect()
+            # Young cycles only (requests, sequences just dropped): 0.1 ms. A full collection walks every
+            # object of torch and transformers (0.24 s on the GPU host) and freed nothing (gc_freed_bytes 0).
+            gc.collect(1)
             freed = allocated - (torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0)
             clock.lap("gc")
             if self.device.type == "cuda":
