@@ -32,6 +32,7 @@ from models import PRESETS, preset_shapes  # noqa: E402
 from transfer import d2d_limit, make_tensors  # noqa: E402
 
 from rlsync.transfer import Receiver, WeightSender, answer, checksum_tensor  # noqa: E402
+from rlsync.transfer.held import HELD  # noqa: E402
 from rlsync.transfer.peer import decode, encode  # noqa: E402
 from rlsync.transfer.v1 import transfer_pb2 as pb  # noqa: E402
 
@@ -114,7 +115,8 @@ class Peer:
     def __init__(self, system: str, args: argparse.Namespace):
         self.system = system
         self.proc = subprocess.Popen([sys.executable, __file__, "--serve", system, "--preset", args.preset,
-                                      "--bytes-check", args.bytes_check, "--timeout", str(args.timeout)],
+                                      "--bytes-check", args.bytes_check, "--timeout", str(args.timeout),
+                                      *(["--hold"] if args.hold else [])],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.expect("READY")
 
@@ -260,11 +262,14 @@ def emit(kind: str, payload: str) -> None:
     print(f"{kind} {payload}", flush=True)
 
 
-def rlsync_receiver(dest: dict[str, torch.Tensor], timeout: float):
+def rlsync_receiver(dest: dict[str, torch.Tensor], timeout: float, hold: bool):
+    """hold: the trainer's storages stay mapped from one round to the next, as a replica on the trainer's
+    GPU keeps them (HoldWeights) while they stay in place."""
     def receive(msg: dict) -> None:
         offer = decode(pb.Offer, msg["offer"])
         ans = answer(offer, "bench-receiver", device=DEVICE, force="cuda_ipc")
-        receiver = Receiver(offer, ans, dest, timeout=timeout)  # connects before answering, as rlsync's engines do
+        receiver = Receiver(offer, ans, dest, timeout=timeout,  # connects before answering, as rlsync's engines do
+                            hold="bench" if hold else "")
         if ans.pull:  # the offer says where the tensors lie: copied before the answer, as rlsync's engines do
             receiver.run()
         emit("ANSWER", encode(ans))
@@ -304,7 +309,8 @@ def serve(args) -> None:
     shapes = preset_shapes(args.preset)
     dest = make_tensors(shapes, DEVICE, "scattered")
     names = checked_names(shapes, args.bytes_check)
-    receive = rlsync_receiver(dest, args.timeout) if args.serve == "rlsync" else checkpoint_engine_receiver(dest)
+    receive = rlsync_receiver(dest, args.timeout, args.hold) if args.serve == "rlsync" else \
+        checkpoint_engine_receiver(dest)
     torch.cuda.synchronize(DEVICE)
     emit("READY", "")
     for line in sys.stdin:
@@ -316,6 +322,7 @@ def serve(args) -> None:
             raise
         emit("DONE", "")
         emit("CHECK", json.dumps(checksums(dest, names)))
+    HELD.release("bench")  # before the trainer's memory may go (it waits for this process to exit)
 
 
 # -- main ---------------------------------------------------------------------------------------------------------
@@ -334,6 +341,8 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated: rlsync, checkpoint-engine (default both)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds one round may take before the "
                         "run is ended with tracebacks")
+    parser.add_argument("--hold", action="store_true", help="rlsync's receiver keeps the trainer's storages mapped "
+                        "from one round to the next (a replica on the trainer's GPU does, HoldWeights)")
     parser.add_argument("--serve", choices=SYSTEMS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -364,7 +373,7 @@ def main() -> None:
                            "end": "trainer reads the receiver's DONE: its own tensors hold every byte, GPU synced",
                            **SPANS}}
     if "rlsync" in systems:
-        out["rlsync"] = {"backend": "cuda_ipc", "mode": "pull (one copy)",
+        out["rlsync"] = {"backend": "cuda_ipc", "mode": "pull (one copy)", "held": args.hold,
                          **figures(run_rlsync(args, tensors, names), nbytes, limit, ("seconds",))}
     if ckpt is not None:
         parameter_server, version, notes = ckpt
