@@ -83,7 +83,7 @@ batched.CAST_CHUNK = 64  # many chunks per tensor, and tails
 g = torch.Generator().manual_seed(int(sys.argv[1]))
 counts = [int(n) for n in torch.randint(0, 90, (20,), generator=g) * 2]  # some not multiples of 4
 src = torch.randn(sum(counts) + 64, generator=g) * 100
-src[:8] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 1e-40, -1e-39, 3e38, 0.0, -0.0])  # ties, subnormals
+src[:8] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 1e-40, -1e-39, 3e38, 0.0, -0.0])  # ties, tiny
 dst = torch.zeros(sum(counts) * 2 + 64, dtype=torch.bfloat16)
 pairs, s, d = [], (-src.data_ptr() % 16) // 4, (-dst.data_ptr() % 8) // 2
 for n in counts:  # scattered on both sides

@@ -66,3 +66,17 @@ def test_a_memo_lives_exactly_as_long_as_its_holder_keeps_the_same_storages():
     assert held.memo((b"a",)) is None
     held.hold("trainer", [b"a"], cpu)
     assert held.memo((b"a",)) == {}, "a new hold starts with nothing remembered"
+
+
+def test_a_pull_of_exactly_a_holders_list_finds_its_mappings_and_memo_in_one_comparison():
+    opener = Opener()
+    held = HeldMappings(opener)
+    assert held.hold("trainer", [b"a", b"b", b"a"], torch.device("cpu")) == 2
+    assert held.hold("trainer", [b"a", b"b", b"a"], torch.device("cpu")) == 0, "the same list again: nothing to do"
+    tensors, memo = held.lookup([b"a", b"b", b"a"])
+    assert [t is held.get(h) for t, h in zip(tensors, [b"a", b"b", b"a"])] == [True] * 3
+    assert memo is held.memo((b"a", b"b"))
+    assert held.lookup([b"b", b"a"]) is None and held.get_all([b"b", b"a"]) == [held.get(b"b"), held.get(b"a")]
+    assert held.get_all([b"a", b"z"]) is None
+    held.release("trainer")
+    assert held.lookup([b"a", b"b", b"a"]) is None and opener.opened == [b"a", b"b"]

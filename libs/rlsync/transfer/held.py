@@ -36,6 +36,7 @@ class HeldMappings:
         self._held: dict[str, dict[bytes, torch.Tensor]] = {}
         self._given: dict[str, tuple] = {}  # holder -> (device, handles) of its last hold, as given
         self._index: dict[bytes, torch.Tensor] = {}  # every holder's mappings by handle (get_many)
+        self._lists: dict[str, list[torch.Tensor]] = {}  # holder -> its mappings in the order it gave (lookup)
         self._memos: dict[str, dict] = {}  # holder -> what pulls derived from its mappings (see memo)
 
     def hold(self, holder: str, handles: Iterable[bytes], device: torch.device) -> int:
@@ -55,8 +56,9 @@ class HeldMappings:
                 self._memos.pop(holder, None)
             if opened:
                 self._held[holder], self._given[holder] = opened, given
+                self._lists[holder] = [opened[h] for h in given[1]]
             else:
-                self._held.pop(holder, None), self._given.pop(holder, None)
+                self._held.pop(holder, None), self._given.pop(holder, None), self._lists.pop(holder, None)
             self._reindex()
         _settle([t for h, t in mine.items() if h not in opened])
         return new  # the closed ones go with the dropped references
@@ -65,7 +67,7 @@ class HeldMappings:
         """Closes what `holder` held; returns how many."""
         with self._lock:
             mine = self._held.pop(holder, {})
-            self._given.pop(holder, None), self._memos.pop(holder, None)
+            self._given.pop(holder, None), self._memos.pop(holder, None), self._lists.pop(holder, None)
             self._reindex()
         _settle(mine.values())
         return len(mine)
@@ -79,6 +81,16 @@ class HeldMappings:
         with self._lock:
             index = self._index
             return [index.get(h) for h in handles]
+
+    def lookup(self, handles: list[bytes]) -> tuple[list[torch.Tensor], dict] | None:
+        """(the mappings, the memo) of a holder whose last hold listed exactly `handles`, in this
+        order (a trainer's every pull): one comparison of the lists, no handle looked up. None if none
+        did (get_all and memo then say more). The list is the holder's own: not to be changed."""
+        with self._lock:
+            for holder, (_, given) in self._given.items():
+                if given == handles:
+                    return self._lists[holder], self._memos.setdefault(holder, {})
+        return None
 
     def get_all(self, handles: list[bytes]) -> list[torch.Tensor] | None:
         """get() of each handle when some holder keeps every one of them, else None."""

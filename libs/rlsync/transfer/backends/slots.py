@@ -197,7 +197,9 @@ class _Mapped(abc.ABC):
         """Where the tensors lie in the regions, kept for as long as the regions stay held
         (HeldMappings.memo): a repeat pull looks at no tensor and cuts no view again; else made at
         every transfer."""
-        memo = HELD.memo(job.welcome.ipc) if job.scratch.get("held") else None
+        memo = job.scratch.get("memo")
+        if memo is None and job.scratch.get("held"):
+            memo = HELD.memo(job.welcome.ipc)
         if memo is None:
             return _Layout(job.specs, job.welcome.locations, regions, None)
         kept = memo.setdefault("layouts", [])
@@ -339,6 +341,10 @@ class CudaIpcChannel(_Mapped):
         # a receiver told to hold them keeps this transfer's open for the next (closing those not listed).
         if job.hold:
             HELD.hold(job.hold, job.welcome.ipc, job.device)
+        found = HELD.lookup(job.welcome.ipc)
+        if found is not None:  # exactly what a holder holds: its list, and its memo
+            job.scratch["held"], job.scratch["memo"] = True, found[1]
+            return found[0]
         held = HELD.get_all(job.welcome.ipc)
         job.scratch["held"] = held is not None
         if held is not None:
