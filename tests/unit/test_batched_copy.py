@@ -65,12 +65,17 @@ print(json.dumps({"exact": all(torch.equal(a, b) for a, b in pairs), "kernel": l
 """
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_the_kernel_lands_every_byte_of_a_scattered_layout_under_tritons_interpreter(seed):
-    done = subprocess.run([sys.executable, "-c", KERNEL_RUN, str(seed)], capture_output=True, text=True, timeout=120,
+def interpreted(script: str, seed: int) -> dict:
+    """The JSON line `script` prints, run with Triton's interpreter (the kernel on the CPU)."""
+    done = subprocess.run([sys.executable, "-c", script, str(seed)], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_kernel_lands_every_byte_of_a_scattered_layout_under_tritons_interpreter(seed):
+    got = interpreted(KERNEL_RUN, seed)
     assert got["exact"] and got["untouched"], got
     assert got["kernel"] > 0 and got["rest"] > 0, f"both paths must run: {got}"
 
@@ -102,8 +107,5 @@ print(json.dumps({"exact": all(torch.equal(b.view(torch.int16), a.to(torch.bfloa
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_cast_kernel_rounds_as_torch_does_under_tritons_interpreter(seed):
     """fp32 -> bf16 in one launch, bit for bit as torch's own cast (ties to even, subnormals, signs)."""
-    done = subprocess.run([sys.executable, "-c", CAST_RUN, str(seed)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = interpreted(CAST_RUN, seed)
     assert got["exact"] and got["kernel"] > 0 and got["rest"] > 0 and got["cast_all_off_gpu"], got
