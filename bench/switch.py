@@ -88,6 +88,7 @@ async def run(args) -> dict:
     policy.offload()
     times: dict[str, list[float]] = {"sleep": [], "onload": [], "offload": []}
     profiles: dict[str, list[dict]] = {k: [] for k in times}
+    idle: list[float] = []  # a sleep with nothing to copy (woken, no update, asleep again)
     try:
         for cycle in range(args.cycles + 1):  # the first one warms up
             await decode(engine, args.streams, args.tokens)
@@ -102,6 +103,11 @@ async def run(args) -> dict:
                 if cycle and name in times:
                     times[name].append(time.perf_counter() - start)
                     profiles[name].append(dict(profile[name]))
+            await engine.wake_up(frozenset({WakeTag.WEIGHTS}))
+            start = time.perf_counter()  # woken, not used: the backup still holds these weights
+            await engine.sleep(1)
+            if cycle:
+                idle.append(time.perf_counter() - start)
             await engine.wake_up(frozenset({WakeTag.WEIGHTS, WakeTag.KV_CACHE}))
     finally:
         await engine.shutdown()
@@ -109,6 +115,7 @@ async def run(args) -> dict:
     return {"gpu": torch.cuda.get_device_name(0), "preset": args.preset, "cycles": args.cycles,
             "streams": args.streams, "pinned_GB/s": rates,
             "sleep": figure(times["sleep"], profiles["sleep"], "bytes_to_host", rates["d2h"]),
+            "sleep_nothing_to_copy_ms": round(statistics.median(idle) * 1e3, 2),
             "offload": figure(times["offload"], profiles["offload"], "bytes_to_host", rates["d2h"]),
             "onload": figure(times["onload"], profiles["onload"], "bytes_to_device", rates["h2d"])}
 
