@@ -29,8 +29,10 @@ class _Stash:
             free = pinned.setdefault(key, [])
             self.host = free.pop() if free else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             self._pool = free
-            self.host.copy_(t, non_blocking=True)  # the offload waits for every copy at once (stream order
-            self.path = None  # keeps t's memory from being reused before: its frees are stream-ordered)
+            # Queued: the offload waits for every copy at once. t's memory is not reused before its copy:
+            # frees are ordered on the stream t was made on, which is the trainer's one (current) stream.
+            self.host.copy_(t, non_blocking=True)
+            self.path = None
         else:
             self.host = None
             self.path = spool / f"{uuid.uuid4().hex}.bin"

@@ -49,7 +49,7 @@ def test_a_handle_that_does_not_open_leaves_the_holders_set_as_it_was():
     assert held.get(b"a") is not None and held.get(b"c") is None
 
 
-def test_a_memo_lives_exactly_as_long_as_its_holder_keeps_the_same_storages():
+def test_a_memo_lives_exactly_as_long_as_its_holder_keeps_the_same_list_of_storages():
     held = HeldMappings(Opener())
     cpu = torch.device("cpu")
     assert held.memo((b"a",)) is None, "nothing held: nothing to remember views of"
@@ -57,8 +57,10 @@ def test_a_memo_lives_exactly_as_long_as_its_holder_keeps_the_same_storages():
     memo = held.memo((b"a", b"b"))
     memo["views"] = [held.get(b"a")[:2]]
     assert held.memo((b"b",)) is memo and held.memo((b"a", b"z")) is None
-    held.hold("trainer", [b"b", b"a"], cpu)  # the same storages again: the views still show them
+    held.hold("trainer", [b"a", b"b"], cpu)  # the same list again: what was derived from it holds
     assert held.memo((b"a", b"b")) is memo
+    held.hold("trainer", [b"b", b"a"], cpu)  # another order: what was derived by position goes
+    assert held.memo((b"a", b"b")) == {} and held.get(b"a") is memo["views"][0]._base
     held.hold("trainer", [b"a"], cpu)  # "b" closes: views cut from the old set go with it
     assert held.memo((b"a",)) == {}
     held.memo((b"a",))["views"] = []

@@ -103,9 +103,11 @@ def module_source(model: nn.Module, weights: WeightMap | None = None, group=None
         parts = [tensors[p].detach().to(entries[i].dtype) for p in entries[i].parts]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
-    # Every tensor one whole parameter, only cast: a receiver on the GPU can cast as it copies
+    # Every tensor one whole parameter, only cast: a receiver on the GPU can cast as it copies. The
+    # parameters themselves, not detached aliases: an offload re-points their data, and an alias would
+    # keep the old storage on the GPU (and its old values)
     cast_only = all(len(e.parts) == 1 and tensors[e.parts[0]].is_contiguous() for e in entries)
-    originals = [tensors[e.parts[0]].detach() for e in entries] if cast_only else None
+    originals = [tensors[e.parts[0]] for e in entries] if cast_only else None
     return StreamedSource(specs, device, produce, adapter=adapter, frozen=frozen, originals=originals), entries
 
 

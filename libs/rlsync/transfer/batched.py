@@ -7,8 +7,9 @@ the rate of one (bench/scatter_copy.py, way "table"). The table depends only on 
 sizes, so a pull from held memory into the same destinations builds it once (`table`).
 
 Rows need 16-byte aligned addresses and sizes (the kernel moves 16 bytes at a time); the
-caller copies the others itself (`split`). Without Triton, or off the GPU, nothing is batched.
-TRITON_INTERPRET=1 runs the kernel on the CPU (tests/unit/test_batched_copy.py).
+caller copies the others itself (`split`). A second kernel casts fp32 to bf16 the same way, its rows
+counting elements (`split_cast`: a pull that casts). Without Triton, or off the GPU, nothing is
+batched. TRITON_INTERPRET=1 runs the kernels on the CPU (tests/unit/test_batched_copy.py).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def chunks(rows: np.ndarray, chunk: int, sizes: tuple[int, int] = (1, 1)) -> np.
     return out
 
 
-_TABLES: OrderedDict[tuple, Table] = OrderedDict()  # (device, CHUNK, rows' bytes) -> chunk table there
+_TABLES: OrderedDict[tuple, Table] = OrderedDict()  # (device, chunk, cast, rows' bytes) -> chunk table there
 _TABLES_MAX = 64  # a transfer's buckets each have theirs
 _LOCK = threading.Lock()  # senders and receivers run in threads of their own
 

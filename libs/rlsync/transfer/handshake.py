@@ -16,7 +16,8 @@ import torch
 from rlsync.errors import FailedPrecondition
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
-PROTOCOL_VERSION = 1
+# 2: a pull may cast (MappedTensors.dtype); a receiver of 1 would copy the sender's bytes as they are
+PROTOCOL_VERSION = 2
 B = pb.Backend
 NAMES = {B.BACKEND_CUDA_IPC: "cuda_ipc", B.BACKEND_NCCL: "nccl", B.BACKEND_SHM: "shm", B.BACKEND_GLOO: "gloo"}
 BY_NAME = {v: k for k, v in NAMES.items()}

@@ -6,7 +6,9 @@ model's copy. The trainer's parameters stay at one address from its onload to it
 asks the replicas on its GPU to map them while it trains (`hold`), and to let go before it
 offloads (`release`): torch keeps a storage that another process maps alive, so memory still
 held after the offload would not go back to the GPU. A pull then finds the regions already open
-(`get`) and the update neither maps nor closes anything.
+(`lookup`: the holder's list, when the pull lists exactly its storages; else `get_all`) and the update
+neither maps nor closes anything; what it derives from them lives in the holder's `memo` until the
+holder holds another list.
 
 Holds are per holder (a trainer's name): a hold replaces what that holder held, so a restarted
 trainer's first onload lets go of what its predecessor left. A handle is the serialized
@@ -52,8 +54,7 @@ class HeldMappings:
             mine = self._held.get(holder, {})
             opened = {h: mine[h] if h in mine else self._open(h, device) for h in handles}
             new = sum(h not in mine for h in handles)
-            if new or len(opened) != len(mine):  # views of mappings about to close must not outlive them
-                self._memos.pop(holder, None)
+            self._memos.pop(holder, None)  # another list: what was derived from the last one goes
             if opened:
                 self._held[holder], self._given[holder] = opened, given
                 self._lists[holder] = [opened[h] for h in given[1]]
@@ -93,7 +94,7 @@ class HeldMappings:
         return None
 
     def get_all(self, handles: list[bytes]) -> list[torch.Tensor] | None:
-        """get() of each handle when some holder keeps every one of them, else None."""
+        """get() of each handle when each is held (by any holder), else None."""
         with self._lock:
             index = self._index
             try:

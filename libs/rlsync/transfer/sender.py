@@ -143,9 +143,9 @@ class WeightSender:
             return None
         if self._one_copy():
             tensors, dtypes = list(self.source.tensors.values()), []  # the addresses of resident()
-        elif isinstance(self.source, StreamedSource) and self.source.originals is not None \
-                and all(t.is_cuda for t in self.source.originals):
-            tensors = self.source.originals
+        elif isinstance(self.source, StreamedSource) and self.source.originals is not None and all(
+                t.is_cuda and t.shape == s.shape for t, s in zip(self.source.originals, self.source.specs())):
+            tensors = self.source.originals  # (parameters: offloaded ones have no shape, and are not described)
             cast = any(t.dtype != s.dtype for t, s in zip(tensors, self.source.specs()))
             dtypes = [dtype_name(t.dtype) for t in tensors] if cast else []
         else:

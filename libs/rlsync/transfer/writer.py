@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from functools import cached_property
-from operator import itemgetter
+from operator import attrgetter
 
 import torch
 
@@ -223,7 +223,7 @@ class DestWriter:
         return sum(map(_nbytes, self.specs)) if self.landed else sum(self.received)
 
 
-_nbytes, _checksum = itemgetter(3), itemgetter(4)  # Spec.nbytes, Spec.checksum
+_nbytes, _checksum = attrgetter("nbytes"), attrgetter("checksum")
 
 
 def _numel(shape: tuple[int, ...]) -> int:

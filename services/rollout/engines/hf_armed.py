@@ -62,7 +62,7 @@ class Arming:
     def adopt(self, weights, specs: list, mapped: pb.MappedTensors) -> Armed | None:
         """The armed copy, when it is this offer's (rung with a bell value); else None."""
         armed = weights.armed
-        if armed is None or not armed.adoptable(key_of(specs, mapped.ipc, mapped.region, mapped.offset),
+        if armed is None or mapped.dtype or not armed.adoptable(key_of(specs, mapped.ipc, mapped.region, mapped.offset),
                                                 mapped.bell):
             return None
         armed.adopted = True

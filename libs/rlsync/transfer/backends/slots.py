@@ -9,6 +9,7 @@ them and copies every tensor exactly once — the physical limit of a device-to-
 from __future__ import annotations
 
 import abc
+import operator
 from functools import cached_property
 
 import torch
@@ -203,7 +204,7 @@ class _Mapped(abc.ABC):
         if memo is None:
             return _Layout(job.specs, job.welcome.locations, regions, None)
         kept = memo.setdefault("layouts", [])
-        found = next((layout for layout in kept if layout.serves(job.specs, job.welcome.locations)), None)
+        found = next((layout for layout in kept if layout.serves(job.specs, job.welcome.locations, regions)), None)
         if found is None:
             if len(kept) >= 8:  # layouts come and go (a LoRA adapter, a delta): keep the latest few
                 kept.pop(0)
@@ -214,48 +215,59 @@ class _Mapped(abc.ABC):
 
 class _Layout:
     """What a pull derives from the regions and the tensors' locations in them: whether they lie back
-    to back in one (`whole`: region, start, bytes), else each tensor's bytes (`sources`); and `plans`,
-    a dict for what the writer derives from those (DestWriter.write_all), when the regions are held."""
+    to back in one (`whole`: region, start, bytes), else each tensor's bytes (`sources`) or elements in
+    the sender's dtypes (`typed`, a pull that casts); and `plans`, a dict for what the writer derives
+    from those (DestWriter.write_all / write_cast), when the regions are held. Used by one thread at a
+    time (a replica's pulls run on its engine thread)."""
 
     def __init__(self, specs, locations, regions: list[torch.Tensor], plans: dict | None):
+        self.specs, self.locations, self.regions = specs, locations, regions
         self.whole = contiguous(specs, locations)
+        if self.whole is not None:
+            self._bytes("the tensors", *self.whole)  # inside its region
         self.plans = plans
-        self._args = specs, locations, regions
-        self._sizes = [s.nbytes for s in specs]
+        self._kinds = [(s.nbytes, s.dtype) for s in specs]
         self._typed: tuple[tuple[str, ...], list] | None = None
 
-    def serves(self, specs, locations) -> bool:
-        """Whether a pull of `specs` from `locations` (of the same regions) is this layout's."""
-        return locations == self._args[1] and (specs == self._args[0] or [s.nbytes for s in specs] == self._sizes)
+    def serves(self, specs, locations, regions: list[torch.Tensor]) -> bool:
+        """Whether a pull of `specs` from `locations` of `regions` is this layout's: the same mappings,
+        the same places, tensors of the same sizes and dtypes."""
+        same = regions is self.regions or (len(regions) == len(self.regions)
+                                           and all(map(operator.is_, regions, self.regions)))
+        return same and locations == self.locations and (
+            specs == self.specs or [(s.nbytes, s.dtype) for s in specs] == self._kinds)
+
+    def _bytes(self, name: str, region: int, offset: int, nbytes: int) -> torch.Tensor:
+        """Bytes [offset, offset + nbytes) of a region; DataLoss when they do not lie inside one."""
+        if not 0 <= region < len(self.regions) or offset < 0 or offset + nbytes > self.regions[region].numel():
+            raise DataLoss(f"{name!r}: {nbytes} bytes at byte {offset} of region {region} lie outside the "
+                           f"{len(self.regions)} region(s) the offer maps")
+        return self.regions[region][offset:offset + nbytes]
 
     def typed(self, dtypes: list[str]) -> list[torch.Tensor | None]:
         """Every tensor as it lies in the regions, in `dtypes` (one name each), flat; None for an empty
         one. Kept per list of dtypes, as `sources` is."""
         key = tuple(dtypes)
         if self._typed is None or self._typed[0] != key:
-            specs, locations, regions = self._args
             out = []
-            for spec, name, (region, offset) in zip(specs, dtypes, locations):
+            for spec, name, (region, offset) in zip(self.specs, dtypes, self.locations):
                 dtype = dtype_of(name)
                 count = spec.nbytes // itemsize(spec.dtype) if spec.nbytes else 0
                 if not count:
                     out.append(None)
                     continue
-                view = regions[region][offset:offset + count * itemsize(dtype)]
-                if view.numel() != count * itemsize(dtype) or offset % itemsize(dtype):
-                    raise DataLoss(f"{spec.name!r}: {count} {name} elements at byte {offset} do not lie inside "
-                                   f"region {region} ({regions[region].numel()} bytes)")
-                out.append(view.view(dtype))
+                if offset % itemsize(dtype):
+                    raise DataLoss(f"{spec.name!r}: byte {offset} of region {region} is no {name} element's start")
+                out.append(self._bytes(spec.name, region, offset, count * itemsize(dtype)).view(dtype))
             self._typed = key, out
         return self._typed[1]
 
     @cached_property
     def sources(self) -> list[tuple[torch.Tensor, int] | None]:
         """(bytes, storage pointer) of every tensor, None for an empty one."""
-        specs, locations, regions = self._args
-        bases = [r.untyped_storage().data_ptr() for r in regions]
-        return [(regions[region][offset:offset + spec.nbytes], bases[region]) if spec.nbytes else None
-                for spec, (region, offset) in zip(specs, locations)]
+        bases = [r.untyped_storage().data_ptr() for r in self.regions]
+        return [(self._bytes(spec.name, region, offset, spec.nbytes), bases[region]) if spec.nbytes else None
+                for spec, (region, offset) in zip(self.specs, self.locations)]
 
 
 class ShmChannel(_Mapped):
