@@ -141,10 +141,11 @@ class HFEngine(Engine):
         self._layout: tuple[list | None, bool] = (None, False)  # the last manifest's specs: a delta base?
         self._arming = Arming(self.device)  # pulls queued at wake (rlsync.transfer.armed): touched between steps
         self._steps_unchecked = 0  # decode steps since the spare's room was last checked
-        # What is loaded stays: a full collection then walks only what came after (Sleep runs one; over
-        # every object of torch and transformers it took 0.24 s on the GPU host, 6 ms after this)
-        gc.collect()
-        gc.freeze()
+        if self.device.type == "cuda":  # where a sleep makes room for a trainer (on CPU: nothing to hand over)
+            # What is loaded stays: a full collection then walks only what came after (Sleep runs one;
+            # over every object of torch and transformers it took 0.24 s on the GPU host, 3 ms after this)
+            gc.collect()
+            gc.freeze()
 
     def _eos_ids(self, config: Any) -> set[int]:
         ids = config.eos_token_id
@@ -162,7 +163,8 @@ class HFEngine(Engine):
         await asyncio.to_thread(self._thread.join)
         self._thread = None
         self.weights.release()
-        gc.unfreeze()  # collectable again at exit (nanobind's leak report otherwise lists what was frozen)
+        if self.device.type == "cuda":
+            gc.unfreeze()  # collectable again at exit (nanobind's leak report otherwise lists what was frozen)
 
     # ---- the engine thread ----------------------------------------------------------------------
     def _call(self, fn: Callable[[], Any]) -> asyncio.Future:
