@@ -84,7 +84,7 @@ def cast_forms(shapes, repeats: int) -> dict:
     srcs = [torch.randn(math.prod(shape), device="cuda:0") for shape in shapes.values()]
     flat = torch.empty(sum(t.numel() for t in srcs), dtype=torch.bfloat16, device="cuda:0")
     dsts = list(torch.split(flat, [t.numel() for t in srcs]))
-    rows, rest = batched.split_cast(list(zip(srcs, dsts)))
+    rows, rest = batched.split(list(zip(srcs, dsts)), cast=True)
     table = batched.table(rows, torch.device("cuda:0"), cast=True)
     flat_src = torch.cat(srcs)
     out = {"elements": flat.numel(), "in_table": len(rows), "rest": len(rest),

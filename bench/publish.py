@@ -26,7 +26,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import preset_shapes  # noqa: E402
-from transfer import Receivers, d2d_limit, memcpy_limit  # noqa: E402
+from transfer import Receivers, _timed, d2d_limit, memcpy_limit  # noqa: E402
 
 from rlsync.publish import WeightMap  # noqa: E402
 from rlsync.publish.source import module_source  # noqa: E402
@@ -139,14 +139,12 @@ def cast_limit(elements: int, device: str) -> float:
     """GB/s of bf16 written by one fp32 -> bf16 cast of `elements` (median of 5): a cast's own limit."""
     src = torch.ones(elements, dtype=torch.float32, device=device)
     dst = torch.empty(elements, dtype=torch.bfloat16, device=device)
-    times = []
-    for _ in range(6):
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
+
+    def cast():
         dst.copy_(src)
         torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return round(elements * 2 / statistics.median(times[1:]) / GB, 1)
+
+    return round(elements * 2 / _timed(cast, 5) / GB, 1)
 
 
 def single_rank(args, shapes, bucket) -> list[dict]:

@@ -20,6 +20,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from transfer import _timed  # noqa: E402
+
 from rlsync.models import build_preset
 from rlsync.rollout.engines.hf import HFEngine
 from rlsync.rollout.types import GenerationRequest, SamplingParams, WakeTag
@@ -32,17 +35,12 @@ def pinned_rates(nbytes: int = 1 << 30) -> dict:
     """GB/s of one pinned host -> device and device -> host copy of `nbytes` (medians of 5)."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    out = {}
-    for name, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
-        times = []
-        for _ in range(6):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            dst.copy_(src, non_blocking=True)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        out[name] = round(nbytes / statistics.median(times[1:]) / GB, 1)
-    return out
+    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+
+    return {name: round(nbytes / _timed(lambda d=dst, s=src: copy(d, s), 5) / GB, 1)
+            for name, dst, src in (("h2d", dev, host), ("d2h", host, dev))}
 
 
 async def decode(engine: HFEngine, streams: int, tokens: int) -> None:

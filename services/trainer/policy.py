@@ -168,14 +168,16 @@ class Policy:
             torch.cuda.ipc_collect()  # memory receivers mapped (CUDA IPC) is only freed once collected
             torch.cuda.empty_cache()
             clock.lap("release")
-        moved = sum(stash.nbytes for group in self._stashed.values() for stash in group.values())
-        self.switch_profile["offload"] = {**clock.stages, "bytes_to_host": moved}
+        self.switch_profile["offload"] = {**clock.stages, "bytes_to_host": self._stashed_bytes()}
+
+    def _stashed_bytes(self) -> int:
+        return sum(stash.nbytes for group in self._stashed.values() for stash in group.values())
 
     def onload(self) -> None:
         if not self.offloaded:
             return
         clock = Stopwatch()
-        moved = sum(stash.nbytes for group in self._stashed.values() for stash in group.values())
+        moved = self._stashed_bytes()
         self.store = self._new_store()
         for dtype, stash in self._stashed.pop("params").items():
             stash.restore_into(self.store.buffers[dtype])

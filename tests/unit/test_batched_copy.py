@@ -94,7 +94,7 @@ pairs, s, d = [], (-src.data_ptr() % 16) // 4, (-dst.data_ptr() % 8) // 2
 for n in counts:  # scattered on both sides
     pairs.append((src[s:s + n], dst[d:d + n]))
     s, d = s + n + 4 * (n % 3 == 0), d + n + 4
-rows, rest = batched.split_cast(pairs)
+rows, rest = batched.split(pairs, cast=True)
 batched.launch(batched.table(rows, torch.device("cpu"), cast=True))  # the kernel, interpreted
 for a, b in rest:
     b.copy_(a)

@@ -8,7 +8,7 @@ sizes, so a pull from held memory into the same destinations builds it once (`ta
 
 Rows need 16-byte aligned addresses and sizes (the kernel moves 16 bytes at a time); the
 caller copies the others itself (`split`). A second kernel casts fp32 to bf16 the same way, its rows
-counting elements (`split_cast`: a pull that casts). Without Triton, or off the GPU, nothing is
+counting elements (`split(cast=True)`: a pull that casts). Without Triton, or off the GPU, nothing is
 batched. TRITON_INTERPRET=1 runs the kernels on the CPU (tests/unit/test_batched_copy.py).
 """
 
@@ -35,27 +35,17 @@ def available(device: torch.device) -> bool:
     return device.type == "cuda" and _kernel() is not None
 
 
-def split(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[np.ndarray, list]:
+def split(pairs: list[tuple[torch.Tensor, torch.Tensor]], cast: bool = False) -> tuple[np.ndarray, list]:
     """(rows, rest): rows [src address, dst address, bytes] of the (src, dst) uint8 pairs the kernel
     can copy, and the pairs it cannot (an address or a size not a multiple of ALIGN, the two sizes
-    unequal, or the ends on different devices)."""
+    unequal, or the ends on different devices). With `cast`, rows [src, dst, elements] of the flat
+    (fp32, bf16) pairs the cast kernel takes (addresses multiples of 16 and 8 bytes, elements of 4)."""
+    src_align, dst_align, count_align = (16, 8, 4) if cast else (ALIGN, ALIGN, ALIGN)
     rows, rest = [], []
     for src, dst in pairs:
         s, d, n = src.data_ptr(), dst.data_ptr(), src.numel()
-        if (s | d | n) % ALIGN or dst.numel() != n or src.device != dst.device:
-            rest.append((src, dst))
-        else:
-            rows.append((s, d, n))
-    return np.array(rows, dtype=np.int64).reshape(-1, 3), rest
-
-
-def split_cast(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[np.ndarray, list]:
-    """split() for casts: rows [src address, dst address, elements] of the (fp32, bf16) flat pairs the
-    cast kernel takes (addresses multiples of 16 and 8 bytes, elements of 4, one device), and the rest."""
-    rows, rest = [], []
-    for src, dst in pairs:
-        s, d, n = src.data_ptr(), dst.data_ptr(), src.numel()
-        if (src.dtype, dst.dtype) != CAST or s % 16 or d % 8 or n % 4 or dst.numel() != n or src.device != dst.device:
+        if (s % src_align or d % dst_align or n % count_align or dst.numel() != n or src.device != dst.device
+                or (cast and (src.dtype, dst.dtype) != CAST)):
             rest.append((src, dst))
         else:
             rows.append((s, d, n))
@@ -81,7 +71,7 @@ _LOCK = threading.Lock()  # senders and receivers run in threads of their own
 
 
 def table(rows: np.ndarray, device: torch.device, cast: bool = False) -> Table:
-    """The chunk table of `rows` (of split(), or of split_cast() with `cast`) on `device`, made once
+    """The chunk table of `rows` (of split(..., cast)) on `device`, made once
     (its upload waits for the stream) and kept while in use; a caller that launches it again and
     again keeps it itself (a held pull's plan)."""
     device = _indexed(device)
@@ -100,7 +90,7 @@ def table(rows: np.ndarray, device: torch.device, cast: bool = False) -> Table:
 
 class Table(NamedTuple):
     rows: torch.Tensor  # [src, dst, count] per chunk, int64, on the device
-    cast: bool  # counts are elements to cast (split_cast), else bytes to copy
+    cast: bool  # counts are elements to cast (split(cast=True)), else bytes to copy
 
 
 def launch(table: Table) -> None:

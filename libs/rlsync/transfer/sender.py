@@ -141,12 +141,13 @@ class WeightSender:
         casts as it copies."""
         if self.device.type != "cuda" or pb.BACKEND_CUDA_IPC not in self.backends or not self.allow_one_copy:
             return None
+        originals = self.source.originals if isinstance(self.source, StreamedSource) else None
+        specs = self.source.specs() if originals is not None else []
         if self._one_copy():
             tensors, dtypes = list(self.source.tensors.values()), []  # the addresses of resident()
-        elif isinstance(self.source, StreamedSource) and self.source.originals is not None and all(
-                t.is_cuda and t.shape == s.shape for t, s in zip(self.source.originals, self.source.specs())):
-            tensors = self.source.originals  # (parameters: offloaded ones have no shape, and are not described)
-            cast = any(t.dtype != s.dtype for t, s in zip(tensors, self.source.specs()))
+        elif originals is not None and all(t.is_cuda and t.shape == s.shape for t, s in zip(originals, specs)):
+            tensors = originals  # (parameters: offloaded ones have no shape, and are not described)
+            cast = any(t.dtype != s.dtype for t, s in zip(tensors, specs))
             dtypes = [dtype_name(t.dtype) for t in tensors] if cast else []
         else:
             return None

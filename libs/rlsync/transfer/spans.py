@@ -85,28 +85,32 @@ def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], one_launch: boo
     if not (one_launch and batched.available(device)):
         _copy_each(pairs)
         return None
-    rows, rest = batched.split(list(pairs))
-    table = batched.table(rows, device) if len(rows) else None
-    if table is not None:
-        batched.launch(table)
+    table, rest = _one_launch(list(pairs), device, cast=False)
     _copy_each(rest)
     return None if rest else table
 
 
 def cast_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> batched.Table | None:
     """Queues dst.copy_(src) for every flat (src, dst) of one device, in different dtypes (a cast): on
-    a GPU (with Triton), the fp32 -> bf16 ones in one kernel launch (batched.split_cast), the rest a
+    a GPU (with Triton), the fp32 -> bf16 ones in one kernel launch (batched.split), the rest a
     copy_ each. Returns the table when every pair went in it, else None (as copy_all)."""
     if not pairs:
         return None
     device = pairs[0][1].device
-    rows, rest = batched.split_cast(pairs) if batched.available(device) else (None, pairs)
-    table = batched.table(rows, device, cast=True) if rows is not None and len(rows) else None
-    if table is not None:
-        batched.launch(table)
+    table, rest = _one_launch(pairs, device, cast=True) if batched.available(device) else (None, pairs)
     for src, dst in rest:
         dst.copy_(src, non_blocking=True)
     return None if rest else table
+
+
+def _one_launch(pairs: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+                cast: bool) -> tuple[batched.Table | None, list]:
+    """Launches the pairs the batched kernel takes -> (its table, None if none; the pairs it left)."""
+    rows, rest = batched.split(pairs, cast)
+    table = batched.table(rows, device, cast) if len(rows) else None
+    if table is not None:
+        batched.launch(table)
+    return table, rest
 
 
 def _copy_each(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -378,9 +378,12 @@ class HFEngine(Engine):
             clock.lap("abort")
             moved = self.weights.sleep(level)
             clock.lap("weights")
-            allocated = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+            def allocated() -> int:
+                return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+
+            before = allocated()
             gc.collect()  # sequences in cycles hold no GPU memory past this (what _load froze is not walked)
-            freed = allocated - (torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0)
+            freed = before - allocated()
             clock.lap("gc")
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
