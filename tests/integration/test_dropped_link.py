@@ -18,7 +18,7 @@ from conftest import rl_step, rollout_args
 from rlsync.client import CoordinatorClient, RolloutClient, TrainerClient
 from rlsync.common.audit import differences
 from rlsync.coordinator.v1 import coordinator_pb2 as pb
-from hangs import FAST, LEASE, MOVE_ON, SLOW, in_background, train, wait_prepared
+from hangs import FAST, SLOW, in_background, report, train, wait_prepared
 
 pytestmark = pytest.mark.slow
 
@@ -129,12 +129,10 @@ def test_a_replica_behind_a_dropped_link_is_dropped_then_caught_up_when_the_link
     time.sleep(0.2)  # the publish is under way
     with link.cut() as cut:
         second = sync.result(120)
-        moved_on = time.monotonic() - cut
-        # As for a hung replica: the lease (and its check, a third of it), the survivor's AbortUpdate
-        # (its gloo receive cannot be interrupted: the hf engine waits 5 s for it), then the survivor's
-        # transfer again, as long as the first sync took; the margin is for two busy cores.
-        print(f"\n[link] sync, r1's link dropped mid-transfer: moved on in {moved_on:.1f}s (lease {LEASE}s)")
-        assert moved_on < MOVE_ON + first.seconds, f"took {moved_on:.1f}s, more than the lease ({LEASE}s) + 10s"
+        # As for a hung replica: the lease (and its check, a third of it), then the survivor's AbortUpdate
+        # (its gloo receive cannot be interrupted: the hf engine waits 5 s for it); the margin is for two
+        # busy cores. The sync run again for the survivor alone comes after that and is not counted.
+        report("sync, r1's link dropped mid-transfer", time.monotonic() - cut, second, tag="link")
         assert second.version == 2 and second.replicas == 1 and second.verified, second
         assert replicas[0].info().weight_version == 2
         assert [m.name for m in client.status().members if m.role == pb.ROLE_ROLLOUT] == ["r0"]
