@@ -7,7 +7,7 @@ import torch
 
 from rlsync.errors import InvalidArgument
 from rlsync.transfer.manifest import Spec
-from rlsync.transfer.source import StreamedSource
+from rlsync.transfer.source import ResidentSource, StreamedSource
 
 TENSORS = [torch.arange(6, dtype=torch.float32).view(2, 3), torch.zeros(0), torch.ones(4, dtype=torch.bfloat16)]
 
@@ -74,3 +74,14 @@ def test_a_module_published_in_another_dtype_offers_its_parameters_to_cast_on_th
     assert fused.originals is None
     with pytest.raises(InvalidArgument, match="originals"):
         StreamedSource(cast.specs(), torch.device("cpu"), lambda i: None, originals=cast.originals[:1])
+
+
+def test_a_resident_source_describes_its_tensors_once_and_checksums_their_values_each_time():
+    tensors = {f"t{i}": t.clone() for i, t in enumerate(TENSORS)}
+    s = ResidentSource(tensors)
+    assert s.specs() is s.specs() and s.specs() == [Spec.of(n, t) for n, t in tensors.items()]
+    before = [x.checksum for x in s.specs(checksums=True)]
+    tensors["t2"].add_(1)  # a training step: the values change, the layout does not
+    after = [x.checksum for x in s.specs(checksums=True)]
+    assert before[:2] == after[:2] and before[2] != after[2]
+    assert after == [Spec.of(n, t, True).checksum for n, t in tensors.items()]

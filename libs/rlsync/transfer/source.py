@@ -26,7 +26,10 @@ from rlsync.transfer.v1 import transfer_pb2 as pb
 
 
 class ResidentSource:
-    """`arena`: the shared memory the CPU tensors were allocated from, if any (receivers map it)."""
+    """`arena`: the shared memory the CPU tensors were allocated from, if any (receivers map it).
+
+    The tensors' values are read at send time; their layout (shapes, dtypes, where they lie) is
+    read once: a tensor that changes shape needs a new source (a trainer makes one after an onload)."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], arena: SharedArena | None = None,
                  adapter: pb.LoraAdapter | None = None, frozen: Mapping[str, torch.Tensor] | None = None):
@@ -40,9 +43,15 @@ class ResidentSource:
         self.device = next(iter(self.tensors.values())).device if self.tensors else torch.device("cpu")
         self.contiguous = all(t.is_contiguous() for t in self.tensors.values())
         self._views: list[torch.Tensor] | None = None
+        self._specs: list[Spec] | None = None
 
     def specs(self, checksums: bool = False) -> list[Spec]:
-        return [Spec.of(n, t, checksums) for n, t in self.tensors.items()]
+        """Made once (their checksums, which read the values, at every call that asks for them)."""
+        if checksums:
+            return [Spec.of(n, t, True) for n, t in self.tensors.items()]
+        if self._specs is None:
+            self._specs = [Spec.of(n, t) for n, t in self.tensors.items()]
+        return self._specs
 
     def resident(self) -> list[torch.Tensor]:
         """Every tensor's bytes, now: channels may read them in any order and map them. Byte views

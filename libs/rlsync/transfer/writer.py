@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from functools import cached_property
+from math import prod
 from operator import attrgetter
 
 import torch
@@ -47,28 +48,34 @@ class DestWriter:
         if not all(self.direct):
             self.targets  # noqa: B018 - buffers to cast from are allocated now, before any byte moves
         self.whole = self._whole() if all(self.direct) else None
-        for i, spec in enumerate(specs):
-            if spec.nbytes == 0:
-                self._complete(i)
+        if 0 in map(_nbytes, specs):
+            for i, spec in enumerate(specs):
+                if spec.nbytes == 0:
+                    self._complete(i)
 
     @cached_property
     def tensors(self) -> list[torch.Tensor | None]:
         """Each destination (None: handed to a callable)."""
-        return [self._tensor(spec) for spec in self.specs]
-
-    def _tensor(self, spec: Spec) -> torch.Tensor | None:
         if callable(self.dest):
-            return None
-        if spec.name not in self.dest:
-            raise InvalidArgument(f"no destination tensor for {spec.name!r}")
-        t = self.dest[spec.name]
-        if t.numel() != _numel(spec.shape):
-            raise InvalidArgument(f"destination {spec.name!r} has {t.numel()} elements, manifest {list(spec.shape)}")
-        return t
+            return [None] * len(self.specs)
+        dest, out = self.dest, []
+        for spec in self.specs:
+            t = dest.get(spec.name)
+            if t is None or t.numel() != prod(spec.shape):
+                raise InvalidArgument(f"no destination tensor for {spec.name!r}" if t is None else
+                                      f"destination {spec.name!r} has {t.numel()} elements, manifest "
+                                      f"{list(spec.shape)}")
+            out.append(t)
+        return out
+
+    @cached_property
+    def pointers(self) -> list[int]:
+        """Where each destination's bytes start."""
+        return [t.data_ptr() for t in self.tensors]
 
     def _whole(self) -> torch.Tensor | None:
         """One uint8 view over every destination, when they lie end to end inside one storage."""
-        parts = [(t.data_ptr(), s.nbytes) for t, s in zip(self.tensors, self.specs) if s.nbytes]
+        parts = [(ptr, s.nbytes) for ptr, s in zip(self.pointers, self.specs) if s.nbytes]
         if not parts:
             return None
         start, end = parts[0][0], parts[0][0]
@@ -177,7 +184,7 @@ class DestWriter:
         if plans is None or not all(self.direct):
             return None
         whole = self.whole  # laid out as the manifest (whose sizes `plans` is kept for): its address says all
-        return (kind, whole.data_ptr()) if whole is not None else (kind, *(t.data_ptr() for t in self.tensors))
+        return (kind, whole.data_ptr()) if whole is not None else (kind, *self.pointers)
 
     def _planned(self, plans: dict, key: tuple, sources: list, write: Callable[[], batched.Table | None]) -> None:
         """Launches the table kept under `key` for these very `sources` (a held layout keeps its list),
@@ -225,9 +232,3 @@ class DestWriter:
 
 _nbytes, _checksum = attrgetter("nbytes"), attrgetter("checksum")
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
