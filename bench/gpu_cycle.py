@@ -238,14 +238,14 @@ def disaggregated(model: str, cycles: int, logs: Path, gpus: int, limit: float) 
 
 
 def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: float, interval: float,
-                  streams: int = 32, max_tokens: int = 256) -> dict:
+                  streams: int = 32, max_tokens: int = 256, trainer_args=()) -> dict:
     """Generation through the gateway (`streams` streams, each starting a new request when one ends)
     for `seconds` without updates and for `seconds` with a sync every `interval` seconds: tokens/s
     of both windows, the gaps between two tokens of one stream (the longest across an update against
     the median without), and each sync's phases. One GPU: trainer and replica share it (cuda_ipc);
     more: the replica on GPU 1 (nccl). mode: inflight (no pause) or async (abort and resume)."""
     gpus = torch.cuda.device_count()
-    fleet = start(logs, mode, model, "0", ["1" if gpus > 1 else "0"])
+    fleet = start(logs, mode, model, "0", ["1" if gpus > 1 else "0"], trainer_args)
     address = fleet[0].address
     arrivals: list[list[tuple[float, int, int]]] = [[] for _ in range(streams)]  # (time, tokens, request)
 
@@ -312,6 +312,8 @@ def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: floa
            "longest_gap_across_an_update_ms": round(max(across, default=0.0) * 1e3, 2),
            "longest_gap_vs_median": round(max(across, default=0.0) / median_gap, 2),
            "transfer_ms": round(transfer_ms, 3),
+           # the offer: with a publish buffer, the trainer's copy of its weights into it is here
+           "offer_ms": round(statistics.median(s.phases["offer"] * 1e3 for s in syncs), 3),
            "transfer_vs_limit": round(statistics.median(p["transfer_vs_limit"] for p in per_sync), 3),
            "aborted_and_resumed": status.resubmissions, "per_sync": per_sync}
     if mode == "async":  # the pause window: everything between the abort and the resume
@@ -336,6 +338,8 @@ def main() -> None:
                         help="colocated only: the coordinator prepares the replica by gRPC (the trainer rings none)")
     parser.add_argument("--no-hold", action="store_true",
                         help="colocated only: the replica maps the trainer's weights at each update, not at its onload")
+    parser.add_argument("--publish-buffer", action="store_true",
+                        help="updates only: the trainer offers a copy of its weights, pulled while it trains on")
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="colocated only: the trainer trains a LoRA adapter of this rank and syncs only it")
     args = parser.parse_args()
@@ -346,6 +350,7 @@ def main() -> None:
     lora = ["--lora-rank", str(args.lora_rank), "--lora-alpha", str(2 * args.lora_rank)] if args.lora_rank else []
     result = {"gpu": torch.cuda.get_device_name(0), "gpus": gpus, "preset": args.preset, "checkpoint_bytes": nbytes,
               "lora_rank": args.lora_rank, "doorbell": not args.no_doorbell, "hold": not args.no_hold,
+              "publish_buffer": args.publish_buffer,
               "limits": {"d2d_copy_GB/s": round(d2d_limit(4 << 30, "cuda:0"), 1)}}
     torch.cuda.empty_cache()
     if args.only in (None, "colocated"):
@@ -360,9 +365,10 @@ def main() -> None:
         limit = result["limits"].get("nccl_broadcast_GB/s") if gpus > 1 else result["limits"]["d2d_copy_GB/s"]
         if limit is None:
             limit = result["limits"]["nccl_broadcast_GB/s"] = round(nccl_limit(nbytes, 2), 1)
+        buffer = ["--publish-buffer"] * args.publish_buffer
         for mode in args.mode or ["inflight", "async"]:
             result[f"updates_{mode}"] = under_updates(model, root / f"logs-{mode}", mode, limit, args.seconds,
-                                                      args.interval)
+                                                      args.interval, trainer_args=buffer)
             print(json.dumps({k: v for k, v in result[f"updates_{mode}"].items() if k != "per_sync"}),
                   file=sys.stderr, flush=True)
     print(json.dumps(result, indent=1))

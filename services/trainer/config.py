@@ -72,6 +72,10 @@ class TrainerConfig:
     delta: bool = option(False, "delta updates: broadcasts (gloo, nccl) to replicas that hold the last version send "
                                 "only the 16-bit words that changed, verified bit for bit (keeps one more copy of "
                                 "the weights on the trainer's device; not with --nproc > 1)")
+    publish_buffer: bool = option(False, "copy the weights into a buffer of their own at each update the coordinator "
+                                         "does not keep the trainer still for (inflight, async): replicas on its GPU "
+                                         "copy from it while training goes on (keeps one more copy of the weights on "
+                                         "the trainer's GPU; a CUDA trainer of one process)")
     lora_rank: int = option(0, "train a LoRA adapter of this rank on the frozen model (peft) and sync only the "
                                 "adapter; 0 trains and syncs every weight", minimum=0)
     lora_alpha: float = option(16.0, "LoRA alpha: the adapter's update is scaled by alpha / rank", above=0)

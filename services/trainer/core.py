@@ -115,7 +115,7 @@ class TrainerCore:
         self.publisher = PublisherCore(
             source, run, bucket_bytes=cfg.bucket_bytes, host=cfg.server.host,
             advertise=advertise_host(cfg.server.advertise), checksums=cfg.checksums,
-            transfer_timeout=cfg.transfer_timeout, delta=cfg.delta,
+            transfer_timeout=cfg.transfer_timeout, delta=cfg.delta, publish_buffer=cfg.publish_buffer,
             offload=self.policy.offload, onload=self.policy.onload, sharded=self.sharded)
         if self.sharded:  # the publisher's own requests (routed sends, audits) on every rank too
             self.points.handlers.update(self.publisher.rank_handlers(rank))

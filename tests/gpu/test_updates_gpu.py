@@ -16,8 +16,8 @@ pytestmark = pytest.mark.gpu
 GPU_ENGINE = json.dumps({"device": "cuda", "dtype": "float32"})
 
 
-def _fleet(services, trainer_gpu: str, replica_gpu: str, checksums: bool = True):
-    tr = services.start("trainer", ["--device", "cuda", "--lr", "0.01"] + ["--checksums"] * checksums,
+def _fleet(services, trainer_gpu: str, replica_gpu: str, checksums: bool = True, trainer_extra=()):
+    tr = services.start("trainer", ["--device", "cuda", "--lr", "0.01", *trainer_extra] + ["--checksums"] * checksums,
                         env={"CUDA_VISIBLE_DEVICES": trainer_gpu}, name="gpu-trainer")
     ro = services.start("rollout", ["--engine", "hf", "--engine-args", GPU_ENGINE],
                         env={"CUDA_VISIBLE_DEVICES": replica_gpu}, name="gpu-rollout")
@@ -128,6 +128,33 @@ def test_a_replica_on_the_trainers_gpu_holds_its_weights_from_the_first_pushed_u
     off = trainer.offload()
     assert off.released == 1
     assert rollout.release_weights("trainer").released == 0
+
+
+def test_a_trainer_with_a_publish_buffer_is_pulled_from_while_it_trains(services):
+    """Async and in-flight updates do not keep the trainer still: with a publish buffer, the offer copies
+    the weights into it and a replica on the trainer's GPU pulls that copy (held mapped from the first
+    update on), with no publish; a training step after the offer does not reach what the replica gets."""
+    trainer, rollout = _fleet(services, "0", "0", checksums=False, trainer_extra=["--publish-buffer"])
+    bell = rollout.info().doorbell
+
+    def train(seed: int) -> None:
+        done = rollout.complete("3+4=", max_tokens=8, logprobs=True, ignore_eos=True, n=4, seed=seed)
+        trainer.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])
+
+    for seed in (6, 7):
+        train(seed)
+        report = push_weights(trainer, [rollout], doorbells=[bell], hold=True)  # as async and inflight: no pull asked
+        assert report.backends == {"cuda_ipc": 1} and "rpc" not in report.profile, report.profile
+        assert differences(trainer.checksums(), rollout.checksums()) == []
+    offer = trainer.offer_weights().offer
+    offered = trainer.checksums()
+    assert offer.mapped.ipc, "an offer of the buffer is a pull"
+    train(8)  # the trainer moves on before the replica copies
+    assert differences(offered, trainer.checksums()) != []
+    rollout.prepare_update(offer)
+    rollout.commit_update(offer.manifest.version)
+    assert differences(offered, rollout.checksums()) == []
+    assert trainer.offload().released == 1  # the buffer was held; the offload has it let go
 
 
 def test_a_replica_arms_its_next_pull_at_wake_and_the_trainers_bell_starts_it(services, tmp_path):

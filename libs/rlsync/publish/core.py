@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 import torch
 
 from rlsync.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from rlsync.publish.buffer import PublishBuffer
 from rlsync.publish.ranks import AUDIT, OFFLOAD, ONLOAD, PASSES, ROUTED, PublishPoints, Ranks
 from rlsync.publish.source import ShardedModule
 from rlsync.transfer import Report, WeightSender, audit_entry
@@ -54,8 +55,10 @@ class PublisherCore:
     def __init__(self, source: Callable[[], Source], run: Runner, *, bucket_bytes: int, host: str = "127.0.0.1",
                  advertise: str | None = None, checksums: bool = False, transfer_timeout: float = 300.0,
                  offload: Callable[[], None] | None = None, onload: Callable[[], None] | None = None,
-                 delta: bool = False, sharded: bool = False):
+                 delta: bool = False, sharded: bool = False, publish_buffer: bool = False):
         self.source, self.run = source, run
+        self.publish_buffer = publish_buffer  # offers that are no pull copy the weights into one first
+        self._buffer: PublishBuffer | None = None
         self.delta = delta  # see WeightSender: resident sources only
         self.sharded = sharded  # a sharded model (ShardedModule): routed sends, audits by checksum shares
         self.bucket_bytes, self.host, self.advertise = bucket_bytes, host, advertise
@@ -66,7 +69,7 @@ class PublisherCore:
         self.current = 0  # the version the weights are now (an offer without a version gets it)
         self._sender: WeightSender | ShardedSender | None = None
         self._source: Source | None = None  # what the sender sends (and audits read)
-        self._offers: dict[str, tpb.Offer] = {}
+        self._offers: dict[str, tuple[tpb.Offer, WeightSender | ShardedSender]] = {}  # id -> offer, its sender
         self.ranks: Ranks | None = None  # a sharded trainer's ranks: each sends its own shards
 
     def _require_on_device(self, action: str) -> None:
@@ -92,6 +95,17 @@ class PublisherCore:
             self._source = source
         return self._sender
 
+    def _buffer_now(self, sender: WeightSender) -> PublishBuffer | None:
+        """The publish buffer, made at the first offer that asks for one; None without one (not asked
+        for, delta updates, or weights that are not resident, contiguous CUDA tensors)."""
+        if not self.publish_buffer or self.delta or not PublishBuffer.fits(sender.source):
+            return None
+        if self._buffer is None:
+            self._buffer = PublishBuffer(sender.source, lambda source: WeightSender(
+                source, bucket_bytes=self.bucket_bytes, host=self.host, advertise=self.advertise,
+                checksums=self.checksums_in_manifest))
+        return self._buffer
+
     def pass_source(self, rank: int) -> Source:
         """What a rank's passes walk (a streamed source's; a sharded model makes none): rank 0 the
         source its sender reads, the other ranks a source of their own."""
@@ -99,6 +113,9 @@ class PublisherCore:
 
     def drop_sender(self) -> None:
         """Forgets the sender and its offers (the parameters' memory is about to move)."""
+        if self._buffer is not None:
+            self._buffer.close()
+            self._buffer = None
         if self._sender is not None:
             self._sender.close()
             self._sender = None
@@ -116,21 +133,28 @@ class PublisherCore:
     # offload queued before it has happened, and a sharded model is not in the middle of a step.
     async def offer(self, version: int, pull: bool = False,
                     describe: bool = False) -> tuple[tpb.Offer, tuple[tpb.MappedTensors, tpb.Facts] | None]:
-        """pull: receivers on the trainer's GPU copy the weights themselves (see OfferWeightsRequest).
-        describe: also where the weights lie on the GPU, for replicas on it to keep mapped (see onload);
-        None when they cannot be mapped."""
-        def offer() -> tuple[tpb.Offer, tuple[tpb.MappedTensors, tpb.Facts] | None]:
+        """pull: receivers on the trainer's GPU copy the weights themselves (see OfferWeightsRequest);
+        else, with a publish buffer, the weights are copied into it and the offer is a pull of the
+        buffer, which receivers copy while training goes on. describe: also where the weights (or
+        the buffer) lie on the GPU, for replicas on it to keep mapped (see onload); None when they
+        cannot be mapped."""
+        def offer() -> tuple[tpb.Offer, tuple[tpb.MappedTensors, tpb.Facts] | None, WeightSender | ShardedSender]:
             self._require_on_device("publishing weights")
             sender = self._sender_now()
             if isinstance(sender, ShardedSender):
-                return sender.offer(version), None
-            offer = sender.offer(version, pull)
+                return sender.offer(version), None, sender
+            buffer = None if pull else self._buffer_now(sender)  # a caller that keeps it still needs none
+            if buffer is not None:
+                buffer.refresh()
+            made = buffer.sender if buffer is not None else sender
+            offer = made.offer(version, pull or buffer is not None)
             # a pull's offer already says where the weights lie
-            regions = (offer.mapped if offer.mapped.ipc else sender.regions()) if describe else None
-            return offer, None if regions is None else (regions, local_facts(sender.device))
+            regions = (offer.mapped if offer.mapped.ipc else made.regions()) if describe else None
+            return offer, None if regions is None else (regions, local_facts(made.device)), made
 
-        offer, regions = await self.run(offer, PASSES, lambda: self._passes(1 if self.checksums_in_manifest else 0))
-        self._offers[offer.transfer_id] = offer
+        offer, regions, made = await self.run(offer, PASSES,
+                                              lambda: self._passes(1 if self.checksums_in_manifest else 0))
+        self._offers[offer.transfer_id] = offer, made
         if offer.mapped.ipc:  # receivers pull it from here, with no PublishWeights
             self.published = offer.manifest.version
         while len(self._offers) > 8:
@@ -138,7 +162,7 @@ class PublisherCore:
         return offer, regions
 
     async def publish(self, transfer_id: str, answers: list[tpb.Answer], timeout: float = 0) -> tuple[int, Report]:
-        offer = self._offers.get(transfer_id)
+        offer, sender = self._offers.get(transfer_id, (None, None))
         if offer is None:
             raise NotFound(f"no offer {transfer_id!r} (expired, or the trainer offloaded since): call OfferWeights")
         if not answers:
@@ -148,7 +172,7 @@ class PublisherCore:
             self._require_on_device("publishing weights")
             if transfer_id not in self._offers:  # an offload dropped the sender that made it
                 raise NotFound(f"offer {transfer_id!r} was dropped when the trainer offloaded: call OfferWeights")
-            return self._sender_now().send(offer, answers, timeout or self.transfer_timeout)
+            return sender.send(offer, answers, timeout or self.transfer_timeout)
 
         if offer.HasField("routing"):  # every rank sends its own shards (the others get the same request)
             timeout = timeout or self.transfer_timeout

@@ -56,6 +56,9 @@ class WeightPublisher:
     group: the process group of the model's ranks (default: the whole world, if torch.distributed
         is initialised). Rank 0 of it serves the trainer API; with a sharded model every rank sends its
         own shards (otherwise rank 0 sends).
+    publish_buffer: copy the weights into a buffer of their own at each update (one device copy at a
+        publish point): replicas on the model's GPU copy from it while the loop trains on (one more
+        copy of the weights on that GPU; a model of one process, its parameters on CUDA).
     host, advertise, token: left out, they come from RLSYNC_HOST, RLSYNC_ADVERTISE and RLSYNC_TOKEN,
         as the services' options do (a launcher such as `rlsync up` sets them).
     """
@@ -65,7 +68,7 @@ class WeightPublisher:
                  advertise: str | None = None, token: str | None = None, checksums: bool = False,
                  transfer_timeout: float = 300.0,
                  offload: Callable[[], None] | None = None, onload: Callable[[], None] | None = None,
-                 group=None, name: str = "trainer", register_timeout: float = 60.0):
+                 group=None, name: str = "trainer", register_timeout: float = 60.0, publish_buffer: bool = False):
         env = build(ServerConfig)  # what is left out comes from RLSYNC_*, read as the services read it
         host = env.host if host is None else host
         advertise = env.advertise if advertise is None else advertise
@@ -76,7 +79,8 @@ class WeightPublisher:
         self.core = PublisherCore(lambda: module_source(self.model, self.weights, group)[0], None,
                                   bucket_bytes=bucket_bytes, host=host, advertise=advertise_host(advertise),
                                   checksums=checksums, transfer_timeout=transfer_timeout,
-                                  offload=offload, onload=onload, sharded=isinstance(first, ShardedModule))
+                                  offload=offload, onload=onload, sharded=isinstance(first, ShardedModule),
+                                  publish_buffer=publish_buffer)
         self.points = PublishPoints(self.ranks, lambda: self.core.pass_source(self.ranks.rank),
                                     {**hooks(offload, onload), **self.core.rank_handlers(self.ranks)})
         self.core.run = at_publish_points(self.points)
