@@ -47,7 +47,7 @@ def test_lora_demo_learns_syncing_only_the_adapter(tmp_path, engine):
         + rank * (hidden + inter) * 3
     assert {s["sync_bytes"] for s in steps} == {4 * layers * per_layer}, "only the adapter's fp32 bytes move"
     first, last = (sum(s["reward_mean"] for s in part) / 10 for part in (steps[:10], steps[-10:]))
-    assert last >= first + 0.015, (first, last)
+    assert last >= first + 0.015, (first, last, [round(s["reward_mean"], 3) for s in steps])
 
 
 def test_demo_does_not_learn_without_weight_sync(tmp_path):
