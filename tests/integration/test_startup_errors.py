@@ -196,6 +196,7 @@ def test_tls_files(tmp_path):
     (["trainer", "--lora-rank", "-1"], {}, ["--lora-rank", "at least 0"]),
     (["trainer", "--lora-rank", "8", "--lora-targets", ","], {}, ["--lora-targets", "names no module"]),
     (["trainer", "--transfer-timeout", "0"], {}, ["--transfer-timeout", "more than 0"]),
+    (["trainer", "--publish-buffer", "--device", "cpu"], {}, ["--publish-buffer", "one CUDA process", "CPU --device"]),
     (["trainer", "--device", "gpu"], {}, ["--device (RLSYNC_DEVICE)", "'gpu' is not a training device"]),
     (["trainer", "--device", "cuda:99"], {}, ["--device", "'cuda:99'"]),
     (["trainer"], {"RLSYNC_DTYPE": "float64"}, ["RLSYNC_DTYPE", "invalid choice: 'float64'"]),

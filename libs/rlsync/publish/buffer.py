@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from rlsync.flat import FlatStore
 from rlsync.transfer import WeightSender
 from rlsync.transfer.source import ResidentSource
@@ -41,13 +43,14 @@ class PublishBuffer:
         return isinstance(source, ResidentSource) and source.device.type == "cuda" and source.contiguous
 
     def refresh(self) -> None:
-        """Queues the copy of the source's current values into the buffer (the sender's offer
-        synchronizes the device before it describes the buffer)."""
+        """Copies the source's current values into the buffer; returns once they are there."""
         if self._whole is not None:
             src, dst = self._whole
             dst.copy_(src, non_blocking=True)
         else:
             DestWriter(self.specs, self.store, self.device).write_all(self._sources, self._plans)
+        if self.device.type == "cuda":  # the buffer is whole before anything reads it, on any stream
+            torch.cuda.current_stream(self.device).synchronize()
 
     def close(self) -> None:
         self.sender.close()

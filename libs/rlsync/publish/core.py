@@ -59,6 +59,7 @@ class PublisherCore:
         self.source, self.run = source, run
         self.publish_buffer = publish_buffer  # offers that are no pull copy the weights into one first
         self._buffer: PublishBuffer | None = None
+        self._no_buffer = ""  # why there is none (logged once, until the sender is made again)
         self.delta = delta  # see WeightSender: resident sources only
         self.sharded = sharded  # a sharded model (ShardedModule): routed sends, audits by checksum shares
         self.bucket_bytes, self.host, self.advertise = bucket_bytes, host, advertise
@@ -96,14 +97,24 @@ class PublisherCore:
         return self._sender
 
     def _buffer_now(self, sender: WeightSender) -> PublishBuffer | None:
-        """The publish buffer, made at the first offer that asks for one; None without one (not asked
-        for, delta updates, or weights that are not resident, contiguous CUDA tensors)."""
-        if not self.publish_buffer or self.delta or not PublishBuffer.fits(sender.source):
+        """The publish buffer, made at the first offer that is no pull; None without one: not asked
+        for, or it cannot be had (logged once): delta updates, weights that are not resident,
+        contiguous CUDA tensors offered over cuda_ipc, or no GPU memory left for the copy. The
+        updates are then published from the weights themselves, under the trainer's lock."""
+        if not self.publish_buffer or self._no_buffer:
             return None
         if self._buffer is None:
-            self._buffer = PublishBuffer(sender.source, lambda source: WeightSender(
-                source, bucket_bytes=self.bucket_bytes, host=self.host, advertise=self.advertise,
-                checksums=self.checksums_in_manifest))
+            why = _why_no_buffer(sender, self.delta)
+            if not why:
+                try:
+                    self._buffer = PublishBuffer(sender.source, lambda source: WeightSender(
+                        source, bucket_bytes=self.bucket_bytes, host=self.host, advertise=self.advertise,
+                        checksums=self.checksums_in_manifest))
+                except torch.OutOfMemoryError as e:
+                    why = f"no room on the GPU for a copy of the weights ({str(e).splitlines()[0]})"
+            if why:
+                self._no_buffer = why
+                log.warning("no publish buffer: %s; updates are published from the weights themselves", why)
         return self._buffer
 
     def pass_source(self, rank: int) -> Source:
@@ -116,6 +127,7 @@ class PublisherCore:
         if self._buffer is not None:
             self._buffer.close()
             self._buffer = None
+        self._no_buffer = ""  # memory may be free when the weights come back
         if self._sender is not None:
             self._sender.close()
             self._sender = None
@@ -138,28 +150,33 @@ class PublisherCore:
         buffer, which receivers copy while training goes on. describe: also where the weights (or
         the buffer) lie on the GPU, for replicas on it to keep mapped (see onload); None when they
         cannot be mapped."""
-        def offer() -> tuple[tpb.Offer, tuple[tpb.MappedTensors, tpb.Facts] | None, WeightSender | ShardedSender]:
+        def offer() -> tuple[tpb.Offer, tuple[tpb.MappedTensors, tpb.Facts] | None]:
             self._require_on_device("publishing weights")
             sender = self._sender_now()
             if isinstance(sender, ShardedSender):
-                return sender.offer(version), None, sender
+                offer = sender.offer(version)
+                self._remember(offer, sender)
+                return offer, None
             buffer = None if pull else self._buffer_now(sender)  # a caller that keeps it still needs none
             if buffer is not None:
                 buffer.refresh()
+                # what older offers of the buffer described is gone: publishing one now is refused
+                self._offers = {k: v for k, v in self._offers.items() if v[1] is not buffer.sender}
             made = buffer.sender if buffer is not None else sender
             offer = made.offer(version, pull or buffer is not None)
             # a pull's offer already says where the weights lie
             regions = (offer.mapped if offer.mapped.ipc else made.regions()) if describe else None
-            return offer, None if regions is None else (regions, local_facts(made.device)), made
+            self._remember(offer, made)  # here, in step with an offload's drop_sender
+            return offer, None if regions is None else (regions, local_facts(made.device))
 
-        offer, regions, made = await self.run(offer, PASSES,
-                                              lambda: self._passes(1 if self.checksums_in_manifest else 0))
-        self._offers[offer.transfer_id] = offer, made
+        return await self.run(offer, PASSES, lambda: self._passes(1 if self.checksums_in_manifest else 0))
+
+    def _remember(self, offer: tpb.Offer, sender: WeightSender | ShardedSender) -> None:
+        self._offers[offer.transfer_id] = offer, sender
         if offer.mapped.ipc:  # receivers pull it from here, with no PublishWeights
             self.published = offer.manifest.version
         while len(self._offers) > 8:
             self._offers.pop(next(iter(self._offers)))
-        return offer, regions
 
     async def publish(self, transfer_id: str, answers: list[tpb.Answer], timeout: float = 0) -> tuple[int, Report]:
         offer, sender = self._offers.get(transfer_id, (None, None))
@@ -294,3 +311,12 @@ class PublisherCore:
 
     def close(self) -> None:
         self.drop_sender()
+
+
+def _why_no_buffer(sender: WeightSender, delta: bool) -> str:
+    """Why `sender`'s weights get no publish buffer ("": they may)."""
+    if delta:
+        return "delta updates send from the trainer's own copy"
+    if not (PublishBuffer.fits(sender.source) and sender.allow_one_copy and tpb.BACKEND_CUDA_IPC in sender.backends):
+        return "the weights are not resident, contiguous CUDA tensors offered over cuda_ipc"
+    return ""

@@ -100,6 +100,8 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
                                                     request.pull, describe=request.hold and bool(ring))
         if regions is not None:
             await self._hold(regions, ring)
+            if self.publisher.offloaded:  # an Offload ran while they mapped: they let go now
+                await self.release_held()
         rung, seconds = await ring_prepare(offer, ring, self.token, request.force_backend,
                                            request.timeout, self.lines, self.bells)
         return pb.OfferWeightsResponse(offer=offer, rung=rung, ring_seconds=seconds)
