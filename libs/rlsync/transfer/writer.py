@@ -231,4 +231,3 @@ class DestWriter:
 
 
 _nbytes, _checksum = attrgetter("nbytes"), attrgetter("checksum")
-
