@@ -10,7 +10,10 @@ from rlsync.client import RolloutClient, trajectory
 
 LEASE = 2.5
 FAST = ["--lease", str(LEASE), "--heartbeat-interval", "0.3"]
-MOVE_ON = LEASE + 10  # what "promptly" means on two busy cores: the lease, its check, and a margin
+# What "promptly" means: the lease, its check and a survivor's AbortUpdate (5 s when its gloo receive
+# is stuck), with room for a busy CI machine; a fleet without the lease would wait for the update's
+# deadline (the coordinator's --update-timeout, 300 s here).
+MOVE_ON = LEASE + 20
 
 
 def train(client, seed=0):
@@ -37,7 +40,7 @@ def report(what: str, seconds: float, retry=None, tag: str = "hung") -> None:
     again = sum(retry.phases.values()) if retry is not None else 0.0
     print(f"\n[{tag}] {what}: moved on in {seconds - again:.1f}s (lease {LEASE}s)"
           + (f", then the sync again without it in {again:.1f}s {dict(retry.phases)}" if retry is not None else ""))
-    assert seconds - again < MOVE_ON, f"{what}: took {seconds - again:.1f}s, more than the lease ({LEASE}s) + 10s"
+    assert seconds - again < MOVE_ON, f"{what}: took {seconds - again:.1f}s, more than the lease ({LEASE}s) + 20s"
 
 
 # A slow transfer to stop a member in the middle of: ~90 MB in 16 KiB buckets over gloo.
