@@ -89,7 +89,8 @@ class TrainerConfig:
     nproc: int = option(1, "ranks to train with: > 1 shards the model over that many processes with FSDP2 "
                            "(gloo on CPU; NCCL with one GPU per rank)", minimum=1)
 
-    def _on_cuda(self) -> bool:
+    def on_cuda(self) -> bool:
+        """Whether the trainer trains on a GPU (auto: when one is visible)."""
         if self.device == "auto":
             import torch
 
@@ -97,7 +98,7 @@ class TrainerConfig:
         return self.device.startswith("cuda")
 
     def check(self) -> None:
-        if self.publish_buffer and (self.delta or self.nproc > 1 or not self._on_cuda()):
+        if self.publish_buffer and (self.delta or self.nproc > 1 or not self.on_cuda()):
             raise refused("publish_buffer", "copies the weights of one CUDA process: not with --delta (its broadcasts "
                                             "send from the trainer's own copy), --nproc > 1 or a CPU --device")
         if self.lora_rank > 0 and not [t for t in self.lora_targets.split(",") if t.strip()]:

@@ -24,8 +24,7 @@ STALE_POLICIES = {pb.STALE_POLICY_KEEP: "keep", pb.STALE_POLICY_DROP: "drop", pb
 
 
 def backend(cfg: TrainerConfig) -> str:
-    cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
-    return "nccl" if cuda else "gloo"
+    return "nccl" if cfg.on_cuda() else "gloo"
 
 
 def start_ranks(cfg: TrainerConfig) -> list[subprocess.Popen]:

@@ -31,9 +31,7 @@ class PublishBuffer:
         self.store = FlatStore({s.name: (s.shape, s.dtype) for s in self.specs}, self.device)
         self.sender = make_sender(ResidentSource(self.store.views, adapter=source.adapter, frozen=source.frozen))
         views = source.resident()
-        # Flat on both sides (rlsync's trainer): one copy. Else one copy per tensor, in one launch.
-        src, dst = span([v for v in views if v.numel()]), self.store.whole_for(self.specs)
-        self._whole = (src, dst) if src is not None and dst is not None and src.numel() == dst.numel() else None
+        self._whole = span([v for v in views if v.numel()])  # the source's bytes, when flat (rlsync's trainer)
         self._sources = [(v, v.untyped_storage().data_ptr()) if v.numel() else None for v in views]
         self._plans: dict = {}  # the kept launch table of a scattered source (DestWriter.write_all)
 
@@ -44,11 +42,11 @@ class PublishBuffer:
 
     def refresh(self) -> None:
         """Copies the source's current values into the buffer; returns once they are there."""
-        if self._whole is not None:
-            src, dst = self._whole
-            dst.copy_(src, non_blocking=True)
-        else:
-            DestWriter(self.specs, self.store, self.device).write_all(self._sources, self._plans)
+        writer = DestWriter(self.specs, self.store, self.device)
+        if self._whole is not None and writer.whole is not None:  # flat on both sides: one copy
+            writer.write_whole(self._whole)
+        else:  # one copy per tensor, in one launch
+            writer.write_all(self._sources, self._plans)
         if self.device.type == "cuda":  # the buffer is whole before anything reads it, on any stream
             torch.cuda.current_stream(self.device).synchronize()
 
