@@ -194,20 +194,20 @@ def rpc_floor(replica: str, calls: int = 300) -> dict:
         bare.kill()
 
 
-def disaggregated(model: str, cycles: int, logs: Path, gpus: int, limit: float) -> dict:
+def disaggregated(model: str, cycles: int, logs: Path, gpus: int, limit: float, streams: int = 32) -> dict:
     fleet = start(logs, "async", model, "0", [str(i) for i in range(1, gpus)])
     c = CoordinatorClient(fleet[0].address)
-    out, streams = [], {"done": 0, "bad": 0}
+    out, counts = [], {"done": 0, "bad": 0}
 
     async def background(stop: asyncio.Event):
         async with AsyncCoordinatorClient(fleet[0].address, timeout=None) as gc:
             async def one(i):
                 while not stop.is_set():
                     comp = (await gc.complete(f"bg {i}", max_tokens=64, ignore_eos=True))[0]
-                    streams["done"] += 1
-                    streams["bad"] += len(comp.token_ids) != 64
+                    counts["done"] += 1
+                    counts["bad"] += len(comp.token_ids) != 64
 
-            await asyncio.gather(*(one(i) for i in range(32)))
+            await asyncio.gather(*(one(i) for i in range(streams)))
 
     async def run():
         stop = asyncio.Event()
@@ -233,8 +233,8 @@ def disaggregated(model: str, cycles: int, logs: Path, gpus: int, limit: float) 
     finally:
         for p in reversed(fleet):
             p.stop()
-    return {"steady": steady(out, "nccl"), "cycles": out, "background_streams": streams["done"],
-            "lost_or_short": streams["bad"], "aborted_and_resumed": status.resubmissions}
+    return {"steady": steady(out, "nccl"), "cycles": out, "background_streams": counts["done"],
+            "lost_or_short": counts["bad"], "aborted_and_resumed": status.resubmissions}
 
 
 def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: float, interval: float,
@@ -333,6 +333,8 @@ def main() -> None:
                         help="generation under updates in this sync mode (repeatable; default both)")
     parser.add_argument("--seconds", type=float, default=10.0, help="each window of the run under updates")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between two updates")
+    parser.add_argument("--streams", type=int, default=32,
+                        help="disaggregated only: generation streams running through every update")
     parser.add_argument("--dir", default="/tmp/rlsync-gpu")
     parser.add_argument("--no-doorbell", action="store_true",
                         help="colocated only: the coordinator prepares the replica by gRPC (the trainer rings none)")
@@ -360,7 +362,8 @@ def main() -> None:
     if args.only in (None, "disaggregated") and gpus >= 2:
         result["limits"]["nccl_broadcast_GB/s"] = round(nccl_limit(nbytes, 2), 1)
         result["disaggregated"] = disaggregated(model, args.cycles, root / "logs-disaggregated", gpus,
-                                                result["limits"]["nccl_broadcast_GB/s"])
+                                                result["limits"]["nccl_broadcast_GB/s"], args.streams)
+        result["disaggregated"]["streams"] = args.streams
     if args.only in (None, "updates"):
         limit = result["limits"].get("nccl_broadcast_GB/s") if gpus > 1 else result["limits"]["d2d_copy_GB/s"]
         if limit is None:

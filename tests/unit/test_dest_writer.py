@@ -6,6 +6,8 @@ import torch
 
 from rlsync.flat import FlatStore
 from rlsync.transfer.manifest import Spec
+from rlsync.transfer.plan import plan_buckets
+from rlsync.transfer.spans import span
 from rlsync.transfer.writer import DestWriter
 
 SHAPES = {"a": (3, 4), "b": (5,), "empty": (0, 2), "c": (2, 2, 2)}
@@ -63,3 +65,39 @@ def test_tensors_sent_in_another_dtype_are_cast_as_they_are_written():
     short = DestWriter(specs, store, torch.device("cpu"))
     with pytest.raises(DataLoss, match="'a': 11 elements sent"):
         short.write_cast([torch.zeros(11)] + [None] * (len(specs) - 1))
+
+
+@pytest.mark.parametrize("bucket_bytes", [7, 24, 1 << 20])
+def test_a_buckets_slices_land_in_one_view_cut_from_the_flat_store(bucket_bytes):
+    """A broadcast lands each bucket straight in place: over a flat store its view is cut from the
+    one buffer by offsets alone (no view of any tensor), and it is where the slices' own views are."""
+    store = _store(SHAPES)
+    specs = _specs(store, SHAPES)
+    writer = DestWriter(specs, store, torch.device("cpu"))
+    plan = plan_buckets([s.nbytes for s in specs], bucket_bytes)
+    views = [writer.direct_span(b.slices) for b in plan]
+    assert "targets" not in vars(writer) and "tensors" not in vars(writer)
+    for bucket, view in zip(plan, views):
+        parts = [writer.direct_view(s.tensor, s.src, s.length) for s in bucket.slices]
+        assert view is not None and view.numel() == bucket.nbytes
+        assert view.data_ptr() == span(parts).data_ptr()
+    torch.manual_seed(0)
+    stream = torch.randint(0, 256, (sum(s.nbytes for s in specs),), dtype=torch.uint8)
+    for bucket, view in zip(plan, views):  # as a broadcast writes each bucket, then marks its slices
+        start = bucket.index * bucket_bytes
+        view.copy_(stream[start:start + bucket.nbytes])
+        for s in bucket.slices:
+            writer.mark(s.tensor, s.length)
+    assert writer.finish() == stream.numel()
+    assert torch.equal(store.buffers[torch.bfloat16].view(torch.uint8), stream)
+
+
+def test_separate_tensors_take_a_bucket_in_place_only_within_one_of_them():
+    dest = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in SHAPES.items()}
+    specs = [Spec.of(n, t) for n, t in dest.items()]
+    writer = DestWriter(specs, dest, torch.device("cpu"))
+    assert writer.whole is None  # separate allocations
+    plan = plan_buckets([s.nbytes for s in specs], 1 << 20)
+    assert writer.direct_span(plan[0].slices) is None  # several tensors: staged, then copied
+    one = plan_buckets([s.nbytes for s in specs], 8)[0]  # 8 bytes of "a"
+    assert writer.direct_span(one.slices).data_ptr() == dest["a"].data_ptr()

@@ -6,9 +6,9 @@ event (`wait_copied`) before it writes or frees the memory. The answer's trip ba
 receiver's bookkeeping then overlap the copy instead of following it, and neither process wakes
 the other when the bytes land.
 
-Pulls on one device are queued on that device's current stream in the order they run (an engine
-prepares one update at a time), so one event per device serves them all: its latest record is
-after every copy queued so far. Opened events are kept on the sender's side, so a replica's event
+Pulls on one device are queued on that device's transfer stream (rlsync.transfer.streams) in the
+order they run (an engine prepares one update at a time), so one event per device serves them all:
+its latest record is after every copy queued so far. Opened events are kept on the sender's side, so a replica's event
 is opened once, not at every update.
 """
 
@@ -33,7 +33,8 @@ def copy_event(device: torch.device) -> tuple[torch.cuda.Event, bytes]:
 
 
 def record_copied(device: torch.device) -> bytes:
-    """Records the event after everything queued so far on `device`'s current stream -> its handle."""
+    """Records the event after everything queued so far on `device`'s current stream (the transfer
+    stream, in a pull) -> its handle."""
     event, handle = copy_event(device)
     event.record(torch.cuda.current_stream(device))
     return handle

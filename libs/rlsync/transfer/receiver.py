@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 import torch
 
+from rlsync.common.trace import traced
 from rlsync.errors import Aborted, DataLoss, InvalidArgument
 from rlsync.flat import FlatStore
 from rlsync.transfer.backends import available, channel
@@ -21,6 +22,7 @@ from rlsync.transfer.messages import Hello, Reject, Welcome, error_from
 from rlsync.transfer.plan import cached_plan
 from rlsync.transfer.sender import Report
 from rlsync.transfer.sharded import RoutedReceiver, whole_layout
+from rlsync.transfer.streams import handed_over, on_transfer_stream
 from rlsync.transfer.v1 import transfer_pb2 as pb
 from rlsync.transfer.writer import Destination, DestWriter
 
@@ -72,6 +74,10 @@ class Receiver:
     memory stays mapped, run() returns once the copy is queued; the report's `copied` is the CUDA
     event to put in the answer (rlsync.transfer.copied).
 
+    The bytes move on a stream of their own, beside an engine generating on its default stream
+    (rlsync.transfer.streams): after dest as the caller's stream held it at construction, and before
+    what the caller's stream queues after run().
+
     hold: a cuda_ipc one-copy keeps the sender's storages mapped afterwards, under this holder name
     (rlsync.transfer.held): the next transfer from memory still in place maps and closes nothing,
     and a storage it no longer lists is closed then. The caller must `HELD.release(hold)` before the
@@ -98,6 +104,7 @@ class Receiver:
             device = first.device if first is not None else torch.device(answer.facts.device_type or "cpu")
         self.device = torch.device(device)
         self.writer = DestWriter(self.specs, dest, self.device)
+        self.ready = handed_over(self.device)  # dest as the caller's stream leaves it (rlsync.transfer.streams)
         if answer.delta and not all(self.writer.direct):
             raise InvalidArgument("delta updates land bytes as sent: every destination must be contiguous, in the "
                                   "manifest's dtype (answer without base_version to have them cast)")
@@ -114,8 +121,10 @@ class Receiver:
         self.setup = time.perf_counter() - setup  # manifest, destination layout, connection
 
     def run(self) -> Report:
-        if self.conn is None:
-            return self._pull()
+        with on_transfer_stream(self.device, self.ready), traced("receive"):
+            return self._pull() if self.conn is None else self._receive()
+
+    def _receive(self) -> Report:
         try:
             msg, fds = self.conn.recv(self.deadline, "waiting for the sender to start the transfer")
             if isinstance(msg, Reject):

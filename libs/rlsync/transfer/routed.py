@@ -28,7 +28,6 @@ from rlsync.transfer.control import Deadline
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.plan import Bucket, cached_plan
 from rlsync.transfer.routes import Box, Piece, Routes, extent, relative
-from rlsync.transfer.spans import span
 from rlsync.transfer.writer import DestWriter
 
 WINDOW = 2  # operations in flight per member
@@ -199,8 +198,7 @@ def _receive(pg, routes, first, writer, bucket_bytes, window, device) -> int:
             continue
         transfer, base = routes.transfers[op.transfer], first[op.transfer]
         window.reserve()
-        parts = [writer.direct_view(base + s.tensor, s.src, s.length) for s in op.bucket.slices]
-        view = span(parts) if all(p is not None for p in parts) else None
+        view = writer.direct_span(op.bucket.slices, base)
         in_place = view is not None and view.device == device
         if not in_place:
             view = slots.next(op.bucket.nbytes)

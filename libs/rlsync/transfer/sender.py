@@ -14,6 +14,7 @@ import torch
 
 from rlsync.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from rlsync.address import reachable_host
+from rlsync.common.trace import traced
 from rlsync.transfer.backends import available, channel
 from rlsync.transfer.backends.base import SendJob, expect
 from rlsync.transfer.backends.slots import describe_cuda
@@ -165,7 +166,8 @@ class WeightSender:
         conns = self._gather(offer, expected, deadline)
         gathered = time.perf_counter()
         try:
-            reported, wire = self._run_groups(offer, answers, conns, deadline)
+            with traced("send"):
+                reported, wire = self._run_groups(offer, answers, conns, deadline)
         finally:
             for conn, _ in conns:
                 conn.close()

@@ -38,6 +38,7 @@ from rlsync.transfer.manifest import Spec, from_proto, to_proto
 from rlsync.flat import FlatStore
 from rlsync.transfer.routes import Box, Layout, Piece, Routes, TensorInfo, cached_routes, layout, whole
 from rlsync.transfer.sender import Report
+from rlsync.transfer.streams import handed_over, on_transfer_stream
 from rlsync.transfer.v1 import transfer_pb2 as pb
 from rlsync.transfer.writer import DestWriter
 
@@ -289,6 +290,7 @@ class RoutedReceiver:
         self.start = time.perf_counter()
         self._pg = None
         self._closed = threading.Event()
+        self.ready = handed_over(self.device)  # as transfer.Receiver: on a stream of its own
 
     def _roster(self, store) -> tuple[list[pb.Answer], int]:
         """The replicas taking part (as the trainer's rank 0 put them), and this rank's place among
@@ -312,6 +314,10 @@ class RoutedReceiver:
         return answers, sum(a.ranks for a in answers[:index]) + self.rank
 
     def run(self) -> Report:
+        with on_transfer_stream(self.device, self.ready):
+            return self._run()
+
+    def _run(self) -> Report:
         store = _store(self.offer.routing.store, False, self.deadline.remaining("joining the store"))
         answers, me = self._roster(store)
         nbytes, profile = 0, {"roster": time.perf_counter() - self.start}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from functools import cached_property
+from itertools import accumulate
 from math import prod
 from operator import attrgetter
 
@@ -19,7 +20,7 @@ from rlsync.transfer import batched
 from rlsync.transfer.checksum import checksum_bytes
 from rlsync.transfer.dtypes import itemsize
 from rlsync.transfer.manifest import Spec
-from rlsync.transfer.spans import byte_view, cast_all, coalesce, copy_all
+from rlsync.transfer.spans import byte_view, cast_all, coalesce, copy_all, span
 
 Destination = Mapping[str, torch.Tensor] | FlatStore | Callable[[str, torch.Tensor], None]
 
@@ -116,6 +117,23 @@ class DestWriter:
     def direct_view(self, index: int, offset: int, nbytes: int) -> torch.Tensor | None:
         """Where bytes [offset, offset+nbytes) of tensor `index` land, if they land in place."""
         return self.targets[index][offset:offset + nbytes] if self.direct[index] else None
+
+    def direct_span(self, slices, base: int = 0) -> torch.Tensor | None:
+        """One view where a bucket's slices (of tensors `base + slice.tensor`) land, if they land in
+        place end to end: cut from `whole` where there is one (no view of any tensor is made)."""
+        if self.whole is not None and slices:
+            first, last = slices[0], slices[-1]
+            start = self.starts[base + first.tensor] + first.src
+            end = self.starts[base + last.tensor] + last.src + last.length
+            if end - start == sum(s.length for s in slices):
+                return self.whole[start:end]
+        parts = [self.direct_view(base + s.tensor, s.src, s.length) for s in slices]
+        return span(parts) if all(p is not None for p in parts) else None
+
+    @cached_property
+    def starts(self) -> list[int]:
+        """Where each tensor's bytes start in `whole` (the manifest's tensors back to back)."""
+        return list(accumulate((s.nbytes for s in self.specs), initial=0))
 
     def mark(self, index: int, nbytes: int) -> None:
         """Records bytes that arrived (written through write(), or straight into direct_view())."""

@@ -20,6 +20,7 @@ import socket
 import threading
 import uuid
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -90,11 +91,16 @@ class _Broadcast(abc.ABC):
     def _group(self, store: dist.Store, rank: int, world: int, deadline: Deadline, gid: str):
         """A process group of this backend over `store`, private to rlsync."""
 
-    def _slots(self, session: _Session, device: torch.device, nbytes: int) -> list[torch.Tensor]:
-        device = device if self.slot_device == "cuda" else torch.device("cpu")
-        if session.slots is None or session.slots[0].numel() < nbytes or session.slots[0].device != device:
-            session.slots = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(SLOTS)]
-        return [s[:nbytes] for s in session.slots]
+    def _slots(self, session: _Session, job: SendJob | ReceiveJob) -> list[torch.Tensor]:
+        """The group's staging slots, each as large as the plan's largest bucket: made on first need
+        (a transfer whose buckets all go straight from and to place needs none) and kept with it."""
+        device = job.device if self.slot_device == "cuda" else torch.device("cpu")
+        nbytes = max((b.nbytes for b in job.plan), default=1)
+        held = session.slots
+        if held is None or held[0].numel() < nbytes or held[0].device.type != device.type or (
+                device.index is not None and held[0].device.index != device.index):
+            session.slots = held = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(SLOTS)]
+        return [s[:nbytes] for s in held]
 
     # -- sender ---------------------------------------------------------------------------------
     def _session(self, job: SendJob) -> tuple[_Session, bool]:
@@ -127,26 +133,25 @@ class _Broadcast(abc.ABC):
         job.wire_bytes = 0
         inflight: deque = deque()
         try:
-            slots = self._slots(session, job.device, max((b.nbytes for b in job.plan), default=1))
             if job.delta_base is not None:
-                self._send_deltas(job, session, slots, checksums)
+                self._send_deltas(job, session, self._slots(session, job), checksums)
             else:
                 for bucket in job.plan:
                     if len(inflight) == SLOTS:
                         inflight.popleft().wait()
-                    view = self._outgoing(job, bucket, slots[bucket.index % SLOTS])
+                    view = self._outgoing(job, bucket, lambda i=bucket.index: self._slots(session, job)[i % SLOTS])
                     if job.verify:
                         checksums.add(view)
                     inflight.append(session.group.broadcast(view, 0))
                     job.wire_bytes += bucket.nbytes
                 while inflight:
                     inflight.popleft().wait()
-                sync(slots[0].device)
+                sync(job.device)
             done = Done(checksums=checksums.values())
             for conn, _ in job.conns:
                 conn.send(done)
             if job.delta_base is not None:
-                self._refill(job, session, slots[0])
+                self._refill(job, session, self._slots(session, job)[0])
         except BaseException as e:
             inflight.clear()  # pending work holds the group too
             _drop(session)
@@ -163,14 +168,14 @@ class _Broadcast(abc.ABC):
         if job.cache.setdefault(job.scratch["key"], session) is not session:  # a newer transfer's is there
             _drop(session)
 
-    def _outgoing(self, job: SendJob, bucket, slot: torch.Tensor) -> torch.Tensor:
+    def _outgoing(self, job: SendJob, bucket, slot: Callable[[], torch.Tensor]) -> torch.Tensor:
         """A bucket's bytes where a broadcast can read them: the sender's storage when contiguous
-        there, else packed into `slot`. Each slice is read once, in order: a streamed source
+        there, else packed into `slot()`. Each slice is read once, in order: a streamed source
         produces its tensors only forward."""
         parts = [job.sources[s.tensor][s.src:s.src + s.length] for s in bucket.slices]
         view = span(parts)
         if view is None or view.device.type != self.slot_device:
-            view = slot[:bucket.nbytes]
+            view = slot()[:bucket.nbytes]
             copy_all((part, view[s.dst:s.dst + s.length]) for s, part in zip(bucket.slices, parts))
         return view
 
@@ -180,7 +185,7 @@ class _Broadcast(abc.ABC):
         header = torch.empty(1, dtype=torch.int64, device=slots[0].device)
         offset = 0
         for bucket in job.plan:
-            new = self._outgoing(job, bucket, slots[0])
+            new = self._outgoing(job, bucket, lambda: slots[0])
             base = job.delta_base[offset:offset + bucket.nbytes]
             offset += bucket.nbytes
             payload = delta.encode(new, base.to(new.device))  # blocking: a device-to-host copy is read at once
@@ -206,7 +211,7 @@ class _Broadcast(abc.ABC):
             if not 0 <= index < len(job.plan):
                 raise DataLoss(f"a receiver asked for bucket {index} of {len(job.plan)} again")
             bucket = job.plan[index]
-            view = self._outgoing(job, bucket, slot)  # resident (delta mode): read again at will
+            view = self._outgoing(job, bucket, lambda: slot)  # resident (delta mode): read again at will
             session.group.broadcast(view, 0).wait()
             job.wire_bytes += bucket.nbytes
             sync(slot.device)
@@ -246,16 +251,15 @@ class _Broadcast(abc.ABC):
         watchdog = _Watchdog(session.group, job.deadline, [job.conn])
         checksums = Checksums()
         try:
-            slots = self._slots(session, job.device, max((b.nbytes for b in job.plan), default=1))
             if job.welcome.delta:
-                self._receive_deltas(job, session, slots, checksums)
+                self._receive_deltas(job, session, self._slots(session, job), checksums)
             else:
-                self._receive_whole(job, session, slots, checksums)
+                self._receive_whole(job, session, checksums)
             job.clock.lap("broadcast")
             done, _ = expect(job.conn, Done, job.deadline, "waiting for the end of the transfer")
             wrong = [i for i, (sent, got) in enumerate(zip(done.checksums, checksums.values())) if sent != got]
             if job.welcome.delta:
-                self._refilled(job, session, slots[0], wrong, done.checksums)
+                self._refilled(job, session, self._slots(session, job)[0], wrong, done.checksums)
             elif wrong:
                 raise DataLoss(f"bucket {wrong[0]} arrived corrupted (checksum mismatch): the destination must not "
                                "be used")
@@ -269,16 +273,15 @@ class _Broadcast(abc.ABC):
         job.clock.lap("verify")
         return nbytes
 
-    def _receive_whole(self, job: ReceiveJob, session: _Session, slots, checksums: Checksums) -> None:
+    def _receive_whole(self, job: ReceiveJob, session: _Session, checksums: Checksums) -> None:
         """Every bucket whole, two in flight, straight into the destination where it is contiguous."""
         inflight: deque = deque()  # (bucket, work, view, in place?)
 
         def post(bucket) -> None:
-            parts = [job.writer.direct_view(s.tensor, s.src, s.length) for s in bucket.slices]
-            view = span(parts) if all(p is not None for p in parts) else None
+            view = job.writer.direct_span(bucket.slices)
             in_place = view is not None and view.device.type == self.slot_device
             if not in_place:
-                view = slots[bucket.index % SLOTS][:bucket.nbytes]
+                view = self._slots(session, job)[bucket.index % SLOTS][:bucket.nbytes]
             inflight.append((bucket, session.group.broadcast(view, 0), view, in_place))
 
         try:
