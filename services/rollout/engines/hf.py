@@ -480,7 +480,10 @@ class HFEngine(Engine):
                 # cast on arrival
                 staging = self.adapter.staging(specs) if lora else self.weights.staging()
                 clock.lap("staging")
-                return staging, receive(staging)
+                update = receive(staging)
+                if not ans.pull:  # (a pull's own stages come with its answer)
+                    clock.lap("receiver")  # laid out, connected to the sender, its thread started
+                return staging, update
 
             staging, update = await asyncio.to_thread(stage)
         try:
