@@ -215,6 +215,34 @@ def test_a_replica_rung_at_its_doorbell_prepares_without_the_callers_rpc(pair):
     assert _audit(trainer, rollout) == []
 
 
+@pytest.mark.parametrize("pair", ["hf"], indirect=True)  # the trainer's side: any engine
+def test_a_trainer_that_rang_every_replica_sends_without_waiting_for_the_publish(pair):
+    trainer, rollout, _, _ = pair
+    _train_once(trainer, rollout, seed=6)
+    bell = rollout.info().doorbell
+    offered = trainer.offer_weights(ring=[bell], publish=True)
+    assert offered.publishing and offered.rung[0].rung
+    answer = offered.rung[0].answer
+    stranger = tpb.Answer()
+    stranger.CopyFrom(answer)
+    stranger.receiver_id = "someone-else"
+    with pytest.raises(RpcError) as e:  # the send under way goes to whom the trainer rang, no one else
+        trainer.publish_weights(offered.offer.transfer_id, [stranger])
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "already being sent to" in e.value.message
+    published = trainer.publish_weights(offered.offer.transfer_id, [answer])  # collects that send
+    assert published.version == offered.offer.manifest.version and published.bytes > 0
+    rollout.commit_update(published.version)
+    assert _audit(trainer, rollout) == []
+    # A replica the trainer did not ring (its doorbell on another host): nothing starts early.
+    _train_once(trainer, rollout, seed=7)
+    elsewhere = tpb.Doorbell(host_id="another-host", address=bell.address, name=bell.name)
+    offered = trainer.offer_weights(ring=[elsewhere], publish=True)
+    assert not offered.publishing and not offered.rung[0].rung
+    answer = rollout.prepare_update(offered.offer).answer
+    rollout.commit_update(trainer.publish_weights(offered.offer.transfer_id, [answer]).version)
+    assert _audit(trainer, rollout) == []
+
+
 def test_holding_weights_mapped_is_for_a_replica_on_the_trainers_gpu(pair):
     trainer, rollout, _, _ = pair
     bell = rollout.info().doorbell

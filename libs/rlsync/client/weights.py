@@ -2,7 +2,9 @@
 publish -> commit on every replica (a replica on the trainer's GPU pulls the bytes while it
 prepares; when all do, there is no publish). A replica on the trainer's host is prepared by the
 trainer itself, rung at its doorbell as soon as the offer exists (no gRPC round trip through the
-caller). The coordinator wraps this in its sync sequences; scripts and tests can call it directly."""
+caller); when that is every replica, the trainer also starts sending as soon as they answered, and
+the publish collects that send. The coordinator wraps this in its sync sequences; scripts and tests
+can call it directly."""
 
 from __future__ import annotations
 
@@ -185,6 +187,12 @@ def _bells(doorbells: list[Doorbell | None] | None, n: int) -> list[Doorbell]:
     return [d if d is not None else Doorbell() for d in doorbells or [None] * n]
 
 
+def _all_rung(bells: list[Doorbell]) -> bool:
+    """Every replica has a doorbell: if the trainer rings them all, it may send at once (it then
+    holds every answer), and PublishWeights collects that send."""
+    return bool(bells) and all(d.address for d in bells)
+
+
 def _rung(bells: list[Doorbell], offered) -> list:
     """Each replica's answer when the trainer rang it, else None (to be prepared by the caller)."""
     rung, answers = iter(offered.rung), []
@@ -218,7 +226,7 @@ def stage_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version
     clock, bells = Stopwatch(), _bells(doorbells, len(rollouts))
     try:
         offered = trainer.offer_weights(version, pull, [d for d in bells if d.address], force_backend, timeout,
-                                        hold)
+                                        hold, publish=_all_rung(bells))
         offer, answers = offered.offer, _rung(bells, offered)
         clock.lap("offer")
         rest = [i for i, a in enumerate(answers) if a is None]
@@ -270,7 +278,8 @@ async def stage_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncR
         # gone (its client's `gone`, see AsyncClient) abandons them at once.
         gone = [getattr(r, "gone", None) for r in rollouts]
         offered = await until_gone(trainer.offer_weights(version, pull, [d for d in bells if d.address], force_backend,
-                                                         timeout, hold), *gone, method="OfferWeights")
+                                                         timeout, hold, publish=_all_rung(bells)),
+                                   *gone, method="OfferWeights")
         offer, answers = offered.offer, _rung(bells, offered)
         clock.lap("offer")
         rest = [i for i, a in enumerate(answers) if a is None]

@@ -71,6 +71,8 @@ class PublisherCore:
         self._sender: WeightSender | ShardedSender | None = None
         self._source: Source | None = None  # what the sender sends (and audits read)
         self._offers: dict[str, tuple[tpb.Offer, WeightSender | ShardedSender]] = {}  # id -> offer, its sender
+        self._started: dict[str, tuple[asyncio.Task, list[str]]] = {}  # id -> a send begun early, its receivers
+        self._running: set[asyncio.Task] = set()
         self.ranks: Ranks | None = None  # a sharded trainer's ranks: each sends its own shards
 
     def _require_on_device(self, action: str) -> None:
@@ -178,7 +180,29 @@ class PublisherCore:
         while len(self._offers) > 8:
             self._offers.pop(next(iter(self._offers)))
 
+    def publish_now(self, transfer_id: str, answers: list[tpb.Answer], timeout: float = 0) -> None:
+        """Starts publish() at once, for a caller that will ask for its result (publish() with the
+        same answers): the trainer has every answer when it prepared every replica itself."""
+        task = asyncio.ensure_future(self._publish(transfer_id, answers, timeout))
+        self._running.add(task)  # the loop keeps only a weak reference to it
+        task.add_done_callback(self._running.discard)
+        task.add_done_callback(_unclaimed)
+        self._started[transfer_id] = task, _receivers(answers)
+        while len(self._started) > 8:  # never asked for: it ends by itself
+            self._started.pop(next(iter(self._started)))
+
     async def publish(self, transfer_id: str, answers: list[tpb.Answer], timeout: float = 0) -> tuple[int, Report]:
+        started = self._started.pop(transfer_id, None)
+        if started is None:
+            return await self._publish(transfer_id, answers, timeout)
+        task, receivers = started
+        if _receivers(answers) != receivers:
+            self._started[transfer_id] = started
+            raise FailedPrecondition(f"transfer {transfer_id[:8]} is already being sent to {receivers} (OfferWeights' "
+                                     f"publish started it): publish it to those, not {_receivers(answers)}")
+        return await asyncio.shield(task)  # a caller that gives up does not stop the receivers' transfer
+
+    async def _publish(self, transfer_id: str, answers: list[tpb.Answer], timeout: float = 0) -> tuple[int, Report]:
         offer, sender = self._offers.get(transfer_id, (None, None))
         if offer is None:
             raise NotFound(f"no offer {transfer_id!r} (expired, or the trainer offloaded since): call OfferWeights")
@@ -311,6 +335,16 @@ class PublisherCore:
 
     def close(self) -> None:
         self.drop_sender()
+
+
+def _receivers(answers: list[tpb.Answer]) -> list[str]:
+    return sorted(a.receiver_id for a in answers)
+
+
+def _unclaimed(task: asyncio.Task) -> None:
+    """A send started early whose result nobody asked for: its failure is logged, not lost."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("a send started at the offer failed: %s", task.exception())
 
 
 def _why_no_buffer(sender: WeightSender, delta: bool) -> str:

@@ -104,7 +104,11 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 await self.release_held()
         rung, seconds = await ring_prepare(offer, ring, self.token, request.force_backend,
                                            request.timeout, self.lines, self.bells)
-        return pb.OfferWeightsResponse(offer=offer, rung=rung, ring_seconds=seconds)
+        pushed = [r.answer for r in rung if not r.answer.pull]
+        publishing = request.publish and all(r.rung for r in rung) and bool(pushed)
+        if publishing:  # every replica prepared here: send now, rather than at PublishWeights
+            self.publisher.publish_now(offer.transfer_id, pushed, request.timeout)
+        return pb.OfferWeightsResponse(offer=offer, rung=rung, ring_seconds=seconds, publishing=publishing)
 
     @unary
     async def PublishWeights(self, request: pb.PublishWeightsRequest, context) -> pb.PublishWeightsResponse:

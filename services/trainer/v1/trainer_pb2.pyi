@@ -148,30 +148,34 @@ class LoadCheckpointResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ...) -> None: ...
 
 class OfferWeightsRequest(_message.Message):
-    __slots__ = ("version", "pull", "ring", "force_backend", "timeout", "hold")
+    __slots__ = ("version", "pull", "ring", "force_backend", "timeout", "hold", "publish")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
     RING_FIELD_NUMBER: _ClassVar[int]
     FORCE_BACKEND_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     HOLD_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_FIELD_NUMBER: _ClassVar[int]
     version: int
     pull: bool
     ring: _containers.RepeatedCompositeFieldContainer[_transfer_pb2.Doorbell]
     force_backend: str
     timeout: float
     hold: bool
-    def __init__(self, version: _Optional[int] = ..., pull: _Optional[bool] = ..., ring: _Optional[_Iterable[_Union[_transfer_pb2.Doorbell, _Mapping]]] = ..., force_backend: _Optional[str] = ..., timeout: _Optional[float] = ..., hold: _Optional[bool] = ...) -> None: ...
+    publish: bool
+    def __init__(self, version: _Optional[int] = ..., pull: _Optional[bool] = ..., ring: _Optional[_Iterable[_Union[_transfer_pb2.Doorbell, _Mapping]]] = ..., force_backend: _Optional[str] = ..., timeout: _Optional[float] = ..., hold: _Optional[bool] = ..., publish: _Optional[bool] = ...) -> None: ...
 
 class OfferWeightsResponse(_message.Message):
-    __slots__ = ("offer", "rung", "ring_seconds")
+    __slots__ = ("offer", "rung", "ring_seconds", "publishing")
     OFFER_FIELD_NUMBER: _ClassVar[int]
     RUNG_FIELD_NUMBER: _ClassVar[int]
     RING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHING_FIELD_NUMBER: _ClassVar[int]
     offer: _transfer_pb2.Offer
     rung: _containers.RepeatedCompositeFieldContainer[Rung]
     ring_seconds: float
-    def __init__(self, offer: _Optional[_Union[_transfer_pb2.Offer, _Mapping]] = ..., rung: _Optional[_Iterable[_Union[Rung, _Mapping]]] = ..., ring_seconds: _Optional[float] = ...) -> None: ...
+    publishing: bool
+    def __init__(self, offer: _Optional[_Union[_transfer_pb2.Offer, _Mapping]] = ..., rung: _Optional[_Iterable[_Union[Rung, _Mapping]]] = ..., ring_seconds: _Optional[float] = ..., publishing: _Optional[bool] = ...) -> None: ...
 
 class Rung(_message.Message):
     __slots__ = ("rung", "answer")

@@ -1,0 +1,51 @@
+"""The trainer sending as soon as it has rung and prepared every replica (OfferWeightsRequest.publish)
+against sending when PublishWeights names them, in the same run: the embedded tiny model, a trainer
+and an hf replica on this host, the replica rung at its doorbell; rounds alternate between the two.
+Reports the transfer phase (prepare + transfer: offer in hand to bytes in place), medians. Prints JSON.
+
+    python bench/early_publish.py [--backend gloo] [--rounds 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+from rlsync.client import RolloutClient, TrainerClient, push_weights
+from rlsync.client import weights
+from rlsync.launch import ServiceProcess
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", default="gloo")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds of 10 updates each way")
+    parser.add_argument("--logs", default="runs/early_publish")
+    args = parser.parse_args()
+    every_rung = weights._all_rung
+    trainer = ServiceProcess("trainer", ["--port", "0"], log_path=f"{args.logs}/trainer.log")
+    rollout = ServiceProcess("rollout", ["--port", "0", "--engine", "hf"], log_path=f"{args.logs}/rollout.log")
+    moving: dict[str, list[float]] = {"at_offer": [], "at_publish": []}
+    try:
+        t, r = TrainerClient(trainer.wait_ready(300)), RolloutClient(rollout.wait_ready(300))
+        bell = r.info().doorbell
+        push_weights(t, [r], force_backend=args.backend, doorbells=[bell])  # warm-up
+        for _ in range(args.rounds):
+            for way in moving:
+                weights._all_rung = every_rung if way == "at_offer" else (lambda bells: False)
+                for _ in range(10):
+                    p = push_weights(t, [r], force_backend=args.backend, doorbells=[bell]).phases
+                    moving[way].append((p["prepare"] + p["transfer"]) * 1e3)
+    finally:
+        weights._all_rung = every_rung
+        rollout.stop()
+        trainer.stop()
+    out = {"backend": args.backend, "updates_each": len(moving["at_offer"]),
+           **{f"transfer_phase_ms_{way}": round(statistics.median(v), 3) for way, v in moving.items()}}
+    out["saved_ms"] = round(out["transfer_phase_ms_at_publish"] - out["transfer_phase_ms_at_offer"], 3)
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
