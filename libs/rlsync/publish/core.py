@@ -71,7 +71,7 @@ class PublisherCore:
         self._sender: WeightSender | ShardedSender | None = None
         self._source: Source | None = None  # what the sender sends (and audits read)
         self._offers: dict[str, tuple[tpb.Offer, WeightSender | ShardedSender]] = {}  # id -> offer, its sender
-        self._started: dict[str, tuple[asyncio.Task, list[str]]] = {}  # id -> a send begun early, its receivers
+        self._started: dict[str, tuple[asyncio.Task, list[bytes]]] = {}  # id -> a send begun early, its answers
         self._running: set[asyncio.Task] = set()
         self.ranks: Ranks | None = None  # a sharded trainer's ranks: each sends its own shards
 
@@ -184,23 +184,28 @@ class PublisherCore:
         """Starts publish() at once, for a caller that will ask for its result (publish() with the
         same answers): the trainer has every answer when it prepared every replica itself."""
         task = asyncio.ensure_future(self._publish(transfer_id, answers, timeout))
-        self._running.add(task)  # the loop keeps only a weak reference to it
+        self._running.add(task)  # the loop keeps only a weak reference to a task
         task.add_done_callback(self._running.discard)
-        task.add_done_callback(_unclaimed)
-        self._started[transfer_id] = task, _receivers(answers)
+        task.add_done_callback(_retrieved)
+        self._started[transfer_id] = task, _answered(answers)
         while len(self._started) > 8:  # never asked for: it ends by itself
             self._started.pop(next(iter(self._started)))
 
     async def publish(self, transfer_id: str, answers: list[tpb.Answer], timeout: float = 0) -> tuple[int, Report]:
-        started = self._started.pop(transfer_id, None)
+        started = self._started.get(transfer_id)
+        if started is not None and started[0].cancelled():  # its caller gave up: send again, as then
+            del self._started[transfer_id]
+            started = None
         if started is None:
             return await self._publish(transfer_id, answers, timeout)
-        task, receivers = started
-        if _receivers(answers) != receivers:
-            self._started[transfer_id] = started
-            raise FailedPrecondition(f"transfer {transfer_id[:8]} is already being sent to {receivers} (OfferWeights' "
-                                     f"publish started it): publish it to those, not {_receivers(answers)}")
-        return await asyncio.shield(task)  # a caller that gives up does not stop the receivers' transfer
+        task, answered = started
+        if _answered(answers) != answered:
+            raise FailedPrecondition(f"transfer {transfer_id[:8]} is already being sent to what OfferWeights' publish "
+                                     f"rang ({sorted(a.receiver_id for a in answers)} answered otherwise): publish it "
+                                     "to those answers, or make a new offer")
+        # A caller that gives up cancels it, as it would a send of its own: the trainer's lock goes at once
+        # (the thread sending runs on until its receivers fail it), so a retry with the survivors need not wait.
+        return await task
 
     async def _publish(self, transfer_id: str, answers: list[tpb.Answer], timeout: float = 0) -> tuple[int, Report]:
         offer, sender = self._offers.get(transfer_id, (None, None))
@@ -337,12 +342,13 @@ class PublisherCore:
         self.drop_sender()
 
 
-def _receivers(answers: list[tpb.Answer]) -> list[str]:
-    return sorted(a.receiver_id for a in answers)
+def _answered(answers: list[tpb.Answer]) -> list[bytes]:
+    return sorted(a.SerializeToString(deterministic=True) for a in answers)
 
 
-def _unclaimed(task: asyncio.Task) -> None:
-    """A send started early whose result nobody asked for: its failure is logged, not lost."""
+def _retrieved(task: asyncio.Task) -> None:
+    """Retrieves a send's failure for asyncio, which would warn of one nobody asked for (an abandoned
+    sync's: its receivers were aborted); whoever asks gets it."""
     if not task.cancelled() and task.exception() is not None:
         log.debug("a send started at the offer failed: %s", task.exception())
 

@@ -22,7 +22,7 @@ from rlsync.transfer.messages import Hello, Reject, Welcome, error_from
 from rlsync.transfer.plan import cached_plan
 from rlsync.transfer.sender import Report
 from rlsync.transfer.sharded import RoutedReceiver, whole_layout
-from rlsync.transfer.streams import handed_over, on_transfer_stream
+from rlsync.transfer.streams import handed_over, on_transfer_stream, resolved
 from rlsync.transfer.v1 import transfer_pb2 as pb
 from rlsync.transfer.writer import Destination, DestWriter
 
@@ -102,9 +102,9 @@ class Receiver:
             views = dest.views if isinstance(dest, FlatStore) else dest
             first = next(iter(views.values()), None) if isinstance(views, Mapping) else None
             device = first.device if first is not None else torch.device(answer.facts.device_type or "cpu")
-        self.device = torch.device(device)
+        self.device = resolved(torch.device(device))  # this thread's GPU: run() may run in another
         self.writer = DestWriter(self.specs, dest, self.device)
-        self.ready = handed_over(self.device)  # dest as the caller's stream leaves it (rlsync.transfer.streams)
+        self.handed = handed_over(self.device)  # dest as the caller's stream leaves it (rlsync.transfer.streams)
         if answer.delta and not all(self.writer.direct):
             raise InvalidArgument("delta updates land bytes as sent: every destination must be contiguous, in the "
                                   "manifest's dtype (answer without base_version to have them cast)")
@@ -121,7 +121,7 @@ class Receiver:
         self.setup = time.perf_counter() - setup  # manifest, destination layout, connection
 
     def run(self) -> Report:
-        with on_transfer_stream(self.device, self.ready), traced("receive"):
+        with on_transfer_stream(self.device, self.handed), traced("receive"):
             return self._pull() if self.conn is None else self._receive()
 
     def _receive(self) -> Report:

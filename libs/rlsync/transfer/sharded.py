@@ -38,7 +38,7 @@ from rlsync.transfer.manifest import Spec, from_proto, to_proto
 from rlsync.flat import FlatStore
 from rlsync.transfer.routes import Box, Layout, Piece, Routes, TensorInfo, cached_routes, layout, whole
 from rlsync.transfer.sender import Report
-from rlsync.transfer.streams import handed_over, on_transfer_stream
+from rlsync.transfer.streams import handed_over, on_transfer_stream, resolved
 from rlsync.transfer.v1 import transfer_pb2 as pb
 from rlsync.transfer.writer import DestWriter
 
@@ -279,7 +279,7 @@ class RoutedReceiver:
                  boxes: Mapping[str, Box] | None = None):
         self.offer, self.answer, self.rank = offer, answer, rank
         self.specs = from_proto(offer.manifest)
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = resolved(torch.device(device)) if device is not None else torch.device("cpu")
         self.trainer = layout_of(self.specs, offer.routing.ranks)
         layout_of(self.specs, answer.layout)  # a layout that does not fit the manifest is refused now
         dest = dest.views if isinstance(dest, FlatStore) else dest
@@ -290,7 +290,7 @@ class RoutedReceiver:
         self.start = time.perf_counter()
         self._pg = None
         self._closed = threading.Event()
-        self.ready = handed_over(self.device)  # as transfer.Receiver: on a stream of its own
+        self.handed = handed_over(self.device)  # as transfer.Receiver: on a stream of its own
 
     def _roster(self, store) -> tuple[list[pb.Answer], int]:
         """The replicas taking part (as the trainer's rank 0 put them), and this rank's place among
@@ -314,7 +314,7 @@ class RoutedReceiver:
         return answers, sum(a.ranks for a in answers[:index]) + self.rank
 
     def run(self) -> Report:
-        with on_transfer_stream(self.device, self.ready):
+        with on_transfer_stream(self.device, self.handed):
             return self._run()
 
     def _run(self) -> Report:

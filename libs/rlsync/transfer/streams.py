@@ -4,12 +4,13 @@ An engine generates on its device's default stream while an update arrives in th
 queued on that same stream runs in order with every decode kernel the engine queued before it, and a
 collective's stream waits for the caller's stream at each call: a broadcast's buckets, a pull's
 copy, the checksums would each wait their turn behind generation. On a stream of its own the
-transfer runs beside it.
+transfer runs beside it (NCCL's kernels run on its group's stream, ordered by this one).
 
-`on_transfer_stream(device, ready)` runs the block there. The stream first waits for `ready`, an
-event recorded where the caller handed the destination over (a fresh staging copy may reuse memory
-that kernels queued before still touch), and afterwards the caller's stream waits for the stream,
-on the GPU: whatever the caller queues next sees the bytes, a copy only queued (a held pull) too.
+`handed_over(device)` is taken where the caller hands the destination over: an event after what its
+stream holds then (a fresh staging copy may reuse memory that kernels queued before still touch),
+and that stream. `on_transfer_stream(device, handed)` runs the block on the transfer stream after
+that event; afterwards the caller's stream waits for the transfer stream, on the GPU: whatever it
+queues next sees the bytes, a copy only queued (a held pull) too.
 """
 
 from __future__ import annotations
@@ -19,10 +20,20 @@ from functools import cache
 
 import torch
 
+Handed = tuple[torch.cuda.Event, torch.cuda.Stream] | None
+
+
+def resolved(device: torch.device) -> torch.device:
+    """`device` with its index: a bare "cuda" means this thread's current device, which another
+    thread (the one that runs the transfer) may not share."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
 
 def transfer_stream(device: torch.device) -> torch.cuda.Stream:
     """This process's transfer stream on `device`: high priority, since a trainer waits on it."""
-    return _stream(device.index if device.index is not None else torch.cuda.current_device())
+    return _stream(resolved(device).index)
 
 
 @cache
@@ -30,23 +41,25 @@ def _stream(index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(index, priority=-1)
 
 
-def handed_over(device: torch.device) -> torch.cuda.Event | None:
-    """An event after everything the calling thread's stream holds now (None off CUDA)."""
+def handed_over(device: torch.device) -> Handed:
+    """The calling thread's stream on `device`, and an event after everything it holds now (None off
+    CUDA)."""
     if device.type != "cuda":
         return None
+    caller = torch.cuda.current_stream(device)
     event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return event
+    event.record(caller)
+    return event, caller
 
 
 @contextmanager
-def on_transfer_stream(device: torch.device, ready: torch.cuda.Event | None):
-    if device.type != "cuda":
+def on_transfer_stream(device: torch.device, handed: Handed):
+    if device.type != "cuda" or handed is None:
         yield
         return
-    caller, stream = torch.cuda.current_stream(device), transfer_stream(device)
-    if ready is not None:
-        stream.wait_event(ready)
+    ready, caller = handed
+    stream = transfer_stream(device)
+    stream.wait_event(ready)
     try:
         with torch.cuda.stream(stream):
             yield
