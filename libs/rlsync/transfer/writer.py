@@ -119,14 +119,13 @@ class DestWriter:
         return self.targets[index][offset:offset + nbytes] if self.direct[index] else None
 
     def direct_span(self, slices, base: int = 0) -> torch.Tensor | None:
-        """One view where a bucket's slices (of tensors `base + slice.tensor`) land, if they land in
-        place end to end: cut from `whole` where there is one (no view of any tensor is made)."""
+        """One view where a planned bucket's slices (of tensors `base + slice.tensor`, each continuing
+        the last: plan_buckets) land, if they land in place end to end: cut from `whole` where there
+        is one (no view of any tensor is made)."""
         if self.whole is not None and slices:
             first, last = slices[0], slices[-1]
-            start = self.starts[base + first.tensor] + first.src
-            end = self.starts[base + last.tensor] + last.src + last.length
-            if end - start == sum(s.length for s in slices):
-                return self.whole[start:end]
+            return self.whole[self.starts[base + first.tensor] + first.src:
+                              self.starts[base + last.tensor] + last.src + last.length]
         parts = [self.direct_view(base + s.tensor, s.src, s.length) for s in slices]
         return span(parts) if all(p is not None for p in parts) else None
 

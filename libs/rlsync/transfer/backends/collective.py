@@ -92,11 +92,10 @@ class _Broadcast(abc.ABC):
         """A process group of this backend over `store`, private to rlsync."""
 
     def _slots(self, session: _Session, job: SendJob | ReceiveJob) -> list[torch.Tensor]:
-        """The group's staging slots, each as large as the plan's largest bucket: made on first need
+        """The group's staging slots, each as large as the plan's first (largest) bucket: made on first need
         (a transfer whose buckets all go straight from and to place needs none) and kept with it."""
         device = job.device if self.slot_device == "cuda" else torch.device("cpu")
-        nbytes = job.scratch.get("slot_bytes") or job.scratch.setdefault(
-            "slot_bytes", max((b.nbytes for b in job.plan), default=1))
+        nbytes = job.plan[0].nbytes if job.plan else 1  # every bucket but the last is full (plan_buckets)
         held = session.slots
         if held is None or held[0].numel() < nbytes or held[0].device.type != device.type or (
                 device.index is not None and held[0].device.index != device.index):
