@@ -33,8 +33,10 @@ from rlsync.client import (AsyncCoordinatorClient, CoordinatorClient, RolloutCli
                            trajectory)
 from rlsync.launch import ServiceProcess  # noqa: E402
 from rlsync.models import build_preset  # noqa: E402
+from rlsync.rollout.__main__ import parse_engine_arg  # noqa: E402
 
 GIB = 1 << 30
+ENGINE_ARGS = {"device": "cuda", "dtype": "bfloat16", "max_num_seqs": 128}  # the replicas' (--engine-arg adds)
 
 
 def gpu_used() -> float:
@@ -47,7 +49,7 @@ def start(logs: Path, mode: str, model: str, trainer_gpu: str, replica_gpus: lis
     co = ServiceProcess("coordinator", ["--port", "0", "--sync-mode", mode, *coordinator_args],
                         log_path=logs / "coordinator.log")
     address = co.wait_ready()
-    engine = json.dumps({"device": "cuda", "dtype": "bfloat16", "max_num_seqs": 128})
+    engine = json.dumps(ENGINE_ARGS)
     fleet = [co, ServiceProcess("trainer", ["--port", "0", "--coordinator", address, "--model", model, "--device",
                                             "cuda", "--dtype", "bfloat16", "--lr", "1e-5", *trainer_args],
                                 env={"CUDA_VISIBLE_DEVICES": trainer_gpu}, log_path=logs / "trainer.log")]
@@ -344,7 +346,10 @@ def main() -> None:
                         help="updates only: the trainer offers a copy of its weights, pulled while it trains on")
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="colocated only: the trainer trains a LoRA adapter of this rank and syncs only it")
+    parser.add_argument("-E", "--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="one more hf engine argument of every replica (repeatable)")
     args = parser.parse_args()
+    ENGINE_ARGS.update(parse_engine_arg(item) for item in args.engine_arg)
     root = Path(args.dir)
     model = str(build_preset(root / args.preset, args.preset, device="cuda"))
     nbytes = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
@@ -352,7 +357,7 @@ def main() -> None:
     lora = ["--lora-rank", str(args.lora_rank), "--lora-alpha", str(2 * args.lora_rank)] if args.lora_rank else []
     result = {"gpu": torch.cuda.get_device_name(0), "gpus": gpus, "preset": args.preset, "checkpoint_bytes": nbytes,
               "lora_rank": args.lora_rank, "doorbell": not args.no_doorbell, "hold": not args.no_hold,
-              "publish_buffer": args.publish_buffer,
+              "publish_buffer": args.publish_buffer, "engine_args": ENGINE_ARGS,
               "limits": {"d2d_copy_GB/s": round(d2d_limit(4 << 30, "cuda:0"), 1)}}
     torch.cuda.empty_cache()
     if args.only in (None, "colocated"):

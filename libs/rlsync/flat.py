@@ -31,11 +31,22 @@ class FlatStore:
         # (name, dtype, shape) in buffer order: a receiver whose manifest lists exactly this lands the
         # whole update in the one buffer without looking at any tensor (see whole_for)
         self.layout = tuple((name, dtype, tuple(shape)) for name, (shape, dtype) in specs.items())
+        self._matched: list = []  # the specs laid_out_as last found to match
+
+    def laid_out_as(self, specs) -> bool:
+        """Whether `specs` (a manifest's) list this store's tensors, in its order, with their dtypes
+        and shapes. The specs that matched last are kept: a manifest's cached specs, at every update,
+        then compare by identity (no per-tensor work)."""
+        if specs != self._matched:
+            if layout(specs) != self.layout:
+                return False
+            self._matched = list(specs)
+        return True
 
     def whole_for(self, specs) -> torch.Tensor | None:
         """The one buffer as bytes, when `specs` (a manifest's) list this store's tensors in its
         order, all of one dtype; else None."""
-        if len(self.buffers) != 1 or layout(specs) != self.layout:
+        if len(self.buffers) != 1 or not self.laid_out_as(specs):
             return None
         return next(iter(self.buffers.values())).view(torch.uint8)
 

@@ -4,8 +4,10 @@ its current weights until the new ones are complete and verified (used by both e
 from __future__ import annotations
 
 import concurrent.futures
+import queue
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -43,20 +45,52 @@ def ensure_room(nbytes: int, device: torch.device, version: int) -> None:
             "which receives in place while the engine sleeps")
 
 
+class _Workers:
+    """Daemon threads that run receives in the background, kept between updates. Starting a thread
+    waits until it runs, for the GIL a busy engine's thread holds; an idle worker is handed the job
+    through a queue instead, and a thread starts only when none is idle (a receive that hangs
+    keeps its own)."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = 0
+        self._lock = threading.Lock()
+
+    def run(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            start = self._idle == 0
+            self._idle -= not start
+        self._jobs.put(job)
+        if start:  # (whichever worker takes which job: each job put has a worker of its own)
+            threading.Thread(target=self._work, name="rlsync-receive", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            self._jobs.get()()
+            with self._lock:
+                self._idle += 1
+
+
+_WORKERS = _Workers()
+
+
 class StagedUpdate:
     def __init__(self, offer: pb.Offer, answer: pb.Answer, staging: dict[str, torch.Tensor] | FlatStore, rank: int,
-                 device: torch.device, timeout: float, expected=None, base: dict[str, torch.Tensor] | None = None,
-                 boxes=None):
+                 device: torch.device, timeout: float, expected=None,
+                 base: dict[str, torch.Tensor] | FlatStore | None = None, boxes=None):
         self.version = offer.manifest.version
         self.staging = staging
         self.receiver = receiver_for(offer, answer, staging, rank=rank, device=device, timeout=timeout,
                                      expected=expected, base=base, boxes=boxes)
         self.future: concurrent.futures.Future[Report] = concurrent.futures.Future()
         self.started = time.perf_counter()
+        # The receiver's setup, timed (its layout, its connection to the sender), for the answer's stages.
+        self.stages: dict[str, float] = dict(getattr(self.receiver, "setup", None) or {})
         if answer.pull:  # the bytes are right there to copy: done before the prepare answers
             self._run()
         else:  # the sender starts when it has every answer: receive in the background
-            threading.Thread(target=self._run, name=f"rlsync-update-v{self.version}", daemon=True).start()
+            _WORKERS.run(self._run)
+            self.stages["spawn"] = time.perf_counter() - self.started
 
     def _run(self) -> None:
         try:

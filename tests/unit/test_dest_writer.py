@@ -37,6 +37,36 @@ def test_a_store_laid_out_as_the_manifest_is_one_buffer():
     assert all(torch.equal(store.views[n], t) for n, t in sent.items())
 
 
+def test_a_store_matches_its_layout_and_nothing_else_and_keeps_the_specs_it_matched():
+    store = _store(SHAPES)
+    specs = _specs(store, SHAPES)
+    assert store.laid_out_as(specs) and store._matched == specs
+    assert store.laid_out_as(list(specs))  # the same specs again: compared by identity
+    assert not store.laid_out_as(_specs(store, ["c", "a", "empty", "b"]))
+    assert not store.laid_out_as(specs[:-1])
+    other = [Spec.of(s.name, torch.zeros(s.shape, dtype=torch.float32)) for s in specs]
+    assert not store.laid_out_as(other)
+    assert store.laid_out_as(specs)
+
+
+def test_a_delta_base_given_as_a_store_is_checked_against_the_manifest():
+    from rlsync.errors import InvalidArgument
+    from rlsync.transfer import WeightSender, answer
+    from rlsync.transfer.receiver import Receiver
+    from rlsync.transfer.source import ResidentSource
+
+    store = _store(SHAPES)
+    with WeightSender(ResidentSource(dict(_store(SHAPES).views))) as sender:
+        offer = sender.offer(version=2)
+    ans = answer(offer, "r0", force="gloo", base_version=1)
+    ans.pull = True  # (no connection: only the construction is under test)
+    assert ans.delta
+    assert Receiver(offer, ans, _store(SHAPES), base=store).base is store.views
+    wrong = _store({**SHAPES, "b": (6,)})
+    with pytest.raises(InvalidArgument, match="'b'"):
+        Receiver(offer, ans, _store(SHAPES), base=wrong)
+
+
 def test_another_order_or_mixed_dtypes_fall_back_to_each_tensor():
     for store, order in ((_store(SHAPES), ["c", "a", "empty", "b"]),
                          (_store(SHAPES, {"b": torch.float32}), list(SHAPES))):

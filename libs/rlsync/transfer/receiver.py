@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 import torch
 
+from rlsync.common.timing import Stopwatch
 from rlsync.common.trace import traced
 from rlsync.errors import Aborted, DataLoss, InvalidArgument
 from rlsync.flat import FlatStore
@@ -32,7 +33,8 @@ def answer(offer: pb.Offer, receiver_id: str, *, device: torch.device | str = "c
            layout: list[pb.RankLayout] | None = None) -> pb.Answer:
     """Chooses the channel for a receiver whose destination tensors live on `device`.
     base_version: the version of the weights this receiver will hand Receiver as `base` (laid out
-    as the manifest: same names, dtypes and shapes), so a broadcast may send it deltas.
+    as the manifest: same names, dtypes and shapes; a FlatStore laid out as the manifest is taken
+    without looking at any tensor), so a broadcast may send it deltas.
     layout: for a routed offer (a sharded sender), the boxes each of the `ranks` loads; left out,
     every rank loads every tensor whole."""
     routed = offer.HasField("routing")
@@ -86,8 +88,8 @@ class Receiver:
     def __init__(self, offer: pb.Offer, answer: pb.Answer, dest: Destination, *, rank: int = 0,
                  device: torch.device | str | None = None, timeout: float = 300.0,
                  expected: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]] | None = None,
-                 base: Mapping[str, torch.Tensor] | None = None, hold: str = ""):
-        setup = time.perf_counter()
+                 base: Mapping[str, torch.Tensor] | FlatStore | None = None, hold: str = ""):
+        clock = Stopwatch()
         self.hold = hold
         self.offer, self.answer = offer, answer
         self.specs = from_proto(offer.manifest)
@@ -96,8 +98,10 @@ class Receiver:
         if answer.delta:  # the base holds the manifest's tensors as sent: same names, shapes and dtypes
             if base is None:
                 raise InvalidArgument("the answer offers deltas (base_version) but the Receiver was given no base")
-            check_against(self.specs, {n: (tuple(t.shape), t.dtype) for n, t in base.items()})
-        self.base = base if answer.delta else None
+            if not (isinstance(base, FlatStore) and base.laid_out_as(self.specs)):
+                base = base.views if isinstance(base, FlatStore) else base
+                check_against(self.specs, {n: (tuple(t.shape), t.dtype) for n, t in base.items()})
+        self.base = (base.views if isinstance(base, FlatStore) else base) if answer.delta else None
         if device is None:
             views = dest.views if isinstance(dest, FlatStore) else dest
             first = next(iter(views.values()), None) if isinstance(views, Mapping) else None
@@ -112,14 +116,15 @@ class Receiver:
         self.deadline = Deadline(timeout, f"receiving transfer {offer.transfer_id[:8]} "
                                           f"(version {offer.manifest.version})")
         self.start = time.perf_counter()
+        clock.lap("layout")  # the manifest, the destination laid out, the caller's stream marked
         self.conn = None  # a pull needs no connection: the offer says where the bytes are
         if not answer.pull:
             local = self.channel.local
             self.conn = connect(offer.local_control if local else offer.control_address, self.deadline, local)
             self.conn.send(Hello(PROTOCOL_VERSION, offer.transfer_id, offer.token, answer.receiver_id, rank,
                                  answer.ranks, answer.backend, held_groups() if not local else []))
-        self.setup = time.perf_counter() - setup  # manifest, destination layout, connection
-
+            clock.lap("connect")
+        self.setup = clock.stages
     def run(self) -> Report:
         with on_transfer_stream(self.device, self.handed), traced("receive"):
             return self._pull() if self.conn is None else self._receive()
@@ -152,7 +157,7 @@ class Receiver:
                          self.offer.transfer_id, hold=self.hold)
         nbytes, copied = self.channel.pull(job, queued=mapped.waits)
         return Report(nbytes, time.perf_counter() - self.start, {NAMES[self.answer.backend]: 1},
-                      profile={"setup": self.setup, **job.clock.stages}, copied=copied)
+                      profile={"setup": sum(self.setup.values()), **job.clock.stages}, copied=copied)
 
     def close(self) -> None:
         """Ends the transfer from another thread too: run() then fails instead of waiting on."""

@@ -12,6 +12,7 @@ import concurrent.futures
 import dataclasses
 import gc
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -61,6 +62,9 @@ class HFEngineArgs:
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     attn_implementation: str = "sdpa"
     seed: int = 0  # seeds completions that do not bring their own seed
+    # The interpreter's GIL switch interval, set at start: a thread asking for the GIL the decode loop
+    # holds (a prepare's hops, the gRPC loop) waits up to this long for it. Python's default is 5 ms.
+    switch_interval_ms: float = 0.5
 
     @classmethod
     def parse(cls, raw: dict[str, Any]) -> HFEngineArgs:
@@ -73,6 +77,8 @@ class HFEngineArgs:
         if args.max_num_seqs < 1 or args.max_prefill_tokens < 1:
             raise InvalidArgument(f"max_num_seqs and max_prefill_tokens must be >= 1, got {args.max_num_seqs} and "
                                   f"{args.max_prefill_tokens}")
+        if not args.switch_interval_ms > 0:
+            raise InvalidArgument(f"hf engine argument switch_interval_ms must be > 0, got {args.switch_interval_ms}")
         if args.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise InvalidArgument(f"hf engine argument dtype={args.dtype!r}: auto, float32, bfloat16 or float16")
         if args.device != "auto":
@@ -118,6 +124,7 @@ class HFEngine(Engine):
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
+        sys.setswitchinterval(self.args.switch_interval_ms / 1e3)
         self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
         self._thread.start()
 
@@ -475,17 +482,21 @@ class HFEngine(Engine):
                 ensure_room(need, self.device, offer.manifest.version)
             clock.lap("room")
 
-            def stage() -> tuple[FlatStore, StagedUpdate]:  # one thread hop, not two (a busy replica's GIL)
+            def stage() -> tuple[FlatStore, StagedUpdate]:
                 clock.lap("thread")  # (waiting for a worker thread, and for the GIL the engine thread holds)
                 # cast on arrival
                 staging = self.adapter.staging(specs) if lora else self.weights.staging()
                 clock.lap("staging")
                 update = receive(staging)
                 if not ans.pull:  # (a pull's own stages come with its answer)
-                    clock.lap("receiver")  # laid out, connected to the sender, its thread started
+                    clock.add(update.stages)  # laid out, connected to the sender, its thread started
                 return staging, update
 
-            staging, update = await asyncio.to_thread(stage)
+            # One thread hop, not two (a busy replica's GIL); none for a pull on the GPU into the spare
+            # store, where nothing is allocated and nothing connects: the copy is launched (or queued
+            # behind the trainer's bell), and each hop waits for the GIL decoding holds.
+            inline = not need and ans.pull and self.device.type == "cuda"
+            staging, update = stage() if inline else await asyncio.to_thread(stage)
         try:
             pulled(ans, [update.poll()])
         except BaseException:
@@ -513,7 +524,7 @@ class HFEngine(Engine):
 
         return await self._call(release)
 
-    def _delta_base(self, offer) -> dict[str, torch.Tensor] | None:
+    def _delta_base(self, offer) -> FlatStore | None:
         """The live weights, as the base a broadcast may send deltas against: when they are the
         manifest's tensors exactly (no cast on arrival) and stay put until the commit (not a
         woken engine about to receive in place)."""
@@ -526,7 +537,7 @@ class HFEngine(Engine):
                 self._layout = (specs, True)
             except InvalidArgument:
                 self._layout = (specs, False)
-        return self.weights.store.views if self._layout[1] else None
+        return self.weights.store if self._layout[1] else None
 
     def _stop_in_place(self) -> None:
         self.weights.receiving_in_place = False

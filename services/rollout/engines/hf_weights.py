@@ -27,6 +27,7 @@ class Weights:
         # The store the last swap retired: the next staged update lands in it (double buffering: no
         # store allocated or laid out per update). Kept while the batch leaves room for it.
         self.spare: FlatStore | None = None
+        self._cast: tuple[list, int] = ([], 0)  # a manifest's specs, and what of them arrives in another dtype
         self._host: FlatStore | None = None  # pinned host memory for backups, allocated once
         # Woken but not yet refilled from the backup: the copy happens only if the weights are used
         # before an update replaces them (the colocated cycle never pays it).
@@ -131,8 +132,10 @@ class Weights:
     def staging_bytes(self, specs) -> int:
         """What staging an update of `specs` (a manifest's) allocates: a store unless the spare is
         kept, and a buffer per tensor that arrives in another dtype (cast into it once complete)."""
-        cast = sum(s.nbytes for s in specs if s.name in self.specs and self.specs[s.name][1] != s.dtype)
-        return cast + (0 if self.spare is not None else self.device_bytes())
+        if self._cast[0] != specs:  # (the same manifest as last time: its specs compare by identity)
+            own = self.specs
+            self._cast = (specs, sum(s.nbytes for s in specs if s.name in own and own[s.name][1] != s.dtype))
+        return self._cast[1] + (0 if self.spare is not None else self.device_bytes())
 
     def yield_spare(self, free: int, need: int) -> None:
         """Generation comes first: the spare is dropped when what the device can still allocate

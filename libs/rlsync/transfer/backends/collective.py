@@ -219,12 +219,18 @@ class _Broadcast(abc.ABC):
     # -- receiver -------------------------------------------------------------------------------
     def receive(self, job: ReceiveJob) -> None:
         try:
-            nbytes = self._receive(job)
+            self._receive(job)
         except Exception as exc:
             _drop(job.scratch.pop("session", None))
             report_failure(job.conn, exc)
             raise
-        _HELD[job.welcome.group] = job.scratch.pop("session")  # idle: offered for reuse again (held_groups)
+
+    def _confirm(self, job: ReceiveJob) -> None:
+        """Checks that every byte is in, offers the group for reuse again (held_groups: before the
+        sender hears of it, so the next transfer's Hello lists it), then tells the sender."""
+        nbytes = job.writer.finish()
+        job.clock.lap("verify")
+        _HELD[job.welcome.group] = job.scratch.pop("session")
         while len(_HELD) > _HELD_MAX:
             _drop(_HELD.popitem(last=False)[1])
         job.conn.send(Result(ok=True, nbytes=nbytes, stages=job.clock.stages))
@@ -245,17 +251,23 @@ class _Broadcast(abc.ABC):
         job.scratch["session"] = _Session(w.group, store, group)
         return job.scratch["session"]
 
-    def _receive(self, job: ReceiveJob) -> int:
+    def _receive(self, job: ReceiveJob) -> None:
         session = self._join(job)
         job.clock.lap("join")
         watchdog = _Watchdog(session.group, job.deadline, [job.conn])
         checksums = Checksums()
+        # Without checksums the sender's Done brings nothing to check: the receiver confirms as soon as
+        # its broadcasts are done, and reads the Done after (it is on its way: the sender sends it first).
+        early = not (job.welcome.verify or job.welcome.delta)
         try:
             if job.welcome.delta:
                 self._receive_deltas(job, session, self._slots(session, job), checksums)
             else:
                 self._receive_whole(job, session, checksums)
             job.clock.lap("broadcast")
+            if early:
+                watchdog.stop()  # no collective is left (it would abort the group, held again, as the sender hangs up)
+                self._confirm(job)
             done, _ = expect(job.conn, Done, job.deadline, "waiting for the end of the transfer")
             wrong = [i for i, (sent, got) in enumerate(zip(done.checksums, checksums.values())) if sent != got]
             if job.welcome.delta:
@@ -269,9 +281,8 @@ class _Broadcast(abc.ABC):
             raise
         finally:
             watchdog.stop()
-        nbytes = job.writer.finish()
-        job.clock.lap("verify")
-        return nbytes
+        if not early:
+            self._confirm(job)
 
     def _receive_whole(self, job: ReceiveJob, session: _Session, checksums: Checksums) -> None:
         """Every bucket whole, two in flight, straight into the destination where it is contiguous."""
