@@ -2,7 +2,8 @@
 against sending when PublishWeights names them, in the same run: the embedded tiny model, a trainer
 and an hf replica on this host, the replica rung at its doorbell; rounds alternate between the two.
 Reports the transfer phase (prepare + transfer: offer in hand to bytes in place), medians, with
-the medians of the stages each side timed. Prints JSON.
+the medians of the stages each side timed, and over NCCL its ratio to a raw broadcast of the same
+bytes measured in the same run. Prints JSON.
 
     python bench/early_publish.py [--backend gloo] [--rounds 6]
     python bench/early_publish.py --backend nccl --preset qwen3-1.7b   # 2 GPUs: trainer on 0, replica on 1
@@ -13,12 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 from rlsync.client import RolloutClient, TrainerClient, push_weights
 from rlsync.client import weights
 from rlsync.launch import ServiceProcess
 from rlsync.models import build_preset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from transfer import nccl_limit  # noqa: E402
 
 
 def main() -> None:
@@ -59,6 +64,12 @@ def main() -> None:
     out = {"backend": args.backend, "updates_each": len(moving["at_offer"]),
            **{f"transfer_phase_ms_{way}": round(statistics.median(v), 3) for way, v in moving.items()}}
     out["saved_ms"] = round(out["transfer_phase_ms_at_publish"] - out["transfer_phase_ms_at_offer"], 3)
+    if args.preset and args.backend == "nccl":
+        limit = nccl_limit(push.bytes, 2)  # GB/s: the same bytes, GPU 0 to GPU 1
+        out["nccl_broadcast_GB/s"] = round(limit, 1)
+        for way in moving:
+            gbps = push.bytes / out[f"transfer_phase_ms_{way}"] / 1e6
+            out[f"transfer_phase_vs_nccl_{way}"] = round(gbps / limit, 3)
     out["stages_ms"] = {way: {k: round(statistics.median(s.get(k, 0.0) for s in runs) * 1e3, 3)
                               for k in sorted({k for s in runs for k in s})} for way, runs in stages.items()}
     print(json.dumps(out, indent=1))
