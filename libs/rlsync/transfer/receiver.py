@@ -124,7 +124,8 @@ class Receiver:
             self.conn.send(Hello(PROTOCOL_VERSION, offer.transfer_id, offer.token, answer.receiver_id, rank,
                                  answer.ranks, answer.backend, held_groups() if not local else []))
             clock.lap("connect")
-        self.setup = clock.stages
+        self.setup = clock.stages  # seconds of each stage of the above
+
     def run(self) -> Report:
         with on_transfer_stream(self.device, self.handed), traced("receive"):
             return self._pull() if self.conn is None else self._receive()
