@@ -266,7 +266,7 @@ class _Broadcast(abc.ABC):
                 self._receive_whole(job, session, checksums)
             job.clock.lap("broadcast")
             if early:
-                watchdog.stop()  # no collective is left (it would abort the group, held again, as the sender hangs up)
+                watchdog.stand_down()  # no collective is left: the sender hanging up after the Result aborts nothing
                 self._confirm(job)
             done, _ = expect(job.conn, Done, job.deadline, "waiting for the end of the transfer")
             wrong = [i for i, (sent, got) in enumerate(zip(done.checksums, checksums.values())) if sent != got]
@@ -444,6 +444,7 @@ class _Watchdog:
 
     def __init__(self, group, deadline: Deadline, conns):
         self._stop = threading.Event()
+        self._standing_down = threading.Event()  # no abort any more; stop() still ends the thread
         self._wake_r, self._wake_w = socket.socketpair()  # stop() must not wait out a select()
         self._group, self._deadline = group, deadline
         # Its own non-blocking handles on the control sockets: a peek must never wait, and the main
@@ -478,11 +479,16 @@ class _Watchdog:
                 break
             if readable:
                 self._stop.wait(0.05)  # data is pending for the main thread; do not spin
-        if self.reason and not self._stop.is_set():
+        if self.reason and not self._stop.is_set() and not self._standing_down.is_set():
             try:
                 self._group.abort()
             except Exception:  # noqa: BLE001 - best effort; the main thread reports the failure
                 pass
+
+    def stand_down(self) -> None:
+        """From now on a peer hanging up aborts nothing (what the group ran is done), at once: stop(),
+        later, waits for the thread."""
+        self._standing_down.set()
 
     def stop(self) -> None:
         if not self._stop.is_set():
