@@ -59,7 +59,8 @@ class _Workers:
     def run(self, job: Callable[[], None]) -> None:
         with self._lock:
             start = self._idle == 0
-            self._idle -= not start
+            if not start:
+                self._idle -= 1  # that worker's now
         self._jobs.put(job)
         if start:  # (whichever worker takes which job: each job put has a worker of its own)
             threading.Thread(target=self._work, name="rlsync-receive", daemon=True).start()

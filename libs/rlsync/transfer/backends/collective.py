@@ -33,6 +33,7 @@ from rlsync.transfer.checksum import Checksums, as_bytes, checksum_bytes
 from rlsync.transfer.control import Deadline
 from rlsync.transfer.messages import Done, Mismatch, Refill, Result, Welcome
 from rlsync.transfer.spans import copy_all, span
+from rlsync.transfer.streams import resolved
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 SLOTS = 2  # buckets in flight
@@ -94,11 +95,10 @@ class _Broadcast(abc.ABC):
     def _slots(self, session: _Session, job: SendJob | ReceiveJob) -> list[torch.Tensor]:
         """The group's staging slots, each as large as the plan's first (largest) bucket: made on first need
         (a transfer whose buckets all go straight from and to place needs none) and kept with it."""
-        device = job.device if self.slot_device == "cuda" else torch.device("cpu")
+        device = resolved(job.device) if self.slot_device == "cuda" else torch.device("cpu")
         nbytes = job.plan[0].nbytes if job.plan else 1  # every bucket but the last is full (plan_buckets)
         held = session.slots
-        if held is None or held[0].numel() < nbytes or held[0].device.type != device.type or (
-                device.index is not None and held[0].device.index != device.index):
+        if held is None or held[0].numel() < nbytes or held[0].device != device:
             session.slots = held = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(SLOTS)]
         return [s[:nbytes] for s in held]
 
