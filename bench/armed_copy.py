@@ -81,7 +81,7 @@ def trainer(nbytes: int, repeats: int, idle: float) -> dict:
             if msg["ring"] == "stream_write":
                 ring_bell(flag, msg["value"])
             else:
-                flag.view(torch.int32).fill_(msg["value"])
+                flag.view(torch.int32)[:1].fill_(msg["value"])
             child.stdin.write(json.dumps({"start": start}) + "\n")
             child.stdin.flush()
         elif "writer" in msg:

@@ -74,8 +74,15 @@ def test_pause_keep_then_abort_ends_frozen_sequences(tiny_model):
 
 
 def test_unknown_engine_argument_is_refused(tiny_model):
-    with pytest.raises(InvalidArgument, match="unknown hf engine argument.*bogus.*valid: attn_implementation"):
+    with pytest.raises(InvalidArgument, match="unknown hf engine argument.*bogus.*valid: arm, attn_implementation"):
         HFEngine(str(tiny_model), {"bogus": 1})
+
+
+@pytest.mark.parametrize("raw, why", [({"arm": "yes"}, "arm must be true or false"),
+                                      ({"switch_interval_ms": 0}, "switch_interval_ms must be > 0")])
+def test_a_bad_engine_argument_value_is_refused(tiny_model, raw, why):
+    with pytest.raises(InvalidArgument, match=why):
+        HFEngine(str(tiny_model), raw)
 
 
 def test_an_idle_engine_lends_its_turn_and_a_busy_one_runs_the_command_between_steps(tiny_model):

@@ -61,11 +61,7 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
     async def Onload(self, request: pb.OnloadRequest, context) -> pb.OnloadResponse:
         regions = await self.publisher.onload(describe=len(request.ring) > 0)
         if regions is not None:  # replicas on this GPU map the weights while training runs
-            device = torch.device("cuda", sender_device(regions[0]))
-            for d, bell in await ring_hold(self.holder, *regions, list(request.ring), self.token, self.lines):
-                self.holding[d.address] = d, tuple(regions[0].ipc)
-                if bell:
-                    self.bells[d.address] = open_bell(bell, device)
+            self._held(regions, await ring_hold(self.holder, *regions, list(request.ring), self.token, self.lines))
             if self.publisher.offloaded:  # an Offload ran while they mapped: they let go now
                 await self.release_held()
         return pb.OnloadResponse(state=self.state(), held=len(self.holding))
@@ -79,12 +75,18 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 and self.holding.get(d.address, (None, ()))[1] != handles]
         if not todo:
             return
-        held = {d.address for d, _ in await ring_hold(self.holder, *regions, todo, self.token, self.lines)}
-        for d in todo:
-            if d.address in held:
-                self.holding[d.address] = d, handles
-            else:
-                self.cannot_hold.add(d.address)
+        held = self._held(regions, await ring_hold(self.holder, *regions, todo, self.token, self.lines))
+        self.cannot_hold.update(d.address for d in todo if d.address not in held)
+
+    def _held(self, regions: tuple, held: list[tuple[Doorbell, bytes]]) -> set[str]:
+        """Records the replicas that hold the storages of `regions`, and maps the bell each rings its
+        armed copies by. -> their addresses."""
+        device = torch.device("cuda", sender_device(regions[0]))
+        for d, bell in held:
+            self.holding[d.address] = d, tuple(regions[0].ipc)
+            if bell:
+                self.bells[d.address] = open_bell(bell, device)
+        return {d.address for d, _ in held}
 
     async def release_held(self) -> int:
         """Has every replica that holds the weights mapped let go (before they leave the GPU, and when the

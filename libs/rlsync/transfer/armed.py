@@ -15,6 +15,13 @@ A copy the replica does not adopt is disarmed: it writes its bell itself and wai
 whose bytes the weights' backup then overwrites before anything reads them. Disarm before anything
 that waits for the whole device (a synchronize, a cudaFree): a copy waiting on its bell would make
 it wait forever.
+
+Arm only where the replica's process launches nothing else on the GPU until its update, as between
+a colocated wake and the update it woke for, never beside generation: measured on an H200
+(`bench/armed_hazards.py`), a kernel over 64 MiB launched behind the waiting copy, on the default or
+any new stream and with CUDA_DEVICE_MAX_CONNECTIONS=32, did not run until the bell was written from
+another process, nor did a bell written from this one after it; copies to the host, allocations and
+a one-element fill did run.
 """
 
 from __future__ import annotations
@@ -47,19 +54,28 @@ def _queue(name: str, stream: torch.cuda.Stream, address: int, value: int, flags
 
 
 class Bell:
-    """A replica's 4-byte flag on its GPU, the stream its armed copies wait on, and the handle a
-    trainer maps the flag by. Made once per process and device (the trainer's mapping stays valid)."""
+    """A replica's flag on its GPU (two 4-byte words: the value the trainer writes, and the value that
+    started the armed copy, which the copy's stream records as it starts), the stream its armed copies
+    wait on, and the handle a trainer maps the flag by. Made once per process and device (the
+    trainer's mapping stays valid)."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.flag = torch.zeros(1, dtype=torch.int32, device=device)
+        self.flag = torch.zeros(2, dtype=torch.int32, device=device)
         self.handle = export_cuda(self.flag).SerializeToString()
         self.stream = torch.cuda.Stream(device)
         self.event = torch.cuda.Event(interprocess=True)  # recorded after each armed copy
         self.event_handle = self.event.ipc_handle()
+        self._reader = torch.cuda.Stream(device)  # reads the flag without waiting for the engine's work
+        self._read = torch.zeros(1, dtype=torch.int32, pin_memory=True)
 
-    def read(self) -> int:
-        return int(self.flag.item())
+    def started_by(self) -> int:
+        """The bell value that started the armed copy; 0 while it waits. (A later write of the bell
+        does not change it: a copy started for an older offer stays told apart.)"""
+        with torch.cuda.stream(self._reader):
+            self._read.copy_(self.flag[1:], non_blocking=True)
+        self._reader.synchronize()
+        return int(self._read[0])
 
 
 class Armed:
@@ -73,6 +89,7 @@ class Armed:
         torch.cuda.current_stream(bell.device).synchronize()  # zeroed before the wait is queued
         with torch.cuda.stream(bell.stream):
             _queue("cuStreamWaitValue32", bell.stream, bell.flag.data_ptr(), 1, _WAIT_GEQ)
+            bell.flag[1:].copy_(bell.flag[:1])  # what started it
             dst.copy_(src, non_blocking=True)
             bell.event.record(bell.stream)
         self.done = False
@@ -84,13 +101,13 @@ class Armed:
         with another value started the copy for an earlier offer, whose bytes may be older."""
         if self.done or self.adopted or rung <= 0 or key != self.key:
             return False
-        return self.bell.read() in (0, rung)
+        return self.bell.started_by() in (0, rung)
 
     def disarm(self) -> None:
         """Lets the copy run, if the sender has not, and waits for it. Idempotent."""
         if self.done:
             return
-        self.bell.flag.fill_(1)  # on this process's stream: the armed one does not wait for it
+        self.bell.flag[:1].fill_(1)  # on this process's stream: the armed one does not wait for it
         self.bell.stream.synchronize()
         self.done = True
 

@@ -65,6 +65,9 @@ class HFEngineArgs:
     # The interpreter's GIL switch interval, set at start: a thread asking for the GIL the decode loop
     # holds (a prepare's hops, the gRPC loop) waits up to this long for it. Python's default is 5 ms.
     switch_interval_ms: float = 0.5
+    # On the trainer's GPU, holding its memory mapped: queue the next update's copy at a wake, for the
+    # trainer to start on the GPU (rlsync.transfer.armed). False: each update's copy starts at its prepare.
+    arm: bool = True
 
     @classmethod
     def parse(cls, raw: dict[str, Any]) -> HFEngineArgs:
@@ -77,6 +80,8 @@ class HFEngineArgs:
         if args.max_num_seqs < 1 or args.max_prefill_tokens < 1:
             raise InvalidArgument(f"max_num_seqs and max_prefill_tokens must be >= 1, got {args.max_num_seqs} and "
                                   f"{args.max_prefill_tokens}")
+        if not isinstance(args.arm, bool):
+            raise InvalidArgument(f"hf engine argument arm must be true or false, got {args.arm!r}")
         if not args.switch_interval_ms > 0:
             raise InvalidArgument(f"hf engine argument switch_interval_ms must be > 0, got {args.switch_interval_ms}")
         if args.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -146,7 +151,8 @@ class HFEngine(Engine):
         self.adapter = Adapter(self.weights.model, self.device, next(iter(self.weights.specs.values()))[1])
         self._update: tuple[StagedUpdate, FlatStore] | None = None
         self._layout: tuple[list | None, bool] = (None, False)  # the last manifest's specs: a delta base?
-        self._arming = Arming(self.device)  # pulls queued at wake (rlsync.transfer.armed): touched between steps
+        # pulls queued at wake (rlsync.transfer.armed): touched between steps
+        self._arming = Arming(self.device, self.args.arm)
         self._steps_unchecked = 0  # decode steps since the spare's room was last checked
         if self.device.type == "cuda":  # where a sleep makes room for a trainer (on CPU: nothing to hand over)
             # What is loaded stays: a full collection then walks only what came after (Sleep runs one;

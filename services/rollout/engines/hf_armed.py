@@ -18,8 +18,8 @@ def key_of(specs: list, ipc, region, offset) -> tuple:
 
 
 class Arming:
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, enabled: bool = True):
+        self.device, self.enabled = device, enabled
         self.bell: Bell | None = None
         self.held: tuple[str, tuple[bytes, ...]] | None = None  # the last hold: holder, storages in its order
         self.plan: tuple | None = None  # (specs, mapped locations, the one run they copy) of the last held pull
@@ -40,7 +40,7 @@ class Arming:
         queue it again at the next wake. One run of one storage into the whole store, or nothing; and
         nothing for a manifest with checksums (they change with every version, and must be checked), nor
         for a pull that casts (MappedTensors.dtype: not a copy of bytes)."""
-        run = None if mapped.dtype or any(s.checksum for s in specs) else \
+        run = None if not self.enabled or mapped.dtype or any(s.checksum for s in specs) else \
             contiguous(specs, list(zip(mapped.region, mapped.offset)))
         self.plan = (specs, tuple(mapped.region), tuple(mapped.offset), run) if run is not None else None
 

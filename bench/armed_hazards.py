@@ -1,0 +1,105 @@
+"""What a process may do while one of its streams waits on a bell (rlsync.transfer.armed): each CUDA
+operation an engine runs between two updates, timed with a copy armed and its bell written only
+`--ring` seconds later, from another thread on a stream of its own. An operation that takes about
+`--ring` waited for the armed copy (its bell written by someone else, it would have waited until
+that ring); one that never ends within `--timeout` blocked the ringing thread too. Each operation
+runs in a process of its own. Prints one JSON object.
+
+    python bench/armed_hazards.py [--ring 1.0] [--timeout 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+DEVICE = torch.device("cuda", 0)
+MB = 1 << 20
+
+
+def _ops() -> dict:
+    x = torch.randn(64 * MB // 4, device=DEVICE)
+    return {
+        "kernel_and_stream_sync": lambda: (x.mul_(1.0), torch.cuda.current_stream().synchronize()),
+        "kernel_on_a_new_stream": lambda: _on(torch.cuda.Stream(DEVICE), lambda: x.mul_(1.0)),
+        "item": lambda: x[0].item(),
+        "cpu_pageable": lambda: x.cpu(),
+        "to_cpu_non_blocking": lambda: (x.to("cpu", non_blocking=True), torch.cuda.current_stream().synchronize()),
+        "malloc_new_segment": lambda: torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE),
+        "pinned_host_alloc": lambda: torch.empty(64 * MB, dtype=torch.uint8, pin_memory=True),
+        "mem_get_info": lambda: torch.cuda.mem_get_info(DEVICE),
+        "empty_cache": lambda: (torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE), torch.cuda.empty_cache()),
+        "new_stream_and_event": lambda: (torch.cuda.Stream(DEVICE), torch.cuda.Event(interprocess=True)),
+        "device_synchronize": lambda: torch.cuda.synchronize(DEVICE),
+    }
+
+
+def _on(stream: torch.cuda.Stream, fn) -> None:
+    with torch.cuda.stream(stream):
+        fn()
+    stream.synchronize()
+
+
+def probe(name: str, ring: float, by: str) -> None:
+    """The child: arms a copy, times `name`, while a thread writes the bell `ring` seconds later."""
+    from rlsync.transfer.armed import Armed, Bell
+
+    op = _ops()[name]
+    torch.cuda.synchronize(DEVICE)
+    bell = Bell(DEVICE)
+    src, dst = torch.ones(256 * MB, dtype=torch.uint8, device=DEVICE), torch.zeros(256 * MB, dtype=torch.uint8,
+                                                                                   device=DEVICE)
+    armed = Armed(bell, src, dst, ())
+    ringer = torch.cuda.Stream(DEVICE)
+
+    one = torch.ones(1, dtype=torch.int32, pin_memory=True)
+
+    def ring_later() -> None:
+        time.sleep(ring)
+        with torch.cuda.stream(ringer):
+            if by == "kernel":
+                bell.flag[:1].fill_(1)
+            else:  # a copy from host memory: the copy engine, not a kernel
+                bell.flag[:1].copy_(one, non_blocking=True)
+
+    threading.Thread(target=ring_later, daemon=True).start()
+    start = time.perf_counter()
+    op()
+    seconds = time.perf_counter() - start
+    armed.disarm()
+    print(json.dumps({"seconds": round(seconds, 4), "waited": seconds > 0.8 * ring}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ring", type=float, default=1.0)
+    parser.add_argument("--timeout", type=float, default=8.0)
+    parser.add_argument("--probe", help=argparse.SUPPRESS)
+    parser.add_argument("--by", choices=("kernel", "copy"), default="kernel",
+                        help="how the other thread writes the bell: a fill kernel, or a copy from host memory")
+    parser.add_argument("--only", action="append", help="this operation only (repeatable)")
+    args = parser.parse_args()
+    if args.probe:
+        return probe(args.probe, args.ring, args.by)
+    out = {"gpu": torch.cuda.get_device_name(DEVICE), "ring_s": args.ring, "by": args.by, "torch": torch.__version__,
+           "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), "ops": {}}
+    for name in args.only or _ops():
+        try:
+            run = subprocess.run([sys.executable, __file__, "--probe", name, "--ring", str(args.ring), "--by", args.by],
+                                 capture_output=True, text=True, timeout=args.timeout)
+            out["ops"][name] = json.loads(run.stdout) if run.returncode == 0 else {"error": run.stderr[-300:]}
+        except subprocess.TimeoutExpired:
+            out["ops"][name] = {"hung": True}
+        print(name, out["ops"][name], file=sys.stderr)
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
