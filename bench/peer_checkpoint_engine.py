@@ -6,9 +6,11 @@ next to the device-to-device copy limit measured in the same run. Prints one JSO
     python bench/peer_checkpoint_engine.py --preset small --repeats 3
 
 Every round first gives the trainer's GPU tensors new values (seeded by round: both systems move the same
-bytes), synchronizes, and starts the clock. The clock stops when the trainer reads the receiver's DONE line,
-printed once the receiver's own tensors hold every byte and its GPU work is synchronized. Then, off the
-clock, the receiver's checksums of its tensors are compared with the trainer's.
+bytes), synchronizes, and starts the clock. The clock stops when the trainer reads the receiver's DONE frame,
+sent once the receiver's own tensors hold every byte and its GPU work is synchronized. Then, off the clock,
+the receiver's checksums of its tensors are compared with the trainer's. The two processes talk in frames of
+raw bytes over pipes (an offer travels as rlsync's doorbell carries it: serialized protobuf); rlsync's span
+is also reported stage by stage ("stage.*", from both processes' clocks; "pull.*", the receiver's pull).
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ import math
 import os
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,7 +37,6 @@ from transfer import d2d_limit, make_tensors  # noqa: E402
 
 from rlsync.transfer import Receiver, WeightSender, answer, checksum_tensor  # noqa: E402
 from rlsync.transfer.held import HELD  # noqa: E402
-from rlsync.transfer.peer import decode, encode  # noqa: E402
 from rlsync.transfer.v1 import transfer_pb2 as pb  # noqa: E402
 
 GB = 1e9
@@ -42,8 +45,8 @@ CKPT_VERSION = "0.4.2"
 SYSTEMS = ("rlsync", "checkpoint-engine")
 
 SPANS = {
-    "rlsync": "sender.offer() -> offer line to the receiver, which pulls and answers -> sender.send() (the "
-              "receiver maps the trainer's tensors by CUDA IPC and copies each once into its own) -> DONE",
+    "rlsync": "sender.offer() -> the offer (raw protobuf) to the receiver, which pulls and answers -> sender.send() "
+              "(the receiver maps the trainer's tensors by CUDA IPC and copies each once into its own) -> DONE",
     "checkpoint_engine": "register_checkpoint(use_shared_memory_pool=True) (trainer GPU tensors -> its pinned host "
                          "pool, reused after the warm-up) -> gather_metas() -> update() (H2D into its IPC bucket "
                          "buffer, handle and bucket metas over ZMQ, the receiver copies each tensor into its own, "
@@ -108,28 +111,56 @@ def watchdog(seconds: float) -> None:
     faulthandler.dump_traceback_later(seconds, exit=True)
 
 
+class Frames:
+    """Frames over a pair of pipes: an 8-byte kind, a length, and raw bytes (a protobuf message, as rlsync's
+    doorbell carries it: no base64, no JSON; or JSON). Not stdout: what a library prints stays out of them."""
+
+    _HEAD = struct.Struct("<8sI")
+
+    def __init__(self, read_fd: int, write_fd: int):
+        self._in, self._out = os.fdopen(read_fd, "rb"), os.fdopen(write_fd, "wb")
+
+    def send(self, kind: str, payload: bytes = b"") -> None:
+        self._out.write(self._HEAD.pack(kind.encode(), len(payload)) + payload)
+        self._out.flush()
+
+    def recv(self) -> tuple[str, bytes] | None:
+        """The next frame, or None once the other end closed."""
+        head = self._in.read(self._HEAD.size)
+        if len(head) < self._HEAD.size:
+            return None
+        kind, n = self._HEAD.unpack(head)
+        return kind.rstrip(b"\0").decode(), self._in.read(n)
+
+    def close(self) -> None:
+        self._out.close()
+
+
 class Peer:
-    """The receiver: this script with --serve, in its own process on the same GPU, driven by one JSON line
-    per transfer; it replies with `KIND payload` lines (READY, ANSWER, DONE, CHECK, ERROR)."""
+    """The receiver: this script with --serve, in its own process on the same GPU, driven by one frame per
+    transfer (OFFER: rlsync's offer; PATHS: checkpoint-engine's socket paths, JSON); it replies with frames
+    READY, ANSWER, DONE, CHECK or ERROR."""
 
     def __init__(self, system: str, args: argparse.Namespace):
         self.system = system
+        to_child, from_child = os.pipe(), os.pipe()
         self.proc = subprocess.Popen([sys.executable, __file__, "--serve", system, "--preset", args.preset,
                                       "--bytes-check", args.bytes_check, "--timeout", str(args.timeout),
-                                      *(["--hold"] if args.hold else [])],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                      "--fds", f"{to_child[0]},{from_child[1]}", *(["--hold"] if args.hold else [])],
+                                     pass_fds=(to_child[0], from_child[1]))
+        os.close(to_child[0]), os.close(from_child[1])
+        self.frames = Frames(from_child[0], to_child[1])
         self.expect("READY")
 
-    def send(self, **msg) -> None:
-        self.proc.stdin.write(json.dumps(msg) + "\n")
-        self.proc.stdin.flush()
+    def send(self, kind: str, payload: bytes) -> None:
+        self.frames.send(kind, payload)
 
-    def expect(self, kind: str) -> str:
-        for raw in self.proc.stdout:
-            if raw.startswith("ERROR "):
-                raise RuntimeError(f"{self.system} receiver failed: {raw[len('ERROR '):].strip()}")
-            if raw.startswith(kind + " "):
-                return raw[len(kind) + 1:].strip()
+    def expect(self, kind: str) -> bytes:
+        while (frame := self.frames.recv()) is not None:
+            if frame[0] == "ERROR":
+                raise RuntimeError(f"{self.system} receiver failed: {frame[1].decode()}")
+            if frame[0] == kind:
+                return frame[1]
         raise RuntimeError(f"{self.system} receiver exited ({self.proc.wait()}) before sending {kind}")
 
     def verify(self, expected: dict[str, str]) -> None:
@@ -140,7 +171,7 @@ class Peer:
                                f"e.g. {wrong[0]!r} (sent {expected[wrong[0]]}, received {got.get(wrong[0])})")
 
     def close(self) -> None:
-        self.proc.stdin.close()
+        self.frames.close()
         try:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
@@ -162,20 +193,40 @@ def run_rlsync(args, tensors: dict[str, torch.Tensor], names: list[str]) -> list
                 start = time.perf_counter()
                 # 1. offer, 2. the receiver answers (connected already), 3. the bytes move, 4. the receiver is done
                 offer = sender.offer(version=version, pull=True)
-                peer.send(offer=encode(offer))
-                report = sender.send(offer, [decode(pb.Answer, peer.expect("ANSWER"))], timeout=args.timeout)
-                peer.expect("DONE")
+                offered = time.perf_counter()
+                peer.send("OFFER", offer.SerializeToString())
+                written = time.perf_counter()
+                ans = pb.Answer.FromString(peer.expect("ANSWER"))
+                answered = time.perf_counter()
+                report = sender.send(offer, [ans], timeout=args.timeout)
+                sent = time.perf_counter()
+                there = json.loads(peer.expect("DONE"))
                 end = time.perf_counter()
                 if not offer.one_copy:
                     raise RuntimeError("rlsync did not offer one-copy for contiguous CUDA tensors")
                 peer.verify(expected)
                 rounds.append({"seconds": end - start, "send_seconds": report.seconds,
-                               "data_seconds": report.data_seconds})
+                               "data_seconds": report.data_seconds,
+                               **span_stages(there, start, offered, written, answered, sent, end)})
                 progress("rlsync", version, rounds[-1])
     finally:
         faulthandler.cancel_dump_traceback_later()
         peer.close()
     return rounds[1:]
+
+
+def span_stages(there: dict, start: float, offered: float, written: float, answered: float, sent: float,
+                end: float) -> dict[str, float]:
+    """Where rlsync's span went, from the trainer's clock readings and the receiver's (`there`: one clock
+    for both processes on Linux): each stage as "stage.NAME" seconds, the receiver's pull as "pull.NAME"."""
+    r = there["at"]
+    stages = {"offer": offered - start, "write_offer": written - offered, "pipe_to_receiver": r["got"] - written,
+              "decode": r["decoded"] - r["got"], "answer": r["answered"] - r["decoded"],
+              "receiver_setup": r["set_up"] - r["answered"], "pull": r["pulled"] - r["set_up"],
+              "answer_back": answered - r["pulled"], "send": sent - answered,
+              "done_back": end - max(sent, r["synced"])}
+    return {**{f"stage.{k}": v for k, v in stages.items()},
+            **{f"pull.{k}": v for k, v in there["pull"].items()}}
 
 
 def load_checkpoint_engine() -> tuple[type, str, list[str]]:
@@ -225,7 +276,7 @@ def run_checkpoint_engine(args, tensors: dict[str, torch.Tensor], names: list[st
     def req_func(socket_paths: list[tuple[str, str]]) -> None:
         # Its vLLM integration: HTTP -> collective_rpc -> the worker's update_weights_from_ipc, which returns when
         # the weights are loaded. Here: a line to the receiver process, and its DONE line back.
-        peer.send(socket_paths=dict(socket_paths))
+        peer.send("PATHS", json.dumps(dict(socket_paths)).encode())
         peer.expect("DONE")
         done.append(time.perf_counter())
 
@@ -258,23 +309,25 @@ def run_checkpoint_engine(args, tensors: dict[str, torch.Tensor], names: list[st
 
 
 # -- the receiver side --------------------------------------------------------------------------------------------
-def emit(kind: str, payload: str) -> None:
-    print(f"{kind} {payload}", flush=True)
-
-
-def rlsync_receiver(dest: dict[str, torch.Tensor], timeout: float, hold: bool):
+def rlsync_receiver(dest: dict[str, torch.Tensor], timeout: float, hold: bool, emit: Callable[[str, bytes], None]):
     """hold: the trainer's storages stay mapped from one round to the next, as a replica on the trainer's
     GPU keeps them (HoldWeights) while they stay in place."""
-    def receive(msg: dict) -> None:
-        offer = decode(pb.Offer, msg["offer"])
+    def receive(payload: bytes, got: float) -> dict:
+        """-> this process's clock readings ("at") and the pull's own profile, for span_stages()."""
+        at = {"got": got}
+        offer = pb.Offer.FromString(payload)
+        at["decoded"] = time.perf_counter()
         ans = answer(offer, "bench-receiver", device=DEVICE, force="cuda_ipc")
+        at["answered"] = time.perf_counter()
         receiver = Receiver(offer, ans, dest, timeout=timeout,  # connects before answering, as rlsync's engines do
                             hold="bench" if hold else "")
-        if ans.pull:  # the offer says where the tensors lie: copied before the answer, as rlsync's engines do
-            receiver.run()
-        emit("ANSWER", encode(ans))
+        at["set_up"] = time.perf_counter()
+        report = receiver.run() if ans.pull else None  # a pull: copied before the answer, as rlsync's engines do
+        at["pulled"] = time.perf_counter()
+        emit("ANSWER", ans.SerializeToString())
         if not ans.pull:
-            receiver.run()
+            report = receiver.run()
+        return {"at": at, "pull": dict(report.profile) if ans.pull else {}}
 
     return receive
 
@@ -293,11 +346,12 @@ def checkpoint_engine_receiver(dest: dict[str, torch.Tensor]):
         for name, t in weights:
             dest[name].copy_(t)
 
-    def receive(msg: dict) -> None:
-        paths = msg["socket_paths"]
+    def receive(payload: bytes, got: float) -> dict:
+        paths = json.loads(payload)
         if uuid not in paths:
             raise RuntimeError(f"no ZMQ socket for this GPU ({uuid}) among {sorted(paths)}")
         update_weights_from_ipc(ctx, paths[uuid], device_id=0, run=load)
+        return {}
 
     return receive
 
@@ -309,19 +363,23 @@ def serve(args) -> None:
     shapes = preset_shapes(args.preset)
     dest = make_tensors(shapes, DEVICE, "scattered")
     names = checked_names(shapes, args.bytes_check)
-    receive = rlsync_receiver(dest, args.timeout, args.hold) if args.serve == "rlsync" else \
+    frames = Frames(*map(int, args.fds.split(",")))
+    receive = rlsync_receiver(dest, args.timeout, args.hold, frames.send) if args.serve == "rlsync" else \
         checkpoint_engine_receiver(dest)
     torch.cuda.synchronize(DEVICE)
-    emit("READY", "")
-    for line in sys.stdin:
+    frames.send("READY")
+    while (frame := frames.recv()) is not None:
+        got = time.perf_counter()
         try:
-            receive(json.loads(line))
+            there = receive(frame[1], got)
             torch.cuda.synchronize(DEVICE)
+            if there:
+                there["at"]["synced"] = time.perf_counter()
         except Exception as e:  # noqa: BLE001 - reported to the trainer, then fatal
-            emit("ERROR", f"{type(e).__name__}: {e}")
+            frames.send("ERROR", f"{type(e).__name__}: {e}".encode())
             raise
-        emit("DONE", "")
-        emit("CHECK", json.dumps(checksums(dest, names)))
+        frames.send("DONE", json.dumps(there).encode())
+        frames.send("CHECK", json.dumps(checksums(dest, names)).encode())
     HELD.release("bench")  # before the trainer's memory may go (it waits for this process to exit)
 
 
@@ -344,6 +402,7 @@ def main() -> None:
     parser.add_argument("--hold", action="store_true", help="rlsync's receiver keeps the trainer's storages mapped "
                         "from one round to the next (a replica on the trainer's GPU does, HoldWeights)")
     parser.add_argument("--serve", choices=SYSTEMS, help=argparse.SUPPRESS)
+    parser.add_argument("--fds", help=argparse.SUPPRESS)  # the receiver's: frames in, frames out
     args = parser.parse_args()
     if args.serve:
         serve(args)
