@@ -4,7 +4,7 @@ and the copy.
 A colocated replica that holds its trainer's memory (rlsync.transfer.held) and pulled from it
 before knows, when its weights wake, what the next pull will copy: the same bytes of the held
 storage into the same place in its weights. So it queues that copy at once (`Armed`), on a stream
-of its own, behind a wait on 4 bytes of its memory (its `Bell`, `cuStreamWaitValue32`), with an
+of its own, behind a wait on a 4-byte word of its memory (its `Bell`, `cuStreamWaitValue32`), with an
 event after it. The trainer maps the bell at its onload (HoldWeightsResponse.bell) and writes it on
 its stream once its weights are final, just before it rings the replica (`ring_bell`): the GPU
 starts the copy there, while the ring's PrepareUpdate is on its way. The prepare adopts the copy
