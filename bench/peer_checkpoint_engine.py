@@ -147,7 +147,7 @@ class Peer:
         self.proc = subprocess.Popen([sys.executable, __file__, "--serve", system, "--preset", args.preset,
                                       "--bytes-check", args.bytes_check, "--timeout", str(args.timeout),
                                       "--fds", f"{to_child[0]},{from_child[1]}", *(["--hold"] if args.hold else [])],
-                                     pass_fds=(to_child[0], from_child[1]))
+                                     pass_fds=(to_child[0], from_child[1]), stdout=sys.stderr)  # (ours: the JSON)
         os.close(to_child[0]), os.close(from_child[1])
         self.frames = Frames(from_child[0], to_child[1])
         self.expect("READY")
