@@ -95,13 +95,14 @@ class Receiver:
         self.specs = from_proto(offer.manifest)
         if expected is not None:
             check_against(self.specs, expected)
-        views = base.views if isinstance(base, FlatStore) else base
+        self.base = None
         if answer.delta:  # the base holds the manifest's tensors as sent: same names, shapes and dtypes
             if base is None:
                 raise InvalidArgument("the answer offers deltas (base_version) but the Receiver was given no base")
-            if not (isinstance(base, FlatStore) and base.laid_out_as(self.specs)):
-                check_against(self.specs, {n: (tuple(t.shape), t.dtype) for n, t in views.items()})
-        self.base = views if answer.delta else None
+            flat = isinstance(base, FlatStore)
+            self.base = base.views if flat else base
+            if not (flat and base.laid_out_as(self.specs)):
+                check_against(self.specs, {n: (tuple(t.shape), t.dtype) for n, t in self.base.items()})
         if device is None:
             views = dest.views if isinstance(dest, FlatStore) else dest
             first = next(iter(views.values()), None) if isinstance(views, Mapping) else None
