@@ -5,6 +5,7 @@ engine rank receives only the boxes it loads), for K trainer ranks (FSDP2 over g
 
     python bench/sharded.py                 # CPU, K in {1, 2, 4} x g in {1, 2}, preset "small"
     python bench/sharded.py --device cuda --preset qwen3-1.7b   # every process on one GPU: pulls
+    python bench/sharded.py --device cuda --preset qwen3-1.7b --hold   # ... receivers keep the mappings
     python bench/sharded.py --device cuda --gpus 2 --placement apart       # trainer on GPU 0, engine on 1: NCCL
     python bench/sharded.py --device cuda --gpus 2 --placement colocated   # rank r on GPU r % 2: both
 
@@ -52,6 +53,7 @@ from rlsync.transfer import Receiver, WeightSender, answer  # noqa: E402
 from rlsync.transfer.manifest import Spec, from_proto  # noqa: E402
 from rlsync.transfer.routes import chunks, whole  # noqa: E402
 from rlsync.transfer.handshake import local_facts  # noqa: E402
+from rlsync.transfer.held import HELD  # noqa: E402
 from rlsync.transfer.sharded import RoutedReceiver, to_layout_proto  # noqa: E402
 from rlsync.transfer.source import StreamedSource, run_pass  # noqa: E402
 from rlsync.transfer.v1 import transfer_pb2 as pb  # noqa: E402
@@ -154,7 +156,7 @@ def trainer(args, shapes, bucket, k: int, g: int, rank: int, store) -> dict:
 def engine(args, k: int, g: int, rank: int, store) -> dict:
     out = {}
     for path in paths(args.device):
-        seconds = []
+        seconds, staging = [], None
         for i in range(args.repeats + 1):
             offer = pb.Offer.FromString(_get(store, f"{path}/offer/{i}"))
             specs = from_proto(offer.manifest)
@@ -166,18 +168,20 @@ def engine(args, k: int, g: int, rank: int, store) -> dict:
                 report = Receiver(offer, ans, staging).run()
             else:
                 boxes = {s.name: b[0] for s, b in zip(specs, mine) if b}
-                staging = {s.name: torch.empty(tuple(e - a for a, e in boxes[s.name]), dtype=s.dtype,
-                                               device=args.device) for s in specs if s.name in boxes}
+                staging = staging or {s.name: torch.empty(tuple(e - a for a, e in boxes[s.name]), dtype=s.dtype,
+                                                          device=args.device) for s in specs if s.name in boxes}
                 layouts = [to_layout_proto(engine_boxes(specs, g, r), local_facts(engine_device(args, r)))
                            for r in range(g)]  # where each rank runs: pairs on one GPU pull
                 ans = answer(offer, "replica", ranks=g, layout=layouts, device=args.device)
                 store.set(f"{path}/answer/{i}/{rank}", ans.SerializeToString())
-                report = RoutedReceiver(offer, ans, staging, rank=rank, boxes=boxes, device=args.device).run()
+                report = RoutedReceiver(offer, ans, staging, rank=rank, boxes=boxes, device=args.device,
+                                        hold="bench" if args.hold else "").run()
             if i:
                 seconds.append(report.seconds)
             done = store.add(f"{path}/count/{i}", 1)
             if done == g:
                 store.set(f"{path}/done/{i}", b"1")
+        HELD.release("bench")  # before the trainer's memory goes
         shard = sum(t.numel() * t.element_size() for t in staging.values())
         loads = sum(math.prod(e - a for a, e in b[0]) * s.dtype.itemsize for s, b in zip(specs, mine) if b)
         out[path] = {"staging_bytes": shard, "received_bytes": report.nbytes, "shard_bytes": loads,
@@ -225,7 +229,7 @@ def run_case(args, k: int, g: int) -> dict:
            "OMP_NUM_THREADS": "1", "K": str(k), "G": str(g), "BENCH_STORE": f"127.0.0.1:{ports[0]}"}
     cmd = [sys.executable, __file__, "--worker", "--preset", args.preset, "--bucket-mib", str(args.bucket_mib),
            "--repeats", str(args.repeats), "--device", args.device, "--gpus", str(args.gpus),
-           "--placement", args.placement]
+           "--placement", args.placement, *(["--hold"] if args.hold else [])]
     procs = [subprocess.Popen(cmd, env={**env, "ROLE": role, "RANK": str(r)}, stdout=subprocess.PIPE, text=True)
              for role, n in (("trainer", k), ("engine", g)) for r in range(n)]
     outs = [p.communicate(timeout=1800)[0] for p in procs]
@@ -307,6 +311,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: every process on one GPU")
     parser.add_argument("--gpus", type=int, default=1, choices=(1, 2), help="with --device cuda")
     parser.add_argument("--placement", default="apart", choices=("apart", "colocated"), help="with --gpus 2")
+    parser.add_argument("--hold", action="store_true", help="engine ranks keep the trainer's storages mapped "
+                        "across repeats (RoutedReceiver's hold), as ranks whose trainer stays on the GPU may")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -324,7 +330,7 @@ def main() -> None:
     if args.gpus > 1:
         device = f"{device} x{args.gpus} ({args.placement})"
     print(json.dumps({"preset": args.preset, "device": device, "bucket_bytes": args.bucket_mib << 20,
-                      "cases": cases, "plan": plan}))
+                      "hold": args.hold, "cases": cases, "plan": plan}))
 
 
 if __name__ == "__main__":

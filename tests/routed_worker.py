@@ -5,7 +5,8 @@ tensor-parallel ranks, which load the boxes such an engine loads and check them 
 the whole tensors. DEVICE=cuda puts every member on one GPU (receiver ranks then pull); DEVICE=cuda:i
 puts this member on GPU i (pairs on one GPU pull, the others go over NCCL). Trainer rank 0
 hosts a board (ROUTED_STORE) where the offer and the replica's answer are passed. TRANSFERS updates
-(2 by default) run one after the other in the same processes, as a trainer and a replica do. Every
+(2 by default) run one after the other in the same processes, as a trainer and a replica do (STEPS:
+the trainer changes every value in place between them; HOLD: engine ranks keep its memory mapped). Every
 member prints one JSON line: the last transfer's outcome, and the routed group each transfer used."""
 
 import json
@@ -21,6 +22,7 @@ from rlsync.publish import WeightMap
 from rlsync.publish.source import module_source
 from rlsync.transfer import answer, routed_groups
 from rlsync.transfer.handshake import local_facts
+from rlsync.transfer.held import HELD
 from rlsync.transfer.routes import TensorInfo, chunks, layout, plan_routes, volume, whole
 from rlsync.transfer.sharded import RoutedReceiver, to_layout_proto
 from rlsync.transfer.v1 import transfer_pb2 as pb
@@ -30,6 +32,8 @@ RANK = int(os.environ["RANK"])
 STORE = os.environ["ROUTED_STORE"]  # host:port of the board; trainer rank 0 hosts it
 BUCKET = int(os.environ.get("BUCKET", 1 << 12))
 TRANSFERS = int(os.environ.get("TRANSFERS", 2))
+HOLD = os.environ.get("HOLD", "")  # engine ranks keep what they pull mapped under this holder name
+STEPS = bool(os.environ.get("STEPS"))  # the trainer adds 1 to every parameter in place before each later transfer
 DEVICE = torch.device(os.environ.get("DEVICE", "cpu"))
 if DEVICE.index is not None:
     torch.cuda.set_device(DEVICE)
@@ -107,6 +111,10 @@ def trainer(whole_model, entries, board):
     for i in range(TRANSFERS):
         if RANK == 0:
             board.set(f"offer/{i}", sender.offer(version=i + 1).SerializeToString())
+        if STEPS and i:
+            with torch.no_grad():  # a training step: new values, at the same addresses
+                for p in sharded.parameters():
+                    p.add_(1.0)
         offer = pb.Offer.FromString(board.get(f"offer/{i}"))
         ans = pb.Answer.FromString(board.get(f"answer/{i}"))
         start = time.perf_counter()
@@ -123,7 +131,7 @@ def trainer(whole_model, entries, board):
 
 def engine(whole_model, entries, board):
     """One rank of a tensor-parallel replica: rank 0 answers for all of them, with every rank's boxes."""
-    groups = []
+    groups, held = [], []  # ... and the mappings this process keeps, after each transfer
     for i in range(TRANSFERS):
         offer = pb.Offer.FromString(board.get(f"offer/{i}"))
         order = [t.name for t in offer.manifest.tensors]
@@ -138,16 +146,21 @@ def engine(whole_model, entries, board):
         staging = {e.name: torch.full(tuple(b - a for a, b in boxes[0]), float("nan"), dtype=e.dtype, device=DEVICE)
                    for e, boxes in zip(entries, mine) if boxes}
         boxes = {e.name: boxes[0] for e, boxes in zip(entries, mine) if boxes}
-        report = RoutedReceiver(offer, ans, staging, rank=RANK, device=DEVICE, timeout=60, boxes=boxes).run()
+        report = RoutedReceiver(offer, ans, staging, rank=RANK, device=DEVICE, timeout=60, boxes=boxes,
+                                hold=HOLD).run()
         groups.append(last_group())
-    params = dict(whole_model.named_parameters())
-    full = {e.name: (torch.cat([params[p].detach() for p in e.parts]) if len(e.parts) > 1 else
-                     params[e.parts[0]].detach()).to(e.dtype) for e in entries}
+        held.append(HELD.count())
+    HELD.release(HOLD)
+    step = TRANSFERS - 1 if STEPS else 0
+    params = {n: p.detach() + step for n, p in whole_model.named_parameters()}
+    full = {e.name: (torch.cat([params[p] for p in e.parts]) if len(e.parts) > 1 else
+                     params[e.parts[0]]).to(e.dtype) for e in entries}
     wrong = [n for n, t in staging.items()
              if not torch.equal(t, full[n][tuple(slice(a, b) for a, b in boxes[n])] if boxes[n] else full[n])]
     print(json.dumps({"role": ROLE, "rank": RANK, "received": report.nbytes, "channels": report.backends,
                       "loads": engine_layout(entries).nbytes(RANK), "wrong": wrong,
-                      "tensors": sorted(staging), "groups": groups}), flush=True)
+                      "tensors": sorted(staging), "groups": groups, "held": held,
+                      "held_after_release": HELD.count(), "profile": report.profile}), flush=True)
 
 
 def last_group() -> str:

@@ -25,11 +25,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_routed(senders: int, receivers: int, bucket: int, device: str = "cpu", gpus: int = 1) -> list[dict]:
+def run_routed(senders: int, receivers: int, bucket: int, device: str = "cpu", gpus: int = 1,
+               **settings: str) -> list[dict]:
     """A routed transfer between real processes (routed_worker.py): `senders` trainer ranks, one replica
     of `receivers` tensor-parallel ranks; every member's JSON line, trainer ranks first. On `gpus` GPUs
     (device cuda), trainer rank r and engine rank e run on GPUs r and e modulo `gpus`, as a trainer and
-    an engine colocated over the same GPUs are laid out."""
+    an engine colocated over the same GPUs are laid out. `settings`: more of routed_worker.py's
+    environment (HOLD, STEPS, ...)."""
     store, master = free_port(), free_port()
     procs = []
     for role, count in (("trainer", senders), ("engine", receivers)):
@@ -37,7 +39,7 @@ def run_routed(senders: int, receivers: int, bucket: int, device: str = "cpu", g
             env = {**os.environ, "ROLE": role, "SENDERS": str(senders), "RECEIVERS": str(receivers),
                    "RANK": str(rank), "WORLD_SIZE": str(senders), "MASTER_ADDR": "127.0.0.1",
                    "DEVICE": f"cuda:{rank % gpus}" if device == "cuda" and gpus > 1 else device,
-                   "MASTER_PORT": str(master), "ROUTED_STORE": f"127.0.0.1:{store}", "BUCKET": str(bucket)}
+                   "MASTER_PORT": str(master), "ROUTED_STORE": f"127.0.0.1:{store}", "BUCKET": str(bucket), **settings}
             procs.append(subprocess.Popen([sys.executable, str(TESTS / "routed_worker.py")], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                           stdin=subprocess.DEVNULL))

@@ -29,6 +29,20 @@ def test_colocated_ranks_pull_exactly_their_boxes_from_every_trainer_rank(sender
     assert sum(t["sent"] for t in trainers) == sum(e["received"] for e in engines)
 
 
+@pytest.mark.parametrize("senders,receivers", [(2, 2), (1, 2)])
+def test_colocated_ranks_holding_the_trainers_memory_pull_each_steps_values_through_a_kept_launch(senders, receivers):
+    """The first transfer maps every trainer rank's storages and keeps them (hold); the second maps
+    nothing and launches the table the first kept, which must copy the values of the step in between."""
+    results = run_routed(senders, receivers, 1 << 12, device="cuda", HOLD="trainer", STEPS="1")
+    engines = [r for r in results if r["role"] == "engine"]
+    for e in engines:
+        assert e["wrong"] == [], f"engine rank {e['rank']}: the step's values did not all land: {e['wrong']}"
+        assert e["received"] == e["loads"]
+        assert e["held"][0] > 0 and e["held"][0] == e["held"][1], \
+            f"the second transfer pulls from the mappings the first kept: {e['held']}"
+        assert e["held_after_release"] == 0
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("senders,receivers", [(2, 2), (1, 2), (2, 1)])
 def test_ranks_over_two_gpus_pull_on_their_gpu_and_take_the_rest_over_nccl(senders, receivers):

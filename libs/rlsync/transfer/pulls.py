@@ -1,6 +1,6 @@
 """Routed pulls: a receiver rank on a trainer rank's GPU copies what that rank owes it straight out of
-the rank's memory (CUDA IPC), one copy per piece (cast on the way when the dtypes differ), with no
-group, no bucket and no staging between them. The trainer rank only says where its boxes lie (a
+the rank's memory (CUDA IPC), every piece in one kernel launch where it can (cast on the way when the
+dtypes differ), with no group, no bucket and no staging between them. The trainer rank only says where its boxes lie (a
 RankMemory, in the transfer's store) and keeps them still until each such receiver says it is done.
 
 A pair pulls when both run on one GPU of one host and the trainer rank's boxes can all be mapped
@@ -16,10 +16,13 @@ from itertools import accumulate
 
 import torch
 
+from rlsync.transfer import batched
 from rlsync.transfer.dtypes import dtype_name, dtype_of, itemsize
+from rlsync.transfer.held import HELD
 from rlsync.transfer.memory import open_cuda, share_cuda
 from rlsync.transfer.routed import piece_name
 from rlsync.transfer.routes import Layout, Routes, contains, extent, relative
+from rlsync.transfer.spans import cast_all, copy_all
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 
@@ -57,13 +60,54 @@ def split(routes: Routes, trainer: Sequence[pb.RankMemory], engine: Sequence[pb.
 
 
 def pull(routes: Routes, rank: int, trainer: Layout, memories: Sequence[pb.RankMemory], specs: Sequence,
-         views: Mapping[str, torch.Tensor], device: torch.device, profile: dict[str, float] | None = None) -> int:
+         views: Mapping[str, torch.Tensor], device: torch.device, profile: dict[str, float] | None = None,
+         hold: str = "") -> int:
     """Receiver rank `rank`: copies every piece it pulls (`routes`, as split() gives them) from the
     trainer ranks' memory into its view (`routed.destinations`), and waits for the copies. Returns the
-    bytes it received; `profile` gets the seconds spent mapping, copying (queued and done) and unmapping."""
-    opened: dict[tuple[int, int], torch.Tensor] = {}  # (trainer rank, region) -> its bytes, mapped
-    typed: dict[tuple[int, int, str], torch.Tensor] = {}  # ... and those bytes as one dtype
-    nbytes, mapping, start = 0, 0.0, time.perf_counter()
+    bytes it received; `profile` gets the seconds spent mapping, copying (queued and done) and unmapping.
+
+    The pieces that are contiguous at both ends go in one kernel launch over a table of them, casting
+    fp32 to bf16 on the way where asked (rlsync.transfer.batched); the rest are a copy_ each.
+
+    hold: the trainer ranks' storages stay mapped afterwards under this holder name (rlsync.transfer.held):
+    the next pull from memory still in place maps and closes nothing, and one into the same views
+    launches the table it kept. The caller must `HELD.release(hold)` before the trainer's memory may
+    leave the GPU (memory another process maps is not freed)."""
+    start = time.perf_counter()
+    sources = sorted({t.src for t in routes.of_receiver(rank)})
+    handles = [h for k in sources for h in memories[k].ipc]
+    if hold:
+        HELD.hold(hold, handles, device)
+    found = HELD.get_many(handles)
+    mapped = [open_cuda(h, device) if t is None else t for h, t in zip(handles, found)]  # what no holder keeps
+    mapping = time.perf_counter() - start
+    memo = HELD.memo(tuple(handles)) if all(t is not None for t in found) else None
+    key = (rank, tuple(v.data_ptr() for v in views.values()), *(memories[k].SerializeToString() for k in sources))
+    kept = memo.get(("routed", key)) if memo is not None else None
+    if kept is not None and kept[0] is routes:
+        for table in kept[1]:
+            batched.launch(table)
+        nbytes = kept[2]
+    else:
+        tables, nbytes = _copy(routes, rank, trainer, memories, specs, views, dict(zip(
+            ((k, r) for k in sources for r in range(len(memories[k].ipc))), mapped)))
+        if memo is not None and tables is not None:
+            memo[("routed", key)] = routes, tables, nbytes
+    if handles:
+        torch.cuda.current_stream(device).synchronize()  # the copies are done before the trainer rank moves on
+    copied = time.perf_counter()
+    del mapped, found  # mappings no holder keeps close here
+    if profile is not None:
+        profile.update(map=mapping, copy=copied - start - mapping, unmap=time.perf_counter() - copied)
+    return nbytes
+
+
+def _copy(routes: Routes, rank: int, trainer: Layout, memories: Sequence[pb.RankMemory], specs: Sequence,
+          views: Mapping[str, torch.Tensor], opened: Mapping[tuple[int, int], torch.Tensor]) \
+        -> tuple[list[batched.Table] | None, int]:
+    """Queues the copies of pull(): (the tables launched, when every piece went in one; the bytes)."""
+    typed: dict[tuple[int, int, str], torch.Tensor] = {}  # (trainer rank, region, dtype) -> its bytes as that dtype
+    copies, casts, rest, nbytes = [], [], [], 0
     for transfer in routes.of_receiver(rank):
         held, memory_ = trainer.held[transfer.src], memories[transfer.src]
         first = list(accumulate((len(boxes) for boxes in held), initial=0))  # each tensor's first box in .held
@@ -72,22 +116,21 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Sequence[pb.RankM
             box, where = held[p.tensor][j], memory_.held[first[p.tensor] + j]
             key = (transfer.src, where.region, where.dtype)
             if key not in typed:
-                if key[:2] not in opened:
-                    mapped = time.perf_counter()
-                    opened[key[:2]] = open_cuda(memory_.ipc[where.region], device)
-                    mapping += time.perf_counter() - mapped
                 dtype, values = dtype_of(where.dtype), opened[key[:2]]
                 typed[key] = values[:values.numel() - values.numel() % itemsize(dtype)].view(dtype)
             src = torch.as_strided(typed[key], extent(box), tuple(where.stride), where.offset)
             region = relative(p.box, box)
+            src = src[tuple(slice(a, b) for a, b in region)] if region else src
             dst = views[piece_name(specs[p.tensor].name, p.box)]
-            dst.copy_(src[tuple(slice(a, b) for a, b in region)] if region else src, non_blocking=True)
             nbytes += dst.numel() * dst.element_size()
-    if opened:
-        torch.cuda.current_stream(device).synchronize()  # the copies are done before the mappings close
-    copied = time.perf_counter()
-    typed.clear()
-    opened.clear()
-    if profile is not None:
-        profile.update(map=mapping, copy=copied - start - mapping, unmap=time.perf_counter() - copied)
-    return nbytes
+            if not (src.numel() and src.is_contiguous() and dst.is_contiguous()):
+                rest.append((src, dst))
+            elif src.dtype == dst.dtype:
+                copies.append((src.reshape(-1).view(torch.uint8), dst.reshape(-1).view(torch.uint8)))
+            else:
+                casts.append((src.reshape(-1), dst.reshape(-1)))
+    tables = [copy_all(copies) if copies else None, cast_all(casts) if casts else None]
+    for src, dst in rest:
+        dst.copy_(src, non_blocking=True)
+    whole = not rest and (tables[0] is not None or not copies) and (tables[1] is not None or not casts)
+    return ([t for t in tables if t is not None] if whole else None), nbytes

@@ -16,6 +16,7 @@ Group ranks: trainer rank k is k, engine rank e is `senders + e`.
 from __future__ import annotations
 
 import datetime
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -58,10 +59,15 @@ def piece_name(name: str, box: Box) -> str:
 
 
 class _Window:
-    """At most WINDOW operations in flight; a finished one runs its completion (scatter, release)."""
+    """At most WINDOW operations in flight; a finished one runs its completion (scatter, release).
 
-    def __init__(self, deadline: Deadline):
-        self.deadline = deadline
+    A GPU operation is waited for by polling its completion, never with `Work.wait(timeout)`: NCCL's
+    timed wait sleeps in steps of a millisecond or more, which at one wait per bucket was most of a
+    transfer (bench/sharded.py, two GPUs). Once done, its untimed wait orders the caller's stream
+    after it (the slot it used is then free for the stream's next copy)."""
+
+    def __init__(self, deadline: Deadline, device: torch.device):
+        self.deadline, self.device = deadline, device
         self.pending: deque = deque()
 
     def reserve(self) -> None:
@@ -86,21 +92,35 @@ class _Window:
         works, done = self.pending.popleft()
         for w in works:
             try:
-                w.wait(datetime.timedelta(seconds=self.deadline.remaining("moving a bucket")))
-            except RuntimeError as e:
+                if self.device.type == "cuda":
+                    _poll(w, self.deadline)
+                    w.wait()
+                else:
+                    w.wait(datetime.timedelta(seconds=self.deadline.remaining("moving a bucket")))
+            except (RuntimeError, DeadlineExceeded) as e:
                 self.pending.clear()
-                if "imeout" in str(e) or "imed out" in str(e):
+                if isinstance(e, DeadlineExceeded) or "imeout" in str(e) or "imed out" in str(e):
                     raise DeadlineExceeded(f"{self.deadline.what}: a peer did not take part in time ({e})") from e
                 raise Unavailable(f"{self.deadline.what}: a peer failed or is gone ({e})") from e
         if done is not None:
             done()
 
 
+POLL_SECONDS = 20e-6  # between looks at a GPU operation still running (a look costs a few microseconds)
+
+
+def _poll(work, deadline: Deadline) -> None:
+    """Until `work` completes (or fails: its wait() then raises); DeadlineExceeded past the deadline."""
+    while not work.is_completed():
+        deadline.remaining("moving a bucket")
+        time.sleep(POLL_SECONDS)
+
+
 def send(pg, routes: Routes, rank: int, piece: Callable[[Piece], torch.Tensor], bucket_bytes: int,
          deadline: Deadline, device: torch.device) -> int:
     """Trainer rank `rank`'s share: its pieces (made by `piece`, contiguous, in the engine's dtype)
     to every engine rank that loads them. Returns the payload bytes it sent (a bucket once per receiver)."""
-    with _Window(deadline) as window:
+    with _Window(deadline, device) as window:
         return _send(pg, routes, rank, piece, bucket_bytes, window, device)
 
 
@@ -149,7 +169,7 @@ def _send(pg, routes, rank, piece, bucket_bytes, window, device) -> int:
             view = slots.next(op.bucket.nbytes)
             for s in op.bucket.slices:
                 view[s.dst:s.dst + s.length].copy_(bytes_of(s.tensor)[s.src:s.src + s.length], non_blocking=True)
-            sync(device)
+            # no sync: a send waits for the caller's stream, and the slot's last send is done (reserve)
         works = [pg.send([view], routes.senders + dst, op.tag) for dst in transfer.dsts]
         window.add(works)
         if last[op.transfer] == op.tag:
@@ -187,7 +207,7 @@ def receive(pg, routes: Routes, rank: int, writer: DestWriter, bucket_bytes: int
     for j, transfer in enumerate(routes.transfers):
         if rank in transfer.dsts:
             first[j] = sum(len(routes.transfers[i].pieces) for i in first)
-    with _Window(deadline) as window:
+    with _Window(deadline, device) as window:
         return _receive(pg, routes, first, writer, bucket_bytes, window, device)
 
 
@@ -208,8 +228,8 @@ def _receive(pg, routes, first, writer, bucket_bytes, window, device) -> int:
                 for s in op.bucket.slices:
                     writer.mark(base + s.tensor, s.length)
             else:
+                # no sync: the receive that reuses the slot two operations later waits for this stream
                 writer.write_many([(base + s.tensor, s.src, view[s.dst:s.dst + s.length]) for s in op.bucket.slices])
-                sync(device)  # the slot is reused two operations later
 
         window.add([pg.recv([view], transfer.src, op.tag)], land)
     window.drain()

@@ -245,8 +245,8 @@ class ShardedSender:
         self._spent = []
 
     def regions(self) -> None:
-        """Replicas cannot hold a sharded trainer's memory mapped between updates yet (each rank's
-        handles would have to reach rank 0): every pull maps what it copies."""
+        """No HoldWeights for a sharded trainer's memory (each rank's handles would have to reach rank
+        0): a receiver keeps what it pulled mapped only when its caller asks (RoutedReceiver's hold)."""
         return None
 
     def close(self) -> None:
@@ -272,12 +272,14 @@ def _channels(pulled: Routes, pushed: Routes, backend: int, *, sender: int | Non
 
 class RoutedReceiver:
     """One receiver rank's end (the interface of transfer.Receiver: run(), close()). `dest` holds this
-    rank's box of each tensor it loads, by name (`boxes[name]` says which box; whole by default)."""
+    rank's box of each tensor it loads, by name (`boxes[name]` says which box; whole by default).
+    hold: what it pulls on the trainer's GPU, it keeps mapped under this holder name (pulls.pull):
+    the caller must `HELD.release(hold)` before the trainer's memory may leave the GPU."""
 
     def __init__(self, offer: pb.Offer, answer: pb.Answer, dest: Mapping[str, torch.Tensor] | FlatStore, *,
                  rank: int = 0, device: torch.device | str | None = None, timeout: float = 300.0,
-                 boxes: Mapping[str, Box] | None = None):
-        self.offer, self.answer, self.rank = offer, answer, rank
+                 boxes: Mapping[str, Box] | None = None, hold: str = ""):
+        self.offer, self.answer, self.rank, self.hold = offer, answer, rank, hold
         self.specs = from_proto(offer.manifest)
         self.device = resolved(torch.device(device)) if device is not None else torch.device("cpu")
         self.trainer = layout_of(self.specs, offer.routing.ranks)
@@ -328,7 +330,8 @@ class RoutedReceiver:
             profile["plan"] = time.perf_counter() - self.start - profile["roster"]
             if pulled.of_receiver(me):
                 _, views = routed.destinations(pulled, me, self.specs, self.staging)
-                nbytes = pulls.pull(pulled, me, self.trainer, memories, self.specs, views, self.device, profile)
+                nbytes = pulls.pull(pulled, me, self.trainer, memories, self.specs, views, self.device, profile,
+                                    self.hold)
         except BaseException as e:  # a trainer rank waiting on this rank's pull fails at once, with the reason
             _say(store, _pulled_key(self.offer, me), (str(e) or type(e).__name__).encode())
             raise
