@@ -82,9 +82,14 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Sequence[pb.RankM
     mapped = [open_cuda(h, device) if t is None else t for h, t in zip(handles, found)]  # what no holder keeps
     mapping = time.perf_counter() - start
     memo = HELD.memo(tuple(handles)) if all(t is not None for t in found) else None
-    key = (rank, tuple(v.data_ptr() for v in views.values()), *(memories[k].SerializeToString() for k in sources))
-    kept = memo.get(("routed", key)) if memo is not None else None
-    if kept is not None and kept[0] is routes:
+    memo = memo.setdefault("routed", {}) if memo is not None else None
+    # The same pieces (their tuples, shared by every Routes derived from one plan: kept alive below, so
+    # no other tuple can take their ids), the same places in the trainer's memory, the same views.
+    pieces = [t.pieces for t in routes.of_receiver(rank)]
+    key = (rank, *map(id, pieces), tuple(v.data_ptr() for v in views.values()),
+           *(memories[k].SerializeToString() for k in sources))
+    kept = memo.get(key) if memo is not None else None
+    if kept is not None:
         for table in kept[1]:
             batched.launch(table)
         nbytes = kept[2]
@@ -92,7 +97,9 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Sequence[pb.RankM
         tables, nbytes = _copy(routes, rank, trainer, memories, specs, views, dict(zip(
             ((k, r) for k in sources for r in range(len(memories[k].ipc))), mapped)))
         if memo is not None and tables is not None:
-            memo[("routed", key)] = routes, tables, nbytes
+            if len(memo) >= 8:  # destinations come and go: keep the latest few
+                memo.clear()
+            memo[key] = pieces, tables, nbytes
     if handles:
         torch.cuda.current_stream(device).synchronize()  # the copies are done before the trainer rank moves on
     copied = time.perf_counter()

@@ -69,6 +69,11 @@ class _Window:
     def __init__(self, deadline: Deadline, device: torch.device):
         self.deadline, self.device = deadline, device
         self.pending: deque = deque()
+        self.waited = self.landed = 0.0  # seconds waiting for operations, and in their completions
+
+    def profile(self, into: dict[str, float] | None) -> None:
+        if into is not None:
+            into.update(wait=self.waited, land=self.landed)
 
     def reserve(self) -> None:
         """Room for one more operation: called before its slot is written (the one WINDOW back is done)."""
@@ -90,6 +95,7 @@ class _Window:
 
     def _finish_one(self) -> None:
         works, done = self.pending.popleft()
+        start = time.perf_counter()
         for w in works:
             try:
                 if self.device.type == "cuda":
@@ -102,8 +108,11 @@ class _Window:
                 if isinstance(e, DeadlineExceeded) or "imeout" in str(e) or "imed out" in str(e):
                     raise DeadlineExceeded(f"{self.deadline.what}: a peer did not take part in time ({e})") from e
                 raise Unavailable(f"{self.deadline.what}: a peer failed or is gone ({e})") from e
+        waited = time.perf_counter()
+        self.waited += waited - start
         if done is not None:
             done()
+            self.landed += time.perf_counter() - waited
 
 
 POLL_SECONDS = 20e-6  # between looks at a GPU operation still running (a look costs a few microseconds)
@@ -117,11 +126,14 @@ def _poll(work, deadline: Deadline) -> None:
 
 
 def send(pg, routes: Routes, rank: int, piece: Callable[[Piece], torch.Tensor], bucket_bytes: int,
-         deadline: Deadline, device: torch.device) -> int:
+         deadline: Deadline, device: torch.device, profile: dict[str, float] | None = None) -> int:
     """Trainer rank `rank`'s share: its pieces (made by `piece`, contiguous, in the engine's dtype)
-    to every engine rank that loads them. Returns the payload bytes it sent (a bucket once per receiver)."""
+    to every engine rank that loads them. Returns the payload bytes it sent (a bucket once per receiver);
+    `profile` gets the seconds spent waiting for operations to finish."""
     with _Window(deadline, device) as window:
-        return _send(pg, routes, rank, piece, bucket_bytes, window, device)
+        sent = _send(pg, routes, rank, piece, bucket_bytes, window, device)
+        window.profile(profile)
+        return sent
 
 
 class _Slots:
@@ -200,15 +212,18 @@ def destinations(routes: Routes, rank: int, specs: Sequence[Spec], staging: Mapp
 
 
 def receive(pg, routes: Routes, rank: int, writer: DestWriter, bucket_bytes: int, deadline: Deadline,
-            device: torch.device) -> int:
+            device: torch.device, profile: dict[str, float] | None = None) -> int:
     """Engine rank `rank`'s share: every piece it loads, written through `writer` (laid out over
-    `destinations(...)`, pieces in the order they list them). Returns the bytes received."""
+    `destinations(...)`, pieces in the order they list them). Returns the bytes received; `profile`
+    (as send's) gets the seconds spent waiting for operations and landing what they brought."""
     first: dict[int, int] = {}  # transfer -> index of its first piece in the writer
     for j, transfer in enumerate(routes.transfers):
         if rank in transfer.dsts:
             first[j] = sum(len(routes.transfers[i].pieces) for i in first)
     with _Window(deadline, device) as window:
-        return _receive(pg, routes, first, writer, bucket_bytes, window, device)
+        received = _receive(pg, routes, first, writer, bucket_bytes, window, device)
+        window.profile(profile)
+        return received
 
 
 def _receive(pg, routes, first, writer, bucket_bytes, window, device) -> int:

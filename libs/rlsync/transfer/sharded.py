@@ -210,7 +210,8 @@ class ShardedSender:
                     self._group.decide(store, offer.transfer_id, self.world, answers, memories)
                 gid, pg = routed_groups.take(store, offer.transfer_id, self.rank, members, self.device, deadline)
                 profile["group"] = time.perf_counter() - start - profile["export"] - profile["meet"]
-                sent += routed.send(pg, pushed, self.rank, self.piece, _bucket(offer, answers), deadline, self.device)
+                sent += routed.send(pg, pushed, self.rank, self.piece, _bucket(offer, answers), deadline, self.device,
+                                    profile)
             waited = time.perf_counter()
             _await_pulls(store, offer, sorted({d for t in pulled.of_sender(self.rank) for d in t.dsts}), deadline)
             profile["pulls"] = time.perf_counter() - waited
@@ -338,13 +339,13 @@ class RoutedReceiver:
         _say(store, _pulled_key(self.offer, me), b"")
         if any(t.dsts for t in pushed.transfers):
             received = time.perf_counter()
-            nbytes += self._receive(store, pushed, me, answers)
+            nbytes += self._receive(store, pushed, me, answers, profile)
             profile["group"] = time.perf_counter() - received
         backend = pb.BACKEND_NCCL if self.device.type == "cuda" else pb.BACKEND_GLOO
         return Report(nbytes, time.perf_counter() - self.start, _channels(pulled, pushed, backend, receiver=me),
                       profile=profile)
 
-    def _receive(self, store, routes: Routes, me: int, answers: Sequence[pb.Answer]) -> int:
+    def _receive(self, store, routes: Routes, me: int, answers: Sequence[pb.Answer], profile: dict) -> int:
         """The pieces that come over the group (every member joins it, with or without pieces of its own)."""
         piece_specs, views = routed.destinations(routes, me, self.specs, self.staging)
         writer = DestWriter(piece_specs, views, self.device)
@@ -353,7 +354,8 @@ class RoutedReceiver:
         gid, pg = routed_groups.take(store, tid, senders + me, members, self.device, self.deadline)
         self._pg = pg
         try:
-            nbytes = routed.receive(pg, routes, me, writer, _bucket(self.offer, answers), self.deadline, self.device)
+            nbytes = routed.receive(pg, routes, me, writer, _bucket(self.offer, answers), self.deadline, self.device,
+                                    profile)
         except BaseException as e:
             self._pg = None
             routed_groups.release(pg, e)
