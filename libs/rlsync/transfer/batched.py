@@ -71,8 +71,9 @@ _LOCK = threading.Lock()  # senders and receivers run in threads of their own
 
 
 def table(rows: np.ndarray, device: torch.device, cast: bool = False) -> Table:
-    """The chunk table of `rows` (of split(..., cast)) on `device`, made once and kept while in use;
-    a caller that launches it again and again keeps it itself (a held pull's plan)."""
+    """The chunk table of `rows` (of split(..., cast)) on `device`, made once
+    (its upload waits for the stream) and kept while in use; a caller that launches it again and
+    again keeps it itself (a held pull's plan)."""
     device = _indexed(device)
     chunk = CAST_CHUNK if cast else CHUNK
     key = (device, chunk, cast, rows.tobytes())
@@ -80,7 +81,7 @@ def table(rows: np.ndarray, device: torch.device, cast: bool = False) -> Table:
         found = _TABLES.pop(key, None)
         if found is None:
             sizes = (CAST[0].itemsize, CAST[1].itemsize) if cast else (1, 1)
-            found = _upload(chunks(rows, chunk, sizes), device, cast)
+            found = Table(torch.from_numpy(chunks(rows, chunk, sizes)).to(device), cast)
         _TABLES[key] = found
         while len(_TABLES) > _TABLES_MAX:
             _TABLES.popitem(last=False)
@@ -90,21 +91,6 @@ def table(rows: np.ndarray, device: torch.device, cast: bool = False) -> Table:
 class Table(NamedTuple):
     rows: torch.Tensor  # [src, dst, count] per chunk, int64, on the device
     cast: bool  # counts are elements to cast (split(cast=True)), else bytes to copy
-    uploaded: torch.cuda.Event | None = None  # recorded after the rows' upload (on a GPU)
-
-
-def _upload(rows: np.ndarray, device: torch.device, cast: bool) -> Table:
-    """The rows on `device`, copied from pinned memory without waiting: a copy from pageable memory
-    first waits for everything queued on the stream, which at a table per bucket stalled a transfer's
-    pipeline at every bucket. A launch on any stream waits for the upload's event."""
-    host = torch.from_numpy(rows)
-    if device.type != "cuda":
-        return Table(host.to(device), cast)
-    with torch.cuda.device(device):
-        uploaded = host.pin_memory().to(device, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-    return Table(uploaded, cast, event)
 
 
 def launch(table: Table) -> None:
@@ -114,10 +100,7 @@ def launch(table: Table) -> None:
     run = kernel[(rows.shape[0],)]
     if rows.device.type == "cuda":
         with torch.cuda.device(rows.device):
-            stream = torch.cuda.current_stream(rows.device)
-            if table.uploaded is not None:
-                stream.wait_event(table.uploaded)
-            rows.record_stream(stream)  # read there, whoever made it
+            rows.record_stream(torch.cuda.current_stream(rows.device))  # read there, whoever made it
             run(rows, BLOCK=block, num_warps=WARPS)
     else:  # only under TRITON_INTERPRET=1
         run(rows, BLOCK=block)

@@ -22,7 +22,7 @@ from rlsync.transfer.held import HELD
 from rlsync.transfer.memory import open_cuda, share_cuda
 from rlsync.transfer.routed import piece_name
 from rlsync.transfer.routes import Layout, Routes, contains, extent, relative
-from rlsync.transfer.spans import cast_all, copy_all
+from rlsync.transfer.spans import FEW, cast_all, copy_all
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 
@@ -95,7 +95,7 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Sequence[pb.RankM
         nbytes = kept[2]
     else:
         tables, nbytes = _copy(routes, rank, trainer, memories, specs, views, dict(zip(
-            ((k, r) for k in sources for r in range(len(memories[k].ipc))), mapped)))
+            ((k, r) for k in sources for r in range(len(memories[k].ipc))), mapped)), kept=memo is not None)
         if memo is not None and tables is not None:
             if len(memo) >= 8:  # destinations come and go: keep the latest few
                 memo.clear()
@@ -110,9 +110,10 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Sequence[pb.RankM
 
 
 def _copy(routes: Routes, rank: int, trainer: Layout, memories: Sequence[pb.RankMemory], specs: Sequence,
-          views: Mapping[str, torch.Tensor], opened: Mapping[tuple[int, int], torch.Tensor]) \
+          views: Mapping[str, torch.Tensor], opened: Mapping[tuple[int, int], torch.Tensor], kept: bool) \
         -> tuple[list[batched.Table] | None, int]:
-    """Queues the copies of pull(): (the tables launched, when every piece went in one; the bytes)."""
+    """Queues the copies of pull(): (the tables launched, when every piece went in one; the bytes).
+    kept: the tables will be launched again, so even a few pieces go in one."""
     typed: dict[tuple[int, int, str], torch.Tensor] = {}  # (trainer rank, region, dtype) -> its bytes as that dtype
     copies, casts, rest, nbytes = [], [], [], 0
     for transfer in routes.of_receiver(rank):
@@ -136,7 +137,8 @@ def _copy(routes: Routes, rank: int, trainer: Layout, memories: Sequence[pb.Rank
                 copies.append((src.reshape(-1).view(torch.uint8), dst.reshape(-1).view(torch.uint8)))
             else:
                 casts.append((src.reshape(-1), dst.reshape(-1)))
-    tables = [copy_all(copies) if copies else None, cast_all(casts) if casts else None]
+    few = 1 if kept else FEW
+    tables = [copy_all(copies, few=few) if copies else None, cast_all(casts, few) if casts else None]
     for src, dst in rest:
         dst.copy_(src, non_blocking=True)
     whole = not rest and (tables[0] is not None or not copies) and (tables[1] is not None or not casts)

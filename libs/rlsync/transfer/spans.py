@@ -65,12 +65,17 @@ def _merged(run: list[View]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 SMALL = 1 << 20  # bytes: below it, a copy costs its launch more than its bytes
+# Pairs below which a copy_ each costs less CPU than a table's making and its Triton launch (a bucket's
+# few slices, at every bucket: bench/sharded.py over NCCL, where landing them was most of the time).
+FEW = 8
 
 
-def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], one_launch: bool = True) -> batched.Table | None:
-    """Queues dst.copy_(src) for every (src, dst) of one device. On a GPU (with Triton), every pair
-    whose addresses and size allow it goes in one kernel launch over a table of them
-    (rlsync.transfer.batched; `one_launch=False` leaves that out). The rest are copied as they come:
+def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], one_launch: bool = True,
+             few: int = FEW) -> batched.Table | None:
+    """Queues dst.copy_(src) for every (src, dst) of one device. On a GPU (with Triton), from `few`
+    pairs on (fewer where the table is kept and launched again), every pair whose addresses and size
+    allow it goes in one kernel launch over a table of them (rlsync.transfer.batched;
+    `one_launch=False` leaves that out). The rest are copied as they come:
     a large one at once (the GPU starts while the rest are still being made), the small ones together
     at the end in one torch._foreach_copy_ (a launch per ~100 tensors instead of one each).
     bench/scatter_copy.py, 399 tensors of a 4B model on H100: a copy_ each 0.83x of one flat copy,
@@ -85,19 +90,25 @@ def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], one_launch: boo
     if not (one_launch and batched.available(device)):
         _copy_each(pairs)
         return None
-    table, rest = _one_launch(list(pairs), device, cast=False)
+    pairs = list(pairs)
+    if len(pairs) < few:
+        _copy_each(pairs)
+        return None
+    table, rest = _one_launch(pairs, device, cast=False)
     _copy_each(rest)
     return None if rest else table
 
 
-def cast_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> batched.Table | None:
+def cast_all(pairs: list[tuple[torch.Tensor, torch.Tensor]], few: int = FEW) -> batched.Table | None:
     """Queues dst.copy_(src) for every flat (src, dst) of one device, in different dtypes (a cast): on
-    a GPU (with Triton), the fp32 -> bf16 ones in one kernel launch (batched.split), the rest a
-    copy_ each. Returns the table when every pair went in it, else None (as copy_all)."""
+    a GPU (with Triton), from `few` pairs on, the fp32 -> bf16 ones in one kernel launch
+    (batched.split), the rest a copy_ each. Returns the table when every pair went in it, else None
+    (as copy_all)."""
     if not pairs:
         return None
     device = pairs[0][1].device
-    table, rest = _one_launch(pairs, device, cast=True) if batched.available(device) else (None, pairs)
+    table, rest = _one_launch(pairs, device, cast=True) if len(pairs) >= few and batched.available(device) \
+        else (None, pairs)
     for src, dst in rest:
         dst.copy_(src, non_blocking=True)
     return None if rest else table
