@@ -232,8 +232,9 @@ class ShardedSender:
         """Rank 0: tells the receivers waiting for this offer's roster that no send will come, and why."""
         if self._store is not None:
             self._forget(self._store)
-            self._spent.append(_refused_key(offer))
+            self._spent += [_refused_key(offer), _roster_key(offer)]
             self._store.set(_refused_key(offer), reason.encode())
+            self._store.set(_roster_key(offer), b"")  # wakes the receivers waiting for the roster
 
     def _forget(self, store) -> None:
         """Rank 0: drops the keys of the transfer before (every member is done with it once another
@@ -292,20 +293,26 @@ class RoutedReceiver:
                                           f"(version {offer.manifest.version})")
         self.start = time.perf_counter()
         self._pg = None
-        self._closed = threading.Event()
+        self._closed = False
+        self._wake = threading.Event()  # the roster is in, or close() was called
         self.handed = handed_over(self.device)  # as transfer.Receiver: on a stream of its own
 
     def _roster(self, store) -> tuple[list[pb.Answer], int]:
         """The replicas taking part (as the trainer's rank 0 put them), and this rank's place among
-        all their ranks. Waits for it until the deadline, a refusal from the trainer, or close()."""
+        all their ranks. Waits for it until the deadline, a refusal from the trainer, or close(): a
+        thread blocks on the key (the store wakes it as it is set; a poll would add its period to
+        every transfer) and wakes this one, as close() does."""
         key, refused = _roster_key(self.offer), _refused_key(self.offer)
+        threading.Thread(target=self._await_key, args=(key,), daemon=True, name="rlsync-roster").start()
+        self._wake.wait(self.deadline.remaining("waiting for the trainer to send"))
+        if self._closed:
+            raise Aborted(f"{self.deadline.what}: closed before the trainer sent")
         try:
-            while not store.check([key]):
-                if store.check([refused]):
-                    raise Unavailable(f"{self.deadline.what}: {store.get(refused).decode(errors='replace')}")
-                if self._closed.wait(0.02):
-                    raise Aborted(f"{self.deadline.what}: closed before the trainer sent")
+            if store.check([refused]):
+                raise Unavailable(f"{self.deadline.what}: {store.get(refused).decode(errors='replace')}")
+            if not store.check([key]):
                 self.deadline.remaining("waiting for the trainer to send")
+                raise Unavailable(f"{self.deadline.what}: the trainer's store stopped answering")
         except dist.DistError as e:
             raise Unavailable(f"{self.deadline.what}: the trainer's store is gone ({e})") from e
         answers = list(pb.RoutedSend.FromString(store.get(key)).answers)
@@ -365,10 +372,22 @@ class RoutedReceiver:
         routed_groups.keep(gid, pg)
         return nbytes
 
+    def _await_key(self, key: str) -> None:
+        """Wakes run() once `key` is in the store (or the wait failed: run() then looks at why).
+        A store of its own: a blocked wait holds its connection, which run() goes on using."""
+        try:
+            _store(self.offer.routing.store, False, self.deadline.remaining("joining the store")).wait(
+                [key], datetime.timedelta(seconds=self.deadline.remaining("waiting for the trainer to send")))
+        except Exception:  # noqa: BLE001 - the deadline, a closed store: run() tells which
+            pass
+        finally:
+            self._wake.set()
+
     def close(self) -> None:
         """Ends the transfer from another thread: run() then fails instead of waiting on, and lets go
         of the staging it was to write."""
-        self._closed.set()
+        self._closed = True
+        self._wake.set()
         self.staging = {}
         pg = self._pg
         if pg is not None:

@@ -1,0 +1,71 @@
+"""A routed receiver waits for the trainer's roster in the trainer's real TCPStore: it wakes as the
+roster is set (no poll period added to a transfer), at once with the reason when the trainer refuses
+the offer, and at once when closed from another thread."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from rlsync.errors import Aborted, Unavailable
+from rlsync.transfer import answer
+from rlsync.transfer.manifest import Spec
+from rlsync.transfer.routes import TensorInfo, layout, whole
+from rlsync.transfer.sharded import RoutedReceiver, ShardedSender, _roster_key
+from rlsync.transfer.v1 import transfer_pb2 as pb
+
+
+@pytest.fixture
+def sender():
+    spec = Spec("w", torch.float32, (4, 2), 32)
+    one = layout([TensorInfo("w", (4, 2), 4)], [[[whole((4, 2))]]])
+    s = ShardedSender(one, [spec], 0, lambda piece: torch.zeros(4, 2), bucket_bytes=1 << 10)
+    yield s
+    s.close()
+
+
+def _waiting(sender: ShardedSender):
+    """A receiver running in a thread, waiting for the roster of a fresh offer: (offer, receiver, outcome)."""
+    offer = sender.offer(version=1)
+    receiver = RoutedReceiver(offer, answer(offer, "replica"), {"w": torch.empty(4, 2)}, timeout=30)
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["report"] = receiver.run()
+        except Exception as e:  # noqa: BLE001 - the test looks at it
+            outcome["error"] = e
+        outcome["at"] = time.monotonic()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(0.3)  # well into its wait
+    assert thread.is_alive(), outcome
+    return offer, receiver, outcome, thread
+
+
+def test_a_refused_offer_wakes_its_receiver_at_once_with_the_reason(sender):
+    offer, _, outcome, thread = _waiting(sender)
+    refused = time.monotonic()
+    sender.refuse(offer, "the trainer's step failed: CUDA out of memory")
+    thread.join(10)
+    assert isinstance(outcome.get("error"), Unavailable) and "out of memory" in str(outcome["error"])
+    assert outcome["at"] - refused < 5, "woken by the refusal, not by its deadline"
+
+
+def test_a_closed_receiver_stops_waiting_at_once(sender):
+    _, receiver, outcome, thread = _waiting(sender)
+    closed = time.monotonic()
+    receiver.close()
+    thread.join(10)
+    assert isinstance(outcome.get("error"), Aborted)
+    assert outcome["at"] - closed < 5
+
+
+def test_a_roster_without_this_replica_is_refused_by_name(sender):
+    offer, _, outcome, thread = _waiting(sender)
+    other = answer(offer, "another-replica")
+    sender._store.set(_roster_key(offer), pb.RoutedSend(answers=[other]).SerializeToString())
+    thread.join(10)
+    assert "another-replica" in str(outcome.get("error")) and "dropped" in str(outcome["error"])
