@@ -1,7 +1,8 @@
 """Routed pulls: a receiver rank on a trainer rank's GPU copies what that rank owes it straight out of
 the rank's memory (CUDA IPC), every piece in one kernel launch where it can (cast on the way when the
-dtypes differ), with no group, no bucket and no staging between them. The trainer rank only says where its boxes lie (a
-RankMemory, in the transfer's store) and keeps them still until each such receiver says it is done.
+dtypes differ), with no group, no bucket and no staging between them. The trainer rank only says where
+its boxes lie (a RankMemory, in the transfer's store) and keeps them still until each such receiver
+says it is done.
 
 A pair pulls when both run on one GPU of one host and the trainer rank's boxes can all be mapped
 (CUDA tensors of their boxes' shapes); every other pair goes over the routed group (routed.py). NCCL
