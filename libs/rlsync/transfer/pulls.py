@@ -75,7 +75,8 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Sequence[pb.RankM
     launches the table it kept. The caller must `HELD.release(hold)` before the trainer's memory may
     leave the GPU (memory another process maps is not freed)."""
     start = time.perf_counter()
-    sources = sorted({t.src for t in routes.of_receiver(rank)})
+    mine = routes.of_receiver(rank)
+    sources = sorted({t.src for t in mine})
     handles = [h for k in sources for h in memories[k].ipc]
     if hold:
         HELD.hold(hold, handles, device)
@@ -83,19 +84,21 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Sequence[pb.RankM
     mapped = [open_cuda(h, device) if t is None else t for h, t in zip(handles, found)]  # what no holder keeps
     mapping = time.perf_counter() - start
     memo = HELD.memo(tuple(handles)) if all(t is not None for t in found) else None
-    memo = memo.setdefault("routed", {}) if memo is not None else None
-    # The same pieces (their tuples, shared by every Routes derived from one plan: kept alive below, so
-    # no other tuple can take their ids), the same places in the trainer's memory, the same views.
-    pieces = [t.pieces for t in routes.of_receiver(rank)]
-    key = (rank, *map(id, pieces), tuple(v.data_ptr() for v in views.values()),
-           *(memories[k].SerializeToString() for k in sources))
-    kept = memo.get(key) if memo is not None else None
+    kept = key = None
+    if memo is not None:  # held: a launch kept for the same pieces (their tuples, shared by every Routes
+        # derived from one plan: kept alive below, so no other tuple takes their ids), the same places
+        # in the trainer's memory and the same views
+        memo = memo.setdefault("routed", {})
+        pieces = [t.pieces for t in mine]
+        key = (rank, *map(id, pieces), tuple(v.data_ptr() for v in views.values()),
+               *(memories[k].SerializeToString() for k in sources))
+        kept = memo.get(key)
     if kept is not None:
         for table in kept[1]:
             batched.launch(table)
         nbytes = kept[2]
     else:
-        tables, nbytes = _copy(routes, rank, trainer, memories, specs, views, dict(zip(
+        tables, nbytes = _copy(mine, trainer, memories, specs, views, dict(zip(
             ((k, r) for k in sources for r in range(len(memories[k].ipc))), mapped)), kept=memo is not None)
         if memo is not None and tables is not None:
             if len(memo) >= 8:  # destinations come and go: keep the latest few
@@ -110,14 +113,15 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Sequence[pb.RankM
     return nbytes
 
 
-def _copy(routes: Routes, rank: int, trainer: Layout, memories: Sequence[pb.RankMemory], specs: Sequence,
+def _copy(transfers: Sequence, trainer: Layout, memories: Sequence[pb.RankMemory], specs: Sequence,
           views: Mapping[str, torch.Tensor], opened: Mapping[tuple[int, int], torch.Tensor], kept: bool) \
         -> tuple[list[batched.Table] | None, int]:
-    """Queues the copies of pull(): (the tables launched, when every piece went in one; the bytes).
+    """Queues the copies of pull() of `transfers` (the receiver rank's): (the tables launched, when
+    every piece went in one; the bytes).
     kept: the tables will be launched again, so even a few pieces go in one."""
     typed: dict[tuple[int, int, str], torch.Tensor] = {}  # (trainer rank, region, dtype) -> its bytes as that dtype
     copies, casts, rest, nbytes = [], [], [], 0
-    for transfer in routes.of_receiver(rank):
+    for transfer in transfers:
         held, memory_ = trainer.held[transfer.src], memories[transfer.src]
         first = list(accumulate((len(boxes) for boxes in held), initial=0))  # each tensor's first box in .held
         for p in transfer.pieces:
