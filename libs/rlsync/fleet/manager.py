@@ -37,6 +37,7 @@ TEND_SECONDS = 0.5
 NODE_WATCH_TICKS = 4  # the node table is read every 4 ticks
 WAITING_NOTE = 10.0  # seconds pending before the launcher is told what is missing
 MAX_BACKOFF = 30.0  # seconds: the longest pause before restarting a replica that died young
+START_TRIES = 2  # up and scale give up on a replica that ended this often without ever listening
 START_TIMEOUT = 300.0
 
 
@@ -60,11 +61,17 @@ class Member:
     started_at: float = 0.0
     last_end: str = ""  # how its last run ended (exit status and log tail)
     not_before: float = 0.0  # a replica that keeps dying young is started again after a growing pause
+    listened: bool = False  # it reached running once (a crash loop from the start is a bad setup)
 
     @property
     def ended(self) -> str:
         """How it ended, while it stays ended (a replica being restarted is pending again)."""
         return self.last_end if self.state in ("exited", "lost") else ""
+
+    @property
+    def cannot_start(self) -> bool:
+        """It ended START_TRIES times and never listened: restarting it again will not help up or scale."""
+        return not self.listened and self.restarts >= START_TRIES and self.state != "running"
     task: asyncio.Task | None = field(default=None, repr=False)
 
 
@@ -270,7 +277,7 @@ class FleetManager:
             m.state = "running"
             return
         m.address = await m.host.wait_ready.remote(START_TIMEOUT)
-        m.state = "running"
+        m.state, m.listened = "running", True
         self._event(m.name, "listening", m.address)
 
     def _command(self, m: Member) -> tuple[str, list[str], list[str] | None]:
@@ -338,6 +345,9 @@ class FleetManager:
             ended = [m for m in watched if m.ended]
             if ended:
                 raise RuntimeError("; ".join(f"{m.name} {m.state}: {m.ended}" for m in ended))
+            failing = [m for m in watched if m.cannot_start]
+            if failing:  # it is restarted still (the fleet stays as its file says); up and scale stop waiting
+                raise RuntimeError("; ".join(_why_not_running(m) for m in failing))
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not running after {timeout:.0f}s: " + "; ".join(
                     _why_not_running(m) for m in watched if m.state != "running"))
