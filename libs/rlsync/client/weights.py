@@ -15,9 +15,9 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
-import torch
 
 from rlsync.client.base import until_gone
 from rlsync.client.rollout import AsyncRolloutClient, RolloutClient
@@ -27,10 +27,11 @@ from rlsync.common.timing import Stopwatch
 from rlsync.errors import Relayed, RlsyncError
 from rlsync.rollout.v1 import rollout_pb2
 from rlsync.rpc.doorbell import Lines, Unreachable, ring
-from rlsync.transfer.armed import ring_bell
-from rlsync.transfer.copied import sender_device, wait_copied
 from rlsync.transfer.handshake import host_id
 from rlsync.transfer.v1.transfer_pb2 import Backend, Doorbell, Facts, MappedTensors, Offer
+
+if TYPE_CHECKING:  # the trainer's own process rings bells and waits on copies: the coordinator never loads torch
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ async def ring_prepare(offer: Offer, doorbells: list[Doorbell], token: str, forc
     that hold the offer's memory, by doorbell address: each is written first, which starts the copy
     that replica armed (rlsync.transfer.armed)."""
     from rlsync.trainer.v1.trainer_pb2 import Rung
+    from rlsync.transfer.armed import ring_bell
+    from rlsync.transfer.copied import sender_device, wait_copied
 
     start = time.perf_counter()
     request = rollout_pb2.PrepareUpdateRequest(offer=offer, force_backend=force_backend, timeout=timeout)

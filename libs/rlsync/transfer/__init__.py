@@ -8,14 +8,21 @@ handshake (cuda_ipc, nccl, shm, gloo). Manifests and handshakes are protobuf; no
     sender.send(offer, [ans])                            # ... in the sender process
 """
 
-from rlsync.transfer.checksum import audit_entry, checksum_tensor
-from rlsync.transfer.handshake import local_facts
-from rlsync.transfer.manifest import Spec, build_manifest, check_against, from_proto
-from rlsync.transfer.memory import SharedArena
-from rlsync.transfer.plan import Bucket, Slice, plan_buckets
-from rlsync.transfer.receiver import Receiver, answer, receive
-from rlsync.transfer.sender import DEFAULT_BUCKET_BYTES, Report, WeightSender
+import importlib
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "Receiver", "Report", "SharedArena", "Slice", "Spec", "WeightSender",
-           "answer", "audit_entry", "build_manifest", "check_against", "checksum_tensor", "from_proto", "local_facts",
-           "plan_buckets", "receive"]
+# Loaded on first use, so that importing the protobuf messages under rlsync.transfer.v1 (every
+# service's and client's stubs do) does not import torch: a coordinator or a CLI never needs it.
+_WHERE = {"audit_entry": "checksum", "checksum_tensor": "checksum", "local_facts": "handshake", "Spec": "manifest",
+          "build_manifest": "manifest", "check_against": "manifest", "from_proto": "manifest",
+          "SharedArena": "memory", "Bucket": "plan", "Slice": "plan", "plan_buckets": "plan",
+          "Receiver": "receiver", "answer": "receiver", "receive": "receiver",
+          "DEFAULT_BUCKET_BYTES": "sender", "Report": "sender", "WeightSender": "sender"}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'rlsync.transfer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"rlsync.transfer.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value

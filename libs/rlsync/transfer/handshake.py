@@ -10,11 +10,13 @@ import os
 import socket
 from functools import cache
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from rlsync.errors import FailedPrecondition
 from rlsync.transfer.v1 import transfer_pb2 as pb
+
+if TYPE_CHECKING:  # torch is loaded by the facts of a device only: the coordinator never needs it
+    import torch
 
 # 2: a pull may cast (MappedTensors.dtype); a receiver of 1 would copy the sender's bytes as they are
 PROTOCOL_VERSION = 2
@@ -48,6 +50,8 @@ def host_id() -> str:
 
 
 def local_facts(device: torch.device | str = "cpu") -> pb.Facts:
+    import torch
+
     device = torch.device(device)
     uuids = [_gpu_uuid(device)] if device.type == "cuda" else []
     return pb.Facts(host_id=host_id(), device_type=device.type, gpu_uuids=uuids, hostname=socket.gethostname())
@@ -55,6 +59,8 @@ def local_facts(device: torch.device | str = "cpu") -> pb.Facts:
 
 @cache
 def _gpu_uuid(device: torch.device) -> str:
+    import torch
+
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
