@@ -14,6 +14,7 @@ from conftest import rl_step, rollout_args
 from rlsync.client import CoordinatorClient, RolloutClient, RpcError, TrainerClient
 from rlsync.coordinator.v1 import coordinator_pb2 as pb
 from streams import Stream
+from transfer_helpers import free_port
 
 FAST = ["--sync-mode", "async", "--lease", "1.5", "--heartbeat-interval", "0.3"]
 
@@ -78,3 +79,14 @@ def test_replica_left_paused_by_a_vanished_coordinator_resumes_after_its_lease(s
     assert info.pending_version == -1 and info.weight_version == 1 and info.memory.staging_bytes == 0
     out = replica.complete("on my own", max_tokens=4, ignore_eos=True)[0]
     assert out.finish_reason == "length" and out.max_weight_version == 1
+
+
+def test_wait_ready_waits_for_a_coordinator_that_starts_late_and_names_one_that_never_answers(services):
+    port = free_port()
+    client = CoordinatorClient(f"127.0.0.1:{port}", timeout=1)  # each status call gives up after 1 s
+    with pytest.raises(TimeoutError, match=f"the coordinator at 127.0.0.1:{port} does not answer"):
+        client.wait_ready(0, timeout=2)
+    waiting = concurrent.futures.ThreadPoolExecutor(1).submit(client.wait_ready, 0, 60)
+    time.sleep(2)  # several status calls have given up by now
+    services.start("coordinator", [*FAST, "--port", str(port)], name="late")
+    assert waiting.result(60) == [], "the wait spans the coordinator's start, not one call's deadline"

@@ -6,7 +6,10 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
+import grpc
+
 from rlsync.client.base import AsyncClient, AsyncGenerating, SyncClient, SyncGenerating
+from rlsync.client.errors import RpcError
 from rlsync.client.trainer import train_request
 from rlsync.coordinator.v1 import coordinator_pb2 as pb
 from rlsync.coordinator.v1.coordinator_pb2_grpc import CoordinatorServiceStub
@@ -37,15 +40,24 @@ class CoordinatorClient(_CoordinatorMethods, SyncGenerating, SyncClient):
     """Blocking client: generation through the gateway, training, weight syncs, fleet status."""
 
     def wait_ready(self, count: int, timeout: float = 60.0) -> list[pb.Member]:
-        """Waits until exactly `count` members (trainer and replicas) are ready; returns them."""
+        """Waits until exactly `count` members (trainer and replicas) are ready; returns them. A
+        coordinator that is still starting (or restarting) is waited for too, within the same `timeout`."""
         deadline = time.monotonic() + timeout
+        members, unreachable = [], ""
         while True:
-            ready = [m for m in self.status().members if m.state == "ready"]
-            if len(ready) == count:
+            try:
+                members, unreachable = self.status().members, ""
+            except RpcError as e:  # not listening yet: GetStatus waited for it (30 s at most) in vain
+                if e.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                unreachable = str(e)
+            ready = [m for m in members if m.state == "ready"]
+            if len(ready) == count and not unreachable:
                 return ready
             if time.monotonic() > deadline:
-                raise TimeoutError(f"expected {count} ready members within {timeout:.0f}s, have {len(ready)}: "
-                                   f"{[(m.address, m.state) for m in self.status().members]}")
+                raise TimeoutError(f"expected {count} ready members within {timeout:.0f}s: " + (
+                    f"the coordinator at {self.address} does not answer ({unreachable})" if unreachable else
+                    f"have {len(ready)}: {[(m.address, m.state) for m in members]}"))
             time.sleep(0.1)
 
 
