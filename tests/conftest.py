@@ -11,6 +11,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+# A one-worker vLLM replica runs its model in the engine-core process (vLLM's "uni" executor, as on
+# one GPU) rather than in a third process: vLLM's CPU platform spawns one per worker unless this is 0
+# (for OpenMP thread binding, which tests do not need). It saves ~7 s and a process per replica
+# start; tensor-parallel replicas still get one process per worker.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from rlsync.client import trajectory  # noqa: E402
 from rlsync.launch import ServiceProcess, python_for, sglang_python  # noqa: E402

@@ -115,9 +115,10 @@ def test_a_dead_vllm_engine_says_why_and_leaves_the_rotation(services):
     with CoordinatorClient(co.address) as fleet:
         fleet.wait_ready(1)
         assert len(client.complete("hi", max_tokens=4, ignore_eos=True)[0].token_ids) == 4
-        # The process that runs the model (where vLLM's AMX kernel died): vLLM's worker, a grandchild.
+        # The process that runs the model (where vLLM's AMX kernel died): the engine core, with one
+        # worker (conftest: vLLM's uni executor); with several, each worker's own process.
         family = psutil.Process(proc.proc.pid).children(recursive=True)
-        (worker,) = [p for p in family if "Worker" in p.name()]
+        (worker,) = [p for p in family if "EngineCore" in p.name()]
         worker.send_signal(signal.SIGILL)
 
         with pytest.raises(RpcError) as e:
