@@ -95,8 +95,8 @@ test: $(STAMP) protos-check
 	wait $$third; trc=$$?; echo "---- pytest -m docker (compose stack); make venv-sglang; pytest -m sglang ----"; \
 	cat .cache/test-third.log; exit $$(( rc ? rc : erc ? erc : trc ))
 
-# The SGLang replicas' tests alone, in SGLang's own environment (built first): 43 tests, 4.8 min on 2 cores
-# (in make test, beside the other suites: 9.3 min; `.ci/run` 22.9 min in all, 2026-11-26).
+# The SGLang replicas' tests alone, in SGLang's own environment (built first): 46 tests, 7.8 min on 2 cores
+# (in make test, beside the other suites: 10.3 min; `.ci/run` 21.3 min in all, 2026-11-27).
 test-sglang: $(STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m pytest $(SGLANG_TESTS)
 
