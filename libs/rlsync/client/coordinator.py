@@ -43,16 +43,15 @@ class CoordinatorClient(_CoordinatorMethods, SyncGenerating, SyncClient):
         """Waits until exactly `count` members (trainer and replicas) are ready; returns them. A
         coordinator that is still starting (or restarting) is waited for too, within the same `timeout`."""
         deadline = time.monotonic() + timeout
-        members, unreachable = [], ""
         while True:
             try:
                 members, unreachable = self.status().members, ""
             except RpcError as e:  # not listening yet: GetStatus waited for it (30 s at most) in vain
                 if e.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
-                unreachable = str(e)
+                members, unreachable = [], str(e)
             ready = [m for m in members if m.state == "ready"]
-            if len(ready) == count and not unreachable:
+            if not unreachable and len(ready) == count:
                 return ready
             if time.monotonic() > deadline:
                 raise TimeoutError(f"expected {count} ready members within {timeout:.0f}s: " + (
