@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -54,6 +55,49 @@ def test_nccl_every_dtype_bit_exact(zoo_file, bucket):
     gpu = {n: t.cuda() for n, t in tensors.items()}
     _, _, result = _send_to_peer(gpu, path, "nccl", "cuda:1", bucket_bytes=bucket)
     assert result["ok"] and result["verified"], result
+
+
+def _within(seconds: float, what: str, fn):
+    """fn() in a thread; fails the test if it has not returned within `seconds` (a hang in NCCL cannot
+    be interrupted)."""
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.setdefault("value", fn()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{what}: still waiting after {seconds:.0f} s"
+    return box.get("value")
+
+
+@two_gpus
+def test_an_nccl_group_ends_at_either_end_without_waiting_for_the_other(zoo_file):
+    """Sender and receivers hold their NCCL group across transfers. Each end lets go of it at once, while
+    the others still hold theirs: the sender forming a group for new members, a receiver exiting, the
+    sender closing. (NCCL's graceful end of a communicator waits for every member on the host to end it
+    too: WeightSender.close() hung there while its receiver held the group.)"""
+    path, tensors = zoo_file
+    gpu = {n: t.cuda() for n, t in tensors.items()}
+    first = Peer("receive", "--loop", "--backend", "nccl", "--device", "cuda:1", "--receiver-id", "first")
+    second = Peer("receive", "--loop", "--backend", "nccl", "--device", "cuda:1", "--receiver-id", "second",
+                  "--file", str(path))
+    sender = WeightSender(gpu, backends=["nccl"], checksums=True)
+    try:
+        def transfer(peer: Peer, version: int) -> dict:
+            offer = sender.offer(version=version)
+            peer.send(encode(offer))
+            sender.send(offer, [decode(pb.Answer, peer.line("ANSWER"))], timeout=120)
+            return peer.result(120)
+
+        for version in (1, 2):  # the second reuses the group
+            assert _within(120, f"transfer {version}", lambda v=version: transfer(first, v))["ok"]
+        result = _within(120, "a transfer to new members", lambda: transfer(second, 3))  # drops the first's group
+        assert result["ok"] and result["verified"], result
+        first.proc.stdin.close()
+        assert _within(60, "the first receiver's exit", first.proc.wait) == 0  # its held group goes at exit
+        _within(60, "the sender's close", sender.close)  # the second receiver still holds their group
+        second.proc.stdin.close()
+        assert _within(60, "the second receiver's exit", second.proc.wait) == 0
+    finally:
+        first.kill(), second.kill()
 
 
 def test_checksum_equal_on_cpu_and_gpu():

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from rlsync.errors import FailedPrecondition, Unavailable
+from rlsync.transfer.backends.collective import _address_toward, leave
 from rlsync.transfer.control import Deadline
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
@@ -49,10 +50,10 @@ def held() -> list[str]:
 
 
 def release_held() -> None:
-    """Shuts down and drops every held group, oldest first. Runs at exit, for the reason
+    """Drops every held group (`leave`), oldest first. Runs at exit, for the reason
     collective.release_held gives: no gloo group may outlive the interpreter's finalization."""
     while _HELD:
-        _shutdown(_HELD.popitem(last=False)[1])
+        leave(_HELD.popitem(last=False)[1])
 
 
 atexit.register(release_held)
@@ -110,7 +111,7 @@ def keep(gid: str, pg) -> None:
     """After a success: the group is held again, for the next transfer to reuse."""
     _HELD[gid] = pg
     while len(_HELD) > HELD_MAX:
-        _shutdown(_HELD.popitem(last=False)[1])
+        leave(_HELD.popitem(last=False)[1])
 
 
 def _form(store: dist.Store, gid: str, rank: int, world: int, device: torch.device, timeout: float):
@@ -130,8 +131,6 @@ def _host_of(store: dist.Store) -> str:
     host = getattr(store, "host", "") or "127.0.0.1"
     if host in ("127.0.0.1", "localhost", "::1"):
         return host
-    from rlsync.transfer.backends.collective import _address_toward
-
     return _address_toward(host)
 
 
@@ -140,12 +139,7 @@ def release(pg, error: BaseException) -> None:
     closes its connections, which is what fails a peer still waiting on this member at once instead
     of at its deadline (gloo's shutdown leaves them open), so the failure's traceback must not keep
     it alive either."""
-    _shutdown(pg)
+    leave(pg)
     traceback.clear_frames(error.__traceback__)
 
 
-def _shutdown(pg) -> None:
-    try:
-        pg.shutdown()
-    except Exception:  # noqa: BLE001 - already broken
-        pass

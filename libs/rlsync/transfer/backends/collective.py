@@ -72,15 +72,32 @@ atexit.register(release_held)
 
 
 def _drop(session: _Session | None) -> None:
-    """Releases the group. Only destroying it closes its connections (gloo's abort and shutdown
-    leave them open), and only that fails at once the peers still waiting in a broadcast with
-    this process: so the last reference goes here, not when a traceback that holds it is freed."""
+    """Releases the group (`leave`); the last reference goes here, not when a traceback that holds
+    it is freed."""
     if session is not None and session.group is not None:
-        try:
-            session.group.shutdown()
-        except Exception:  # noqa: BLE001 - already broken; nothing more to release
-            pass
+        leave(session.group)
         session.group = None
+
+
+def leave(group) -> None:
+    """This process's end of a group goes, without waiting for any other member.
+
+    gloo: shut down. Only destroying it closes its connections (gloo's abort and shutdown leave them
+    open), and only that fails at once the peers still waiting in a broadcast with this process.
+    NCCL: aborted. Its graceful end (ncclCommFinalize and ncclCommDestroy, which shutdown calls) is an
+    intra-node collective that returns only once every member on this host ended the communicator
+    too; a group's members hold it across transfers, so a sender closing, a membership change or an
+    exit would wait for peers that never end theirs (measured: WeightSender.close() hung while its
+    receiver on the other GPU of the host held the group). The abort frees this end's resources at
+    once; a peer finds its end broken only if it uses it again, which no transfer asks of it (the
+    group is no longer offered for reuse)."""
+    try:
+        if type(group).__name__ == "ProcessGroupNCCL":
+            group.abort()
+        else:
+            group.shutdown()
+    except Exception:  # noqa: BLE001 - already broken; nothing more to release
+        pass
 
 
 class _Broadcast(abc.ABC):
