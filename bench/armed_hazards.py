@@ -56,7 +56,7 @@ def probe(name: str, ring: float, by: str) -> None:
     bell = Bell(DEVICE)
     src, dst = torch.ones(256 * MB, dtype=torch.uint8, device=DEVICE), torch.zeros(256 * MB, dtype=torch.uint8,
                                                                                    device=DEVICE)
-    armed = Armed(bell, src, dst, ())
+    armed = Armed(bell, lambda: dst.copy_(src, non_blocking=True), dst.numel(), ())
     ringer = torch.cuda.Stream(DEVICE)
 
     one = torch.ones(1, dtype=torch.int32, pin_memory=True)

@@ -4,6 +4,7 @@ next to the device-to-device copy limit measured in the same run. Prints one JSO
 
     python bench/peer_checkpoint_engine.py                        # qwen3-4b shapes, 8.8 GB bf16
     python bench/peer_checkpoint_engine.py --preset small --repeats 3
+    python bench/peer_checkpoint_engine.py --only rlsync --hold [--arm]   # the receiver as a colocated replica
 
 Every round first gives the trainer's GPU tensors new values (seeded by round: both systems move the same
 bytes), synchronizes, and starts the clock. The clock stops when the trainer reads the receiver's DONE frame,
@@ -36,6 +37,8 @@ from models import PRESETS, preset_shapes  # noqa: E402
 from transfer import d2d_limit, make_tensors  # noqa: E402
 
 from rlsync.transfer import Receiver, WeightSender, answer, checksum_tensor  # noqa: E402
+from rlsync.transfer.armed import Bell, key_of, open_bell, ring_bell  # noqa: E402
+from rlsync.transfer.manifest import from_proto  # noqa: E402
 from rlsync.transfer.held import HELD  # noqa: E402
 from rlsync.transfer.v1 import transfer_pb2 as pb  # noqa: E402
 
@@ -74,8 +77,10 @@ def checked_names(shapes: dict[str, tuple[int, ...]], mode: str) -> list[str]:
 
 
 def figures(rounds: list[dict[str, float]], nbytes: int, limit: float, rated: tuple[str, ...]) -> dict:
-    """Medians over the timed rounds; each `rated` span also as GB/s and as a fraction of the d2d copy limit."""
-    out: dict = {key: round(statistics.median(r[key] for r in rounds), 5) for key in rounds[0]}
+    """Medians over the timed rounds (a stage over the rounds that had it); each `rated` span also as GB/s and
+    as a fraction of the d2d copy limit."""
+    keys = dict.fromkeys(key for r in rounds for key in r)
+    out: dict = {key: round(statistics.median(r[key] for r in rounds if key in r), 5) for key in keys}
     for key in rated:
         prefix = key.removesuffix("seconds")
         gbps = nbytes / out[key] / GB
@@ -146,7 +151,8 @@ class Peer:
         to_child, from_child = os.pipe(), os.pipe()
         self.proc = subprocess.Popen([sys.executable, __file__, "--serve", system, "--preset", args.preset,
                                       "--bytes-check", args.bytes_check, "--timeout", str(args.timeout),
-                                      "--fds", f"{to_child[0]},{from_child[1]}", *(["--hold"] if args.hold else [])],
+                                      "--fds", f"{to_child[0]},{from_child[1]}", *(["--hold"] if args.hold else []),
+                                      *(["--arm"] if args.arm else [])],
                                      pass_fds=(to_child[0], from_child[1]), stdout=sys.stderr)  # (ours: the JSON)
         os.close(to_child[0]), os.close(from_child[1])
         self.frames = Frames(from_child[0], to_child[1])
@@ -186,13 +192,18 @@ def run_rlsync(args, tensors: dict[str, torch.Tensor], names: list[str]) -> list
     peer = Peer("rlsync", args)
     rounds = []
     try:
+        bell = open_bell(peer.expect("BELL"), torch.device(DEVICE)) if args.arm else None
         with WeightSender(tensors, bucket_bytes=args.bucket_mib << 20, backends=["cuda_ipc"]) as sender:
             for version in range(args.repeats + 1):  # the first one warms up
                 watchdog(args.timeout)
                 expected = new_version(tensors, version, names)
                 start = time.perf_counter()
                 # 1. offer, 2. the receiver answers (connected already), 3. the bytes move, 4. the receiver is done
+                if bell is not None:  # the weights are final: start the copy the receiver armed (as a trainer
+                    ring_bell(bell, version + 1)  # rings a colocated replica's bell before its PrepareUpdate)
                 offer = sender.offer(version=version, pull=True)
+                if bell is not None:
+                    offer.mapped.bell, offer.mapped.waits = version + 1, True
                 offered = time.perf_counter()
                 peer.send("OFFER", offer.SerializeToString())
                 written = time.perf_counter()
@@ -206,7 +217,7 @@ def run_rlsync(args, tensors: dict[str, torch.Tensor], names: list[str]) -> list
                     raise RuntimeError("rlsync did not offer one-copy for contiguous CUDA tensors")
                 peer.verify(expected)
                 rounds.append({"seconds": end - start, "send_seconds": report.seconds,
-                               "data_seconds": report.data_seconds,
+                               "data_seconds": report.data_seconds, "adopted": float(there.get("adopted", False)),
                                **span_stages(there, start, offered, written, answered, sent, end)})
                 progress("rlsync", version, rounds[-1])
     finally:
@@ -309,27 +320,54 @@ def run_checkpoint_engine(args, tensors: dict[str, torch.Tensor], names: list[st
 
 
 # -- the receiver side --------------------------------------------------------------------------------------------
-def rlsync_receiver(dest: dict[str, torch.Tensor], timeout: float, hold: bool, emit: Callable[[str, bytes], None]):
+class RlsyncReceiver:
     """hold: the trainer's storages stay mapped from one round to the next, as a replica on the trainer's
-    GPU keeps them (HoldWeights) while they stay in place."""
-    def receive(payload: bytes, got: float) -> dict:
+    GPU keeps them (HoldWeights) while they stay in place. arm (with hold): after each round's check, the
+    last pull is queued again behind this process's bell (Receiver.arm), as the hf replica arms its
+    update at each wake: a round rung with the bell adopts the copy the trainer started."""
+
+    def __init__(self, timeout: float, hold: bool, arm: bool, emit: Callable[[str, bytes], None]):
+        self.timeout, self.hold, self.emit = timeout, "bench" if hold or arm else "", emit
+        self.bell = Bell(torch.device(DEVICE)) if arm else None
+        self.armed = self.last = None  # the copy armed for the next round, and the receiver whose pull it repeats
+
+    def __call__(self, payload: bytes, got: float, dest: dict[str, torch.Tensor]) -> dict:
         """-> this process's clock readings ("at") and the pull's own profile, for span_stages()."""
         at = {"got": got}
         offer = pb.Offer.FromString(payload)
         at["decoded"] = time.perf_counter()
         ans = answer(offer, "bench-receiver", device=DEVICE, force="cuda_ipc")
+        mapped = offer.mapped
+        if self.armed is not None and ans.pull and self.armed.adoptable(
+                key_of(from_proto(offer.manifest), mapped.ipc, mapped.region, mapped.offset, mapped.dtype),
+                mapped.bell):
+            self.armed.adopted = True  # started by the trainer's bell: the answer names its event
+            ans.copied.append(self.bell.event_handle)
+            at["answered"] = at["set_up"] = at["pulled"] = time.perf_counter()
+            self.emit("ANSWER", ans.SerializeToString())
+            return {"at": at, "pull": {}, "adopted": True}
+        if self.armed is not None:
+            self.armed.disarm()
         at["answered"] = time.perf_counter()
-        receiver = Receiver(offer, ans, dest, timeout=timeout,  # connects before answering, as rlsync's engines do
-                            hold="bench" if hold else "")
+        self.last = receiver = Receiver(offer, ans, dest, timeout=self.timeout,  # connects before answering, as
+                                        hold=self.hold)                         # rlsync's engines do
         at["set_up"] = time.perf_counter()
         report = receiver.run() if ans.pull else None  # a pull: copied before the answer, as rlsync's engines do
         at["pulled"] = time.perf_counter()
-        emit("ANSWER", ans.SerializeToString())
+        self.emit("ANSWER", ans.SerializeToString())
         if not ans.pull:
             report = receiver.run()
-        return {"at": at, "pull": dict(report.profile) if ans.pull else {}}
+        return {"at": at, "pull": dict(report.profile) if ans.pull else {}, "adopted": False}
 
-    return receive
+    def idle(self) -> None:
+        """After the round's check, nothing else queued: arm the next round's copy."""
+        if self.bell is not None and self.last is not None:
+            self.armed = self.last.arm(self.bell)
+
+    def close(self) -> None:
+        if self.armed is not None:
+            self.armed.disarm()  # it reads the trainer's memory: done before the mappings close
+        HELD.release("bench")  # before the trainer's memory may go (it waits for this process to exit)
 
 
 def checkpoint_engine_receiver(dest: dict[str, torch.Tensor]):
@@ -346,7 +384,7 @@ def checkpoint_engine_receiver(dest: dict[str, torch.Tensor]):
         for name, t in weights:
             dest[name].copy_(t)
 
-    def receive(payload: bytes, got: float) -> dict:
+    def receive(payload: bytes, got: float, dest: dict[str, torch.Tensor]) -> dict:
         paths = json.loads(payload)
         if uuid not in paths:
             raise RuntimeError(f"no ZMQ socket for this GPU ({uuid}) among {sorted(paths)}")
@@ -364,15 +402,17 @@ def serve(args) -> None:
     dest = make_tensors(shapes, DEVICE, "scattered")
     names = checked_names(shapes, args.bytes_check)
     frames = Frames(*map(int, args.fds.split(",")))
-    receive = rlsync_receiver(dest, args.timeout, args.hold, frames.send) if args.serve == "rlsync" else \
-        checkpoint_engine_receiver(dest)
+    rlsync = RlsyncReceiver(args.timeout, args.hold, args.arm, frames.send) if args.serve == "rlsync" else None
+    receive = rlsync or checkpoint_engine_receiver(dest)
     torch.cuda.synchronize(DEVICE)
     frames.send("READY")
+    if rlsync is not None and rlsync.bell is not None:
+        frames.send("BELL", rlsync.bell.handle)
     while (frame := frames.recv()) is not None:
         got = time.perf_counter()
         try:
-            there = receive(frame[1], got)
-            torch.cuda.synchronize(DEVICE)
+            there = receive(frame[1], got, dest)
+            torch.cuda.synchronize(DEVICE)  # (an adopted copy: started by the trainer's bell, so it ends)
             if there:
                 there["at"]["synced"] = time.perf_counter()
         except Exception as e:  # noqa: BLE001 - reported to the trainer, then fatal
@@ -380,7 +420,10 @@ def serve(args) -> None:
             raise
         frames.send("DONE", json.dumps(there).encode())
         frames.send("CHECK", json.dumps(checksums(dest, names)).encode())
-    HELD.release("bench")  # before the trainer's memory may go (it waits for this process to exit)
+        if rlsync is not None:
+            rlsync.idle()
+    if rlsync is not None:
+        rlsync.close()
 
 
 # -- main ---------------------------------------------------------------------------------------------------------
@@ -401,6 +444,8 @@ def main() -> None:
                         "run is ended with tracebacks")
     parser.add_argument("--hold", action="store_true", help="rlsync's receiver keeps the trainer's storages mapped "
                         "from one round to the next (a replica on the trainer's GPU does, HoldWeights)")
+    parser.add_argument("--arm", action="store_true", help="rlsync's receiver also arms each next pull behind its "
+                        "bell, which the trainer rings before it offers (a colocated hf replica does; implies --hold)")
     parser.add_argument("--serve", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--fds", help=argparse.SUPPRESS)  # the receiver's: frames in, frames out
     args = parser.parse_args()
@@ -432,7 +477,8 @@ def main() -> None:
                            "end": "trainer reads the receiver's DONE: its own tensors hold every byte, GPU synced",
                            **SPANS}}
     if "rlsync" in systems:
-        out["rlsync"] = {"backend": "cuda_ipc", "mode": "pull (one copy)", "held": args.hold,
+        out["rlsync"] = {"backend": "cuda_ipc", "mode": "pull (one copy)", "held": args.hold or args.arm,
+                         "armed": args.arm,
                          **figures(run_rlsync(args, tensors, names), nbytes, limit, ("seconds",))}
     if ckpt is not None:
         parameter_server, version, notes = ckpt

@@ -14,6 +14,7 @@ from transfer_helpers import Peer
 
 from rlsync.errors import Unavailable
 from rlsync.transfer import WeightSender, answer, batched, receive
+from rlsync.transfer.armed import open_bell, ring_bell
 from rlsync.transfer.checksum import checksum_tensor
 from rlsync.transfer.spans import copy_all
 from rlsync.transfer.peer import decode, encode
@@ -169,6 +170,40 @@ def test_a_held_scattered_pull_copies_each_steps_new_values_from_the_plan_it_kee
             peer.proc.wait(30)
     assert all(r["ok"] for r in results), results  # every tensor's checksum matched the sender's
     assert all(r["stages"]["map"] < results[0]["stages"]["map"] for r in results[1:]), "held: nothing mapped again"
+
+
+def test_an_armed_held_pull_is_started_by_the_senders_bell_and_lands_each_steps_bytes():
+    """A receiver that holds a scattered sender's storages arms its last pull again behind its bell
+    (Receiver.arm); the sender writes the bell on its stream after each step's values, then offers: the
+    receiver adopts the copy already running (its answer names the copy's event) and every new byte
+    lands. An offer of other tensors finds the armed copy disarmed, and is pulled as usual."""
+    g = torch.Generator().manual_seed(2)
+    tensors = {f"layer{i}": torch.randn(int(n), generator=g).to(torch.bfloat16).cuda()  # one allocation each
+               for i, n in enumerate(torch.randint(8, 70000, (24,), generator=g) * 8)}
+    with WeightSender(tensors, backends=["cuda_ipc"]) as sender:  # no checksums in the manifest: armable
+        peer = Peer("receive", "--loop", "--hold", "test", "--arm", "--report-checksums", "--backend", "cuda_ipc",
+                    "--device", "cuda:0")
+        try:
+            flag = open_bell(bytes.fromhex(peer.line("BELL")), torch.device("cuda:0"))
+            answers, results = [], []
+            for step in range(4):
+                for t in tensors.values():
+                    t.add_(1)  # in place: the storages stay where the receiver holds them
+                ring_bell(flag, step + 1)  # after the step's values, on the same stream
+                offer = sender.offer(version=step, pull=True)
+                offer.mapped.bell, offer.mapped.waits = step + 1, True
+                if step == 2:  # another offer: a version whose manifest carries checksums
+                    offer.manifest.tensors[0].checksum = checksum_tensor(tensors["layer0"])
+                peer.send(encode(offer))
+                answers.append(decode(pb.Answer, peer.line("ANSWER")))
+                results.append(peer.result(60))
+                expected = {n: checksum_tensor(t) for n, t in tensors.items()}
+                assert results[-1]["ok"] and results[-1]["checksums"] == expected, (step, results[-1])
+        finally:
+            peer.proc.stdin.close()
+            peer.proc.wait(30)
+    assert [r["adopted"] for r in results] == [False, True, False, False]
+    assert [bool(a.copied) for a in answers] == [False, True, False, False]
 
 
 def test_fp32_parameters_published_as_bf16_are_cast_by_the_receiver_as_it_pulls_them():

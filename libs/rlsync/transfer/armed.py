@@ -27,6 +27,7 @@ a one-element fill did run.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from functools import cache, lru_cache
 
 import torch
@@ -79,18 +80,18 @@ class Bell:
 
 
 class Armed:
-    """One copy of `src` into `dst`, queued to start when the bell is written (the sender's value,
-    `offer.mapped.bell`, from 1 up). `key` says which offer it copies: its specs and the mapped
-    locations of the pull it repeats."""
+    """A copy queued to start when the bell is written (the sender's value, `offer.mapped.bell`, from 1
+    up): `launch()` queues it on the current stream (here the bell's), `nbytes` is what it moves. `key`
+    says which offer it copies (`key_of`)."""
 
-    def __init__(self, bell: Bell, src: torch.Tensor, dst: torch.Tensor, key: tuple):
-        self.bell, self.key, self.nbytes = bell, key, dst.numel()
+    def __init__(self, bell: Bell, launch: Callable[[], object], nbytes: int, key: tuple):
+        self.bell, self.key, self.nbytes = bell, key, nbytes
         bell.flag.zero_()
-        torch.cuda.current_stream(bell.device).synchronize()  # zeroed before the wait is queued
+        torch.cuda.current_stream(bell.device).synchronize()  # zeroed, and the destination free, before the wait
         with torch.cuda.stream(bell.stream):
             _queue("cuStreamWaitValue32", bell.stream, bell.flag.data_ptr(), 1, _WAIT_GEQ)
             bell.flag[1:].copy_(bell.flag[:1])  # what started it
-            dst.copy_(src, non_blocking=True)
+            launch()
             bell.event.record(bell.stream)
         self.done = False
         self.adopted = False  # an update took it: its bytes are the update's
@@ -110,6 +111,12 @@ class Armed:
         self.bell.flag[:1].fill_(1)  # on this process's stream: the armed one does not wait for it
         self.bell.stream.synchronize()
         self.done = True
+
+
+def key_of(specs, ipc, region, offset, dtype=()) -> tuple:
+    """What makes two pulls the same copy: the tensors, the storages, where each tensor lies in them and
+    in which dtype (a pull that casts); as an offer's MappedTensors says them."""
+    return tuple(specs), tuple(ipc), tuple(region), tuple(offset), tuple(dtype)
 
 
 @lru_cache(maxsize=64)  # mapped once per replica, for as long as it lives; gone ones age out

@@ -17,13 +17,14 @@ import torch
 from safetensors.torch import load_file
 
 from rlsync.flat import FlatStore
-from rlsync.transfer.checksum import as_bytes
+from rlsync.transfer.armed import Bell, key_of
+from rlsync.transfer.checksum import as_bytes, checksum_tensor
 from rlsync.transfer.manifest import from_proto
 from rlsync.transfer.memory import SharedArena
 from rlsync.transfer.receiver import answer as make_answer
 from rlsync.transfer.held import HELD
 from rlsync.transfer.receiver import Receiver
-from rlsync.transfer.sender import DEFAULT_BUCKET_BYTES, WeightSender
+from rlsync.transfer.sender import DEFAULT_BUCKET_BYTES, Report, WeightSender
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 
@@ -54,9 +55,15 @@ def emit(kind: str, payload: str) -> None:
 
 
 def run_receive(args) -> int:
-    """Receives one offer per stdin line (--loop: until stdin closes) into the same destination."""
+    """Receives one offer per stdin line (--loop: until stdin closes) into the same destination.
+    --arm (with --hold): after each pull from held storages, the same pull is armed behind this
+    process's bell (its handle first, as a BELL line); an offer rung with a bell value adopts it."""
     dest = None
     status = 0
+    bell = Bell(torch.device(args.device)) if args.arm else None
+    if bell is not None:
+        emit("BELL", bell.handle.hex())
+    armed, last = None, None  # the copy armed for the next offer, and the receiver whose pull it repeats
     for line in sys.stdin:
         offer = decode(pb.Offer, line)
         if args.rank == 0:
@@ -67,12 +74,24 @@ def run_receive(args) -> int:
         if dest is None:
             dest = flat_destination(offer.manifest, args.device)
         try:
-            receiver = Receiver(offer, ans, dest, rank=args.rank, timeout=args.timeout,  # ready before answering
-                                hold=args.hold)
-            report = receiver.run() if ans.pull else None  # a pull is done before its answer goes back
-            if args.rank == 0:
+            adopted = armed is not None and ans.pull and armed.adoptable(
+                key_of(from_proto(offer.manifest), offer.mapped.ipc, offer.mapped.region, offer.mapped.offset,
+                       offer.mapped.dtype), offer.mapped.bell)
+            if adopted:  # the sender started it on the GPU: wait for it as the sender does, on its event
+                armed.adopted = True
+                ans.copied.append(bell.event_handle)
                 emit("ANSWER", encode(ans))
-            report = report or receiver.run()
+                bell.event.synchronize()
+                report = Report(armed.nbytes, 0.0, {"cuda_ipc": 1})
+            else:
+                if armed is not None:
+                    armed.disarm()
+                last = Receiver(offer, ans, dest, rank=args.rank, timeout=args.timeout,  # ready before answering
+                                hold=args.hold)
+                report = last.run() if ans.pull else None  # a pull is done before its answer goes back
+                if args.rank == 0:
+                    emit("ANSWER", encode(ans))
+                report = report or last.run()
         except Exception as e:  # noqa: BLE001 - reported to the driver as data
             emit("RESULT", json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}))
             status = 1
@@ -84,9 +103,14 @@ def run_receive(args) -> int:
             reference = load_file(args.file, device="cpu")
             verified = all(torch.equal(as_bytes(dest.views[n].cpu()), as_bytes(t)) for n, t in reference.items())
         emit("RESULT", json.dumps({"ok": True, "bytes": report.nbytes, "seconds": report.seconds,
-                                   "verified": verified, "stages": report.profile}))
+                                   "verified": verified, "stages": report.profile, "adopted": adopted,
+                                   **({"checksums": {n: checksum_tensor(t) for n, t in dest.views.items()}}
+                                      if args.report_checksums else {})}))
+        armed = last.arm(bell) if bell is not None and last is not None else None  # after the checksums' kernels
         if not args.loop:
             break
+    if armed is not None:
+        armed.disarm()  # it reads the sender's memory: done before the mappings close
     if args.hold:
         HELD.release(args.hold)  # before the sender's memory may go (it waits for this process to exit)
     return status
@@ -129,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loop", action="store_true", help="receiver: one transfer per offer line until EOF")
     parser.add_argument("--hold", default="", help="receiver (cuda_ipc one-copy): keep the sender's storages mapped "
                                                    "from one transfer to the next under this holder name")
+    parser.add_argument("--arm", action="store_true", help="receiver (with --hold): arm each held pull again for "
+                                                           "the next offer, behind a bell (BELL line: its handle)")
+    parser.add_argument("--report-checksums", action="store_true", help="receiver: each RESULT gives the checksum "
+                                                                        "of every tensor received")
     parser.add_argument("--staged", action="store_true", help="sender: no one-copy even when possible")
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--inject", default="", help="tests only: a module imported first (fault injection)")

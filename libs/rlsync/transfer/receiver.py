@@ -12,6 +12,7 @@ from rlsync.common.timing import Stopwatch
 from rlsync.common.trace import traced
 from rlsync.errors import Aborted, DataLoss, InvalidArgument
 from rlsync.flat import FlatStore
+from rlsync.transfer.armed import Armed, Bell, key_of
 from rlsync.transfer.backends import available, channel
 from rlsync.transfer import routed_groups
 from rlsync.transfer.backends.collective import held_groups
@@ -108,7 +109,9 @@ class Receiver:
             first = next(iter(views.values()), None) if isinstance(views, Mapping) else None
             device = first.device if first is not None else torch.device(answer.facts.device_type or "cpu")
         self.device = resolved(torch.device(device))  # this thread's GPU: run() may run in another
+        self.dest = dest
         self.writer = DestWriter(self.specs, dest, self.device)
+        self._held_pull = 0  # bytes of the pull run() made from held storages: what arm() may queue again
         self.handed = handed_over(self.device)  # dest as the caller's stream leaves it (rlsync.transfer.streams)
         if answer.delta and not all(self.writer.direct):
             raise InvalidArgument("delta updates land bytes as sent: every destination must be contiguous, in the "
@@ -153,13 +156,32 @@ class Receiver:
                 mapped.dtype and len(mapped.dtype) != len(self.specs)):
             raise DataLoss(f"the offer maps {len(mapped.region)} tensors ({len(mapped.dtype)} dtypes), its manifest "
                            f"has {len(self.specs)}")
-        welcome = Welcome(self.answer.backend, self.offer.bucket_bytes, one_copy=True, ipc=list(mapped.ipc),
-                          locations=list(zip(mapped.region, mapped.offset)), dtypes=list(mapped.dtype))
-        job = ReceiveJob(None, welcome, [], self.specs, [], self.writer, self.device, self.deadline,
-                         self.offer.transfer_id, hold=self.hold)
+        job = self._pull_job(self.writer)
         nbytes, copied = self.channel.pull(job, queued=mapped.waits)
+        self._held_pull = nbytes if job.scratch.get("held") else 0
         return Report(nbytes, time.perf_counter() - self.start, {NAMES[self.answer.backend]: 1},
                       profile={"setup": sum(self.setup.values()), **job.clock.stages}, copied=copied)
+
+    def _pull_job(self, writer: DestWriter) -> ReceiveJob:
+        mapped = self.offer.mapped
+        welcome = Welcome(self.answer.backend, self.offer.bucket_bytes, one_copy=True, ipc=list(mapped.ipc),
+                          locations=list(zip(mapped.region, mapped.offset)), dtypes=list(mapped.dtype))
+        return ReceiveJob(None, welcome, [], self.specs, [], writer, self.device, self.deadline,
+                          self.offer.transfer_id, hold=self.hold)
+
+    def arm(self, bell: Bell) -> Armed | None:
+        """After run() pulled from storages held under `hold`: the same pull again, queued now behind
+        `bell` (rlsync.transfer.armed), for the sender to start on the GPU when it offers the same
+        tensors from the same places (`Armed.adoptable` with `armed.key_of` of that offer). None when
+        there is nothing to repeat: no pull from held storages, or a manifest with checksums (they change
+        with every version, and must be checked). Arm only where this process queues nothing else on
+        the GPU until the next offer, and disarm before anything that waits for the whole device."""
+        if not self._held_pull or any(s.checksum for s in self.specs):
+            return None
+        mapped = self.offer.mapped
+        return Armed(bell, lambda: self.channel.write_one_copy(self._pull_job(DestWriter(self.specs, self.dest,
+                                                                                          self.device))),
+                     self._held_pull, key_of(self.specs, mapped.ipc, mapped.region, mapped.offset, mapped.dtype))
 
     def close(self) -> None:
         """Ends the transfer from another thread too: run() then fails instead of waiting on."""

@@ -6,15 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from rlsync.transfer.armed import Armed, Bell
+from rlsync.transfer.armed import Armed, Bell, key_of
 from rlsync.transfer.backends.slots import contiguous
 from rlsync.transfer.held import HELD
 from rlsync.transfer.v1 import transfer_pb2 as pb
-
-
-def key_of(specs: list, ipc, region, offset) -> tuple:
-    """What makes two pulls the same copy: the tensors, the storages and where each tensor lies."""
-    return specs, tuple(ipc), tuple(region), tuple(offset)
 
 
 class Arming:
@@ -57,7 +52,9 @@ class Arming:
         dst = weights.store.whole_for(specs)
         if src is None or dst is None or dst.numel() != nbytes or src.numel() < start + nbytes:
             return
-        weights.armed = Armed(self.bell, src[start:start + nbytes], dst, key_of(specs, handles, region, offset))
+        source = src[start:start + nbytes]
+        weights.armed = Armed(self.bell, lambda: dst.copy_(source, non_blocking=True), nbytes,
+                              key_of(specs, handles, region, offset))
 
     def adopt(self, weights, specs: list, mapped: pb.MappedTensors) -> Armed | None:
         """The armed copy, when it is this offer's (rung with a bell value); else None."""

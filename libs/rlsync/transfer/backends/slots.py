@@ -133,7 +133,7 @@ class _Mapped(abc.ABC):
         -> (bytes, b""), or with `queued` (the sender waits for the copy itself: MappedTensors.waits)
         and memory that stays mapped, (bytes, the handle of a CUDA event after the copy) as soon as
         the copy is queued."""
-        regions = self._write_one_copy(job)
+        regions = self.write_one_copy(job)
         if queued and job.scratch.get("held"):  # nothing to close after the copy: no need to wait for it
             job.clock.lap("queue")
             nbytes = job.writer.finish()
@@ -173,11 +173,11 @@ class _Mapped(abc.ABC):
         job.clock.lap("copy")
 
     def _receive_one_copy(self, job: ReceiveJob) -> None:
-        regions = self._write_one_copy(job)  # noqa: F841 - mapped until the copy is done
+        regions = self.write_one_copy(job)  # noqa: F841 - mapped until the copy is done
         sync(job.device)
         job.clock.lap("copy")
 
-    def _write_one_copy(self, job: ReceiveJob) -> list:
+    def write_one_copy(self, job: ReceiveJob) -> list:
         """Queues the copy of every tensor out of the sender's regions -> the regions (mapped)."""
         regions = self.open_regions(job)
         job.clock.lap("map")
