@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from rlsync.errors import FailedPrecondition, Unavailable
-from rlsync.transfer.backends.collective import _address_toward, leave
+from rlsync.transfer.backends.collective import address_toward, leave
 from rlsync.transfer.control import Deadline
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
@@ -131,7 +131,7 @@ def _host_of(store: dist.Store) -> str:
     host = getattr(store, "host", "") or "127.0.0.1"
     if host in ("127.0.0.1", "localhost", "::1"):
         return host
-    return _address_toward(host)
+    return address_toward(host)
 
 
 def release(pg, error: BaseException) -> None:

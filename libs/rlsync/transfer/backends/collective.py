@@ -379,7 +379,7 @@ class _Broadcast(abc.ABC):
             job.clock.lap("refill")
 
 
-def _address_toward(host: str) -> str:
+def address_toward(host: str) -> str:
     """This machine's address on the route to `host` (no packet is sent)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_DGRAM) as s:
@@ -396,7 +396,7 @@ class GlooChannel(_Broadcast):
         # machines); peers on other hosts could not reach it. Listen where the route to the store goes.
         options = dist.ProcessGroupGloo._Options()
         options._timeout = datetime.timedelta(seconds=deadline.remaining("creating the gloo group"))
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=_address_toward(store.host))]
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=address_toward(store.host))]
         return dist.ProcessGroupGloo(dist.PrefixStore(gid, store), rank, world, options)
 
 
