@@ -62,10 +62,19 @@ def _within(seconds: float, what: str, fn):
     """fn() in a thread; fails the test if it has not returned within `seconds` (a hang in NCCL cannot
     be interrupted)."""
     box: dict = {}
-    thread = threading.Thread(target=lambda: box.setdefault("value", fn()), daemon=True)
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - raised again in the test's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     thread.join(seconds)
     assert not thread.is_alive(), f"{what}: still waiting after {seconds:.0f} s"
+    if "error" in box:
+        raise box["error"]
     return box.get("value")
 
 
