@@ -37,7 +37,7 @@ from models import PRESETS, preset_shapes  # noqa: E402
 from transfer import d2d_limit, make_tensors  # noqa: E402
 
 from rlsync.transfer import Receiver, WeightSender, answer, checksum_tensor  # noqa: E402
-from rlsync.transfer.armed import Bell, key_of, open_bell, ring_bell  # noqa: E402
+from rlsync.transfer.armed import Bell, open_bell, ring_bell  # noqa: E402
 from rlsync.transfer.manifest import from_proto  # noqa: E402
 from rlsync.transfer.held import HELD  # noqa: E402
 from rlsync.transfer.v1 import transfer_pb2 as pb  # noqa: E402
@@ -337,12 +337,8 @@ class RlsyncReceiver:
         offer = pb.Offer.FromString(payload)
         at["decoded"] = time.perf_counter()
         ans = answer(offer, "bench-receiver", device=DEVICE, force="cuda_ipc")
-        mapped = offer.mapped
-        if self.armed is not None and ans.pull and self.armed.adoptable(
-                key_of(from_proto(offer.manifest), mapped.ipc, mapped.region, mapped.offset, mapped.dtype),
-                mapped.bell):
-            self.armed.adopted = True  # started by the trainer's bell: the answer names its event
-            ans.copied.append(self.bell.event_handle)
+        if self.armed is not None and ans.pull and self.armed.adopt(from_proto(offer.manifest), offer.mapped):
+            ans.copied.append(self.bell.event_handle)  # started by the trainer's bell: the answer names its event
             at["answered"] = at["set_up"] = at["pulled"] = time.perf_counter()
             self.emit("ANSWER", ans.SerializeToString())
             return {"at": at, "pull": {}, "adopted": True}

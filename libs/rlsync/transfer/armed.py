@@ -8,7 +8,7 @@ of its own, behind a wait on a 4-byte word of its memory (its `Bell`, `cuStreamW
 event after it. The trainer maps the bell at its onload (HoldWeightsResponse.bell) and writes it on
 its stream once its weights are final, just before it rings the replica (`ring_bell`): the GPU
 starts the copy there, while the ring's PrepareUpdate is on its way. The prepare adopts the copy
-when the offer is the one it was armed for (`Armed.adoptable`) and answers with the event, which
+when the offer is the one it was armed for (`Armed.adopt`) and answers with the event, which
 the trainer waits on as for any pull answered early (rlsync.transfer.copied).
 
 A copy the replica does not adopt is disarmed: it writes its bell itself and waits for the copy,
@@ -96,13 +96,19 @@ class Armed:
         self.done = False
         self.adopted = False  # an update took it: its bytes are the update's
 
-    def adoptable(self, key: tuple, rung: int) -> bool:
-        """Whether the copy is this offer's: armed for its tensors and locations, and started by the
-        value the sender wrote for it (`rung`; 0: it wrote none) or not started yet. A bell written
+    def adopt(self, specs, mapped) -> bool:
+        """Takes the copy for the offer of `specs` and `mapped` (its MappedTensors) when it is that
+        offer's: armed for its tensors, storages, locations and dtypes (`key_of`), and started by the
+        value the sender wrote for it (`mapped.bell`; 0: it wrote none) or not started yet. A bell written
         with another value started the copy for an earlier offer, whose bytes may be older."""
-        if self.done or self.adopted or rung <= 0 or key != self.key:
+        rung = mapped.bell
+        if self.done or self.adopted or rung <= 0 or \
+                key_of(specs, mapped.ipc, mapped.region, mapped.offset, mapped.dtype) != self.key:
             return False
-        return self.bell.started_by() in (0, rung)
+        if self.bell.started_by() not in (0, rung):
+            return False
+        self.adopted = True
+        return True
 
     def disarm(self) -> None:
         """Lets the copy run, if the sender has not, and waits for it. Idempotent."""

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlsync.flat import FlatStore
-from rlsync.transfer.armed import Bell, key_of
+from rlsync.transfer.armed import Bell
 from rlsync.transfer.checksum import as_bytes, checksum_tensor
 from rlsync.transfer.manifest import from_proto
 from rlsync.transfer.memory import SharedArena
@@ -74,11 +74,8 @@ def run_receive(args) -> int:
         if dest is None:
             dest = flat_destination(offer.manifest, args.device)
         try:
-            adopted = armed is not None and ans.pull and armed.adoptable(
-                key_of(from_proto(offer.manifest), offer.mapped.ipc, offer.mapped.region, offer.mapped.offset,
-                       offer.mapped.dtype), offer.mapped.bell)
+            adopted = armed is not None and ans.pull and armed.adopt(from_proto(offer.manifest), offer.mapped)
             if adopted:  # the sender started it on the GPU: wait for it as the sender does, on its event
-                armed.adopted = True
                 ans.copied.append(bell.event_handle)
                 emit("ANSWER", encode(ans))
                 bell.event.synchronize()

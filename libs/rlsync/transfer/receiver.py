@@ -172,16 +172,18 @@ class Receiver:
     def arm(self, bell: Bell) -> Armed | None:
         """After run() pulled from storages held under `hold`: the same pull again, queued now behind
         `bell` (rlsync.transfer.armed), for the sender to start on the GPU when it offers the same
-        tensors from the same places (`Armed.adoptable` with `armed.key_of` of that offer). None when
+        tensors from the same places (`Armed.adopt`). None when
         there is nothing to repeat: no pull from held storages, or a manifest with checksums (they change
         with every version, and must be checked). Arm only where this process queues nothing else on
         the GPU until the next offer, and disarm before anything that waits for the whole device."""
         if not self._held_pull or any(s.checksum for s in self.specs):
             return None
+        def launch():  # the same pull, into a writer of its own
+            self.channel.write_one_copy(self._pull_job(DestWriter(self.specs, self.dest, self.device)))
+
         mapped = self.offer.mapped
-        return Armed(bell, lambda: self.channel.write_one_copy(self._pull_job(DestWriter(self.specs, self.dest,
-                                                                                          self.device))),
-                     self._held_pull, key_of(self.specs, mapped.ipc, mapped.region, mapped.offset, mapped.dtype))
+        return Armed(bell, launch, self._held_pull,
+                     key_of(self.specs, mapped.ipc, mapped.region, mapped.offset, mapped.dtype))
 
     def close(self) -> None:
         """Ends the transfer from another thread too: run() then fails instead of waiting on."""

@@ -59,8 +59,4 @@ class Arming:
     def adopt(self, weights, specs: list, mapped: pb.MappedTensors) -> Armed | None:
         """The armed copy, when it is this offer's (rung with a bell value); else None."""
         armed = weights.armed
-        if armed is None or mapped.dtype or not armed.adoptable(key_of(specs, mapped.ipc, mapped.region, mapped.offset),
-                                                mapped.bell):
-            return None
-        armed.adopted = True
-        return armed
+        return armed if armed is not None and armed.adopt(specs, mapped) else None  # (a cast: its dtypes differ)
