@@ -25,15 +25,24 @@ def exit_status(returncode: int) -> str:
     return f"exited with status {returncode}"
 
 
-def _on_parent_death(sig: int):
+def _in_child(parent_death_signal: int, niceness: int | None):
+    """What the child does before it runs its program: ask for a signal when its parent thread ends,
+    and take the niceness asked for (where it may: lowering it needs CAP_SYS_NICE or RLIMIT_NICE room;
+    the caller reads back what the child got)."""
     import ctypes
 
     prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
 
     def preexec() -> None:
-        prctl(1, sig)  # PR_SET_PDEATHSIG
+        if parent_death_signal:
+            prctl(1, parent_death_signal)  # PR_SET_PDEATHSIG
+        if niceness is not None:
+            try:
+                os.setpriority(os.PRIO_PROCESS, 0, niceness)
+            except OSError:
+                pass
 
-    return preexec
+    return preexec if parent_death_signal or niceness is not None else None
 
 
 def sglang_python() -> str | None:
@@ -66,10 +75,11 @@ class ServiceProcess:
 
     def __init__(self, service: str, args: list[str], env: dict[str, str] | None = None,
                  log_path: str | Path | None = None, name: str | None = None, command: list[str] | None = None,
-                 parent_death_signal: int = 0):
+                 parent_death_signal: int = 0, niceness: int | None = None):
         """command: run this instead of `python -m rlsync.<service> args` (a user's trainer script).
         parent_death_signal: Linux sends it to the child when the thread that starts it ends (a
-        launcher's owner thread, so a member dies with the launcher that placed it)."""
+        launcher's owner thread, so a member dies with the launcher that placed it).
+        niceness: the child's, where this process may set it (else it keeps this process's)."""
         self.service = service
         self.name = name or service
         cmd = command or [python_for(service, args), "-m", f"rlsync.{service}", *args]
@@ -79,7 +89,7 @@ class ServiceProcess:
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
-        preexec = _on_parent_death(parent_death_signal) if parent_death_signal else None
+        preexec = _in_child(parent_death_signal, niceness)
         # Its own process group (stop() signals the whole tree), but the launcher's session: with the
         # kernel's autogroup scheduling a new session is a new scheduling group, and when a vLLM
         # replica's spinning workers fill every core, processes of the launcher's group (a client

@@ -26,8 +26,8 @@ def rlsync(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 def test_up_status_scale_down(tmp_path, tiny_model):
     log = open(tmp_path / "up.log", "w")
-    up = subprocess.Popen([sys.executable, "-m", "rlsync.cli", "up", str(LOCAL)], stdout=subprocess.PIPE,
-                          stderr=log, text=True)
+    up = subprocess.Popen([sys.executable, "-m", "rlsync.cli", "up", str(LOCAL), "--timeout", "240"],
+                          stdout=subprocess.PIPE, stderr=log, text=True)  # within pytest's 300 s: it says why
     try:
         printed: list[str] = []
         for line in iter(up.stdout.readline, ""):  # events while it starts, then one JSON line

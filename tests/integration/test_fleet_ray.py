@@ -51,7 +51,7 @@ def cluster(tiny_model):
 
 @pytest.fixture(scope="module")
 def fleet(cluster):
-    f = Fleet.up(parse(FLEET))
+    f = Fleet.up(parse(FLEET), timeout=240)  # within pytest's 300 s: a fleet that does not come up says why
     f.wait_ready(120)
     yield f
     f.down()
@@ -77,6 +77,7 @@ def test_placement_follows_the_fleet_file_and_the_handshake_follows_the_nodes(fl
     assert far_nodes == {n.node_id for n in cluster.far}
     for member in m.values():  # every advertised address is the node's, dialable from other nodes
         assert member["address"].rpartition(":")[0] == member["ip"] and not member["ip"].startswith("127.")
+        assert os.getpriority(os.PRIO_PROCESS, member["pid"]) == 0  # not the 15 of the Ray worker that started it
     with fleet.client() as c:
         result = c.sync_weights(verify=True)
     assert result.verified and result.replicas == 3
@@ -128,10 +129,12 @@ def test_scale_up_waits_for_a_node_catches_up_then_takes_traffic_and_scale_down_
 
         streams = [threading.Thread(target=load) for _ in range(4)]
         [t.start() for t in streams]
-        wait_for(lambda: replica.info().in_flight > 0, 30, "a stream on far-2")  # what it must drain
-        assert fleet.scale("far", 2)["removed"] == ["far-2"]
-        stop.set()
-        [t.join(60) for t in streams]
+        try:
+            wait_for(lambda: replica.info().in_flight > 0, 30, "a stream on far-2")  # what it must drain
+            assert fleet.scale("far", 2)["removed"] == ["far-2"]
+        finally:
+            stop.set()
+            [t.join(60) for t in streams]
     assert not errors and done and all(len(d.token_ids) == 64 for d in done)
     assert "far-2" not in members(fleet)
     assert any(e["member"] == "far-2" and e["kind"] == "stopped" and "exited with status 0" in e["detail"]
@@ -156,17 +159,19 @@ def test_a_lost_node_leaves_rotation_its_requests_finish_elsewhere_and_it_comes_
         resubmitted = c.status().resubmissions
     streams = [threading.Thread(target=generate) for _ in range(4)]
     [t.start() for t in streams]
-    with RolloutClient(victim["address"]) as replica:
-        wait_for(lambda: replica.info().in_flight > 0, 30, "a request on far-1")
-    # The machine vanishes: Ray loses the node, and its processes die at once (no drain).
-    cluster.remove_node(node, allow_graceful=False)
-    os.killpg(victim["pid"], signal.SIGKILL)
-    cluster.far.remove(node)
-    wait_for(lambda: members(fleet)["far-1"]["state"] == "pending", 30, "far-1 to wait for a node")
-    wait_for(lambda: [e for e in fleet.events() if e["kind"] == "node-lost" and "it ran far-1" in e["detail"]],
-             60, "the launcher to report the lost node")
-    stop.set()
-    [t.join(120) for t in streams]
+    try:
+        with RolloutClient(victim["address"]) as replica:
+            wait_for(lambda: replica.info().in_flight > 0, 30, "a request on far-1")
+        # The machine vanishes: Ray loses the node, and its processes die at once (no drain).
+        cluster.remove_node(node, allow_graceful=False)
+        os.killpg(victim["pid"], signal.SIGKILL)
+        cluster.far.remove(node)
+        wait_for(lambda: members(fleet)["far-1"]["state"] == "pending", 30, "far-1 to wait for a node")
+        wait_for(lambda: [e for e in fleet.events() if e["kind"] == "node-lost" and "it ran far-1" in e["detail"]],
+                 60, "the launcher to report the lost node")
+    finally:  # the streams end with the test, passed or not (they would load every test after it)
+        stop.set()
+        [t.join(120) for t in streams]
     assert not errors and results and all(len(r.token_ids) == 48 for r in results)
     with fleet.client() as c:
         assert c.status().resubmissions > resubmitted  # what was cut short resumed on the others

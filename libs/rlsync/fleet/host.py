@@ -7,6 +7,11 @@ nodes can dial. It takes and returns plain values (strings, numbers, dicts of th
 or models. When the host dies (its node was lost, or the fleet went down), Linux ends the member
 with SIGTERM; when the member's own process ends, whatever it started that is still running (an
 engine's workers) is killed with its process group.
+
+Ray runs its workers at niceness 15 (its `worker_niceness`), and a process inherits its parent's. A
+member is the node's work, not a background task: on a busy node, an engine at 15 waits behind every
+other process. So the member runs at niceness 0 where the host may set that (root, CAP_SYS_NICE or
+room in RLIMIT_NICE); elsewhere the launcher's "started" event says what it runs at.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ class ServiceHost:
         def own() -> None:
             try:
                 self.proc = ServiceProcess(service, args, env=env, log_path=log, name=name, command=command,
-                                           parent_death_signal=signal.SIGTERM)
+                                           parent_death_signal=signal.SIGTERM, niceness=0)
             except Exception as e:  # noqa: BLE001 - raised by __init__ below
                 failed.append(e)
                 return
@@ -65,8 +70,14 @@ class ServiceHost:
             raise RuntimeError(f"could not start {name} on node {self.node_id[:12]}: {failed[0]}")
 
     def where(self) -> dict:
-        """Node id, node address, pid and log path of the member."""
-        return {"node_id": self.node_id, "ip": self.ip, "pid": self.proc.proc.pid, "log": str(self.proc.log_path)}
+        """Node id, node address, pid, log path and niceness of the member."""
+        pid = self.proc.proc.pid
+        try:
+            niceness = os.getpriority(os.PRIO_PROCESS, pid)
+        except OSError:  # it has ended already: poll() says how
+            niceness = os.nice(0)
+        return {"node_id": self.node_id, "ip": self.ip, "pid": pid, "log": str(self.proc.log_path),
+                "niceness": niceness}
 
     def wait_ready(self, timeout: float) -> str:
         """The address the member listens on (services); raises with its log tail if it died first."""

@@ -36,6 +36,8 @@ def join_cluster(address: str | None = None) -> None:
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS") or "local"  # never a cluster found by chance
+    if address == "local":  # a Ray of its own: its workers, and so the members, at niceness 0 (host.py)
+        os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
 
 
