@@ -96,7 +96,7 @@ test: $(STAMP) protos-check
 	cat .cache/test-third.log; exit $$(( rc ? rc : erc ? erc : trc ))
 
 # The SGLang replicas' tests alone, in SGLang's own environment (built first): 46 tests, 7.8 min on 2 cores
-# (in make test, beside the other suites: 11-14 min; `.ci/run` 20.2-25.5 min in all, 2026-11-27).
+# (in make test, beside the other suites: 11-16 min; `.ci/run` 20.2-28.4 min in all, 2026-11-28).
 test-sglang: $(STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m pytest $(SGLANG_TESTS)
 
