@@ -70,12 +70,13 @@ class ServiceHost:
             raise RuntimeError(f"could not start {name} on node {self.node_id[:12]}: {failed[0]}")
 
     def where(self) -> dict:
-        """Node id, node address, pid, log path and niceness of the member."""
+        """Node id, node address, pid, log path and niceness of the member (None once it has ended:
+        poll() says how)."""
         pid = self.proc.proc.pid
         try:
             niceness = os.getpriority(os.PRIO_PROCESS, pid)
-        except OSError:  # it has ended already: poll() says how
-            niceness = os.nice(0)
+        except OSError:
+            niceness = None
         return {"node_id": self.node_id, "ip": self.ip, "pid": pid, "log": str(self.proc.log_path),
                 "niceness": niceness}
 

@@ -272,7 +272,7 @@ class FleetManager:
                                                        self.spec.trainer.nproc)
         where = await m.host.where.remote()
         m.node_id, m.ip, m.pid, m.log = where["node_id"], where["ip"], where["pid"], where["log"]
-        niceness = "" if where["niceness"] == 0 else (
+        niceness = "" if where["niceness"] in (0, None) else (
             f"; niceness {where['niceness']}, inherited from its Ray worker (start Ray with RAY_worker_niceness=0, "
             "or let the node's Ray run as root, for a member to run at 0)")
         self._event(m.name, "started", f"pid {m.pid} on node {m.node_id[:12]} ({m.ip}); log {m.log}{niceness}")
