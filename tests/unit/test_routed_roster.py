@@ -1,6 +1,6 @@
 """A routed receiver waits for the trainer's roster in the trainer's real TCPStore: it wakes as the
 roster is set (no poll period added to a transfer), at once with the reason when the trainer refuses
-the offer, and at once when closed from another thread."""
+the offer, and at once when closed from another thread; nothing it started outlives it."""
 
 import threading
 import time
@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 
-from rlsync.errors import Aborted, Unavailable
+from rlsync.errors import Aborted, FailedPrecondition, Unavailable
 from rlsync.transfer import answer
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.routes import TensorInfo, layout, whole
-from rlsync.transfer.sharded import RoutedReceiver, ShardedSender, _roster_key
+from rlsync.transfer.sharded import RoutedReceiver, ShardedSender, _set_roster
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 
@@ -54,18 +54,35 @@ def test_a_refused_offer_wakes_its_receiver_at_once_with_the_reason(sender):
     assert outcome["at"] - refused < 5, "woken by the refusal, not by its deadline"
 
 
-def test_a_closed_receiver_stops_waiting_at_once(sender):
+def _threads() -> set[threading.Thread]:
+    return set(threading.enumerate())
+
+
+def test_a_closed_receiver_stops_waiting_at_once_and_leaves_no_thread(sender):
+    before = _threads()
     _, receiver, outcome, thread = _waiting(sender)
+    assert _threads() - before == {thread}, "the wait is the receiver's own: no thread of its own waits beside it"
     closed = time.monotonic()
     receiver.close()
     thread.join(10)
     assert isinstance(outcome.get("error"), Aborted)
     assert outcome["at"] - closed < 5
+    for t in _threads() - before:  # close() wakes it from a short-lived thread
+        t.join(10)
+        assert not t.is_alive(), f"{t.name} outlives the closed receiver"
+
+
+def test_a_receiver_that_comes_after_the_roster_does_not_wait(sender):
+    offer = sender.offer(version=1)
+    _set_roster(sender._store, offer, pb.RoutedSend(answers=[answer(offer, "another-replica")]).SerializeToString())
+    receiver = RoutedReceiver(offer, answer(offer, "replica"), {"w": torch.empty(4, 2)}, timeout=30)
+    with pytest.raises(FailedPrecondition, match="another-replica"):
+        receiver.run()
 
 
 def test_a_roster_without_this_replica_is_refused_by_name(sender):
     offer, _, outcome, thread = _waiting(sender)
     other = answer(offer, "another-replica")
-    sender._store.set(_roster_key(offer), pb.RoutedSend(answers=[other]).SerializeToString())
+    _set_roster(sender._store, offer, pb.RoutedSend(answers=[other]).SerializeToString())
     thread.join(10)
     assert "another-replica" in str(outcome.get("error")) and "dropped" in str(outcome["error"])

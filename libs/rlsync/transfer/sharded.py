@@ -81,6 +81,30 @@ def _refused_key(offer: pb.Offer) -> str:
     return f"rlsync-routed/{offer.transfer_id}/refused"
 
 
+WAKE_SECONDS = 10.0  # close() waking a receiver rank: connecting to the trainer's store, one write
+
+
+def _waiting_key(offer: pb.Offer) -> str:
+    return f"rlsync-routed/{offer.transfer_id}/waiting"
+
+
+def _wake_key(offer: pb.Offer, receiver_id: str, rank: int) -> str:
+    return f"rlsync-routed/{offer.transfer_id}/wake/{receiver_id}/{rank}"
+
+
+def _set_roster(store, offer: pb.Offer, roster: bytes) -> list[str]:
+    """Rank 0: puts the roster in the store (b"": no send will come), then wakes every receiver rank
+    waiting for it. -> the keys written. A store's wait is for all of its keys, never any: so each
+    rank waits on a key of its own (its close() sets it too), listed under the waiting key before it
+    looks for the roster; one listed after this read finds the roster there and does not wait."""
+    store.set(_roster_key(offer), roster)
+    waiting = _waiting_key(offer)
+    wakes = store.get(waiting).decode().split() if store.check([waiting]) else []
+    if wakes:
+        store.multi_set(wakes, [b""] * len(wakes))
+    return [_roster_key(offer), waiting, *wakes]
+
+
 def _memory_key(offer: pb.Offer, rank: int) -> str:
     return f"rlsync-routed/{offer.transfer_id}/memory/{rank}"
 
@@ -188,9 +212,9 @@ class ShardedSender:
         if self.rank == 0:
             self._forget(store)
             receivers = sum(a.ranks for a in answers)
-            self._spent += [_roster_key(offer), *(_memory_key(offer, k) for k in range(self.world)),
-                            *(_pulled_key(offer, e) for e in range(receivers)), routed_groups.key(offer.transfer_id)]
-            store.set(_roster_key(offer), pb.RoutedSend(answers=answers).SerializeToString())
+            self._spent += [*(_memory_key(offer, k) for k in range(self.world)),
+                            *(_pulled_key(offer, e) for e in range(receivers)), routed_groups.key(offer.transfer_id),
+                            *_set_roster(store, offer, pb.RoutedSend(answers=answers).SerializeToString())]
         engine = engine_layout(self.specs, answers)
         routes = cached_routes(self.layout, engine)
         facts, receivers = local_facts(self.device), engine_facts(answers)
@@ -232,9 +256,9 @@ class ShardedSender:
         """Rank 0: tells the receivers waiting for this offer's roster that no send will come, and why."""
         if self._store is not None:
             self._forget(self._store)
-            self._spent += [_refused_key(offer), _roster_key(offer)]
+            self._spent.append(_refused_key(offer))
             self._store.set(_refused_key(offer), reason.encode())
-            self._store.set(_roster_key(offer), b"")  # wakes the receivers waiting for the roster
+            self._spent += _set_roster(self._store, offer, b"")  # wakes the receivers waiting for the roster
 
     def _forget(self, store) -> None:
         """Rank 0: drops the keys of the transfer before (every member is done with it once another
@@ -294,20 +318,31 @@ class RoutedReceiver:
         self.start = time.perf_counter()
         self._pg = None
         self._closed = False
-        self._wake = threading.Event()  # the roster is in, or close() was called
+        self._lock = threading.Lock()
+        self._waiting = False  # run() waits on its key `_wake` for the roster: close() sets it
+        self._wake = _wake_key(offer, answer.receiver_id, rank)
         self.handed = handed_over(self.device)  # as transfer.Receiver: on a stream of its own
 
     def _roster(self, store) -> tuple[list[pb.Answer], int]:
         """The replicas taking part (as the trainer's rank 0 put them), and this rank's place among
-        all their ranks. Waits for it until the deadline, a refusal from the trainer, or close(): a
-        thread blocks on the key (the store wakes it as it is set; a poll would add its period to
-        every transfer) and wakes this one, as close() does."""
+        all their ranks. Waits for it until the deadline, a refusal from the trainer, or close(), on
+        a key of its own that the trainer sets with the roster (_set_roster) and close() sets too:
+        the store wakes this wait as the key is set (a poll would add its period to every transfer)."""
         key, refused = _roster_key(self.offer), _refused_key(self.offer)
-        threading.Thread(target=self._await_key, args=(key,), daemon=True, name="rlsync-roster").start()
-        self._wake.wait(self.deadline.remaining("waiting for the trainer to send"))
-        if self._closed:
-            raise Aborted(f"{self.deadline.what}: closed before the trainer sent")
         try:
+            store.append(_waiting_key(self.offer), self._wake + "\n")
+            with self._lock:
+                self._waiting = not self._closed and not store.check([key])
+            if self._waiting:
+                try:
+                    store.wait([self._wake], datetime.timedelta(
+                        seconds=self.deadline.remaining("waiting for the trainer to send")))
+                except dist.DistError:  # the deadline, or the store is gone: told apart below
+                    pass
+                with self._lock:
+                    self._waiting = False
+            if self._closed:
+                raise Aborted(f"{self.deadline.what}: closed before the trainer sent")
             if store.check([refused]):
                 raise Unavailable(f"{self.deadline.what}: {store.get(refused).decode(errors='replace')}")
             if not store.check([key]):
@@ -372,22 +407,19 @@ class RoutedReceiver:
         routed_groups.keep(gid, pg)
         return nbytes
 
-    def _await_key(self, key: str) -> None:
-        """Wakes run() once `key` is in the store (or the wait failed: run() then looks at why).
-        A store of its own: a blocked wait holds its connection, which run() goes on using."""
+    def _wake_run(self) -> None:
         try:
-            _store(self.offer.routing.store, False, self.deadline.remaining("joining the store")).wait(
-                [key], datetime.timedelta(seconds=self.deadline.remaining("waiting for the trainer to send")))
-        except Exception:  # noqa: BLE001 - the deadline, a closed store: run() tells which
+            _store(self.offer.routing.store, False, WAKE_SECONDS).set(self._wake, b"closed")
+        except dist.DistError:  # the store is gone: run()'s wait has failed already
             pass
-        finally:
-            self._wake.set()
 
     def close(self) -> None:
         """Ends the transfer from another thread: run() then fails instead of waiting on, and lets go
         of the staging it was to write."""
-        self._closed = True
-        self._wake.set()
+        with self._lock:
+            self._closed, waiting = True, self._waiting
+        if waiting:  # on a connection of its own (run()'s is blocked in its wait), off this thread
+            threading.Thread(target=self._wake_run, daemon=True, name="rlsync-roster-wake").start()
         self.staging = {}
         pg = self._pg
         if pg is not None:
