@@ -8,6 +8,7 @@ engine rank receives only the boxes it loads), for K trainer ranks (FSDP2 over g
     python bench/sharded.py --device cuda --preset qwen3-1.7b --hold   # ... receivers keep the mappings
     python bench/sharded.py --device cuda --gpus 2 --placement apart       # trainer on GPU 0, engine on 1: NCCL
     python bench/sharded.py --device cuda --gpus 2 --placement colocated   # rank r on GPU r % 2: both
+    BENCH_PROFILE=/tmp/prof python bench/sharded.py ...   # each worker writes a cProfile of its timed repeats
 
 On one GPU every trainer rank and engine rank shares the GPU: the receivers pull their boxes over CUDA
 IPC (casting fp32 to bf16 on the copy), and the rank-0 path cannot run at all (it gathers among ranks
@@ -28,6 +29,7 @@ long planning the routes takes at scale (256 trainer ranks into 4 TP=8 replicas,
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import json
 import math
@@ -105,6 +107,21 @@ def _get(store, key: str, timeout: float = 600) -> bytes:
     return store.get(key)
 
 
+PROFILE = os.environ.get("BENCH_PROFILE")  # a folder: each worker writes a cProfile of its timed repeats there
+
+
+def _profiled():
+    """A profiler a worker turns on for its timed repeats (BENCH_PROFILE), else None."""
+    return cProfile.Profile() if PROFILE else None
+
+
+def _dump(profiler, role: str, path: str, k: int, g: int, rank: int) -> None:
+    if profiler is not None:
+        profiler.disable()
+        os.makedirs(PROFILE, exist_ok=True)
+        profiler.dump_stats(os.path.join(PROFILE, f"{role}-{path}-k{k}-g{g}-r{rank}.prof"))
+
+
 def paths(device: str) -> tuple[str, ...]:
     return ("rank0", "routed") if device == "cpu" else ("routed",)
 
@@ -121,11 +138,13 @@ def trainer(args, shapes, bucket, k: int, g: int, rank: int, store) -> dict:
     out = {}
     for path in paths(args.device):
         dist.barrier()
-        peak, seconds = Peak(args.device), []
+        peak, seconds, profiler = Peak(args.device), [], _profiled()
         sender = WeightSender(baseline, bucket_bytes=bucket, backends=["gloo"]) if path == "rank0" and rank == 0 \
             else module.sender(bucket_bytes=bucket) if path == "routed" else None
         for i in range(args.repeats + 1):
             dist.barrier()
+            if i == 1 and profiler is not None:
+                profiler.enable()
             start = time.perf_counter()
             if path == "rank0":
                 if rank == 0:
@@ -146,6 +165,7 @@ def trainer(args, shapes, bucket, k: int, g: int, rank: int, store) -> dict:
             _get(store, f"{path}/done/{i}")  # every engine rank confirmed
             if i:
                 seconds.append(time.perf_counter() - start)
+        _dump(profiler, "trainer", path, k, g, rank)
         if rank == 0 or path == "routed":
             sender.close()
         out[path] = {"seconds": statistics.median(seconds), "peak_extra_bytes": peak.extra(),
@@ -156,8 +176,10 @@ def trainer(args, shapes, bucket, k: int, g: int, rank: int, store) -> dict:
 def engine(args, k: int, g: int, rank: int, store) -> dict:
     out = {}
     for path in paths(args.device):
-        seconds, staging = [], None
+        seconds, staging, profiler = [], None, _profiled()
         for i in range(args.repeats + 1):
+            if i == 1 and profiler is not None:
+                profiler.enable()
             offer = pb.Offer.FromString(_get(store, f"{path}/offer/{i}"))
             specs = from_proto(offer.manifest)
             mine = engine_boxes(specs, g, rank)
@@ -181,6 +203,7 @@ def engine(args, k: int, g: int, rank: int, store) -> dict:
             done = store.add(f"{path}/count/{i}", 1)
             if done == g:
                 store.set(f"{path}/done/{i}", b"1")
+        _dump(profiler, "engine", path, k, g, rank)
         HELD.release("bench")  # before the trainer's memory goes
         shard = sum(t.numel() * t.element_size() for t in staging.values())
         loads = sum(math.prod(e - a for a, e in b[0]) * s.dtype.itemsize for s, b in zip(specs, mine) if b)

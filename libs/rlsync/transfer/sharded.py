@@ -25,6 +25,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,15 @@ def to_layout_proto(held: Sequence[Sequence[Box]], facts: pb.Facts | None = None
 
 
 def layout_of(specs: Sequence[Spec], ranks: Sequence[pb.RankLayout]) -> Layout:
-    """The Layout the ranks describe, checked against the manifest's tensors."""
+    """The Layout the ranks describe, checked against the manifest's tensors. The same tensors and
+    ranks meet again at every update: the last few are kept, by the ranks' bytes (1.2 ms of Python
+    for ~300 tensors against 0.03 ms; and the same Layout again, which cached_routes finds at once)."""
+    return _layout_of(tuple(specs), tuple(r.SerializeToString() for r in ranks))
+
+
+@lru_cache(maxsize=8)
+def _layout_of(specs: tuple[Spec, ...], raw: tuple[bytes, ...]) -> Layout:
+    ranks = [pb.RankLayout.FromString(r) for r in raw]
     infos = [TensorInfo(s.name, tuple(s.shape), s.nbytes // max(math.prod(s.shape), 1) if s.nbytes else
                         torch.empty((), dtype=s.dtype).element_size()) for s in specs]
     held = []
