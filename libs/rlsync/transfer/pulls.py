@@ -21,8 +21,8 @@ from rlsync.transfer import batched
 from rlsync.transfer.dtypes import dtype_name, dtype_of, itemsize
 from rlsync.transfer.held import HELD
 from rlsync.transfer.memory import open_cuda, share_cuda
-from rlsync.transfer.routed import piece_name
-from rlsync.transfer.routes import Layout, Routes, contains, extent, relative
+from rlsync.transfer.routed import destinations, piece_name
+from rlsync.transfer.routes import Box, Layout, Routes, contains, extent, relative
 from rlsync.transfer.spans import FEW, cast_all, copy_all
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
@@ -61,19 +61,20 @@ def split(routes: Routes, trainer: Sequence[pb.RankMemory], engine: Sequence[pb.
 
 
 def pull(routes: Routes, rank: int, trainer: Layout, memories: Sequence[pb.RankMemory], specs: Sequence,
-         views: Mapping[str, torch.Tensor], device: torch.device, profile: dict[str, float] | None = None,
-         hold: str = "") -> int:
+         staging: Mapping[str, tuple[Box, torch.Tensor]], device: torch.device,
+         profile: dict[str, float] | None = None, hold: str = "") -> int:
     """Receiver rank `rank`: copies every piece it pulls (`routes`, as split() gives them) from the
-    trainer ranks' memory into its view (`routed.destinations`), and waits for the copies. Returns the
-    bytes it received; `profile` gets the seconds spent mapping, copying (queued and done) and unmapping.
+    trainer ranks' memory into its view of `staging` (`routed.destinations`), and waits for the copies.
+    Returns the bytes it received; `profile` gets the seconds spent mapping, copying (queued and done)
+    and unmapping.
 
     The pieces that are contiguous at both ends go in one kernel launch over a table of them, casting
     fp32 to bf16 on the way where asked (rlsync.transfer.batched); the rest are a copy_ each.
 
     hold: the trainer ranks' storages stay mapped afterwards under this holder name (rlsync.transfer.held):
-    the next pull from memory still in place maps and closes nothing, and one into the same views
-    launches the table it kept. The caller must `HELD.release(hold)` before the trainer's memory may
-    leave the GPU (memory another process maps is not freed)."""
+    the next pull from memory still in place maps and closes nothing, and one into the same staging
+    launches the table it kept (making no view of a piece). The caller must `HELD.release(hold)` before
+    the trainer's memory may leave the GPU (memory another process maps is not freed)."""
     start = time.perf_counter()
     mine = routes.of_receiver(rank)
     sources = sorted({t.src for t in mine})
@@ -87,10 +88,10 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Sequence[pb.RankM
     kept = key = None
     if memo is not None:  # held: a launch kept for the same pieces (their tuples, shared by every Routes
         # derived from one plan: kept alive below, so no other tuple takes their ids), the same places
-        # in the trainer's memory and the same views
+        # in the trainer's memory and the same staging (so the same views of it)
         memo = memo.setdefault("routed", {})
         pieces = [t.pieces for t in mine]
-        key = (rank, *map(id, pieces), tuple(v.data_ptr() for v in views.values()),
+        key = (rank, *map(id, pieces), tuple((n, b, t.data_ptr(), t.dtype, t.shape) for n, (b, t) in staging.items()),
                *(memories[k].SerializeToString() for k in sources))
         kept = memo.get(key)
     if kept is not None:
@@ -98,6 +99,7 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Sequence[pb.RankM
             batched.launch(table)
         nbytes = kept[2]
     else:
+        _, views = destinations(routes, rank, specs, staging)
         tables, nbytes = _copy(mine, trainer, memories, specs, views, dict(zip(
             ((k, r) for k in sources for r in range(len(memories[k].ipc))), mapped)), kept=memo is not None)
         if memo is not None and tables is not None:
