@@ -1,10 +1,13 @@
 """Routing is pure: property checks over random shapes, rank counts and placements, no I/O."""
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlsync.errors import InvalidArgument
+from rlsync.transfer.manifest import Spec
+from rlsync.transfer.sharded import layout_of, to_layout_proto
 from rlsync.transfer.routes import (
     TensorInfo, chunks, contains, layout, plan_routes, volume, whole)
 
@@ -139,3 +142,17 @@ def test_chunks_split_as_torch_chunk_does():
             parts = torch.arange(size).chunk(n) if size else ()
             expected = [(int(p[0]), int(p[-1]) + 1) for p in parts if p.numel()]
             assert [c for c in chunks(size, n) if c[1] > c[0]] == expected
+
+
+def test_a_layout_described_again_is_the_same_layout_and_a_bad_one_is_refused_every_time():
+    """layout_of keeps the last few by their bytes: the same ranks again give the same Layout (so
+    cached_routes finds it at once); other boxes another; a refusal is never remembered."""
+    specs = [Spec("w", torch.float32, (4, 2), 32)]
+    top, bottom = to_layout_proto([[((0, 2), (0, 2))]]), to_layout_proto([[((2, 4), (0, 2))]])
+    first = layout_of(specs, [top, bottom])
+    assert layout_of(list(specs), [to_layout_proto([[((0, 2), (0, 2))]]), bottom]) is first
+    assert layout_of(specs, [bottom, top]).held == (first.held[1], first.held[0])
+    outside = to_layout_proto([[((0, 5), (0, 2))]])
+    for _ in range(2):
+        with pytest.raises(InvalidArgument, match="not inside"):
+            layout_of(specs, [outside])
