@@ -75,9 +75,35 @@ def test_a_closed_receiver_stops_waiting_at_once_and_leaves_no_thread(sender):
 def test_a_receiver_that_comes_after_the_roster_does_not_wait(sender):
     offer = sender.offer(version=1)
     _set_roster(sender._store, offer, pb.RoutedSend(answers=[answer(offer, "another-replica")]).SerializeToString())
-    receiver = RoutedReceiver(offer, answer(offer, "replica"), {"w": torch.empty(4, 2)}, timeout=30)
+    receiver = RoutedReceiver(offer, answer(offer, "replica"), {"w": torch.empty(4, 2)}, timeout=5)
+    start = time.monotonic()
     with pytest.raises(FailedPrecondition, match="another-replica"):
         receiver.run()
+    assert time.monotonic() - start < 2, "it found the roster, not its deadline"
+
+
+def test_a_receiver_made_again_for_the_same_offer_waits_for_the_roster(sender):
+    """After an abort a replica may prepare the same offer again: the closed rank's wake is not the new one's."""
+    offer, first, _, thread = _waiting(sender)
+    first.close()
+    thread.join(10)
+    receiver = RoutedReceiver(offer, answer(offer, "replica"), {"w": torch.empty(4, 2)}, timeout=30)
+    outcome: dict = {}
+    later = threading.Thread(target=lambda: outcome.update(error=_raised(receiver.run)))
+    later.start()
+    time.sleep(0.3)
+    assert later.is_alive(), outcome
+    sender.refuse(offer, "the trainer moved on")
+    later.join(10)
+    assert isinstance(outcome.get("error"), Unavailable) and "moved on" in str(outcome["error"])
+
+
+def _raised(fn) -> Exception | None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test looks at it
+        return e
+    return None
 
 
 def test_a_roster_without_this_replica_is_refused_by_name(sender):

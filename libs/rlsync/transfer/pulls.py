@@ -91,8 +91,8 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Sequence[pb.RankM
         # in the trainer's memory and the same staging (so the same views of it)
         memo = memo.setdefault("routed", {})
         pieces = [t.pieces for t in mine]
-        key = (rank, *map(id, pieces), tuple((n, b, t.data_ptr(), t.dtype, t.shape) for n, (b, t) in staging.items()),
-               *(memories[k].SerializeToString() for k in sources))
+        key = (rank, *map(id, pieces), *(memories[k].SerializeToString() for k in sources),
+               tuple((n, b, t.data_ptr(), t.dtype, t.shape, t.stride(), t.device) for n, (b, t) in staging.items()))
         kept = memo.get(key)
     if kept is not None:
         for table in kept[1]:
