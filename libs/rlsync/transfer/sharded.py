@@ -199,8 +199,8 @@ class ShardedSender:
         self._shares: dict = {}  # exported CUDA IPC handles, kept until close() (the trainer offloads)
         self._spent: list[str] = []  # rank 0: the store keys of the last transfer
         self._group = routed_groups.Decider()  # rank 0: the routed group of the last transfer
-        self._ranks = [to_layout_proto(r) for r in layout.held]  # every offer's routing (~300 tensors: 0.8 ms to make)
-        if self.rank == 0:
+        if self.rank == 0:  # the one that offers
+            self._ranks = [to_layout_proto(r) for r in layout.held]  # every offer's routing (~300 tensors: 0.8 ms)
             self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
             self.store_address = f"{advertise or reachable_host(host)}:{self._store.port}"
         self.backends = [pb.BACKEND_CUDA_IPC, pb.BACKEND_NCCL] if self.device.type == "cuda" else [pb.BACKEND_GLOO]
