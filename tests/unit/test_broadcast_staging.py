@@ -10,7 +10,7 @@ import torch
 
 from rlsync.flat import FlatStore
 from rlsync.transfer import WeightSender, answer, receive
-from rlsync.transfer.backends import collective
+from rlsync.transfer.backends import groups
 
 SHAPES = {"embed": (64, 8), "norm": (8,), "head": (8, 64)}
 
@@ -37,10 +37,10 @@ def test_buckets_in_place_at_both_ends_stage_nothing_and_a_scattered_end_stages(
             sender.send(offer, [ans], timeout=30)
             received.join()
             assert all(torch.equal(dest[n], source[n]) for n in SHAPES)
-            held = collective._HELD[next(reversed(collective._HELD))]  # this receiver's group, kept for reuse
+            held = groups._HELD[next(reversed(groups._HELD))]  # this receiver's group, kept for reuse
             assert _slots([held]) == [version == 2], "flat: in place; separate tensors: through the slots"
-            sessions = [v for v in sender.cache.values() if isinstance(v, collective._Session)]
+            sessions = [v for v in sender.cache.values() if isinstance(v, groups._Session)]
             assert sessions and not any(_slots(sessions)), "the sender's flat weights go out in place"
     finally:
         sender.close()
-        collective.release_held()
+        groups.release_held()

@@ -6,7 +6,8 @@ import pytest
 import torch.distributed as dist
 
 from rlsync.errors import Unavailable
-from rlsync.transfer.backends.collective import _bounded, leave
+from rlsync.transfer.backends.collective import _bounded
+from rlsync.transfer.backends.groups import leave
 from rlsync.transfer.control import Deadline
 
 

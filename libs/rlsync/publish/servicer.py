@@ -98,18 +98,26 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
     @unary
     async def OfferWeights(self, request: pb.OfferWeightsRequest, context) -> pb.OfferWeightsResponse:
         ring = list(request.ring)
+        # A trainer that will send as soon as the replicas it rings answered starts broadcasting now, on
+        # the group of their last update: those that posted their receives get the bytes meanwhile.
         offer, regions = await self.publisher.offer(request.version if request.HasField("version") else self.step(),
-                                                    request.pull, describe=request.hold and bool(ring))
-        if regions is not None:
-            await self._hold(regions, ring)
-            if self.publisher.offloaded:  # an Offload ran while they mapped: they let go now
-                await self.release_held()
-        rung, seconds = await ring_prepare(offer, ring, self.token, request.force_backend,
-                                           request.timeout, self.lines, self.bells)
-        pushed = [r.answer for r in rung if not r.answer.pull]
-        publishing = request.publish and all(r.rung for r in rung) and bool(pushed)
-        if publishing:  # every replica prepared here: send now, rather than at PublishWeights
-            self.publisher.publish_now(offer.transfer_id, pushed, request.timeout)
+                                                    request.pull, describe=request.hold and bool(ring),
+                                                    ahead=request.publish and bool(ring))
+        publishing = False
+        try:
+            if regions is not None:
+                await self._hold(regions, ring)
+                if self.publisher.offloaded:  # an Offload ran while they mapped: they let go now
+                    await self.release_held()
+            rung, seconds = await ring_prepare(offer, ring, self.token, request.force_backend,
+                                               request.timeout, self.lines, self.bells)
+            pushed = [r.answer for r in rung if not r.answer.pull]
+            publishing = request.publish and all(r.rung for r in rung) and bool(pushed)
+            if publishing:  # every replica prepared here: send now, rather than at PublishWeights
+                self.publisher.publish_now(offer.transfer_id, pushed, request.timeout)
+        finally:
+            if not publishing:
+                self.publisher.cancel_ahead(offer.transfer_id)
         return pb.OfferWeightsResponse(offer=offer, rung=rung, ring_seconds=seconds, publishing=publishing)
 
     @unary

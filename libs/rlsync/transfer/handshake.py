@@ -21,7 +21,9 @@ if TYPE_CHECKING:  # torch is loaded by the facts of a device only: the coordina
 # 2: a pull may cast (MappedTensors.dtype); a receiver of 1 would copy the sender's bytes as they are
 # 3: a routed receiver rank waits for the roster on a wake key of its own (transfer.sharded); with a sender of 2
 #    it would wait until its deadline
-PROTOCOL_VERSION = 3
+# 4: a broadcast transfer starts with a token of its id (transfer.backends.groups), and each end may post its
+#    half ahead; a receiver of 3 would take the token for its first bucket
+PROTOCOL_VERSION = 4
 B = pb.Backend
 NAMES = {B.BACKEND_CUDA_IPC: "cuda_ipc", B.BACKEND_NCCL: "nccl", B.BACKEND_SHM: "shm", B.BACKEND_GLOO: "gloo"}
 BY_NAME = {v: k for k, v in NAMES.items()}

@@ -18,6 +18,7 @@ class Hello(msgspec.Struct, tag="hello"):
     ranks: int
     backend: int
     groups: list[str] = []  # broadcast groups this process still holds (they can be reused)
+    posted: list[str] = []  # ... and those it posted its receives on (rlsync.transfer.backends.groups)
 
 
 class Reject(msgspec.Struct, tag="reject"):

@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from rlsync.errors import FailedPrecondition, Unavailable
-from rlsync.transfer.backends.collective import address_toward, leave
+from rlsync.transfer.backends.collective import address_toward
+from rlsync.transfer.backends.groups import leave
 from rlsync.transfer.control import Deadline
 from rlsync.transfer.v1 import transfer_pb2 as pb
 

@@ -17,6 +17,7 @@ from rlsync.address import reachable_host
 from rlsync.common.trace import traced
 from rlsync.transfer.backends import available, channel
 from rlsync.transfer.backends.base import SendJob, expect
+from rlsync.transfer.backends.groups import cancel_ahead, start_ahead
 from rlsync.transfer.backends.slots import describe_cuda
 from rlsync.transfer.control import Conn, Deadline, Listener
 from rlsync.transfer.dtypes import dtype_name
@@ -26,6 +27,7 @@ from rlsync.transfer.memory import SharedArena
 from rlsync.transfer.messages import Hello, Reject
 from rlsync.transfer.plan import cached_plan, plan_buckets
 from rlsync.transfer.source import ResidentSource, StreamedSource
+from rlsync.transfer.spans import span
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -156,21 +158,47 @@ class WeightSender:
         regions, offsets = zip(*described["locations"]) if described["locations"] else ((), ())
         return pb.MappedTensors(ipc=described["ipc"], region=regions, offset=offsets, dtype=dtypes)
 
+    def send_ahead(self, offer: pb.Offer) -> bool:
+        """Starts broadcasting `offer` before any receiver answered, on the NCCL group of the last
+        transfer when its plan was this one's (rlsync.transfer.backends.groups): receivers that
+        posted their receives get the bytes at once, and the others' answers come meanwhile.
+        send() of this offer then waits for it, or aborts it when its receivers are not that
+        group's; the next offer, send() or close() ends one no send() took. -> whether it started
+        (not with checksums or deltas, nor for tensors not resident and contiguous per bucket)."""
+        if self.checksums or self.delta or not isinstance(self.source, ResidentSource):
+            return False
+        resident = self.source.resident()
+
+        def views_of(plan) -> list:
+            return [span([resident[s.tensor][s.src:s.src + s.length] for s in b.slices]) for b in plan]
+
+        return start_ahead(self.cache, offer.transfer_id, tuple(s.nbytes for s in self._specs_of(offer)),
+                           offer.bucket_bytes, views_of)
+
+    def cancel_ahead(self, transfer_id: str) -> None:
+        """Ends what send_ahead() started for this transfer, if no send() took it."""
+        ahead = self.cache.get("ahead")
+        if ahead is not None and ahead.transfer_id == transfer_id:
+            cancel_ahead(self.cache)
+
     def send(self, offer: pb.Offer, answers: list[pb.Answer], timeout: float = 300.0) -> Report:
         """Moves the tensors to every answering receiver; returns once all confirmed receipt.
         Receivers that pulled (their answer says so) already hold them: nobody waits for them."""
         deadline = Deadline(timeout, f"transfer {offer.transfer_id[:8]} (version {offer.manifest.version})")
-        expected = {key: a for key, a in self._check_answers(offer, answers).items() if not a.pull}
-        answers = [a for a in answers if not a.pull]
-        start = time.perf_counter()
-        conns = self._gather(offer, expected, deadline)
-        gathered = time.perf_counter()
         try:
-            with traced("send"):
-                reported, wire = self._run_groups(offer, answers, conns, deadline)
+            expected = {key: a for key, a in self._check_answers(offer, answers).items() if not a.pull}
+            answers = [a for a in answers if not a.pull]
+            start = time.perf_counter()
+            conns = self._gather(offer, expected, deadline)
+            gathered = time.perf_counter()
+            try:
+                with traced("send"):
+                    reported, wire = self._run_groups(offer, answers, conns, deadline)
+            finally:
+                for conn, _ in conns:
+                    conn.close()
         finally:
-            for conn, _ in conns:
-                conn.close()
+            cancel_ahead(self.cache)  # broadcasts posted ahead that no group of this send took
         if self.delta:
             self._keep_base(offer.manifest.version)
         end = time.perf_counter()

@@ -12,16 +12,14 @@ place; anything else goes through one of two staging slots.
 from __future__ import annotations
 
 import abc
-import atexit
 import datetime
 import os
 import select
 import socket
 import threading
 import uuid
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -29,6 +27,8 @@ import torch.distributed as dist
 from rlsync.errors import DataLoss, DeadlineExceeded, Unavailable
 from rlsync.transfer import delta
 from rlsync.transfer.backends.base import ReceiveJob, SendJob, collect_results, expect, report_failure, sync
+from rlsync.transfer.backends.groups import (GO_BYTES, Posted, _drop, _Session, check_go, drop_posted, go_tensor,
+                                             keep_held, take_ahead, take_held, take_posted)
 from rlsync.transfer.checksum import Checksums, as_bytes, checksum_bytes
 from rlsync.transfer.control import Deadline
 from rlsync.transfer.messages import Done, Mismatch, Refill, Result, Welcome
@@ -37,67 +37,7 @@ from rlsync.transfer.streams import resolved
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 SLOTS = 2  # buckets in flight
-
-
-@dataclass
-class _Session:
-    gid: str
-    store: dist.Store
-    group: object
-    slots: list[torch.Tensor] | None = None
-
-    def close(self) -> None:  # a sender's cache holds sessions: WeightSender.close() releases them here
-        _drop(self)
-
-
-# Receiver side: sessions this process holds, by group id (a receiver may serve several senders).
-_HELD: OrderedDict[str, _Session] = OrderedDict()
-_HELD_MAX = 4
-
-
-def held_groups() -> list[str]:
-    return list(_HELD)
-
-
-def release_held() -> None:
-    """Releases every held group, oldest first. Runs at exit: a gloo group still alive when the
-    interpreter finalizes has worker threads that may drop a finished broadcast's tensors then, and
-    taking the GIL to do it aborts the process ("terminate called without an active exception").
-    Destroyed here, while the interpreter is whole, each group joins its threads."""
-    while _HELD:
-        _drop(_HELD.popitem(last=False)[1])
-
-
-atexit.register(release_held)
-
-
-def _drop(session: _Session | None) -> None:
-    """Releases the group (`leave`); the last reference goes here, not when a traceback that holds
-    it is freed."""
-    if session is not None and session.group is not None:
-        leave(session.group)
-        session.group = None
-
-
-def leave(group) -> None:
-    """This process's end of a group goes, without waiting for any other member.
-
-    gloo: shut down. Only destroying it closes its connections (gloo's abort and shutdown leave them
-    open), and only that fails at once the peers still waiting in a broadcast with this process.
-    NCCL: aborted. Its graceful end (ncclCommFinalize and ncclCommDestroy, which shutdown calls) is an
-    intra-node collective that returns only once every member on this host ended the communicator
-    too; a group's members hold it across transfers, so a sender closing, a membership change or an
-    exit would wait for peers that never end theirs (measured: WeightSender.close() hung while its
-    receiver on the other GPU of the host held the group). The abort frees this end's resources at
-    once; a peer finds its end broken only if it uses it again, which no transfer asks of it (the
-    group is no longer offered for reuse)."""
-    try:
-        if type(group).__name__ == "ProcessGroupNCCL":
-            group.abort()
-        else:
-            group.shutdown()
-    except Exception:  # noqa: BLE001 - already broken; nothing more to release
-        pass
+POSTED_WAIT = datetime.timedelta(days=1)
 
 
 class _Broadcast(abc.ABC):
@@ -112,7 +52,7 @@ class _Broadcast(abc.ABC):
     def _slots(self, session: _Session, job: SendJob | ReceiveJob) -> list[torch.Tensor]:
         """The group's staging slots, each as large as the plan's first (largest) bucket: made on first need
         (a transfer whose buckets all go straight from and to place needs none) and kept with it."""
-        device = resolved(job.device) if self.slot_device == "cuda" else torch.device("cpu")
+        device = self._device(job)
         nbytes = job.plan[0].nbytes if job.plan else 1  # every bucket but the last is full (plan_buckets)
         held = session.slots
         if held is None or held[0].numel() < nbytes or held[0].device != device:
@@ -121,13 +61,23 @@ class _Broadcast(abc.ABC):
 
     # -- sender ---------------------------------------------------------------------------------
     def _session(self, job: SendJob) -> tuple[_Session, bool]:
+        """The group for this transfer's receivers: the one its broadcasts were posted on ahead
+        (rlsync.transfer.backends.groups), the one kept from their last transfer when every receiver
+        still holds it (or posted its receives on it, for this plan), else a new one."""
         members = tuple(sorted((h.receiver_id, h.rank) for _, h in job.conns))
         key = ("group", self.backend, members)
         job.scratch["key"] = key
+        plan = _plan_key(job)
+        hellos = [h for _, h in job.conns]
+        ahead = take_ahead(job.cache, job.transfer_id, key, plan, hellos)
+        if ahead is not None:
+            job.scratch["ahead"] = ahead
+            return ahead.session, True
         # Out of the cache while a transfer uses it: one abandoned mid-way (a hung peer: its collectives
         # cannot be interrupted) runs on until its timeout, and must never share its group with the next.
         session = job.cache.pop(key, None)
-        if session is not None and all(session.gid in h.groups for _, h in job.conns):
+        if session is not None and all(session.gid in h.groups or (session.gid in h.posted and session.plan == plan)
+                                       for h in hellos):
             return session, True
         _drop(session)
         timeout = datetime.timedelta(seconds=job.deadline.remaining("creating the process group"))
@@ -150,9 +100,18 @@ class _Broadcast(abc.ABC):
         job.wire_bytes = 0
         inflight: deque = deque()
         try:
-            if job.delta_base is not None:
+            ahead = job.scratch.get("ahead")
+            if ahead is not None:  # every broadcast is posted: wait for them
+                for work in ahead.works:
+                    work.wait()
+                job.wire_bytes = sum(b.nbytes for b in job.plan)
+                sync(job.device)
+            elif job.delta_base is not None:
+                go = session.group.broadcast(go_tensor(job.transfer_id, self._device(job)), 0)
                 self._send_deltas(job, session, self._slots(session, job), checksums)
+                go.wait()
             else:
+                go = session.group.broadcast(go_tensor(job.transfer_id, self._device(job)), 0)
                 for bucket in job.plan:
                     if len(inflight) == SLOTS:
                         inflight.popleft().wait()
@@ -163,6 +122,7 @@ class _Broadcast(abc.ABC):
                     job.wire_bytes += bucket.nbytes
                 while inflight:
                     inflight.popleft().wait()
+                go.wait()
                 sync(job.device)
             done = Done(checksums=checksums.values())
             for conn, _ in job.conns:
@@ -182,8 +142,12 @@ class _Broadcast(abc.ABC):
         except BaseException:
             _drop(session)
             raise
+        session.plan = None if job.delta_base is not None else _plan_key(job)  # what receivers may post next
         if job.cache.setdefault(job.scratch["key"], session) is not session:  # a newer transfer's is there
             _drop(session)
+
+    def _device(self, job: SendJob | ReceiveJob) -> torch.device:
+        return resolved(job.device) if self.slot_device == "cuda" else torch.device("cpu")
 
     def _outgoing(self, job: SendJob, bucket, slot: Callable[[], torch.Tensor]) -> torch.Tensor:
         """A bucket's bytes where a broadcast can read them: the sender's storage when contiguous
@@ -247,15 +211,19 @@ class _Broadcast(abc.ABC):
         sender hears of it, so the next transfer's Hello lists it), then tells the sender."""
         nbytes = job.writer.finish()
         job.clock.lap("verify")
-        _HELD[job.welcome.group] = job.scratch.pop("session")
-        while len(_HELD) > _HELD_MAX:
-            _drop(_HELD.popitem(last=False)[1])
+        keep_held(job.scratch.pop("session"))
         job.conn.send(Result(ok=True, nbytes=nbytes, stages=job.clock.stages))
 
     def _join(self, job: ReceiveJob) -> _Session:
         w = job.welcome
-        if w.reuse:  # out of _HELD while in use (see _session)
-            job.scratch["session"] = _HELD.pop(w.group)
+        drop_posted(keep=w.group)  # no sender uses another group this process posted on again
+        if w.reuse:  # out of the held ones while in use (see _session)
+            posted = take_posted(w.group, tuple(s.nbytes for s in job.specs), w.bucket_bytes)
+            if posted is not None:
+                job.scratch["posted"] = posted
+                job.scratch["session"] = posted.session
+            else:
+                job.scratch["session"] = take_held(w.group)
             return job.scratch["session"]
         host, _, port = w.store.rpartition(":")
 
@@ -277,10 +245,19 @@ class _Broadcast(abc.ABC):
         # its broadcasts are done, and reads the Done after (it is on its way: the sender sends it first).
         early = not (job.welcome.verify or job.welcome.delta)
         try:
-            if job.welcome.delta:
-                self._receive_deltas(job, session, self._slots(session, job), checksums)
+            posted = job.scratch.get("posted")
+            if posted is not None:  # posted before the offer (rlsync.transfer.backends.groups): the bytes may be in
+                go = posted.go
+                self._adopt(job, posted)
             else:
-                self._receive_whole(job, session, checksums)
+                go = torch.empty(GO_BYTES, dtype=torch.uint8, device=self._device(job))
+                go_work = session.group.broadcast(go, 0)
+                if job.welcome.delta:
+                    self._receive_deltas(job, session, self._slots(session, job), checksums)
+                else:
+                    self._receive_whole(job, session, checksums)
+                go_work.wait()
+            check_go(go, job.transfer_id)
             job.clock.lap("broadcast")
             if early:
                 watchdog.stand_down()  # no collective is left: the sender hanging up after the Result aborts nothing
@@ -300,6 +277,21 @@ class _Broadcast(abc.ABC):
             watchdog.stop()
         if not early:
             self._confirm(job)
+
+    @staticmethod
+    def _adopt(job: ReceiveJob, posted: Posted) -> None:
+        """Receives posted ahead: waits for them (the watchdog aborts them as it would any), then
+        records each bucket landed, or copies it where this transfer's destination is not the posted one."""
+        for work in posted.works:
+            work.wait()
+        for bucket, view in zip(job.plan, posted.views):
+            dest = job.writer.direct_span(bucket.slices)
+            if dest is not None and (dest.data_ptr(), dest.numel()) == (view.data_ptr(), view.numel()):
+                for s in bucket.slices:
+                    job.writer.mark(s.tensor, s.length)
+            else:
+                job.writer.write_many([(s.tensor, s.src, view[s.dst:s.dst + s.length]) for s in bucket.slices])
+        sync(job.device)
 
     def _receive_whole(self, job: ReceiveJob, session: _Session, checksums: Checksums) -> None:
         """Every bucket whole, two in flight, straight into the destination where it is contiguous."""
@@ -379,6 +371,11 @@ class _Broadcast(abc.ABC):
             job.clock.lap("refill")
 
 
+def _plan_key(job: SendJob) -> tuple:
+    """What a group's receivers may post for its next transfer: the tensors' sizes and the bucket size."""
+    return tuple(s.nbytes for s in job.specs), job.bucket_bytes
+
+
 def address_toward(host: str) -> str:
     """This machine's address on the route to `host` (no packet is sent)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -409,7 +406,10 @@ class NcclChannel(_Broadcast):
         # error handling tear the whole engine process down. A user's explicit setting wins.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = datetime.timedelta(seconds=deadline.remaining("creating the NCCL group"))
+        # Receives posted ahead wait for the next transfer, however long training takes (groups.post):
+        # NCCL's own timeout must not fail them; each transfer's deadline is the watchdog's.
+        deadline.remaining("creating the NCCL group")
+        options._timeout = POSTED_WAIT
         return dist.ProcessGroupNCCL(dist.PrefixStore(gid, store), rank, world, options)
 
 

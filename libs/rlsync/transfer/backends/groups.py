@@ -1,0 +1,257 @@
+"""The broadcast groups a process keeps between transfers, and the NCCL broadcasts it posts before
+the next transfer's offer.
+
+A group outlives one transfer (rlsync.transfer.backends.collective): the sender keeps it in its
+cache under its members, a receiver in `_HELD`, and the next transfer to the same receivers uses it
+again. Each transfer on a group is the same sequence of broadcasts: a 16-byte token of the
+transfer's id (its `go`), then every bucket of its plan. So both ends know, before the offer, what
+the next transfer on a group will broadcast when its plan is the last one's; each may post its
+half ahead, on NCCL's stream, and the data moves as soon as the other half is posted:
+
+- a receiver, once its update is live, posts the receives of the same plan into the memory the
+  next update lands in (`post`, for a replica: its spare weights); it lists the group as `posted`
+  in its next Hello, and its next transfer on that group adopts them (`take_posted`);
+- a sender, at its offer, posts the broadcasts of the offer on the one group whose last plan is
+  the offer's (`start_ahead`), before any receiver answered; send() adopts them when every
+  receiver of the group holds it or posted its receives (`take_ahead`), and aborts the group
+  otherwise (a new one is made, as for new receivers).
+
+The go token makes a mismatch loud: a receiver whose posted receives carried another transfer's
+bytes fails with DataLoss. Posted receives wait on the GPU, one channel of one small kernel, for
+as long as the next transfer takes to come: whatever waits for the whole device (a synchronize, a
+cudaFree) waits for them, so a holder drops them first (`drop_posted`), which aborts the group.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from rlsync.errors import DataLoss
+from rlsync.transfer.plan import cached_plan
+
+log = logging.getLogger(__name__)
+GO_BYTES = 16
+
+
+@dataclass
+class _Session:
+    gid: str
+    store: dist.Store
+    group: object
+    slots: list[torch.Tensor] | None = None
+    plan: tuple | None = None  # (tensor sizes, bucket bytes) of the last transfer the group carried whole
+
+    def close(self) -> None:  # a sender's cache holds sessions: WeightSender.close() releases them here
+        _drop(self)
+
+
+# Receiver side: sessions this process holds, by group id (a receiver may serve several senders).
+_HELD: OrderedDict[str, _Session] = OrderedDict()
+_HELD_MAX = 4
+
+
+def held_groups() -> list[str]:
+    return list(_HELD)
+
+
+def leave(group) -> None:
+    """This process's end of a group goes, without waiting for any other member.
+
+    gloo: shut down. Only destroying it closes its connections (gloo's abort and shutdown leave them
+    open), and only that fails at once the peers still waiting in a broadcast with this process.
+    NCCL: aborted. Its graceful end (ncclCommFinalize and ncclCommDestroy, which shutdown calls) is an
+    intra-node collective that returns only once every member on this host ended the communicator
+    too; a group's members hold it across transfers, so a sender closing, a membership change or an
+    exit would wait for peers that never end theirs (measured: WeightSender.close() hung while its
+    receiver on the other GPU of the host held the group). The abort frees this end's resources at
+    once, and ends its kernels still waiting on a peer; a peer finds its end broken only if it uses it
+    again, which no transfer asks of it (the group is no longer offered for reuse)."""
+    try:
+        if type(group).__name__ == "ProcessGroupNCCL":
+            group.abort()
+        else:
+            group.shutdown()
+    except Exception:  # noqa: BLE001 - already broken; nothing more to release
+        pass
+
+
+def _drop(session: _Session | None) -> None:
+    """Releases the group (`leave`); the last reference goes here, not when a traceback that holds
+    it is freed."""
+    if session is not None and session.group is not None:
+        leave(session.group)
+        session.group = None
+
+
+def keep_held(session: _Session) -> None:
+    """A receiver's group after a transfer: offered for reuse (the oldest beyond a few go)."""
+    _HELD[session.gid] = session
+    while len(_HELD) > _HELD_MAX:
+        _drop(_HELD.popitem(last=False)[1])
+
+
+def take_held(gid: str) -> _Session:
+    """The held group a sender reuses (out of _HELD while in use: one abandoned mid-way never serves
+    the next transfer)."""
+    return _HELD.pop(gid)
+
+
+def go_token(transfer_id: str) -> bytes:
+    return hashlib.blake2b(transfer_id.encode(), digest_size=GO_BYTES).digest()
+
+
+def check_go(go: torch.Tensor, transfer_id: str) -> None:
+    """The first broadcast of a transfer names it: bytes of another transfer must not be used."""
+    if bytes(go.cpu().numpy()) != go_token(transfer_id):
+        raise DataLoss(f"the broadcast group carried another transfer's bytes, not transfer {transfer_id[:8]}'s: the "
+                       "destination must not be used")
+
+
+def go_tensor(transfer_id: str, device: torch.device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(go_token(transfer_id)), dtype=torch.uint8).to(device)
+
+
+# ---- receiver: receives posted before the offer ------------------------------------------------------
+@dataclass
+class Posted:
+    session: _Session
+    plan: tuple  # (tensor sizes, bucket bytes)
+    views: list[torch.Tensor]  # where each bucket lands
+    go: torch.Tensor
+    works: list  # the go's, then each bucket's
+
+
+_POSTED: dict[str, Posted] = {}
+_STRANDED: list[Posted] = []  # receives an abort did not end: their memory is never handed back
+
+
+def posted_groups() -> list[str]:
+    return list(_POSTED)
+
+
+def post(gid: str, plan: list, bucket_bytes: int, sizes: tuple[int, ...], writer) -> bool:
+    """Posts, on the held group `gid`, the receives of a transfer of `plan` into `writer`'s
+    destination; -> whether it did: NCCL only, each bucket landing in place on the GPU. The group
+    is then listed as posted, not held, until the next transfer on it adopts them or they are
+    dropped."""
+    session = _HELD.get(gid)
+    if session is None or type(session.group).__name__ != "ProcessGroupNCCL":
+        return False
+    views = [writer.direct_span(bucket.slices) for bucket in plan]
+    if not views or any(v is None or v.device.type != "cuda" for v in views):
+        return False
+    del _HELD[gid]
+    go = torch.empty(GO_BYTES, dtype=torch.uint8, device=views[0].device)
+    works = [session.group.broadcast(go, 0), *(session.group.broadcast(v, 0) for v in views)]
+    _POSTED[gid] = Posted(session, (sizes, bucket_bytes), views, go, works)
+    return True
+
+
+def take_posted(gid: str, sizes: tuple[int, ...], bucket_bytes: int) -> Posted | None:
+    """The receives posted on `gid`, for the transfer a Welcome on that group starts (the others'
+    groups are dropped: no sender uses them again). A sender reuses a posted group only for the plan
+    posted; another plan here is a protocol fault, and fails the transfer."""
+    drop_posted(keep=gid)
+    posted = _POSTED.pop(gid, None)
+    if posted is not None and posted.plan != (sizes, bucket_bytes):
+        _drop_one(posted)
+        raise DataLoss(f"the sender reused group {gid[:8]} for another plan than the receives posted on it")
+    return posted
+
+
+def drop_posted(keep: str | None = None) -> int:
+    """Aborts the groups of every posted receive (but `keep`'s), ending their kernels, before their
+    memory is used otherwise or anything waits for the whole device. -> how many."""
+    dropped = [gid for gid in _POSTED if gid != keep]
+    for gid in dropped:
+        _drop_one(_POSTED.pop(gid))
+    return len(dropped)
+
+
+def _drop_one(posted: Posted, settle_seconds: float = 10.0) -> None:
+    _drop(posted.session)
+    deadline = time.monotonic() + settle_seconds
+    while not all(w.is_completed() for w in posted.works):
+        if time.monotonic() > deadline:
+            log.warning("receives posted on group %s did not end with its abort: their %d buckets' memory is kept "
+                        "from reuse", posted.session.gid[:8], len(posted.views))
+            _STRANDED.append(posted)
+            return
+        time.sleep(0.001)
+
+
+# ---- sender: broadcasts posted before the answers ----------------------------------------------------
+@dataclass
+class Ahead:
+    transfer_id: str
+    key: tuple  # the group's members, as the sender's cache keys it
+    session: _Session
+    works: list  # the go's, then each bucket's
+    keep: list  # the tensors they read
+
+    def close(self) -> None:  # in the sender's cache until send() takes it: WeightSender.close() ends it
+        _drop(self.session)
+
+
+def start_ahead(cache: dict, transfer_id: str, sizes: tuple[int, ...], bucket_bytes: int, views_of) -> bool:
+    """Posts the broadcasts of a transfer on the one NCCL group in `cache` whose last plan was this
+    one (tensor `sizes` in buckets of `bucket_bytes`), before any receiver answered: `views_of(plan)`
+    gives each bucket's bytes where a broadcast reads them, or None (then nothing is posted).
+    -> whether it did. send() adopts them (`take_ahead`), or aborts the group; `cancel_ahead` too."""
+    cancel_ahead(cache)
+    found = [(k, s) for k, s in cache.items() if k[0] == "group" and s.plan == (sizes, bucket_bytes)
+             and type(s.group).__name__ == "ProcessGroupNCCL"]
+    if len(found) != 1:
+        return False
+    key, session = found[0]
+    views = views_of(list(cached_plan(sizes, bucket_bytes)))
+    if not views or any(v is None or v.device.type != "cuda" for v in views):
+        return False
+    del cache[key]
+    go = go_tensor(transfer_id, views[0].device)
+    works = [session.group.broadcast(go, 0), *(session.group.broadcast(v, 0) for v in views)]
+    cache["ahead"] = Ahead(transfer_id, key, session, works, [go, *views])
+    return True
+
+
+def take_ahead(cache: dict, transfer_id: str, key: tuple, plan: tuple, hellos) -> Ahead | None:
+    """The broadcasts posted ahead for this transfer, when they fit it: the same members, the plan
+    they were posted for, every receiver holding the group or having posted its receives. Otherwise
+    their group is aborted (its kernels end) and None."""
+    ahead = cache.pop("ahead", None)
+    if ahead is None:
+        return None
+    gid = ahead.session.gid
+    if ahead.transfer_id == transfer_id and ahead.key == key and ahead.session.plan == plan and \
+            all(gid in h.groups or gid in h.posted for h in hellos):
+        return ahead
+    _drop(ahead.session)
+    return None
+
+
+def cancel_ahead(cache: dict) -> None:
+    """Ends broadcasts posted ahead that no send() took (the offer was abandoned)."""
+    ahead = cache.pop("ahead", None)
+    if ahead is not None:
+        _drop(ahead.session)
+
+
+def release_held() -> None:
+    """Releases every held and posted group, oldest first. Runs at exit: a gloo group still alive when
+    the interpreter finalizes has worker threads that may drop a finished broadcast's tensors then,
+    and taking the GIL to do it aborts the process ("terminate called without an active
+    exception"). Destroyed here, while the interpreter is whole, each group joins its threads."""
+    drop_posted()
+    while _HELD:
+        _drop(_HELD.popitem(last=False)[1])
+
+
+atexit.register(release_held)
