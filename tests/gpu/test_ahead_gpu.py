@@ -1,5 +1,6 @@
-"""NCCL broadcasts posted ahead of their offer, by a receiver on another GPU and by the sender
-(rlsync.transfer.backends.groups), between real processes (GPU machine with 2 GPUs only)."""
+"""NCCL broadcasts each end posts before the other is ready: the sender at its offer, a receiver on
+another GPU as it prepares (rlsync.transfer.backends.groups), between real processes (GPU machine
+with 2 GPUs only)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from transfer_helpers import Peer
 
+from rlsync.flat import FlatStore
 from rlsync.transfer import WeightSender
 from rlsync.transfer.checksum import checksum_tensor
 from rlsync.transfer.peer import decode, encode
@@ -26,10 +28,11 @@ class _Loop:
     """One receiver process on cuda:1 (--loop), and the sender here on cuda:0 over a flat copy of the
     weights, updated in place between transfers as a trainer's are."""
 
-    def __init__(self, post: bool, bucket_bytes: int = 1 << 20):
-        self.tensors = _weights(0)
+    def __init__(self, *peer_args: str, bucket_bytes: int = 1 << 20):
+        weights = _weights(0)  # flat, as rlsync's trainer keeps them (or a publish buffer): buckets go in place
+        self.tensors = FlatStore({n: (t.shape, t.dtype) for n, t in weights.items()}, torch.device("cuda:0")).views
         self.peer = Peer("receive", "--loop", "--backend", "nccl", "--device", "cuda:1", "--report-checksums",
-                         *(["--post"] if post else []))
+                         *peer_args)
         self.sender = WeightSender(self.tensors, backends=["nccl"], bucket_bytes=bucket_bytes)
 
     def transfer(self, version: int, ahead: bool = True, cancel_first: bool = False) -> tuple[bool, dict]:
@@ -53,47 +56,47 @@ class _Loop:
         self.peer.kill()
 
 
-def test_receives_posted_after_each_update_take_the_next_one_sent_ahead_of_the_answer():
-    loop = _Loop(post=True)
+def test_a_receiver_posts_as_it_prepares_and_takes_the_broadcasts_sent_ahead_of_its_answer():
+    loop = _Loop()
     try:
         started, first = loop.transfer(1)
-        assert not started and first["posted"] and not first["adopted_posted"]  # no group yet: the first forms it
+        assert not started and not first["adopted_posted"]  # no group yet: the first transfer forms it
         for version in (2, 3, 4):
             started, result = loop.transfer(version)
-            assert started and result["adopted_posted"] and result["posted"], (version, result)
+            assert started and result["adopted_posted"], (version, started, result)
     finally:
         loop.close()
 
 
-def test_broadcasts_sent_ahead_meet_a_receiver_that_posts_nothing_at_its_receive():
-    loop = _Loop(post=False)
+def test_a_receiver_posts_for_a_sender_that_sends_only_once_it_has_the_answers():
+    loop = _Loop("--bucket-bytes", str(1 << 19))  # the answers ask for smaller buckets than the offer's
     try:
         loop.transfer(1)
         for version in (2, 3):
             started, result = loop.transfer(version)
-            assert started and not result["adopted_posted"]
+            assert not started and result["adopted_posted"], (version, result)
     finally:
         loop.close()
 
 
-def test_receives_posted_for_one_plan_are_dropped_when_the_sender_changes_it():
-    loop = _Loop(post=True)
+def test_nothing_is_posted_for_a_new_plan_and_the_group_after_it_is_posted_on_again():
+    loop = _Loop()
     try:
         loop.transfer(1)
-        loop.sender.bucket_bytes = 1 << 19  # another plan: the posted group is not reused, a new one is made
+        loop.sender.bucket_bytes = 1 << 19  # another plan: the group is not reused, a new one is made
         started, result = loop.transfer(2)
         assert not started and not result["adopted_posted"]
-        started, result = loop.transfer(3)  # and posted on again
+        started, result = loop.transfer(3)
         assert started and result["adopted_posted"]
     finally:
         loop.close()
 
 
 def test_an_offer_abandoned_after_its_broadcasts_started_leaves_the_next_transfer_whole():
-    loop = _Loop(post=True)
+    loop = _Loop()
     try:
         loop.transfer(1)
-        started, result = loop.transfer(2, cancel_first=True)  # the posted group was aborted with it
+        started, result = loop.transfer(2, cancel_first=True)  # its group aborted: the receiver's posted one goes
         assert started and not result["adopted_posted"]
         started, result = loop.transfer(3)
         assert started and result["adopted_posted"]

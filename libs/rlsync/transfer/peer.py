@@ -99,11 +99,9 @@ def run_receive(args) -> int:
         if args.file:
             reference = load_file(args.file, device="cpu")
             verified = all(torch.equal(as_bytes(dest.views[n].cpu()), as_bytes(t)) for n, t in reference.items())
-        posted = bool(args.post and last is not None and not adopted and last.post_next(dest))
         emit("RESULT", json.dumps({"ok": True, "bytes": report.nbytes, "seconds": report.seconds,
                                    "verified": verified, "stages": report.profile, "adopted": adopted,
                                    "adopted_posted": bool(last is not None and last.adopted_posted),
-                                   "posted": posted,
                                    **({"checksums": {n: checksum_tensor(t) for n, t in dest.views.items()}}
                                       if args.report_checksums else {})}))
         armed = last.arm(bell) if bell is not None and last is not None else None  # after the checksums' kernels
@@ -155,8 +153,6 @@ def main(argv: list[str] | None = None) -> int:
                                                    "from one transfer to the next under this holder name")
     parser.add_argument("--arm", action="store_true", help="receiver (with --hold): arm each held pull again for "
                                                            "the next offer, behind a bell (BELL line: its handle)")
-    parser.add_argument("--post", action="store_true", help="receiver (nccl, --loop): after each transfer, post the "
-                        "receives of the next one into the same destination (Receiver.post_next)")
     parser.add_argument("--report-checksums", action="store_true", help="receiver: each RESULT gives the checksum "
                                                                         "of every tensor received")
     parser.add_argument("--staged", action="store_true", help="sender: no one-copy even when possible")

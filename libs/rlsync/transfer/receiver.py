@@ -15,7 +15,7 @@ from rlsync.flat import FlatStore
 from rlsync.transfer.armed import Armed, Bell, key_of
 from rlsync.transfer.backends import available, channel
 from rlsync.transfer import routed_groups
-from rlsync.transfer.backends.groups import held_groups, post, posted_groups
+from rlsync.transfer.backends.groups import drop_posted, held_groups, post_held
 from rlsync.transfer.backends.base import ReceiveJob
 from rlsync.transfer.control import Deadline, connect
 from rlsync.transfer.handshake import NAMES, PROTOCOL_VERSION, backend_of, local_facts, make_answer
@@ -122,14 +122,18 @@ class Receiver:
         self.start = time.perf_counter()
         clock.lap("layout")  # the manifest, the destination laid out, the caller's stream marked
         self.conn = None  # a pull needs no connection: the offer says where the bytes are
-        self.welcome: Welcome | None = None  # how a pushed transfer came (post_next repeats it)
-        self.adopted_posted = False  # its bytes came into receives posted before the offer (post_next)
+        self.posted: str | None = None  # the group it posted its receives on (transfer.backends.groups)
+        self.adopted_posted = False  # ... and whether the transfer came there
         if not answer.pull:
             local = self.channel.local
+            if answer.backend == pb.BACKEND_NCCL:  # the bytes may move before it connects (never as deltas)
+                self.posted = post_held(tuple(s.nbytes for s in self.specs), answer.bucket_bytes or offer.bucket_bytes,
+                                        self.writer)
+                clock.lap("post")
             self.conn = connect(offer.local_control if local else offer.control_address, self.deadline, local)
             self.conn.send(Hello(PROTOCOL_VERSION, offer.transfer_id, offer.token, answer.receiver_id, rank,
                                  answer.ranks, answer.backend, held_groups() if not local else [],
-                                 posted_groups() if not local else []))
+                                 [self.posted] if self.posted else []))
             clock.lap("connect")
         self.setup = clock.stages  # seconds of each stage of the above
 
@@ -145,13 +149,13 @@ class Receiver:
             if not isinstance(msg, Welcome):
                 raise Aborted(f"protocol error: expected Welcome, got {type(msg).__name__}")
             plan = list(cached_plan(tuple(s.nbytes for s in self.specs), msg.bucket_bytes))
-            self.welcome = msg
             job = ReceiveJob(self.conn, msg, fds, self.specs, plan, self.writer, self.device, self.deadline,
                              self.offer.transfer_id, base=self.base, hold=self.hold)
             self.channel.receive(job)
             self.adopted_posted = "posted" in job.scratch
         finally:
             self.conn.close()
+            self._drop_posted()
         return Report(sum(s.nbytes for s in self.specs), time.perf_counter() - self.start,
                       {NAMES[self.answer.backend]: 1})
 
@@ -191,25 +195,17 @@ class Receiver:
         return Armed(bell, launch, self._held_pull,
                      key_of(self.specs, mapped.ipc, mapped.region, mapped.offset, mapped.dtype))
 
-    def post_next(self, dest: Destination) -> bool:
-        """After run() received over NCCL: posts, on the same group, the receives of a transfer of
-        the same tensors into `dest` (the memory the next update lands in), so that the sender's
-        next broadcast moves at once (rlsync.transfer.backends.groups). -> whether it did: not after
-        a delta or checksummed transfer, nor where a bucket would not land in place on the GPU.
-        Until the next transfer on the group adopts them, `dest` is theirs: drop them
-        (`drop_posted`) before it is used or freed otherwise, and before anything waits for the
-        whole device."""
-        w = self.welcome
-        if w is None or w.backend != pb.BACKEND_NCCL or w.verify or w.delta:
-            return False
-        sizes = tuple(s.nbytes for s in self.specs)
-        return post(w.group, list(cached_plan(sizes, w.bucket_bytes)), w.bucket_bytes, sizes,
-                    DestWriter(self.specs, dest, self.device))
+    def _drop_posted(self) -> None:
+        """Receives it posted that no Welcome took (they would wait on the GPU for a transfer that
+        never comes)."""
+        if self.posted is not None:
+            drop_posted(only=self.posted)
 
     def close(self) -> None:
         """Ends the transfer from another thread too: run() then fails instead of waiting on."""
         if self.conn is None:
             return  # a pull runs in the thread that asked for it
+        self._drop_posted()
         try:
             self.conn.sock.shutdown(socket.SHUT_RDWR)
         except OSError:

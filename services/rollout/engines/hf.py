@@ -34,9 +34,7 @@ from rlsync.rollout.engines.hf_weights import Weights
 from rlsync.rollout.sampling import make_generator, sample
 from rlsync.rollout.staging import AdoptedUpdate, StagedUpdate, ensure_room, free_bytes, pulled
 from rlsync.transfer import answer
-from rlsync.transfer.backends.groups import drop_posted
 from rlsync.transfer.handshake import same_gpu
-from rlsync.transfer.v1.transfer_pb2 import BACKEND_NCCL
 from rlsync.transfer.held import HELD
 from rlsync.transfer.manifest import check_against, from_proto
 from rlsync.rollout.types import (Delta, FinishReason, GenerationRequest, MemoryUsage, PauseMode,
@@ -446,8 +444,6 @@ class HFEngine(Engine):
         base = None if lora else self._delta_base(offer)
         ans = answer(offer, receiver_id, device=self.device, force=force_backend or None,
                      base_version=None if base is None else self.version)
-        if ans.backend != BACKEND_NCCL:
-            drop_posted()  # the spare they write into is about to be written otherwise
         clock.lap("answer")
 
         def receive(staging: FlatStore) -> StagedUpdate:  # a pull is done (or queued: offer.mapped.waits) on return
@@ -560,7 +556,7 @@ class HFEngine(Engine):
         return time.perf_counter() - start
 
     async def commit_update(self, version: int, recompute_kv: bool = False) -> int:
-        update, staging, adapter = self._update
+        _, staging, adapter = self._update
         self._update = None
 
         def swap() -> int:
@@ -573,11 +569,6 @@ class HFEngine(Engine):
             else:
                 self.weights.swap(staging, version)
                 self.adapter.disable()
-                # The next update lands in the spare: over NCCL its receives are posted now, so the bytes move
-                # as soon as the trainer sends them (rlsync.transfer.backends.groups).
-                receiver = getattr(update, "receiver", None)
-                if self.weights.spare is not None and receiver is not None and hasattr(receiver, "post_next"):
-                    receiver.post_next(self.weights.spare)
             return self.batch.recompute() if recompute_kv else 0
 
         # Between two decode steps: no step sees a mix (a recompute is a prefill: the engine thread's).

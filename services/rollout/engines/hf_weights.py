@@ -11,7 +11,6 @@ import torch
 from rlsync.flat import FlatStore, specs_of
 from rlsync.models import torch_dtype
 from rlsync.transfer.armed import Armed
-from rlsync.transfer.backends.groups import drop_posted
 
 
 class Weights:
@@ -67,12 +66,10 @@ class Weights:
 
     def disarm(self) -> None:
         """Lets an armed copy run out (its bytes are overwritten before use unless an update took
-        them), and drops receives posted into the spare (Receiver.post_next). First in whatever else
-        touches the stores or waits for the whole device."""
+        them). First in whatever else touches the store or waits for the whole device."""
         if self.armed is not None:
             self.armed.disarm()
             self.armed = None
-        drop_posted()
 
     def sleep(self, level: int) -> int:
         """-> the bytes copied to host memory."""
@@ -145,7 +142,6 @@ class Weights:
         beside it (`free`) is less than what the batch may take next (`need`). The next update then
         allocates its staging, or is refused for room, as without a spare."""
         if self.spare is not None and free < need:
-            drop_posted()  # (they write into it)
             self.spare = None
 
     def swap(self, store: FlatStore, version: int) -> None:

@@ -76,7 +76,8 @@ class _Broadcast(abc.ABC):
         # Out of the cache while a transfer uses it: one abandoned mid-way (a hung peer: its collectives
         # cannot be interrupted) runs on until its timeout, and must never share its group with the next.
         session = job.cache.pop(key, None)
-        if session is not None and all(session.gid in h.groups or (session.gid in h.posted and session.plan == plan)
+        posted_ok = session is not None and session.plan == plan and job.delta_base is None  # (as posted: whole)
+        if session is not None and all(session.gid in h.groups or (posted_ok and session.gid in h.posted)
                                        for h in hellos):
             return session, True
         _drop(session)
@@ -211,14 +212,15 @@ class _Broadcast(abc.ABC):
         sender hears of it, so the next transfer's Hello lists it), then tells the sender."""
         nbytes = job.writer.finish()
         job.clock.lap("verify")
-        keep_held(job.scratch.pop("session"))
+        plan = None if job.welcome.delta else (tuple(s.nbytes for s in job.specs), job.welcome.bucket_bytes)
+        keep_held(job.scratch.pop("session"), plan)
         job.conn.send(Result(ok=True, nbytes=nbytes, stages=job.clock.stages))
 
     def _join(self, job: ReceiveJob) -> _Session:
         w = job.welcome
         drop_posted(keep=w.group)  # no sender uses another group this process posted on again
         if w.reuse:  # out of the held ones while in use (see _session)
-            posted = take_posted(w.group, tuple(s.nbytes for s in job.specs), w.bucket_bytes)
+            posted = take_posted(w.group, tuple(s.nbytes for s in job.specs), w.bucket_bytes, w.delta)
             if posted is not None:
                 job.scratch["posted"] = posted
                 job.scratch["session"] = posted.session
@@ -248,7 +250,7 @@ class _Broadcast(abc.ABC):
             posted = job.scratch.get("posted")
             if posted is not None:  # posted before the offer (rlsync.transfer.backends.groups): the bytes may be in
                 go = posted.go
-                self._adopt(job, posted)
+                self._adopt(job, posted, checksums)
             else:
                 go = torch.empty(GO_BYTES, dtype=torch.uint8, device=self._device(job))
                 go_work = session.group.broadcast(go, 0)
@@ -279,12 +281,14 @@ class _Broadcast(abc.ABC):
             self._confirm(job)
 
     @staticmethod
-    def _adopt(job: ReceiveJob, posted: Posted) -> None:
+    def _adopt(job: ReceiveJob, posted: Posted, checksums: Checksums) -> None:
         """Receives posted ahead: waits for them (the watchdog aborts them as it would any), then
         records each bucket landed, or copies it where this transfer's destination is not the posted one."""
         for work in posted.works:
             work.wait()
         for bucket, view in zip(job.plan, posted.views):
+            if job.welcome.verify:
+                checksums.add(view)
             dest = job.writer.direct_span(bucket.slices)
             if dest is not None and (dest.data_ptr(), dest.numel()) == (view.data_ptr(), view.numel()):
                 for s in bucket.slices:

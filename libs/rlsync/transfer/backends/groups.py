@@ -1,25 +1,28 @@
-"""The broadcast groups a process keeps between transfers, and the NCCL broadcasts it posts before
-the next transfer's offer.
+"""The broadcast groups a process keeps between transfers, and the NCCL broadcasts each end posts
+before the other is ready.
 
 A group outlives one transfer (rlsync.transfer.backends.collective): the sender keeps it in its
 cache under its members, a receiver in `_HELD`, and the next transfer to the same receivers uses it
 again. Each transfer on a group is the same sequence of broadcasts: a 16-byte token of the
-transfer's id (its `go`), then every bucket of its plan. So both ends know, before the offer, what
-the next transfer on a group will broadcast when its plan is the last one's; each may post its
-half ahead, on NCCL's stream, and the data moves as soon as the other half is posted:
+transfer's id (its `go`), then every bucket of its plan. So when a transfer's plan is the last
+one's, both ends know what it will broadcast before they have spoken, and each posts its half on
+NCCL's stream as soon as it can; the bytes move once both halves are posted:
 
-- a receiver, once its update is live, posts the receives of the same plan into the memory the
-  next update lands in (`post`, for a replica: its spare weights); it lists the group as `posted`
-  in its next Hello, and its next transfer on that group adopts them (`take_posted`);
-- a sender, at its offer, posts the broadcasts of the offer on the one group whose last plan is
-  the offer's (`start_ahead`), before any receiver answered; send() adopts them when every
-  receiver of the group holds it or posted its receives (`take_ahead`), and aborts the group
-  otherwise (a new one is made, as for new receivers).
+- the sender at its offer, before any receiver answered, on the one group whose last plan is the
+  offer's (`start_ahead`); its send() adopts them when every receiver of the group holds it or
+  posted on it (`take_ahead`), and aborts the group otherwise (a new one is made, as for new
+  receivers);
+- a receiver as it prepares, before it answers, into the memory the transfer lands in, on the held
+  group whose last plan this is (`post_held`); its Hello lists the group as posted, and the Welcome
+  on it adopts them (`take_posted`).
 
 The go token makes a mismatch loud: a receiver whose posted receives carried another transfer's
-bytes fails with DataLoss. Posted receives wait on the GPU, one channel of one small kernel, for
-as long as the next transfer takes to come: whatever waits for the whole device (a synchronize, a
-cudaFree) waits for them, so a holder drops them first (`drop_posted`), which aborts the group.
+bytes fails with DataLoss. A posted kernel waits on the GPU until its peer's half comes, and what
+waits for the whole device meanwhile (a synchronize, a cudaFree, and under CUDA's lazy loading the
+first launch of a kernel) waits for it: measured, a replica's checksum kernels launched after its
+receives were posted for the next update waited for that update, which waited for the checksums.
+So each end posts only once the transfer is under way (the offer made; the receiver prepared), and
+what no transfer took is dropped (`cancel_ahead`, `drop_posted`: the group is aborted).
 """
 
 from __future__ import annotations
@@ -91,8 +94,10 @@ def _drop(session: _Session | None) -> None:
         session.group = None
 
 
-def keep_held(session: _Session) -> None:
-    """A receiver's group after a transfer: offered for reuse (the oldest beyond a few go)."""
+def keep_held(session: _Session, plan: tuple | None) -> None:
+    """A receiver's group after a transfer of `plan` (None: in deltas): offered for reuse (the oldest
+    beyond a few go)."""
+    session.plan = plan
     _HELD[session.gid] = session
     while len(_HELD) > _HELD_MAX:
         _drop(_HELD.popitem(last=False)[1])
@@ -137,40 +142,42 @@ def posted_groups() -> list[str]:
     return list(_POSTED)
 
 
-def post(gid: str, plan: list, bucket_bytes: int, sizes: tuple[int, ...], writer) -> bool:
-    """Posts, on the held group `gid`, the receives of a transfer of `plan` into `writer`'s
-    destination; -> whether it did: NCCL only, each bucket landing in place on the GPU. The group
-    is then listed as posted, not held, until the next transfer on it adopts them or they are
-    dropped."""
-    session = _HELD.get(gid)
-    if session is None or type(session.group).__name__ != "ProcessGroupNCCL":
-        return False
-    views = [writer.direct_span(bucket.slices) for bucket in plan]
+def post_held(sizes: tuple[int, ...], bucket_bytes: int, writer) -> str | None:
+    """Posts, on the held NCCL group whose last transfer had this plan (`sizes` in buckets of
+    `bucket_bytes`; the newest such), the receives of a transfer of that plan into `writer`'s
+    destination; -> its id, or None: no such group, or a bucket that would not land in place on the
+    GPU. The group is then listed as posted, not held, until a Welcome on it adopts them
+    (`take_posted`) or they are dropped (`drop_posted`)."""
+    plan = (sizes, bucket_bytes)
+    gid = next((g for g, s in reversed(_HELD.items()) if s.plan == plan), None)
+    if gid is None or type(_HELD[gid].group).__name__ != "ProcessGroupNCCL":
+        return None
+    views = [writer.direct_span(bucket.slices) for bucket in cached_plan(sizes, bucket_bytes)]
     if not views or any(v is None or v.device.type != "cuda" for v in views):
-        return False
-    del _HELD[gid]
+        return None
+    session = _HELD.pop(gid)
     go = torch.empty(GO_BYTES, dtype=torch.uint8, device=views[0].device)
     works = [session.group.broadcast(go, 0), *(session.group.broadcast(v, 0) for v in views)]
-    _POSTED[gid] = Posted(session, (sizes, bucket_bytes), views, go, works)
-    return True
+    _POSTED[gid] = Posted(session, plan, views, go, works)
+    return gid
 
 
-def take_posted(gid: str, sizes: tuple[int, ...], bucket_bytes: int) -> Posted | None:
+def take_posted(gid: str, sizes: tuple[int, ...], bucket_bytes: int, delta: bool = False) -> Posted | None:
     """The receives posted on `gid`, for the transfer a Welcome on that group starts (the others'
     groups are dropped: no sender uses them again). A sender reuses a posted group only for the plan
-    posted; another plan here is a protocol fault, and fails the transfer."""
+    posted, whole; another plan or deltas here are a protocol fault, and fail the transfer."""
     drop_posted(keep=gid)
     posted = _POSTED.pop(gid, None)
-    if posted is not None and posted.plan != (sizes, bucket_bytes):
+    if posted is not None and (delta or posted.plan != (sizes, bucket_bytes)):
         _drop_one(posted)
         raise DataLoss(f"the sender reused group {gid[:8]} for another plan than the receives posted on it")
     return posted
 
 
-def drop_posted(keep: str | None = None) -> int:
-    """Aborts the groups of every posted receive (but `keep`'s), ending their kernels, before their
-    memory is used otherwise or anything waits for the whole device. -> how many."""
-    dropped = [gid for gid in _POSTED if gid != keep]
+def drop_posted(keep: str | None = None, only: str | None = None) -> int:
+    """Aborts the groups of posted receives (every one but `keep`'s, or `only`'s), ending their
+    kernels, before their memory is used otherwise. -> how many."""
+    dropped = [gid for gid in _POSTED if gid != keep and only in (None, gid)]
     for gid in dropped:
         _drop_one(_POSTED.pop(gid))
     return len(dropped)
