@@ -145,14 +145,13 @@ class PublisherCore:
     # ---- what the coordinator calls ---------------------------------------------------------------
     # Each request checks the state and builds the sender inside the work `run` schedules: by then an
     # offload queued before it has happened, and a sharded model is not in the middle of a step.
-    async def offer(self, version: int, pull: bool = False, describe: bool = False,
-                    ahead: bool = False) -> tuple[tpb.Offer, tuple[tpb.MappedTensors, tpb.Facts] | None]:
+    async def offer(self, version: int, pull: bool = False,
+                    describe: bool = False) -> tuple[tpb.Offer, tuple[tpb.MappedTensors, tpb.Facts] | None]:
         """pull: receivers on the trainer's GPU copy the weights themselves (see OfferWeightsRequest);
         else, with a publish buffer, the weights are copied into it and the offer is a pull of the
         buffer, which receivers copy while training goes on. describe: also where the weights (or
         the buffer) lie on the GPU, for replicas on it to keep mapped (see onload); None when they
-        cannot be mapped. ahead: start broadcasting it at once, for a caller that publishes it as
-        soon as its receivers answered (WeightSender.send_ahead; `cancel_ahead` otherwise)."""
+        cannot be mapped."""
         def offer() -> tuple[tpb.Offer, tuple[tpb.MappedTensors, tpb.Facts] | None]:
             self._require_on_device("publishing weights")
             sender = self._sender_now()
@@ -170,11 +169,17 @@ class PublisherCore:
             # a pull's offer already says where the weights lie
             regions = (offer.mapped if offer.mapped.ipc else made.regions()) if describe else None
             self._remember(offer, made)  # here, in step with an offload's drop_sender
-            if ahead:
-                made.send_ahead(offer)
             return offer, None if regions is None else (regions, local_facts(made.device))
 
         return await self.run(offer, PASSES, lambda: self._passes(1 if self.checksums_in_manifest else 0))
+
+    async def send_ahead(self, transfer_id: str) -> bool:
+        """Starts broadcasting an offer before its receivers answered, for a caller that publishes it
+        as soon as they did (WeightSender.send_ahead; `cancel_ahead` otherwise). -> whether it started."""
+        offer, sender = self._offers.get(transfer_id, (None, None))
+        if not isinstance(sender, WeightSender):
+            return False
+        return await self.run(lambda: sender.send_ahead(offer))
 
     def cancel_ahead(self, transfer_id: str) -> None:
         """Ends the broadcasts `offer(ahead=True)` started, for an offer that will not be published now."""

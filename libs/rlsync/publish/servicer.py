@@ -6,6 +6,8 @@ rlsync's trainer service extends this with Train and checkpoints; a user's loop 
 
 from __future__ import annotations
 
+import asyncio
+
 import torch
 
 from rlsync.client.weights import ring_hold, ring_prepare, ring_release
@@ -98,19 +100,27 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
     @unary
     async def OfferWeights(self, request: pb.OfferWeightsRequest, context) -> pb.OfferWeightsResponse:
         ring = list(request.ring)
-        # A trainer that will send as soon as the replicas it rings answered starts broadcasting now, on
-        # the group of their last update: those that posted their receives get the bytes meanwhile.
         offer, regions = await self.publisher.offer(request.version if request.HasField("version") else self.step(),
-                                                    request.pull, describe=request.hold and bool(ring),
-                                                    ahead=request.publish and bool(ring))
+                                                    request.pull, describe=request.hold and bool(ring))
         publishing = False
         try:
             if regions is not None:
                 await self._hold(regions, ring)
                 if self.publisher.offloaded:  # an Offload ran while they mapped: they let go now
                     await self.release_held()
-            rung, seconds = await ring_prepare(offer, ring, self.token, request.force_backend,
-                                               request.timeout, self.lines, self.bells)
+            rang = asyncio.ensure_future(ring_prepare(offer, ring, self.token, request.force_backend,
+                                                      request.timeout, self.lines, self.bells))
+            if request.publish and ring:
+                # A trainer that sends as soon as the replicas it rang answered starts broadcasting while they
+                # prepare, on the group of their last update: those that post their receives as they prepare
+                # get the bytes at once (rlsync.transfer.backends.groups).
+                try:
+                    await asyncio.sleep(0)  # the rings go out first
+                    await self.publisher.send_ahead(offer.transfer_id)
+                except BaseException:
+                    rang.cancel()
+                    raise
+            rung, seconds = await rang
             pushed = [r.answer for r in rung if not r.answer.pull]
             publishing = request.publish and all(r.rung for r in rung) and bool(pushed)
             if publishing:  # every replica prepared here: send now, rather than at PublishWeights

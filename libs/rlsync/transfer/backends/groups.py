@@ -157,7 +157,11 @@ def post_held(sizes: tuple[int, ...], bucket_bytes: int, writer) -> str | None:
         return None
     session = _HELD.pop(gid)
     go = torch.empty(GO_BYTES, dtype=torch.uint8, device=views[0].device)
-    works = [session.group.broadcast(go, 0), *(session.group.broadcast(v, 0) for v in views)]
+    try:
+        works = [session.group.broadcast(go, 0), *(session.group.broadcast(v, 0) for v in views)]
+    except BaseException:
+        _drop(session)
+        raise
     _POSTED[gid] = Posted(session, plan, views, go, works)
     return gid
 
@@ -224,7 +228,11 @@ def start_ahead(cache: dict, transfer_id: str, sizes: tuple[int, ...], bucket_by
         return False
     del cache[key]
     go = go_tensor(transfer_id, views[0].device)
-    works = [session.group.broadcast(go, 0), *(session.group.broadcast(v, 0) for v in views)]
+    try:
+        works = [session.group.broadcast(go, 0), *(session.group.broadcast(v, 0) for v in views)]
+    except BaseException:
+        _drop(session)  # part of a transfer is posted: the group can carry no other
+        raise
     cache["ahead"] = Ahead(transfer_id, key, session, works, [go, *views])
     return True
 
