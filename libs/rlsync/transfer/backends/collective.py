@@ -260,7 +260,8 @@ class _Broadcast(abc.ABC):
                     self._receive_whole(job, session, checksums)
                 go_work.wait()
             check_go(go, job.transfer_id)
-            job.clock.lap("broadcast")
+            # (posted: from the Welcome to the last byte, which may have come before it; no measure of the wire)
+            job.clock.lap("broadcast" if posted is None else "posted_broadcast")
             if early:
                 watchdog.stand_down()  # no collective is left: the sender hanging up after the Result aborts nothing
                 self._confirm(job)
