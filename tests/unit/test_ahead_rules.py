@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlsync.errors import DataLoss
+from rlsync.errors import Aborted, DataLoss
 from rlsync.transfer.backends import groups
 from rlsync.transfer.messages import Hello
 
@@ -91,18 +91,24 @@ def test_a_receive_posted_for_one_plan_fails_a_transfer_of_another(monkeypatch):
     group = ProcessGroupNCCL()
     posted = groups.Posted(groups._Session("g2", None, group), PLAN, [], torch.zeros(16, dtype=torch.uint8), [])
     monkeypatch.setitem(groups._POSTED, "g2", posted)
-    with pytest.raises(DataLoss, match="another plan"):
+    with pytest.raises(Aborted, match="another plan"):
         groups.take_posted("g2", SIZES, 512)
     assert group.ended and "g2" not in groups._POSTED
 
 
-def test_a_transfer_on_one_group_drops_the_receives_posted_on_others(monkeypatch):
+def test_a_welcome_on_one_group_drops_the_receives_posted_on_others(monkeypatch):
     kept, other = ProcessGroupNCCL(), ProcessGroupNCCL()
     for gid, group in (("keep", kept), ("other", other)):
         monkeypatch.setitem(groups._POSTED, gid, groups.Posted(groups._Session(gid, None, group), PLAN, [],
                                                                torch.zeros(16, dtype=torch.uint8), [_Done()]))
+    assert groups.drop_posted(keep="keep") == 1  # (what the Welcome's _join does first)
     assert groups.take_posted("keep", *PLAN).session.group is kept
     assert other.ended and not kept.ended and not groups._POSTED
+
+
+def test_a_welcome_on_a_group_this_process_no_longer_holds_says_so():
+    with pytest.raises(Aborted, match="no longer holds"):
+        groups.take_held("gone")
 
 
 def test_the_go_token_names_its_transfer():

@@ -177,12 +177,12 @@ class PublisherCore:
         """Starts broadcasting an offer before its receivers answered, for a caller that publishes it
         as soon as they did (WeightSender.send_ahead; `cancel_ahead` otherwise). -> whether it started."""
         offer, sender = self._offers.get(transfer_id, (None, None))
-        if not isinstance(sender, WeightSender):
+        if not isinstance(sender, WeightSender) or not sender.can_send_ahead:
             return False
         return await self.run(lambda: sender.send_ahead(offer))
 
     def cancel_ahead(self, transfer_id: str) -> None:
-        """Ends the broadcasts `offer(ahead=True)` started, for an offer that will not be published now."""
+        """Ends the broadcasts send_ahead() started, for an offer that will not be published now."""
         _, sender = self._offers.get(transfer_id, (None, None))
         if isinstance(sender, WeightSender):
             sender.cancel_ahead(transfer_id)
@@ -232,7 +232,7 @@ class PublisherCore:
             self._require_on_device("publishing weights")
             if transfer_id not in self._offers:  # an offload dropped the sender that made it
                 raise NotFound(f"offer {transfer_id!r} was dropped when the trainer offloaded: call OfferWeights")
-            return sender.send(offer, answers, timeout or self.transfer_timeout)
+            return sender.send(offer, answers, timeout or self.transfer_timeout)  # (it ends a send_ahead())
 
         if offer.HasField("routing"):  # every rank sends its own shards (the others get the same request)
             timeout = timeout or self.transfer_timeout
@@ -240,7 +240,11 @@ class PublisherCore:
             report = await self.run(lambda: self.send_routed(payload), ROUTED, 0, payload)
         else:  # a streamed source makes one pass per channel (receivers that pulled need none)
             pushed = {a.backend for a in answers if not a.pull}
-            report = await self.run(send, PASSES, lambda: self._passes(len(pushed)))
+            try:
+                report = await self.run(send, PASSES, lambda: self._passes(len(pushed)))
+            except BaseException:  # cancelled before send() ran, say: broadcasts it would have ended
+                self.cancel_ahead(transfer_id)
+                raise
         self._offers.pop(transfer_id, None)
         self.published = offer.manifest.version
         return offer.manifest.version, report

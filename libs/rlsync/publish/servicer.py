@@ -114,11 +114,13 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 # A trainer that sends as soon as the replicas it rang answered starts broadcasting while they
                 # prepare, on the group of their last update: those that post their receives as they prepare
                 # get the bytes at once (rlsync.transfer.backends.groups).
+                ahead = asyncio.ensure_future(self._send_ahead(offer.transfer_id))
                 try:
-                    await asyncio.sleep(0)  # the rings go out first
-                    await self.publisher.send_ahead(offer.transfer_id)
-                except BaseException:
+                    await asyncio.shield(ahead)
+                except BaseException:  # cancelled: what the thread still posts is ended once it has
                     rang.cancel()
+                    ahead.add_done_callback(lambda t: (t.cancelled() or t.exception(),
+                                                       self.publisher.cancel_ahead(offer.transfer_id)))
                     raise
             rung, seconds = await rang
             pushed = [r.answer for r in rung if not r.answer.pull]
@@ -129,6 +131,10 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
             if not publishing:
                 self.publisher.cancel_ahead(offer.transfer_id)
         return pb.OfferWeightsResponse(offer=offer, rung=rung, ring_seconds=seconds, publishing=publishing)
+
+    async def _send_ahead(self, transfer_id: str) -> None:
+        await asyncio.sleep(0)  # the rings go out first
+        await self.publisher.send_ahead(transfer_id)
 
     @unary
     async def PublishWeights(self, request: pb.PublishWeightsRequest, context) -> pb.PublishWeightsResponse:

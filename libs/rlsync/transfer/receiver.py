@@ -58,7 +58,7 @@ def receiver_for(offer: pb.Offer, answer: pb.Answer, dest: Destination, **kwargs
     """The receiving end this offer needs: a routed one for a sharded sender (its `boxes` say which
     box of each tensor `dest` holds), else a Receiver (its `expected` and `base` apply)."""
     if offer.HasField("routing"):
-        kwargs.pop("expected", None), kwargs.pop("base", None)
+        kwargs.pop("expected", None), kwargs.pop("base", None), kwargs.pop("post", None)
         return RoutedReceiver(offer, answer, dest, **kwargs)
     kwargs.pop("boxes", None)
     return Receiver(offer, answer, dest, **kwargs)
@@ -84,12 +84,17 @@ class Receiver:
     hold: a cuda_ipc one-copy keeps the sender's storages mapped afterwards, under this holder name
     (rlsync.transfer.held): the next transfer from memory still in place maps and closes nothing,
     and a storage it no longer lists is closed then. The caller must `HELD.release(hold)` before the
-    sender's memory may leave the GPU (memory another process maps is not freed)."""
+    sender's memory may leave the GPU (memory another process maps is not freed).
+
+    post: over NCCL, when the offer allows it, post the receives at once into `dest` on the group of
+    the last transfer of the same plan (rlsync.transfer.backends.groups), so the bytes may come
+    before the sender has this receiver's answer; False for a `dest` that is live (an engine
+    receiving in place), which an abandoned transfer must never write."""
 
     def __init__(self, offer: pb.Offer, answer: pb.Answer, dest: Destination, *, rank: int = 0,
                  device: torch.device | str | None = None, timeout: float = 300.0,
                  expected: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]] | None = None,
-                 base: Mapping[str, torch.Tensor] | FlatStore | None = None, hold: str = ""):
+                 base: Mapping[str, torch.Tensor] | FlatStore | None = None, hold: str = "", post: bool = True):
         clock = Stopwatch()
         self.hold = hold
         self.offer, self.answer = offer, answer
@@ -126,14 +131,18 @@ class Receiver:
         self.adopted_posted = False  # ... and whether the transfer came there
         if not answer.pull:
             local = self.channel.local
-            if answer.backend == pb.BACKEND_NCCL:  # the bytes may move before it connects (never as deltas)
+            if post and offer.post_ahead and answer.backend == pb.BACKEND_NCCL:  # the bytes may move before it connects
                 self.posted = post_held(tuple(s.nbytes for s in self.specs), answer.bucket_bytes or offer.bucket_bytes,
                                         self.writer)
                 clock.lap("post")
-            self.conn = connect(offer.local_control if local else offer.control_address, self.deadline, local)
-            self.conn.send(Hello(PROTOCOL_VERSION, offer.transfer_id, offer.token, answer.receiver_id, rank,
-                                 answer.ranks, answer.backend, held_groups() if not local else [],
-                                 [self.posted] if self.posted else []))
+            try:
+                self.conn = connect(offer.local_control if local else offer.control_address, self.deadline, local)
+                self.conn.send(Hello(PROTOCOL_VERSION, offer.transfer_id, offer.token, answer.receiver_id, rank,
+                                     answer.ranks, answer.backend, held_groups() if not local else [],
+                                     [self.posted] if self.posted else []))
+            except BaseException:
+                self._drop_posted()
+                raise
             clock.lap("connect")
         self.setup = clock.stages  # seconds of each stage of the above
 

@@ -127,7 +127,7 @@ class WeightSender:
             protocol_version=PROTOCOL_VERSION, manifest=manifest, facts=local_facts(self.device),
             backends=self.backends, token=secrets.token_hex(16), control_address=self.listener.address,
             local_control=self.listener.local_name, bucket_bytes=self.bucket_bytes, one_copy=one_copy,
-            transfer_id=transfer_id, mapped=self._mapped() if pull else None)
+            transfer_id=transfer_id, mapped=self._mapped() if pull else None, post_ahead=not self.delta)
 
     def _mapped(self) -> pb.MappedTensors | None:
         """Where the CUDA tensors lie, for receivers on this GPU to pull them (cuda_ipc)."""
@@ -165,7 +165,7 @@ class WeightSender:
         send() of this offer then waits for it, or aborts it when its receivers are not that
         group's; the next offer, send() or close() ends one no send() took. -> whether it started
         (not with checksums or deltas, nor for tensors not resident and contiguous per bucket)."""
-        if self.checksums or self.delta or not isinstance(self.source, ResidentSource):
+        if not self.can_send_ahead:
             return False
         resident = self.source.resident()
 
@@ -174,6 +174,10 @@ class WeightSender:
 
         return start_ahead(self.cache, offer.transfer_id, tuple(s.nbytes for s in self._specs_of(offer)),
                            offer.bucket_bytes, views_of)
+
+    @property
+    def can_send_ahead(self) -> bool:
+        return not (self.checksums or self.delta) and isinstance(self.source, ResidentSource)
 
     def cancel_ahead(self, transfer_id: str) -> None:
         """Ends what send_ahead() started for this transfer, if no send() took it."""

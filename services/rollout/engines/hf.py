@@ -446,8 +446,8 @@ class HFEngine(Engine):
                      base_version=None if base is None else self.version)
         clock.lap("answer")
 
-        def receive(staging: FlatStore) -> StagedUpdate:  # a pull is done (or queued: offer.mapped.waits) on return
-            return StagedUpdate(offer, ans, staging, 0, self.device, timeout, base=base)
+        def receive(staging: FlatStore, post: bool = True) -> StagedUpdate:  # a pull is done (or queued) on return
+            return StagedUpdate(offer, ans, staging, 0, self.device, timeout, base=base, post=post)
 
         def in_place() -> StagedUpdate | AdoptedUpdate | None:
             """Between two steps: a woken engine whose weights are not refilled yet receives right
@@ -462,7 +462,7 @@ class HFEngine(Engine):
                     clock.lap("adopt")
                     return AdoptedUpdate(armed, offer.manifest.version)
                 self.weights.disarm()
-                update = receive(self.weights.store)
+                update = receive(self.weights.store, post=False)  # live if this update is abandoned
                 if ans.pull and update.poll().get("copied"):  # from held storages, for a sender that waits
                     self._arming.learn(specs, offer.mapped)
                 return update

@@ -37,7 +37,6 @@ from rlsync.transfer.streams import resolved
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 SLOTS = 2  # buckets in flight
-POSTED_WAIT = datetime.timedelta(days=1)
 
 
 class _Broadcast(abc.ABC):
@@ -89,13 +88,18 @@ class _Broadcast(abc.ABC):
         session, reuse = self._session(job)
         members = sorted(job.conns, key=lambda c: (c[1].receiver_id, c[1].rank))
         world = 1 + len(members)
-        for rank, (conn, _) in enumerate(members, start=1):
-            conn.send(Welcome(backend=self.backend, bucket_bytes=job.bucket_bytes, rank=rank, world=world,
-                              store=f"{job.store_host}:{session.store.port}", group=session.gid, reuse=reuse,
-                              verify=job.verify or job.delta_base is not None, delta=job.delta_base is not None))
-        if not reuse:
-            session.group = _bounded(lambda: self._group(session.store, 0, world, job.deadline, session.gid),
-                                     [c for c, _ in job.conns], job.deadline, "forming the process group")
+        try:  # (a group with broadcasts posted ahead must not outlive a receiver gone before its Welcome)
+            for rank, (conn, _) in enumerate(members, start=1):
+                conn.send(Welcome(backend=self.backend, bucket_bytes=job.bucket_bytes, rank=rank, world=world,
+                                  store=f"{job.store_host}:{session.store.port}", group=session.gid, reuse=reuse,
+                                  verify=job.verify or job.delta_base is not None, delta=job.delta_base is not None))
+            if not reuse:
+                session.group = _bounded(lambda: self._group(session.store, 0, world, job.deadline, session.gid),
+                                         [c for c, _ in job.conns], job.deadline, "forming the process group")
+        except BaseException:
+            job.scratch.pop("ahead", None)
+            _drop(session)
+            raise
         watchdog = _Watchdog(session.group, job.deadline, [c for c, _ in job.conns])
         checksums = Checksums()  # on the device, read once at the end: no stall between buckets
         job.wire_bytes = 0
@@ -132,6 +136,7 @@ class _Broadcast(abc.ABC):
                 self._refill(job, session, self._slots(session, job)[0])
         except BaseException as e:
             inflight.clear()  # pending work holds the group too
+            job.scratch.pop("ahead", None)
             _drop(session)
             if isinstance(e, RuntimeError):  # the group failed: say which peer problem caused it
                 raise watchdog.error(e) from e
@@ -218,7 +223,7 @@ class _Broadcast(abc.ABC):
 
     def _join(self, job: ReceiveJob) -> _Session:
         w = job.welcome
-        drop_posted(keep=w.group)  # no sender uses another group this process posted on again
+        drop_posted(keep=w.group)  # a sender that names another group does not use those again
         if w.reuse:  # out of the held ones while in use (see _session)
             posted = take_posted(w.group, tuple(s.nbytes for s in job.specs), w.bucket_bytes, w.delta)
             if posted is not None:
@@ -283,19 +288,15 @@ class _Broadcast(abc.ABC):
 
     @staticmethod
     def _adopt(job: ReceiveJob, posted: Posted, checksums: Checksums) -> None:
-        """Receives posted ahead: waits for them (the watchdog aborts them as it would any), then
-        records each bucket landed, or copies it where this transfer's destination is not the posted one."""
+        """Receives posted ahead (into this transfer's destination, as its Receiver laid it out): waits
+        for them (the watchdog aborts them as it would any), then records every bucket landed."""
         for work in posted.works:
             work.wait()
         for bucket, view in zip(job.plan, posted.views):
             if job.welcome.verify:
                 checksums.add(view)
-            dest = job.writer.direct_span(bucket.slices)
-            if dest is not None and (dest.data_ptr(), dest.numel()) == (view.data_ptr(), view.numel()):
-                for s in bucket.slices:
-                    job.writer.mark(s.tensor, s.length)
-            else:
-                job.writer.write_many([(s.tensor, s.src, view[s.dst:s.dst + s.length]) for s in bucket.slices])
+            for s in bucket.slices:
+                job.writer.mark(s.tensor, s.length)
         sync(job.device)
 
     def _receive_whole(self, job: ReceiveJob, session: _Session, checksums: Checksums) -> None:
@@ -411,10 +412,7 @@ class NcclChannel(_Broadcast):
         # error handling tear the whole engine process down. A user's explicit setting wins.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
         options = dist.ProcessGroupNCCL.Options()
-        # Receives posted ahead wait for the next transfer, however long training takes (groups.post):
-        # NCCL's own timeout must not fail them; each transfer's deadline is the watchdog's.
-        deadline.remaining("creating the NCCL group")
-        options._timeout = POSTED_WAIT
+        options._timeout = datetime.timedelta(seconds=deadline.remaining("creating the NCCL group"))
         return dist.ProcessGroupNCCL(dist.PrefixStore(gid, store), rank, world, options)
 
 

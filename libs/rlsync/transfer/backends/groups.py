@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import logging
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rlsync.errors import DataLoss
+from rlsync.errors import Aborted, DataLoss
 from rlsync.transfer.plan import cached_plan
 
 log = logging.getLogger(__name__)
@@ -56,9 +57,11 @@ class _Session:
         _drop(self)
 
 
-# Receiver side: sessions this process holds, by group id (a receiver may serve several senders).
+# Receiver side: sessions this process holds, by group id (a receiver may serve several senders), and
+# those it posted receives on; changed under _LOCK (receivers run in threads), aborted outside it.
 _HELD: OrderedDict[str, _Session] = OrderedDict()
 _HELD_MAX = 4
+_LOCK = threading.Lock()
 
 
 def held_groups() -> list[str]:
@@ -98,15 +101,22 @@ def keep_held(session: _Session, plan: tuple | None) -> None:
     """A receiver's group after a transfer of `plan` (None: in deltas): offered for reuse (the oldest
     beyond a few go)."""
     session.plan = plan
-    _HELD[session.gid] = session
-    while len(_HELD) > _HELD_MAX:
-        _drop(_HELD.popitem(last=False)[1])
+    with _LOCK:
+        _HELD[session.gid] = session
+        old = [_HELD.popitem(last=False)[1] for _ in range(len(_HELD) - _HELD_MAX)]
+    for stale in old:
+        _drop(stale)
 
 
 def take_held(gid: str) -> _Session:
     """The held group a sender reuses (out of _HELD while in use: one abandoned mid-way never serves
     the next transfer)."""
-    return _HELD.pop(gid)
+    with _LOCK:
+        session = _HELD.pop(gid, None)
+    if session is None:
+        raise Aborted(f"the sender reuses broadcast group {gid[:8]}, which this process no longer holds (dropped "
+                      "since its Hello): make a new offer")
+    return session
 
 
 def go_token(transfer_id: str) -> bytes:
@@ -135,11 +145,7 @@ class Posted:
 
 
 _POSTED: dict[str, Posted] = {}
-_STRANDED: list[Posted] = []  # receives an abort did not end: their memory is never handed back
-
-
-def posted_groups() -> list[str]:
-    return list(_POSTED)
+_STRANDED: list[Posted] = []  # receives an abort did not end: kept referenced, their memory is never freed
 
 
 def post_held(sizes: tuple[int, ...], bucket_bytes: int, writer) -> str | None:
@@ -148,42 +154,48 @@ def post_held(sizes: tuple[int, ...], bucket_bytes: int, writer) -> str | None:
     destination; -> its id, or None: no such group, or a bucket that would not land in place on the
     GPU. The group is then listed as posted, not held, until a Welcome on it adopts them
     (`take_posted`) or they are dropped (`drop_posted`)."""
+    drop_posted()  # an earlier transfer's that no Welcome took: no sender uses them now
     plan = (sizes, bucket_bytes)
-    gid = next((g for g, s in reversed(_HELD.items()) if s.plan == plan), None)
-    if gid is None or type(_HELD[gid].group).__name__ != "ProcessGroupNCCL":
-        return None
     views = [writer.direct_span(bucket.slices) for bucket in cached_plan(sizes, bucket_bytes)]
     if not views or any(v is None or v.device.type != "cuda" for v in views):
         return None
-    session = _HELD.pop(gid)
+    with _LOCK:
+        gid = next((g for g, s in reversed(_HELD.items()) if s.plan == plan), None)
+        if gid is None or type(_HELD[gid].group).__name__ != "ProcessGroupNCCL":
+            return None
+        session = _HELD.pop(gid)
     go = torch.empty(GO_BYTES, dtype=torch.uint8, device=views[0].device)
     try:
         works = [session.group.broadcast(go, 0), *(session.group.broadcast(v, 0) for v in views)]
-    except BaseException:
+    except Exception as e:  # noqa: BLE001 - posting ahead only saves time: the transfer makes a new group
+        log.warning("posting receives on group %s failed, it is dropped: %s", gid[:8], e)
         _drop(session)
-        raise
-    _POSTED[gid] = Posted(session, plan, views, go, works)
+        return None
+    with _LOCK:
+        _POSTED[gid] = Posted(session, plan, views, go, works)
     return gid
 
 
 def take_posted(gid: str, sizes: tuple[int, ...], bucket_bytes: int, delta: bool = False) -> Posted | None:
-    """The receives posted on `gid`, for the transfer a Welcome on that group starts (the others'
-    groups are dropped: no sender uses them again). A sender reuses a posted group only for the plan
-    posted, whole; another plan or deltas here are a protocol fault, and fail the transfer."""
-    drop_posted(keep=gid)
-    posted = _POSTED.pop(gid, None)
+    """The receives posted on `gid`, for the transfer a Welcome on that group starts. A sender reuses
+    a posted group only for the plan posted, whole; another plan or deltas here are a protocol fault,
+    and fail the transfer."""
+    with _LOCK:
+        posted = _POSTED.pop(gid, None)
     if posted is not None and (delta or posted.plan != (sizes, bucket_bytes)):
         _drop_one(posted)
-        raise DataLoss(f"the sender reused group {gid[:8]} for another plan than the receives posted on it")
+        raise Aborted(f"protocol error: the sender reused group {gid[:8]} for another plan than the receives posted "
+                      "on it")
     return posted
 
 
 def drop_posted(keep: str | None = None, only: str | None = None) -> int:
     """Aborts the groups of posted receives (every one but `keep`'s, or `only`'s), ending their
     kernels, before their memory is used otherwise. -> how many."""
-    dropped = [gid for gid in _POSTED if gid != keep and only in (None, gid)]
-    for gid in dropped:
-        _drop_one(_POSTED.pop(gid))
+    with _LOCK:
+        dropped = [_POSTED.pop(gid) for gid in list(_POSTED) if gid != keep and only in (None, gid)]
+    for posted in dropped:
+        _drop_one(posted)
     return len(dropped)
 
 
@@ -192,8 +204,8 @@ def _drop_one(posted: Posted, settle_seconds: float = 10.0) -> None:
     deadline = time.monotonic() + settle_seconds
     while not all(w.is_completed() for w in posted.works):
         if time.monotonic() > deadline:
-            log.warning("receives posted on group %s did not end with its abort: their %d buckets' memory is kept "
-                        "from reuse", posted.session.gid[:8], len(posted.views))
+            log.error("receives posted on group %s did not end with its abort: their %d buckets' memory stays "
+                      "referenced, never freed", posted.session.gid[:8], len(posted.views))
             _STRANDED.append(posted)
             return
         time.sleep(0.001)
@@ -218,7 +230,7 @@ def start_ahead(cache: dict, transfer_id: str, sizes: tuple[int, ...], bucket_by
     gives each bucket's bytes where a broadcast reads them, or None (then nothing is posted).
     -> whether it did. send() adopts them (`take_ahead`), or aborts the group; `cancel_ahead` too."""
     cancel_ahead(cache)
-    found = [(k, s) for k, s in cache.items() if k[0] == "group" and s.plan == (sizes, bucket_bytes)
+    found = [(k, s) for k, s in cache.items() if k[:1] == ("group",) and s.plan == (sizes, bucket_bytes)
              and type(s.group).__name__ == "ProcessGroupNCCL"]
     if len(found) != 1:
         return False
@@ -227,12 +239,13 @@ def start_ahead(cache: dict, transfer_id: str, sizes: tuple[int, ...], bucket_by
     if not views or any(v is None or v.device.type != "cuda" for v in views):
         return False
     del cache[key]
-    go = go_tensor(transfer_id, views[0].device)
     try:
+        go = go_tensor(transfer_id, views[0].device)
         works = [session.group.broadcast(go, 0), *(session.group.broadcast(v, 0) for v in views)]
-    except BaseException:
-        _drop(session)  # part of a transfer is posted: the group can carry no other
-        raise
+    except Exception as e:  # noqa: BLE001 - sending ahead only saves time: send() makes a new group
+        log.warning("posting broadcasts ahead on group %s failed, it is dropped: %s", session.gid[:8], e)
+        _drop(session)  # (part of a transfer may be posted on it: it can carry no other)
+        return False
     cache["ahead"] = Ahead(transfer_id, key, session, works, [go, *views])
     return True
 
@@ -265,8 +278,10 @@ def release_held() -> None:
     and taking the GIL to do it aborts the process ("terminate called without an active
     exception"). Destroyed here, while the interpreter is whole, each group joins its threads."""
     drop_posted()
-    while _HELD:
-        _drop(_HELD.popitem(last=False)[1])
+    with _LOCK:
+        held = [_HELD.popitem(last=False)[1] for _ in range(len(_HELD))]
+    for session in held:
+        _drop(session)
 
 
 atexit.register(release_held)

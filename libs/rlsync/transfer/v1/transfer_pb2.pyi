@@ -69,7 +69,7 @@ class Facts(_message.Message):
     def __init__(self, host_id: _Optional[str] = ..., device_type: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., hostname: _Optional[str] = ...) -> None: ...
 
 class Offer(_message.Message):
-    __slots__ = ("protocol_version", "manifest", "facts", "backends", "token", "control_address", "local_control", "bucket_bytes", "one_copy", "transfer_id", "mapped", "routing")
+    __slots__ = ("protocol_version", "manifest", "facts", "backends", "token", "control_address", "local_control", "bucket_bytes", "one_copy", "transfer_id", "mapped", "routing", "post_ahead")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     FACTS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class Offer(_message.Message):
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     MAPPED_FIELD_NUMBER: _ClassVar[int]
     ROUTING_FIELD_NUMBER: _ClassVar[int]
+    POST_AHEAD_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     manifest: Manifest
     facts: Facts
@@ -94,7 +95,8 @@ class Offer(_message.Message):
     transfer_id: str
     mapped: MappedTensors
     routing: Routing
-    def __init__(self, protocol_version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., facts: _Optional[_Union[Facts, _Mapping]] = ..., backends: _Optional[_Iterable[_Union[Backend, str]]] = ..., token: _Optional[str] = ..., control_address: _Optional[str] = ..., local_control: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., one_copy: _Optional[bool] = ..., transfer_id: _Optional[str] = ..., mapped: _Optional[_Union[MappedTensors, _Mapping]] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ...) -> None: ...
+    post_ahead: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., facts: _Optional[_Union[Facts, _Mapping]] = ..., backends: _Optional[_Iterable[_Union[Backend, str]]] = ..., token: _Optional[str] = ..., control_address: _Optional[str] = ..., local_control: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., one_copy: _Optional[bool] = ..., transfer_id: _Optional[str] = ..., mapped: _Optional[_Union[MappedTensors, _Mapping]] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., post_ahead: _Optional[bool] = ...) -> None: ...
 
 class Box(_message.Message):
     __slots__ = ("start", "stop")
