@@ -253,7 +253,7 @@ class _Broadcast(abc.ABC):
         early = not (job.welcome.verify or job.welcome.delta)
         try:
             posted = job.scratch.get("posted")
-            if posted is not None:  # posted before the offer (rlsync.transfer.backends.groups): the bytes may be in
+            if posted is not None:  # posted as it prepared (rlsync.transfer.backends.groups): the bytes may be in
                 go = posted.go
                 self._adopt(job, posted, checksums)
             else:
