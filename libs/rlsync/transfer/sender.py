@@ -163,7 +163,7 @@ class WeightSender:
         transfer when its plan was this one's (rlsync.transfer.backends.groups): receivers that
         posted their receives get the bytes at once, and the others' answers come meanwhile.
         send() of this offer then waits for it, or aborts it when its receivers are not that
-        group.s; the next send_ahead(), send() or close() ends one no send() took. -> whether it started
+        group's; the next send_ahead(), send() or close() ends one no send() took. -> whether it started
         (not with checksums or deltas, nor for tensors not resident and contiguous per bucket)."""
         if not self.can_send_ahead:
             return False
