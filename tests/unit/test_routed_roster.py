@@ -12,7 +12,8 @@ from rlsync.errors import Aborted, FailedPrecondition, Unavailable
 from rlsync.transfer import answer
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.routes import TensorInfo, layout, whole
-from rlsync.transfer.sharded import RoutedReceiver, ShardedSender, _set_roster
+from rlsync.transfer.sharded import (RoutedReceiver, ShardedSender, _refused_key, _roster_key, _set_roster,
+                                    _waiting_key)
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 
@@ -112,3 +113,29 @@ def test_a_roster_without_this_replica_is_refused_by_name(sender):
     _set_roster(sender._store, offer, pb.RoutedSend(answers=[other]).SerializeToString())
     thread.join(10)
     assert "another-replica" in str(outcome.get("error")) and "dropped" in str(outcome["error"])
+
+
+def test_an_offer_left_behind_by_a_newer_one_wakes_its_receiver_and_leaves_no_keys(sender):
+    """An offer neither sent nor refused (its sync failed before the publish) is closed as a newer one
+    is sent or refused: its receivers wake with the reason, not at their deadline, and its keys go from
+    the trainer's store with the transfer after."""
+    old, _, outcome, thread = _waiting(sender)
+    newer = sender.offer(version=2)
+    closed = time.monotonic()
+    sender.refuse(newer, "the trainer's step failed")
+    thread.join(10)
+    assert isinstance(outcome.get("error"), Unavailable) and "newer offer" in str(outcome["error"])
+    assert outcome["at"] - closed < 5, "woken as the newer offer was refused, not by its deadline"
+    keys = [_roster_key(old), _refused_key(old), _waiting_key(old)]
+    assert all(sender._store.check([k]) for k in keys)
+    sender.refuse(sender.offer(version=3), "again")  # the transfer after
+    assert not any(sender._store.check([k]) for k in keys)
+
+
+def test_closing_the_sender_wakes_the_receivers_of_its_open_offers(sender):
+    _, _, outcome, thread = _waiting(sender)
+    closed = time.monotonic()
+    sender.close()
+    thread.join(10)
+    assert isinstance(outcome.get("error"), Unavailable) and "closed" in str(outcome["error"])
+    assert outcome["at"] - closed < 5

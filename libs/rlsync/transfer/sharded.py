@@ -24,6 +24,7 @@ import secrets
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 
@@ -94,6 +95,7 @@ def _refused_key(offer: pb.Offer) -> str:
 
 
 WAKE_SECONDS = 10.0  # close() waking a receiver rank: connecting to the trainer's store, one write
+OPEN_OFFERS = 16  # rank 0: offers kept open (neither sent nor refused); an older one is closed
 
 
 def _waiting_key(offer: pb.Offer) -> str:
@@ -198,6 +200,7 @@ class ShardedSender:
         self._store = None
         self._shares: dict = {}  # exported CUDA IPC handles, kept until close() (the trainer offloads)
         self._spent: list[str] = []  # rank 0: the store keys of the last transfer
+        self._open: OrderedDict[str, pb.Offer] = OrderedDict()  # rank 0: offers neither sent nor refused yet
         self._group = routed_groups.Decider()  # rank 0: the routed group of the last transfer
         if self.rank == 0:  # the one that offers
             self._ranks = [to_layout_proto(r) for r in layout.held]  # every offer's routing (~300 tensors: 0.8 ms)
@@ -208,11 +211,15 @@ class ShardedSender:
     def offer(self, version: int) -> pb.Offer:
         if self.rank != 0:
             raise FailedPrecondition("offers are made by rank 0 of the trainer")
-        return pb.Offer(
+        offer = pb.Offer(
             protocol_version=PROTOCOL_VERSION, manifest=to_proto(self.specs, version),
             facts=local_facts(self.device), backends=self.backends, token=secrets.token_hex(16),
             bucket_bytes=self.bucket_bytes, transfer_id=uuid.uuid4().hex,
             routing=pb.Routing(ranks=self._ranks, store=self.store_address))
+        self._open[offer.transfer_id] = offer
+        while len(self._open) > OPEN_OFFERS and self._store is not None:
+            self._close_offer(self._store, self._open.popitem(last=False)[1], "too many newer offers were made")
+        return offer
 
     def send(self, offer: pb.Offer, answers: Sequence[pb.Answer], timeout: float = 300.0) -> Report:
         """This rank's pieces to every answering replica's ranks; returns what it sent."""
@@ -226,6 +233,7 @@ class ShardedSender:
                                                                    deadline.remaining("joining the store"))
         if self.rank == 0:
             self._forget(store)
+            self._close_others(store, offer, "a newer offer was sent")
             receivers = sum(a.ranks for a in answers)
             self._spent += [*(_memory_key(offer, k) for k in range(self.world)),
                             *(_pulled_key(offer, e) for e in range(receivers)), routed_groups.key(offer.transfer_id),
@@ -271,9 +279,23 @@ class ShardedSender:
         """Rank 0: tells the receivers waiting for this offer's roster that no send will come, and why."""
         if self._store is not None:
             self._forget(self._store)
-            self._spent.append(_refused_key(offer))
-            self._store.set(_refused_key(offer), reason.encode())
-            self._spent += _set_roster(self._store, offer, b"")  # wakes the receivers waiting for the roster
+            self._close_others(self._store, offer, "a newer offer was refused")
+            self._close_offer(self._store, offer, reason)
+
+    def _close_offer(self, store, offer: pb.Offer, reason: str) -> None:
+        """Rank 0: no send of `offer` will come: its receivers waiting for the roster wake with
+        `reason`, and its keys go with the next transfer's (_forget)."""
+        self._open.pop(offer.transfer_id, None)
+        self._spent.append(_refused_key(offer))
+        store.set(_refused_key(offer), reason.encode())
+        self._spent += _set_roster(store, offer, b"")  # wakes the receivers waiting for the roster
+
+    def _close_others(self, store, offer: pb.Offer, reason: str) -> None:
+        """Rank 0, as `offer` is sent or refused: the offers made before it that were neither are
+        closed (their receivers would wait out their deadline, and their keys stay in the store)."""
+        self._open.pop(offer.transfer_id, None)
+        for older in list(self._open.values()):
+            self._close_offer(store, older, f"{reason} (transfer {offer.transfer_id[:8]}): this one never will be")
 
     def _forget(self, store) -> None:
         """Rank 0: drops the keys of the transfer before (every member is done with it once another
@@ -291,6 +313,12 @@ class ShardedSender:
         return None
 
     def close(self) -> None:
+        if self._store is not None:
+            try:
+                for offer in list(self._open.values()):
+                    self._close_offer(self._store, offer, "the trainer's sender closed")
+            except dist.DistError:
+                pass
         self._store = None
         self._shares = {}
 
