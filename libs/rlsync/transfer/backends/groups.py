@@ -8,13 +8,13 @@ transfer's id (its `go`), then every bucket of its plan. So when a transfer's pl
 one's, both ends know what it will broadcast before they have spoken, and each posts its half on
 NCCL's stream as soon as it can; the bytes move once both halves are posted:
 
-- the sender at its offer, before any receiver answered, on the one group whose last plan is the
-  offer's (`start_ahead`); its send() adopts them when every receiver of the group holds it or
-  posted on it (`take_ahead`), and aborts the group otherwise (a new one is made, as for new
-  receivers);
-- a receiver as it prepares, before it answers, into the memory the transfer lands in, on the held
-  group whose last plan this is (`post_held`); its Hello lists the group as posted, and the Welcome
-  on it adopts them (`take_posted`).
+- the sender once the offer is made, before any receiver answered (rlsync's trainer: while the
+  replicas it rang prepare), on the one group whose last plan is the offer's (`start_ahead`); its
+  send() adopts them when every receiver of the group holds it or posted on it (`take_ahead`), and
+  aborts the group otherwise (a new one is made, as for new receivers);
+- a receiver as it prepares, before it answers, when the offer allows it (`Offer.post_ahead`), into
+  the memory the transfer lands in, on the held group whose last plan this is (`post_held`); its
+  Hello lists the group as posted, and the Welcome on it adopts them (`take_posted`).
 
 The go token makes a mismatch loud: a receiver whose posted receives carried another transfer's
 bytes fails with DataLoss. A posted kernel waits on the GPU until its peer's half comes, and what
