@@ -107,27 +107,27 @@ class _Broadcast(abc.ABC):
         try:
             ahead = job.scratch.get("ahead")
             if ahead is not None:  # every broadcast is posted: wait for them
-                for work in ahead.works:
-                    work.wait()
+                posted = ahead.works
                 job.wire_bytes = sum(b.nbytes for b in job.plan)
-                sync(job.device)
-            elif job.delta_base is not None:
-                go = session.group.broadcast(go_tensor(job.transfer_id, self._device(job)), 0)
-                self._send_deltas(job, session, self._slots(session, job), checksums)
-                go.wait()
             else:
-                go = session.group.broadcast(go_tensor(job.transfer_id, self._device(job)), 0)
-                for bucket in job.plan:
-                    if len(inflight) == SLOTS:
+                posted = [session.group.broadcast(go_tensor(job.transfer_id, self._device(job)), 0)]  # its token
+                if job.delta_base is not None:
+                    self._send_deltas(job, session, self._slots(session, job), checksums)
+                else:
+                    for bucket in job.plan:
+                        if len(inflight) == SLOTS:
+                            inflight.popleft().wait()
+                        view = self._outgoing(job, bucket,
+                                              lambda i=bucket.index: self._slots(session, job)[i % SLOTS])
+                        if job.verify:
+                            checksums.add(view)
+                        inflight.append(session.group.broadcast(view, 0))
+                        job.wire_bytes += bucket.nbytes
+                    while inflight:
                         inflight.popleft().wait()
-                    view = self._outgoing(job, bucket, lambda i=bucket.index: self._slots(session, job)[i % SLOTS])
-                    if job.verify:
-                        checksums.add(view)
-                    inflight.append(session.group.broadcast(view, 0))
-                    job.wire_bytes += bucket.nbytes
-                while inflight:
-                    inflight.popleft().wait()
-                go.wait()
+            for work in posted:
+                work.wait()
+            if job.delta_base is None:  # (deltas synchronize bucket by bucket)
                 sync(job.device)
             done = Done(checksums=checksums.values())
             for conn, _ in job.conns:

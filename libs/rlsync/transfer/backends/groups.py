@@ -134,7 +134,24 @@ def go_tensor(transfer_id: str, device: torch.device) -> torch.Tensor:
     return torch.frombuffer(bytearray(go_token(transfer_id)), dtype=torch.uint8).to(device)
 
 
-# ---- receiver: receives posted before the offer ------------------------------------------------------
+def _on_gpu(views: list) -> bool:
+    """Every bucket has one view on the GPU where it lands or is read (NCCL's to post)."""
+    return bool(views) and all(v is not None and v.device.type == "cuda" for v in views)
+
+
+def _post_all(session: _Session, go: torch.Tensor, views: list[torch.Tensor], what: str) -> list | None:
+    """The transfer's broadcasts on the session's group, posted now: its token, then each bucket.
+    None if that failed: the group is dropped (part of a transfer may be posted on it), and the
+    transfer makes a new one; posting ahead only saves time."""
+    try:
+        return [session.group.broadcast(go, 0), *(session.group.broadcast(v, 0) for v in views)]
+    except Exception as e:  # noqa: BLE001 - see above
+        log.warning("posting %s on group %s failed, it is dropped: %s", what, session.gid[:8], e)
+        _drop(session)
+        return None
+
+
+# ---- receiver: receives posted as it prepares ---------------------------------------------------------
 @dataclass
 class Posted:
     session: _Session
@@ -157,7 +174,7 @@ def post_held(sizes: tuple[int, ...], bucket_bytes: int, writer) -> str | None:
     drop_posted()  # an earlier transfer's that no Welcome took: no sender uses them now
     plan = (sizes, bucket_bytes)
     views = [writer.direct_span(bucket.slices) for bucket in cached_plan(sizes, bucket_bytes)]
-    if not views or any(v is None or v.device.type != "cuda" for v in views):
+    if not _on_gpu(views):
         return None
     with _LOCK:
         gid = next((g for g, s in reversed(_HELD.items()) if s.plan == plan), None)
@@ -165,11 +182,8 @@ def post_held(sizes: tuple[int, ...], bucket_bytes: int, writer) -> str | None:
             return None
         session = _HELD.pop(gid)
     go = torch.empty(GO_BYTES, dtype=torch.uint8, device=views[0].device)
-    try:
-        works = [session.group.broadcast(go, 0), *(session.group.broadcast(v, 0) for v in views)]
-    except Exception as e:  # noqa: BLE001 - posting ahead only saves time: the transfer makes a new group
-        log.warning("posting receives on group %s failed, it is dropped: %s", gid[:8], e)
-        _drop(session)
+    works = _post_all(session, go, views, "receives")
+    if works is None:
         return None
     with _LOCK:
         _POSTED[gid] = Posted(session, plan, views, go, works)
@@ -236,15 +250,12 @@ def start_ahead(cache: dict, transfer_id: str, sizes: tuple[int, ...], bucket_by
         return False
     key, session = found[0]
     views = views_of(list(cached_plan(sizes, bucket_bytes)))
-    if not views or any(v is None or v.device.type != "cuda" for v in views):
+    if not _on_gpu(views):
         return False
+    go = go_tensor(transfer_id, views[0].device)
     del cache[key]
-    try:
-        go = go_tensor(transfer_id, views[0].device)
-        works = [session.group.broadcast(go, 0), *(session.group.broadcast(v, 0) for v in views)]
-    except Exception as e:  # noqa: BLE001 - sending ahead only saves time: send() makes a new group
-        log.warning("posting broadcasts ahead on group %s failed, it is dropped: %s", session.gid[:8], e)
-        _drop(session)  # (part of a transfer may be posted on it: it can carry no other)
+    works = _post_all(session, go, views, "broadcasts ahead")
+    if works is None:
         return False
     cache["ahead"] = Ahead(transfer_id, key, session, works, [go, *views])
     return True
