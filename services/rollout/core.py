@@ -246,42 +246,41 @@ class RolloutCore:
         """Checks the manifest (nothing is written for a bad one), then starts receiving into staging."""
         entered = time.perf_counter()
         async with self._control:
-            with self.engine.foreground():  # the engine's own threads (a decode loop) wait for it
-                if self.pending is not None:
-                    raise FailedPrecondition(f"an update to version {self.pending} is already prepared: CommitUpdate "
-                                             "or AbortUpdate it first")
-                if WakeTag.WEIGHTS in self.asleep:
-                    raise FailedPrecondition("weights are asleep: WakeUp(weights) before PrepareUpdate")
-                version = offer.manifest.version
-                if version < self.weight_version and not force:
-                    raise FailedPrecondition(f"version {version} is older than the served version "
-                                             f"{self.weight_version}: set force to roll back")
-                start = time.perf_counter()
-                specs = from_proto(offer.manifest)
-                adapter = offer.manifest.adapter if offer.manifest.HasField("adapter") else None
-                if adapter is not None:  # a LoRA adapter for the base this replica holds
-                    if adapter.base_version != self.base_version:
-                        raise FailedPrecondition(
-                            f"the LoRA adapter was trained on base version {adapter.base_version}, this replica holds "
-                            f"base version {self.base_version} (a full update replaced the checkpoint it started "
-                            "from): push the full weights of the adapter's base first, or restart the replica")
-                    max_rank = self.engine.max_lora_rank()
-                    checked = (layout(specs), adapter.SerializeToString())  # the same adapter again: known to fit
-                    if checked != self._lora_checked:
-                        lora.check(specs, adapter, self.engine.expected_tensors(), max_rank)
-                        self._lora_checked = checked
-                elif specs != self._checked:  # the same tensor list as last time compares by identity (cached specs)
-                    check_against(specs, self.engine.expected_tensors())
-                    self._checked = specs
-                checked = time.perf_counter()
-                answer = await self.engine.prepare_update(offer, self.replica_id, force_backend,
-                                                          timeout or self.update_timeout)
-                answer.stages["check"] = checked - start
-                # What the prepare took inside this process beyond its named stages: the control lock,
-                # hops between threads, bookkeeping (the caller's prepare_rpc is then gRPC alone).
-                answer.stages["hops"] = max(time.perf_counter() - entered - sum(answer.stages.values()), 0.0)
-                self.pending, self._pending_full = version, adapter is None
-                return answer
+            if self.pending is not None:
+                raise FailedPrecondition(f"an update to version {self.pending} is already prepared: CommitUpdate or "
+                                         "AbortUpdate it first")
+            if WakeTag.WEIGHTS in self.asleep:
+                raise FailedPrecondition("weights are asleep: WakeUp(weights) before PrepareUpdate")
+            version = offer.manifest.version
+            if version < self.weight_version and not force:
+                raise FailedPrecondition(f"version {version} is older than the served version {self.weight_version}: "
+                                         "set force to roll back")
+            start = time.perf_counter()
+            specs = from_proto(offer.manifest)
+            adapter = offer.manifest.adapter if offer.manifest.HasField("adapter") else None
+            if adapter is not None:  # a LoRA adapter for the base this replica holds
+                if adapter.base_version != self.base_version:
+                    raise FailedPrecondition(
+                        f"the LoRA adapter was trained on base version {adapter.base_version}, this replica holds "
+                        f"base version {self.base_version} (a full update replaced the checkpoint it started from): "
+                        "push the full weights of the adapter's base first, or restart the replica")
+                max_rank = self.engine.max_lora_rank()
+                checked = (layout(specs), adapter.SerializeToString())  # the same adapter again: known to fit
+                if checked != self._lora_checked:
+                    lora.check(specs, adapter, self.engine.expected_tensors(), max_rank)
+                    self._lora_checked = checked
+            elif specs != self._checked:  # the same tensor list as last time compares by identity (cached specs)
+                check_against(specs, self.engine.expected_tensors())
+                self._checked = specs
+            checked = time.perf_counter()
+            answer = await self.engine.prepare_update(offer, self.replica_id, force_backend,
+                                                      timeout or self.update_timeout)
+            answer.stages["check"] = checked - start
+            # What the prepare took inside this process beyond its named stages: the control lock,
+            # hops between threads, bookkeeping (the caller's prepare_rpc is then gRPC alone).
+            answer.stages["hops"] = max(time.perf_counter() - entered - sum(answer.stages.values()), 0.0)
+            self.pending, self._pending_full = version, adapter is None
+            return answer
 
     async def hold_weights(self, holder: str, handles: list[bytes], facts) -> tuple[int, int, bytes]:
         """Keeps a same-GPU process's storages mapped for the pulls to come -> (newly mapped, held,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import abc
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
@@ -87,12 +86,6 @@ class Engine(abc.ABC):
         """The largest LoRA adapter rank this engine applies (None: any); raises FailedPrecondition,
         saying what to change, when it applies none."""
         return None
-
-    def foreground(self) -> contextlib.AbstractContextManager:
-        """A section of a weight update's work on the event loop (its prepare) that the engine's own
-        threads in this process should not slow down: the hf engine's decode loop parks for it
-        (rollout.engines.hf_foreground). Others: nothing to do."""
-        return contextlib.nullcontext()
 
     @abc.abstractmethod
     async def prepare_update(self, offer: Offer, receiver_id: str, force_backend: str, timeout: float) -> Answer:

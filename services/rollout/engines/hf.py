@@ -29,7 +29,6 @@ from rlsync.rollout.detokenize import IncrementalText
 from rlsync.rollout.engines.base import Engine
 from rlsync.rollout.engines.hf_armed import Arming
 from rlsync.rollout.engines.hf_batch import Batch, Sequence
-from rlsync.rollout.engines.hf_foreground import Foreground
 from rlsync.rollout.engines.hf_lora import Adapter
 from rlsync.rollout.engines.hf_weights import Weights
 from rlsync.rollout.sampling import make_generator, sample
@@ -66,9 +65,6 @@ class HFEngineArgs:
     # The interpreter's GIL switch interval, set at start: a thread asking for the GIL the decode loop
     # holds (a prepare's hops, the gRPC loop) waits up to this long for it. Python's default is 5 ms.
     switch_interval_ms: float = 0.5
-    # The decode loop parks at its next module call while a weight update's prepare runs on the event
-    # loop, so that the prepare's Python does not share the GIL with it (rollout.engines.hf_foreground).
-    foreground: bool = True
     # On the trainer's GPU, holding its memory mapped: queue the next update's copy at a wake, for the
     # trainer to start on the GPU (rlsync.transfer.armed). False: each update's copy starts at its prepare.
     arm: bool = True
@@ -84,9 +80,8 @@ class HFEngineArgs:
         if args.max_num_seqs < 1 or args.max_prefill_tokens < 1:
             raise InvalidArgument(f"max_num_seqs and max_prefill_tokens must be >= 1, got {args.max_num_seqs} and "
                                   f"{args.max_prefill_tokens}")
-        for flag in ("arm", "foreground"):
-            if not isinstance(getattr(args, flag), bool):
-                raise InvalidArgument(f"hf engine argument {flag} must be true or false, got {getattr(args, flag)!r}")
+        if not isinstance(args.arm, bool):
+            raise InvalidArgument(f"hf engine argument arm must be true or false, got {args.arm!r}")
         if not args.switch_interval_ms > 0:
             raise InvalidArgument(f"hf engine argument switch_interval_ms must be > 0, got {args.switch_interval_ms}")
         if args.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -153,9 +148,6 @@ class HFEngine(Engine):
         self.weights = Weights.load(self.model, self.device, self.args.dtype, self.args.attn_implementation)
         self.dtype = str(next(iter(self.weights.specs.values()))[1]).removeprefix("torch.")
         self.batch = Batch(self.weights.model, self.device)
-        self._foreground = Foreground()
-        if self.args.foreground:
-            self._foreground.attach(self.weights.model)
         self.adapter = Adapter(self.weights.model, self.device, next(iter(self.weights.specs.values()))[1])
         self._update: tuple[StagedUpdate, FlatStore] | None = None
         self._layout: tuple[list | None, bool] = (None, False)  # the last manifest's specs: a delta base?
@@ -442,9 +434,6 @@ class HFEngine(Engine):
     # ---- weight updates -------------------------------------------------------------------------
     def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], None]]:
         return {n: (tuple(shape), None) for n, (shape, _) in self.weights.specs.items()}
-
-    def foreground(self):
-        return self._foreground.section()
 
     async def prepare_update(self, offer, receiver_id: str, force_backend: str, timeout: float):
         if self.weights.store is None:
