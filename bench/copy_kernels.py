@@ -7,7 +7,8 @@ against one flat copy of the same bytes in the same run (medians of --repeats af
 Forms: "masked" (8-byte words, every step masked: the library's first form), "unmasked" (whole
 steps unmasked, one masked tail), "pairs" (steps of [BLOCK, 2] words, each pair one 16-byte access:
 what rlsync.transfer.batched_kernel keeps, the fastest on H200), each over chunk sizes, steps and
-warps. Prints one JSON object.
+warps; then the fp32 -> bf16 cast kernel's forms ("masked": the library's; "unmasked": whole steps
+unmasked, one masked tail) against torch's flat cast, likewise. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from models import preset_shapes  # noqa: E402
 from transfer import make_tensors  # noqa: E402
 
 from rlsync.transfer import batched  # noqa: E402
-from rlsync.transfer.batched_kernel import copy_chunks  # noqa: E402
+from rlsync.transfer.batched_kernel import cast_chunks, copy_chunks  # noqa: E402
 
 
 @triton.jit
@@ -61,6 +62,29 @@ def unmasked(table, BLOCK: tl.constexpr):
 
 
 FORMS = {"masked": masked, "unmasked": unmasked, "pairs": copy_chunks}  # pairs: the library's own kernel
+
+
+@triton.jit
+def cast_unmasked(table, BLOCK: tl.constexpr):
+    """cast_chunks with whole steps unmasked and one masked tail, its loads marked to leave the cache first."""
+    row = table + tl.program_id(0) * 3
+    src = tl.multiple_of(tl.load(row), 16).to(tl.pointer_type(tl.uint32))
+    dst = tl.multiple_of(tl.load(row + 1), 8).to(tl.pointer_type(tl.uint16))
+    n = tl.multiple_of(tl.load(row + 2), 4)
+    whole = n // BLOCK * BLOCK
+    for start in range(0, whole, BLOCK):
+        i = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
+        bits = tl.load(src + i, eviction_policy="evict_first")
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        tl.store(dst + i, tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FFF, rounded).to(tl.uint16))
+    i = whole + tl.arange(0, BLOCK)
+    inside = i < n
+    bits = tl.load(src + i, mask=inside)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    tl.store(dst + i, tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FFF, rounded).to(tl.uint16), mask=inside)
+
+
+CAST_FORMS = {"masked": cast_chunks, "unmasked": cast_unmasked}  # masked: the library's own cast kernel
 
 
 def timed(fn, repeats: int) -> float:
@@ -99,6 +123,21 @@ def cast_forms(shapes, repeats: int) -> dict:
                                    for s, d in zip(srcs, dsts))
     out["table_vs_flat"] = round(out["flat_copy_ms"] / out["table_ms"], 3)
     out["copy_each_vs_flat"] = round(out["flat_copy_ms"] / out["copy_each_ms"], 3)
+    out["forms"] = []  # the cast kernel's forms, chunk sizes (elements), steps and warps
+    for (name, kernel), chunk, warps in itertools.product(CAST_FORMS.items(), (1 << 16, 1 << 18), (4, 8)):
+        chunked = torch.from_numpy(batched.chunks(rows, chunk, (4, 2))).cuda()
+        for block in (1024, 2048, 4096):
+            flat.zero_()
+            seconds = timed(lambda k=kernel, t=chunked, b=block, w=warps: k[(t.shape[0],)](t, BLOCK=b, num_warps=w),
+                            repeats)
+            for a, b in rest:
+                b.copy_(a)
+            exact = all(torch.equal(d.view(torch.int16), s.to(torch.bfloat16).view(torch.int16))
+                        for s, d in zip(srcs, dsts))
+            out["forms"].append({"form": name, "chunk": chunk, "block": block, "warps": warps,
+                                 "ms": round(seconds * 1e3, 3),
+                                 "ratio": round(out["flat_copy_ms"] / (seconds * 1e3), 3), "exact": exact})
+    out["best"] = max((f for f in out["forms"] if f["exact"]), key=lambda f: f["ratio"])
     return out
 
 
