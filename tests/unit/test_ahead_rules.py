@@ -116,3 +116,34 @@ def test_the_go_token_names_its_transfer():
     groups.check_go(go, "abc")
     with pytest.raises(DataLoss, match="another transfer's bytes"):
         groups.check_go(go, "abd")
+
+
+def test_a_trainer_ends_broadcasts_sent_ahead_in_turn_with_its_other_work_and_off_its_event_loop(monkeypatch):
+    import asyncio
+    import threading
+
+    from rlsync.publish.core import PublisherCore, in_thread
+    from rlsync.transfer import WeightSender
+
+    ended = []
+    monkeypatch.setattr(groups, "leave", lambda group: ended.append(threading.current_thread()))
+
+    async def main():
+        lock = asyncio.Lock()
+        core = PublisherCore(lambda: None, in_thread(lock), bucket_bytes=1024)
+        sender = WeightSender({"w": torch.zeros(4)})
+        _, key, session = _cache_with()
+        sender.cache["ahead"] = groups.Ahead("t1", key, session, [], [])
+        core._offers["t1"] = core._offers["t2"] = (None, sender)
+        core.cancel_ahead("t2")  # another transfer's: nothing to end, nothing scheduled
+        assert not core._running
+        async with lock:  # the trainer is busy (a send, a step): the end waits its turn
+            core.cancel_ahead("t1")
+            await asyncio.sleep(0.05)
+            assert not ended
+        await asyncio.gather(*core._running)
+        assert ended and ended[0] is not threading.main_thread()
+        assert "ahead" not in sender.cache
+        sender.close()
+
+    asyncio.run(main())

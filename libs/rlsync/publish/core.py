@@ -182,10 +182,18 @@ class PublisherCore:
         return await self.run(lambda: sender.send_ahead(offer))
 
     def cancel_ahead(self, transfer_id: str) -> None:
-        """Ends the broadcasts send_ahead() started, for an offer that will not be published now."""
+        """Ends the broadcasts send_ahead() started, for an offer that will not be published now: in turn
+        with the sender's other work (self.run), so never beside a send() in its thread, and off the event
+        loop (an NCCL group's abort may take a while). Called once send_ahead() returned."""
         _, sender = self._offers.get(transfer_id, (None, None))
-        if isinstance(sender, WeightSender):
-            sender.cancel_ahead(transfer_id)
+        if isinstance(sender, WeightSender) and sender.sent_ahead(transfer_id):
+            self._background(self.run(lambda: sender.cancel_ahead(transfer_id)))
+
+    def _background(self, work) -> None:
+        task = asyncio.ensure_future(work)
+        self._running.add(task)  # the loop keeps only a weak reference to a task
+        task.add_done_callback(self._running.discard)
+        task.add_done_callback(_retrieved)
 
     def _remember(self, offer: tpb.Offer, sender: WeightSender | ShardedSender) -> None:
         self._offers[offer.transfer_id] = offer, sender
@@ -198,9 +206,7 @@ class PublisherCore:
         """Starts publish() at once, for a caller that will ask for its result (publish() with the
         same answers): the trainer has every answer when it prepared every replica itself."""
         task = asyncio.ensure_future(self._publish(transfer_id, answers, timeout))
-        self._running.add(task)  # the loop keeps only a weak reference to a task
-        task.add_done_callback(self._running.discard)
-        task.add_done_callback(_retrieved)
+        self._background(task)
         self._started[transfer_id] = task, _answered(answers)
         while len(self._started) > 8:  # never asked for: it ends by itself
             self._started.pop(next(iter(self._started)))
@@ -365,10 +371,10 @@ def _answered(answers: list[tpb.Answer]) -> list[bytes]:
 
 
 def _retrieved(task: asyncio.Task) -> None:
-    """Retrieves a send's failure for asyncio, which would warn of one nobody asked for (an abandoned
-    sync's: its receivers were aborted); whoever asks gets it."""
+    """Retrieves a background task's failure for asyncio, which would warn of one nobody asked for (a send
+    started at the offer of an abandoned sync: its receivers were aborted); whoever asks gets it."""
     if not task.cancelled() and task.exception() is not None:
-        log.debug("a send started at the offer failed: %s", task.exception())
+        log.debug("a send started at the offer, or the end of broadcasts sent ahead, failed: %s", task.exception())
 
 
 def _why_no_buffer(sender: WeightSender, delta: bool) -> str:

@@ -179,10 +179,14 @@ class WeightSender:
     def can_send_ahead(self) -> bool:
         return not (self.checksums or self.delta) and isinstance(self.source, ResidentSource)
 
+    def sent_ahead(self, transfer_id: str) -> bool:
+        """Whether broadcasts send_ahead() started for this transfer wait for a send() to take them."""
+        ahead = self.cache.get("ahead")
+        return ahead is not None and ahead.transfer_id == transfer_id
+
     def cancel_ahead(self, transfer_id: str) -> None:
         """Ends what send_ahead() started for this transfer, if no send() took it."""
-        ahead = self.cache.get("ahead")
-        if ahead is not None and ahead.transfer_id == transfer_id:
+        if self.sent_ahead(transfer_id):
             cancel_ahead(self.cache)
 
     def send(self, offer: pb.Offer, answers: list[pb.Answer], timeout: float = 300.0) -> Report:
