@@ -8,6 +8,7 @@ the same run, on a real model's bf16 state-dict shapes. Prints one JSON object.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -87,15 +88,19 @@ def d2d_limit(nbytes: int, device: str) -> float:
     return nbytes / _timed(copy, 5) / GB
 
 
-def nccl_limit(nbytes: int, world: int) -> float:
-    """Raw NCCL broadcast of `nbytes` from GPU 0 to GPUs 1..world-1, one process per GPU."""
+def nccl_limit(nbytes: int, world: int, form: str = "broadcast", env: dict[str, str] | None = None) -> float:
+    """Raw NCCL broadcast of `nbytes` from GPU 0 to GPUs 1..world-1, one process per GPU (GB/s); or
+    another `form` of bench/nccl_raw.py, under `env` (NCCL settings) besides this process's."""
     script = Path(__file__).resolve().parent / "nccl_raw.py"
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000),
-           "WORLD_SIZE": str(world)}
-    procs = [subprocess.Popen([sys.executable, str(script), str(nbytes)], env={**env, "RANK": str(r)},
+    env = {**os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(29500 + (os.getpid() + next(_PORTS)) % 1000), "WORLD_SIZE": str(world)}
+    procs = [subprocess.Popen([sys.executable, str(script), str(nbytes), form], env={**env, "RANK": str(r)},
                               stdout=subprocess.PIPE, text=True) for r in range(world)]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     return json.loads(outs[0].strip().splitlines()[-1])["GB/s"]
+
+
+_PORTS = itertools.count()  # each raw run on a port of its own: the last one's may linger
 
 
 class Receivers:
