@@ -88,6 +88,9 @@ def d2d_limit(nbytes: int, device: str) -> float:
     return nbytes / _timed(copy, 5) / GB
 
 
+_PORTS = itertools.count()  # each raw run on a port of its own: the last one's may linger
+
+
 def nccl_limit(nbytes: int, world: int, form: str = "broadcast", env: dict[str, str] | None = None) -> float:
     """Raw NCCL broadcast of `nbytes` from GPU 0 to GPUs 1..world-1, one process per GPU (GB/s); or
     another `form` of bench/nccl_raw.py, under `env` (NCCL settings) besides this process's."""
@@ -98,9 +101,6 @@ def nccl_limit(nbytes: int, world: int, form: str = "broadcast", env: dict[str, 
                               stdout=subprocess.PIPE, text=True) for r in range(world)]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     return json.loads(outs[0].strip().splitlines()[-1])["GB/s"]
-
-
-_PORTS = itertools.count()  # each raw run on a port of its own: the last one's may linger
 
 
 class Receivers:
