@@ -182,12 +182,14 @@ class PublisherCore:
         return await self.run(lambda: sender.send_ahead(offer))
 
     def cancel_ahead(self, transfer_id: str) -> None:
-        """Ends the broadcasts send_ahead() started, for an offer that will not be published now: in turn
-        with the sender's other work (self.run), so never beside a send() in its thread, and off the event
-        loop (an NCCL group's abort may take a while). Called once send_ahead() returned."""
+        """Ends the broadcasts send_ahead() started, for an offer that will not be published now (called once
+        send_ahead() returned): off the event loop, as an NCCL group's abort may take a while, and at once,
+        not at the trainer's next turn (self.run): posted broadcasts wait on the GPU, and under CUDA's lazy
+        loading a first launch of a kernel in this process would wait behind them. (A send() of another
+        transfer may run meanwhile: whichever takes the sender's broadcasts first ends them.)"""
         _, sender = self._offers.get(transfer_id, (None, None))
         if isinstance(sender, WeightSender) and sender.sent_ahead(transfer_id):
-            self._background(self.run(lambda: sender.cancel_ahead(transfer_id)))
+            self._background(asyncio.to_thread(sender.cancel_ahead, transfer_id))
 
     def _background(self, work) -> None:
         task = asyncio.ensure_future(work)
