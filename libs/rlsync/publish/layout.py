@@ -9,7 +9,9 @@ parts' boxes, each moved down dim 0 by the rows of the parts before it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+import itertools
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -17,7 +19,7 @@ import torch.distributed as dist
 from rlsync.errors import InvalidArgument
 from rlsync.publish.mapping import Entry
 from rlsync.transfer.checksum import box_sums
-from rlsync.transfer.routes import Box, Layout, Piece, TensorInfo, chunks, contains, layout, relative, share, whole
+from rlsync.transfer.routes import Box, Layout, Piece, TensorInfo, chunk, contains, layout, relative, share, whole
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -25,18 +27,31 @@ except ImportError:  # torch built without distributed
     DTensor, Replicate, Shard = (), (), ()
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+class Meshes:
+    """Each device mesh's global ranks' coordinates and its sizes, read once: a DeviceMesh derives
+    `mesh` and `size()` anew at every call (a fraction of a millisecond each), and a layout asks for every rank's box of
+    every parameter. Keyed by identity: for the meshes of one model, alive while this is."""
+
+    def __init__(self):
+        self._known: dict[int, tuple[object, dict[int, tuple[int, ...]], tuple[int, ...]]] = {}
+
+    def of(self, mesh) -> tuple[dict[int, tuple[int, ...]], tuple[int, ...]]:
+        """-> ({global rank: its coordinate}, the mesh's size in each dimension)."""
+        found = self._known.get(id(mesh))
+        if found is None:
+            grid = mesh.mesh
+            sizes = tuple(grid.shape)
+            found = mesh, dict(zip(grid.reshape(-1).tolist(), itertools.product(*map(range, sizes)))), sizes
+            self._known[id(mesh)] = found
+        return found[1], found[2]
 
 
-def dtensor_box(t, rank: int) -> Box | None:
-    """The box of `t`'s global shape that global rank `rank` holds; None when it is not in the mesh."""
-    mesh = t.device_mesh
-    where = (mesh.mesh == rank).nonzero()
-    if not len(where):
-        return None
-    coordinate = where[0].tolist()
-    box = list(whole(t.shape))
+def dtensor_boxes(t, meshes: Meshes | None = None) -> Callable[[int], Box | None]:
+    """The box of `t`'s global shape that a global rank holds (None: one not in its mesh), as a
+    function of the rank: the shape, mesh and placements are read once, for every rank to come."""
+    coordinates, sizes = (meshes or Meshes()).of(t.device_mesh)
+    shape_box = whole(t.shape)
+    cuts = []  # (mesh dimension, tensor dimension, parts) of each Shard placement, in order
     for mesh_dim, placement in enumerate(t.placements):
         if isinstance(placement, Replicate):
             continue
@@ -44,10 +59,41 @@ def dtensor_box(t, rank: int) -> Box | None:
             raise InvalidArgument(f"a parameter placed as {placement} cannot be sent as it is: only Shard(dim) and "
                                   "Replicate placements are routed (reduce a Partial first; FSDP2 over tensor "
                                   "parallel is not routed yet)")
-        start, stop = box[placement.dim]
-        a, b = chunks(stop - start, mesh.size(mesh_dim))[coordinate[mesh_dim]]
-        box[placement.dim] = (start + a, start + b)
-    return tuple(box)
+        cuts.append((mesh_dim, placement.dim, sizes[mesh_dim]))
+
+    def box_of(rank: int) -> Box | None:
+        coordinate = coordinates.get(rank)
+        if coordinate is None:
+            return None
+        box = list(shape_box)
+        for mesh_dim, dim, parts in cuts:
+            start, stop = box[dim]
+            a, b = chunk(stop - start, parts, coordinate[mesh_dim])
+            box[dim] = (start + a, start + b)
+        return tuple(box)
+
+    return box_of
+
+
+_Part = tuple[str, Callable[[int], "Box | None"], int]  # a part's name, its box by global rank, rows before it
+
+
+def _whole(box: Box, rank: int) -> Box:  # a plain tensor: every rank holds it whole
+    return box
+
+
+def _shifted(box: Box, rows: int) -> Box:
+    """A part's box in its entry: moved down dim 0 by the rows of the parts before it."""
+    return ((box[0][0] + rows, box[0][1] + rows), *box[1:]) if box and rows else box
+
+
+def _entry_boxes(parts: list[_Part]) -> Callable[[int], tuple[Box, ...]]:
+    """An entry's boxes in the engine tensor, as a function of the global rank (remembered)."""
+    @functools.lru_cache(maxsize=None)
+    def boxes(rank: int) -> tuple[Box, ...]:
+        return tuple(_shifted(box, row) for _, box_of, row in parts if (box := box_of(rank)) is not None)
+
+    return boxes
 
 
 class RankShards:
@@ -61,24 +107,39 @@ class RankShards:
         self.tensors, self.entries = tensors, list(entries)
         self.rank, self.world = rank, world
         self.global_ranks = list(global_ranks) if global_ranks is not None else list(range(world))
-        infos = [TensorInfo(e.name, tuple(e.shape), _itemsize(e.dtype)) for e in self.entries]
-        held = [[self._boxes(e, r) for e in self.entries] for r in range(world)]
-        self.layout: Layout = layout(infos, [[[b for b, _ in boxes] for boxes in rank_boxes] for rank_boxes in held])
-        self._mine = held[rank]  # per entry: (box in the engine tensor, (part name, box in the part))
+        infos = [TensorInfo(e.name, tuple(e.shape), e.dtype.itemsize) for e in self.entries]
+        parts = self._parts()
+        # Every rank's boxes of every entry: entries of the same parts' shapes and placements share them.
+        by_kind: dict[tuple, Callable[[int], tuple[Box, ...]]] = {}
+        boxes_of = [by_kind.setdefault(tuple((box_of, row) for _, box_of, row in p), _entry_boxes(p)) for p in parts]
+        self.layout: Layout = layout(infos, [[f(self.global_ranks[r]) for f in boxes_of] for r in range(world)])
+        # per entry: (box in the engine tensor, (part name, box in the part))
+        self._mine = [self._boxes(entry_parts, self.global_ranks[rank]) for entry_parts in parts]
 
-    def _boxes(self, entry: Entry, rank: int) -> list[tuple[Box, tuple[str, Box]]]:
-        out, row = [], 0
-        for part in entry.parts:
-            t = self.tensors[part]
-            if isinstance(t, DTensor):
-                box = dtensor_box(t, self.global_ranks[rank])
-            else:
-                box = whole(t.shape)
-            if box is not None:
-                shifted = ((box[0][0] + row, box[0][1] + row), *box[1:]) if box else box
-                out.append((shifted, (part, box)))
-            row += t.shape[0] if t.dim() else 0
+    def _parts(self) -> list[list[_Part]]:
+        """Per entry, each part's (name, its box as a function of the global rank, rows before it in the
+        entry), read once: a layout asks for every rank's box of every part."""
+        meshes, out = Meshes(), []
+        same: dict[tuple, Callable[[int], Box | None]] = {}  # parameters of one shape and placement share boxes
+        for entry in self.entries:
+            parts, row = [], 0
+            for part in entry.parts:
+                t = self.tensors[part]
+                if isinstance(t, DTensor):
+                    key = (id(t.device_mesh), tuple(t.shape), tuple(t.placements))
+                    if key not in same:
+                        same[key] = functools.lru_cache(maxsize=None)(dtensor_boxes(t, meshes))
+                    box_of = same[key]
+                else:
+                    box_of = functools.partial(_whole, whole(t.shape))
+                parts.append((part, box_of, row))
+                row += t.shape[0] if t.dim() else 0
+            out.append(parts)
         return out
+
+    @staticmethod
+    def _boxes(parts: list[_Part], rank: int) -> list[tuple[Box, tuple[str, Box]]]:
+        return [(_shifted(box, row), (part, box)) for part, box_of, row in parts if (box := box_of(rank)) is not None]
 
     def piece(self, p: Piece) -> torch.Tensor:
         """The piece's values from this rank's local shard, contiguous, in the engine's dtype (a view

@@ -43,8 +43,13 @@ def extent(box: Box) -> tuple[int, ...]:
 def chunks(size: int, n: int) -> list[tuple[int, int]]:
     """[start, stop) of each of `n` parts of `size`, as torch.chunk and DTensor's Shard split a
     dimension: parts of ceil(size / n), the last ones shorter or empty."""
+    return [chunk(size, n, i) for i in range(n)]
+
+
+def chunk(size: int, n: int, i: int) -> tuple[int, int]:
+    """Part `i` of chunks(size, n)."""
     step = -(-size // n) if size else 0
-    return [(min(i * step, size), min((i + 1) * step, size)) for i in range(n)]
+    return min(i * step, size), min((i + 1) * step, size)
 
 
 def contains(outer: Box, inner: Box) -> bool:
@@ -82,13 +87,14 @@ class Layout:
 def layout(tensors: Sequence[TensorInfo], held: Sequence[Sequence[Sequence[Box]]]) -> Layout:
     """A checked Layout: every rank says something (maybe nothing) of every tensor, boxes lie inside it."""
     tensors = tuple(tensors)
+    wholes = [whole(t.shape) for t in tensors]
     out = []
     for rank, boxes in enumerate(held):
         if len(boxes) != len(tensors):
             raise InvalidArgument(f"rank {rank} describes {len(boxes)} tensors, the layout has {len(tensors)}")
-        for t, tensor_boxes in zip(tensors, boxes):
+        for t, shape_box, tensor_boxes in zip(tensors, wholes, boxes):
             for b in tensor_boxes:
-                if len(b) != len(t.shape) or not contains(whole(t.shape), b) or any(s > e for s, e in b):
+                if len(b) != len(t.shape) or not contains(shape_box, b) or any(s > e for s, e in b):
                     raise InvalidArgument(f"rank {rank}: box {list(map(list, b))} is not inside {t.name!r} of shape "
                                           f"{list(t.shape)}")
         out.append(tuple(tuple(tuple(map(tuple, b)) for b in tensor_boxes if volume(b) or not b)
