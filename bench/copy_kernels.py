@@ -137,7 +137,7 @@ def cast_forms(shapes, repeats: int) -> dict:
             out["forms"].append({"form": name, "chunk": chunk, "block": block, "warps": warps,
                                  "ms": round(seconds * 1e3, 3),
                                  "ratio": round(out["flat_copy_ms"] / (seconds * 1e3), 3), "exact": exact})
-    out["best"] = max((f for f in out["forms"] if f["exact"]), key=lambda f: f["ratio"])
+    out["best"] = max((f for f in out["forms"] if f["exact"]), key=lambda f: f["ratio"], default=None)
     return out
 
 

@@ -4,7 +4,8 @@ per GPU with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set; rank 0 prints JSON.
     nccl_raw.py NBYTES [FORM]
 
 FORM: broadcast (one call over all the bytes: the limit), buckets:B (broadcasts of B bytes back to back,
-as rlsync's transfers cut them), sendrecv (rank 0 sends to each other rank in turn)."""
+as rlsync's transfers cut them), sendrecv (rank 0 sends to each other rank in turn: its GB/s are one
+receiver's bytes over the time for all)."""
 
 import json
 import os
@@ -17,6 +18,8 @@ import torch.distributed as dist
 
 nbytes = int(sys.argv[1])
 form = sys.argv[2] if len(sys.argv) > 2 else "broadcast"
+if form not in ("broadcast", "sendrecv") and not form.startswith("buckets:"):
+    sys.exit(f"unknown form {form!r}: broadcast, buckets:BYTES or sendrecv")
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 torch.cuda.set_device(rank)
 dist.init_process_group("nccl", device_id=torch.device(f"cuda:{rank}"))

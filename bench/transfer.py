@@ -99,7 +99,12 @@ def nccl_limit(nbytes: int, world: int, form: str = "broadcast", env: dict[str, 
            "MASTER_PORT": str(29500 + (os.getpid() + next(_PORTS)) % 1000), "WORLD_SIZE": str(world)}
     procs = [subprocess.Popen([sys.executable, str(script), str(nbytes), form], env={**env, "RANK": str(r)},
                               stdout=subprocess.PIPE, text=True) for r in range(world)]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
+    try:
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:  # a rank that failed leaves the others waiting in the group: they hold the GPUs and the port
+        for p in procs:
+            p.kill()
+            p.wait()
     return json.loads(outs[0].strip().splitlines()[-1])["GB/s"]
 
 

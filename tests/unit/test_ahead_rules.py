@@ -146,3 +146,25 @@ def test_a_trainer_ends_broadcasts_sent_ahead_at_once_and_off_its_event_loop(mon
         sender.close()
 
     asyncio.run(main())
+
+
+def test_a_sender_closing_while_its_broadcasts_sent_ahead_end_in_another_thread_ends_each_group_once(monkeypatch):
+    from rlsync.transfer import WeightSender
+
+    sender = WeightSender({"w": torch.zeros(4)})
+    cache, key, session = _cache_with()
+    ahead_session = groups._Session("g2", None, ProcessGroupNCCL(), plan=PLAN)
+    sender.cache.update(cache)
+    sender.cache["ahead"] = groups.Ahead("t1", ("group", 3), ahead_session, [], [])
+    left = []
+
+    def leave(group):  # the first abort lets the other thread run: it ends the broadcasts sent ahead
+        left.append(group)
+        if len(left) == 1:
+            sender.cancel_ahead("t1")
+
+    monkeypatch.setattr(groups, "leave", leave)
+    both = [session.group, ahead_session.group]
+    sender.close()  # (it iterated the cache as the other thread popped from it: a RuntimeError)
+    assert sorted(map(id, left)) == sorted(map(id, both))  # each group aborted, once
+    assert not sender.cache

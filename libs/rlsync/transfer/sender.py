@@ -186,8 +186,7 @@ class WeightSender:
 
     def cancel_ahead(self, transfer_id: str) -> None:
         """Ends what send_ahead() started for this transfer, if no send() took it."""
-        if self.sent_ahead(transfer_id):
-            cancel_ahead(self.cache)
+        cancel_ahead(self.cache, transfer_id)
 
     def send(self, offer: pb.Offer, answers: list[pb.Answer], timeout: float = 300.0) -> Report:
         """Moves the tensors to every answering receiver; returns once all confirmed receipt.
@@ -341,10 +340,11 @@ class WeightSender:
 
     def close(self) -> None:
         self.listener.close()
-        for value in self.cache.values():
+        values = list(self.cache.values())  # emptied first: a thread ending broadcasts sent ahead may pop one
+        self.cache.clear()
+        for value in values:
             if hasattr(value, "close"):
                 value.close()
-        self.cache.clear()
 
     def __enter__(self) -> WeightSender:
         return self

@@ -90,11 +90,15 @@ def leave(group) -> None:
 
 
 def _drop(session: _Session | None) -> None:
-    """Releases the group (`leave`); the last reference goes here, not when a traceback that holds
-    it is freed."""
-    if session is not None and session.group is not None:
-        leave(session.group)
-        session.group = None
+    """Releases the group (`leave`), once: two threads ending the same session (a sender's close and
+    the end of its broadcasts sent ahead) abort it once. The last reference goes here, not when a
+    traceback that holds it is freed."""
+    if session is None:
+        return
+    with _LOCK:
+        group, session.group = session.group, None
+    if group is not None:
+        leave(group)
 
 
 def keep_held(session: _Session, plan: tuple | None) -> None:
@@ -257,7 +261,8 @@ def start_ahead(cache: dict, transfer_id: str, sizes: tuple[int, ...], bucket_by
     works = _post_all(session, go, views, "broadcasts ahead")
     if works is None:
         return False
-    cache["ahead"] = Ahead(transfer_id, key, session, works, [go, *views])
+    with _LOCK:  # (cancel_ahead may run in another thread)
+        cache["ahead"] = Ahead(transfer_id, key, session, works, [go, *views])
     return True
 
 
@@ -265,7 +270,8 @@ def take_ahead(cache: dict, transfer_id: str, key: tuple, plan: tuple, hellos) -
     """The broadcasts posted ahead for this transfer, when they fit it: the same members, the plan
     they were posted for, every receiver holding the group or having posted its receives. Otherwise
     their group is aborted (its kernels end) and None."""
-    ahead = cache.pop("ahead", None)
+    with _LOCK:
+        ahead = cache.pop("ahead", None)
     if ahead is None:
         return None
     gid = ahead.session.gid
@@ -276,11 +282,15 @@ def take_ahead(cache: dict, transfer_id: str, key: tuple, plan: tuple, hellos) -
     return None
 
 
-def cancel_ahead(cache: dict) -> None:
-    """Ends broadcasts posted ahead that no send() took (the offer was abandoned)."""
-    ahead = cache.pop("ahead", None)
-    if ahead is not None:
-        _drop(ahead.session)
+def cancel_ahead(cache: dict, transfer_id: str | None = None) -> None:
+    """Ends broadcasts posted ahead that no send() took (the offer was abandoned): those of
+    `transfer_id` only, when given (another thread may have posted a newer transfer's meanwhile)."""
+    with _LOCK:
+        ahead = cache.get("ahead")
+        if ahead is None or (transfer_id is not None and ahead.transfer_id != transfer_id):
+            return
+        del cache["ahead"]
+    _drop(ahead.session)
 
 
 def release_held() -> None:
