@@ -29,8 +29,9 @@ except ImportError:  # torch built without distributed
 
 class Meshes:
     """Each device mesh's global ranks' coordinates and its sizes, read once: a DeviceMesh derives
-    `mesh` and `size()` anew at every call (a fraction of a millisecond each), and a layout asks for every rank's box of
-    every parameter. Keyed by identity: for the meshes of one model, alive while this is."""
+    `mesh` and `size()` anew at every call (a fraction of a millisecond each), and a layout asks for
+    every rank's box of every parameter. Keyed by identity: for the meshes of one model, alive while
+    this is."""
 
     def __init__(self):
         self._known: dict[int, tuple[object, dict[int, tuple[int, ...]], tuple[int, ...]]] = {}
