@@ -47,10 +47,10 @@ class Meshes:
         return found[1], found[2]
 
 
-def dtensor_boxes(t, meshes: Meshes | None = None) -> Callable[[int], Box | None]:
+def dtensor_boxes(t, meshes: Meshes) -> Callable[[int], Box | None]:
     """The box of `t`'s global shape that a global rank holds (None: one not in its mesh), as a
     function of the rank: the shape, mesh and placements are read once, for every rank to come."""
-    coordinates, sizes = (meshes or Meshes()).of(t.device_mesh)
+    coordinates, sizes = meshes.of(t.device_mesh)
     shape_box = whole(t.shape)
     cuts = []  # (mesh dimension, tensor dimension, parts) of each Shard placement, in order
     for mesh_dim, placement in enumerate(t.placements):
@@ -129,7 +129,7 @@ class RankShards:
                 if isinstance(t, DTensor):
                     key = (id(t.device_mesh), tuple(t.shape), tuple(t.placements))
                     if key not in same:
-                        same[key] = functools.lru_cache(maxsize=None)(dtensor_boxes(t, meshes))
+                        same[key] = dtensor_boxes(t, meshes)
                     box_of = same[key]
                 else:
                     box_of = functools.partial(_whole, whole(t.shape))
