@@ -16,6 +16,11 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 # (for OpenMP thread binding, which tests do not need). It saves ~7 s and a process per replica
 # start; tensor-parallel replicas still get one process per worker.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# OpenMP threads that wait by sleeping, not spinning: every service the tests start (vLLM's workers, the
+# hf engine's and the trainer's torch) shares the CI machine's two cores with two other suites, and a
+# spinning wait takes a core from whichever process holds the work (a two-worker vLLM replica's first
+# eight tokens took 23 s spinning, 4 s sleeping).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from rlsync.client import trajectory  # noqa: E402
 from rlsync.launch import ServiceProcess, python_for, sglang_python  # noqa: E402
