@@ -44,7 +44,15 @@ def memory(held: Sequence[Sequence[torch.Tensor]] | None, facts: pb.Facts, share
             out.held.append(pb.RankMemory.Held(region=region, offset=t.storage_offset(), stride=t.stride(),
                                                dtype=dtype_name(t.dtype)))
     out.ipc.extend(regions)
+    out.regions = len(regions)
     return out
+
+
+def summary(memory: pb.RankMemory) -> pb.RankMemory:
+    """What every member of the transfer reads of a trainer rank's memory: where it runs, whether any
+    of it can be mapped, the groups it holds (no handles, no boxes: those only the receiver ranks
+    that pull from it read)."""
+    return pb.RankMemory(facts=memory.facts, regions=memory.regions, groups=memory.groups)
 
 
 def same_gpu(a: pb.Facts, b: pb.Facts) -> bool:
@@ -54,17 +62,19 @@ def same_gpu(a: pb.Facts, b: pb.Facts) -> bool:
 
 def split(routes: Routes, trainer: Sequence[pb.RankMemory], engine: Sequence[pb.Facts]) -> tuple[Routes, Routes]:
     """(pulled, pushed): the routes' transfers to the receivers that pull them, and to those that
-    receive them over the group (every member computes the same from the same facts)."""
+    receive them over the group (every member computes the same from the same facts; `trainer`: each
+    rank's memory or its summary)."""
     def pulls(src: int, dst: int) -> bool:
-        return len(trainer[src].ipc) > 0 and same_gpu(trainer[src].facts, engine[dst])
+        return trainer[src].regions > 0 and same_gpu(trainer[src].facts, engine[dst])
     return routes.only(pulls), routes.only(lambda src, dst: not pulls(src, dst))
 
 
-def pull(routes: Routes, rank: int, trainer: Layout, memories: Sequence[pb.RankMemory], specs: Sequence,
+def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.RankMemory], specs: Sequence,
          staging: Mapping[str, tuple[Box, torch.Tensor]], device: torch.device,
          profile: dict[str, float] | None = None, hold: str = "") -> int:
     """Receiver rank `rank`: copies every piece it pulls (`routes`, as split() gives them) from the
-    trainer ranks' memory into its view of `staging` (`routed.destinations`), and waits for the copies.
+    trainer ranks' memory (`memories`: the whole RankMemory of each rank it pulls from, by trainer
+    rank) into its view of `staging` (`routed.destinations`), and waits for the copies.
     Returns the bytes it received; `profile` gets the seconds spent mapping, copying (queued and done)
     and unmapping.
 
@@ -115,7 +125,7 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Sequence[pb.RankM
     return nbytes
 
 
-def _copy(transfers: Sequence, trainer: Layout, memories: Sequence[pb.RankMemory], specs: Sequence,
+def _copy(transfers: Sequence, trainer: Layout, memories: Mapping[int, pb.RankMemory], specs: Sequence,
           views: Mapping[str, torch.Tensor], opened: Mapping[tuple[int, int], torch.Tensor], kept: bool) \
         -> tuple[list[batched.Table] | None, int]:
     """Queues the copies of pull() of `transfers` (the receiver rank's): (the tables launched, when

@@ -122,7 +122,15 @@ def _set_roster(store, offer: pb.Offer, roster: bytes) -> list[str]:
 
 
 def _memory_key(offer: pb.Offer, rank: int) -> str:
+    """A trainer rank's memory summary (pulls.summary), which every member reads."""
     return f"rlsync-routed/{offer.transfer_id}/memory/{rank}"
+
+
+def _held_key(offer: pb.Offer, rank: int) -> str:
+    """A trainer rank's whole RankMemory (its handles and boxes), which only the receiver ranks that pull
+    from it read: at K ranks of a few hundred tensors each, every member reading every rank's would move
+    K x K x tens of KB through rank 0's store at every transfer."""
+    return f"rlsync-routed/{offer.transfer_id}/held/{rank}"
 
 
 def _pulled_key(offer: pb.Offer, rank: int) -> str:
@@ -130,9 +138,26 @@ def _pulled_key(offer: pb.Offer, rank: int) -> str:
 
 
 
+def _put_memory(store, offer: pb.Offer, rank: int, memory: pb.RankMemory) -> None:
+    """Trainer rank `rank`'s memory: its summary for every member, the whole of it (when any of it can
+    be mapped) for the receiver ranks that pull from it, set first, so one that sees the summary finds it."""
+    keys, values = [_memory_key(offer, rank)], [pulls.summary(memory).SerializeToString()]
+    if memory.regions:
+        keys, values = [_held_key(offer, rank), *keys], [memory.SerializeToString(), *values]
+    store.multi_set(keys, values)
+
+
 def _memories(store, offer: pb.Offer, senders: int, deadline: Deadline) -> list[pb.RankMemory]:
-    """Every trainer rank's RankMemory, as each puts it in the store when it starts to send."""
-    keys = [_memory_key(offer, k) for k in range(senders)]
+    """Every trainer rank's memory summary, as each puts it in the store when it starts to send."""
+    return _read(store, [_memory_key(offer, k) for k in range(senders)], deadline)
+
+
+def _held_memories(store, offer: pb.Offer, ranks: Sequence[int], deadline: Deadline) -> dict[int, pb.RankMemory]:
+    """The whole RankMemory of each trainer rank in `ranks` (those a receiver rank pulls from)."""
+    return dict(zip(ranks, _read(store, [_held_key(offer, k) for k in ranks], deadline)))
+
+
+def _read(store, keys: list[str], deadline: Deadline) -> list[pb.RankMemory]:
     try:
         wait = min(routed_groups.JOIN_SECONDS, deadline.remaining("meeting the trainer"))
         store.wait(keys, datetime.timedelta(seconds=wait))
@@ -235,7 +260,7 @@ class ShardedSender:
             self._forget(store)
             self._close_others(store, offer, "a newer offer was sent")
             receivers = sum(a.ranks for a in answers)
-            self._spent += [*(_memory_key(offer, k) for k in range(self.world)),
+            self._spent += [*(key(offer, k) for k in range(self.world) for key in (_memory_key, _held_key)),
                             *(_pulled_key(offer, e) for e in range(receivers)), routed_groups.key(offer.transfer_id),
                             *_set_roster(store, offer, pb.RoutedSend(answers=answers).SerializeToString())]
         engine = engine_layout(self.specs, answers)
@@ -244,7 +269,7 @@ class ShardedSender:
         near = self.held is not None and any(pulls.same_gpu(facts, f) for f in receivers)
         memory = pulls.memory(self.held() if near else None, facts, self._shares)
         memory.groups.extend(routed_groups.held())
-        store.set(_memory_key(offer, self.rank), memory.SerializeToString())
+        _put_memory(store, offer, self.rank, memory)
         profile = {"export": time.perf_counter() - start}
         memories = _memories(store, offer, self.world, deadline)
         pulled, pushed = pulls.split(routes, memories, receivers)
@@ -414,9 +439,11 @@ class RoutedReceiver:
             routes = cached_routes(self.trainer, engine_layout(self.specs, answers))
             memories = _memories(store, self.offer, self.trainer.ranks, self.deadline)
             pulled, pushed = pulls.split(routes, memories, engine_facts(answers))
+            sources = sorted({t.src for t in pulled.of_receiver(me)})
+            held = _held_memories(store, self.offer, sources, self.deadline) if sources else {}
             profile["plan"] = time.perf_counter() - self.start - profile["roster"]
-            if pulled.of_receiver(me):
-                nbytes = pulls.pull(pulled, me, self.trainer, memories, self.specs, self.staging, self.device, profile,
+            if sources:
+                nbytes = pulls.pull(pulled, me, self.trainer, held, self.specs, self.staging, self.device, profile,
                                     self.hold)
         except BaseException as e:  # a trainer rank waiting on this rank's pull fails at once, with the reason
             _say(store, _pulled_key(self.offer, me), (str(e) or type(e).__name__).encode())

@@ -1,0 +1,67 @@
+"""What a routed transfer's members read of the trainer ranks' memory, through a real TCPStore: every
+member each rank's summary (tens of bytes), a receiver rank the whole RankMemory (handles and boxes)
+only of the ranks it pulls from; and the summaries split the routes exactly as the whole memories do."""
+
+import datetime
+
+import pytest
+import torch.distributed as dist
+
+from rlsync.transfer import pulls
+from rlsync.transfer.control import Deadline
+from rlsync.transfer.routes import TensorInfo, layout, plan_routes
+from rlsync.transfer.sharded import _held_key, _held_memories, _memories, _memory_key, _put_memory
+from rlsync.transfer.v1 import transfer_pb2 as pb
+
+TENSORS = 300
+
+
+def _memory(rank: int, gpu: str) -> pb.RankMemory:
+    """A rank of an FSDP2 trainer on `gpu`: every parameter its own storage (a handle of ~170 bytes)."""
+    handle = pb.CudaIpcHandle(device=0, handle=bytes(64), storage_size_bytes=1 << 24,
+                              ref_counter_handle=b"/torch_1_2_3", event_handle=bytes(64),
+                              event_sync_required=True).SerializeToString()
+    return pb.RankMemory(facts=pb.Facts(host_id="h", device_type="cuda", gpu_uuids=[gpu]),
+                         ipc=[handle] * TENSORS, regions=TENSORS, groups=["g1"],
+                         held=[pb.RankMemory.Held(region=i, offset=rank, stride=[1], dtype="bfloat16")
+                               for i in range(TENSORS)])
+
+
+@pytest.fixture
+def store():
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=10))
+    yield master
+
+
+def test_members_read_summaries_and_a_puller_the_whole_memory_of_its_sources(store):
+    offer = pb.Offer(transfer_id="t1")
+    memories = [_memory(0, "gpu-0"), _memory(1, "gpu-1"), pb.RankMemory(facts=pb.Facts(host_id="h"))]
+    for rank, memory in enumerate(memories):
+        _put_memory(store, offer, rank, memory)
+
+    summaries = _memories(store, offer, 3, Deadline(5, "test"))
+    for memory, got in zip(memories, summaries):
+        assert got == pulls.summary(memory) and not got.ipc and not got.held
+        assert (got.facts, got.regions, list(got.groups)) == (memory.facts, memory.regions, list(memory.groups))
+        assert len(got.SerializeToString()) < 100 < TENSORS
+    assert len(memories[1].SerializeToString()) > 150 * TENSORS  # what each member would read of each rank
+
+    assert _held_memories(store, offer, [1], Deadline(5, "test")) == {1: memories[1]}
+    assert store.check([_held_key(offer, 0)]) and not store.check([_held_key(offer, 2)]), \
+        "a rank with nothing to map puts no whole memory"
+    assert store.check([_memory_key(offer, 2)])
+
+
+def test_summaries_split_the_routes_as_the_whole_memories_do():
+    tensors = [TensorInfo("w", (4, 8), 2)]
+    trainer = layout(tensors, [[[((0, 2), (0, 8))]], [[((2, 4), (0, 8))]]])
+    engine = layout(tensors, [[[((0, 4), (0, 4))]], [[((0, 4), (4, 8))]], [[((0, 4), (0, 8))]]])
+    routes = plan_routes(trainer, engine)
+    whole = [_memory(0, "gpu-0"), pb.RankMemory(facts=pb.Facts(host_id="h", device_type="cuda", gpu_uuids=["gpu-1"]))]
+    receivers = [pb.Facts(host_id="h", device_type="cuda", gpu_uuids=[g]) for g in ("gpu-0", "gpu-1", "gpu-0")]
+    pulled, pushed = pulls.split(routes, [pulls.summary(m) for m in whole], receivers)
+    assert (pulled, pushed) == pulls.split(routes, whole, receivers)
+    assert {(t.src, d) for t in pulled.transfers for d in t.dsts} == {(0, 0), (0, 2)}, \
+        "only receivers on a mappable rank's GPU pull from it"
+    assert {(t.src, d) for t in pushed.transfers for d in t.dsts} == {(0, 1), (1, 0), (1, 1), (1, 2)}
