@@ -1,14 +1,20 @@
-"""What a routed transfer's meeting reads from trainer rank 0's store, as the world grows: K trainer
-ranks and K engine ranks, one of each per GPU (a colocated sharded trainer and tensor-parallel engines),
-each trainer rank's RankMemory as FSDP2 leaves it (every parameter its own storage: one CUDA IPC
-handle and one box each). Every member reads every trainer rank's summary; each engine rank also reads
-the whole memory of the rank on its GPU. `before`: every member reads every rank's whole memory (what
-the meeting did before summaries). Real TCPStore on loopback, members in --procs processes; no GPU.
+"""What every member of a routed transfer spends meeting the others, as the world grows: K trainer
+ranks (FSDP2, a real model's shapes) and K engine ranks (K / 8 replicas of TP=8), one of each per GPU
+(a colocated sharded trainer and tensor-parallel engines). No GPU.
 
-    python bench/meeting_scale.py [--worlds 8,64,256] [--tensors 310] [--procs 8]
+The store: each trainer rank's RankMemory as FSDP2 leaves it (every parameter its own storage: one
+CUDA IPC handle and one box each). Every member reads every trainer rank's summary; each engine rank
+also reads the whole memory of the rank on its GPU. `before`: every member reads every rank's whole
+memory (what the meeting did before summaries). Real TCPStore on loopback, members in --procs
+processes: bytes read, and the wall time from the first read to the last member done.
 
-Per world and way: bytes the members read, and the wall time from the first read to the last member
-done. Prints one JSON object.
+Planning: the routes planned once per membership (the first transfer, and after a replica joins or
+leaves), then what each member pays again at every transfer with the plan cached (the engine's layout
+from the answers, the cached plan's lookup, the split into pulled and pushed pairs).
+
+    python bench/meeting_scale.py [--worlds 8,64,256] [--preset qwen3-1.7b] [--procs 8]
+
+Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -16,15 +22,25 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
-from rlsync.transfer import pulls, sharded
-from rlsync.transfer.control import Deadline
-from rlsync.transfer.v1 import transfer_pb2 as pb
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from models import preset_shapes  # noqa: E402
+
+from rlsync.transfer import pulls, sharded  # noqa: E402
+from rlsync.transfer.control import Deadline  # noqa: E402
+from rlsync.transfer.manifest import Spec  # noqa: E402
+from rlsync.transfer.routes import TensorInfo, cached_routes, chunk, layout, plan_routes  # noqa: E402
+from rlsync.transfer.v1 import transfer_pb2 as pb  # noqa: E402
+
+TP = 8
 
 OFFER = pb.Offer(transfer_id="meeting")
 
@@ -79,16 +95,59 @@ def meeting(world: int, tensors: int, procs: int, before: bool) -> dict:
             "MB_read": round(read / 1e6, 2), "seconds": round(seconds, 3)}
 
 
+def _rows(shape: tuple[int, ...], n: int, i: int) -> list:
+    a, b = chunk(shape[0], n, i)
+    return [((a, b), *((0, d) for d in shape[1:]))] if b > a else []
+
+
+def planning(world: int, shapes: dict[str, tuple[int, ...]], repeats: int = 5) -> dict:
+    """Seconds to plan the routes once; milliseconds each member pays again at every transfer."""
+    infos = [TensorInfo(n, tuple(s), 2) for n, s in shapes.items()]
+    specs = [Spec(n, torch.bfloat16, tuple(s), 2 * math.prod(s)) for n, s in shapes.items()]
+    trainer = layout(infos, [[_rows(t.shape, world, r) for t in infos] for r in range(world)])
+    tp_rank = [sharded.to_layout_proto([_rows(t.shape, TP, r) for t in infos]) for r in range(TP)]
+    answers = [pb.Answer(receiver_id=f"replica-{i}", ranks=TP, layout=tp_rank) for i in range(world // TP)]
+    memories = [pb.RankMemory(facts=pb.Facts(host_id="host", device_type="cuda", gpu_uuids=[f"GPU-{r}"]), regions=1)
+                for r in range(world)]
+    start = time.perf_counter()
+    engine = sharded.engine_layout(specs, answers)
+    routes = plan_routes(trainer, engine)
+    first = time.perf_counter() - start
+    cached_routes(trainer, engine)
+    receivers = sharded.engine_facts(answers)
+    for r, facts in enumerate(receivers):
+        facts.gpu_uuids[:] = [f"GPU-{r}"]
+
+    def again(fn) -> float:
+        fn()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return round((time.perf_counter() - start) / repeats * 1e3, 2)
+
+    return {"world": world, "replicas": world // TP, "pieces": sum(len(t.pieces) for t in routes.transfers),
+            "plan_seconds": round(first, 3),
+            "per_transfer_ms": {"engine_layout": again(lambda: sharded.engine_layout(specs, answers)),
+                                "cached_routes": again(lambda: cached_routes(trainer, engine)),
+                                "split": again(lambda: pulls.split(routes, memories, receivers))}}
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         worker(sys.argv[2], int(sys.argv[3]), [int(m) for m in sys.argv[4].split(",")])
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worlds", default="8,64,256")
-    parser.add_argument("--tensors", type=int, default=310)
+    parser.add_argument("--preset", default="qwen3-1.7b")
     parser.add_argument("--procs", type=int, default=8)
     args = parser.parse_args()
+    shapes = preset_shapes(args.preset)
+    args.tensors = len(shapes)
     memory = rank_memory(0, args.tensors)
+    plans = []
+    for world in map(int, args.worlds.split(",")):
+        plans.append(planning(world, shapes))
+        print(json.dumps(plans[-1]), file=sys.stderr)
     cases = []
     for world in map(int, args.worlds.split(",")):
         for before in (False, True):
@@ -98,9 +157,9 @@ def main() -> None:
                                  capture_output=True, text=True, cwd=sys.path[0], check=True)
             cases.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(json.dumps(cases[-1]), file=sys.stderr)
-    print(json.dumps({"tensors": args.tensors, "procs": args.procs,
+    print(json.dumps({"preset": args.preset, "tensors": args.tensors, "procs": args.procs, "planning": plans,
                       "summary_bytes": pulls.summary(memory).ByteSize(), "memory_bytes": memory.ByteSize(),
-                      "cases": cases}, indent=1))
+                      "store": cases}, indent=1))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ takes no two members on one GPU, so this is also what makes colocated sharded tr
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from itertools import accumulate
 
@@ -64,9 +65,14 @@ def split(routes: Routes, trainer: Sequence[pb.RankMemory], engine: Sequence[pb.
     """(pulled, pushed): the routes' transfers to the receivers that pull them, and to those that
     receive them over the group (every member computes the same from the same facts; `trainer`: each
     rank's memory or its summary)."""
-    def pulls(src: int, dst: int) -> bool:
-        return trainer[src].regions > 0 and same_gpu(trainer[src].facts, engine[dst])
-    return routes.only(pulls), routes.only(lambda src, dst: not pulls(src, dst))
+    by_gpu: dict[tuple[str, str], set[int]] = defaultdict(set)  # pairs are many (K x E), GPUs few
+    for dst, facts in enumerate(engine):
+        if facts.device_type == "cuda":
+            for gpu in facts.gpu_uuids:
+                by_gpu[(facts.host_id, gpu)].add(dst)
+    near = [set().union(*(by_gpu.get((m.facts.host_id, gpu), ()) for gpu in m.facts.gpu_uuids))
+            if m.regions > 0 and m.facts.device_type == "cuda" else set() for m in trainer]
+    return routes.only(lambda src, dst: dst in near[src]), routes.only(lambda src, dst: dst not in near[src])
 
 
 def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.RankMemory], specs: Sequence,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from itertools import product
@@ -75,6 +75,14 @@ class Layout:
     tensors: tuple[TensorInfo, ...]
     held: tuple[tuple[tuple[Box, ...], ...], ...]
 
+    def __hash__(self) -> int:
+        """Hashed once (cached_routes looks both layouts up at every transfer: at 256 ranks of ~300
+        tensors, hashing one afresh takes 4 ms)."""
+        if (h := self.__dict__.get("_hash")) is None:
+            h = hash((self.tensors, self.held))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     @property
     def ranks(self) -> int:
         return len(self.held)
@@ -88,8 +96,11 @@ def layout(tensors: Sequence[TensorInfo], held: Sequence[Sequence[Sequence[Box]]
     """A checked Layout: every rank says something (maybe nothing) of every tensor, boxes lie inside it."""
     tensors = tuple(tensors)
     wholes = [whole(t.shape) for t in tensors]
-    out = []
+    out, checked = [], {}  # ranks given the same list (replicas' ranks, read once) are checked once
     for rank, boxes in enumerate(held):
+        if (done := checked.get(id(boxes))) is not None:
+            out.append(done)
+            continue
         if len(boxes) != len(tensors):
             raise InvalidArgument(f"rank {rank} describes {len(boxes)} tensors, the layout has {len(tensors)}")
         for t, shape_box, tensor_boxes in zip(tensors, wholes, boxes):
@@ -99,6 +110,7 @@ def layout(tensors: Sequence[TensorInfo], held: Sequence[Sequence[Sequence[Box]]
                                           f"{list(t.shape)}")
         out.append(tuple(tuple(tuple(map(tuple, b)) for b in tensor_boxes if volume(b) or not b)
                          for tensor_boxes in boxes))
+        checked[id(boxes)] = out[-1]
     return Layout(tensors, tuple(out))
 
 
@@ -161,24 +173,25 @@ def plan_routes(trainer: Layout, engine: Layout) -> Routes:
     load = [0] * trainer.ranks
     groups: dict[tuple[int, tuple[int, ...]], list[Piece]] = defaultdict(list)
     for index, info in enumerate(trainer.tensors):
-        holders = [(r, b) for r in range(trainer.ranks) for b in trainer.held[r][index]]
-        needers = [(r, b) for r in range(engine.ranks) for b in engine.held[r][index]]
+        holders = _ranks_by_box(trainer, index)
+        needers = _ranks_by_box(engine, index)
         if not needers:
             continue
         # (sender, receivers, the sender's box it comes from) -> cells: a piece never spans two boxes
         # of its sender (two parts of a fused tensor lie in two tensors there).
         cells: dict[tuple[int, tuple[int, ...], Box], list[Box]] = defaultdict(list)
-        grid = _Grid(info.shape, [b for _, b in holders] + [b for _, b in needers])
+        grid = _Grid(info.shape, [*holders, *needers])
         wanted = grid.covering(needers)
         owning = grid.covering(holders)
         for key in sorted(wanted):
             cell = grid.cell(key)
-            dsts = tuple(sorted({r for r, _ in wanted[key]}))
+            boxes = wanted[key]
+            dsts = needers[boxes[0]] if len(boxes) == 1 else tuple(sorted({r for b in boxes for r in needers[b]}))
             owners = owning.get(key)
             if not owners:
                 raise InvalidArgument(f"no trainer rank holds {info.name!r}{list(map(list, cell))}, which engine rank "
                                       f"{dsts[0]} loads: the trainer's layout does not cover the tensor")
-            src, held = min(owners, key=lambda o: (load[o[0]], o[0]))
+            src, held = min(((r, b) for b in owners for r in holders[b]), key=lambda o: (load[o[0]], o[0], o[1]))
             load[src] += volume(cell) * info.itemsize
             cells[(src, dsts, held)].append(cell)
         for (src, dsts, _), boxes in sorted(cells.items()):
@@ -218,6 +231,18 @@ def _check_same_tensors(a: Sequence[TensorInfo], b: Sequence[TensorInfo]) -> Non
                           + "; ".join(problems[:8]) + (f" (+{len(problems) - 8} more)" if len(problems) > 8 else ""))
 
 
+def _ranks_by_box(held: Layout, index: int) -> dict[Box, tuple[int, ...]]:
+    """Each distinct box of tensor `index`, with the ranks that hold it (in rank order): the replicas of
+    a fleet load the same boxes, as the replicas of an HSDP mesh hold them, so the boxes are few where
+    the ranks are many."""
+    out: dict[Box, list[int]] = defaultdict(list)
+    for rank, boxes in enumerate(held.held):
+        for box in boxes[index]:
+            if not out[box] or out[box][-1] != rank:
+                out[box].append(rank)
+    return {box: tuple(ranks) for box, ranks in out.items()}
+
+
 class _Grid:
     """The grid every box edge cuts a tensor into, indexed: a cell is a tuple of interval indices, one
     per dimension, and each box covers a block of them (found by bisection), so finding who holds or
@@ -227,13 +252,13 @@ class _Grid:
         self.edges = [sorted({0, size, *(b[d][0] for b in boxes), *(b[d][1] for b in boxes)})
                       for d, size in enumerate(shape)]
 
-    def covering(self, owned: list[tuple[int, Box]]) -> dict[tuple[int, ...], list[tuple[int, Box]]]:
-        """cell key -> the (rank, box) of every box that covers the cell (cells of no volume left out)."""
-        out: dict[tuple[int, ...], list[tuple[int, Box]]] = defaultdict(list)
-        for rank, box in owned:
+    def covering(self, boxes: Iterable[Box]) -> dict[tuple[int, ...], list[Box]]:
+        """cell key -> every box that covers the cell (cells of no volume left out)."""
+        out: dict[tuple[int, ...], list[Box]] = defaultdict(list)
+        for box in boxes:
             ranges = [range(bisect_left(e, a), bisect_left(e, b)) for e, (a, b) in zip(self.edges, box)]
             for key in product(*ranges):
-                out[key].append((rank, box))
+                out[key].append(box)
         return out
 
     def cell(self, key: tuple[int, ...]) -> Box:

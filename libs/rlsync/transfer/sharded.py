@@ -63,15 +63,17 @@ def layout_of(specs: Sequence[Spec], ranks: Sequence[pb.RankLayout]) -> Layout:
 @lru_cache(maxsize=8)
 def _layout_of(tensors: tuple[tuple, ...], raw: tuple[bytes, ...]) -> Layout:
     specs = [Spec(name, dtype, shape, nbytes) for name, dtype, shape, nbytes in tensors]
-    ranks = [pb.RankLayout.FromString(r) for r in raw]
     infos = [TensorInfo(s.name, tuple(s.shape), s.nbytes // max(math.prod(s.shape), 1) if s.nbytes else
                         torch.empty((), dtype=s.dtype).element_size()) for s in specs]
-    held = []
-    for r, rank in enumerate(ranks):
-        if len(rank.tensors) != len(specs):
-            raise InvalidArgument(f"rank {r}'s layout describes {len(rank.tensors)} tensors, the manifest has "
-                                  f"{len(specs)}")
-        held.append([[tuple(zip(b.start, b.stop)) for b in t.boxes] for t in rank.tensors])
+    held, parsed = [], {}  # ranks of the same boxes (the same TP rank of every replica) are read once
+    for r, one in enumerate(raw):
+        if one not in parsed:
+            rank = pb.RankLayout.FromString(one)
+            if len(rank.tensors) != len(specs):
+                raise InvalidArgument(f"rank {r}'s layout describes {len(rank.tensors)} tensors, the manifest has "
+                                      f"{len(specs)}")
+            parsed[one] = [[tuple(zip(b.start, b.stop)) for b in t.boxes] for t in rank.tensors]
+        held.append(parsed[one])
     return layout(infos, held)
 
 
