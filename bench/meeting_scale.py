@@ -8,6 +8,9 @@ also reads the whole memory of the rank on its GPU. `before`: every member reads
 memory (what the meeting did before summaries). Real TCPStore on loopback, members in --procs
 processes: bytes read, and the wall time from the first read to the last member done.
 
+The trainer's layout: its size, which every offer carried to every replica and worker before offers
+named it by digest (now each receiver process reads it once from the store).
+
 Planning: the routes planned once per membership (the first transfer, and after a replica joins or
 leaves), then what each member pays again at every transfer with the plan cached (the engine's layout
 from the answers, the cached plan's lookup, the split into pulled and pushed pairs).
@@ -125,8 +128,9 @@ def planning(world: int, shapes: dict[str, tuple[int, ...]], repeats: int = 5) -
             fn()
         return round((time.perf_counter() - start) / repeats * 1e3, 2)
 
+    held = pb.TrainerLayout(ranks=[sharded.to_layout_proto(r) for r in trainer.held])
     return {"world": world, "replicas": world // TP, "pieces": sum(len(t.pieces) for t in routes.transfers),
-            "plan_seconds": round(first, 3),
+            "trainer_layout_MB": round(held.ByteSize() / 1e6, 3), "plan_seconds": round(first, 3),
             "per_transfer_ms": {"engine_layout": again(lambda: sharded.engine_layout(specs, answers)),
                                 "cached_routes": again(lambda: cached_routes(trainer, engine)),
                                 "split": again(lambda: pulls.split(routes, memories, receivers))}}

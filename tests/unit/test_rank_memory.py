@@ -1,16 +1,21 @@
-"""What a routed transfer's members read of the trainer ranks' memory, through a real TCPStore: every
-member each rank's summary (tens of bytes), a receiver rank the whole RankMemory (handles and boxes)
-only of the ranks it pulls from; and the summaries split the routes exactly as the whole memories do."""
+"""What a routed transfer's members read from the trainer's real TCPStore, which stays small as the
+world grows: every member each rank's memory summary (tens of bytes), a receiver rank the whole
+RankMemory (handles and boxes) only of the ranks it pulls from, and the trainer's layout once per
+process (an offer names it by digest); the summaries split the routes exactly as the whole memories do."""
 
 import datetime
 
 import pytest
+import torch
 import torch.distributed as dist
 
+from rlsync.errors import DataLoss, FailedPrecondition
 from rlsync.transfer import pulls
 from rlsync.transfer.control import Deadline
-from rlsync.transfer.routes import TensorInfo, layout, plan_routes
-from rlsync.transfer.sharded import _held_key, _held_memories, _memories, _memory_key, _put_memory
+from rlsync.transfer.manifest import Spec
+from rlsync.transfer.routes import TensorInfo, chunks, layout, plan_routes
+from rlsync.transfer.sharded import (ShardedSender, _held_key, _held_memories, _layout_key, _memories, _memory_key,
+                                    _put_memory, trainer_layout)
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 TENSORS = 300
@@ -65,3 +70,42 @@ def test_summaries_split_the_routes_as_the_whole_memories_do():
     assert {(t.src, d) for t in pulled.transfers for d in t.dsts} == {(0, 0), (0, 2)}, \
         "only receivers on a mappable rank's GPU pull from it"
     assert {(t.src, d) for t in pushed.transfers for d in t.dsts} == {(0, 1), (1, 0), (1, 1), (1, 2)}
+
+
+def _sender(ranks: int) -> ShardedSender:
+    rows = [[[((a, b), (0, 8))]] for a, b in chunks(64, ranks)]
+    return ShardedSender(layout([TensorInfo("w", (64, 8), 4)], rows), [Spec("w", torch.float32, (64, 8), 2048)], 0,
+                         lambda piece: torch.zeros(1), bucket_bytes=1 << 10)
+
+
+class _Gone:
+    """A store that is not there: a layout met before is not read again."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the store was used ({name})")
+
+
+def test_an_offer_names_the_trainers_layout_and_a_receiver_reads_it_once():
+    small, large = _sender(2), _sender(64)
+    try:
+        offers = [s.offer(version=1) for s in (small, large)]
+        assert offers[0].ByteSize() - len(offers[0].routing.store) == offers[1].ByteSize() - len(
+            offers[1].routing.store), "an offer does not grow with the trainer's ranks"
+        for sender, offer in zip((small, large), offers):
+            client = dist.TCPStore("127.0.0.1", sender._store.port, is_master=False)
+            got = trainer_layout(client, offer, sender.specs)
+            assert got == sender.layout and trainer_layout(_Gone(), offer, sender.specs) is got
+    finally:
+        small.close()
+        large.close()
+
+
+def test_a_layout_not_in_the_store_or_not_matching_its_digest_is_refused_at_once(store):
+    specs = [Spec("w", torch.float32, (64, 8), 2048)]
+    unknown = pb.Offer(routing=pb.Routing(layout="ab" * 32))
+    with pytest.raises(FailedPrecondition, match="holds no layout"):
+        trainer_layout(store, unknown, specs)
+    tampered = pb.Offer(routing=pb.Routing(layout="cd" * 32))
+    store.set(_layout_key(tampered.routing.layout), pb.TrainerLayout().SerializeToString())
+    with pytest.raises(DataLoss, match="does not match its digest"):
+        trainer_layout(store, tampered, specs)

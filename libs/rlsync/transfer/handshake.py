@@ -23,7 +23,9 @@ if TYPE_CHECKING:  # torch is loaded by the facts of a device only: the coordina
 #    it would wait until its deadline
 # 4: a broadcast transfer starts with a token of its id (transfer.backends.groups), and each end may post its
 #    half ahead; a receiver of 3 would take the token for its first bucket
-PROTOCOL_VERSION = 4
+# 5: a routed offer names the trainer's layout by digest (Routing.layout), kept in the trainer's store; a
+#    receiver of 4 would find no layout in it
+PROTOCOL_VERSION = 5
 B = pb.Backend
 NAMES = {B.BACKEND_CUDA_IPC: "cuda_ipc", B.BACKEND_NCCL: "nccl", B.BACKEND_SHM: "shm", B.BACKEND_GLOO: "gloo"}
 BY_NAME = {v: k for k, v in NAMES.items()}

@@ -1,13 +1,13 @@
 """Both ends of a routed transfer, over the same offers and answers as any other transfer.
 
-A sharded trainer offers with `Offer.routing`: every rank's layout and the store its ranks and the
-receivers meet at. A receiver answers with the boxes each of its ranks loads (`Answer.layout`).
-At the send, trainer rank 0 puts the answers in the store (the roster: which replicas take part, in
-which order); every member then plans the same routes (`routes.cached_routes`) from the trainer's
-layout and every replica's. Pairs on one GPU pull (`pulls.py`); the rest take one process group (the
-trainer's ranks, then each replica's ranks in roster order; formed once per membership and held
-across transfers, `routed_groups.py`) and move their pieces over it (`routed.py`): all replicas at
-once, each member two operations at a time.
+A sharded trainer offers with `Offer.routing`: the store its ranks and the receivers meet at, and every
+rank's layout by digest (kept in that store, read once by each receiver process). A receiver answers
+with the boxes each of its ranks loads (`Answer.layout`). At the send, trainer rank 0 puts the answers
+in the store (the roster: which replicas take part, in which order); every member then plans the same
+routes (`routes.cached_routes`) from the trainer's layout and every replica's. Pairs on one GPU pull
+(`pulls.py`); the rest take one process group (the trainer's ranks, then each replica's ranks in roster
+order; formed once per membership and held across transfers, `routed_groups.py`) and move their pieces
+over it (`routed.py`): all replicas at once, each member two operations at a time.
 
     sender = ShardedSender(shards, host=...)        # on every trainer rank
     offer = sender.offer(version)                   # rank 0; handed to replicas as any offer
@@ -19,6 +19,7 @@ once, each member two operations at a time.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import math
 import secrets
 import threading
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from rlsync.address import reachable_host
-from rlsync.errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from rlsync.errors import Aborted, DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from rlsync.transfer import pulls, routed, routed_groups
 from rlsync.transfer.control import Deadline
 from rlsync.transfer.handshake import NAMES, PROTOCOL_VERSION, local_facts
@@ -75,6 +76,41 @@ def _layout_of(tensors: tuple[tuple, ...], raw: tuple[bytes, ...]) -> Layout:
             parsed[one] = [[tuple(zip(b.start, b.stop)) for b in t.boxes] for t in rank.tensors]
         held.append(parsed[one])
     return layout(infos, held)
+
+
+_TRAINER_LAYOUTS: OrderedDict[tuple, Layout] = OrderedDict()  # (tensors, digest) -> Layout: the last few
+_TRAINER_LAYOUTS_LOCK = threading.Lock()
+
+
+def _layout_key(digest: str) -> str:
+    return f"rlsync-routed/layout/{digest}"
+
+
+def trainer_layout(store, offer: pb.Offer, specs: Sequence[Spec]) -> Layout:
+    """The trainer's layout `offer` names (Routing.layout): read from the trainer's store and checked
+    against its digest the first time this process meets it, then kept (at K ranks of a few hundred
+    tensors it is K x 5 KB: in every offer, it made each one that big for every replica and worker)."""
+    digest = offer.routing.layout
+    key = (tuple(s[:4] for s in specs), digest)
+    with _TRAINER_LAYOUTS_LOCK:
+        found = _TRAINER_LAYOUTS.get(key)
+    if found is not None:
+        return found
+    try:  # set before any offer named it: missing, it never comes (a get would wait out the store's timeout)
+        raw = store.get(_layout_key(digest)) if store.check([_layout_key(digest)]) else None
+    except dist.DistError as e:
+        raise Unavailable(f"the trainer's store is gone ({e})") from e
+    if raw is None:
+        raise FailedPrecondition(f"the trainer's store holds no layout {digest[:12]!r}: the offer is not one this "
+                                 "trainer made")
+    if hashlib.sha256(raw).hexdigest() != digest:
+        raise DataLoss(f"the trainer's layout {digest[:12]} in its store does not match its digest")
+    found = layout_of(specs, pb.TrainerLayout.FromString(raw).ranks)
+    with _TRAINER_LAYOUTS_LOCK:
+        _TRAINER_LAYOUTS[key] = found
+        while len(_TRAINER_LAYOUTS) > 8:
+            _TRAINER_LAYOUTS.popitem(last=False)
+    return found
 
 
 def whole_layout(specs: Sequence[Spec]) -> pb.RankLayout:
@@ -229,9 +265,11 @@ class ShardedSender:
         self._spent: list[str] = []  # rank 0: the store keys of the last transfer
         self._open: OrderedDict[str, pb.Offer] = OrderedDict()  # rank 0: offers neither sent nor refused yet
         self._group = routed_groups.Decider()  # rank 0: the routed group of the last transfer
-        if self.rank == 0:  # the one that offers
-            self._ranks = [to_layout_proto(r) for r in layout.held]  # every offer's routing (~300 tensors: 0.8 ms)
+        if self.rank == 0:  # the one that offers, and keeps the layout its offers name
+            raw = pb.TrainerLayout(ranks=[to_layout_proto(r) for r in layout.held]).SerializeToString()
+            self._layout = hashlib.sha256(raw).hexdigest()
             self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            self._store.set(_layout_key(self._layout), raw)
             self.store_address = f"{advertise or reachable_host(host)}:{self._store.port}"
         self.backends = [pb.BACKEND_CUDA_IPC, pb.BACKEND_NCCL] if self.device.type == "cuda" else [pb.BACKEND_GLOO]
 
@@ -242,7 +280,7 @@ class ShardedSender:
             protocol_version=PROTOCOL_VERSION, manifest=to_proto(self.specs, version),
             facts=local_facts(self.device), backends=self.backends, token=secrets.token_hex(16),
             bucket_bytes=self.bucket_bytes, transfer_id=uuid.uuid4().hex,
-            routing=pb.Routing(ranks=self._ranks, store=self.store_address))
+            routing=pb.Routing(store=self.store_address, layout=self._layout))
         self._open[offer.transfer_id] = offer
         while len(self._open) > OPEN_OFFERS and self._store is not None:
             self._close_offer(self._store, self._open.popitem(last=False)[1], "too many newer offers were made")
@@ -378,7 +416,7 @@ class RoutedReceiver:
         self.offer, self.answer, self.rank, self.hold = offer, answer, rank, hold
         self.specs = from_proto(offer.manifest)
         self.device = resolved(torch.device(device)) if device is not None else torch.device("cpu")
-        self.trainer = layout_of(self.specs, offer.routing.ranks)
+        self.trainer: Layout | None = None  # read at run() (trainer_layout)
         layout_of(self.specs, answer.layout)  # a layout that does not fit the manifest is refused now
         dest = dest.views if isinstance(dest, FlatStore) else dest
         self.staging = {s.name: ((boxes or {}).get(s.name, whole(s.shape)), dest[s.name]) for s in self.specs
@@ -438,6 +476,7 @@ class RoutedReceiver:
         answers, me = self._roster(store)
         nbytes, profile = 0, {"roster": time.perf_counter() - self.start}
         try:
+            self.trainer = trainer_layout(store, self.offer, self.specs)
             routes = cached_routes(self.trainer, engine_layout(self.specs, answers))
             memories = _memories(store, self.offer, self.trainer.ranks, self.deadline)
             pulled, pushed = pulls.split(routes, memories, engine_facts(answers))

@@ -163,12 +163,18 @@ class RoutedSend(_message.Message):
     def __init__(self, offer: _Optional[_Union[Offer, _Mapping]] = ..., answers: _Optional[_Iterable[_Union[Answer, _Mapping]]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class Routing(_message.Message):
-    __slots__ = ("ranks", "store")
-    RANKS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("store", "layout")
     STORE_FIELD_NUMBER: _ClassVar[int]
-    ranks: _containers.RepeatedCompositeFieldContainer[RankLayout]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     store: str
-    def __init__(self, ranks: _Optional[_Iterable[_Union[RankLayout, _Mapping]]] = ..., store: _Optional[str] = ...) -> None: ...
+    layout: str
+    def __init__(self, store: _Optional[str] = ..., layout: _Optional[str] = ...) -> None: ...
+
+class TrainerLayout(_message.Message):
+    __slots__ = ("ranks",)
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    ranks: _containers.RepeatedCompositeFieldContainer[RankLayout]
+    def __init__(self, ranks: _Optional[_Iterable[_Union[RankLayout, _Mapping]]] = ...) -> None: ...
 
 class MappedTensors(_message.Message):
     __slots__ = ("ipc", "region", "offset", "waits", "bell", "dtype")
