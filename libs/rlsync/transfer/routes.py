@@ -96,6 +96,7 @@ def layout(tensors: Sequence[TensorInfo], held: Sequence[Sequence[Sequence[Box]]
     """A checked Layout: every rank says something (maybe nothing) of every tensor, boxes lie inside it."""
     tensors = tuple(tensors)
     wholes = [whole(t.shape) for t in tensors]
+    held = list(held)  # every rank's boxes alive till the end: the memo below goes by their ids
     out, checked = [], {}  # ranks given the same list (replicas' ranks, read once) are checked once
     for rank, boxes in enumerate(held):
         if (done := checked.get(id(boxes))) is not None:
@@ -191,7 +192,8 @@ def plan_routes(trainer: Layout, engine: Layout) -> Routes:
             if not owners:
                 raise InvalidArgument(f"no trainer rank holds {info.name!r}{list(map(list, cell))}, which engine rank "
                                       f"{dsts[0]} loads: the trainer's layout does not cover the tensor")
-            src, held = min(((r, b) for b in owners for r in holders[b]), key=lambda o: (load[o[0]], o[0], o[1]))
+            src, held = min(((r, b) for b in owners for r in holders[b]),  # ties: the rank's own box order
+                            key=lambda o: (load[o[0]], o[0], trainer.held[o[0]][index].index(o[1])))
             load[src] += volume(cell) * info.itemsize
             cells[(src, dsts, held)].append(cell)
         for (src, dsts, _), boxes in sorted(cells.items()):

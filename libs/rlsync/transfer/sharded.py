@@ -94,8 +94,9 @@ def trainer_layout(store, offer: pb.Offer, specs: Sequence[Spec]) -> Layout:
     key = (tuple(s[:4] for s in specs), digest)
     with _TRAINER_LAYOUTS_LOCK:
         found = _TRAINER_LAYOUTS.get(key)
-    if found is not None:
-        return found
+        if found is not None:
+            _TRAINER_LAYOUTS.move_to_end(key)
+            return found
     try:  # set before any offer named it: missing, it never comes (a get would wait out the store's timeout)
         raw = store.get(_layout_key(digest)) if store.check([_layout_key(digest)]) else None
     except dist.DistError as e:
@@ -300,7 +301,7 @@ class ShardedSender:
             self._forget(store)
             self._close_others(store, offer, "a newer offer was sent")
             receivers = sum(a.ranks for a in answers)
-            self._spent += [*(key(offer, k) for k in range(self.world) for key in (_memory_key, _held_key)),
+            self._spent += [*(_memory_key(offer, k) for k in range(self.world)),
                             *(_pulled_key(offer, e) for e in range(receivers)), routed_groups.key(offer.transfer_id),
                             *_set_roster(store, offer, pb.RoutedSend(answers=answers).SerializeToString())]
         engine = engine_layout(self.specs, answers)
@@ -312,6 +313,8 @@ class ShardedSender:
         _put_memory(store, offer, self.rank, memory)
         profile = {"export": time.perf_counter() - start}
         memories = _memories(store, offer, self.world, deadline)
+        if self.rank == 0:
+            self._spent += [_held_key(offer, k) for k, m in enumerate(memories) if m.regions]
         pulled, pushed = pulls.split(routes, memories, receivers)
         profile["meet"] = time.perf_counter() - start - profile["export"]
         sent, gid, pg = _wire_bytes(pulled, self.rank), "", None
