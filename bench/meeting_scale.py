@@ -9,11 +9,14 @@ memory (what the meeting did before summaries). Real TCPStore on loopback, membe
 processes: bytes read, and the wall time from the first read to the last member done.
 
 The trainer's layout: its size, which every offer carried to every replica and worker before offers
-named it by digest (now each receiver process reads it once from the store).
+named it by digest (now each receiver process reads it once from the store). The roster every
+receiver rank reads at every transfer: its size (`answers_MB`: before, every answer with every rank's
+layout; now each distinct layout once).
 
 Planning: the routes planned once per membership (the first transfer, and after a replica joins or
-leaves), then what each member pays again at every transfer with the plan cached (the engine's layout
-from the answers, the cached plan's lookup, the split into pulled and pushed pairs).
+leaves), then what each member pays again at every transfer with the plan cached (a trainer rank: the
+engine's layout from the answers; rank 0: the roster; a receiver rank: the engine's layout from the
+roster; every member: the cached plan's lookup, the split into pulled and pushed pairs).
 
     python bench/meeting_scale.py [--worlds 8,64,256] [--preset qwen3-1.7b] [--procs 8]
 
@@ -109,7 +112,10 @@ def planning(world: int, shapes: dict[str, tuple[int, ...]], repeats: int = 5) -
     specs = [Spec(n, torch.bfloat16, tuple(s), 2 * math.prod(s)) for n, s in shapes.items()]
     trainer = layout(infos, [[_rows(t.shape, world, r) for t in infos] for r in range(world)])
     tp_rank = [sharded.to_layout_proto([_rows(t.shape, TP, r) for t in infos]) for r in range(TP)]
-    answers = [pb.Answer(receiver_id=f"replica-{i}", ranks=TP, layout=tp_rank) for i in range(world // TP)]
+    answers = [pb.Answer(receiver_id=f"replica-{i}", ranks=TP, layout=[
+        pb.RankLayout(tensors=t.tensors,
+                      facts=pb.Facts(host_id="host", device_type="cuda", gpu_uuids=[f"GPU-{i * TP + r}"]))
+        for r, t in enumerate(tp_rank)]) for i in range(world // TP)]
     memories = [pb.RankMemory(facts=pb.Facts(host_id="host", device_type="cuda", gpu_uuids=[f"GPU-{r}"]), regions=1)
                 for r in range(world)]
     start = time.perf_counter()
@@ -118,8 +124,7 @@ def planning(world: int, shapes: dict[str, tuple[int, ...]], repeats: int = 5) -
     first = time.perf_counter() - start
     cached_routes(trainer, engine)
     receivers = sharded.engine_facts(answers)
-    for r, facts in enumerate(receivers):
-        facts.gpu_uuids[:] = [f"GPU-{r}"]
+    roster = sharded.make_roster(answers)
 
     def again(fn) -> float:
         fn()
@@ -130,8 +135,12 @@ def planning(world: int, shapes: dict[str, tuple[int, ...]], repeats: int = 5) -
 
     held = pb.TrainerLayout(ranks=[sharded.to_layout_proto(r) for r in trainer.held])
     return {"world": world, "replicas": world // TP, "pieces": sum(len(t.pieces) for t in routes.transfers),
-            "trainer_layout_MB": round(held.ByteSize() / 1e6, 3), "plan_seconds": round(first, 3),
+            "trainer_layout_MB": round(held.ByteSize() / 1e6, 3), "roster_MB": round(roster.ByteSize() / 1e6, 3),
+            "answers_MB": round(pb.RoutedSend(answers=answers).ByteSize() / 1e6, 3), "plan_seconds": round(first, 3),
             "per_transfer_ms": {"engine_layout": again(lambda: sharded.engine_layout(specs, answers)),
+                                "make_roster": again(lambda: sharded.make_roster(answers)),
+                                "roster_layout": again(lambda: sharded.roster_layout(
+                                    specs, pb.Roster.FromString(roster.SerializeToString()))),
                                 "cached_routes": again(lambda: cached_routes(trainer, engine)),
                                 "split": again(lambda: pulls.split(routes, memories, receivers))}}
 

@@ -1,7 +1,8 @@
 """What a routed transfer's members read from the trainer's real TCPStore, which stays small as the
 world grows: every member each rank's memory summary (tens of bytes), a receiver rank the whole
-RankMemory (handles and boxes) only of the ranks it pulls from, and the trainer's layout once per
-process (an offer names it by digest); the summaries split the routes exactly as the whole memories do."""
+RankMemory (handles and boxes) only of the ranks it pulls from, the trainer's layout once per process
+(an offer names it by digest), and a roster with each distinct receiver layout once; the summaries
+split the routes exactly as the whole memories do, and the roster gives the layout the answers do."""
 
 import datetime
 
@@ -9,13 +10,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rlsync.errors import DataLoss, FailedPrecondition
+from rlsync.errors import DataLoss, FailedPrecondition, InvalidArgument
 from rlsync.transfer import pulls
 from rlsync.transfer.control import Deadline
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.routes import TensorInfo, chunks, layout, plan_routes
 from rlsync.transfer.sharded import (ShardedSender, _held_key, _held_memories, _layout_key, _memories, _memory_key,
-                                    _put_memory, trainer_layout)
+                                    _put_memory, engine_facts, engine_layout, make_roster, roster_layout,
+                                    to_layout_proto, trainer_layout)
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 TENSORS = 300
@@ -111,3 +113,22 @@ def test_a_layout_not_in_the_store_or_not_matching_its_digest_is_refused_at_once
     store.set(_layout_key(tampered.routing.layout), pb.TrainerLayout().SerializeToString())
     with pytest.raises(DataLoss, match="does not match its digest"):
         trainer_layout(store, tampered, specs)
+
+
+def test_a_roster_carries_each_distinct_layout_once_and_gives_the_answers_layout():
+    specs = [Spec("w", torch.float32, (64, 8), 2048), Spec("b", torch.float32, (64,), 256)]
+    tp = [to_layout_proto([[((a, b), (0, 8))], [((0, 64),)]]) for a, b in chunks(64, 2)]
+    answers = []
+    for replica in range(4):  # each rank on a GPU of its own: the same boxes, other facts
+        ranks = [pb.RankLayout(tensors=t.tensors, facts=pb.Facts(host_id="h", gpu_uuids=[f"gpu-{2 * replica + r}"]))
+                 for r, t in enumerate(tp)]
+        answers.append(pb.Answer(receiver_id=f"replica-{replica}", ranks=2, layout=ranks, bucket_bytes=1 << 20))
+    roster = make_roster(answers)
+    assert len(roster.layouts) == 2 and list(roster.layout_of) == [0, 1] * 4
+    assert not any(a.layout for a in roster.answers) and [a.bucket_bytes for a in roster.answers] == [1 << 20] * 4
+    assert roster_layout(specs, roster) == engine_layout(specs, answers)
+    assert list(roster.facts) == engine_facts(answers)
+    assert roster.ByteSize() < pb.RoutedSend(answers=answers).ByteSize()
+    roster.layout_of[3] = 2
+    with pytest.raises(InvalidArgument, match="do not match its answers"):
+        roster_layout(specs, roster)

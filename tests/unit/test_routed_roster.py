@@ -13,8 +13,7 @@ from rlsync.transfer import answer
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.routes import TensorInfo, layout, whole
 from rlsync.transfer.sharded import (RoutedReceiver, ShardedSender, _refused_key, _roster_key, _set_roster,
-                                    _waiting_key)
-from rlsync.transfer.v1 import transfer_pb2 as pb
+                                    _waiting_key, make_roster)
 
 
 @pytest.fixture
@@ -75,7 +74,7 @@ def test_a_closed_receiver_stops_waiting_at_once_and_leaves_no_thread(sender):
 
 def test_a_receiver_that_comes_after_the_roster_does_not_wait(sender):
     offer = sender.offer(version=1)
-    _set_roster(sender._store, offer, pb.RoutedSend(answers=[answer(offer, "another-replica")]).SerializeToString())
+    _set_roster(sender._store, offer, make_roster([answer(offer, "another-replica")]).SerializeToString())
     receiver = RoutedReceiver(offer, answer(offer, "replica"), {"w": torch.empty(4, 2)}, timeout=5)
     start = time.monotonic()
     with pytest.raises(FailedPrecondition, match="another-replica"):
@@ -110,7 +109,7 @@ def _raised(fn) -> Exception | None:
 def test_a_roster_without_this_replica_is_refused_by_name(sender):
     offer, _, outcome, thread = _waiting(sender)
     other = answer(offer, "another-replica")
-    _set_roster(sender._store, offer, pb.RoutedSend(answers=[other]).SerializeToString())
+    _set_roster(sender._store, offer, make_roster([other]).SerializeToString())
     thread.join(10)
     assert "another-replica" in str(outcome.get("error")) and "dropped" in str(outcome["error"])
 

@@ -152,6 +152,18 @@ class RoutedGroup(_message.Message):
     reuse: bool
     def __init__(self, id: _Optional[str] = ..., reuse: _Optional[bool] = ...) -> None: ...
 
+class Roster(_message.Message):
+    __slots__ = ("answers", "layouts", "layout_of", "facts")
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUTS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_OF_FIELD_NUMBER: _ClassVar[int]
+    FACTS_FIELD_NUMBER: _ClassVar[int]
+    answers: _containers.RepeatedCompositeFieldContainer[Answer]
+    layouts: _containers.RepeatedCompositeFieldContainer[RankLayout]
+    layout_of: _containers.RepeatedScalarFieldContainer[int]
+    facts: _containers.RepeatedCompositeFieldContainer[Facts]
+    def __init__(self, answers: _Optional[_Iterable[_Union[Answer, _Mapping]]] = ..., layouts: _Optional[_Iterable[_Union[RankLayout, _Mapping]]] = ..., layout_of: _Optional[_Iterable[int]] = ..., facts: _Optional[_Iterable[_Union[Facts, _Mapping]]] = ...) -> None: ...
+
 class RoutedSend(_message.Message):
     __slots__ = ("offer", "answers", "timeout_seconds")
     OFFER_FIELD_NUMBER: _ClassVar[int]
