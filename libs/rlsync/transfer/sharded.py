@@ -66,14 +66,18 @@ def _layout_of(tensors: tuple[tuple, ...], raw: tuple[bytes, ...]) -> Layout:
     specs = [Spec(name, dtype, shape, nbytes) for name, dtype, shape, nbytes in tensors]
     infos = [TensorInfo(s.name, tuple(s.shape), s.nbytes // max(math.prod(s.shape), 1) if s.nbytes else
                         torch.empty((), dtype=s.dtype).element_size()) for s in specs]
-    held, parsed = [], {}  # ranks of the same boxes (the same TP rank of every replica) are read once
-    for r, one in enumerate(raw):
+    held, parsed, boxes = [], {}, {}  # ranks of the same boxes (the same TP rank of every replica, each on
+    for r, one in enumerate(raw):      # a GPU of its own: its facts differ) are read once
         if one not in parsed:
             rank = pb.RankLayout.FromString(one)
             if len(rank.tensors) != len(specs):
                 raise InvalidArgument(f"rank {r}'s layout describes {len(rank.tensors)} tensors, the manifest has "
                                       f"{len(specs)}")
-            parsed[one] = [[tuple(zip(b.start, b.stop)) for b in t.boxes] for t in rank.tensors]
+            rank.ClearField("facts")
+            key = rank.SerializeToString()
+            if key not in boxes:
+                boxes[key] = [[tuple(zip(b.start, b.stop)) for b in t.boxes] for t in rank.tensors]
+            parsed[one] = boxes[key]
         held.append(parsed[one])
     return layout(infos, held)
 
