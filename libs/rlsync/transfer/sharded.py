@@ -2,12 +2,13 @@
 
 A sharded trainer offers with `Offer.routing`: the store its ranks and the receivers meet at, and every
 rank's layout by digest (kept in that store, read once by each receiver process). A receiver answers
-with the boxes each of its ranks loads (`Answer.layout`). At the send, trainer rank 0 puts the answers
-in the store (the roster: which replicas take part, in which order); every member then plans the same
-routes (`routes.cached_routes`) from the trainer's layout and every replica's. Pairs on one GPU pull
-(`pulls.py`); the rest take one process group (the trainer's ranks, then each replica's ranks in roster
-order; formed once per membership and held across transfers, `routed_groups.py`) and move their pieces
-over it (`routed.py`): all replicas at once, each member two operations at a time.
+with the boxes each of its ranks loads (`Answer.layout`). At the send, trainer rank 0 puts the roster in
+the store (`make_roster`: which replicas take part, in which order, each distinct layout once); every
+member then plans the same routes (`routes.cached_routes`) from the trainer's layout and every
+replica's. Pairs on one GPU pull (`pulls.py`); the rest take one process group (the trainer's ranks,
+then each replica's ranks in roster order; formed once per membership and held across transfers,
+`routed_groups.py`) and move their pieces over it (`routed.py`): all replicas at once, each member two
+operations at a time.
 
     sender = ShardedSender(shards, host=...)        # on every trainer rank
     offer = sender.offer(version)                   # rank 0; handed to replicas as any offer
