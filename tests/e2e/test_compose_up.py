@@ -132,5 +132,8 @@ def test_compose_builds_starts_scales_syncs_and_serves(engine):
         compose("down", "-v", timeout=300)
         # The images of earlier runs, untagged by this build: each run would leave its ~4 GB behind
         # (they filled the CI machine's disk), while the base image and the build cache stay.
-        pruned = _run("docker", "image", "prune", "-f", timeout=300)
-        print(json.dumps({"down_s": round(time.monotonic() - start, 1), "pruned": pruned.stdout.strip()[-80:]}))
+        try:
+            pruned = _run("docker", "image", "prune", "-f", timeout=300).stdout.strip()[-80:]
+        except subprocess.TimeoutExpired as e:
+            pruned = f"not pruned: {e}"
+        print(json.dumps({"down_s": round(time.monotonic() - start, 1), "pruned": pruned}))
