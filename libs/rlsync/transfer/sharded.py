@@ -58,8 +58,12 @@ def layout_of(specs: Sequence[Spec], ranks: Sequence[pb.RankLayout]) -> Layout:
     ranks meet again at every update: the last few are kept, by the ranks' bytes (1.2 ms of Python
     for ~300 tensors against 0.04 ms; and the same Layout again, which cached_routes finds at once).
     A tensor's checksum, new at every version, is no part of its layout."""
-    return _layout_of(tuple(s[:4] for s in specs),  # (name, dtype, shape, nbytes)
-                      tuple(r.SerializeToString() for r in ranks))
+    return _layout_of(_tensors(specs), tuple(r.SerializeToString() for r in ranks))
+
+
+def _tensors(specs: Sequence[Spec]) -> tuple[tuple, ...]:
+    """The manifest's tensors as a layout knows them, (name, dtype, shape, nbytes) each: a cache key."""
+    return tuple(s[:4] for s in specs)
 
 
 @lru_cache(maxsize=8)
@@ -96,7 +100,7 @@ def trainer_layout(store, offer: pb.Offer, specs: Sequence[Spec]) -> Layout:
     against its digest the first time this process meets it, then kept (at K ranks of a few hundred
     tensors it is K x 5 KB: in every offer, it made each one that big for every replica and worker)."""
     digest = offer.routing.layout
-    key = (tuple(s[:4] for s in specs), digest)
+    key = (_tensors(specs), digest)
     with _TRAINER_LAYOUTS_LOCK:
         found = _TRAINER_LAYOUTS.get(key)
         if found is not None:
@@ -251,8 +255,9 @@ def engine_layout(specs: Sequence[Spec], answers: Sequence[pb.Answer]) -> Layout
 def make_roster(answers: Sequence[pb.Answer]) -> pb.Roster:
     """The roster of these answers (see Roster): each distinct layout once."""
     out, index = pb.Roster(), {}
-    for a in answers:
-        a = _copy(a)  # its ranks' facts come off in place: a copy is one C call, a copy of each rank 10x that
+    for answer in answers:
+        a = pb.Answer()  # its ranks' facts come off in place: a copy is one C call, a copy of each rank 10x that
+        a.CopyFrom(answer)
         for rank in a.layout:
             out.facts.append(rank.facts if rank.HasField("facts") else a.facts)
             rank.ClearField("facts")
@@ -266,12 +271,6 @@ def make_roster(answers: Sequence[pb.Answer]) -> pb.Roster:
     return out
 
 
-def _copy(answer: pb.Answer) -> pb.Answer:
-    out = pb.Answer()
-    out.CopyFrom(answer)
-    return out
-
-
 def roster_layout(specs: Sequence[Spec], roster: pb.Roster) -> Layout:
     """Every receiver rank of the roster, replica after replica (the same Layout as engine_layout of
     the answers it was made of)."""
@@ -280,7 +279,7 @@ def roster_layout(specs: Sequence[Spec], roster: pb.Roster) -> Layout:
         raise InvalidArgument("a roster whose ranks' layouts do not match its answers: the trainer's rank 0 made it "
                               "wrong")
     distinct = [r.SerializeToString() for r in roster.layouts]
-    return _layout_of(tuple(s[:4] for s in specs), tuple(distinct[i] for i in roster.layout_of))
+    return _layout_of(_tensors(specs), tuple(distinct[i] for i in roster.layout_of))
 
 
 def _bucket(offer: pb.Offer, answers: Sequence[pb.Answer]) -> int:
