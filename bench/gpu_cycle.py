@@ -45,7 +45,7 @@ def gpu_used() -> float:
 
 
 def start(logs: Path, mode: str, model: str, trainer_gpu: str, replica_gpus: list[str], trainer_args=(),
-          coordinator_args=()):
+          coordinator_args=(), replica_env=None):
     co = ServiceProcess("coordinator", ["--port", "0", "--sync-mode", mode, *coordinator_args],
                         log_path=logs / "coordinator.log")
     address = co.wait_ready()
@@ -55,7 +55,7 @@ def start(logs: Path, mode: str, model: str, trainer_gpu: str, replica_gpus: lis
                                 env={"CUDA_VISIBLE_DEVICES": trainer_gpu}, log_path=logs / "trainer.log")]
     fleet += [ServiceProcess("rollout", ["--port", "0", "--coordinator", address, "--engine", "hf", "--model", model,
                                          "--engine-args", engine, "--replica-id", f"r{i}"],
-                             env={"CUDA_VISIBLE_DEVICES": gpu}, log_path=logs / f"r{i}.log")
+                             env={"CUDA_VISIBLE_DEVICES": gpu, **(replica_env or {})}, log_path=logs / f"r{i}.log")
               for i, gpu in enumerate(replica_gpus)]
     for p in fleet[1:]:
         p.wait_ready(600)
@@ -196,8 +196,9 @@ def rpc_floor(replica: str, calls: int = 300) -> dict:
         bare.kill()
 
 
-def disaggregated(model: str, cycles: int, logs: Path, gpus: int, limit: float, streams: int = 32) -> dict:
-    fleet = start(logs, "async", model, "0", [str(i) for i in range(1, gpus)])
+def disaggregated(model: str, cycles: int, logs: Path, gpus: int, limit: float, streams: int = 32, trainer_args=(),
+                  replica_env=None) -> dict:
+    fleet = start(logs, "async", model, "0", [str(i) for i in range(1, gpus)], trainer_args, replica_env=replica_env)
     c = CoordinatorClient(fleet[0].address)
     out, counts = [], {"done": 0, "bad": 0}
 
@@ -240,14 +241,14 @@ def disaggregated(model: str, cycles: int, logs: Path, gpus: int, limit: float, 
 
 
 def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: float, interval: float,
-                  streams: int = 32, max_tokens: int = 256, trainer_args=()) -> dict:
+                  streams: int = 32, max_tokens: int = 256, trainer_args=(), replica_env=None) -> dict:
     """Generation through the gateway (`streams` streams, each starting a new request when one ends)
     for `seconds` without updates and for `seconds` with a sync every `interval` seconds: tokens/s
     of both windows, the gaps between two tokens of one stream (the longest across an update against
     the median without), and each sync's phases. One GPU: trainer and replica share it (cuda_ipc);
     more: the replica on GPU 1 (nccl). mode: inflight (no pause) or async (abort and resume)."""
     gpus = torch.cuda.device_count()
-    fleet = start(logs, mode, model, "0", ["1" if gpus > 1 else "0"], trainer_args)
+    fleet = start(logs, mode, model, "0", ["1" if gpus > 1 else "0"], trainer_args, replica_env=replica_env)
     address = fleet[0].address
     arrivals: list[list[tuple[float, int, int]]] = [[] for _ in range(streams)]  # (time, tokens, request)
 
@@ -343,7 +344,10 @@ def main() -> None:
     parser.add_argument("--no-hold", action="store_true",
                         help="colocated only: the replica maps the trainer's weights at each update, not at its onload")
     parser.add_argument("--publish-buffer", action="store_true",
-                        help="updates only: the trainer offers a copy of its weights, pulled while it trains on")
+                        help="updates and disaggregated: the trainer offers a copy of its weights, pulled while it "
+                             "trains on")
+    parser.add_argument("--no-peer", action="store_true",
+                        help="replicas on other GPUs map nothing over P2P (RLSYNC_PEER_PULLS=0): NCCL broadcasts")
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="colocated only: the trainer trains a LoRA adapter of this rank and syncs only it")
     parser.add_argument("-E", "--engine-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -357,8 +361,9 @@ def main() -> None:
     lora = ["--lora-rank", str(args.lora_rank), "--lora-alpha", str(2 * args.lora_rank)] if args.lora_rank else []
     result = {"gpu": torch.cuda.get_device_name(0), "gpus": gpus, "preset": args.preset, "checkpoint_bytes": nbytes,
               "lora_rank": args.lora_rank, "doorbell": not args.no_doorbell, "hold": not args.no_hold,
-              "publish_buffer": args.publish_buffer, "engine_args": ENGINE_ARGS,
+              "publish_buffer": args.publish_buffer, "peer_pulls": not args.no_peer, "engine_args": ENGINE_ARGS,
               "limits": {"d2d_copy_GB/s": round(d2d_limit(4 << 30, "cuda:0"), 1)}}
+    replica_env = {"RLSYNC_PEER_PULLS": "0"} if args.no_peer else None
     torch.cuda.empty_cache()
     if args.only in (None, "colocated"):
         flags = ["--no-doorbell"] * args.no_doorbell + ["--no-hold-weights"] * args.no_hold
@@ -367,7 +372,8 @@ def main() -> None:
     if args.only in (None, "disaggregated") and gpus >= 2:
         result["limits"]["nccl_broadcast_GB/s"] = round(nccl_limit(nbytes, 2), 1)
         result["disaggregated"] = disaggregated(model, args.cycles, root / "logs-disaggregated", gpus,
-                                                result["limits"]["nccl_broadcast_GB/s"], args.streams)
+                                                result["limits"]["nccl_broadcast_GB/s"], args.streams,
+                                                ["--publish-buffer"] * args.publish_buffer, replica_env)
         result["disaggregated"]["streams"] = args.streams
     if args.only in (None, "updates"):
         limit = result["limits"].get("nccl_broadcast_GB/s") if gpus > 1 else result["limits"]["d2d_copy_GB/s"]
@@ -376,7 +382,7 @@ def main() -> None:
         buffer = ["--publish-buffer"] * args.publish_buffer
         for mode in args.mode or ["inflight", "async"]:
             result[f"updates_{mode}"] = under_updates(model, root / f"logs-{mode}", mode, limit, args.seconds,
-                                                      args.interval, trainer_args=buffer)
+                                                      args.interval, trainer_args=buffer, replica_env=replica_env)
             print(json.dumps({k: v for k, v in result[f"updates_{mode}"].items() if k != "per_sync"}),
                   file=sys.stderr, flush=True)
     print(json.dumps(result, indent=1))

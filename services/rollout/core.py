@@ -282,15 +282,15 @@ class RolloutCore:
             self.pending, self._pending_full = version, adapter is None
             return answer
 
-    async def hold_weights(self, holder: str, handles: list[bytes], facts) -> tuple[int, int, bytes]:
-        """Keeps a same-GPU process's storages mapped for the pulls to come -> (newly mapped, held,
-        the handle of the engine's bell: HoldWeightsResponse.bell)."""
+    async def hold_weights(self, holder: str, handles: list[bytes], facts) -> tuple[int, int, bytes, str]:
+        """Keeps a process's storages on this GPU (or one it reads by P2P) mapped for the pulls to come ->
+        (newly mapped, held, the handle of the engine's bell: HoldWeightsResponse.bell, and .peer_gpu)."""
         if not holder:
             raise InvalidArgument("HoldWeights needs a holder (who releases them later)")
         if not handles:
             raise InvalidArgument("HoldWeights needs the storages to map (mapped.ipc): ReleaseWeights lets go")
-        mapped, bell = await self.engine.hold_weights(holder, handles, facts)
-        return mapped, len(set(handles)), bell
+        mapped, bell, peer_gpu = await self.engine.hold_weights(holder, handles, facts)
+        return mapped, len(set(handles)), bell, peer_gpu
 
     async def release_weights(self, holder: str) -> int:
         return await self.engine.release_weights(holder)

@@ -22,7 +22,10 @@ DYING = Path(__file__).resolve().parents[1] / "rollout_worker.py"
 ENGINE = ["--engine", "hf", "--engine-args", json.dumps({"device": "cuda", "dtype": "float32"})]
 # The tiny model in 64 KiB buckets is about 29 broadcasts: the first update goes through, the
 # second dies about a third of the way.
-FAULT = {"RLSYNC_FAULT": "die_after_broadcasts:40", "CUDA_VISIBLE_DEVICES": "1"}
+# The replica on GPU 1 maps nothing over P2P: it takes NCCL (the one replica across GPUs would pull,
+# tests/gpu/test_peer_gpu.py).
+FAR = {"CUDA_VISIBLE_DEVICES": "1", "RLSYNC_PEER_PULLS": "0"}
+FAULT = {"RLSYNC_FAULT": "die_after_broadcasts:40", **FAR}
 
 
 def test_nccl_receiver_dies_mid_broadcast_and_the_fleet_carries_on(services):
@@ -44,7 +47,7 @@ def test_nccl_receiver_dies_mid_broadcast_and_the_fleet_carries_on(services):
     assert second.version == 2 and second.replicas == 1 and second.verified, second
     trainer = TrainerClient(tr.address)
     assert differences(trainer.checksums(), RolloutClient(near.address).checksums()) == []
-    back = services.start("rollout", [*ENGINE, *on, "--replica-id", "far"], env={"CUDA_VISIBLE_DEVICES": "1"},
+    back = services.start("rollout", [*ENGINE, *on, "--replica-id", "far"], env=FAR,
                           name="far-again")
     client.wait_ready(3)
     again = RolloutClient(back.address)

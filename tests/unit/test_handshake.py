@@ -31,6 +31,28 @@ def test_topology_picks_the_fastest_channel(sender, receiver, want):
     assert backend == want and reason
 
 
+@pytest.mark.parametrize("peers, reader, host, want", [
+    (["g0"], "r1", "h1", pb.BACKEND_CUDA_IPC),  # a reader the offer names, reading g0 by P2P
+    (["g0"], "r2", "h1", pb.BACKEND_NCCL),  # another replica named: a broadcast
+    (["g0"], "", "h1", pb.BACKEND_NCCL),  # no reader named (readers on several GPUs would share g0's links)
+    ([], "r1", "h1", pb.BACKEND_NCCL),  # named, but its GPU does not read g0 by P2P
+    (["g2"], "r1", "h1", pb.BACKEND_NCCL),  # it reads another GPU
+    (["g0"], "r1", "h2", pb.BACKEND_NCCL),  # another host's GPU of the same name
+])
+def test_one_named_receiver_on_a_peer_gpu_maps_the_senders_memory(peers, reader, host, want):
+    sent = offer(facts(device="cuda", gpus=["g0"]))
+    sent.peer_readers.extend([reader] if reader else [])
+    receiver = pb.Facts(host_id=host, device_type="cuda", gpu_uuids=["g1"], peer_uuids=peers, hostname=host)
+    ans = make_answer(sent, "r1", receiver)
+    assert ans.backend == want
+    if want == pb.BACKEND_CUDA_IPC:
+        assert "peer GPU" in ans.reason and "g0" in ans.reason
+        assert make_answer(sent, "r1", receiver, force=pb.BACKEND_CUDA_IPC).backend == want
+    else:
+        with pytest.raises(FailedPrecondition, match="cuda_ipc was forced but cannot work here"):
+            make_answer(sent, "r1", receiver, force=pb.BACKEND_CUDA_IPC)
+
+
 def test_falls_back_when_a_backend_is_missing_on_the_receiver():
     cuda = facts(device="cuda", gpus=["g0"])
     backend, _ = choose_backend(offer(cuda), cuda, available={pb.BACKEND_SHM, pb.BACKEND_GLOO})

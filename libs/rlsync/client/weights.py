@@ -124,16 +124,16 @@ async def _ring_or_none(d: Doorbell, token: str, method: str, request, parse, ot
 
 
 async def ring_hold(holder: str, mapped: MappedTensors, facts: Facts, doorbells: list[Doorbell],
-                    token: str, lines: Lines | None = None) -> list[tuple[Doorbell, bytes]]:
+                    token: str, lines: Lines | None = None) -> list[tuple[Doorbell, rollout_pb2.HoldWeightsResponse]]:
     """The trainer's side of OnloadRequest.ring: asks every replica on this host to keep its
-    weights mapped until ring_release. -> (doorbell, bell handle or b"") of those that hold them.
+    weights mapped until ring_release. -> (doorbell, its answer) of those that hold them.
     A replica that cannot (another GPU, an engine that receives elsewhere) or does not answer is
     left to map at each update: holding only saves time, so nothing fails here."""
     request = rollout_pb2.HoldWeightsRequest(holder=holder, mapped=mapped, facts=facts)
     held = await _ring_here(doorbells, lambda d: _ring_or_none(
         d, token, "HoldWeights", request, rollout_pb2.HoldWeightsResponse.FromString,
         "it maps the weights at each update instead", (grpc.StatusCode.FAILED_PRECONDITION,), lines))
-    return [(d, h.bell) for d, h in zip(doorbells, held) if h is not None]
+    return [(d, h) for d, h in zip(doorbells, held) if h is not None]
 
 
 async def ring_release(holder: str, doorbells: list[Doorbell], token: str, lines: Lines | None = None) -> int:

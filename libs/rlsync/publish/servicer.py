@@ -34,6 +34,7 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
         self.holding: dict[str, tuple[Doorbell, tuple[bytes, ...]]] = {}
         self.cannot_hold: set[str] = set()  # addresses of replicas that refused to (until the next Offload)
         self.bells: dict[str, torch.Tensor] = {}  # address -> that replica's bell, mapped (rlsync.transfer.armed)
+        self.peers: dict[str, str] = {}  # address -> GPU of those that hold them from another GPU (over P2P)
         self.lines = Lines()  # connections to the replicas' doorbells, kept between updates
 
     def state(self) -> pb.TrainerState:
@@ -64,6 +65,7 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
         regions = await self.publisher.onload(describe=len(request.ring) > 0)
         if regions is not None:  # replicas on this GPU map the weights while training runs
             self._held(regions, await ring_hold(self.holder, *regions, list(request.ring), self.token, self.lines))
+            await self._peers_on_one_gpu()
             if self.publisher.offloaded:  # an Offload ran while they mapped: they let go now
                 await self.release_held()
         return pb.OnloadResponse(state=self.state(), held=len(self.holding))
@@ -79,22 +81,45 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
             return
         held = self._held(regions, await ring_hold(self.holder, *regions, todo, self.token, self.lines))
         self.cannot_hold.update(d.address for d in todo if d.address not in held)
+        await self._peers_on_one_gpu()
 
-    def _held(self, regions: tuple, held: list[tuple[Doorbell, bytes]]) -> set[str]:
-        """Records the replicas that hold the storages of `regions`, and maps the bell each rings its
-        armed copies by. -> their addresses."""
+    def _held(self, regions: tuple, held: list) -> set[str]:
+        """Records the replicas that hold the storages of `regions` (ring_hold's answers), and maps the
+        bell each rings its armed copies by. -> their addresses."""
         device = torch.device("cuda", sender_device(regions[0]))
-        for d, bell in held:
+        for d, response in held:
             self.holding[d.address] = d, tuple(regions[0].ipc)
-            if bell:
-                self.bells[d.address] = open_bell(bell, device)
+            if response.peer_gpu:
+                self.peers[d.address] = response.peer_gpu
+            else:
+                self.peers.pop(d.address, None)
+            if response.bell:
+                self.bells[d.address] = open_bell(response.bell, device)
         return {d.address for d, _ in held}
+
+    async def _peers_on_one_gpu(self) -> None:
+        """Replicas on other GPUs read this one's memory over its links all at once, where a broadcast gives
+        each the whole link: those on one GPU may hold the weights and pull them (Offer.peer_readers; NCCL
+        takes no two of them anyway), those on several let go and take the broadcast."""
+        if len(set(self.peers.values())) < 2:
+            return
+        doorbells = [self.holding.pop(a)[0] for a in sorted(self.peers)]
+        self.cannot_hold.update(self.peers)
+        self.peers = {}
+        await ring_release(self.holder, doorbells, self.token, self.lines)
+
+    def _peer_readers(self, regions: tuple | None) -> list[str]:
+        """The replicas (their ids) that pull the offer of `regions` from another GPU: those that hold them."""
+        if regions is None:
+            return []
+        handles = tuple(regions[0].ipc)
+        return [d.name for a in self.peers for d, held in [self.holding[a]] if held == handles]
 
     async def release_held(self) -> int:
         """Has every replica that holds the weights mapped let go (before they leave the GPU, and when the
         trainer leaves: a replica that maps a process's memory keeps it on the GPU after that process ends)."""
         holding = [d for d, _ in self.holding.values()]
-        self.holding, self.bells, self.cannot_hold = {}, {}, set()
+        self.holding, self.bells, self.cannot_hold, self.peers = {}, {}, set(), {}
         return await ring_release(self.holder, holding, self.token, self.lines) if holding else 0
 
     @unary
@@ -108,6 +133,8 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 await self._hold(regions, ring)
                 if self.publisher.offloaded:  # an Offload ran while they mapped: they let go now
                     await self.release_held()
+            del offer.peer_readers[:]
+            offer.peer_readers.extend(self._peer_readers(regions))
             rang = asyncio.ensure_future(ring_prepare(offer, ring, self.token, request.force_backend,
                                                       request.timeout, self.lines, self.bells))
             if request.publish and ring:

@@ -105,11 +105,11 @@ class Engine(abc.ABC):
     async def abort_update(self) -> None:
         """Drops a prepared update and its staging memory."""
 
-    async def hold_weights(self, holder: str, handles: list[bytes], facts: Facts) -> tuple[int, bytes]:
-        """Keeps `holder`'s CUDA storages (IPC handles on this GPU) mapped for the pulls to come
-        (rlsync.transfer.held) -> (how many were newly mapped, the handle of a bell that starts a
-        pull armed at wake, or b"": rlsync.transfer.armed). Only an engine that pulls in this
-        process can."""
+    async def hold_weights(self, holder: str, handles: list[bytes], facts: Facts) -> tuple[int, bytes, str]:
+        """Keeps `holder`'s CUDA storages (IPC handles on this GPU, or on one it reads by P2P) mapped for
+        the pulls to come (rlsync.transfer.held) -> (how many were newly mapped, the handle of a bell that
+        starts a pull armed at wake, or b"": rlsync.transfer.armed; this engine's GPU when the storages lie
+        on another, else ""). Only an engine that pulls in this process can."""
         raise FailedPrecondition(f"the {self.kind} engine receives updates outside the rollout process: it maps "
                                  "the trainer's memory at each update and holds nothing between them")
 

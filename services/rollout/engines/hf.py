@@ -34,7 +34,7 @@ from rlsync.rollout.engines.hf_weights import Weights
 from rlsync.rollout.sampling import make_generator, sample
 from rlsync.rollout.staging import AdoptedUpdate, StagedUpdate, ensure_room, free_bytes, pulled
 from rlsync.transfer import answer
-from rlsync.transfer.handshake import same_gpu
+from rlsync.transfer.handshake import local_facts, peer_gpu, same_gpu
 from rlsync.transfer.held import HELD
 from rlsync.transfer.manifest import check_against, from_proto
 from rlsync.rollout.types import (Delta, FinishReason, GenerationRequest, MemoryUsage, PauseMode,
@@ -512,13 +512,18 @@ class HFEngine(Engine):
         self._update = (update, staging, offer.manifest.adapter if lora else None)
         return ans
 
-    async def hold_weights(self, holder: str, handles: list[bytes], facts) -> tuple[int, bytes]:
-        if (why := same_gpu(facts, self.device)) is not None:
+    async def hold_weights(self, holder: str, handles: list[bytes], facts) -> tuple[int, bytes, str]:
+        peer = same_gpu(facts, self.device) is not None  # on a GPU this one reads by P2P: no bell, nothing armed
+        if peer and (why := peer_gpu(facts, self.device)) is not None:
             raise FailedPrecondition(f"cannot hold {holder}'s weights mapped: {why}")
 
-        def hold() -> tuple[int, bytes]:
+        def hold() -> tuple[int, bytes, str]:
             self.weights.disarm()  # before a storage an armed copy reads may close
-            return HELD.hold(holder, handles, self.device), self._arming.hold(holder, handles)
+            mapped = HELD.hold(holder, handles, self.device)
+            if peer:
+                self._arming.release(holder)
+                return mapped, b"", local_facts(self.device).gpu_uuids[0]
+            return mapped, self._arming.hold(holder, handles), ""
 
         return await self._call(hold)
 

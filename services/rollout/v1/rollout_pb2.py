@@ -27,19 +27,19 @@ from rlsync.common.v1 import weights_pb2 as rlsync_dot_common_dot_v1_dot_weights
 from rlsync.transfer.v1 import transfer_pb2 as rlsync_dot_transfer_dot_v1_dot_transfer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frlsync/rollout/v1/rollout.proto\x12\x11rlsync.rollout.v1\x1a\x1frlsync/common/v1/generate.proto\x1a\x1erlsync/common/v1/weights.proto\x1a!rlsync/transfer/v1/transfer.proto\"w\n\x14PrepareUpdateRequest\x12(\n\x05offer\x18\x01 \x01(\x0b\x32\x19.rlsync.transfer.v1.Offer\x12\x15\n\rforce_backend\x18\x02 \x01(\t\x12\x0f\n\x07timeout\x18\x03 \x01(\x01\x12\r\n\x05\x66orce\x18\x04 \x01(\x08\"C\n\x15PrepareUpdateResponse\x12*\n\x06\x61nswer\x18\x01 \x01(\x0b\x32\x1a.rlsync.transfer.v1.Answer\"\\\n\x13\x43ommitUpdateRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\x12\x0f\n\x07timeout\x18\x03 \x01(\x01\x12\x14\n\x0crecompute_kv\x18\x04 \x01(\x08\"z\n\x14\x43ommitUpdateResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\x12\x16\n\x0eswitch_seconds\x18\x03 \x01(\x01\x12\x0f\n\x07\x63hanged\x18\x04 \x01(\x08\x12\x12\n\nrecomputed\x18\x05 \x01(\x05\"\x81\x01\n\x12HoldWeightsRequest\x12\x0e\n\x06holder\x18\x01 \x01(\t\x12\x31\n\x06mapped\x18\x02 \x01(\x0b\x32!.rlsync.transfer.v1.MappedTensors\x12(\n\x05\x66\x61\x63ts\x18\x03 \x01(\x0b\x32\x19.rlsync.transfer.v1.Facts\"R\n\x13HoldWeightsResponse\x12\x0e\n\x06mapped\x18\x01 \x01(\x05\x12\x0c\n\x04held\x18\x02 \x01(\x05\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x0c\n\x04\x62\x65ll\x18\x04 \x01(\x0c\"\'\n\x15ReleaseWeightsRequest\x12\x0e\n\x06holder\x18\x01 \x01(\t\"*\n\x16ReleaseWeightsResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\"\x14\n\x12\x41\x62ortUpdateRequest\"&\n\x13\x41\x62ortUpdateResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\":\n\x0cPauseRequest\x12*\n\x04mode\x18\x01 \x01(\x0e\x32\x1c.rlsync.rollout.v1.PauseMode\"3\n\rPauseResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x05\x12\x11\n\tin_flight\x18\x02 \x01(\x05\"\x0f\n\rResumeRequest\"\x10\n\x0eResumeResponse\"\x1d\n\x0cSleepRequest\x12\r\n\x05level\x18\x01 \x01(\x05\"P\n\rSleepResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x05\x12.\n\x06memory\x18\x02 \x01(\x0b\x32\x1e.rlsync.rollout.v1.MemoryUsage\"9\n\rWakeUpRequest\x12(\n\x04tags\x18\x01 \x03(\x0e\x32\x1a.rlsync.rollout.v1.WakeTag\"@\n\x0eWakeUpResponse\x12.\n\x06memory\x18\x01 \x01(\x0b\x32\x1e.rlsync.rollout.v1.MemoryUsage\"\x10\n\x0eGetInfoRequest\"\x97\x01\n\x0bMemoryUsage\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x15\n\rweights_bytes\x18\x02 \x01(\x03\x12\x16\n\x0ekv_cache_bytes\x18\x03 \x01(\x03\x12\x1d\n\x15\x64\x65vice_reserved_bytes\x18\x04 \x01(\x03\x12\x15\n\rstaging_bytes\x18\x05 \x01(\x03\x12\x13\n\x0bspare_bytes\x18\x06 \x01(\x03\"\xe0\x03\n\x0bRolloutInfo\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12.\n\x05state\x18\x04 \x01(\x0e\x32\x1f.rlsync.rollout.v1.ServingState\x12\x11\n\tin_flight\x18\x05 \x01(\x05\x12*\n\x06\x61sleep\x18\x06 \x03(\x0e\x32\x1a.rlsync.rollout.v1.WakeTag\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\x05\x12\x12\n\nreplica_id\x18\t \x01(\t\x12.\n\x06memory\x18\n \x01(\x0b\x32\x1e.rlsync.rollout.v1.MemoryUsage\x12\x12\n\nvocab_size\x18\x0b \x01(\x05\x12\x17\n\x0fpending_version\x18\x0c \x01(\x03\x12\r\n\x05\x64type\x18\r \x01(\t\x12\x13\n\x0b\x64\x65\x61\x64_reason\x18\x0e \x01(\t\x12\x19\n\x11requests_admitted\x18\x0f \x01(\x03\x12.\n\x08\x64oorbell\x18\x10 \x01(\x0b\x32\x1c.rlsync.transfer.v1.Doorbell\x12\x16\n\x0ereceived_bytes\x18\x11 \x03(\x03*g\n\tPauseMode\x12\x1a\n\x16PAUSE_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10PAUSE_MODE_ABORT\x10\x01\x12\x13\n\x0fPAUSE_MODE_KEEP\x10\x02\x12\x13\n\x0fPAUSE_MODE_WAIT\x10\x03*P\n\x07WakeTag\x12\x18\n\x14WAKE_TAG_UNSPECIFIED\x10\x00\x12\x14\n\x10WAKE_TAG_WEIGHTS\x10\x01\x12\x15\n\x11WAKE_TAG_KV_CACHE\x10\x02*\x96\x01\n\x0cServingState\x12\x1d\n\x19SERVING_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15SERVING_STATE_SERVING\x10\x01\x12\x18\n\x14SERVING_STATE_PAUSED\x10\x02\x12\x1a\n\x16SERVING_STATE_SLEEPING\x10\x03\x12\x16\n\x12SERVING_STATE_DEAD\x10\x04\x32\x80\t\n\x0eRolloutService\x12P\n\x08Generate\x12!.rlsync.common.v1.GenerateRequest\x1a\x1f.rlsync.common.v1.GenerateChunk0\x01\x12J\n\x05\x41\x62ort\x12\x1f.rlsync.rollout.v1.AbortRequest\x1a .rlsync.rollout.v1.AbortResponse\x12J\n\x05Pause\x12\x1f.rlsync.rollout.v1.PauseRequest\x1a .rlsync.rollout.v1.PauseResponse\x12M\n\x06Resume\x12 .rlsync.rollout.v1.ResumeRequest\x1a!.rlsync.rollout.v1.ResumeResponse\x12J\n\x05Sleep\x12\x1f.rlsync.rollout.v1.SleepRequest\x1a .rlsync.rollout.v1.SleepResponse\x12M\n\x06WakeUp\x12 .rlsync.rollout.v1.WakeUpRequest\x1a!.rlsync.rollout.v1.WakeUpResponse\x12L\n\x07GetInfo\x12!.rlsync.rollout.v1.GetInfoRequest\x1a\x1e.rlsync.rollout.v1.RolloutInfo\x12\x62\n\rPrepareUpdate\x12\'.rlsync.rollout.v1.PrepareUpdateRequest\x1a(.rlsync.rollout.v1.PrepareUpdateResponse\x12_\n\x0c\x43ommitUpdate\x12&.rlsync.rollout.v1.CommitUpdateRequest\x1a\'.rlsync.rollout.v1.CommitUpdateResponse\x12\\\n\x0b\x41\x62ortUpdate\x12%.rlsync.rollout.v1.AbortUpdateRequest\x1a&.rlsync.rollout.v1.AbortUpdateResponse\x12\\\n\x0bHoldWeights\x12%.rlsync.rollout.v1.HoldWeightsRequest\x1a&.rlsync.rollout.v1.HoldWeightsResponse\x12\x65\n\x0eReleaseWeights\x12(.rlsync.rollout.v1.ReleaseWeightsRequest\x1a).rlsync.rollout.v1.ReleaseWeightsResponse\x12\x64\n\x12GetWeightChecksums\x12+.rlsync.common.v1.GetWeightChecksumsRequest\x1a!.rlsync.common.v1.WeightChecksumsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frlsync/rollout/v1/rollout.proto\x12\x11rlsync.rollout.v1\x1a\x1frlsync/common/v1/generate.proto\x1a\x1erlsync/common/v1/weights.proto\x1a!rlsync/transfer/v1/transfer.proto\"w\n\x14PrepareUpdateRequest\x12(\n\x05offer\x18\x01 \x01(\x0b\x32\x19.rlsync.transfer.v1.Offer\x12\x15\n\rforce_backend\x18\x02 \x01(\t\x12\x0f\n\x07timeout\x18\x03 \x01(\x01\x12\r\n\x05\x66orce\x18\x04 \x01(\x08\"C\n\x15PrepareUpdateResponse\x12*\n\x06\x61nswer\x18\x01 \x01(\x0b\x32\x1a.rlsync.transfer.v1.Answer\"\\\n\x13\x43ommitUpdateRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\x12\x0f\n\x07timeout\x18\x03 \x01(\x01\x12\x14\n\x0crecompute_kv\x18\x04 \x01(\x08\"z\n\x14\x43ommitUpdateResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\x12\x16\n\x0eswitch_seconds\x18\x03 \x01(\x01\x12\x0f\n\x07\x63hanged\x18\x04 \x01(\x08\x12\x12\n\nrecomputed\x18\x05 \x01(\x05\"\x81\x01\n\x12HoldWeightsRequest\x12\x0e\n\x06holder\x18\x01 \x01(\t\x12\x31\n\x06mapped\x18\x02 \x01(\x0b\x32!.rlsync.transfer.v1.MappedTensors\x12(\n\x05\x66\x61\x63ts\x18\x03 \x01(\x0b\x32\x19.rlsync.transfer.v1.Facts\"d\n\x13HoldWeightsResponse\x12\x0e\n\x06mapped\x18\x01 \x01(\x05\x12\x0c\n\x04held\x18\x02 \x01(\x05\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x0c\n\x04\x62\x65ll\x18\x04 \x01(\x0c\x12\x10\n\x08peer_gpu\x18\x05 \x01(\t\"\'\n\x15ReleaseWeightsRequest\x12\x0e\n\x06holder\x18\x01 \x01(\t\"*\n\x16ReleaseWeightsResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\"\x14\n\x12\x41\x62ortUpdateRequest\"&\n\x13\x41\x62ortUpdateResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\":\n\x0cPauseRequest\x12*\n\x04mode\x18\x01 \x01(\x0e\x32\x1c.rlsync.rollout.v1.PauseMode\"3\n\rPauseResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x05\x12\x11\n\tin_flight\x18\x02 \x01(\x05\"\x0f\n\rResumeRequest\"\x10\n\x0eResumeResponse\"\x1d\n\x0cSleepRequest\x12\r\n\x05level\x18\x01 \x01(\x05\"P\n\rSleepResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x05\x12.\n\x06memory\x18\x02 \x01(\x0b\x32\x1e.rlsync.rollout.v1.MemoryUsage\"9\n\rWakeUpRequest\x12(\n\x04tags\x18\x01 \x03(\x0e\x32\x1a.rlsync.rollout.v1.WakeTag\"@\n\x0eWakeUpResponse\x12.\n\x06memory\x18\x01 \x01(\x0b\x32\x1e.rlsync.rollout.v1.MemoryUsage\"\x10\n\x0eGetInfoRequest\"\x97\x01\n\x0bMemoryUsage\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x15\n\rweights_bytes\x18\x02 \x01(\x03\x12\x16\n\x0ekv_cache_bytes\x18\x03 \x01(\x03\x12\x1d\n\x15\x64\x65vice_reserved_bytes\x18\x04 \x01(\x03\x12\x15\n\rstaging_bytes\x18\x05 \x01(\x03\x12\x13\n\x0bspare_bytes\x18\x06 \x01(\x03\"\xe0\x03\n\x0bRolloutInfo\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12.\n\x05state\x18\x04 \x01(\x0e\x32\x1f.rlsync.rollout.v1.ServingState\x12\x11\n\tin_flight\x18\x05 \x01(\x05\x12*\n\x06\x61sleep\x18\x06 \x03(\x0e\x32\x1a.rlsync.rollout.v1.WakeTag\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\x05\x12\x12\n\nreplica_id\x18\t \x01(\t\x12.\n\x06memory\x18\n \x01(\x0b\x32\x1e.rlsync.rollout.v1.MemoryUsage\x12\x12\n\nvocab_size\x18\x0b \x01(\x05\x12\x17\n\x0fpending_version\x18\x0c \x01(\x03\x12\r\n\x05\x64type\x18\r \x01(\t\x12\x13\n\x0b\x64\x65\x61\x64_reason\x18\x0e \x01(\t\x12\x19\n\x11requests_admitted\x18\x0f \x01(\x03\x12.\n\x08\x64oorbell\x18\x10 \x01(\x0b\x32\x1c.rlsync.transfer.v1.Doorbell\x12\x16\n\x0ereceived_bytes\x18\x11 \x03(\x03*g\n\tPauseMode\x12\x1a\n\x16PAUSE_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10PAUSE_MODE_ABORT\x10\x01\x12\x13\n\x0fPAUSE_MODE_KEEP\x10\x02\x12\x13\n\x0fPAUSE_MODE_WAIT\x10\x03*P\n\x07WakeTag\x12\x18\n\x14WAKE_TAG_UNSPECIFIED\x10\x00\x12\x14\n\x10WAKE_TAG_WEIGHTS\x10\x01\x12\x15\n\x11WAKE_TAG_KV_CACHE\x10\x02*\x96\x01\n\x0cServingState\x12\x1d\n\x19SERVING_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15SERVING_STATE_SERVING\x10\x01\x12\x18\n\x14SERVING_STATE_PAUSED\x10\x02\x12\x1a\n\x16SERVING_STATE_SLEEPING\x10\x03\x12\x16\n\x12SERVING_STATE_DEAD\x10\x04\x32\x80\t\n\x0eRolloutService\x12P\n\x08Generate\x12!.rlsync.common.v1.GenerateRequest\x1a\x1f.rlsync.common.v1.GenerateChunk0\x01\x12J\n\x05\x41\x62ort\x12\x1f.rlsync.rollout.v1.AbortRequest\x1a .rlsync.rollout.v1.AbortResponse\x12J\n\x05Pause\x12\x1f.rlsync.rollout.v1.PauseRequest\x1a .rlsync.rollout.v1.PauseResponse\x12M\n\x06Resume\x12 .rlsync.rollout.v1.ResumeRequest\x1a!.rlsync.rollout.v1.ResumeResponse\x12J\n\x05Sleep\x12\x1f.rlsync.rollout.v1.SleepRequest\x1a .rlsync.rollout.v1.SleepResponse\x12M\n\x06WakeUp\x12 .rlsync.rollout.v1.WakeUpRequest\x1a!.rlsync.rollout.v1.WakeUpResponse\x12L\n\x07GetInfo\x12!.rlsync.rollout.v1.GetInfoRequest\x1a\x1e.rlsync.rollout.v1.RolloutInfo\x12\x62\n\rPrepareUpdate\x12\'.rlsync.rollout.v1.PrepareUpdateRequest\x1a(.rlsync.rollout.v1.PrepareUpdateResponse\x12_\n\x0c\x43ommitUpdate\x12&.rlsync.rollout.v1.CommitUpdateRequest\x1a\'.rlsync.rollout.v1.CommitUpdateResponse\x12\\\n\x0b\x41\x62ortUpdate\x12%.rlsync.rollout.v1.AbortUpdateRequest\x1a&.rlsync.rollout.v1.AbortUpdateResponse\x12\\\n\x0bHoldWeights\x12%.rlsync.rollout.v1.HoldWeightsRequest\x1a&.rlsync.rollout.v1.HoldWeightsResponse\x12\x65\n\x0eReleaseWeights\x12(.rlsync.rollout.v1.ReleaseWeightsRequest\x1a).rlsync.rollout.v1.ReleaseWeightsResponse\x12\x64\n\x12GetWeightChecksums\x12+.rlsync.common.v1.GetWeightChecksumsRequest\x1a!.rlsync.common.v1.WeightChecksumsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlsync.rollout.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PAUSEMODE']._serialized_start=2019
-  _globals['_PAUSEMODE']._serialized_end=2122
-  _globals['_WAKETAG']._serialized_start=2124
-  _globals['_WAKETAG']._serialized_end=2204
-  _globals['_SERVINGSTATE']._serialized_start=2207
-  _globals['_SERVINGSTATE']._serialized_end=2357
+  _globals['_PAUSEMODE']._serialized_start=2037
+  _globals['_PAUSEMODE']._serialized_end=2140
+  _globals['_WAKETAG']._serialized_start=2142
+  _globals['_WAKETAG']._serialized_end=2222
+  _globals['_SERVINGSTATE']._serialized_start=2225
+  _globals['_SERVINGSTATE']._serialized_end=2375
   _globals['_PREPAREUPDATEREQUEST']._serialized_start=154
   _globals['_PREPAREUPDATEREQUEST']._serialized_end=273
   _globals['_PREPAREUPDATERESPONSE']._serialized_start=275
@@ -51,41 +51,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HOLDWEIGHTSREQUEST']._serialized_start=563
   _globals['_HOLDWEIGHTSREQUEST']._serialized_end=692
   _globals['_HOLDWEIGHTSRESPONSE']._serialized_start=694
-  _globals['_HOLDWEIGHTSRESPONSE']._serialized_end=776
-  _globals['_RELEASEWEIGHTSREQUEST']._serialized_start=778
-  _globals['_RELEASEWEIGHTSREQUEST']._serialized_end=817
-  _globals['_RELEASEWEIGHTSRESPONSE']._serialized_start=819
-  _globals['_RELEASEWEIGHTSRESPONSE']._serialized_end=861
-  _globals['_ABORTUPDATEREQUEST']._serialized_start=863
-  _globals['_ABORTUPDATEREQUEST']._serialized_end=883
-  _globals['_ABORTUPDATERESPONSE']._serialized_start=885
-  _globals['_ABORTUPDATERESPONSE']._serialized_end=923
-  _globals['_ABORTREQUEST']._serialized_start=925
-  _globals['_ABORTREQUEST']._serialized_end=959
-  _globals['_ABORTRESPONSE']._serialized_start=961
-  _globals['_ABORTRESPONSE']._serialized_end=976
-  _globals['_PAUSEREQUEST']._serialized_start=978
-  _globals['_PAUSEREQUEST']._serialized_end=1036
-  _globals['_PAUSERESPONSE']._serialized_start=1038
-  _globals['_PAUSERESPONSE']._serialized_end=1089
-  _globals['_RESUMEREQUEST']._serialized_start=1091
-  _globals['_RESUMEREQUEST']._serialized_end=1106
-  _globals['_RESUMERESPONSE']._serialized_start=1108
-  _globals['_RESUMERESPONSE']._serialized_end=1124
-  _globals['_SLEEPREQUEST']._serialized_start=1126
-  _globals['_SLEEPREQUEST']._serialized_end=1155
-  _globals['_SLEEPRESPONSE']._serialized_start=1157
-  _globals['_SLEEPRESPONSE']._serialized_end=1237
-  _globals['_WAKEUPREQUEST']._serialized_start=1239
-  _globals['_WAKEUPREQUEST']._serialized_end=1296
-  _globals['_WAKEUPRESPONSE']._serialized_start=1298
-  _globals['_WAKEUPRESPONSE']._serialized_end=1362
-  _globals['_GETINFOREQUEST']._serialized_start=1364
-  _globals['_GETINFOREQUEST']._serialized_end=1380
-  _globals['_MEMORYUSAGE']._serialized_start=1383
-  _globals['_MEMORYUSAGE']._serialized_end=1534
-  _globals['_ROLLOUTINFO']._serialized_start=1537
-  _globals['_ROLLOUTINFO']._serialized_end=2017
-  _globals['_ROLLOUTSERVICE']._serialized_start=2360
-  _globals['_ROLLOUTSERVICE']._serialized_end=3512
+  _globals['_HOLDWEIGHTSRESPONSE']._serialized_end=794
+  _globals['_RELEASEWEIGHTSREQUEST']._serialized_start=796
+  _globals['_RELEASEWEIGHTSREQUEST']._serialized_end=835
+  _globals['_RELEASEWEIGHTSRESPONSE']._serialized_start=837
+  _globals['_RELEASEWEIGHTSRESPONSE']._serialized_end=879
+  _globals['_ABORTUPDATEREQUEST']._serialized_start=881
+  _globals['_ABORTUPDATEREQUEST']._serialized_end=901
+  _globals['_ABORTUPDATERESPONSE']._serialized_start=903
+  _globals['_ABORTUPDATERESPONSE']._serialized_end=941
+  _globals['_ABORTREQUEST']._serialized_start=943
+  _globals['_ABORTREQUEST']._serialized_end=977
+  _globals['_ABORTRESPONSE']._serialized_start=979
+  _globals['_ABORTRESPONSE']._serialized_end=994
+  _globals['_PAUSEREQUEST']._serialized_start=996
+  _globals['_PAUSEREQUEST']._serialized_end=1054
+  _globals['_PAUSERESPONSE']._serialized_start=1056
+  _globals['_PAUSERESPONSE']._serialized_end=1107
+  _globals['_RESUMEREQUEST']._serialized_start=1109
+  _globals['_RESUMEREQUEST']._serialized_end=1124
+  _globals['_RESUMERESPONSE']._serialized_start=1126
+  _globals['_RESUMERESPONSE']._serialized_end=1142
+  _globals['_SLEEPREQUEST']._serialized_start=1144
+  _globals['_SLEEPREQUEST']._serialized_end=1173
+  _globals['_SLEEPRESPONSE']._serialized_start=1175
+  _globals['_SLEEPRESPONSE']._serialized_end=1255
+  _globals['_WAKEUPREQUEST']._serialized_start=1257
+  _globals['_WAKEUPREQUEST']._serialized_end=1314
+  _globals['_WAKEUPRESPONSE']._serialized_start=1316
+  _globals['_WAKEUPRESPONSE']._serialized_end=1380
+  _globals['_GETINFOREQUEST']._serialized_start=1382
+  _globals['_GETINFOREQUEST']._serialized_end=1398
+  _globals['_MEMORYUSAGE']._serialized_start=1401
+  _globals['_MEMORYUSAGE']._serialized_end=1552
+  _globals['_ROLLOUTINFO']._serialized_start=1555
+  _globals['_ROLLOUTINFO']._serialized_end=2035
+  _globals['_ROLLOUTSERVICE']._serialized_start=2378
+  _globals['_ROLLOUTSERVICE']._serialized_end=3530
 # @@protoc_insertion_point(module_scope)

@@ -98,16 +98,18 @@ class HoldWeightsRequest(_message.Message):
     def __init__(self, holder: _Optional[str] = ..., mapped: _Optional[_Union[_transfer_pb2.MappedTensors, _Mapping]] = ..., facts: _Optional[_Union[_transfer_pb2.Facts, _Mapping]] = ...) -> None: ...
 
 class HoldWeightsResponse(_message.Message):
-    __slots__ = ("mapped", "held", "seconds", "bell")
+    __slots__ = ("mapped", "held", "seconds", "bell", "peer_gpu")
     MAPPED_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     BELL_FIELD_NUMBER: _ClassVar[int]
+    PEER_GPU_FIELD_NUMBER: _ClassVar[int]
     mapped: int
     held: int
     seconds: float
     bell: bytes
-    def __init__(self, mapped: _Optional[int] = ..., held: _Optional[int] = ..., seconds: _Optional[float] = ..., bell: _Optional[bytes] = ...) -> None: ...
+    peer_gpu: str
+    def __init__(self, mapped: _Optional[int] = ..., held: _Optional[int] = ..., seconds: _Optional[float] = ..., bell: _Optional[bytes] = ..., peer_gpu: _Optional[str] = ...) -> None: ...
 
 class ReleaseWeightsRequest(_message.Message):
     __slots__ = ("holder",)

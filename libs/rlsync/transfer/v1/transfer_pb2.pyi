@@ -57,19 +57,21 @@ class LoraAdapter(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ..., base_version: _Optional[int] = ...) -> None: ...
 
 class Facts(_message.Message):
-    __slots__ = ("host_id", "device_type", "gpu_uuids", "hostname")
+    __slots__ = ("host_id", "device_type", "gpu_uuids", "hostname", "peer_uuids")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
     GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    PEER_UUIDS_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     device_type: str
     gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
     hostname: str
-    def __init__(self, host_id: _Optional[str] = ..., device_type: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., hostname: _Optional[str] = ...) -> None: ...
+    peer_uuids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, host_id: _Optional[str] = ..., device_type: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., hostname: _Optional[str] = ..., peer_uuids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Offer(_message.Message):
-    __slots__ = ("protocol_version", "manifest", "facts", "backends", "token", "control_address", "local_control", "bucket_bytes", "one_copy", "transfer_id", "mapped", "routing", "post_ahead")
+    __slots__ = ("protocol_version", "manifest", "facts", "backends", "token", "control_address", "local_control", "bucket_bytes", "one_copy", "transfer_id", "mapped", "routing", "post_ahead", "peer_readers")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     FACTS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +85,7 @@ class Offer(_message.Message):
     MAPPED_FIELD_NUMBER: _ClassVar[int]
     ROUTING_FIELD_NUMBER: _ClassVar[int]
     POST_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    PEER_READERS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     manifest: Manifest
     facts: Facts
@@ -96,7 +99,8 @@ class Offer(_message.Message):
     mapped: MappedTensors
     routing: Routing
     post_ahead: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., facts: _Optional[_Union[Facts, _Mapping]] = ..., backends: _Optional[_Iterable[_Union[Backend, str]]] = ..., token: _Optional[str] = ..., control_address: _Optional[str] = ..., local_control: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., one_copy: _Optional[bool] = ..., transfer_id: _Optional[str] = ..., mapped: _Optional[_Union[MappedTensors, _Mapping]] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., post_ahead: _Optional[bool] = ...) -> None: ...
+    peer_readers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, protocol_version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., facts: _Optional[_Union[Facts, _Mapping]] = ..., backends: _Optional[_Iterable[_Union[Backend, str]]] = ..., token: _Optional[str] = ..., control_address: _Optional[str] = ..., local_control: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., one_copy: _Optional[bool] = ..., transfer_id: _Optional[str] = ..., mapped: _Optional[_Union[MappedTensors, _Mapping]] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., post_ahead: _Optional[bool] = ..., peer_readers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Box(_message.Message):
     __slots__ = ("start", "stop")
