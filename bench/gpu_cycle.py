@@ -246,7 +246,8 @@ def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: floa
     for `seconds` without updates and for `seconds` with a sync every `interval` seconds: tokens/s
     of both windows, the gaps between two tokens of one stream (the longest across an update against
     the median without), and each sync's phases. One GPU: trainer and replica share it (cuda_ipc);
-    more: the replica on GPU 1 (nccl). mode: inflight (no pause) or async (abort and resume)."""
+    more: the replica on GPU 1 (a pull over P2P; nccl with --no-peer). mode: inflight (no pause) or async
+    (abort and resume)."""
     gpus = torch.cuda.device_count()
     fleet = start(logs, mode, model, "0", ["1" if gpus > 1 else "0"], trainer_args, replica_env=replica_env)
     address = fleet[0].address

@@ -3,9 +3,10 @@ decode-like load? (What cuda_ipc across GPUs of one host rests on: rlsync.transf
 
 A holder process on GPU 0 exports 3.44 GB (Qwen3-1.7B in bf16); a reader process opens the handle and
 copies it into its own GPU, for each way the reader may see the GPUs: only its own (CUDA_VISIBLE_DEVICES=1),
-both with the mapping opened on its own GPU, both with it opened on GPU 0. Each: the open, one copy_
-(a copy engine), the same beside 28 bf16 matmuls of a decode step looping on another stream, and the
-batched table kernel (SMs reading over the link) over the bytes cut in 64 pieces. Ratios against a
+both with the mapping opened on its own GPU, both with it opened on GPU 0. Each: the open (CUDA already
+started), one copy_ (a copy engine), the same beside 28 bf16 matmuls of a decode step looping on another
+stream, and, where the mapping is opened on the reader's GPU, the batched table kernel (SMs reading over the
+link) over the bytes cut in 64 pieces. Ratios against a
 raw NCCL broadcast of the same bytes in the same run. Prints one JSON object.
 
     python bench/peer_map.py [--bytes 3441185608]
@@ -79,10 +80,11 @@ def read(path: str, open_on: int, nbytes: int) -> dict:
     own = torch.device("cuda:0")
     out = {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "open_on": open_on}
     try:
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=own)  # (CUDA started before the open is timed)
+        torch.cuda.synchronize(own)
         start = time.perf_counter()
         src = import_cuda(handle, torch.device(f"cuda:{open_on}"))
         out["open_ms"] = round((time.perf_counter() - start) * 1e3, 2)
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=own)
 
         def copy():
             with torch.cuda.device(own):
@@ -95,9 +97,10 @@ def read(path: str, open_on: int, nbytes: int) -> dict:
         time.sleep(1)
         out["copy_beside_decoding_GB/s"] = round(nbytes / timed(copy, own) / 1e9, 1)
         stop.set()
-        step = nbytes // 64
-        pairs = [(src[i * step:(i + 1) * step], dst[i * step:(i + 1) * step]) for i in range(64)]
-        out["table_GB/s"] = round(step * 64 / timed(lambda: spans.copy_all(pairs), own) / 1e9, 1)
+        if src.device == own:  # (the table kernel takes pairs on one device)
+            step = nbytes // 64
+            pairs = [(src[i * step:(i + 1) * step], dst[i * step:(i + 1) * step]) for i in range(64)]
+            out["table_GB/s"] = round(step * 64 / timed(lambda: spans.copy_all(pairs), own) / 1e9, 1)
     except Exception as e:  # noqa: BLE001 - a way that does not work here is reported, the others still run
         out["error"] = repr(e)[:300]
     Path(path + ".done").touch()
@@ -121,14 +124,20 @@ def main() -> None:
     out = {"gpu": torch.cuda.get_device_name(0), "bytes": nbytes, "readers": []}
     me = [sys.executable, __file__, "--bytes", str(nbytes)]
     for visible, open_on in [("1", 0), ("1,0", 0), ("1,0", 1)]:
-        path = tempfile.mktemp(prefix="rlsync-peer-map-")
-        holder = subprocess.Popen([*me, "--role", "holder", "--path", path],
-                                  env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
-        reader = subprocess.run([*me, "--role", "reader", "--path", path, "--open-on", str(open_on)],
-                                env={**os.environ, "CUDA_VISIBLE_DEVICES": visible}, capture_output=True, text=True,
-                                timeout=300)
-        holder.wait(timeout=60)
-        out["readers"].append(json.loads(reader.stdout.strip().splitlines()[-1]))
+        with tempfile.TemporaryDirectory(prefix="rlsync-peer-map-") as folder:
+            path = str(Path(folder) / "handle")
+            holder = subprocess.Popen([*me, "--role", "holder", "--path", path],
+                                      env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
+            try:
+                reader = subprocess.run([*me, "--role", "reader", "--path", path, "--open-on", str(open_on)],
+                                        env={**os.environ, "CUDA_VISIBLE_DEVICES": visible}, capture_output=True,
+                                        text=True, timeout=300)
+                lines = reader.stdout.strip().splitlines()
+                out["readers"].append(json.loads(lines[-1]) if lines else
+                                      {"visible": visible, "open_on": open_on, "error": reader.stderr[-600:]})
+            finally:  # a reader that failed early leaves the holder waiting
+                holder.kill()
+                holder.wait()
     limit = out["nccl_broadcast_GB/s"] = round(nccl_limit(nbytes, 2), 1)
     for r in out["readers"]:
         for key in ("copy_GB/s", "copy_beside_decoding_GB/s", "table_GB/s"):

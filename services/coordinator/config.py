@@ -41,8 +41,9 @@ class CoordinatorConfig:
                                 check=_backend)
     doorbell: bool = option(True, "let the trainer hand each offer straight to the replicas on its host (their "
                                   "doorbells: a Unix socket instead of a gRPC PrepareUpdate from here)")
-    hold_weights: bool = option(True, "replicas on the trainer's GPU (and the one replica on another GPU of its "
-                                      "host that reads it by P2P, which then pulls too) map its weights once, "
+    hold_weights: bool = option(True, "replicas on the trainer's GPU (and, outside the colocated mode, those on one "
+                                      "other GPU of its host that reads it by P2P, which then pull too) map its "
+                                      "weights once, "
                                       "through their "
                                       "doorbells (colocated: at its onload; other modes: with its first offer), "
                                       "and hold them until it offloads or leaves, so an update neither maps "

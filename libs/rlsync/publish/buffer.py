@@ -1,5 +1,6 @@
 """The trainer's publish buffer: its weights copied, at each offer, into memory of its own that
-replicas on its GPU keep mapped and pull from while training goes on.
+replicas on its GPU (or reading it by P2P: rlsync.publish.holders) keep mapped and pull from while training
+goes on.
 
 Without it, a replica reads the trainer's parameters themselves, so nothing may train until every
 replica has its copy (the colocated sequence keeps the trainer still; the serving modes publish

@@ -89,26 +89,31 @@ _P2P_READ = 0  # NVML_P2P_CAPS_INDEX_READ, which pynvml spells as the tuple (0,)
 def _peer_uuids(uuid: str) -> tuple[str, ...]:
     """The other GPUs of this host that GPU `uuid` reads by P2P, as NVML sees them (all the host's GPUs,
     whatever CUDA_VISIBLE_DEVICES says: a mapping by IPC handle does not need the sender's GPU
-    visible). () without NVML (nvidia-ml-py), or with RLSYNC_PEER_PULLS=0."""
+    visible). () without NVML (nvidia-ml-py: `pip install rlsync[gpu]`), on a MIG instance, or with
+    RLSYNC_PEER_PULLS=0. Asked once per process and GPU (the first offer or prepare on it)."""
     if os.environ.get("RLSYNC_PEER_PULLS", "1") == "0":
         return ()
     try:
         import pynvml
 
         pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - no NVML: no peer pulls, NCCL between GPUs as before
+    except Exception as e:  # noqa: BLE001 - no NVML: no peer pulls, NCCL between GPUs as before
+        log.info("no pulls from other GPUs (cuda_ipc over P2P): no NVML (%s); they take NCCL", e)
         return ()
     try:
         mine = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
         peers = []
         for i in range(pynvml.nvmlDeviceGetCount()):
-            other = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = _text(pynvml.nvmlDeviceGetUUID(other)).removeprefix("GPU-")
-            if name != uuid and pynvml.nvmlDeviceGetP2PStatus(mine, other, _P2P_READ) == pynvml.NVML_P2P_STATUS_OK:
-                peers.append(name)
+            try:
+                other = pynvml.nvmlDeviceGetHandleByIndex(i)
+                name = _text(pynvml.nvmlDeviceGetUUID(other)).removeprefix("GPU-")
+                if name != uuid and pynvml.nvmlDeviceGetP2PStatus(mine, other, _P2P_READ) == pynvml.NVML_P2P_STATUS_OK:
+                    peers.append(name)
+            except pynvml.NVMLError:  # a GPU NVML cannot ask about (MIG enabled, fallen off the bus): no peer
+                continue
         return tuple(peers)
-    except Exception:  # noqa: BLE001 - a MIG instance, say (no P2P), or an NVML that lacks the call
-        log.warning("no peer pulls: NVML cannot say which GPUs GPU-%s reads by P2P", uuid, exc_info=True)
+    except Exception as e:  # noqa: BLE001 - a MIG instance's UUID, say (no P2P), or an NVML without the call
+        log.info("no pulls from other GPUs (cuda_ipc over P2P): NVML cannot say which GPUs GPU-%s reads (%s)", uuid, e)
         return ()
     finally:
         pynvml.nvmlShutdown()

@@ -155,6 +155,7 @@ class HFEngine(Engine):
         self._arming = Arming(self.device, self.args.arm)
         self._steps_unchecked = 0  # decode steps since the spare's room was last checked
         if self.device.type == "cuda":  # where a sleep makes room for a trainer (on CPU: nothing to hand over)
+            local_facts(self.device)  # (and the GPUs it reads by P2P, from NVML: asked now, not at the first update)
             # What is loaded stays: a full collection then walks only what came after (Sleep runs one;
             # over every object of torch and transformers it took 0.24 s on the GPU host, 3 ms after this)
             gc.collect()
