@@ -40,7 +40,8 @@ class Holders:
         peers: replicas on other GPUs may hold them and pull; else those known to be on one are not asked,
         and those found to be let go at once. Holders no longer in `ring` (gone, or out of the rotation) are
         forgotten, and asked to let go in the background."""
-        self._forget([d for d in self.holding if d not in {r.address for r in ring}])
+        rung = {d.address for d in ring}
+        self._forget([address for address in self.holding if address not in rung])
         handles = tuple(regions[0].ipc)
         todo = [d for d in ring if d.address not in self.cannot_hold and (peers or d.address not in self.peer_gpus)
                 and self.holding.get(d.address, (None, ()))[1] != handles]
