@@ -73,12 +73,12 @@ demo: $(STAMP) $(if $(findstring sglang,$(ARGS)),$(SGLANG_STAMP))
 # tests; the Ray fleet tests (one Ray at a time on a machine: the fleet CLI finds the Ray that `rlsync up`
 # started), then the end-to-end suites (whole fleets, demos) and four integration modules, which even
 # out the two; and a third that runs the compose test (marker docker: image build, a stack of four
-# containers; it skips itself, with the reason, without a Docker engine) while SGLang's environment is
-# built beside it (mostly unpacking files), then the SGLang replicas' tests (marker sglang: every
-# engine-parametrized test, the SGLang demo, the mixed fleet), then the hung members' tests. SGLang goes
-# after the compose test, once the Docker stack is down and the Ray fleets are gone (.cache/ray-done):
-# an SGLang replica takes about 6 GB. Where SGLang's environment cannot be built, its tests skip with the
-# reason (as the compose test does without Docker).
+# containers; it skips itself, with the reason, without a Docker engine), then builds SGLang's
+# environment and runs the SGLang replicas' tests (marker sglang: every engine-parametrized test, the
+# SGLang demo, the mixed fleet), then the hung members' tests. SGLang goes after the compose test, once
+# the Docker stack is down and the Ray fleets are gone (.cache/ray-done): an SGLang replica takes about
+# 6 GB. Where SGLang's environment cannot be built, its tests skip with the reason (as the compose test
+# does without Docker).
 RAY_TESTS := tests/integration/test_fleet_ray.py
 SIDE_TESTS := tests/e2e tests/integration/test_publisher.py tests/integration/test_lora_updates.py \
 	tests/integration/test_startup_errors.py tests/integration/test_dropped_link.py
@@ -88,9 +88,8 @@ THIRD_TESTS := tests/integration/test_hung_members.py
 CPU_TESTS := -m "not gpu and not docker and not sglang" $(PYTEST_ARGS)
 SGLANG_TESTS := -m "sglang and not gpu" $(PYTEST_ARGS) tests
 test: $(STAMP) protos-check
-	@mkdir -p .cache; rm -f .cache/ray-done; { { $(MAKE) -s venv-sglang || { rm -rf $(SGLANG_VENV); \
-	  echo "could not build SGLang's environment: its tests skip"; }; } > .cache/venv-sglang.log 2>&1 & venv=$$!; \
-	  $(BIN)/python -m pytest -m docker -s $(PYTEST_ARGS) tests/e2e; d=$$?; wait $$venv; cat .cache/venv-sglang.log; \
+	@mkdir -p .cache; rm -f .cache/ray-done; { $(BIN)/python -m pytest -m docker -s $(PYTEST_ARGS) tests/e2e; d=$$?; \
+	  $(MAKE) -s venv-sglang || { rm -rf $(SGLANG_VENV); echo "could not build SGLang's environment: its tests skip"; }; \
 	  while [ ! -e .cache/ray-done ]; do sleep 5; done; \
 	  $(BIN)/python -m pytest $(SGLANG_TESTS); s=$$?; $(BIN)/python -m pytest $(CPU_TESTS) $(THIRD_TESTS); h=$$?; \
 	  exit $$(( d ? d : s ? s : h )); } > .cache/test-third.log 2>&1 & \
