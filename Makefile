@@ -75,29 +75,24 @@ demo: $(STAMP) $(if $(findstring sglang,$(ARGS)),$(SGLANG_STAMP))
 # out the two; and a third that runs the compose test (marker docker: image build, a stack of four
 # containers; it skips itself, with the reason, without a Docker engine), then builds SGLang's
 # environment and runs the SGLang replicas' tests (marker sglang: every engine-parametrized test, the
-# SGLang demo, the mixed fleet), then the hung members' tests. SGLang goes after the compose test, once
-# the Docker stack is down and the Ray fleets are gone (.cache/ray-done): an SGLang replica takes about
-# 6 GB. Where SGLang's environment cannot be built, its tests skip with the reason (as the compose test
-# does without Docker).
+# SGLang demo, the mixed fleet). SGLang goes last there, once the Docker stack is down and the Ray
+# fleets are gone (.cache/ray-done): an SGLang replica takes about 6 GB. Where SGLang's environment
+# cannot be built, its tests skip with the reason (as the compose test does without Docker).
 RAY_TESTS := tests/integration/test_fleet_ray.py
 SIDE_TESTS := tests/e2e tests/integration/test_publisher.py tests/integration/test_lora_updates.py \
 	tests/integration/test_startup_errors.py tests/integration/test_dropped_link.py
-# After SGLang's, in the third lane (the compose test's image build is cached from one run to the next, so
-# that lane has room): tests that mostly wait out leases and hangs.
-THIRD_TESTS := tests/integration/test_hung_members.py
 CPU_TESTS := -m "not gpu and not docker and not sglang" $(PYTEST_ARGS)
 SGLANG_TESTS := -m "sglang and not gpu" $(PYTEST_ARGS) tests
 test: $(STAMP) protos-check
 	@mkdir -p .cache; rm -f .cache/ray-done; { $(BIN)/python -m pytest -m docker -s $(PYTEST_ARGS) tests/e2e; d=$$?; \
 	  $(MAKE) -s venv-sglang || { rm -rf $(SGLANG_VENV); echo "could not build SGLang's environment: its tests skip"; }; \
 	  while [ ! -e .cache/ray-done ]; do sleep 5; done; \
-	  $(BIN)/python -m pytest $(SGLANG_TESTS); s=$$?; $(BIN)/python -m pytest $(CPU_TESTS) $(THIRD_TESTS); h=$$?; \
-	  exit $$(( d ? d : s ? s : h )); } > .cache/test-third.log 2>&1 & \
+	  $(BIN)/python -m pytest $(SGLANG_TESTS); s=$$?; exit $$(( d ? d : s )); } > .cache/test-third.log 2>&1 & \
 	third=$$!; { $(BIN)/python -m pytest $(CPU_TESTS) $(RAY_TESTS); r=$$?; touch .cache/ray-done; \
 	  $(BIN)/python -m pytest $(CPU_TESTS) $(SIDE_TESTS); e=$$?; exit $$(( r ? r : e )); } > .cache/test-side.log 2>&1 & \
-	side=$$!; $(BIN)/python -m pytest $(CPU_TESTS) tests $(addprefix --ignore=,$(RAY_TESTS) $(SIDE_TESTS) $(THIRD_TESTS)); rc=$$?; \
+	side=$$!; $(BIN)/python -m pytest $(CPU_TESTS) tests $(addprefix --ignore=,$(RAY_TESTS) $(SIDE_TESTS)); rc=$$?; \
 	wait $$side; erc=$$?; echo "---- pytest $(RAY_TESTS); pytest $(SIDE_TESTS) ----"; cat .cache/test-side.log; \
-	wait $$third; trc=$$?; echo "---- pytest -m docker (compose stack); make venv-sglang; pytest -m sglang; pytest $(THIRD_TESTS) ----"; \
+	wait $$third; trc=$$?; echo "---- pytest -m docker (compose stack); make venv-sglang; pytest -m sglang ----"; \
 	cat .cache/test-third.log; exit $$(( rc ? rc : erc ? erc : trc ))
 
 # The SGLang replicas' tests alone, in SGLang's own environment (built first): 46 tests, 7.8 min on 2 cores
