@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from transfer import nccl_limit  # noqa: E402
+from transfer import _timed, nccl_limit  # noqa: E402
 
 
 def hold(path: str, nbytes: int) -> None:
@@ -57,16 +56,9 @@ def decoding(device: torch.device, stop: threading.Event) -> None:
     threading.Thread(target=run, daemon=True).start()
 
 
-def timed(fn, device: torch.device, repeats: int = 5) -> float:
-    times = []
-    for i in range(repeats + 1):
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize(device)
-        if i:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def timed(fn, device: torch.device) -> float:
+    """Median seconds of fn() to its end on `device` (transfer._timed: one warm-up, then 5)."""
+    return _timed(lambda: (fn(), torch.cuda.synchronize(device)), 5)
 
 
 def read(path: str, open_on: int, nbytes: int) -> dict:
