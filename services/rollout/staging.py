@@ -128,12 +128,14 @@ class StagedUpdate:
 
 
 class AdoptedUpdate:
-    """An update whose bytes a copy armed at the weights' wake moves (rlsync.transfer.armed): the
-    trainer started it on the GPU before its ring arrived, and waits for it on its event."""
+    """An update whose bytes one copy already queued moves: a copy armed at the weights' wake, which
+    the trainer started on the GPU before its ring arrived (rlsync.transfer.armed), or the last
+    pull again, launched as the prepare began (Arming.launch). The trainer waits for it on `copied`,
+    its CUDA event; `stop` lets it end before its memory goes elsewhere."""
 
-    def __init__(self, armed, version: int):
-        self.armed, self.version = armed, version
-        self.report = Report(armed.nbytes, 0.0, {"cuda_ipc": 1}, copied=armed.bell.event_handle)
+    def __init__(self, nbytes: int, copied: bytes, stop: Callable[[], None], version: int):
+        self.stop, self.version = stop, version
+        self.report = Report(nbytes, 0.0, {"cuda_ipc": 1}, copied=copied)
 
     def poll(self) -> dict:
         return {"state": "done", "bytes": self.report.nbytes, "seconds": 0.0, "stages": {},
@@ -143,7 +145,7 @@ class AdoptedUpdate:
         return self.report  # the commit synchronizes the device before the switch
 
     def abort(self) -> None:
-        self.armed.disarm()  # it reads the trainer's memory until done
+        self.stop()  # it reads the trainer's memory until done
 
 
 def pulled(answer: pb.Answer, states: list[dict]) -> pb.Answer:

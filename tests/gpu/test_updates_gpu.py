@@ -133,7 +133,9 @@ def test_a_replica_on_the_trainers_gpu_holds_its_weights_from_the_first_pushed_u
 def test_a_trainer_with_a_publish_buffer_is_pulled_from_while_it_trains(services):
     """Async and in-flight updates do not keep the trainer still: with a publish buffer, the offer copies
     the weights into it and a replica on the trainer's GPU pulls that copy (held mapped from the first
-    update on), with no publish; a training step after the offer does not reach what the replica gets."""
+    update on), with no publish; a training step after the offer does not reach what the replica gets.
+    From the second update on, the replica launches the first pull's copy again as its prepare begins
+    (no receiver laid out), into each of its two stores in turn."""
     trainer, rollout = _fleet(services, "0", "0", checksums=False, trainer_extra=["--publish-buffer"])
     bell = rollout.info().doorbell
 
@@ -141,11 +143,14 @@ def test_a_trainer_with_a_publish_buffer_is_pulled_from_while_it_trains(services
         done = rollout.complete("3+4=", max_tokens=8, logprobs=True, ignore_eos=True, n=4, seed=seed)
         trainer.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])
 
-    for seed in (6, 7):
+    launched = []
+    for seed in (6, 7, 9):
         train(seed)
         report = push_weights(trainer, [rollout], doorbells=[bell], hold=True)  # as async and inflight: no pull asked
         assert report.backends == {"cuda_ipc": 1} and "rpc" not in report.profile, report.profile
         assert differences(trainer.checksums(), rollout.checksums()) == []
+        launched.append("receiver_launch" in report.profile and "receiver_setup" not in report.profile)
+    assert launched == [False, True, True], launched
     offer = trainer.offer_weights().offer
     offered = trainer.checksums()
     assert offer.mapped.ipc, "an offer of the buffer is a pull"

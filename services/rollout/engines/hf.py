@@ -459,9 +459,10 @@ class HFEngine(Engine):
             self.weights.receiving_in_place = True
             try:
                 specs = from_proto(offer.manifest)
-                if ans.pull and (armed := self._arming.adopt(self.weights, specs, offer.mapped)) is not None:
+                if ans.pull and (adopted := self._arming.adopt(self.weights, specs, offer.mapped,
+                                                               offer.manifest.version)) is not None:
                     clock.lap("adopt")
-                    return AdoptedUpdate(armed, offer.manifest.version)
+                    return adopted
                 self.weights.disarm()
                 update = receive(self.weights.store, post=False)  # live if this update is abandoned
                 if ans.pull and update.poll().get("copied"):  # from held storages, for a sender that waits
@@ -503,7 +504,15 @@ class HFEngine(Engine):
             # store, where nothing is allocated and nothing connects: the copy is launched (or queued
             # behind the trainer's bell), and each hop waits for the GIL decoding holds.
             inline = not need and ans.pull and self.device.type == "cuda"
-            staging, update = stage() if inline else await asyncio.to_thread(stage)
+            launched = self._arming.launch(self.weights, specs, offer.mapped, offer.manifest.version) \
+                if inline and not lora else None  # the last pull again: no receiver to lay out
+            if launched is not None:
+                clock.lap("launch")
+                staging, update = launched
+            else:
+                staging, update = stage() if inline else await asyncio.to_thread(stage)
+                if ans.pull and not lora and update.poll().get("copied"):  # from held storages, for a waiting sender
+                    self._arming.learn(specs, offer.mapped)
         try:
             pulled(ans, [update.poll()])
         except BaseException:

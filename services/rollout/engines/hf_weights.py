@@ -126,8 +126,12 @@ class Weights:
 
     def staging(self) -> FlatStore:
         """Where an update is received while these weights serve: the spare, else a new store."""
-        spare, self.spare = self.spare, None
+        spare = self.take_spare()
         return spare if spare is not None else FlatStore(self.specs, self.device)
+
+    def take_spare(self) -> FlatStore | None:
+        spare, self.spare = self.spare, None
+        return spare
 
     def staging_bytes(self, specs) -> int:
         """What staging an update of `specs` (a manifest's) allocates: a store unless the spare is
