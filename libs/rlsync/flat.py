@@ -32,6 +32,7 @@ class FlatStore:
         # whole update in the one buffer without looking at any tensor (see whole_for)
         self.layout = tuple((name, dtype, tuple(shape)) for name, (shape, dtype) in specs.items())
         self._matched: list = []  # the specs laid_out_as last found to match
+        self._bytes: torch.Tensor | None = None  # the one buffer as bytes (whole_for), cut once
 
     def laid_out_as(self, specs) -> bool:
         """Whether `specs` (a manifest's) list this store's tensors, in its order, with their dtypes
@@ -48,7 +49,9 @@ class FlatStore:
         order, all of one dtype; else None."""
         if len(self.buffers) != 1 or not self.laid_out_as(specs):
             return None
-        return next(iter(self.buffers.values())).view(torch.uint8)
+        if self._bytes is None:
+            self._bytes = next(iter(self.buffers.values())).view(torch.uint8)
+        return self._bytes
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())

@@ -16,7 +16,7 @@ from rlsync.transfer.armed import Armed, Bell, key_of
 from rlsync.transfer.backends.slots import contiguous
 from rlsync.transfer.copied import record_copied
 from rlsync.transfer.held import HELD
-from rlsync.transfer.streams import handed_over, on_transfer_stream, transfer_stream
+from rlsync.transfer.streams import transfer_stream
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 
@@ -85,14 +85,20 @@ class Arming:
         held = HELD.lookup(list(mapped.ipc))
         if held is None or index >= len(held[0]) or held[0][index].numel() < start + nbytes:
             return None
+        mappings, memo = held
         staging = weights.take_spare()  # (taken at once: the engine's thread may drop it for generation)
         dst = staging.whole_for(specs) if staging is not None else None
         if dst is None or dst.numel() != nbytes:
             if weights.spare is None:
                 weights.spare = staging
             return None
-        source, device = held[0][index][start:start + nbytes], self.device
-        with on_transfer_stream(device, handed_over(device)):
-            dst.copy_(source, non_blocking=True)
-            copied = record_copied(device)
-        return staging, AdoptedUpdate(nbytes, copied, transfer_stream(device).synchronize, version)
+        cut = memo.get("launch")  # the source's bytes, cut once for as long as the holder's mappings stay
+        if cut is None or cut[0] != (index, start, nbytes):
+            cut = memo["launch"] = (index, start, nbytes), mappings[index][start:start + nbytes]
+        # Few calls into torch, each a wait for the GIL that decoding holds: no event handed over (the spare
+        # has been idle since the commit that retired it, after a synchronize) and no wait of the engine's
+        # stream for the copy (nothing reads the store before the commit, which synchronizes the device).
+        with torch.cuda.stream(transfer_stream(self.device)):
+            dst.copy_(cut[1], non_blocking=True)
+            copied = record_copied(self.device)
+        return staging, AdoptedUpdate(nbytes, copied, transfer_stream(self.device).synchronize, version)
