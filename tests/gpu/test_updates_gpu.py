@@ -151,6 +151,15 @@ def test_a_trainer_with_a_publish_buffer_is_pulled_from_while_it_trains(services
         assert differences(trainer.checksums(), rollout.checksums()) == []
         launched.append("receiver_launch" in report.profile and "receiver_setup" not in report.profile)
     assert launched == [False, True, True], launched
+    # A launched update dropped before its commit: the replica serves on, and the next one lands whole.
+    served = rollout.checksums()
+    train(10)
+    rung = trainer.offer_weights(ring=[bell], hold=True).rung[0]
+    assert rung.rung and "launch" in rung.answer.stages, rung
+    rollout.abort_update()
+    assert differences(served, rollout.checksums()) == []
+    report = push_weights(trainer, [rollout], doorbells=[bell], hold=True)
+    assert differences(trainer.checksums(), rollout.checksums()) == []
     offer = trainer.offer_weights().offer
     offered = trainer.checksums()
     assert offer.mapped.ipc, "an offer of the buffer is a pull"

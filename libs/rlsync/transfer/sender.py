@@ -177,10 +177,10 @@ class WeightSender:
 
     @property
     def can_send_ahead(self) -> bool:
-        """Whether send_ahead() may start anything: it posts only on an NCCL group an earlier send left
-        (a sender whose receivers all pulled has none, and its caller need not queue the attempt)."""
+        """Whether send_ahead() may do anything: post on a group an earlier send left, or end what it
+        posted before (a sender whose receivers all pulled has neither: its caller need not queue it)."""
         return not (self.checksums or self.delta) and isinstance(self.source, ResidentSource) and \
-            any(k[:1] == ("group",) for k in list(self.cache))
+            any(k == "ahead" or k[:1] == ("group",) for k in list(self.cache))
 
     def sent_ahead(self, transfer_id: str) -> bool:
         """Whether broadcasts send_ahead() started for this transfer wait for a send() to take them."""

@@ -593,8 +593,8 @@ class HFEngine(Engine):
 
     async def abort_update(self) -> None:
         if self._update is not None:
-            update = self._update[0]
-            self._update = None
+            # (its staging store stays referenced until the abort returns: a copy still writing it has ended)
+            (update, _staging, _), self._update = self._update, None
             await asyncio.to_thread(update.abort)
         await self._call(self._stop_in_place)  # the backup refills the weights when they are next used
 

@@ -16,13 +16,13 @@ from rlsync.transfer.armed import Armed, Bell, key_of
 from rlsync.transfer.backends.slots import contiguous
 from rlsync.transfer.copied import record_copied
 from rlsync.transfer.held import HELD
-from rlsync.transfer.streams import transfer_stream
+from rlsync.transfer.streams import resolved, transfer_stream
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 
 class Arming:
     def __init__(self, device: torch.device, enabled: bool = True):
-        self.device, self.enabled = device, enabled
+        self.device, self.enabled = resolved(device), enabled  # (its index: one copy event per GPU)
         self.bell: Bell | None = None
         self.held: tuple[str, tuple[bytes, ...]] | None = None  # the last hold: holder, storages in its order
         self.plan: tuple | None = None  # (specs, mapped locations, the one run they copy) of the last held pull
@@ -97,8 +97,15 @@ class Arming:
             cut = memo["launch"] = (index, start, nbytes), mappings[index][start:start + nbytes]
         # Few calls into torch, each a wait for the GIL that decoding holds: no event handed over (the spare
         # has been idle since the commit that retired it, after a synchronize) and no wait of the engine's
-        # stream for the copy (nothing reads the store before the commit, which synchronizes the device).
-        with torch.cuda.stream(transfer_stream(self.device)):
-            dst.copy_(cut[1], non_blocking=True)
-            copied = record_copied(self.device)
-        return staging, AdoptedUpdate(nbytes, copied, transfer_stream(self.device).synchronize, version)
+        # stream for the copy: nothing reads the store before the commit, which synchronizes the device, and
+        # an abort waits for the copy before it lets the store go.
+        device = self.device
+        try:
+            with torch.cuda.stream(transfer_stream(device)):
+                dst.copy_(cut[1], non_blocking=True)
+                copied = record_copied(device)
+        except BaseException:
+            if weights.spare is None:
+                weights.spare = staging
+            raise
+        return staging, AdoptedUpdate(nbytes, copied, transfer_stream(device).synchronize, version)
