@@ -46,7 +46,7 @@ def test_survivors_get_the_update_without_the_replica_that_died_mid_broadcast(se
         assert differences(trainer.checksums(), RolloutClient(p.address).checksums()) == []
     third = rl_step(client, 2)  # the group of two is the one used from now on
     assert third.version == 3 and third.replicas == 2 and third.verified
-    back = services.start("rollout", [*rollout_args(engine), "--coordinator", co.address, "--replica-id", "r0"],
-                          name="r0-again")
+    back = services.start("rollout", [*rollout_args("hf"), "--coordinator", co.address, "--replica-id", "r0"],
+                          name="r0-again")  # (the coordinator's catch-up is the same for every engine)
     client.wait_ready(4)
     assert RolloutClient(back.address).info().weight_version == 3, "caught up before it takes traffic"
