@@ -5,7 +5,8 @@ starts on the GPU: no thread of this process runs between the offer and the byte
 A replica that generates cannot queue a copy behind a bell (a decode kernel queued after it would
 wait for the trainer too), so it launches that same copy as soon as a prepare has checked the offer
 and found it the last pull's (`launch`), before laying out a receiver: the layout was checked when
-the pull was learnt, and the copy starts ~0.7 ms sooner beside decoding (H200)."""
+the pull was learnt, and three calls into torch start the copy (0.34–0.46 ms beside decoding on an
+H200, against 0.72 ms to lay out a receiver and queue it)."""
 
 from __future__ import annotations
 
