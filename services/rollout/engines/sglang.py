@@ -51,8 +51,12 @@ log = logging.getLogger(__name__)
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 # What the replica sets unless its engine args say otherwise: CPU, no CUDA graphs, deltas while streaming.
+# SGLang sizes its KV pool as the memory free after loading the weights less (1 - mem_fraction_static) of
+# what was free before: on a host where other processes allocate meanwhile, a small fraction leaves nothing
+# and the replica refuses to start. So a quarter of the free memory may go while it loads, and the pool
+# is capped at a fixed size instead (max_total_tokens).
 _DEFAULTS = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True,
-             "mem_fraction_static": 0.05, "log_level": "warning"}
+             "mem_fraction_static": 0.25, "max_total_tokens": 32768, "log_level": "warning"}
 
 
 class SGLangEngine(Engine):
