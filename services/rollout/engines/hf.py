@@ -464,10 +464,7 @@ class HFEngine(Engine):
                     clock.lap("adopt")
                     return adopted
                 self.weights.disarm()
-                update = receive(self.weights.store, post=False)  # live if this update is abandoned
-                if ans.pull and update.poll().get("copied"):  # from held storages, for a sender that waits
-                    self._arming.learn(specs, offer.mapped)
-                return update
+                return receive(self.weights.store, post=False)  # live if this update is abandoned
             except BaseException:
                 self.weights.receiving_in_place = False
                 raise
@@ -511,13 +508,13 @@ class HFEngine(Engine):
                 staging, update = launched
             else:
                 staging, update = stage() if inline else await asyncio.to_thread(stage)
-                if ans.pull and not lora and update.poll().get("copied"):  # from held storages, for a waiting sender
-                    self._arming.learn(specs, offer.mapped)
         try:
             pulled(ans, [update.poll()])
         except BaseException:
             await self._call(self._stop_in_place)
             raise
+        if ans.copied and not lora and isinstance(update, StagedUpdate):  # a pull from held storages, for a
+            self._arming.learn(from_proto(offer.manifest), offer.mapped)  # waiting sender: the next may repeat it
         ans.stages.update(clock.stages)  # (the hop back from the worker thread is left to the caller's)
         self._update = (update, staging, offer.manifest.adapter if lora else None)
         return ans
