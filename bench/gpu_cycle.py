@@ -241,7 +241,8 @@ def disaggregated(model: str, cycles: int, logs: Path, gpus: int, limit: float, 
 
 
 def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: float, interval: float,
-                  streams: int = 32, max_tokens: int = 256, trainer_args=(), replica_env=None) -> dict:
+                  streams: int = 32, max_tokens: int = 256, trainer_args=(), replica_env=None,
+                  rounds: int = 2) -> dict:
     """Generation through the gateway (`streams` streams, each starting a new request when one ends)
     for `seconds` without updates and for `seconds` with a sync every `interval` seconds: tokens/s
     of both windows, the gaps between two tokens of one stream (the longest across an update against
@@ -263,20 +264,20 @@ def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: floa
                     arrivals[i].append((time.perf_counter(), len(chunk.token_ids), request))
 
     async def run() -> tuple[list, list, list, list]:
-        """Quiet and busy windows alternate (twice each), so that the batch's drift (contexts grow,
-        streams restart) weighs on both alike."""
+        """Quiet and busy windows alternate (`rounds` times each, `seconds` in all for each kind), so
+        that the batch's drift (contexts grow, streams restart) weighs on both alike."""
         async with AsyncCoordinatorClient(address, timeout=None) as gc:
             await gc.sync_weights(version=1)  # warm-up: first connections and mappings
             stop = asyncio.Event()
             tasks = [asyncio.create_task(stream(i, gc, stop)) for i in range(streams)]
             await asyncio.sleep(5)  # every stream running
             syncs, windows, quiet, busy, version = [], [], [], [], 1
-            for _ in range(2):
+            for _ in range(rounds):
                 t0 = time.perf_counter()
-                await asyncio.sleep(seconds / 2)
+                await asyncio.sleep(seconds / rounds)
                 quiet.append((t0, time.perf_counter()))
                 busy_start = time.perf_counter()
-                while time.perf_counter() < busy_start + seconds / 2:
+                while time.perf_counter() < busy_start + seconds / rounds:
                     version += 1
                     t0 = time.perf_counter()
                     syncs.append(await gc.sync_weights(version=version))
@@ -310,6 +311,7 @@ def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: floa
                  **transfer_figures(s, limit, "limit")} for s in syncs]
     transfer_ms = statistics.median(moving(s.phases) * 1e3 for s in syncs)
     out = {"mode": mode, "streams": streams, "syncs": len(syncs), "interval_s": interval, "window_s": seconds,
+           "rounds": rounds,
            "tokens_per_s_without_updates": round(rate(quiet), 1), "tokens_per_s_with_updates": round(rate(busy), 1),
            "throughput_ratio": round(rate(busy) / rate(quiet), 3),
            "median_token_gap_ms": round(median_gap * 1e3, 2),
@@ -335,8 +337,10 @@ def main() -> None:
     parser.add_argument("--only", choices=("colocated", "disaggregated", "updates"), default=None)
     parser.add_argument("--mode", choices=("inflight", "async"), action="append",
                         help="generation under updates in this sync mode (repeatable; default both)")
-    parser.add_argument("--seconds", type=float, default=10.0, help="each window of the run under updates")
+    parser.add_argument("--seconds", type=float, default=10.0, help="seconds of quiet and of busy windows each, in the run under updates")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between two updates")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="how many times the quiet and busy windows alternate in the run under updates")
     parser.add_argument("--streams", type=int, default=32,
                         help="disaggregated only: generation streams running through every update")
     parser.add_argument("--dir", default="/tmp/rlsync-gpu")
@@ -383,7 +387,8 @@ def main() -> None:
         buffer = ["--publish-buffer"] * args.publish_buffer
         for mode in args.mode or ["inflight", "async"]:
             result[f"updates_{mode}"] = under_updates(model, root / f"logs-{mode}", mode, limit, args.seconds,
-                                                      args.interval, trainer_args=buffer, replica_env=replica_env)
+                                                      args.interval, trainer_args=buffer, replica_env=replica_env,
+                                                      rounds=args.rounds)
             print(json.dumps({k: v for k, v in result[f"updates_{mode}"].items() if k != "per_sync"}),
                   file=sys.stderr, flush=True)
     print(json.dumps(result, indent=1))
