@@ -337,7 +337,8 @@ def main() -> None:
     parser.add_argument("--only", choices=("colocated", "disaggregated", "updates"), default=None)
     parser.add_argument("--mode", choices=("inflight", "async"), action="append",
                         help="generation under updates in this sync mode (repeatable; default both)")
-    parser.add_argument("--seconds", type=float, default=10.0, help="seconds of quiet and of busy windows each, in the run under updates")
+    parser.add_argument("--seconds", type=float, default=10.0,
+                        help="seconds of quiet and of busy windows each, in the run under updates")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between two updates")
     parser.add_argument("--rounds", type=int, default=2,
                         help="how many times the quiet and busy windows alternate in the run under updates")

@@ -442,10 +442,26 @@ class HFEngine(Engine):
                                      "them)")
         clock = Stopwatch()
         lora = offer.manifest.HasField("adapter")  # an adapter for the resident base: it never lands in place
-        base = None if lora else self._delta_base(offer)
-        ans = answer(offer, receiver_id, device=self.device, force=force_backend or None,
-                     base_version=None if base is None else self.version)
+        # The last pull again, into the spare store, before anything else: its copy runs while the
+        # answer is made. Not beside a woken engine's pending refill or an armed copy (those go first).
+        launched = None
+        if not lora and self.device.type == "cuda" and not self.weights.pending_restore \
+                and self.weights.armed is None:
+            launched = self._arming.launch(self.weights, from_proto(offer.manifest), offer.mapped,
+                                           offer.manifest.version)
+            if launched is not None:
+                clock.lap("launch")
+        try:
+            base = None if lora else self._delta_base(offer)
+            ans = answer(offer, receiver_id, device=self.device, force=force_backend or None,
+                         base_version=None if base is None else self.version)
+        except BaseException:
+            self._drop_launch(launched)
+            raise
         clock.lap("answer")
+        if launched is not None and not ans.pull:  # (a backend forced otherwise)
+            self._drop_launch(launched)
+            launched = None
 
         def receive(staging: FlatStore, post: bool = True) -> StagedUpdate:  # a pull is done (or queued) on return
             return StagedUpdate(offer, ans, staging, 0, self.device, timeout, base=base, post=post)
@@ -474,12 +490,14 @@ class HFEngine(Engine):
         # generation goes on.
         try:
             run = self._soon if ans.pull else self._call  # a pushed receive connects first, which may wait
-            update = await run(in_place) if self.weights.pending_restore and not lora else None
+            update = await run(in_place) if launched is None and self.weights.pending_restore and not lora else None
         except BaseException:  # cancelled too: the engine thread may still receive in place, then this runs
             self._call(self._stop_in_place)
             raise
         staging = self.weights.store
-        if update is None:
+        if launched is not None:
+            staging, update = launched
+        elif update is None:
             if self.weights.armed is not None:  # (an adapter, say) before anything here allocates or frees
                 await self._call(self.weights.disarm)
             specs = from_proto(offer.manifest)
@@ -498,16 +516,10 @@ class HFEngine(Engine):
                 return staging, update
 
             # One thread hop, not two (a busy replica's GIL); none for a pull on the GPU into the spare
-            # store, where nothing is allocated and nothing connects: the copy is launched (or queued
-            # behind the trainer's bell), and each hop waits for the GIL decoding holds.
+            # store, where nothing is allocated and nothing connects: the copy is queued (or waits for
+            # the trainer's bell), and each hop waits for the GIL decoding holds.
             inline = not need and ans.pull and self.device.type == "cuda"
-            launched = self._arming.launch(self.weights, specs, offer.mapped, offer.manifest.version) \
-                if inline and not lora else None  # the last pull again: no receiver to lay out
-            if launched is not None:
-                clock.lap("launch")
-                staging, update = launched
-            else:
-                staging, update = stage() if inline else await asyncio.to_thread(stage)
+            staging, update = stage() if inline else await asyncio.to_thread(stage)
         try:
             pulled(ans, [update.poll()])
         except BaseException:
@@ -556,6 +568,14 @@ class HFEngine(Engine):
             except InvalidArgument:
                 self._layout = (specs, False)
         return self.weights.store if self._layout[1] else None
+
+    def _drop_launch(self, launched: tuple[FlatStore, AdoptedUpdate] | None) -> None:
+        """A launched pull that will not be committed: its copy ends, then its store is the spare again."""
+        if launched is not None:
+            staging, update = launched
+            update.abort()
+            if self.weights.spare is None:
+                self.weights.spare = staging
 
     def _stop_in_place(self) -> None:
         self.weights.receiving_in_place = False
