@@ -104,7 +104,8 @@ def test_compose_builds_starts_scales_syncs_and_serves(engine):
         pytest.skip("neither `docker compose` nor `docker-compose` is installed")
     port, http_port = free_port(), free_port()  # make test runs other tests beside this one
     env = {**os.environ, "RLSYNC_TOKEN": "", "RLSYNC_BASE_IMAGE": _base_image(), "RLSYNC_PORT": str(port),
-           "RLSYNC_HTTP_PORT": str(http_port)}
+           "RLSYNC_HTTP_PORT": str(http_port),
+           "RLSYNC_VLLM_ARGS": '{"enforce_eager": true}'}  # as every vLLM replica of the suite: no compile
 
     def compose(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
         return subprocess.run([*command, "-p", PROJECT, *args], cwd=ROOT, check=True, text=True,
