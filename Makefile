@@ -29,16 +29,24 @@ $(STAMP): $(LOCK) pyproject.toml setup.py
 # SGLang's own environment (it pins another torch than vLLM's CPU build): the pinned set in
 # $(SGLANG_LOCK), rlsync itself, and the placeholder sgl_kernel on the path (deploy/sglang-cpu: SGLang's
 # CUDA kernels do not load without a GPU, and SGLang's CPU path needs them only with AMX).
+# Installed by uv (pinned in $(LOCK)), which unpacks and byte-compiles its 9 GB on every core: 112 s here,
+# against 222 s for pip on one. Byte-compiled ahead, as pip does: this environment sets
+# PYTHONDONTWRITEBYTECODE, so nothing is cached later. uv reads no pip configuration: the wheel folder
+# and local indexes pip is given (PIP_FIND_LINKS, PIP_EXTRA_INDEX_URL) are passed on, and pip's
+# certificate bundle (PIP_CERT), where set.
 SGLANG_VENV ?= .venv-sglang
 SGLANG_LOCK := requirements/sglang-lock.txt
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
+UV_SOURCES := $(foreach d,$(subst :, ,$(PIP_FIND_LINKS)),--find-links $(d)) \
+	$(foreach u,$(PIP_EXTRA_INDEX_URL) $(shell $(PYTHON) -m pip config get global.extra-index-url 2>/dev/null),--extra-index-url $(u))
 
 venv-sglang: $(SGLANG_STAMP)
 
-$(SGLANG_STAMP): $(SGLANG_LOCK) pyproject.toml setup.py
+$(SGLANG_STAMP): $(SGLANG_LOCK) pyproject.toml setup.py $(STAMP)
 	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/pip install -q --no-deps $$(grep -E '^pip==' $(SGLANG_LOCK))
-	$(SGLANG_VENV)/bin/pip install -q --no-deps -r $(SGLANG_LOCK)
+	$(if $(PIP_CERT),SSL_CERT_FILE=$(PIP_CERT)) $(BIN)/uv pip install -q --python $(SGLANG_VENV)/bin/python --no-deps \
+	    --compile-bytecode --index-strategy unsafe-best-match $(UV_SOURCES) -r $(SGLANG_LOCK)
 	$(SGLANG_VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
 	echo "$(CURDIR)/deploy/sglang-cpu" > "$$($(SGLANG_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/rlsync-sglang-cpu.pth"
 	touch $(SGLANG_STAMP)
