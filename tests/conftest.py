@@ -22,9 +22,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # eight tokens took 23 s spinning, 4 s sleeping).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from rlsync import preload  # noqa: E402
 from rlsync.client import trajectory  # noqa: E402
 from rlsync.launch import ServiceProcess, python_for, sglang_python  # noqa: E402
 from rlsync.models import ensure_tiny_model  # noqa: E402
+from rlsync.preload import Preloaded  # noqa: E402
 
 # Small, fast vLLM settings for the CPU build: eager mode, a 64 MiB KV cache.
 VLLM_TEST_ARGS = {"enforce_eager": True, "kv_cache_memory_bytes": 64 << 20, "max_num_seqs": 32}
@@ -53,6 +55,22 @@ def tiny_model() -> Path:
 @pytest.fixture(scope="session")
 def logs_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("service-logs")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def preloaded(tmp_path_factory):
+    """Coordinators, trainers and hf replicas started by the tests are forked from one process that
+    imported torch and transformers once (rlsync.preload): ~5 s of CPU less each, a few hundred
+    times. RLSYNC_TEST_PRELOAD=0: each starts in a process of its own, as outside the tests."""
+    if os.environ.get("RLSYNC_TEST_PRELOAD", "1") == "0":
+        yield None
+        return
+    ensure_tiny_model()  # (built before the fork: nothing in the preloaded image builds it)
+    forker = Preloaded(tmp_path_factory.mktemp("preloaded") / "preloaded.log")
+    preload.use(forker)
+    yield forker
+    preload.use(None)
+    forker.close()
 
 
 class Services:

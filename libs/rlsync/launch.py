@@ -12,6 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from rlsync.preload import Forked, preloaded_for
+
 
 def exit_status(returncode: int) -> str:
     """"exited with status 2" / "was killed by SIGILL (signal 4)"."""
@@ -89,15 +91,20 @@ class ServiceProcess:
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
-        preexec = _in_child(parent_death_signal, niceness)
-        # Its own process group (stop() signals the whole tree), but the launcher's session: with the
-        # kernel's autogroup scheduling a new session is a new scheduling group, and when a vLLM
-        # replica's spinning workers fill every core, processes of the launcher's group (a client
-        # reading its answer) waited up to seconds for a CPU.
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **(env or {})}, process_group=0,
-                                         preexec_fn=preexec)
+        full_env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | Forked
+        if (preloaded := preloaded_for(service, args, full_env, command, parent_death_signal)) is not None:
+            self.log_path.touch()  # (the child opens it for itself)
+            self.proc = preloaded.start(service, args, full_env, self.log_path, niceness)  # (rlsync.preload)
+        else:
+            # Its own process group (stop() signals the whole tree), but the launcher's session: with the
+            # kernel's autogroup scheduling a new session is a new scheduling group, and when a vLLM
+            # replica's spinning workers fill every core, processes of the launcher's group (a client
+            # reading its answer) waited up to seconds for a CPU.
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                             env=full_env, process_group=0,
+                                             preexec_fn=_in_child(parent_death_signal, niceness))
         self.address: str | None = None
 
     def _find_address(self, event: str = "listening") -> str | None:

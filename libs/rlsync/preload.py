@@ -1,0 +1,306 @@
+"""Services forked from a process that imported torch, transformers and rlsync's servers once.
+
+An hf replica or a trainer spends ~5 s of CPU importing before it listens (`from transformers import
+AutoModelForCausalLM` alone: ~4.5 s), the coordinator ~1 s; forked from this image, 0.2 s. A test
+session starts a few hundred of them on a 2-core machine, so `tests/conftest.py` starts one
+`Preloaded` for the session and `ServiceProcess` forks from it what it can (`preloaded_for`).
+
+The preloaded process (`python -m rlsync.preload ADDRESS`) imports, never runs a torch op or makes a
+gRPC object (no thread exists when it forks), and answers on an abstract Unix socket: msgpack
+(msgspec) `Start` -> the child's pid, `Status` -> its exit status once reaped (it is the child's
+parent). The child takes the environment, working directory and log it is given, a process group
+of its own, and runs `rlsync.<service>.__main__.main(argv)`.
+
+Not for: vLLM and SGLang replicas (their engines spawn processes of their own, SGLang in another
+environment), a service given environment variables the preloaded process did not start with (what
+modules read at import would differ), a command of its own, or a parent-death signal.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import uuid
+from pathlib import Path
+
+import msgspec
+
+_HEADER = struct.Struct("<I")
+VOLATILE = ("PYTEST_CURRENT_TEST",)  # changes under a test runner from test to test: not an import-time setting
+PRELOAD = ("torch", "grpc", "transformers", "rlsync.rollout.server", "rlsync.rollout.engines.hf",
+           "rlsync.trainer.server", "rlsync.coordinator.server", "rlsync.rollout.__main__",
+           "rlsync.trainer.__main__", "rlsync.coordinator.__main__")
+
+
+class Start(msgspec.Struct, tag=True):
+    service: str
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    log_path: str
+    niceness: int | None = None
+
+
+class Status(msgspec.Struct, tag=True):
+    pid: int
+
+
+class Reply(msgspec.Struct):
+    pid: int = 0
+    returncode: int | None = None  # Popen's: negative for a signal
+    error: str = ""
+
+
+_REQUEST = msgspec.msgpack.Decoder(Start | Status)
+_REPLY = msgspec.msgpack.Decoder(Reply)
+_ENCODE = msgspec.msgpack.Encoder().encode
+
+
+def to_socket(address: str) -> str:
+    """The kernel's name for an abstract address written with a leading "@"."""
+    return "\0" + address[1:]
+
+
+def _send(sock: socket.socket, data: bytes) -> None:
+    sock.sendall(_HEADER.pack(len(data)) + data)
+
+
+def _recv(sock: socket.socket) -> bytes | None:
+    header = _exactly(sock, _HEADER.size)
+    return None if header is None else _exactly(sock, _HEADER.unpack(header)[0])
+
+
+def _exactly(sock: socket.socket, n: int) -> bytes | None:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def eligible(service: str, args: list[str]) -> bool:
+    """The services this image holds what they import for: the coordinator, the trainer, an hf replica."""
+    if service in ("coordinator", "trainer"):
+        return True
+    return service == "rollout" and "--engine" in args and args[args.index("--engine") + 1:][:1] == ["hf"]
+
+
+# ---- the launcher's side --------------------------------------------------------------------------
+
+class Forked:
+    """What ServiceProcess uses of a Popen, for a child of the preloaded process: its exit status comes
+    from there (which reaps it); signals go straight to it."""
+
+    def __init__(self, pid: int, owner: Preloaded):
+        self.pid, self.returncode, self._owner = pid, None, owner
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._owner.status(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Preloaded:
+    """The preloaded process, started here and stopped with `close()` (its children are not: each is
+    stopped by its own ServiceProcess)."""
+
+    def __init__(self, log_path: str | Path | None = None, ready_timeout: float = 120.0):
+        self.address = f"@rlsync-preload-{uuid.uuid4().hex[:12]}"
+        self.env = dict(os.environ)
+        log = open(log_path or os.devnull, "ab")  # noqa: SIM115 - the child keeps its own descriptor
+        with log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "rlsync.preload", self.address], stdin=subprocess.PIPE,
+                                         stdout=log, stderr=subprocess.STDOUT, process_group=0)
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        deadline = time.monotonic() + ready_timeout
+        while self._sock is None:
+            try:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.connect(to_socket(self.address))
+                self._sock = sock
+            except OSError:
+                sock.close()
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the preloaded process did not start (log: {log_path})") from None
+                time.sleep(0.05)
+
+    def takes(self, service: str, args: list[str], env: dict[str, str]) -> bool:
+        """Whether a service so started may be forked from here (see the module's docstring)."""
+        same = {k: v for k, v in env.items() if k not in VOLATILE} == \
+            {k: v for k, v in self.env.items() if k not in VOLATILE}
+        return same and eligible(service, args) and self.proc.poll() is None
+
+    def start(self, service: str, args: list[str], env: dict[str, str], log_path: Path,
+              niceness: int | None = None) -> Forked:
+        reply = self._call(Start(service, args, env, os.getcwd(), str(log_path), niceness))
+        if reply.error:
+            raise RuntimeError(f"the preloaded process could not start {service}: {reply.error}")
+        return Forked(reply.pid, self)
+
+    def status(self, pid: int) -> int | None:
+        try:
+            reply = self._call(Status(pid))
+        except OSError:  # the preloaded process is gone, and the statuses it had with it
+            try:
+                os.kill(pid, 0)
+                return None
+            except ProcessLookupError:
+                return -signal.SIGKILL
+        if reply.error:
+            raise RuntimeError(reply.error)
+        return reply.returncode
+
+    def _call(self, request: Start | Status) -> Reply:
+        with self._lock:
+            if self._sock is None:
+                raise ConnectionError("the preloaded process is closed")
+            _send(self._sock, _ENCODE(request))
+            data = _recv(self._sock)
+        if data is None:
+            raise ConnectionError("the preloaded process went away")
+        return _REPLY.decode(data)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
+
+
+_session: Preloaded | None = None
+
+
+def use(preloaded: Preloaded | None) -> None:
+    """Services this process starts from now on are forked from `preloaded` where they can be (None: none)."""
+    global _session
+    _session = preloaded
+
+
+def preloaded_for(service: str, args: list[str], env: dict[str, str], command, parent_death_signal: int):
+    """The Preloaded a service so started may be forked from, else None (a process of its own)."""
+    if _session is None or command is not None or parent_death_signal:
+        return None
+    return _session if _session.takes(service, args, env) else None
+
+
+# ---- the preloaded process ------------------------------------------------------------------------
+
+def _child(request: Start, keep_closed: list[socket.socket]) -> None:
+    """In the forked child: become the service, then exit (never back into the server's loop)."""
+    code = 1
+    try:
+        for s in keep_closed:
+            s.close()
+        os.setpgid(0, 0)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        null = os.open(os.devnull, os.O_RDONLY)
+        log = os.open(request.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(null, 0), os.dup2(log, 1), os.dup2(log, 2)
+        os.close(null), os.close(log)
+        if request.niceness is not None:
+            try:
+                os.setpriority(os.PRIO_PROCESS, 0, request.niceness)
+            except OSError:
+                pass
+        os.environ.clear()
+        os.environ.update(request.env)
+        os.chdir(request.cwd)
+        sys.argv = [f"rlsync.{request.service}", *request.argv]
+        code = importlib.import_module(f"rlsync.{request.service}.__main__").main(request.argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - said in the service's log, as an uncaught error would be
+        traceback.print_exc()
+    finally:
+        try:
+            atexit._run_exitfuncs()  # what the service registered; the server's frames are not unwound
+            sys.stdout.flush(), sys.stderr.flush()
+        finally:
+            os._exit(code if isinstance(code, int) else 1)
+
+
+def serve(address: str) -> None:
+    for module in PRELOAD:
+        importlib.import_module(module)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(to_socket(address))
+    server.listen(16)
+    clients: list[socket.socket] = []
+    exited: dict[int, int] = {}
+    children: set[int] = set()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    while True:
+        while children:  # reap
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            children.discard(pid)
+            exited[pid] = os.waitstatus_to_exitcode(status)
+        readable, _, _ = select.select([server, *clients], [], [], 0.02)
+        for sock in readable:
+            if sock is server:
+                clients.append(server.accept()[0])
+                continue
+            try:
+                data = _recv(sock)
+            except OSError:
+                data = None
+            if data is None:
+                clients.remove(sock)
+                sock.close()
+                continue
+            request = _REQUEST.decode(data)
+            if isinstance(request, Status):
+                reply = Reply(pid=request.pid, returncode=exited.get(request.pid))
+                if request.pid not in children and request.pid not in exited:
+                    reply.error = f"pid {request.pid} is not a child of the preloaded process"
+            else:
+                sys.stdout.flush(), sys.stderr.flush()  # nothing of this process's buffers in the child's log
+                pid = os.fork()
+                if pid == 0:
+                    _child(request, [server, *clients])
+                children.add(pid)
+                reply = Reply(pid=pid)
+            _send(sock, _ENCODE(reply))
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
