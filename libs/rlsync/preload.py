@@ -142,7 +142,8 @@ class Preloaded:
         self.env = dict(os.environ)
         log = open(log_path or os.devnull, "ab")  # noqa: SIM115 - the child keeps its own descriptor
         with log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "rlsync.preload", self.address], stdin=subprocess.PIPE,
+            self.proc = subprocess.Popen([sys.executable, "-m", "rlsync.preload", self.address],
+                                         stdin=subprocess.PIPE,  # (closed when this process ends: so does it)
                                          stdout=log, stderr=subprocess.STDOUT, process_group=0)
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
@@ -200,8 +201,12 @@ class Preloaded:
                 self._sock.close()
                 self._sock = None
         if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(30)
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 _session: Preloaded | None = None
@@ -274,8 +279,12 @@ def serve(address: str) -> None:
                 break
             children.discard(pid)
             exited[pid] = os.waitstatus_to_exitcode(status)
-        readable, _, _ = select.select([server, *clients], [], [], 0.02)
+        readable, _, _ = select.select([server, sys.stdin, *clients], [], [], 0.02)
         for sock in readable:
+            if sock is sys.stdin:  # the launcher's end of the pipe closed: it is gone, and so is this
+                if not os.read(0, 1 << 12):
+                    return
+                continue
             if sock is server:
                 clients.append(server.accept()[0])
                 continue

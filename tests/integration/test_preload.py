@@ -1,0 +1,55 @@
+"""Services forked from the tests' preloaded process (rlsync.preload) behave as processes of their own:
+they listen, take their log, exit statuses and signals as a Popen reports them, and a service the
+preloaded image does not suit gets a process of its own."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import psutil
+import pytest
+
+from conftest import rollout_args
+from rlsync.client import RolloutClient
+from rlsync.preload import Forked, eligible
+
+
+@pytest.mark.parametrize("service, args, expected", [
+    ("coordinator", [], True),
+    ("trainer", ["--steps", "1"], True),
+    ("rollout", ["--engine", "hf"], True),
+    ("rollout", ["--engine", "vllm"], False),  # its engine spawns processes of its own
+    ("rollout", ["--engine", "sglang"], False),  # another environment
+    ("rollout", [], False),  # the default engine is vLLM
+    ("rollout", ["--engine"], False),
+])
+def test_which_services_the_preloaded_image_suits(service, args, expected):
+    assert eligible(service, args) is expected
+
+
+def test_a_forked_replica_serves_and_reports_its_exit_as_popen_would(services, preloaded):
+    if preloaded is None:
+        pytest.skip("RLSYNC_TEST_PRELOAD=0")
+    replica = services.start("rollout", rollout_args("hf"), name="forked")
+    assert isinstance(replica.proc, Forked)
+    assert psutil.Process(replica.proc.pid).ppid() == preloaded.proc.pid
+    assert os.getpgid(replica.proc.pid) == replica.proc.pid  # a process group of its own, as Popen's
+    (done,) = RolloutClient(replica.address).complete("3+4=", max_tokens=4, ignore_eos=True)
+    assert len(done.token_ids) == 4
+    assert replica.proc.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        replica.proc.wait(0.1)
+    assert replica.stop() == 0, replica.log_tail()  # SIGTERM: a graceful exit
+    assert "listening" in replica.log_path.read_text()
+
+    killed = services.start("coordinator", [], name="forked-killed")
+    killed.proc.send_signal(signal.SIGKILL)
+    assert killed.proc.wait(30) == -signal.SIGKILL
+
+
+def test_a_service_given_other_environment_gets_a_process_of_its_own(services, preloaded):
+    proc = services.start("coordinator", [], env={"RLSYNC_LOG_LEVEL": "DEBUG"}, name="own-process")
+    assert isinstance(proc.proc, subprocess.Popen)
+    assert proc.stop() == 0
