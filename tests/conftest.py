@@ -26,7 +26,6 @@ from rlsync import preload  # noqa: E402
 from rlsync.client import trajectory  # noqa: E402
 from rlsync.launch import ServiceProcess, python_for, sglang_python  # noqa: E402
 from rlsync.models import ensure_tiny_model  # noqa: E402
-from rlsync.preload import Preloaded  # noqa: E402
 
 # Small, fast vLLM settings for the CPU build: eager mode, a 64 MiB KV cache.
 VLLM_TEST_ARGS = {"enforce_eager": True, "kv_cache_memory_bytes": 64 << 20, "max_num_seqs": 32}
@@ -66,7 +65,7 @@ def preloaded(tmp_path_factory):
         yield None
         return
     ensure_tiny_model()  # (built before the fork: nothing in the preloaded image builds it)
-    forker = Preloaded(tmp_path_factory.mktemp("preloaded") / "preloaded.log")
+    forker = preload.Preloaded(tmp_path_factory.mktemp("preloaded") / "preloaded.log")
     preload.use(forker)
     yield forker
     preload.use(None)

@@ -66,11 +66,6 @@ _REPLY = msgspec.msgpack.Decoder(Reply)
 _ENCODE = msgspec.msgpack.Encoder().encode
 
 
-def to_socket(address: str) -> str:
-    """The kernel's name for an abstract address written with a leading "@"."""
-    return "\0" + address[1:]
-
-
 def _send(sock: socket.socket, data: bytes) -> None:
     sock.sendall(_HEADER.pack(len(data)) + data)
 
@@ -126,18 +121,14 @@ class Forked:
             except ProcessLookupError:
                 pass
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
 
 class Preloaded:
     """The preloaded process, started here and stopped with `close()` (its children are not: each is
     stopped by its own ServiceProcess)."""
 
     def __init__(self, log_path: str | Path | None = None, ready_timeout: float = 120.0):
+        from rlsync.rpc.doorbell import to_socket  # (here: it imports grpc, which launchers need not)
+
         self.address = f"@rlsync-preload-{uuid.uuid4().hex[:12]}"
         self.env = dict(os.environ)
         log = open(log_path or os.devnull, "ab")  # noqa: SIM115 - the child keeps its own descriptor
@@ -158,12 +149,6 @@ class Preloaded:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"the preloaded process did not start (log: {log_path})") from None
                 time.sleep(0.05)
-
-    def takes(self, service: str, args: list[str], env: dict[str, str]) -> bool:
-        """Whether a service so started may be forked from here (see the module's docstring)."""
-        same = {k: v for k, v in env.items() if k not in VOLATILE} == \
-            {k: v for k, v in self.env.items() if k not in VOLATILE}
-        return same and eligible(service, args) and self.proc.poll() is None
 
     def start(self, service: str, args: list[str], env: dict[str, str], log_path: Path,
               niceness: int | None = None) -> Forked:
@@ -219,10 +204,13 @@ def use(preloaded: Preloaded | None) -> None:
 
 
 def preloaded_for(service: str, args: list[str], env: dict[str, str], command, parent_death_signal: int):
-    """The Preloaded a service so started may be forked from, else None (a process of its own)."""
-    if _session is None or command is not None or parent_death_signal:
+    """The Preloaded a service so started may be forked from, else None (a process of its own): see
+    the module's docstring for which."""
+    if _session is None or command is not None or parent_death_signal or not eligible(service, args):
         return None
-    return _session if _session.takes(service, args, env) else None
+    same = {k: v for k, v in env.items() if k not in VOLATILE} == \
+        {k: v for k, v in _session.env.items() if k not in VOLATILE}
+    return _session if same and _session.proc.poll() is None else None
 
 
 # ---- the preloaded process ------------------------------------------------------------------------
@@ -265,6 +253,8 @@ def _child(request: Start, keep_closed: list[socket.socket]) -> None:
 def serve(address: str) -> None:
     for module in PRELOAD:
         importlib.import_module(module)
+    from rlsync.rpc.doorbell import to_socket
+
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(to_socket(address))
     server.listen(16)

@@ -29,6 +29,10 @@ class _Weights:
         spare, self.spare = self.spare, None
         return spare
 
+    def give_back_spare(self, store):
+        if self.spare is None:
+            self.spare = store
+
 
 def _mapped(handles=(b"h0",), start: int = 0, waits: bool = True) -> pb.MappedTensors:
     offsets, at = [], start

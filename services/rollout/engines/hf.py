@@ -574,8 +574,7 @@ class HFEngine(Engine):
         if launched is not None:
             staging, update = launched
             update.abort()
-            if self.weights.spare is None:
-                self.weights.spare = staging
+            self.weights.give_back_spare(staging)
 
     def _stop_in_place(self) -> None:
         self.weights.receiving_in_place = False

@@ -90,8 +90,7 @@ class Arming:
         staging = weights.take_spare()  # (taken at once: the engine's thread may drop it for generation)
         dst = staging.whole_for(specs) if staging is not None else None
         if dst is None or dst.numel() != nbytes:
-            if weights.spare is None:
-                weights.spare = staging
+            weights.give_back_spare(staging)
             return None
         cut = memo.get("launch")  # the source's bytes, cut once for as long as the holder's mappings stay
         if cut is None or cut[0] != (index, start, nbytes):
@@ -106,7 +105,6 @@ class Arming:
                 dst.copy_(cut[1], non_blocking=True)
                 copied = record_copied(device)
         except BaseException:
-            if weights.spare is None:
-                weights.spare = staging
+            weights.give_back_spare(staging)
             raise
         return staging, AdoptedUpdate(nbytes, copied, transfer_stream(device).synchronize, version)

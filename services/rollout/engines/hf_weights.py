@@ -133,6 +133,11 @@ class Weights:
         spare, self.spare = self.spare, None
         return spare
 
+    def give_back_spare(self, store: FlatStore | None) -> None:
+        """A spare taken and not committed: the spare again (unless another one took its place)."""
+        if self.spare is None:
+            self.spare = store
+
     def staging_bytes(self, specs) -> int:
         """What staging an update of `specs` (a manifest's) allocates: a store unless the spare is
         kept, and a buffer per tensor that arrives in another dtype (cast into it once complete)."""
