@@ -317,6 +317,8 @@ def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: floa
            "median_token_gap_ms": round(median_gap * 1e3, 2),
            "longest_gap_across_an_update_ms": round(max(across, default=0.0) * 1e3, 2),
            "longest_gap_vs_median": round(max(across, default=0.0) / median_gap, 2),
+           # the engine's own spread, no update near: a step that admits new requests also prefills them
+           "longest_gap_without_updates_vs_median": round(max(g for g, _, _ in gaps(quiet)) / median_gap, 2),
            "transfer_ms": round(transfer_ms, 3),
            # the offer: with a publish buffer, the trainer's copy of its weights into it is here
            "offer_ms": round(statistics.median(s.phases["offer"] * 1e3 for s in syncs), 3),

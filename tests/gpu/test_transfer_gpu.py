@@ -13,7 +13,7 @@ import torch
 from transfer_helpers import Peer
 
 from rlsync.errors import Unavailable
-from rlsync.transfer import WeightSender, answer, batched, receive
+from rlsync.transfer import WeightSender, answer, batched, driver, receive
 from rlsync.transfer.armed import open_bell, ring_bell
 from rlsync.transfer.checksum import checksum_tensor
 from rlsync.transfer.spans import copy_all
@@ -213,6 +213,34 @@ def test_an_armed_held_pull_is_started_by_the_senders_bell_and_lands_each_steps_
             peer.proc.wait(30)
     assert [r["adopted"] for r in results] == [False, True, False, False]
     assert [bool(a.copied) for a in answers] == [False, True, False, False]
+
+
+def test_a_copy_queued_through_the_driver_lands_every_byte_before_its_event_from_a_fresh_thread():
+    """driver.copy and driver.record (the launch a generating replica makes holding the GIL) from a
+    thread that never called into CUDA (it has no current context until they make the device's
+    primary one current): the bytes land on the stream, the event is passed once they have, and a
+    copy of two sizes is refused before anything is queued."""
+    src = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8, device="cuda")
+    dst = torch.zeros_like(src)
+    stream, event = torch.cuda.Stream(), torch.cuda.Event(interprocess=True)
+    event.ipc_handle()  # created, as rlsync.transfer.copied's event is
+    failures = []
+
+    def launch() -> None:
+        try:
+            driver.copy(dst, src, stream)
+            driver.record(event, stream)
+            with pytest.raises(ValueError, match="one size"):
+                driver.copy(dst[1:], src, stream)
+        except BaseException as e:  # noqa: BLE001 (reported on the test's thread)
+            failures.append(e)
+
+    thread = threading.Thread(target=launch)
+    thread.start()
+    thread.join()
+    assert not failures, failures
+    event.synchronize()
+    assert torch.equal(dst, src)
 
 
 def test_fp32_parameters_published_as_bf16_are_cast_by_the_receiver_as_it_pulls_them():

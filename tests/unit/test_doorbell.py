@@ -8,6 +8,7 @@ import asyncio
 
 import grpc
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from rlsync.errors import DeadlineExceeded, FailedPrecondition, Relayed, Unavailable
 from rlsync.rpc.doorbell import DoorbellServer, Lines, Unreachable, ring, to_socket
@@ -156,3 +157,25 @@ def test_a_doorbell_nobody_answers_at_is_left_to_the_callers_prepare():
     rungs, seconds = run(body)
     assert [r.rung for r in rungs] == [False, False, True] and seconds > 0
     assert rungs[2].answer.transfer_id == "t1" and rungs[2].answer.stages["copy"] == pytest.approx(0.004)
+
+
+@settings(max_examples=60, deadline=None)
+@given(tensors=st.integers(0, 300), ipc=st.booleans(), bell=st.integers(0, (1 << 30)),
+       force=st.sampled_from(["", "nccl"]), timeout=st.floats(0, 1e4))
+def test_the_rings_request_is_the_offer_with_its_waits_and_bell_without_a_copy(tensors, ipc, bell, force, timeout):
+    """ring_prepare's request bytes (the offer's own, then a field that sets mapped.waits and .bell)
+    parse as the request built by copying the offer and setting them, at any size of its varint."""
+    from rlsync.client.weights import _prepare_request
+
+    specs = [tpb.TensorSpec(name=f"layer{i}.weight", dtype="bfloat16", shape=[i, 8], nbytes=16 * i)
+             for i in range(tensors)]
+    offer = tpb.Offer(transfer_id="t1", manifest=tpb.Manifest(version=4, tensors=specs))
+    if ipc:
+        offer.mapped.ipc.append(b"handle")
+        offer.mapped.region.extend([0] * tensors)
+        offer.mapped.offset.extend(range(0, 16 * tensors, 16))
+    ours = tpb.MappedTensors(waits=ipc, bell=bell if ipc else 0)
+    expected = pb.PrepareUpdateRequest(offer=offer, force_backend=force, timeout=timeout)
+    if ipc:
+        expected.offer.mapped.waits, expected.offer.mapped.bell = True, ours.bell
+    assert pb.PrepareUpdateRequest.FromString(_prepare_request(offer, ours, force, timeout)) == expected

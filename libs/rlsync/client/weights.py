@@ -86,13 +86,13 @@ async def ring_prepare(offer: Offer, doorbells: list[Doorbell], token: str, forc
     from rlsync.transfer.copied import sender_device, wait_copied
 
     start = time.perf_counter()
-    request = rollout_pb2.PrepareUpdateRequest(offer=offer, force_backend=force_backend, timeout=timeout)
-    request.offer.mapped.waits = len(offer.mapped.ipc) > 0  # the answers come back here: this waits for the copies
-    rung = [bells[d.address] for d in doorbells if bells and d.address in bells] if request.offer.mapped.waits else []
+    ours = MappedTensors(waits=len(offer.mapped.ipc) > 0)  # the answers come back here: this waits for the copies
+    rung = [bells[d.address] for d in doorbells if bells and d.address in bells] if ours.waits else []
     if rung:  # after the offer, so after the weights on this stream
-        request.offer.mapped.bell = next(_BELL_VALUES) % (1 << 30) + 1
+        ours.bell = next(_BELL_VALUES) % (1 << 30) + 1
         for flag in rung:
-            ring_bell(flag, request.offer.mapped.bell)
+            ring_bell(flag, ours.bell)
+    request = _prepare_request(offer, ours, force_backend, timeout)
 
     async def prepare(d: Doorbell):
         who = f"replica {d.name}"
@@ -106,6 +106,27 @@ async def ring_prepare(offer: Offer, doorbells: list[Doorbell], token: str, forc
     answers = await _ring_here(doorbells, prepare)
     seconds = time.perf_counter() - start if any(a is not None for a in answers) else 0.0
     return [Rung() if a is None else Rung(rung=True, answer=a.answer) for a in answers], seconds
+
+
+def _prepare_request(offer: Offer, ours: MappedTensors, force_backend: str, timeout: float) -> bytes:
+    """The bytes of PrepareUpdateRequest(offer=`offer`, its mapped tensors' waits and bell as `ours`
+    says, ...) without a copy of the offer (its tensor list is most of it, and this is on the way
+    to the replicas' copies): the offer's bytes as the request's field 1, then a request whose
+    field 1 sets those two. A message field that comes twice parses as the two merged."""
+    head = offer.SerializeToString()
+    rest = rollout_pb2.PrepareUpdateRequest(force_backend=force_backend, timeout=timeout)
+    if ours.waits or ours.bell:
+        rest.offer.mapped.CopyFrom(ours)
+    return b"\x0a" + _varint(len(head)) + head + rest.SerializeToString()  # (field 1, length-delimited)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
 
 HOLD_TIMEOUT = 30.0  # mapping or closing a few storages takes milliseconds

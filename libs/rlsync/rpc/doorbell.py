@@ -212,13 +212,15 @@ async def _write(writer: asyncio.StreamWriter, frame: bytes) -> None:
 
 async def ring(address: str, token: str, method: str, request, parse: Callable[[bytes], object], timeout: float,
                name: str = "", lines: Lines | None = None):
-    """Calls `method` at the doorbell `address` (on a connection `lines` keeps); returns the parsed
-    response or raises what the server answered (`Relayed`, its status code and message, prefixed
-    by `name`), `Unreachable` when nobody answers there (nothing was sent), `Unavailable` when the
-    server went away before answering, `DeadlineExceeded` after `timeout` seconds."""
+    """Calls `method` at the doorbell `address` (on a connection `lines` keeps) with `request` (the
+    message, or its bytes); returns the parsed response or raises what the server answered
+    (`Relayed`, its status code and message, prefixed by `name`), `Unreachable` when nobody answers
+    there (nothing was sent), `Unavailable` when the server went away before answering,
+    `DeadlineExceeded` after `timeout` seconds."""
     who = name or address
     lines = lines if lines is not None else Lines(keep=0)
-    frame = _frame(_ENCODE(Ring(token, method, request.SerializeToString())))
+    payload = request if isinstance(request, bytes) else request.SerializeToString()
+    frame = _frame(_ENCODE(Ring(token, method, payload)))
     data, line = None, None
     try:
         async with asyncio.timeout(timeout):

@@ -26,32 +26,13 @@ a one-element fill did run.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable
-from functools import cache, lru_cache
+from functools import lru_cache
 
 import torch
 
+from rlsync.transfer import driver
 from rlsync.transfer.memory import export_cuda, open_cuda
-
-_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
-_WRITE_FENCED = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: what the stream wrote before is visible first
-
-
-@cache
-def _stream_op(name: str):
-    """cuStream{Wait,Write}Value32 from the driver (torch exposes no stream memory operations)."""
-    lib = ctypes.CDLL("libcuda.so.1")
-    fn = getattr(lib, f"{name}_v2", None) or getattr(lib, name)
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def _queue(name: str, stream: torch.cuda.Stream, address: int, value: int, flags: int) -> None:
-    rc = _stream_op(name)(ctypes.c_void_p(stream.cuda_stream), address, value, flags)
-    if rc != 0:
-        raise RuntimeError(f"{name} failed (CUresult {rc})")
 
 
 class Bell:
@@ -89,7 +70,7 @@ class Armed:
         bell.flag.zero_()
         torch.cuda.current_stream(bell.device).synchronize()  # zeroed, and the destination free, before the wait
         with torch.cuda.stream(bell.stream):
-            _queue("cuStreamWaitValue32", bell.stream, bell.flag.data_ptr(), 1, _WAIT_GEQ)
+            driver.wait_value(bell.stream, bell.flag.data_ptr(), 1)
             bell.flag[1:].copy_(bell.flag[:1])  # what started it
             launch()
             bell.event.record(bell.stream)
@@ -141,4 +122,4 @@ def ring_bell(flag: torch.Tensor, value: int) -> None:
     # (On a stream torch created the driver takes the stream's context; on the legacy default
     # stream, this thread's, current since it mapped the bell.)
     with torch.cuda.device(flag.device):
-        _queue("cuStreamWriteValue32", torch.cuda.current_stream(), flag.data_ptr(), value, _WRITE_FENCED)
+        driver.write_value(torch.cuda.current_stream(), flag.data_ptr(), value)

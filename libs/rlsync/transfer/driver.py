@@ -1,0 +1,84 @@
+"""Calls into the CUDA driver: the stream memory operations torch does not expose, and the few
+calls a replica makes beside its decode loop that must not let go of the GIL.
+
+torch's bindings let go of the GIL around each call into CUDA. Beside a thread that holds it most of
+the time (an engine's decode loop, which takes it back after every kernel it launches) each such
+call then waits for it again: 0.15–0.25 ms a call on an H200. What is queued here is queued holding
+it (`ctypes.PyDLL`): microseconds a call, and the loop runs on afterwards. Only calls that return
+once queued belong here; one may wait on a lock inside the driver, never on Python, so nothing here
+can deadlock with a thread that waits for the GIL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import torch
+
+_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
+_WRITE_FENCED = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: what the stream wrote before is visible first
+_P, _U64, _U32, _INT = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int
+
+
+@cache
+def _call(name: str, *argtypes):
+    """The driver's entry point `name` (its _v2 where there is one), typed, called holding the GIL."""
+    lib = ctypes.PyDLL("libcuda.so.1")
+    fn = getattr(lib, f"{name}_v2", None) or getattr(lib, name)
+    fn.argtypes, fn.restype = list(argtypes), ctypes.c_int
+
+    def call(*args) -> None:
+        if rc := fn(*args):
+            raise RuntimeError(f"{name} failed (CUresult {rc})")
+    return call
+
+
+@cache
+def _primary(index: int) -> int:
+    """Device `index`'s primary context: the one torch works in."""
+    device, context = _INT(), _P()
+    _call("cuDeviceGet", ctypes.POINTER(_INT), _INT)(ctypes.byref(device), index)
+    _call("cuDevicePrimaryCtxRetain", ctypes.POINTER(_P), _INT)(ctypes.byref(context), device)
+    return context.value
+
+
+def _in_context(stream: torch.cuda.Stream) -> int:
+    """Makes the primary context of `stream`'s device this thread's (a thread that has not called
+    into CUDA has none) -> the stream's handle."""
+    context, wanted = _P(), _primary(stream.device.index)
+    _call("cuCtxGetCurrent", ctypes.POINTER(_P))(ctypes.byref(context))
+    if context.value != wanted:
+        _call("cuCtxSetCurrent", _P)(wanted)
+    return stream.cuda_stream
+
+
+def copy(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    """Queues dst's bytes := src's on `stream` (what `dst.copy_(src, non_blocking=True)` queues for
+    two contiguous tensors of one dtype on one device)."""
+    nbytes = dst.numel() * dst.element_size()
+    if not (dst.is_contiguous() and src.is_contiguous() and src.numel() * src.element_size() == nbytes):
+        raise ValueError(f"a copy of bytes needs two contiguous tensors of one size, got {dst.shape} and {src.shape}")
+    handle = _in_context(stream)
+    _call("cuMemcpyDtoDAsync", _U64, _U64, ctypes.c_size_t, _P)(dst.data_ptr(), src.data_ptr(), nbytes, handle)
+
+
+def record(event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
+    """Records `event` (created: an interprocess one once its handle was taken) after what `stream`
+    holds now."""
+    if not event.cuda_event:
+        raise ValueError("the event is not created yet (torch creates one at its first record)")
+    _call("cuEventRecord", _P, _P)(event.cuda_event, _in_context(stream))
+
+
+def wait_value(stream: torch.cuda.Stream, address: int, value: int) -> None:
+    """Queues on `stream` a wait until the 4-byte word at `address` is >= `value`
+    (cuStreamWaitValue32)."""
+    _call("cuStreamWaitValue32", _P, _U64, _U32, ctypes.c_uint)(stream.cuda_stream, address, value, _WAIT_GEQ)
+
+
+def write_value(stream: torch.cuda.Stream, address: int, value: int) -> None:
+    """Queues on `stream` a write of `value` into the 4-byte word at `address`, after what the stream
+    wrote before is visible (cuStreamWriteValue32). On the legacy default stream the driver takes
+    this thread's current context."""
+    _call("cuStreamWriteValue32", _P, _U64, _U32, ctypes.c_uint)(stream.cuda_stream, address, value, _WRITE_FENCED)
