@@ -104,7 +104,7 @@ test: $(STAMP) protos-check
 	cat .cache/test-third.log; exit $$(( rc ? rc : erc ? erc : trc ))
 
 # The SGLang replicas' tests alone, in SGLang's own environment (built first): 46 tests, 6.8 min on 2 cores
-# (in make test, beside the other suites: 14.5-17.9 min; `.ci/run` 28.8-34.2 min in all, 2026-11-28).
+# (in make test, beside the other suites: 14.5-17.9 min; `.ci/run` 19.9 min in all on CI's machines at stop 46).
 test-sglang: $(STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m pytest $(SGLANG_TESTS)
 
