@@ -304,7 +304,8 @@ def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: floa
         return [(b[0] - a[0], a[0], b[0]) for arr in arrivals for a, b in zip(arr, arr[1:])
                 if a[2] == b[2] and any(w0 <= a[0] and b[0] < w1 for w0, w1 in windows)]
 
-    median_gap = statistics.median(g for g, _, _ in gaps(quiet))
+    quiet_gaps = [g for g, _, _ in gaps(quiet)]
+    median_gap = statistics.median(quiet_gaps)
     across = [g for g, t0, t1 in gaps(busy) if any(t0 < w1 and t1 > w0 for w0, w1 in windows)]
     per_sync = [{"version": s.version, "seconds": round(s.seconds, 4),
                  "phases_ms": {k: round(v * 1e3, 3) for k, v in s.phases.items()},
@@ -318,7 +319,7 @@ def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: floa
            "longest_gap_across_an_update_ms": round(max(across, default=0.0) * 1e3, 2),
            "longest_gap_vs_median": round(max(across, default=0.0) / median_gap, 2),
            # the engine's own spread, no update near: a step that admits new requests also prefills them
-           "longest_gap_without_updates_vs_median": round(max(g for g, _, _ in gaps(quiet)) / median_gap, 2),
+           "longest_gap_without_updates_vs_median": round(max(quiet_gaps) / median_gap, 2),
            "transfer_ms": round(transfer_ms, 3),
            # the offer: with a publish buffer, the trainer's copy of its weights into it is here
            "offer_ms": round(statistics.median(s.phases["offer"] * 1e3 for s in syncs), 3),

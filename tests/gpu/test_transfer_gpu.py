@@ -218,8 +218,9 @@ def test_an_armed_held_pull_is_started_by_the_senders_bell_and_lands_each_steps_
 def test_a_copy_queued_through_the_driver_lands_every_byte_before_its_event_from_a_fresh_thread():
     """driver.copy and driver.record (the launch a generating replica makes holding the GIL) from a
     thread that never called into CUDA (it has no current context until they make the device's
-    primary one current): the bytes land on the stream, the event is passed once they have, and a
-    copy of two sizes is refused before anything is queued."""
+    primary one current, for the call only): the bytes land on the stream, the event is passed once
+    they have, and a copy of two sizes or off the stream's device is refused before anything is
+    queued."""
     src = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8, device="cuda")
     dst = torch.zeros_like(src)
     stream, event = torch.cuda.Stream(), torch.cuda.Event(interprocess=True)
@@ -232,6 +233,8 @@ def test_a_copy_queued_through_the_driver_lands_every_byte_before_its_event_from
             driver.record(event, stream)
             with pytest.raises(ValueError, match="one size"):
                 driver.copy(dst[1:], src, stream)
+            with pytest.raises(ValueError, match="stream's device"):
+                driver.copy(torch.empty(1, dtype=torch.uint8), src[:1], stream)
         except BaseException as e:  # noqa: BLE001 (reported on the test's thread)
             failures.append(e)
 

@@ -164,7 +164,7 @@ def test_a_doorbell_nobody_answers_at_is_left_to_the_callers_prepare():
        force=st.sampled_from(["", "nccl"]), timeout=st.floats(0, 1e4))
 def test_the_rings_request_is_the_offer_with_its_waits_and_bell_without_a_copy(tensors, ipc, bell, force, timeout):
     """ring_prepare's request bytes (the offer's own, then a field that sets mapped.waits and .bell)
-    parse as the request built by copying the offer and setting them, at any size of its varint."""
+    parse as the request built by copying the offer and setting them."""
     from rlsync.client.weights import _prepare_request
 
     specs = [tpb.TensorSpec(name=f"layer{i}.weight", dtype="bfloat16", shape=[i, 8], nbytes=16 * i)
@@ -179,3 +179,12 @@ def test_the_rings_request_is_the_offer_with_its_waits_and_bell_without_a_copy(t
     if ipc:
         expected.offer.mapped.waits, expected.offer.mapped.bell = True, ours.bell
     assert pb.PrepareUpdateRequest.FromString(_prepare_request(offer, ours, force, timeout)) == expected
+
+
+@pytest.mark.parametrize("n", [0, 1, 127, 128, 16383, 16384, 1 << 21, (1 << 31) - 1, 1 << 35])
+def test_the_rings_length_prefix_is_protobufs_varint(n):
+    from google.protobuf.internal.encoder import _VarintBytes
+
+    from rlsync.client.weights import _varint
+
+    assert _varint(n) == _VarintBytes(n)

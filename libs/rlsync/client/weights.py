@@ -112,7 +112,9 @@ def _prepare_request(offer: Offer, ours: MappedTensors, force_backend: str, time
     """The bytes of PrepareUpdateRequest(offer=`offer`, its mapped tensors' waits and bell as `ours`
     says, ...) without a copy of the offer (its tensor list is most of it, and this is on the way
     to the replicas' copies): the offer's bytes as the request's field 1, then a request whose
-    field 1 sets those two. A message field that comes twice parses as the two merged."""
+    field 1 sets those two. A message field that comes twice parses as the two merged, which sets
+    fields and never clears them: the offer's own waits and bell are unset (only a ring sets them,
+    on its request)."""
     head = offer.SerializeToString()
     rest = rollout_pb2.PrepareUpdateRequest(force_backend=force_backend, timeout=timeout)
     if ours.waits or ours.bell:

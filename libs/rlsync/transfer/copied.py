@@ -27,9 +27,11 @@ from rlsync.transfer.v1 import transfer_pb2 as pb
 
 @cache
 def copy_event(device: torch.device) -> tuple[torch.cuda.Event, bytes]:
-    """This process's event recorded after each pull it answers early on `device`, and its handle."""
-    event = torch.cuda.Event(interprocess=True)
-    return event, event.ipc_handle()
+    """This process's event recorded after each pull it answers early on `device`, and its handle
+    (made on `device`, whichever device the calling thread has current)."""
+    with torch.cuda.device(device):
+        event = torch.cuda.Event(interprocess=True)
+        return event, event.ipc_handle()
 
 
 def record_copied(device: torch.device) -> bytes:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from rlsync.rollout.staging import AdoptedUpdate
+from rlsync.transfer import driver
 from rlsync.transfer.armed import Armed, Bell, key_of
 from rlsync.transfer.backends.slots import contiguous
-from rlsync.transfer import driver
 from rlsync.transfer.copied import copy_event
 from rlsync.transfer.held import HELD
 from rlsync.transfer.streams import resolved, transfer_stream
@@ -97,17 +97,21 @@ class Arming:
         cut = memo.get("launch")  # the source's bytes, cut once for as long as the holder's mappings stay
         if cut is None or cut[0] != (index, start, nbytes):
             cut = memo["launch"] = (index, start, nbytes), mappings[index][start:start + nbytes]
-        # Two calls into the driver holding the GIL (rlsync.transfer.driver): through torch each would let go of
-        # it and wait for it behind the decode loop. No event handed over (the spare has been idle since the
+        # Two calls into the driver holding the GIL (rlsync.transfer.driver): through torch each lets go of it
+        # and waits to take it back from the decode loop. No event handed over (the spare has been idle since the
         # commit that retired it, after a synchronize) and no wait of the engine's stream for the copy: nothing
         # reads the store before the commit, which synchronizes the device, and an abort waits for the copy
         # before it lets the store go.
+        queued = False
         try:
             stream = transfer_stream(self.device)
             event, copied = copy_event(self.device)
             driver.copy(dst, cut[1], stream)
+            queued = True
             driver.record(event, stream)
         except BaseException:
+            if queued:  # the store goes back once nothing writes it
+                stream.synchronize()
             weights.give_back_spare(staging)
             raise
         return staging, AdoptedUpdate(nbytes, copied, stream.synchronize, version)
