@@ -5,10 +5,10 @@ torch's bindings let go of the GIL around each call into CUDA. Beside a thread t
 the time (an engine's decode loop, which takes it back after every kernel it launches) each such
 call then waits to take it again. What is queued here is queued holding it (`ctypes.PyDLL`): a
 replica's launch of its copy and the copy's event took 0.26–0.30 ms this way beside decoding on an
-H200 (its checks included), 0.38–0.44 ms through torch. Only calls that return
-once queued belong here. One may wait inside the driver (on its locks, on a stream's full queue, for a
-device's primary context made at the first call) and every Python thread waits with it, but never on
-Python: nothing here can deadlock with a thread that waits for the GIL.
+H200 (its checks included), 0.38–0.44 ms through torch. Only calls that return once queued belong
+here. One may wait inside the driver (on its locks, on a stream's full queue, for a device's primary
+context made at the first call) and every Python thread waits with it, but never on Python: nothing
+here can deadlock with a thread that waits for the GIL.
 """
 
 from __future__ import annotations
