@@ -113,6 +113,8 @@ class DoorbellServer:
                 await writer.drain()
         except (ConnectionError, ValueError, asyncio.IncompleteReadError) as e:
             log.warning("doorbell %s: dropped a caller: %s", self.address, e)
+        except asyncio.CancelledError:  # a connection still open as its loop ends: nothing awaits this task,
+            return  # and Python 3.11's StreamReaderProtocol logs a cancelled one as an unhandled error
         finally:
             writer.close()
 
