@@ -9,7 +9,7 @@ moving bytes: on the trainer, building the source and sender after an onload and
 (specs, manifest, facts, the CUDA memory description); on the replica, parsing the offer,
 checking the manifest, answering and laying out the destination; and a doorbell ring of the offer,
 from its start to the handler entered (the server in this process). --cold: before each run, 64 MiB
-are read and the process idles 0.2 s, as the path runs once per update beside other work (caches
+are written and the process idles 0.2 s, as the path runs once per update beside other work (caches
 and the core's clock cold); hot, it runs in a loop. Prints JSON.
 """
 
@@ -59,8 +59,8 @@ def timed(fn, repeats: int, cold: bool = False) -> float:
 
 
 def ring_ms(offer: pb.Offer, repeats: int, cold: bool) -> float:
-    """A PrepareUpdate ring of `offer` (as the trainer's, waiting for the copies), from its start to
-    the doorbell's handler entered, in ms: the trainer's request, the socket, the replica's parse."""
+    """A PrepareUpdate ring of `offer` (the trainer's ring_prepare), from its start to the doorbell's
+    handler entered, in ms: the trainer's request, the socket, the replica's parse."""
     from rlsync.client.weights import ring_prepare
     from rlsync.rollout.v1 import rollout_pb2
     from rlsync.rpc.doorbell import DoorbellServer, Lines
