@@ -74,7 +74,7 @@ def test_pause_keep_then_abort_ends_frozen_sequences(tiny_model):
 
 
 def test_unknown_engine_argument_is_refused(tiny_model):
-    with pytest.raises(InvalidArgument, match="unknown hf engine argument.*bogus.*valid: arm, attn_implementation"):
+    with pytest.raises(InvalidArgument, match="unknown hf engine argument.*bogus.*valid: arm, device"):
         HFEngine(str(tiny_model), {"bogus": 1})
 
 

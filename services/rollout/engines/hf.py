@@ -60,7 +60,6 @@ class HFEngineArgs:
     # requests arriving together join over several steps instead of stalling every running one.
     max_prefill_tokens: int = 2048
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
-    attn_implementation: str = "sdpa"
     seed: int = 0  # seeds completions that do not bring their own seed
     # The interpreter's GIL switch interval, set at start: a thread asking for the GIL the decode loop
     # holds (a prepare's hops, the gRPC loop) waits up to this long for it. Python's default is 5 ms.
@@ -145,7 +144,7 @@ class HFEngine(Engine):
         self.eos_ids = self._eos_ids(config)
         self.vocab_size = config.vocab_size
         self.max_model_len = self.args.max_model_len or config.max_position_embeddings
-        self.weights = Weights.load(self.model, self.device, self.args.dtype, self.args.attn_implementation)
+        self.weights = Weights.load(self.model, self.device, self.args.dtype)
         self.dtype = str(next(iter(self.weights.specs.values()))[1]).removeprefix("torch.")
         self.batch = Batch(self.weights.model, self.device)
         self.adapter = Adapter(self.weights.model, self.device, next(iter(self.weights.specs.values()))[1])
@@ -258,7 +257,8 @@ class HFEngine(Engine):
         self.weights.yield_spare(free_bytes(self.device), 2 * self.batch.kv_bytes() + SPARE_HEADROOM)
 
     def _step(self) -> None:
-        """Admit waiting requests (prefill), then one decode step for every running sequence."""
+        """One forward: a token for every running sequence, and the prompts of waiting requests
+        admitted (up to max_prefill_tokens), each whole."""
         self.weights.ensure_restored()
         self._check_spare(joining=bool(self._admitting and self._waiting))
         joining, budget, room = [], self.args.max_prefill_tokens, self.args.max_num_seqs - len(self.batch)
@@ -267,30 +267,26 @@ class HFEngine(Engine):
             budget -= len(request.prompt_token_ids)
             room -= request.sampling.n
             joining.append((request, sink))
-        if joining:  # one forward for all of them: a crowd costs about what one request does
-            kvs, logits = self.batch.prefill([list(r.prompt_token_ids) for r, _ in joining])
-            for (request, sink), kv, row in zip(joining, kvs, logits):
-                self._admit(request, sink, kv, row)
-        if self.batch:
-            logits = self.batch.step()
-            done = {s for s, row in zip(self.batch.seqs, logits) if self._advance(s, row)}
+        if self.batch or joining:
+            running, first = self.batch.step([list(r.prompt_token_ids) for r, _ in joining])
+            done = {s for s, row in zip(self.batch.seqs, running) if self._advance(s, row)}
+            for i, ((request, sink), row) in enumerate(zip(joining, first)):
+                self._admit(request, sink, i, row)
             self.batch.remove(done)
         if not self.batch and self._drained:
             for future in self._drained:
                 future.set_result(None)
             self._drained.clear()
 
-    def _admit(self, request: GenerationRequest, sink: _Request, kv, logits: torch.Tensor) -> None:
-        """Starts a prefilled request: samples each completion's first token, and the ones still
-        running join the batch."""
+    def _admit(self, request: GenerationRequest, sink: _Request, prompt: int, logits: torch.Tensor) -> None:
+        """Starts a prefilled request (the step's prompt number `prompt`): samples each completion's
+        first token, and the ones still running join the batch."""
         params = request.sampling
         seed = params.seed if params.seed is not None else int(torch.randint(1 << 62, (1,), generator=self._rng))
         seqs = [Sequence(request.request_id, i, list(request.prompt_token_ids), params,
                          make_generator(self.device, hash((seed, i))), IncrementalText(self.tokenizer, params.stop),
                          sink) for i in range(params.n)]
-        running = [s for s in seqs if not self._advance(s, logits)]
-        if running:
-            self.batch.add(running, kv)
+        self.batch.join(prompt, [s for s in seqs if not self._advance(s, logits)])
 
     def _advance(self, seq: Sequence, logits: torch.Tensor) -> bool:
         """Samples seq's next token from its logits row and emits it; True when seq has finished."""

@@ -1,7 +1,8 @@
-"""Batched decoding for the hf engine: running sequences share one left-padded KV cache.
+"""Batched decoding for the hf engine: running sequences own rows of one cache (hf_attention), and
+a step is one forward of packed tokens: a token for each running sequence and the whole prompt of
+each joining one. A join costs that forward a few more tokens, not a forward of its own.
 
-The cache is rebuilt only when the batch changes (a sequence joins or leaves); a decode step is
-one forward of [batch, 1] tokens. Pure torch + transformers; the engine thread drives it.
+Pure torch + transformers; the engine thread drives it.
 """
 
 from __future__ import annotations
@@ -10,16 +11,18 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import DynamicCache
 
 from rlsync.rollout.detokenize import IncrementalText
+from rlsync.rollout.engines import hf_attention
+from rlsync.rollout.engines.hf_attention import Pass, RowCache
 from rlsync.rollout.types import SamplingParams
 
-KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [batch, heads, time, dim]
 # Every attention backend but cuDNN's: it builds a new plan for each new sequence length, which is
 # every decode step here, at ~1.8 ms of CPU per layer (H100, measured: a decode step of 32 sequences
 # on a 28-layer 1.7B model took 150 ms with it, 40 ms without).
 ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+COLUMNS = 64  # the cache's columns grow (by half at least) in multiples of this
+WIDTH = 16  # decoding rows attend over their longest length rounded up to this (aligned masks)
 
 
 @dataclass(eq=False)
@@ -42,101 +45,97 @@ class Sequence:
         return len(self.prompt) + len(self.output) - (1 if self.next_token is not None else 0)
 
 
-def _layers(cache: DynamicCache) -> KV:
-    return [(layer.keys, layer.values) for layer in cache.layers]
-
-
-def _pad_left(kv: KV, mask: torch.Tensor, width: int) -> tuple[KV, torch.Tensor]:
-    """Adds `width` padding columns on the left of a cache and its mask."""
-    if width == 0:
-        return kv, mask
-    pad = lambda t: torch.nn.functional.pad(t, (0, 0, width, 0))  # noqa: E731 - time is dim -2
-    return [(pad(k), pad(v)) for k, v in kv], torch.nn.functional.pad(mask, (width, 0))
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
 
 
 class Batch:
-    """Running sequences, their shared cache and attention mask (1 = real token, 0 = padding)."""
+    """Running sequences; sequence i's cache is row i. Rows that change hands (a sequence left, a
+    prompt's completions joined) are moved by the next forward, before it writes."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device):
+        model.set_attn_implementation(hf_attention.NAME)
         self.model = model
         self.device = device
         self.seqs: list[Sequence] = []
-        self.kv: KV = []
-        self.mask = torch.zeros(0, 0, dtype=torch.long, device=device)
+        self.source: list[int] = []  # the row each sequence's cache is in now (i, unless it moves)
+        self.cache = RowCache()
+        self.prompts = 0  # prompts the last step prefilled (rows len(seqs)... at that step)
+        self.first_prompt_row = 0
 
     def __len__(self) -> int:
         return len(self.seqs)
 
     def kv_bytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv)
+        return self.cache.nbytes()
 
-    @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]]) -> tuple[list[KV], torch.Tensor]:
-        """Runs prompts in one forward (several: left-padded and masked); returns each prompt's own
-        cache (batch size 1, no padding) and the logits of each one's last position [n, vocab]."""
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=self.device)
-        masked = {}
-        if len(prompts) > 1:
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
-            masked = {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
-        with sdpa_kernel(ATTENTION):
-            out = self.model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True, **masked)
-        layers = _layers(out.past_key_values)
-        kvs = [[(k[i:i + 1, :, width - len(p):], v[i:i + 1, :, width - len(p):]) for k, v in layers]
-               for i, p in enumerate(prompts)]
-        return kvs, out.logits[:, -1].float()
+    def step(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feeds every running sequence's pending token and prefills each prompt whole, in one
+        forward. Returns next-token logits [len(self), vocab] and of each prompt [prompts, vocab]
+        (float32); `join` then seats the completions of a prompt that go on running."""
+        self.first_prompt_row, self.prompts = len(self.seqs), len(prompts)
+        prefill = [(len(self.seqs) + i, p) for i, p in enumerate(prompts)]
+        logits = self._forward(self.seqs, prefill)
+        return logits[:len(self.seqs)], logits[len(self.seqs):]
 
-    def add(self, seqs: list[Sequence], kv: KV) -> None:
-        """Joins sequences that share one prefilled prompt cache (`kv` has batch size 1)."""
-        length = kv[0][0].shape[-2]
-        kv = [(k.expand(len(seqs), -1, -1, -1), v.expand(len(seqs), -1, -1, -1)) for k, v in kv]
-        mask = torch.ones(len(seqs), length, dtype=torch.long, device=self.device)
-        if not self.seqs:
-            self.seqs, self.kv, self.mask = list(seqs), [(k.contiguous(), v.contiguous()) for k, v in kv], mask
-            return
-        width = self.mask.shape[1]
-        kv, mask = _pad_left(kv, mask, max(0, width - length))
-        self.kv, self.mask = _pad_left(self.kv, self.mask, max(0, length - width))
-        self.kv = [(torch.cat([k0, k1]), torch.cat([v0, v1])) for (k0, v0), (k1, v1) in zip(self.kv, kv)]
-        self.mask = torch.cat([self.mask, mask])
+    def join(self, prompt: int, seqs: list[Sequence]) -> None:
+        """Seats the running completions of the last step's prompt number `prompt`: each takes a
+        copy of that prompt's row."""
+        assert prompt < self.prompts
         self.seqs += seqs
+        self.source += [self.first_prompt_row + prompt] * len(seqs)
 
     def remove(self, done: set[Sequence]) -> None:
-        """Drops finished sequences and the padding columns no sequence needs any more."""
+        """Drops finished sequences: the last ones running take their places (their rows move at
+        the next forward, so a leaver costs a row's copy, whatever its place)."""
         if not done:
             return
-        keep = [i for i, s in enumerate(self.seqs) if s not in done]
-        self.seqs = [self.seqs[i] for i in keep]
-        if not keep:
-            self.kv, self.mask = [], self.mask[:0, :0]
-            return
-        index = torch.tensor(keep, device=self.device)
-        self.mask = self.mask.index_select(0, index)
-        first = int(self.mask.any(dim=0).nonzero()[0])
-        self.mask = self.mask[:, first:]
-        self.kv = [(k.index_select(0, index)[:, :, first:], v.index_select(0, index)[:, :, first:])
-                   for k, v in self.kv]
+        end = sum(s not in done for s in self.seqs)
+        tail = iter([i for i in range(end, len(self.seqs)) if self.seqs[i] not in done])
+        order = [i if self.seqs[i] not in done else next(tail) for i in range(end)]
+        self.seqs = [self.seqs[i] for i in order]
+        self.source = [self.source[i] for i in order]
+        if not self.seqs:
+            self.cache.clear()  # (memory back at once: a sleep's release, say)
 
     def recompute(self) -> int:
         """Rebuilds every running sequence's cache with the model's current weights (after a swap):
         their tokens so far are prefilled again, in one forward. Returns how many sequences."""
-        seqs = self.seqs
-        self.seqs, self.kv, self.mask = [], [], self.mask[:0, :0]
-        if seqs:
-            kvs, _ = self.prefill([(s.prompt + s.output)[:s.length] for s in seqs])
-            for s, kv in zip(seqs, kvs):
-                self.add([s], kv)
-        return len(seqs)
+        if self.seqs:
+            self._forward([], [(i, (s.prompt + s.output)[:s.length]) for i, s in enumerate(self.seqs)])
+        return len(self.seqs)
 
     @torch.inference_mode()
-    def step(self) -> torch.Tensor:
-        """Feeds every sequence's pending token; returns next-token logits [batch, vocab] (float32)."""
-        tokens = torch.tensor([[s.next_token] for s in self.seqs], device=self.device)
-        positions = torch.tensor([[s.length] for s in self.seqs], device=self.device)
-        self.mask = torch.nn.functional.pad(self.mask, (0, 1), value=1)
+    def _forward(self, decode: list[Sequence], prefill: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """One forward: a token for each of `decode` (rows 0..), then each (row, tokens) prefilled
+        from position 0. Returns logits of each decoding row and of each prefill's last token."""
+        # 1. plan: rows' moves, the cache's shape, and where each packed token goes
+        lengths = [s.length for s in decode]  # (= the column each one's token lands in)
+        rows = max([len(decode)] + [row + 1 for row, _ in prefill])
+        cols = max([n + 1 for n in lengths] + [len(t) for _, t in prefill])
+        moved = [(i, source) for i, source in enumerate(self.source) if source != i]
+        self.cache.plan_move([i for i, _ in moved], [s for _, s in moved],
+                             max((self.seqs[i].length for i, _ in moved), default=0))
+        self.source = list(range(len(self.seqs)))
+        held_rows, held_cols = self.cache.shape
+        if cols > held_cols or cols * 4 < held_cols:  # grows by half at least; gives back what it outgrew
+            held_cols = _round_up(max(cols, held_cols * 3 // 2 if cols > held_cols else cols * 3 // 2), COLUMNS)
+        self.cache.shape = (max(rows, held_rows), held_cols)  # rows are never given back (moves read them)
+        tokens = [s.next_token for s in decode] + [t for _, p in prefill for t in p]
+        positions = lengths + [c for _, p in prefill for c in range(len(p))]
+        write_rows = list(range(len(decode))) + [row for row, p in prefill for _ in p]
+        ends, spans, first = list(range(len(decode))), [], len(decode)
+        for row, p in prefill:
+            spans.append((row, first, len(p)))
+            first += len(p)
+            ends.append(first - 1)
+        # 2. one copy of the plan to the device, then the forward
+        packed = torch.tensor([tokens, positions, write_rows], dtype=torch.long).to(self.device)
+        width = min(_round_up(max(lengths, default=0) + 1, WIDTH), held_cols)
+        plan = Pass(self.cache, len(decode), packed[2], packed[1],
+                    packed[1, :len(decode)] + 1 if decode else None, width, spans)
+        keep = 0 if not prefill else torch.tensor(ends, device=self.device)  # the logits of a row's last token
         with sdpa_kernel(ATTENTION):
-            out = self.model(input_ids=tokens, position_ids=positions, attention_mask=self.mask,
-                             past_key_values=DynamicCache(ddp_cache_data=self.kv), use_cache=True)
-        self.kv = _layers(out.past_key_values)
-        return out.logits[:, -1].float()
+            out = self.model(input_ids=packed[0][None], position_ids=packed[1][None], use_cache=False,
+                             logits_to_keep=keep, plan=plan)
+        return out.logits[0].float()

@@ -42,11 +42,10 @@ class Weights:
         self._place(self._pack(self.params))
 
     @classmethod
-    def load(cls, path: str, device: torch.device, dtype: str, attn_implementation: str) -> Weights:
+    def load(cls, path: str, device: torch.device, dtype: str) -> Weights:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype),
-                                                     attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype))
         return cls(model.to(device).eval().requires_grad_(False), path, device)
 
     def _pack(self, tensors: dict[str, torch.Tensor]) -> FlatStore:

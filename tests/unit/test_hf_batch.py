@@ -1,0 +1,89 @@
+"""The hf engine's row cache: whatever joins, leaves and forks between steps, each row's logits are
+the model's own for that sequence's tokens, and a step is one forward whoever joins."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM
+
+from rlsync.rollout.engines.hf_batch import Batch, Sequence
+from rlsync.rollout.types import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model):
+    """(the batch's model, a reference with transformers' own attention)"""
+    load = lambda: AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()  # noqa: E731
+    return load(), load()
+
+
+def _seq(prompt: list[int]) -> Sequence:
+    return Sequence("r", 0, prompt, SamplingParams(), None, None, None)
+
+
+def _reference(model, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([tokens])).logits[0, -1].float()
+
+
+def _feed(seq: Sequence, token: int) -> None:
+    seq.output.append(token)
+    seq.next_token = token
+
+
+steps = st.lists(st.tuples(st.lists(st.booleans(), max_size=6),  # which running sequences finish
+                           st.lists(st.tuples(st.integers(1, 12), st.integers(1, 3)), max_size=3),  # prompts: length, n
+                           st.booleans()),  # rebuild the cache (a swap with recompute)
+                 min_size=1, max_size=8)
+
+
+@settings(max_examples=25, deadline=None)
+@given(script=steps, seed=st.integers(0, 1 << 16))
+def test_every_row_decodes_as_the_model_does_alone(models, script, seed):
+    model, reference = models
+    rng = random.Random(seed)
+    batch = Batch(model, torch.device("cpu"))
+    calls = []
+    hook = model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        for finish, joins, rebuild in script:
+            batch.remove({s for s, f in zip(batch.seqs, finish) if f})
+            if rebuild:
+                assert batch.recompute() == len(batch.seqs)
+            prompts = [[rng.randrange(1, 500) for _ in range(length)] for length, _ in joins]
+            if not batch.seqs and not prompts:
+                continue  # (the engine steps only with work)
+            before, calls[:] = list(batch.seqs), []
+            running, first = batch.step(prompts)
+            assert len(calls) == 1, "one forward per step, whoever joins"
+            assert running.shape[0] == len(before) and first.shape[0] == len(prompts)
+            for seq, row in zip(before, running):
+                torch.testing.assert_close(row, _reference(reference, seq.prompt + seq.output), atol=2e-4, rtol=1e-4)
+                _feed(seq, int(row.argmax()))
+            for i, ((_, n), prompt, row) in enumerate(zip(joins, prompts, first)):
+                torch.testing.assert_close(row, _reference(reference, prompt), atol=2e-4, rtol=1e-4)
+                seqs = [_seq(prompt) for _ in range(n)]
+                for seq in seqs:  # each completion's own first token: the forked rows must diverge
+                    _feed(seq, rng.randrange(1, 500))
+                batch.join(i, seqs)
+    finally:
+        hook.remove()
+
+
+def test_an_emptied_batch_gives_its_cache_back(models):
+    model, _ = models
+    batch = Batch(model, torch.device("cpu"))
+    batch.step([[1, 2, 3], [4, 5]])
+    seqs = [_seq([1, 2, 3]), _seq([4, 5])]
+    for i, seq in enumerate(seqs):
+        _feed(seq, 7)
+        batch.join(i, [seq])
+    batch.step([])
+    assert batch.kv_bytes() > 0
+    batch.remove(set(seqs))
+    assert batch.kv_bytes() == 0
