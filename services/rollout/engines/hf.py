@@ -42,9 +42,9 @@ from rlsync.rollout.types import (Delta, FinishReason, GenerationRequest, Memory
 
 log = logging.getLogger(__name__)
 
-# Kept free beside the spare weights (besides room for the batch's cache to be copied once): a
-# prefill's activations and logits, up to max_prefill_tokens x the vocabulary, and what the cache
-# grows by between two checks (SPARE_CHECK_STEPS decode steps, or a join).
+# Kept free beside the spare weights (besides room for the batch's cache to grow, up to twice its
+# size more: by half in rows and columns at once): a step's activations and logits, up to
+# max_prefill_tokens x the vocabulary, and what the cache grows by between two checks.
 SPARE_HEADROOM = 1 << 30
 SPARE_CHECK_STEPS = 32
 
@@ -247,9 +247,9 @@ class HFEngine(Engine):
                 return
 
     def _check_spare(self, joining: bool) -> None:
-        """Drops the spare weights when the batch may need their memory: a join or a step copies
-        the cache, so room for it again and the headroom must stay free beside them. Checked at
-        every join and every SPARE_CHECK_STEPS steps (a device query is not free)."""
+        """Drops the spare weights when the batch may need their memory: room for its cache to grow
+        and the headroom must stay free beside them. Checked at every join and every
+        SPARE_CHECK_STEPS steps (a device query is not free)."""
         self._steps_unchecked += 1
         if self.weights.spare is None or not (joining or self._steps_unchecked >= SPARE_CHECK_STEPS):
             return

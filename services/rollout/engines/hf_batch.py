@@ -21,7 +21,7 @@ from rlsync.rollout.types import SamplingParams
 # every decode step here, at ~1.8 ms of CPU per layer (H100, measured: a decode step of 32 sequences
 # on a 28-layer 1.7B model took 150 ms with it, 40 ms without).
 ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-COLUMNS = 64  # the cache's columns grow (by half at least) in multiples of this
+COLUMNS, ROWS = 64, 8  # the cache grows (by half at least) in multiples of these
 WIDTH = 16  # decoding rows attend over their longest length rounded up to this (aligned masks)
 
 
@@ -120,7 +120,9 @@ class Batch:
         held_rows, held_cols = self.cache.shape
         if cols > held_cols or cols * 4 < held_cols:  # grows by half at least; gives back what it outgrew
             held_cols = _round_up(max(cols, held_cols * 3 // 2 if cols > held_cols else cols * 3 // 2), COLUMNS)
-        self.cache.shape = (max(rows, held_rows), held_cols)  # rows are never given back (moves read them)
+        if rows > held_rows:  # rows are never given back (a move may read any of them)
+            held_rows = _round_up(max(rows, held_rows * 3 // 2), ROWS)
+        self.cache.shape = (held_rows, held_cols)
         tokens = [s.next_token for s in decode] + [t for _, p in prefill for t in p]
         positions = lengths + [c for _, p in prefill for c in range(len(p))]
         write_rows = list(range(len(decode))) + [row for row, p in prefill for _ in p]
