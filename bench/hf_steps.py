@@ -71,25 +71,36 @@ def main() -> None:
         advance(batch.step([])[0])
 
     def join(n: int) -> None:
-        """n prompts join and, to keep the batch's size, the n oldest leave."""
+        """n prompts join, and leave again (from the tail: no row moves), keeping the batch as it was."""
         prompts = [tokens(args.prompt) for _ in range(n)]
         running, first = batch.step(prompts)
         advance(running)
-        leaving = set(batch.seqs[:n])
-        seat(prompts, first)
-        batch.remove(leaving)
+        batch.remove(set(seat(prompts, first)))
+
+    def after_leave() -> float:
+        """The step after a running sequence left: the last row moves into its place. Then one of
+        the same length joins (untimed), keeping the batch as it was."""
+        leaving = batch.seqs[int(torch.randint(len(batch) - 1, (1,), generator=gen))]
+        batch.remove({leaving})
+        took = timed(decode)
+        prompt = tokens(leaving.length)
+        running, first = batch.step([prompt])
+        advance(running)
+        seat([prompt], first)
+        return took
 
     for _ in range(5):
         decode()
         join(1)
+        after_leave()
     out = {"model": args.model or args.preset, "rows": args.rows, "context": args.context, "prompt": args.prompt,
            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
-    times = {"decode": [], "join_1": [], "join_4": [], "after_join": []}
+    times = {"decode": [], "join_1": [], "join_4": [], "after_leave": []}
     for _ in range(args.steps):
         times["decode"].append(timed(decode))
         times["join_1"].append(timed(lambda: join(1)))
-        times["after_join"].append(timed(decode))  # (rows moved into the leavers' places)
         times["join_4"].append(timed(lambda: join(4)))
+        times["after_leave"].append(after_leave())
     median = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     out |= {f"{k}_ms": round(v, 3) for k, v in median.items()}
     out |= {f"{k}_max_ms": round(max(v) * 1e3, 3) for k, v in times.items()}

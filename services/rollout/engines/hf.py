@@ -42,9 +42,10 @@ from rlsync.rollout.types import (Delta, FinishReason, GenerationRequest, Memory
 
 log = logging.getLogger(__name__)
 
-# Kept free beside the spare weights (besides room for the batch's cache to grow, up to twice its
-# size more: by half in rows and columns at once): a step's activations and logits, up to
-# max_prefill_tokens x the vocabulary, and what the cache grows by between two checks.
+# Kept free beside the spare weights, besides twice the batch's KV cache (what the cache needs to grow
+# by half in rows and columns at once, as steps grow it; many long prompts joining can need more): a
+# step's activations and logits, up to max_prefill_tokens x the vocabulary, and what the cache grows
+# by between two checks.
 SPARE_HEADROOM = 1 << 30
 SPARE_CHECK_STEPS = 32
 
@@ -596,12 +597,19 @@ class HFEngine(Engine):
             else:
                 self.weights.swap(staging, version)
                 self.adapter.disable()
-            return self.batch.recompute() if recompute_kv else 0
+            return self._recompute(version) if recompute_kv else 0
 
         # Between two decode steps: no step sees a mix (a recompute is a prefill: the engine thread's).
         recomputed = await (self._call if recompute_kv else self._soon)(swap)
         self.version = version
         return recomputed
+
+    def _recompute(self, version: int) -> int:
+        try:
+            return self.batch.recompute()
+        except BaseException as e:  # (out of memory, say) a cache half rebuilt: its sequences cannot go on
+            self._abort_all(f"rebuilding the KV cache with version {version}'s weights failed: {e!r}")
+            raise
 
     async def abort_update(self) -> None:
         if self._update is not None:

@@ -1,6 +1,7 @@
 """The hf engine's attention over its row cache: every layer's keys and values written in place,
 one row per running sequence, so that one forward of packed tokens serves both the sequences
-decoding (a token each) and the prompts joining (whole), and no step copies the cache.
+decoding (a token each) and the prompts joining (whole), and a step copies no more of the cache
+than the rows that changed hands (or all of it, when it grows).
 
 Registered as a transformers attention function (`AttentionInterface`): the model's own layers
 compute projections, norms and rotary embeddings; this computes attention for the packed tokens.
@@ -15,6 +16,7 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 from transformers import AttentionInterface
 
 NAME = "rlsync_rows"
+UNSUPPORTED = ("softcap", "s_aux")  # what some models' attention adds (logit soft-capping, sinks)
 
 
 @dataclass(eq=False)
@@ -70,12 +72,11 @@ class RowCache:
             self.move = (torch.tensor(to, device=device), torch.tensor(source, device=device), columns)
             self.unmoved = set(range(len(self.layers)))
 
-    def layer(self, index: int, key: torch.Tensor) -> list[torch.Tensor]:
+    def layer(self, index: int, key: torch.Tensor, value: torch.Tensor) -> list[torch.Tensor]:
         """Layer `index`'s [keys, values] at the planned shape, with its planned moves done."""
         rows, cols = self.shape
         if index == len(self.layers):
-            _, heads, _, dim = key.shape
-            self.layers.append([key.new_zeros(rows, heads, cols, dim) for _ in range(2)])
+            self.layers.append([t.new_zeros(rows, t.shape[1], cols, t.shape[3]) for t in (key, value)])
         kv = self.layers[index]
         if kv[0].shape[0] != rows or kv[0].shape[2] != cols:  # zeros: a masked column times NaN is NaN
             r, c = min(rows, kv[0].shape[0]), min(cols, kv[0].shape[2])
@@ -92,11 +93,14 @@ class RowCache:
 
 def attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            attention_mask: torch.Tensor | None, scaling: float | None = None, plan: Pass | None = None,
-           sliding_window: int | None = None, **_) -> tuple[torch.Tensor, None]:
+           sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """query [1, heads, T, dim]; key and value [1, kv_heads, T, dim] (packed). Returns [1, T, heads, dim]."""
     if plan is None:
         raise RuntimeError(f"{NAME} attention runs only inside the hf engine's Batch (it needs the row cache)")
-    keys, values = plan.cache.layer(module.layer_idx, key)
+    if unsupported := sorted(k for k in UNSUPPORTED if kwargs.get(k) is not None):
+        raise ValueError(f"the hf engine's attention has no {', '.join(unsupported)} (this model's attention needs "
+                         f"it): serve the model with vllm or sglang")
+    keys, values = plan.cache.layer(module.layer_idx, key, value)
     keys[plan.rows, :, plan.cols] = key[0].transpose(0, 1)
     values[plan.rows, :, plan.cols] = value[0].transpose(0, 1)
     q = query[0].transpose(0, 1)  # [T, heads, dim]

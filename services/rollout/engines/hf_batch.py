@@ -17,8 +17,8 @@ from rlsync.rollout.engines import hf_attention
 from rlsync.rollout.engines.hf_attention import Pass, RowCache
 from rlsync.rollout.types import SamplingParams
 
-# Every attention backend but cuDNN's: it builds a new plan for each new sequence length, which is
-# every decode step here, at ~1.8 ms of CPU per layer (H100, measured: a decode step of 32 sequences
+# Every attention backend but cuDNN's: it builds a new plan for each new sequence length (here, every
+# WIDTH decode steps), at ~1.8 ms of CPU per layer (H100, measured: a decode step of 32 sequences
 # on a 28-layer 1.7B model took 150 ms with it, 40 ms without).
 ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 COLUMNS, ROWS = 64, 8  # the cache grows (by half at least) in multiples of these
@@ -86,17 +86,17 @@ class Batch:
         self.source += [self.first_prompt_row + prompt] * len(seqs)
 
     def remove(self, done: set[Sequence]) -> None:
-        """Drops finished sequences: the last ones running take their places (their rows move at
-        the next forward, so a leaver costs a row's copy, whatever its place)."""
-        if not done:
-            return
-        end = sum(s not in done for s in self.seqs)
-        tail = iter([i for i in range(end, len(self.seqs)) if self.seqs[i] not in done])
-        order = [i if self.seqs[i] not in done else next(tail) for i in range(end)]
-        self.seqs = [self.seqs[i] for i in order]
-        self.source = [self.source[i] for i in order]
+        """Drops finished sequences: the last ones running take their places (each moved row is
+        copied at the next forward; a leaver at the tail costs nothing). An empty batch gives its
+        cache back at once (a sleep's release, or a step whose joiners all ended at once)."""
+        if done:
+            end = sum(s not in done for s in self.seqs)
+            tail = iter([i for i in range(end, len(self.seqs)) if self.seqs[i] not in done])
+            order = [i if self.seqs[i] not in done else next(tail) for i in range(end)]
+            self.seqs = [self.seqs[i] for i in order]
+            self.source = [self.source[i] for i in order]
         if not self.seqs:
-            self.cache.clear()  # (memory back at once: a sleep's release, say)
+            self.cache.clear()
 
     def recompute(self) -> int:
         """Rebuilds every running sequence's cache with the model's current weights (after a swap):
@@ -120,7 +120,7 @@ class Batch:
         held_rows, held_cols = self.cache.shape
         if cols > held_cols or cols * 4 < held_cols:  # grows by half at least; gives back what it outgrew
             held_cols = _round_up(max(cols, held_cols * 3 // 2 if cols > held_cols else cols * 3 // 2), COLUMNS)
-        if rows > held_rows:  # rows are never given back (a move may read any of them)
+        if rows > held_rows:  # rows are given back only when the batch empties
             held_rows = _round_up(max(rows, held_rows * 3 // 2), ROWS)
         self.cache.shape = (held_rows, held_cols)
         tokens = [s.next_token for s in decode] + [t for _, p in prefill for t in p]
