@@ -10,11 +10,14 @@ import pytest
 
 from conftest import NEEDS_SGLANG
 
+# each demo runs as long as its subprocess may (a loaded 2-core machine took the SGLang one past 300 s)
+pytestmark = pytest.mark.timeout(900)
+
 
 def run_demo(tmp_path, *args: str) -> dict:
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "rlsync.demo.run", "--out", str(out), *args],
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=880)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (out / "reward.png").stat().st_size > 1000
     return json.loads((out / "summary.json").read_text())
