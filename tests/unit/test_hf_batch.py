@@ -97,6 +97,6 @@ def test_attention_it_lacks_is_refused_by_name(models):
     model, _ = models
     batch = Batch(model, model.device)
     q, kv = torch.zeros(1, 4, 2, 8, device=model.device), torch.zeros(1, 2, 2, 8, device=model.device)
-    plan = Pass(batch.cache, 0, torch.zeros(2, dtype=torch.long), torch.arange(2), None, 0, [(0, 0, 2)])
+    plan = Pass(batch.cache, 0, torch.zeros(2, dtype=torch.long), torch.arange(2), 0, [(0, 0, 2)])
     with pytest.raises(ValueError, match="no softcap.*vllm or sglang"):
         attend(model.model.layers[0].self_attn, q, kv, kv, None, plan=plan, softcap=30.0)

@@ -28,7 +28,6 @@ class Pass:
     decode: int
     rows: torch.Tensor  # [T] the row each token's keys and values go to
     cols: torch.Tensor  # [T] ... and the column (its position)
-    lengths: torch.Tensor | None  # [decode] each decoding row's length with this token
     width: int  # columns the decoding rows attend over (their longest, rounded up)
     prefill: list[tuple[int, int, int]]
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # decode masks by sliding window
@@ -37,9 +36,10 @@ class Pass:
         """[decode, 1, 1, width]: a row's own columns (the last `window` of them, if any)."""
         if window not in self.masks:
             col = torch.arange(self.width, device=self.rows.device)
-            mask = col < self.lengths[:, None]
+            lengths = self.cols[:self.decode, None] + 1  # each decoding row's, with this token
+            mask = col < lengths
             if window:
-                mask &= col >= self.lengths[:, None] - window
+                mask &= col >= lengths - window
             self.masks[window] = mask[:, None, None, :]
         return self.masks[window]
 

@@ -134,8 +134,7 @@ class Batch:
         # 2. one copy of the plan to the device, then the forward
         packed = torch.tensor([tokens, positions, write_rows], dtype=torch.long).to(self.device)
         width = min(_round_up(max(lengths, default=0) + 1, WIDTH), held_cols)
-        plan = Pass(self.cache, len(decode), packed[2], packed[1],
-                    packed[1, :len(decode)] + 1 if decode else None, width, spans)
+        plan = Pass(self.cache, len(decode), packed[2], packed[1], width, spans)
         keep = 0 if not prefill else torch.tensor(ends, device=self.device)  # the logits of a row's last token
         with sdpa_kernel(ATTENTION):
             out = self.model(input_ids=packed[0][None], position_ids=packed[1][None], use_cache=False,
