@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import PRESETS, decoder_shapes  # noqa: E402
 
 from rlsync.flat import FlatStore  # noqa: E402
-from rlsync.client.weights import _named  # noqa: E402
 from rlsync.transfer import WeightSender, answer, check_against, from_proto  # noqa: E402
 from rlsync.transfer.backends.slots import describe_cuda  # noqa: E402
 from rlsync.transfer.manifest import to_proto  # noqa: E402
@@ -59,10 +58,9 @@ def timed(fn, repeats: int, cold: bool = False) -> float:
     return round(statistics.median(runs) * 1e3, 4)
 
 
-def ring_ms(offer: pb.Offer, repeats: int, cold: bool, named: bool = False) -> float:
+def ring_ms(offer: pb.Offer, repeats: int, cold: bool) -> float:
     """A PrepareUpdate ring of `offer` (the trainer's ring_prepare), from its start to the doorbell's
-    handler entered, in ms: the trainer's request, the socket, the replica's parse. named: the offer's
-    tensor list named by its layout (as at every update after a replica's first), else sent in full."""
+    handler entered, in ms: the trainer's request, the socket, the replica's parse."""
     from rlsync.client.weights import ring_prepare
     from rlsync.rollout.v1 import rollout_pb2
     from rlsync.rpc.doorbell import DoorbellServer, Lines
@@ -82,8 +80,6 @@ def ring_ms(offer: pb.Offer, repeats: int, cold: bool, named: bool = False) -> f
             for _ in range(repeats + 1):
                 if cold:
                     chill()  # (nothing else runs on this loop)
-                if not named:
-                    lines.layouts.clear()
                 start = time.perf_counter()
                 await ring_prepare(offer, [doorbell], "t", lines=lines)
                 runs.append(entered[-1] - start)
@@ -117,8 +113,6 @@ def main() -> None:
     offer = sender.offer(version=1)
     raw = offer.SerializeToString()
     parsed = from_proto(offer.manifest)
-    named = pb.Manifest(version=1, layout=offer.manifest.layout)
-    named_raw = _named(offer).SerializeToString()
     expected = {n: (tuple(s), None) for n, s in shapes.items()}
     source = sender.source
     trainer = {
@@ -132,13 +126,10 @@ def main() -> None:
         if device.type == "cuda" else 0.0,
         "  serialize the offer": timed(lambda: offer.SerializeToString(), r, cold),
         "ring the offer (to the handler entered)": ring_ms(offer, r, cold),
-        "ring the offer, its tensor list named": ring_ms(offer, r, cold, named=True),
     }
     replica = {
         "parse the offer": timed(lambda: pb.Offer.FromString(raw), r, cold),
-        "parse the offer, its tensor list named": timed(lambda: pb.Offer.FromString(named_raw), r, cold),
         "manifest from protobuf": timed(lambda: from_proto(offer.manifest), r, cold),
-        "manifest from protobuf, its tensor list named": timed(lambda: from_proto(named), r, cold),
         "check against the model": timed(lambda: check_against(parsed, expected), r, cold),
         "answer": timed(lambda: answer(offer, "r0", device=device), r, cold),
         "destination layout (DestWriter)": timed(lambda: DestWriter(parsed, dest, device), r, cold),
@@ -150,8 +141,7 @@ def main() -> None:
                       "replica_ms": replica,
                       "trainer_total_ms": round(trainer["sender (after an onload)"]
                                                 + trainer["offer, first of a sender"], 3),
-                      "replica_total_ms": round(sum(v for k, v in replica.items()
-                                                    if "FlatStore" not in k and "named" not in k), 3)},
+                      "replica_total_ms": round(sum(v for k, v in replica.items() if "FlatStore" not in k), 3)},
                      indent=1))
 
 

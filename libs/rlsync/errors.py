@@ -71,8 +71,3 @@ class Relayed(RlsyncError):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code = code
-
-
-# Begins the FAILED_PRECONDITION of a manifest that names its tensor list (Manifest.layout) where that
-# list is not known: its sender, which sees only the relayed status and message, sends the list then.
-UNKNOWN_LAYOUT = "unknown tensor layout"

@@ -8,7 +8,6 @@ import asyncio
 
 import grpc
 import pytest
-import torch
 from hypothesis import given, settings, strategies as st
 
 from rlsync.errors import DeadlineExceeded, FailedPrecondition, Relayed, Unavailable
@@ -162,19 +161,15 @@ def test_a_doorbell_nobody_answers_at_is_left_to_the_callers_prepare():
 
 @settings(max_examples=60, deadline=None)
 @given(tensors=st.integers(0, 300), ipc=st.booleans(), bell=st.integers(0, (1 << 30)),
-       force=st.sampled_from(["", "nccl"]), timeout=st.floats(0, 1e4), named=st.booleans(), adapter=st.booleans())
-def test_the_rings_request_is_the_offer_with_its_waits_and_bell_without_a_copy(tensors, ipc, bell, force, timeout,
-                                                                             named, adapter):
+       force=st.sampled_from(["", "nccl"]), timeout=st.floats(0, 1e4))
+def test_the_rings_request_is_the_offer_with_its_waits_and_bell_without_a_copy(tensors, ipc, bell, force, timeout):
     """ring_prepare's request bytes (the offer's own, then a field that sets mapped.waits and .bell)
-    parse as the request built by copying the offer and setting them; named, as that request with
-    the manifest's tensor list left out (its layout names it) and everything else as it was."""
-    from rlsync.client.weights import _PrepareRequests
-    from rlsync.transfer.manifest import Spec, to_proto
+    parse as the request built by copying the offer and setting them."""
+    from rlsync.client.weights import _prepare_request
 
-    manifest = to_proto([Spec(f"layer{i}.weight", torch.bfloat16, (i, 8), 16 * i) for i in range(tensors)], 4)
-    if adapter:
-        manifest.adapter.rank, manifest.adapter.alpha = 8, 16.0
-    offer = tpb.Offer(transfer_id="t1", manifest=manifest, backends=[tpb.BACKEND_SHM], one_copy=True)
+    specs = [tpb.TensorSpec(name=f"layer{i}.weight", dtype="bfloat16", shape=[i, 8], nbytes=16 * i)
+             for i in range(tensors)]
+    offer = tpb.Offer(transfer_id="t1", manifest=tpb.Manifest(version=4, tensors=specs))
     if ipc:
         offer.mapped.ipc.append(b"handle")
         offer.mapped.region.extend([0] * tensors)
@@ -183,9 +178,7 @@ def test_the_rings_request_is_the_offer_with_its_waits_and_bell_without_a_copy(t
     expected = pb.PrepareUpdateRequest(offer=offer, force_backend=force, timeout=timeout)
     if ipc:
         expected.offer.mapped.waits, expected.offer.mapped.bell = True, ours.bell
-    if named:
-        del expected.offer.manifest.tensors[:]
-    assert pb.PrepareUpdateRequest.FromString(_PrepareRequests(offer, ours, force, timeout).get(named)) == expected
+    assert pb.PrepareUpdateRequest.FromString(_prepare_request(offer, ours, force, timeout)) == expected
 
 
 @pytest.mark.parametrize("n", [0, 1, 127, 128, 16383, 16384, 1 << 21, (1 << 31) - 1, 1 << 35])
@@ -195,44 +188,3 @@ def test_the_rings_length_prefix_is_protobufs_varint(n):
     from rlsync.client.weights import _varint
 
     assert _varint(n) == _VarintBytes(n)
-
-
-def test_a_ring_names_the_tensor_list_its_replica_parsed_and_sends_it_again_when_forgotten():
-    """ring_prepare sends an offer's tensor list to a doorbell once; later offers of the same list name
-    it (Manifest.layout). A replica that forgot it refuses before preparing anything, and gets the list."""
-    from rlsync.client.weights import ring_prepare
-    from rlsync.transfer import manifest
-    from rlsync.transfer.handshake import host_id
-    from rlsync.transfer.manifest import Spec, from_proto, to_proto
-
-    seen: list[tuple[int, int]] = []  # (tensors in the request, tensors the replica took it to have)
-
-    async def prepare_real(request: pb.PrepareUpdateRequest) -> pb.PrepareUpdateResponse:
-        specs = from_proto(request.offer.manifest)  # as the replica's core does first
-        seen.append((len(request.offer.manifest.tensors), len(specs)))
-        return pb.PrepareUpdateResponse(answer=tpb.Answer(receiver_id="r0", transfer_id=request.offer.transfer_id))
-
-    specs = [Spec(f"ring.layer{i}.weight", torch.bfloat16, (i + 1, 4), 8 * (i + 1)) for i in range(40)]
-
-    def offer(version: int, n: int = 40) -> tpb.Offer:
-        return tpb.Offer(transfer_id=f"t{version}", manifest=to_proto(specs[:n], version))
-
-    async def main():
-        server = DoorbellServer({"PrepareUpdate": (pb.PrepareUpdateRequest.FromString, prepare_real)}, "s", "r0")
-        bell = tpb.Doorbell(host_id=host_id(), address=await server.start(), name="r0")
-        lines = Lines()
-        try:
-            for version in (1, 2, 3):
-                rung, _ = await ring_prepare(offer(version), [bell], "s", lines=lines)
-                assert rung[0].rung and rung[0].answer.transfer_id == f"t{version}"
-            manifest._LAYOUTS.clear()  # the replica forgot every list (it keeps the last few)
-            await ring_prepare(offer(4), [bell], "s", lines=lines)
-            await ring_prepare(offer(5, n=39), [bell], "s", lines=lines)  # another list: sent in full
-            await ring_prepare(offer(6, n=39), [bell], "s")  # no Lines kept: nothing known, sent in full
-        finally:
-            lines.close()
-            await server.close()
-
-    asyncio.run(main())
-    # 4: refused (counted nowhere: the refusal comes before the handler's append), then in full
-    assert seen == [(40, 40), (0, 40), (0, 40), (40, 40), (39, 39), (39, 39)]

@@ -24,7 +24,7 @@ from rlsync.client.rollout import AsyncRolloutClient, RolloutClient
 from rlsync.client.trainer import AsyncTrainerClient, TrainerClient
 from rlsync.common.aio import settle
 from rlsync.common.timing import Stopwatch
-from rlsync.errors import UNKNOWN_LAYOUT, Relayed, RlsyncError
+from rlsync.errors import Relayed, RlsyncError
 from rlsync.rollout.v1 import rollout_pb2
 from rlsync.rpc.doorbell import Lines, Unreachable, ring
 from rlsync.transfer.handshake import host_id
@@ -92,23 +92,12 @@ async def ring_prepare(offer: Offer, doorbells: list[Doorbell], token: str, forc
         ours.bell = next(_BELL_VALUES) % (1 << 30) + 1
         for flag in rung:
             ring_bell(flag, ours.bell)
-    requests = _PrepareRequests(offer, ours, force_backend, timeout)
+    request = _prepare_request(offer, ours, force_backend, timeout)
 
     async def prepare(d: Doorbell):
         who = f"replica {d.name}"
-        layout = offer.manifest.layout
-        named = bool(layout) and lines is not None and lines.layouts.get(d.address) == layout
-        try:
-            response = await ring(d.address, token, "PrepareUpdate", requests.get(named),
-                                  rollout_pb2.PrepareUpdateResponse.FromString, (timeout or 300) + 30, who, lines)
-        except Relayed as e:
-            if not (named and e.code == grpc.StatusCode.FAILED_PRECONDITION and UNKNOWN_LAYOUT in str(e)):
-                raise
-            lines.layouts.pop(d.address, None)  # it forgot the list (it keeps a few): refused before it prepared
-            response = await ring(d.address, token, "PrepareUpdate", requests.get(False),
-                                  rollout_pb2.PrepareUpdateResponse.FromString, (timeout or 300) + 30, who, lines)
-        if layout and lines is not None:
-            lines.layouts[d.address] = layout
+        response = await ring(d.address, token, "PrepareUpdate", request,
+                              rollout_pb2.PrepareUpdateResponse.FromString, (timeout or 300) + 30, who, lines)
         if response is not None and response.answer.copied:  # a pull answered once its copy was queued
             response.answer.stages["copied"] = await wait_copied(
                 response.answer.copied, sender_device(offer.mapped), timeout or 300, who)
@@ -119,45 +108,18 @@ async def ring_prepare(offer: Offer, doorbells: list[Doorbell], token: str, forc
     return [Rung() if a is None else Rung(rung=True, answer=a.answer) for a in answers], seconds
 
 
-class _PrepareRequests:
+def _prepare_request(offer: Offer, ours: MappedTensors, force_backend: str, timeout: float) -> bytes:
     """The bytes of PrepareUpdateRequest(offer=`offer`, its mapped tensors' waits and bell as `ours`
-    says, ...), made once each: in full, or with the offer's manifest naming its tensor list by its
-    layout (Manifest.layout) instead of listing it, for a replica that parsed that list before. Most of
-    an offer is its tensor list, and this is on the way to the replicas' copies: the full request is
-    the offer's own bytes, not a copy of it, as the request's field 1, then a request whose field 1
-    sets the rest (a message field that comes twice parses as the two merged, which sets fields and
-    never clears them: the offer's own waits and bell are unset, only a ring sets them)."""
-
-    def __init__(self, offer: Offer, ours: MappedTensors, force_backend: str, timeout: float):
-        self.offer = offer
-        rest = rollout_pb2.PrepareUpdateRequest(force_backend=force_backend, timeout=timeout)
-        if ours.waits or ours.bell:
-            rest.offer.mapped.CopyFrom(ours)
-        self.rest = rest.SerializeToString()
-        self._made: dict[bool, bytes] = {}
-
-    def get(self, named: bool) -> bytes:
-        if named not in self._made:
-            head = _named(self.offer).SerializeToString() if named else self.offer.SerializeToString()
-            self._made[named] = b"\x0a" + _varint(len(head)) + head + self.rest  # (field 1, length-delimited)
-        return self._made[named]
-
-
-def _named(offer: Offer) -> Offer:
-    """`offer` with its manifest's tensor list named by its layout, not listed (the rest as it is)."""
-    out = Offer()
-    for f, value in offer.ListFields():
-        if f.name == "manifest":
-            out.manifest.version, out.manifest.layout = value.version, value.layout
-            if value.HasField("adapter"):
-                out.manifest.adapter.CopyFrom(value.adapter)
-        elif f.is_repeated:
-            getattr(out, f.name).extend(value)
-        elif f.message_type is not None:
-            getattr(out, f.name).CopyFrom(value)
-        else:
-            setattr(out, f.name, value)
-    return out
+    says, ...) without a copy of the offer (its tensor list is most of it, and this is on the way
+    to the replicas' copies): the offer's bytes as the request's field 1, then a request whose
+    field 1 sets those two. A message field that comes twice parses as the two merged, which sets
+    fields and never clears them: the offer's own waits and bell are unset (only a ring sets them,
+    on its request)."""
+    head = offer.SerializeToString()
+    rest = rollout_pb2.PrepareUpdateRequest(force_backend=force_backend, timeout=timeout)
+    if ours.waits or ours.bell:
+        rest.offer.mapped.CopyFrom(ours)
+    return b"\x0a" + _varint(len(head)) + head + rest.SerializeToString()  # (field 1, length-delimited)
 
 
 def _varint(n: int) -> bytes:

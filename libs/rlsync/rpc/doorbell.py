@@ -156,10 +156,6 @@ class Lines:
     def __init__(self, keep: int = 4):
         self.keep = keep  # idle connections kept per doorbell (concurrent calls open more, then close them)
         self._idle: dict[str, list[Line]] = {}
-        # Per doorbell (one process's: a new one has a new address), the tensor list (Manifest.layout) it parsed
-        # from a ring of ours: the next ring of an offer of that list names it instead of sending it
-        # (rlsync.client.weights.ring_prepare; one refused as unknown is sent again in full).
-        self.layouts: dict[str, bytes] = {}
 
     async def send(self, frame: bytes, address: str, who: str) -> Line:
         """Writes `frame` on an idle connection to `address`, or on a new one -> the connection.
@@ -204,7 +200,6 @@ class Lines:
             for _, writer in idle:
                 writer.close()
         self._idle.clear()
-        self.layouts.clear()
 
 
 async def _write(writer: asyncio.StreamWriter, frame: bytes) -> None:

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
-import threading
 from collections.abc import Mapping
 from functools import lru_cache
 from typing import NamedTuple
 
 import torch
 
-from rlsync.errors import UNKNOWN_LAYOUT, FailedPrecondition, InvalidArgument
+from rlsync.errors import InvalidArgument
 from rlsync.transfer.checksum import checksum_tensor
 from rlsync.transfer.dtypes import dtype_name, dtype_of, itemsize
 from rlsync.transfer.v1 import transfer_pb2 as pb
@@ -35,48 +33,19 @@ def build_manifest(tensors: Mapping[str, torch.Tensor], version: int, checksums:
 
 
 def to_proto(specs: list[Spec], version: int) -> pb.Manifest:
-    raw = _tensor_list(tuple(specs))
-    manifest = pb.Manifest.FromString(raw)
-    manifest.version, manifest.layout = version, _digest(raw)
+    manifest = pb.Manifest.FromString(_tensor_list(tuple(specs)))
+    manifest.version = version
     return manifest
 
 
 def from_proto(manifest: pb.Manifest) -> list[Spec]:
-    """Specs of a received manifest; refuses one that is inconsistent with itself. A manifest without
-    its tensors (Manifest.layout) gets those of the last lists with that digest this process parsed,
-    or is refused with FailedPrecondition (UNKNOWN_LAYOUT): its sender sends the list then."""
-    if not manifest.tensors and manifest.layout:
-        specs = _LAYOUTS.get(manifest.layout)
-        if specs is None:
-            raise FailedPrecondition(f"{UNKNOWN_LAYOUT} {manifest.layout.hex()[:16]}: this process has not "
-                                     "parsed that tensor list (restarted since?): send the manifest with its tensors")
-        return list(specs)
+    """Specs of a received manifest; refuses one that is inconsistent with itself."""
     raw = manifest.SerializeToString()
-    rest = pb.Manifest(version=manifest.version, layout=manifest.layout)  # what follows the tensors when serialized
+    rest = pb.Manifest(version=manifest.version)  # what follows the tensors when serialized
     if manifest.HasField("adapter"):
         rest.adapter.CopyFrom(manifest.adapter)
     tail = rest.SerializeToString()
-    specs, digest = _parsed(raw[:len(raw) - len(tail)] if raw.endswith(tail) else raw)
-    # Known by the digest of what came (the manifest's own layout is not taken on trust), the newest last;
-    # under a lock: the engine's thread and the service's loop both parse offers.
-    with _LAYOUTS_LOCK:
-        _LAYOUTS.pop(digest, None)
-        _LAYOUTS[digest] = specs
-        if len(_LAYOUTS) > 8:
-            del _LAYOUTS[next(iter(_LAYOUTS))]
-    return list(specs)
-
-
-def with_tensors(offer: pb.Offer) -> pb.Offer:
-    """`offer` with its manifest's tensor list written out (a copy, when it came without: for a
-    process it is forwarded to, which may not have parsed the list)."""
-    if offer.manifest.tensors or not offer.manifest.layout:
-        return offer
-    specs = from_proto(offer.manifest)
-    full = pb.Offer()
-    full.CopyFrom(offer)
-    full.manifest.MergeFromString(_tensor_list(tuple(specs)))
-    return full
+    return list(_parsed(raw[:len(raw) - len(tail)] if raw.endswith(tail) else raw))
 
 
 # A trainer offers the same tensors at every step, and a replica parses each offer more than once:
@@ -88,18 +57,8 @@ def _tensor_list(specs: tuple[Spec, ...]) -> bytes:
                       checksum=s.checksum) for s in specs]).SerializeToString()
 
 
-@lru_cache(maxsize=8)  # (a bytes object keeps its hash: _tensor_list's same list is looked up at once)
-def _digest(raw: bytes) -> bytes:
-    return hashlib.blake2b(raw, digest_size=16).digest()
-
-
-# The tensor lists this process parsed, by digest (a manifest may name one instead of listing it).
-_LAYOUTS: dict[bytes, tuple[Spec, ...]] = {}
-_LAYOUTS_LOCK = threading.Lock()
-
-
 @lru_cache(maxsize=4)
-def _parsed(raw: bytes) -> tuple[tuple[Spec, ...], bytes]:
+def _parsed(raw: bytes) -> tuple[Spec, ...]:
     specs, seen = [], set()
     for t in pb.Manifest.FromString(raw).tensors:
         name, shape, nbytes = t.name, tuple(t.shape), t.nbytes
@@ -116,7 +75,7 @@ def _parsed(raw: bytes) -> tuple[tuple[Spec, ...], bytes]:
             raise InvalidArgument(f"tensor {name!r}: shape {list(shape)} of {t.dtype} is {expected} bytes, "
                                   f"manifest says {nbytes}")
         specs.append(Spec(name, dtype, shape, nbytes, t.checksum))
-    return tuple(specs), _digest(raw)
+    return tuple(specs)
 
 
 def check_against(specs: list[Spec], expected: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]]) -> None:

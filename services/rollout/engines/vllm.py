@@ -24,7 +24,7 @@ from rlsync.rollout.engines.process import CRASH_DIR_ENV, crash_reports, own_log
 from rlsync.rollout.staging import pulled, raise_failure
 from rlsync.transfer.handshake import NAMES, PREFERENCE
 from rlsync.transfer.checksum import from_sums
-from rlsync.transfer.manifest import from_proto, with_tensors
+from rlsync.transfer.manifest import from_proto
 from rlsync.transfer.sharded import layout_of
 from rlsync.transfer.v1 import transfer_pb2
 from rlsync.rollout.engines.base import Engine
@@ -193,7 +193,7 @@ class VLLMEngine(Engine):
     async def prepare_update(self, offer, receiver_id: str, force_backend: str, timeout: float):
         if offer.manifest.HasField("adapter"):  # received here, then loaded by vLLM's own LoRA support
             return await self.adapters.prepare(offer, receiver_id, force_backend, timeout)
-        raw = with_tensors(offer).SerializeToString()  # (the workers may not have parsed its tensor list)
+        raw = offer.SerializeToString()
         tp = self.tensor_parallel_size
         # From a sharded trainer each worker receives only the boxes its loaders keep (found by vLLM's
         # own loaders); otherwise every worker stages the whole checkpoint.
@@ -211,7 +211,7 @@ class VLLMEngine(Engine):
             held = layout_of(from_proto(offer.manifest), ans.layout)
             needed = max(held.nbytes(r) for r in range(held.ranks))
         else:
-            needed = sum(s.nbytes for s in from_proto(offer.manifest))
+            needed = sum(t.nbytes for t in offer.manifest.tensors)
         refusals = [r for r in await self.llm.collective_rpc("rlsync_room", args=(needed, offer.manifest.version)) if r]
         if refusals:
             raise ResourceExhausted(refusals[0])

@@ -35,16 +35,14 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("tensors", "version", "adapter", "layout")
+    __slots__ = ("tensors", "version", "adapter")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
-    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     version: int
     adapter: LoraAdapter
-    layout: bytes
-    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., version: _Optional[int] = ..., adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ..., layout: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., version: _Optional[int] = ..., adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
 
 class LoraAdapter(_message.Message):
     __slots__ = ("rank", "alpha", "use_rslora", "base_version")
