@@ -299,6 +299,10 @@ def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: floa
         tokens = sum(n for a in arrivals for t, n, _ in a for w0, w1 in windows if w0 <= t < w1)
         return tokens / sum(w1 - w0 for w0, w1 in windows)
 
+    # each busy window against the quiet one before it: the spread of these says how far the ratio of
+    # the sums can be trusted (the batch's own drift: contexts grow, streams end and join)
+    paired = [rate([b]) / rate([q]) for q, b in zip(quiet, busy)]
+
     def gaps(windows: list[tuple[float, float]]) -> list[tuple[float, float, float]]:
         """(gap, from, to) between consecutive tokens of one request, inside the windows."""
         return [(b[0] - a[0], a[0], b[0]) for arr in arrivals for a, b in zip(arr, arr[1:])
@@ -315,6 +319,7 @@ def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: floa
            "rounds": rounds,
            "tokens_per_s_without_updates": round(rate(quiet), 1), "tokens_per_s_with_updates": round(rate(busy), 1),
            "throughput_ratio": round(rate(busy) / rate(quiet), 3),
+           "throughput_ratio_by_round": [round(r, 3) for r in paired],
            "median_token_gap_ms": round(median_gap * 1e3, 2),
            "longest_gap_across_an_update_ms": round(max(across, default=0.0) * 1e3, 2),
            "longest_gap_vs_median": round(max(across, default=0.0) / median_gap, 2),
