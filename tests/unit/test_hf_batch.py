@@ -37,7 +37,7 @@ def _feed(seq: Sequence, token: int) -> None:
     seq.next_token = token
 
 
-steps = st.lists(st.tuples(st.lists(st.booleans(), max_size=6),  # which running sequences finish
+steps = st.lists(st.tuples(st.lists(st.booleans(), max_size=24),  # which running sequences finish
                            st.lists(st.tuples(st.integers(1, 12), st.integers(1, 3)), max_size=3),  # prompts: length, n
                            st.booleans()),  # rebuild the cache (a swap with recompute)
                  min_size=1, max_size=8)
@@ -91,6 +91,46 @@ def test_an_emptied_batch_gives_its_cache_back(models):
     assert batch.kv_bytes() > 0
     batch.remove(set(seqs))
     assert batch.kv_bytes() == 0
+
+
+def test_a_batch_gives_back_the_rows_a_burst_took_and_its_rows_keep_their_caches(models):
+    """Rows shrink (by the rule columns follow) once a quarter of them would do: the survivors, moved
+    from the tail into the leavers' rows first, decode as the model does alone."""
+    model, reference = models
+    batch = Batch(model, model.device)
+    prompts = [[i + 1, i + 2, i + 3 + i % 4] for i in range(20)]
+    batch.step(prompts)
+    seqs = [_seq(p) for p in prompts]
+    for i, seq in enumerate(seqs):
+        _feed(seq, 9 + i)
+        batch.join(i, [seq])
+    running, _ = batch.step([])
+    for seq, row in zip(batch.seqs, running):
+        _feed(seq, int(row.argmax()))
+    grown = batch.cache.shape[0]
+    keep = {seqs[1], seqs[18], seqs[19]}  # two from the tail, past the rows the cache keeps
+    batch.remove(set(seqs) - keep)
+    running, _ = batch.step([])
+    assert batch.cache.shape[0] < grown and all(kv[0].shape[0] == batch.cache.shape[0] for kv in batch.cache.layers)
+    for seq, row in zip(batch.seqs, running):
+        torch.testing.assert_close(row, _reference(reference, seq.prompt + seq.output), atol=1e-3, rtol=1e-4)
+
+
+def test_a_prompts_forks_count_in_the_cache_before_their_step_grows_it(models):
+    """The completions of an n > 1 prompt take their rows at the step after its prefill: the batch
+    says so before that step (the engine checks the spare weights' room then), and its bytes count them."""
+    model, _ = models
+    batch = Batch(model, model.device)
+    batch.step([[1, 2, 3]])
+    held, one = batch.cache.shape[0], batch.kv_bytes()
+    seqs = [_seq([1, 2, 3]) for _ in range(3 * held)]
+    for i, seq in enumerate(seqs):
+        _feed(seq, 5 + i)
+    batch.join(0, seqs)
+    assert batch.outgrown() and batch.kv_bytes_next() == one * len(seqs) // held and batch.kv_bytes() == one
+    batch.step([])
+    assert not batch.outgrown() and batch.cache.shape[0] >= len(seqs)
+    assert batch.kv_bytes_next() == batch.kv_bytes() > one
 
 
 def test_attention_it_lacks_is_refused_by_name(models):

@@ -249,19 +249,20 @@ class HFEngine(Engine):
 
     def _check_spare(self, joining: bool) -> None:
         """Drops the spare weights when the batch may need their memory: room for its cache to grow
-        and the headroom must stay free beside them. Checked at every join and every
-        SPARE_CHECK_STEPS steps (a device query is not free)."""
+        and the headroom must stay free beside them. Checked at every join (prompts, and the step
+        that seats a prompt's forked completions) and every SPARE_CHECK_STEPS steps (a device query
+        is not free)."""
         self._steps_unchecked += 1
         if self.weights.spare is None or not (joining or self._steps_unchecked >= SPARE_CHECK_STEPS):
             return
         self._steps_unchecked = 0
-        self.weights.yield_spare(free_bytes(self.device), 2 * self.batch.kv_bytes() + SPARE_HEADROOM)
+        self.weights.yield_spare(free_bytes(self.device), 2 * self.batch.kv_bytes_next() + SPARE_HEADROOM)
 
     def _step(self) -> None:
         """One forward: a token for every running sequence, and the prompts of waiting requests
         admitted (up to max_prefill_tokens), each whole."""
         self.weights.ensure_restored()
-        self._check_spare(joining=bool(self._admitting and self._waiting))
+        self._check_spare(joining=bool(self._admitting and self._waiting) or self.batch.outgrown())
         joining, budget, room = [], self.args.max_prefill_tokens, self.args.max_num_seqs - len(self.batch)
         while self._admitting and self._waiting and room > 0 and budget > 0:
             request, sink = self._waiting.popleft()

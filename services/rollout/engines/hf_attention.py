@@ -78,17 +78,24 @@ class RowCache:
         if index == len(self.layers):
             self.layers.append([t.new_zeros(rows, t.shape[1], cols, t.shape[3]) for t in (key, value)])
         kv = self.layers[index]
+        shrinks = kv[0].shape[0] > rows  # rows move before the tail is cut off, and after new rows exist
+        if shrinks:
+            self._move(index, kv)
         if kv[0].shape[0] != rows or kv[0].shape[2] != cols:  # zeros: a masked column times NaN is NaN
             r, c = min(rows, kv[0].shape[0]), min(cols, kv[0].shape[2])
             for j, old in enumerate(kv):
                 kv[j] = old.new_zeros(rows, old.shape[1], cols, old.shape[3])
                 kv[j][:r, :, :c] = old[:r, :, :c]
+        if not shrinks:
+            self._move(index, kv)
+        return kv
+
+    def _move(self, index: int, kv: list[torch.Tensor]) -> None:
         if index in self.unmoved:
             self.unmoved.discard(index)
             to, source, columns = self.move
             for t in kv:
                 t[to, :, :columns] = t[source, :, :columns]
-        return kv
 
 
 def attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

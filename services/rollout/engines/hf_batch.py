@@ -69,6 +69,16 @@ class Batch:
     def kv_bytes(self) -> int:
         return self.cache.nbytes()
 
+    def kv_bytes_next(self) -> int:
+        """What the cache holds once the next step seats the completions that joined since the last
+        (a prompt's n forks take their rows at the step after its prefill)."""
+        rows = self.cache.shape[0]
+        return self.cache.nbytes() * max(len(self.seqs), rows) // rows if rows else 0
+
+    def outgrown(self) -> bool:
+        """Whether the next step grows the cache's rows for the completions that joined since the last."""
+        return len(self.seqs) > self.cache.shape[0]
+
     def step(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feeds every running sequence's pending token and prefills each prompt whole, in one
         forward. Returns next-token logits [len(self), vocab] and of each prompt [prompts, vocab]
@@ -120,8 +130,8 @@ class Batch:
         held_rows, held_cols = self.cache.shape
         if cols > held_cols or cols * 4 < held_cols:  # grows by half at least; gives back what it outgrew
             held_cols = _round_up(max(cols, held_cols * 3 // 2 if cols > held_cols else cols * 3 // 2), COLUMNS)
-        if rows > held_rows:  # rows are given back only when the batch empties
-            held_rows = _round_up(max(rows, held_rows * 3 // 2), ROWS)
+        if rows > held_rows or rows * 4 < held_rows:  # the same for rows: a burst's go back as it ends
+            held_rows = _round_up(max(rows, held_rows * 3 // 2) if rows > held_rows else rows * 3 // 2, ROWS)
         self.cache.shape = (held_rows, held_cols)
         tokens = [s.next_token for s in decode] + [t for _, p in prefill for t in p]
         positions = lengths + [c for _, p in prefill for c in range(len(p))]
