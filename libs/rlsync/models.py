@@ -166,6 +166,9 @@ def build_preset(out: Path, preset: str, device: str = "cpu", dtype: str = "bflo
     model.save_pretrained(out, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny / name, out / name)
+    # Written back now (GBs of dirty pages), not beside what a benchmark times next (the kernel's writeback
+    # threads take CPU the services' control paths need; suspected, not shown, in two slow in-flight runs).
+    os.sync()
     return out
 
 
