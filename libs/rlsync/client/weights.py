@@ -23,6 +23,7 @@ from rlsync.client.base import until_gone
 from rlsync.client.rollout import AsyncRolloutClient, RolloutClient
 from rlsync.client.trainer import AsyncTrainerClient, TrainerClient
 from rlsync.common.aio import settle
+from rlsync.common.stamps import stamp
 from rlsync.common.timing import Stopwatch
 from rlsync.errors import Relayed, RlsyncError
 from rlsync.rollout.v1 import rollout_pb2
@@ -85,6 +86,7 @@ async def ring_prepare(offer: Offer, doorbells: list[Doorbell], token: str, forc
     from rlsync.transfer.armed import ring_bell
     from rlsync.transfer.copied import sender_device, wait_copied
 
+    stamp("ring")
     start = time.perf_counter()
     ours = MappedTensors(waits=len(offer.mapped.ipc) > 0)  # the answers come back here: this waits for the copies
     rung = [bells[d.address] for d in doorbells if bells and d.address in bells] if ours.waits else []
@@ -101,6 +103,7 @@ async def ring_prepare(offer: Offer, doorbells: list[Doorbell], token: str, forc
         if response is not None and response.answer.copied:  # a pull answered once its copy was queued
             response.answer.stages["copied"] = await wait_copied(
                 response.answer.copied, sender_device(offer.mapped), timeout or 300, who)
+            stamp("copied")
         return response
 
     answers = await _ring_here(doorbells, prepare)

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 import msgspec
 
+from rlsync.common.stamps import stamp
 from rlsync.errors import DeadlineExceeded, Relayed, Unavailable
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,9 @@ class DoorbellServer:
                     self._between.discard(writer)
                 if data is None:
                     break
+                stamp("read")
                 writer.write(_frame(_ENCODE(await self._answer(data))))
+                stamp("replied")
                 await writer.drain()
         except (ConnectionError, ValueError, asyncio.IncompleteReadError) as e:
             log.warning("doorbell %s: dropped a caller: %s", self.address, e)
@@ -132,6 +135,7 @@ class DoorbellServer:
         parse, handle = self.handlers[ring.method]
         try:
             request = parse(ring.payload)
+            stamp("parsed")
         except Exception as e:  # noqa: BLE001 - protobuf's DecodeError, answered as such
             return Reply("INVALID_ARGUMENT", f"{ring.method}: the request does not parse: {e}")
         try:
@@ -227,7 +231,9 @@ async def ring(address: str, token: str, method: str, request, parse: Callable[[
     try:
         async with asyncio.timeout(timeout):
             line = await lines.send(frame, address, who)
+            stamp("written")
             data = await _read(line[0])
+            stamp("answered")
     except TimeoutError:
         raise DeadlineExceeded(f"{who}: {method} by doorbell did not answer within {timeout:.0f}s") from None
     except ConnectionError as e:

@@ -1,0 +1,30 @@
+"""Where a doorbell ring's time goes, across the processes it crosses: with RLSYNC_STAMP_DIR set, each
+process appends a line per point it passes (its name and `time.perf_counter()`) to a file of its own
+there, and `bench/ring_stamps.py` lines them up. On Linux perf_counter is CLOCK_MONOTONIC, one clock
+for every process of a host. Unset (always, outside a profile), a point costs a call and two tests.
+
+The points, in the order a ring passes them (T: the ringing side, R: the rung):
+T ring (ring_prepare begins), T written (its frame on the socket), R read (the doorbell has the
+frame), R parsed (the request), R launched (a pull's copy queued), R replied (the answer on the
+socket), T answered (the answer read), T copied (the copy's event passed)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TextIO
+
+_out: tuple[int, TextIO | None] | None = None  # (the process it was decided in, the file; None: off)
+
+
+def stamp(point: str) -> None:
+    global _out
+    if _out is None or _out[0] != os.getpid():  # (a process forked from a preloaded one decides anew)
+        folder = os.environ.get("RLSYNC_STAMP_DIR")
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+            _out = os.getpid(), open(os.path.join(folder, f"{os.getpid()}.txt"), "a", buffering=1)  # noqa: SIM115
+        else:
+            _out = os.getpid(), None
+    if _out[1] is not None:
+        _out[1].write(f"{point} {time.perf_counter():.9f}\n")
