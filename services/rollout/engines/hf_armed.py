@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from rlsync.common.stamps import stamp
 from rlsync.rollout.staging import AdoptedUpdate
 from rlsync.transfer import driver
 from rlsync.transfer.armed import Armed, Bell, key_of
@@ -107,6 +108,7 @@ class Arming:
             stream = transfer_stream(self.device)
             event, copied = copy_event(self.device)
             driver.copy(dst, cut[1], stream)
+            stamp("launched")
             queued = True
             driver.record(event, stream)
         except BaseException:
