@@ -43,6 +43,7 @@ def _ring_three_times() -> None:
 def test_a_rings_points_line_up_in_its_order(tmp_path, monkeypatch):
     monkeypatch.setenv("RLSYNC_STAMP_DIR", str(tmp_path / "stamps"))
     monkeypatch.setattr(stamps, "_out", None)
+    monkeypatch.setattr(stamps, "_decided", False)
     _ring_three_times()
     found = rings(tmp_path / "stamps")
     assert len(found) == 3
@@ -57,6 +58,7 @@ def test_a_rings_points_line_up_in_its_order(tmp_path, monkeypatch):
 def test_unset_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.delenv("RLSYNC_STAMP_DIR", raising=False)
     monkeypatch.setattr(stamps, "_out", None)
+    monkeypatch.setattr(stamps, "_decided", False)
     monkeypatch.chdir(tmp_path)
     _ring_three_times()
-    assert stamps._out is not None and stamps._out[1] is None and not any(tmp_path.iterdir())
+    assert stamps._decided and stamps._out is None and not any(tmp_path.iterdir())

@@ -1,7 +1,7 @@
 """Where a doorbell ring's time goes, across the processes it crosses: with RLSYNC_STAMP_DIR set, each
 process appends a line per point it passes (its name and `time.perf_counter()`) to a file of its own
 there, and `bench/ring_stamps.py` lines them up. On Linux perf_counter is CLOCK_MONOTONIC, one clock
-for every process of a host. Unset (always, outside a profile), a point costs a call and two tests.
+for every process of a host. Unset (always, outside a profile), a point costs a call and a test or two.
 
 The points, in the order a ring passes them (T: the ringing side, R: the rung):
 T ring (ring_prepare begins), T written (its frame on the socket), R read (the doorbell has the
@@ -14,17 +14,24 @@ import os
 import time
 from typing import TextIO
 
-_out: tuple[int, TextIO | None] | None = None  # (the process it was decided in, the file; None: off)
+_out: TextIO | None = None
+_decided = False  # whether this process looked at RLSYNC_STAMP_DIR yet
+
+
+def _forked() -> None:  # (a process forked from a preloaded one decides anew, with its own file)
+    global _out, _decided
+    _out, _decided = None, False
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def stamp(point: str) -> None:
-    global _out
-    if _out is None or _out[0] != os.getpid():  # (a process forked from a preloaded one decides anew)
-        folder = os.environ.get("RLSYNC_STAMP_DIR")
-        if folder:
+    global _out, _decided
+    if not _decided:
+        _decided = True
+        if folder := os.environ.get("RLSYNC_STAMP_DIR"):
             os.makedirs(folder, exist_ok=True)
-            _out = os.getpid(), open(os.path.join(folder, f"{os.getpid()}.txt"), "a", buffering=1)  # noqa: SIM115
-        else:
-            _out = os.getpid(), None
-    if _out[1] is not None:
-        _out[1].write(f"{point} {time.perf_counter():.9f}\n")
+            _out = open(os.path.join(folder, f"{os.getpid()}.txt"), "a", buffering=1)  # noqa: SIM115
+    if _out is not None:
+        _out.write(f"{point} {time.perf_counter():.9f}\n")

@@ -49,6 +49,16 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
+def _resized(need: int, held: int, unit: int) -> int:
+    """The cache's rows or columns for a step that needs `need` of the `held`: grown by half at least,
+    or given back (to half again as many as needed) once a quarter would do, in multiples of `unit`."""
+    if need > held:
+        return _round_up(max(need, held * 3 // 2), unit)
+    if need * 4 < held:
+        return _round_up(need * 3 // 2, unit)
+    return held
+
+
 class Batch:
     """Running sequences; sequence i's cache is row i. Rows that change hands (a sequence left, a
     prompt's completions joined) are moved by the next forward, before it writes."""
@@ -128,10 +138,7 @@ class Batch:
                              max((self.seqs[i].length for i, _ in moved), default=0))
         self.source = list(range(len(self.seqs)))
         held_rows, held_cols = self.cache.shape
-        if cols > held_cols or cols * 4 < held_cols:  # grows by half at least; gives back what it outgrew
-            held_cols = _round_up(max(cols, held_cols * 3 // 2 if cols > held_cols else cols * 3 // 2), COLUMNS)
-        if rows > held_rows or rows * 4 < held_rows:  # the same for rows: a burst's go back as it ends
-            held_rows = _round_up(max(rows, held_rows * 3 // 2) if rows > held_rows else rows * 3 // 2, ROWS)
+        held_rows, held_cols = _resized(rows, held_rows, ROWS), _resized(cols, held_cols, COLUMNS)
         self.cache.shape = (held_rows, held_cols)
         tokens = [s.next_token for s in decode] + [t for _, p in prefill for t in p]
         positions = lengths + [c for _, p in prefill for c in range(len(p))]
