@@ -10,7 +10,7 @@ LOCK_VENV ?= .lock-venv
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-sglang venv venv-sglang lock protos protos-check lint wheels base-image image-wheels gpu-setup gpu-test clean
+.PHONY: demo test test-sglang venv venv-sglang lock protos protos-check lint wheels gpu-parts gpu-land base-image image-wheels gpu-setup gpu-test clean
 
 venv: $(STAMP)
 
@@ -110,16 +110,32 @@ test-sglang: $(STAMP) $(SGLANG_STAMP)
 
 # The GPU machine has no network: `make wheels` here downloads what its image lacks (Python 3.12
 # wheels, into ./wheels, carried along), `make gpu-setup` there installs them and rlsync itself.
-GPU_WHEELS := msgspec nvidia-ml-py==13.615.71 prometheus_client==0.26.0 peft==0.21.2 accelerate==1.15.0 protobuf==7.36.2 grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1
+GPU_WHEELS := msgspec nvidia-ml-py==13.615.71 prometheus_client==0.26.0 peft==0.21.2 accelerate==1.15.0 protobuf==7.36.2 grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
+	openai==3.54.0 distro==1.9.0 jiter==0.19.0 sniffio==1.3.1
 # checkpoint-engine for bench/peer_checkpoint_engine.py, then what it needs that the GPU image lacks (pip takes
 # from these only what is missing there: typing-extensions only if the image's is older than pydantic needs).
 CKPT_WHEELS := checkpoint-engine==0.4.2 pyzmq==27.3.0 loguru==0.7.3 fastapi==0.136.3 starlette==1.10.0 uvicorn==0.54.0 \
 	pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
+# vLLM for the GPU machine (requirements/gpu-vllm.txt, 290 MB): more than one call carries (64 MiB), so
+# `make gpu-parts` here cuts it into parts of 60 MiB in .gpu-parts/; each device call carries that folder with
+# one part in it and begins with `make gpu-land`, which moves the part out of the working tree (a carried folder
+# is replaced at every call) into $(GPU_PARTS); `make gpu-setup` joins and installs them once all are there.
+GPU_VLLM := requirements/gpu-vllm.txt
+GPU_PARTS ?= /root/rlsync-parts
+PIP_PLATFORMS := --python-version 3.12 --implementation cp $(foreach n,35 34 28 27 26 24 17 5,--platform manylinux_2_$(n)_x86_64) \
+	--platform manylinux2014_x86_64 --platform manylinux1_x86_64
 
 wheels: $(STAMP)
-	$(BIN)/pip download -q -d wheels --only-binary=:all: --python-version 3.12 --implementation cp --no-deps \
-	    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 $(GPU_WHEELS) \
-	    $(CKPT_WHEELS)
+	$(BIN)/pip download -q -d wheels --only-binary=:all: $(PIP_PLATFORMS) --no-deps $(GPU_WHEELS) $(CKPT_WHEELS)
+
+# Parts of vLLM's wheels, one per device call: `ls .gpu-parts` after this lists them; send them one by one
+# (README, "vLLM on the GPU machine").
+gpu-parts: $(STAMP)
+	$(BIN)/pip download -q -d .cache/gpu-vllm --only-binary=:all: $(PIP_PLATFORMS) --no-deps --require-hashes -r $(GPU_VLLM)
+	rm -rf .gpu-parts .cache/gpu-parts && mkdir -p .cache/gpu-parts
+	tar -C .cache/gpu-vllm -cf - $$(sed -n 's/^\([^#][^=]*\)==\([^ ]*\).*/\1 \2/p' $(GPU_VLLM) | while read n v; do \
+	    ls .cache/gpu-vllm | grep -i -m1 "^$$(echo $$n | sed 's/[-_.]/[-_.]/g')-$$v-"; done) | split -b 60M -d -a 2 - .cache/gpu-parts/vllm.tar.
+	mv .cache/gpu-parts .gpu-parts && ls -l .gpu-parts
 
 # A base image for the Dockerfile made here from Debian's packages (no registry needed): debootstrap
 # into a folder, with this host's CA bundle, imported into the local Docker engine as
@@ -142,9 +158,18 @@ image-wheels:
 	    test -f "$$d/$$found" && cp -u "$$d/$$found" deploy/image-wheels/ && echo "deploy/image-wheels/$$found" && break; done; \
 	else echo "no local torch $(TORCH_PIN) wheel: the image build fetches it from the PyTorch CPU index"; fi
 
+# There: a part that came with this call leaves the working tree for $(GPU_PARTS).
+gpu-land:
+	mkdir -p $(GPU_PARTS) && { mv .gpu-parts/vllm.tar.* $(GPU_PARTS)/ 2>/dev/null || true; } && ls $(GPU_PARTS)
+
+# There: the project's wheels, vLLM's once its parts have all landed (--no-deps: over the image's torch, numpy,
+# transformers and numba), and rlsync itself.
 gpu-setup:
 	python3 -m pip install -q --no-index --find-links wheels $(GPU_WHEELS)
 	python3 -m pip install -q --no-index --find-links wheels checkpoint-engine==0.4.2
+	if ls $(GPU_PARTS)/vllm.tar.* >/dev/null 2>&1; then rm -rf /tmp/gpu-vllm && mkdir -p /tmp/gpu-vllm && \
+	    cat $(GPU_PARTS)/vllm.tar.* | tar -x -C /tmp/gpu-vllm && \
+	    python3 -m pip install -q --no-index --no-deps --no-compile /tmp/gpu-vllm/*.whl && rm -rf /tmp/gpu-vllm; fi
 	python3 -m pip install -q --no-deps --no-build-isolation -e .
 
 gpu-test:

@@ -11,6 +11,7 @@ object.
     python bench/gpu_cycle.py --preset qwen3-1.7b --cycles 5
     python bench/gpu_cycle.py --only updates --mode inflight --interval 2
     python bench/gpu_cycle.py --only colocated --lora-rank 16   # the trainer syncs a LoRA adapter only
+    python bench/gpu_cycle.py --engine vllm --only colocated      # vLLM replicas (its sleep mode, eager)
 """
 
 from __future__ import annotations
@@ -36,7 +37,12 @@ from rlsync.models import build_preset  # noqa: E402
 from rlsync.rollout.__main__ import parse_engine_arg  # noqa: E402
 
 GIB = 1 << 30
+ENGINE = "hf"  # the replicas' engine (--engine)
 ENGINE_ARGS = {"device": "cuda", "dtype": "bfloat16", "max_num_seqs": 128}  # the replicas' (--engine-arg adds)
+# vLLM on one GPU beside the trainer: its sleep mode (the colocated switch), a fixed KV cache, eager (no
+# compile or graph capture at start); gpu_memory_utilization only bounds what vLLM checks is free at start.
+VLLM_ARGS = {"dtype": "bfloat16", "enable_sleep_mode": True, "enforce_eager": True, "gpu_memory_utilization": 0.3,
+             "kv_cache_memory_bytes": 8 << 30, "max_num_seqs": 128}
 
 
 def gpu_used() -> float:
@@ -53,7 +59,7 @@ def start(logs: Path, mode: str, model: str, trainer_gpu: str, replica_gpus: lis
     fleet = [co, ServiceProcess("trainer", ["--port", "0", "--coordinator", address, "--model", model, "--device",
                                             "cuda", "--dtype", "bfloat16", "--lr", "1e-5", *trainer_args],
                                 env={"CUDA_VISIBLE_DEVICES": trainer_gpu}, log_path=logs / "trainer.log")]
-    fleet += [ServiceProcess("rollout", ["--port", "0", "--coordinator", address, "--engine", "hf", "--model", model,
+    fleet += [ServiceProcess("rollout", ["--port", "0", "--coordinator", address, "--engine", ENGINE, "--model", model,
                                          "--engine-args", engine, "--replica-id", f"r{i}"],
                              env={"CUDA_VISIBLE_DEVICES": gpu, **(replica_env or {})}, log_path=logs / f"r{i}.log")
               for i, gpu in enumerate(replica_gpus)]
@@ -62,6 +68,26 @@ def start(logs: Path, mode: str, model: str, trainer_gpu: str, replica_gpus: lis
     with CoordinatorClient(address) as c:
         c.wait_ready(len(fleet) - 1, timeout=600)
     return fleet
+
+
+def peak_during(fn):
+    """(fn(), the most GPU memory in use on the device, GiB, sampled every millisecond while fn ran)."""
+    import threading
+
+    peak, done = [gpu_used()], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], gpu_used())
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        return fn(), peak[0]
+    finally:
+        done.set()
+        sampler.join()
 
 
 def memory(trainer: TrainerClient, replicas: list[RolloutClient]) -> dict:
@@ -125,8 +151,9 @@ def colocated(model: str, cycles: int, logs: Path, limit: float, trainer_args=()
             t1 = time.perf_counter()
             step = c.train(batch)
             m_train = memory(t, [r])  # engine asleep, trainer onloaded
-            sync = c.sync_weights(verify=True)
+            sync, peak = peak_during(lambda: c.sync_weights(verify=True))  # wake, update, offload, wake KV
             m_sync = memory(t, [r])
+            m_sync["peak_gpu_used_during_sync_gib"] = peak
             phases = {"generate": gen, "sleep": step.metrics.get("sleep_seconds", 0.0),
                       "onload": step.metrics.get("onload_seconds", 0.0),
                       "train": time.perf_counter() - t1 - sync.seconds, **dict(sync.phases)}
@@ -364,16 +391,23 @@ def main() -> None:
                         help="replicas on other GPUs map nothing over P2P (RLSYNC_PEER_PULLS=0): NCCL broadcasts")
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="colocated only: the trainer trains a LoRA adapter of this rank and syncs only it")
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="the replicas' engine")
     parser.add_argument("-E", "--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                        help="one more hf engine argument of every replica (repeatable)")
+                        help="one more engine argument of every replica (repeatable)")
     args = parser.parse_args()
+    global ENGINE
+    ENGINE = args.engine
+    if ENGINE == "vllm":
+        ENGINE_ARGS.clear()
+        ENGINE_ARGS.update(VLLM_ARGS)
     ENGINE_ARGS.update(parse_engine_arg(item) for item in args.engine_arg)
     root = Path(args.dir)
     model = str(build_preset(root / args.preset, args.preset, device="cuda"))
     nbytes = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
     gpus = torch.cuda.device_count()
     lora = ["--lora-rank", str(args.lora_rank), "--lora-alpha", str(2 * args.lora_rank)] if args.lora_rank else []
-    result = {"gpu": torch.cuda.get_device_name(0), "gpus": gpus, "preset": args.preset, "checkpoint_bytes": nbytes,
+    result = {"gpu": torch.cuda.get_device_name(0), "gpus": gpus, "engine": ENGINE, "preset": args.preset,
+              "checkpoint_bytes": nbytes,
               "lora_rank": args.lora_rank, "doorbell": not args.no_doorbell, "hold": not args.no_hold,
               "publish_buffer": args.publish_buffer, "peer_pulls": not args.no_peer, "engine_args": ENGINE_ARGS,
               "limits": {"d2d_copy_GB/s": round(d2d_limit(4 << 30, "cuda:0"), 1)}}

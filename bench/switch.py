@@ -5,6 +5,10 @@ rest of its time goes. The same code the services run (HFEngine.sleep, Policy.of
 the RPCs around it. Prints one JSON object.
 
     python bench/switch.py --preset qwen3-1.7b --cycles 5
+    python bench/switch.py --engine vllm   # vLLM's own sleep (level 1: weights to pinned host) and wake_up
+
+With --engine vllm the engine is vLLM (its sleep mode, in one process: VLLMEngine) and the trainer is left
+out: its offload and onload are the same code whatever the engine.
 """
 
 from __future__ import annotations
@@ -118,16 +122,59 @@ async def run(args) -> dict:
             "onload": figure(times["onload"], profiles["onload"], "bytes_to_device", rates["h2d"])}
 
 
+VLLM_ARGS = {"dtype": "bfloat16", "enable_sleep_mode": True, "enforce_eager": True, "gpu_memory_utilization": 0.3,
+             "kv_cache_memory_bytes": 8 << 30, "max_num_seqs": 128}
+
+
+async def run_vllm(args) -> dict:
+    """vLLM's sleep(1) (weights to pinned host memory, KV cache dropped) and its wake_up of the weights,
+    then of the KV cache, each timed from the engine's call to its return (the worker's own copies and
+    the RPCs to its process), against the pinned rates."""
+    from rlsync.rollout.engines.vllm import VLLMEngine
+
+    root = Path(tempfile.gettempdir()) / "rlsync-bench-models"
+    model = str(build_preset(root / args.preset, args.preset, device="cuda"))
+    rates = pinned_rates()
+    engine = VLLMEngine(model, VLLM_ARGS)
+    await engine.start()
+    weights = (await engine.memory()).weights_bytes
+    times: dict[str, list[float]] = {"sleep": [], "wake_weights": [], "wake_kv_cache": []}
+    try:
+        for cycle in range(args.cycles + 1):  # the first one warms up
+            await decode(engine, args.streams, args.tokens)
+            for name, fn in (("sleep", lambda: engine.sleep(1)),
+                             ("wake_weights", lambda: engine.wake_up(frozenset({WakeTag.WEIGHTS}))),
+                             ("wake_kv_cache", lambda: engine.wake_up(frozenset({WakeTag.KV_CACHE})))):
+                start = time.perf_counter()
+                await fn()
+                if cycle:
+                    times[name].append(time.perf_counter() - start)
+    finally:
+        await engine.shutdown()
+
+    def fig(name: str, rate: float) -> dict:
+        s = statistics.median(times[name])
+        return {"ms": round(s * 1e3, 1), "bytes": weights, "GB/s": round(weights / s / GB, 1),
+                "ratio": round(weights / s / GB / rate, 3)}
+
+    return {"gpu": torch.cuda.get_device_name(0), "engine": "vllm", "vllm": __import__("vllm").__version__,
+            "preset": args.preset, "cycles": args.cycles, "streams": args.streams, "pinned_GB/s": rates,
+            "weights_bytes": weights, "sleep": fig("sleep", rates["d2h"]),
+            "wake_weights": fig("wake_weights", rates["h2d"]),
+            "wake_kv_cache_ms": round(statistics.median(times["wake_kv_cache"]) * 1e3, 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3-1.7b")
     parser.add_argument("--cycles", type=int, default=5)
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/switch.py needs a CUDA GPU")
-    print(json.dumps(asyncio.run(run(args)), indent=1))
+    print(json.dumps(asyncio.run(run_vllm(args) if args.engine == "vllm" else run(args)), indent=1))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ in the middle of receiving an update over gloo or NCCL, whatever its peers do.
 RLSYNC_FAULT=die_after_receives:N makes it die the same way at its (N+1)th routed receive (a bucket
 from a sharded trainer's rank).
 RLSYNC_FAULT=corrupt_base_at:N flips a byte of the base the Nth bucket it receives as a delta is
-rebuilt on, as if the weights it holds had gone bad."""
+rebuilt on, as if the weights it holds had gone bad.
+RLSYNC_FAULT=die_in_prepare:N makes it die the same way right after its (N+1)th PrepareUpdate received
+the bytes (a pull lands them before it answers), before it answers: any engine, any channel."""
 
 import os
 import runpy
@@ -66,6 +68,21 @@ if fault.startswith("corrupt_base_at:"):
         return real_apply(payload, out)
 
     delta.apply = _apply
+
+if fault.startswith("die_in_prepare:"):
+    from rlsync.rollout import core
+
+    limit, count = int(fault.split(":")[1]), {"n": 0}
+    real_prepare = core.RolloutCore.prepare_update
+
+    async def _prepare(self, *args, **kwargs):
+        answer = await real_prepare(self, *args, **kwargs)
+        count["n"] += 1
+        if count["n"] > limit:
+            os._exit(9)
+        return answer
+
+    core.RolloutCore.prepare_update = _prepare
 
 sys.argv = ["rlsync.rollout", *sys.argv[1:]]
 runpy.run_module("rlsync.rollout", run_name="__main__", alter_sys=True)

@@ -11,9 +11,9 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import vllm
 from vllm import SamplingParams as VLLMSamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.exceptions import VLLMClientError
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -30,6 +30,7 @@ from rlsync.transfer.v1 import transfer_pb2
 from rlsync.rollout.engines.base import Engine
 from rlsync.rollout.engines.checkpoint import checkpoint_checksums, checkpoint_tensors
 from rlsync.rollout.engines.vllm_lora import Adapters
+from rlsync.rollout.engines.vllm_versions import RequestRefused, SwitchPoints, check, tags_tokens
 from rlsync.rollout.types import Delta, FinishReason, GenerationRequest, MemoryUsage, PauseMode, WakeTag
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class VLLMEngine(Engine):
     kind = "vllm"
 
     def __init__(self, model: str, engine_args: dict[str, Any]):
+        check(vllm.__version__)
         super().__init__(model, engine_args)
         self.args = _engine_args(model, engine_args)
         self.llm: AsyncLLM | None = None
@@ -58,6 +60,10 @@ class VLLMEngine(Engine):
         self.crash_dir = tempfile.TemporaryDirectory(prefix="rlsync-vllm-crash-")
         os.environ[CRASH_DIR_ENV] = self.crash_dir.name
         self.adapters = Adapters(model)
+        self._kv_asleep = False  # slept, and the KV cache not woken since: nothing can generate
+        self._broken = ""  # why the weights cannot serve: an update written into them failed
+        self._direct = False  # the prepared update lands straight in the live weights
+        self._switches: dict[str, SwitchPoints] = {}  # where vLLM does not tag tokens itself (vllm_versions)
 
     async def start(self) -> None:
         try:
@@ -74,8 +80,10 @@ class VLLMEngine(Engine):
         self.vocab_size = config.model_config.get_vocab_size()
         self.tensor_parallel_size = config.parallel_config.tensor_parallel_size
         # vLLM labels every step's tokens with it: the version of the full weights (an adapter's
-        # requests carry their adapter's version instead, see _deltas).
-        await self.llm.update_weight_version(str(self.version))
+        # requests carry their adapter's version instead, see _deltas); older releases do not.
+        self._tags = tags_tokens(self.llm)
+        if self._tags:
+            await self.llm.update_weight_version(str(self.version))
         self.base_version = self.version
         self._in_flight: set[str] = set()
         self._salt = self.version  # moves to the new version before its weights go live
@@ -86,6 +94,9 @@ class VLLMEngine(Engine):
         if self.llm is not None:
             llm, self.llm = self.llm, None
             await asyncio.to_thread(llm.shutdown)
+
+    def not_ready(self) -> str | None:
+        return self._broken or None
 
     def dead(self) -> str | None:
         if self.llm is None or not self.llm.errored:
@@ -106,6 +117,8 @@ class VLLMEngine(Engine):
         # never reuses blocks the old weights computed (requests in flight keep theirs).
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids), cache_salt=f"rlsync-v{self._salt}")
         self._in_flight.add(request.request_id)
+        if not self._tags:
+            self._switches[request.request_id] = SwitchPoints(self.base_version)
         # With an adapter: the request runs on it to the end, so its tokens are all that version's.
         lora, adapter_version = self.adapters.use(request.request_id)
         try:
@@ -113,18 +126,20 @@ class VLLMEngine(Engine):
             async with contextlib.aclosing(self.llm.generate(prompt, params, request.request_id,
                                                              lora_request=lora)) as outputs:
                 async for out in outputs:
-                    for delta in self._deltas(out, p.logprobs, adapter_version):
+                    for delta in self._deltas(out, p.logprobs, adapter_version, self._switches.get(request.request_id)):
                         yield delta
-        except VLLMClientError as e:
+        except RequestRefused as e:
             raise InvalidArgument(f"vllm refused the request: {e}") from e
         except EngineDeadError as e:
             raise EngineDead(self.dead() or f"vllm engine is dead: {e}") from e
         finally:
             self._in_flight.discard(request.request_id)
+            self._switches.pop(request.request_id, None)
             if lora is not None:
                 await self.adapters.done(self.llm, request.request_id)
 
-    def _deltas(self, out, want_logprobs: bool, adapter_version: int | None = None) -> list[Delta]:
+    def _deltas(self, out, want_logprobs: bool, adapter_version: int | None = None,
+                switches: SwitchPoints | None = None) -> list[Delta]:
         # The version live when the output is read: outputs made just before a switch may be read
         # just after it, so the final Delta carries vLLM's own per-token record (exact), which wins.
         version = self.base_version if adapter_version is None else adapter_version
@@ -137,11 +152,16 @@ class VLLMEngine(Engine):
             detail = ""
             if finish is FinishReason.STOP:
                 detail = f"stop string {c.stop_reason!r}" if isinstance(c.stop_reason, str) else "end of sequence"
-            spans = None
-            if adapter_version is None and c.weight_versions is not None and \
-                    all(s.version.isdigit() for s in c.weight_versions):
+            spans, tagged = None, getattr(c, "weight_versions", None)
+            if adapter_version is None and tagged is not None and all(s.version.isdigit() for s in tagged):
                 # On the final output: [start, end) per version label (ours; anything else: the chunks' tags).
-                spans = [(int(s.version), s.start, s.end - s.start) for s in c.weight_versions if s.end > s.start]
+                spans = [(int(s.version), s.start, s.end - s.start) for s in tagged if s.end > s.start]
+            elif adapter_version is None and switches is not None:  # our own record (vllm_versions)
+                produced = switches.produced.get(c.index, 0) + len(c.token_ids)
+                switches.produced[c.index] = produced
+                version = switches.version_at(c.index, produced - 1)
+                if finish is not None:
+                    spans = switches.spans(c.index, produced)
             deltas.append(Delta(c.index, list(c.token_ids), c.text, logprobs, finish, detail, version, spans))
         return deltas
 
@@ -158,10 +178,13 @@ class VLLMEngine(Engine):
         # On vLLM's CPU build sleep is a no-op (sleep mode needs CUDA); the core still refuses
         # Generate until WakeUp, so the sequencing is the same everywhere.
         await self.llm.sleep(level)
+        self._kv_asleep = True
         await self._read_memory()
 
     async def wake_up(self, tags: frozenset[WakeTag]) -> None:
         await self.llm.wake_up(sorted(t.value for t in tags))
+        if WakeTag.KV_CACHE in tags:
+            self._kv_asleep = False
         await self._read_memory()
 
     async def memory(self) -> MemoryUsage:
@@ -212,10 +235,19 @@ class VLLMEngine(Engine):
             needed = max(held.nbytes(r) for r in range(held.ranks))
         else:
             needed = sum(t.nbytes for t in offer.manifest.tensors)
-        refusals = [r for r in await self.llm.collective_rpc("rlsync_room", args=(needed, offer.manifest.version)) if r]
+        # Asleep (the colocated order: KV cache still asleep), nothing reads the weights until they are
+        # complete: the update lands straight in them where each worker's loaders allow (vllm_direct),
+        # with no staging copy beside them; a failure there leaves them unfit to serve until an update lands.
+        direct = self._kv_asleep and layouts is None
+        refusals = [r for r in await self.llm.collective_rpc("rlsync_room", args=(needed, offer.manifest.version,
+                                                                                  direct)) if r]
         if refusals:
             raise ResourceExhausted(refusals[0])
-        states = await self.llm.collective_rpc("rlsync_begin", args=(raw, ans.SerializeToString(), timeout))
+        states = await self.llm.collective_rpc("rlsync_begin", args=(raw, ans.SerializeToString(), timeout, direct))
+        self._direct = all(s.get("direct") for s in states)
+        if self._direct:
+            self._broken = (f"weights half-written: version {offer.manifest.version}'s update into them did not "
+                            "complete; the next update restores them")
         await self._read_memory()
         try:
             return pulled(ans, states)
@@ -251,6 +283,11 @@ class VLLMEngine(Engine):
         if not was_paused:  # freeze requests in place, between two engine steps; they go on after
             await self.llm.pause_generation(mode="keep", clear_cache=False)
         try:
+            if not self._tags:  # every token so far is the old version's
+                for request_id, counts in (await self._produced()).items():
+                    if (switches := self._switches.get(request_id)) is not None:
+                        for index, produced in counts.items():
+                            switches.switch(index, produced, version)
             # Requests on an adapter would go on with it over the new weights, a mix of versions:
             # they end (the gateway resubmits them), and new ones run on the new weights alone.
             on_adapters = self.adapters.detach()
@@ -262,8 +299,10 @@ class VLLMEngine(Engine):
             except BaseException:
                 self.adapters.reattach()
                 raise
+            self._broken, self._direct = "", False
             await self.adapters.forget(self.llm)
-            await self.llm.update_weight_version(str(version))  # before anything else can fail
+            if self._tags:
+                await self.llm.update_weight_version(str(version))  # before anything else can fail
             self.version = self.base_version = version
             recomputed = len(self._in_flight) if recompute_kv else 0
             if recompute_kv:  # preempts the running requests: vLLM prefills their tokens again
@@ -276,9 +315,24 @@ class VLLMEngine(Engine):
         await self._read_memory()
         return recomputed
 
+    async def _produced(self) -> dict[str, dict[int, int]]:
+        """{request id: {completion index: tokens produced}}, as vLLM's output processor counts them once it
+        has taken every output of the steps before the pause (they come before the pause's answer)."""
+        queue = getattr(self.llm.engine_core, "outputs_queue", None)
+        for _ in range(1000):
+            if queue is None or queue.empty():
+                break
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0)
+        out: dict[str, dict[int, int]] = {}
+        for state in list(self.llm.output_processor.request_states.values()):
+            out.setdefault(state.external_req_id, {})[state.request_index] = state.detokenizer.num_output_tokens()
+        return out
+
     async def abort_update(self) -> None:
         await self.adapters.abort(self.llm)
         await self.llm.collective_rpc("rlsync_abort")
+        self._direct = False  # (its weights stay marked: written in part, or whole but not committed)
         await self._read_memory()
 
     async def checksums(self):

@@ -16,6 +16,7 @@ cover each other's out-of-box range, so the buffer is the boxes and little more.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator, Sequence
 
@@ -57,11 +58,43 @@ def _shadow(template: torch.Tensor, module: torch.nn.Module, record) -> torch.Te
     return t
 
 
+@contextlib.contextmanager
+def shadowed(model: torch.nn.Module, make) -> Iterator[dict[int, tuple[torch.nn.Module, str]]]:
+    """Swaps a shadow, `make(template, module, name)`, in for every parameter of `model` (and for those
+    vLLM recorded before processing them: its layerwise reload metadata), under no_grad, and puts the live
+    ones back untouched on exit. A tied parameter gets one shadow for all its owners. Yields
+    {id(shadow): (module, name)}."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    saved, shadows, owners = [], {}, {}
+    for module in model.modules():
+        info = LAYERWISE_INFO.get(module)
+        recorded = info.restore_metadata[0] if info is not None else {}
+        live = {k: v for k, v in module._parameters.items() if v is not None}
+        if not live and not recorded:
+            continue
+        saved.append((module, dict(module._parameters)))
+        for name in [*live, *(k for k in recorded if k not in live)]:
+            param = live.get(name)
+            if param is not None and id(param) in shadows:  # tied: one shadow for both owners
+                module._parameters[name] = shadows[id(param)]
+                continue
+            module._parameters[name] = shadow = make(recorded.get(name, param), module, name)
+            owners[id(shadow)] = (module, name)
+            if param is not None:
+                shadows[id(param)] = shadow
+    try:
+        with torch.no_grad():
+            yield owners
+    finally:
+        for module, params in saved:
+            module._parameters.clear()
+            module._parameters.update(params)
+
+
 def loaded_boxes(model: torch.nn.Module, specs: Sequence[Spec]) -> list[Box | None]:
     """Per tensor of `specs` (the checkpoint's), the box this rank loads (the bounding box when its
     loaders keep an irregular set, as for a pre-merged qkv), or None when it loads nothing of it."""
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-
     numels = [math.prod(s.shape) for s in specs]
     bases = np.concatenate([[0], np.cumsum(numels)]).astype(np.int64)
     if bases[-1] >= 2 ** 53:
@@ -81,34 +114,12 @@ def loaded_boxes(model: torch.nn.Module, specs: Sequence[Spec]) -> list[Box | No
             low[t] = lo if low[t] is None else np.minimum(low[t], lo)
             high[t] = hi if high[t] is None else np.maximum(high[t], hi)
 
-    saved, shadows = [], {}
-    for module in model.modules():
-        info = LAYERWISE_INFO.get(module)
-        recorded = info.restore_metadata[0] if info is not None else {}
-        live = {k: v for k, v in module._parameters.items() if v is not None}
-        if not live and not recorded:
-            continue
-        saved.append((module, dict(module._parameters)))
-        for name in [*live, *(k for k in recorded if k not in live)]:
-            param = live.get(name)
-            if param is not None and id(param) in shadows:  # tied: one shadow for both owners
-                module._parameters[name] = shadows[id(param)]
-                continue
-            module._parameters[name] = shadow = _shadow(recorded.get(name, param), module, record)
-            if param is not None:
-                shadows[id(param)] = shadow
-
     def probes() -> Iterator[tuple[str, torch.Tensor]]:
         for i, s in enumerate(specs):
             yield s.name, (torch.arange(numels[i], dtype=torch.float64) + float(bases[i] + 1)).reshape(s.shape)
 
-    try:
-        with torch.no_grad():
-            model.load_weights(probes())
-    finally:
-        for module, params in saved:
-            module._parameters.clear()
-            module._parameters.update(params)
+    with shadowed(model, lambda template, module, name: _shadow(template, module, record)):
+        model.load_weights(probes())
     return [None if lo is None else tuple((int(a), int(b)) for a, b in zip(lo, hi)) for lo, hi in zip(low, high)]
 
 

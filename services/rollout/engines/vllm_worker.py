@@ -10,6 +10,7 @@ trainer ranks that hold it.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ import torch
 from rlsync.flat import flat_like
 from rlsync.rollout.engines.process import prepare_engine_process
 from rlsync.errors import ResourceExhausted
+from rlsync.rollout.engines.vllm_direct import direct_views
 from rlsync.rollout.engines.vllm_layout import BoxStaging, loaded_boxes
 from rlsync.rollout.staging import StagedUpdate, ensure_room
 from rlsync.transfer import answer, audit_entry, from_proto
@@ -26,6 +28,8 @@ from rlsync.transfer.handshake import local_facts
 from rlsync.transfer.routes import relative, share
 from rlsync.transfer.sharded import layout_of, to_layout_proto
 from rlsync.transfer.v1 import transfer_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 # vLLM imports this module in every worker process while it builds the worker, before any forward.
 prepare_engine_process()
@@ -65,13 +69,17 @@ class RlsyncWorkerExtension:
         device = next(model.parameters()).device
         reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
         update = getattr(self, "_rlsync_update", None)
-        staging = 0 if update is None else update.staging.nbytes() if isinstance(update.staging, BoxStaging) \
+        staging = 0 if update is None or getattr(update, "direct", False) else update.staging.nbytes() \
+            if isinstance(update.staging, BoxStaging) \
             else sum(t.numel() * t.element_size() for t in update.staging.values())
         return {"device": str(device), "weights_bytes": weights, "kv_cache_bytes": kv, "reserved_bytes": reserved,
                 "staging_bytes": staging}
 
-    def rlsync_room(self, nbytes: int, version: int) -> str:
-        """Why staging `nbytes` on this worker's device would not fit, or "" when it fits."""
+    def rlsync_room(self, nbytes: int, version: int, direct: bool = False) -> str:
+        """Why staging `nbytes` on this worker's device would not fit, or "" when it fits (or when the
+        update, `direct`, can land straight in the live weights and stages nothing)."""
+        if direct and self._rlsync_direct_views() is not None:
+            return ""
         try:
             ensure_room(nbytes, self._rlsync_device(), version)
         except ResourceExhausted as e:
@@ -103,13 +111,39 @@ class RlsyncWorkerExtension:
                      force=force or None, layout=[pb.RankLayout.FromString(b) for b in layouts] if layouts else None)
         return ans.SerializeToString()
 
-    def rlsync_begin(self, offer: bytes, answer_bytes: bytes, timeout: float) -> dict:
-        """Starts receiving into staging memory, in the background (a pull is done when this returns):
-        the whole checkpoint, or from a routed offer only this worker's boxes. Returns its state, as
-        rlsync_poll."""
+    def _rlsync_direct_views(self, specs=None) -> dict[str, torch.Tensor] | None:
+        """Views of the live parameters each checkpoint tensor loads into (vllm_direct), found once per
+        tensor list; None where the loaders or the weights' processing do not allow it (said once)."""
+        if specs is None:
+            specs = getattr(self, "_rlsync_specs", None)
+            if specs is None:
+                return None
+        key = tuple((s.name, s.shape) for s in specs)
+        cached = getattr(self, "_rlsync_direct", None)
+        if cached is None or cached[0] != key:
+            views, why = direct_views(self.model_runner.get_model(), specs)
+            if views is None:
+                log.info("updates are staged, then loaded by vLLM's reload path: %s", why)
+            self._rlsync_direct = cached = (key, views)
+        return cached[1]
+
+    def rlsync_begin(self, offer: bytes, answer_bytes: bytes, timeout: float, direct: bool = False) -> dict:
+        """Starts receiving, in the background (a pull is done when this returns): straight into the live
+        weights where `direct` allows (the engine is asleep and its loaders place every tensor as one run
+        of a parameter), else into staging memory: the whole checkpoint, or from a routed offer only this
+        worker's boxes. Returns its state, as rlsync_poll, with whether it landed directly."""
         o, ans = pb.Offer.FromString(offer), pb.Answer.FromString(answer_bytes)
         device = self._rlsync_device()
         specs = from_proto(o.manifest)
+        self._rlsync_specs = specs
+        views = self._rlsync_direct_views(specs) if direct and not o.HasField("routing") else None
+        if views is not None:
+            self._rlsync_update = StagedUpdate(o, ans, views, self.rank, device, timeout, post=False)
+            self._rlsync_update.direct = True
+            state = self._rlsync_update.poll()
+            if "stages" in state:  # (a mark: the transfer's profile says where the bytes went)
+                state["stages"] = {**state["stages"], "in_place": 0.0}
+            return {**state, "direct": True}
         if o.HasField("routing"):
             boxes = self._rlsync_boxes(specs)
             staging = BoxStaging(specs, boxes, device)
@@ -131,6 +165,11 @@ class RlsyncWorkerExtension:
         update = self._rlsync_update
         self._rlsync_update = None
         staging = update.staging
+        if getattr(update, "direct", False):  # already in the live weights
+            if staging and next(iter(staging.values())).is_cuda:
+                torch.cuda.synchronize(self._rlsync_device())
+            self._rlsync_applied = {n: audit_entry(t) for n, t in staging.items()}
+            return
         if isinstance(staging, BoxStaging):
             self.reload_weights(weights_iterator=staging.full())
             self._rlsync_applied = {"parts": self._rlsync_parts(update, staging)}

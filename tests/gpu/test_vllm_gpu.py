@@ -1,0 +1,136 @@
+"""vLLM's CUDA build (0.20) as the replica's engine, on one GPU beside the trainer, through the services:
+vLLM's own sleep mode in the colocated cycle (the update over CUDA IPC straight into the woken weights),
+staged updates under the async and in-flight modes while 32 streams generate, a LoRA adapter, and a
+replica that dies mid-update. `make gpu-parts` here and `make gpu-setup` there install vLLM (README)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import rl_step
+from rlsync.client import AsyncCoordinatorClient, CoordinatorClient, RolloutClient, TrainerClient
+from rlsync.common.audit import differences
+
+pytestmark = pytest.mark.gpu
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: `make gpu-parts` here, `make gpu-setup` there")
+if torch.cuda.is_available() and not hasattr(vllm, "__version__"):
+    pytest.skip("a vLLM without a version", allow_module_level=True)
+
+DYING = Path(__file__).resolve().parents[1] / "rollout_worker.py"
+ON_GPU = {"CUDA_VISIBLE_DEVICES": "0"}
+# bf16 weights from the fp32 trainer (cast on arrival); a small fixed KV cache; eager (no compile at start).
+VLLM_GPU = {"dtype": "bfloat16", "enable_sleep_mode": True, "enforce_eager": True, "gpu_memory_utilization": 0.15,
+            "kv_cache_memory_bytes": 1 << 30, "max_num_seqs": 64}
+LORA = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
+
+
+def _fleet(services, mode: str, replicas: int = 1, trainer_args=(), engine_extra=None, dying: str = ""):
+    co = services.start("coordinator", ["--sync-mode", mode, "--lease", "3", "--heartbeat-interval", "0.3"],
+                        name=f"coordinator-{mode}")
+    on = ["--coordinator", co.address]
+    tr = services.start("trainer", [*on, "--device", "cuda", "--lr", "0.05", "--checksums", *trainer_args],
+                        env=ON_GPU, name=f"trainer-{mode}")
+    engine = ["--engine", "vllm", "--engine-args", json.dumps({**VLLM_GPU, **(engine_extra or {})})]
+    ros = []
+    for i in range(replicas):
+        fault = {"RLSYNC_FAULT": dying} if dying and i == replicas - 1 else {}
+        ros.append(services.start("rollout", [*engine, *on, "--replica-id", f"r{i}"], env={**ON_GPU, **fault},
+                                  script=DYING if fault else None, name=f"vllm-{mode}-r{i}"))
+    client = CoordinatorClient(co.address)
+    client.wait_ready(replicas + 1, timeout=600)
+    return client, TrainerClient(tr.address), [RolloutClient(r.address) for r in ros], ros
+
+
+def _logprobs(model, completions) -> list[float]:
+    out = []
+    with torch.no_grad():
+        for c in completions:
+            ids = torch.tensor([c.prompt_token_ids + c.token_ids], device="cuda")
+            lp = torch.log_softmax(model(ids).logits[0].float(), -1)
+            out += [lp[len(c.prompt_token_ids) - 1 + i, t].item() for i, t in enumerate(c.token_ids)]
+    return out
+
+
+def test_colocated_cycles_land_each_update_in_vllms_woken_weights_bit_for_bit(services, tiny_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    client, trainer, (rollout,), _ = _fleet(services, "colocated")
+    syncs = [rl_step(client, seed) for seed in range(3)]  # sleep, train, wake weights, pull, commit, wake KV
+    assert [s.version for s in syncs] == [1, 2, 3] and all(s.verified for s in syncs), syncs
+    assert all(s.backends == {"cuda_ipc": 1} for s in syncs), syncs
+    assert all("in_place" in s.transfer_profile for s in syncs), "straight into the live weights, no staging"
+    assert differences(trainer.checksums(dtype="bfloat16"), rollout.checksums()) == []
+    assert rollout.info().memory.staging_bytes == 0
+
+    # vLLM serves the trained weights (not the ones it slept with): greedy logprobs are the trainer's.
+    done = client.complete("3+4=", n=1, max_tokens=12, temperature=0, logprobs=True, ignore_eos=True)
+    assert {v for c in done for v in c.token_versions} == {3}
+    trained = AutoModelForCausalLM.from_pretrained(trainer.save_checkpoint(str(tmp_path / "c")).path,
+                                                   torch_dtype=torch.bfloat16).cuda().eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.bfloat16).cuda().eval()
+    served = [lp for c in done for lp in c.logprobs]
+    off_trained = max(abs(a - b) for a, b in zip(served, _logprobs(trained, done)))
+    off_base = max(abs(a - b) for a, b in zip(served, _logprobs(base, done)))
+    assert off_trained < 0.05, (served, off_trained)  # bf16 kernels on both sides
+    assert off_base > off_trained, "the served policy is the trained one, not the one it slept with"
+
+
+@pytest.mark.parametrize("mode", ["async", "inflight"])
+def test_updates_while_32_streams_generate_lose_nothing(services, mode):
+    client, trainer, (rollout,), _ = _fleet(services, mode)
+    streams, tokens = 32, 96
+
+    async def run():
+        async with AsyncCoordinatorClient(client.address, timeout=None) as gc:
+            async def one(i):
+                chunks = [c async for c in gc.generate(f"stream {i}", max_tokens=tokens, ignore_eos=True, seed=i)]
+                return chunks
+
+            tasks = [asyncio.create_task(one(i)) for i in range(streams)]
+            loop = asyncio.get_running_loop()
+            syncs = []
+            for seed in range(3):
+                await asyncio.sleep(0.3)
+                syncs.append(await loop.run_in_executor(None, rl_step, client, seed))
+            return syncs, await asyncio.gather(*tasks)
+
+    syncs, results = asyncio.run(run())
+    assert [s.version for s in syncs] == [1, 2, 3] and all(s.verified for s in syncs), syncs
+    for chunks in results:
+        final = chunks[-1]
+        assert final.finish_reason == 2 and sum(len(c.token_ids) for c in chunks) == tokens, "nothing lost"
+        assert sum(s.length for s in final.version_spans) == tokens
+        versions = [s.weight_version for s in final.version_spans]
+        assert versions == sorted(versions)
+    status = client.status()
+    if mode == "inflight":
+        assert status.resubmissions == 0, "in-flight updates abort nothing"
+    assert differences(trainer.checksums(dtype="bfloat16"), rollout.checksums()) == []
+
+
+def test_a_lora_adapter_syncs_alone_into_vllm(services):
+    client, trainer, (rollout,), _ = _fleet(services, "async", trainer_args=["--lora-rank", "4"], engine_extra=LORA)
+    syncs = [rl_step(client, seed) for seed in range(2)]
+    assert all(s.verified for s in syncs) and [s.version for s in syncs] == [1, 2], syncs
+    audit = trainer.checksums()
+    adapter = sum(4 * t.shape[0] * t.shape[1] for t in audit.tensors if ".lora_" in t.name)
+    assert {s.bytes for s in syncs} == {adapter}, "only the adapter moves"
+    done = client.complete("3+4=", n=2, max_tokens=8, temperature=1.0, logprobs=True, seed=7)
+    assert {v for c in done for v in c.token_versions} == {2}
+
+
+def test_a_replica_that_dies_mid_update_leaves_the_other_updated_and_none_half_updated(services):
+    client, trainer, (survivor, _), procs = _fleet(services, "colocated", replicas=2, dying="die_in_prepare:1")
+    first = rl_step(client, 0)
+    assert first.version == 1 and first.replicas == 2 and first.verified, first
+    second = rl_step(client, 1)  # r1 dies once its second update's bytes landed, before it answers
+    assert procs[1].proc.wait(120) == 9
+    assert second.version == 2 and second.replicas == 1 and second.verified, second
+    assert differences(trainer.checksums(dtype="bfloat16"), survivor.checksums()) == []
+    done = client.complete("after", max_tokens=8, ignore_eos=True)
+    assert {v for c in done for v in c.token_versions} == {2}, "served by the survivor, on the new version"

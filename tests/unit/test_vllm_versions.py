@@ -1,0 +1,46 @@
+"""The vLLM releases rlsync drives, and its own record of which weight version made which tokens
+where vLLM keeps none (vllm_versions): pure logic."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rlsync.errors import FailedPrecondition
+from rlsync.rollout.engines.vllm_versions import SwitchPoints, check
+
+
+@pytest.mark.parametrize("version", ["0.20.2", "0.20.0", "0.25.1", "0.32.0", "0.32.1+cpu"])
+def test_supported_releases_pass(version):
+    check(version)
+
+
+@pytest.mark.parametrize("version", ["0.19.1", "0.33.0", "1.0.0", "dev"])
+def test_other_releases_are_refused_in_one_line_naming_the_supported_ones(version):
+    with pytest.raises(FailedPrecondition) as e:
+        check(version)
+    assert "\n" not in str(e.value) and "0.20" in str(e.value) and "0.32" in str(e.value) and version in str(e.value)
+
+
+def test_a_switch_splits_a_completion_at_the_tokens_produced_before_it():
+    points = SwitchPoints(3)
+    points.switch(0, 5, 4)  # completion 0 had made 5 tokens on version 3
+    points.switch(1, 0, 4)  # completion 1 had made none: all of it is version 4's
+    assert points.spans(0, 12) == [(3, 0, 5), (4, 5, 7)]
+    assert points.spans(1, 12) == [(4, 0, 12)]
+    assert [points.version_at(0, i) for i in (0, 4, 5, 11)] == [3, 3, 4, 4]
+    assert points.spans(2, 3) == [(3, 0, 3)]
+
+
+@given(st.integers(0, 40), st.lists(st.tuples(st.integers(0, 50), st.integers(1, 5)), max_size=4))
+def test_spans_cover_every_token_once_in_version_order(total, switches):
+    points, version = SwitchPoints(0), 0
+    for produced, step in sorted(switches):
+        version += step
+        points.switch(0, produced, version)
+    spans = points.spans(0, total)
+    assert sum(n for _, _, n in spans) == total
+    assert all(s == sum(n for _, _, n in spans[:i]) for i, (_, s, _) in enumerate(spans))
+    assert [v for v, _, _ in spans] == sorted({v for v, _, _ in spans})
+    assert all(points.version_at(0, s + k) == v for v, s, n in spans for k in range(n))
