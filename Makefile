@@ -111,7 +111,7 @@ test-sglang: $(STAMP) $(SGLANG_STAMP)
 # The GPU machine has no network: `make wheels` here downloads what its image lacks (Python 3.12
 # wheels, into ./wheels, carried along), `make gpu-setup` there installs them and rlsync itself.
 GPU_WHEELS := msgspec nvidia-ml-py==13.615.71 prometheus_client==0.26.0 peft==0.21.2 accelerate==1.15.0 protobuf==7.36.2 grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
-	openai==3.54.0 distro==1.9.0 jiter==0.19.0 sniffio==1.3.1
+	openai==3.54.0 distro==1.9.0 jiter==0.19.0 sniffio==1.3.1 httpx2==2.16.2 httpcore2==2.16.2
 # checkpoint-engine for bench/peer_checkpoint_engine.py, then what it needs that the GPU image lacks (pip takes
 # from these only what is missing there: typing-extensions only if the image's is older than pydantic needs).
 CKPT_WHEELS := checkpoint-engine==0.4.2 pyzmq==27.3.0 loguru==0.7.3 fastapi==0.136.3 starlette==1.10.0 uvicorn==0.54.0 \
@@ -165,11 +165,11 @@ gpu-land:
 # There: the project's wheels, vLLM's once its parts have all landed (--no-deps: over the image's torch, numpy,
 # transformers and numba), and rlsync itself.
 gpu-setup:
-	python3 -m pip install -q --no-index --find-links wheels $(GPU_WHEELS)
-	python3 -m pip install -q --no-index --find-links wheels checkpoint-engine==0.4.2
 	if ls $(GPU_PARTS)/vllm.tar.* >/dev/null 2>&1; then rm -rf /tmp/gpu-vllm && mkdir -p /tmp/gpu-vllm && \
 	    cat $(GPU_PARTS)/vllm.tar.* | tar -x -C /tmp/gpu-vllm && \
 	    python3 -m pip install -q --no-index --no-deps --no-compile /tmp/gpu-vllm/*.whl && rm -rf /tmp/gpu-vllm; fi
+	python3 -m pip install -q --no-index --find-links wheels $(GPU_WHEELS)
+	python3 -m pip install -q --no-index --find-links wheels checkpoint-engine==0.4.2
 	python3 -m pip install -q --no-deps --no-build-isolation -e .
 
 gpu-test:

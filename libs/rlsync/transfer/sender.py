@@ -329,8 +329,9 @@ class WeightSender:
             jobs.append((channel(backend), SendJob(
                 conns=members, specs=specs, sources=resident, plan=list(cached_plan(sizes, bucket)),
                 bucket_bytes=bucket, verify=self.checksums, deadline=deadline, device=self.device,
-                store_host=self.host, transfer_id=offer.transfer_id, one_copy=offer.one_copy and backend in
-                (pb.BACKEND_SHM, pb.BACKEND_CUDA_IPC), arena=self.arena, cache=self.cache,
+                store_host=self.host, transfer_id=offer.transfer_id, one_copy=offer.one_copy and (
+                    backend == pb.BACKEND_CUDA_IPC or backend == pb.BACKEND_SHM and self.device.type != "cuda"),
+                arena=self.arena, cache=self.cache,
                 delta_base=self._delta_base(backend, mine))))
         if resident is None:
             for chan, job in jobs:

@@ -27,6 +27,7 @@ from rlsync.transfer.checksum import from_sums
 from rlsync.transfer.manifest import from_proto
 from rlsync.transfer.sharded import layout_of
 from rlsync.transfer.v1 import transfer_pb2
+from rlsync.common.audit import LIVE
 from rlsync.rollout.engines.base import Engine
 from rlsync.rollout.engines.checkpoint import checkpoint_checksums, checkpoint_tensors
 from rlsync.rollout.engines.vllm_lora import Adapters
@@ -340,6 +341,8 @@ class VLLMEngine(Engine):
         applied = per_worker[0]
         if applied is None:  # still the checkpoint it started from
             base, what = await asyncio.to_thread(checkpoint_checksums, self.model), "checkpoint loaded at start"
+        elif "live" in applied:  # landed straight in the live weights, read back from them
+            base, what = {n: (d, tuple(s), c) for n, (d, s, c) in applied["live"].items()}, LIVE
         elif "parts" in applied:  # each worker holds its boxes: every tensor's sums are its workers' shares
             base = {}
             for name, (dtype, shape, nbytes, *_) in applied["parts"].items():

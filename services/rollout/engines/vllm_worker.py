@@ -168,7 +168,8 @@ class RlsyncWorkerExtension:
         if getattr(update, "direct", False):  # already in the live weights
             if staging and next(iter(staging.values())).is_cuda:
                 torch.cuda.synchronize(self._rlsync_device())
-            self._rlsync_applied = {n: audit_entry(t) for n, t in staging.items()}
+            # (read back from the live weights, in the engine's dtype: "live" tells the audit to compare so)
+            self._rlsync_applied = {"live": {n: audit_entry(t) for n, t in staging.items()}}
             return
         if isinstance(staging, BoxStaging):
             self.reload_weights(weights_iterator=staging.full())
