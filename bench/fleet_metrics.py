@@ -18,7 +18,8 @@ def liveness(metrics_address: str) -> dict[str, dict[str, float]]:
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name in SERIES and s.value:
-                out[SERIES[s.name]]["/".join(s.labels.values())] = s.value
+                key = "/".join(s.labels[k] for k in ("role", "reason", "evidence") if k in s.labels)
+                out[SERIES[s.name]][key] = s.value
     return out
 
 

@@ -64,7 +64,8 @@ def judge(evidence: Evidence, now: float, lease: float) -> Verdict:
 
 
 def lateness(now: float, last: float, tick: float) -> float:
-    """Seconds the coordinator's own check came late by, when it missed a whole tick (it stood still);
-    0 for the jitter of a busy loop, which counts against members as it always did."""
-    late = now - last - tick
-    return late if late > tick else 0.0
+    """Seconds the coordinator's own check came late by: its event loop was behind (starved, busy with
+    many streams) or the process stood still (stopped, swapped). Whatever members sent meanwhile waited
+    unread, so that time is credited to every member (Evidence.credit): the lease runs on the time the
+    coordinator could listen."""
+    return max(0.0, now - last - tick)

@@ -19,6 +19,7 @@ from rlsync.errors import InvalidArgument
 from rlsync.transfer.v1.transfer_pb2 import Doorbell
 
 log = logging.getLogger(__name__)
+CHECK_EVERY = 0.25  # seconds between two checks of the members' evidence (a third of the lease at most)
 
 
 @dataclass(eq=False)
@@ -123,13 +124,14 @@ class Registry:
             member.gone.set_result(member.left)
 
     async def expire_forever(self) -> None:
-        tick = self.lease / 3
+        tick = min(self.lease / 3, CHECK_EVERY)
         last = time.monotonic()
         while True:
             await asyncio.sleep(tick)
             now = time.monotonic()
-            if late := lateness(now, last, tick):  # this process stood still (stopped, starved, swapped):
-                log.warning("the coordinator stood still for %.1fs: it is not its members' silence", now - last)
+            if late := lateness(now, last, tick):  # the loop was behind, or this process stood still
+                if late > self.lease / 2:
+                    log.warning("the coordinator stood still for %.1fs: it is not its members' silence", late)
                 for m in self.members.values():
                     m.evidence.credit(late, now)
             last = now
