@@ -1,8 +1,9 @@
-"""Members that are busy, not hung: busy loops starve the CPU (2x the cores) while two replicas stream
-through the gateway and an in-flight sync lands under them. Every member stays in the fleet and nothing
-is resubmitted: tokens streamed, answers and heartbeats whose progress moves keep each one's lease,
-however late they come. Under the same starvation, a replica that hangs (SIGSTOP) still leaves within
-its lease and its streams finish on the other. Real processes and gRPC throughout."""
+"""Members that are busy, not hung: busy loops starve the CPU (2x the cores; RLSYNC_TEST_BURN sets
+another factor) while two replicas stream through the gateway and an in-flight sync lands under them.
+Every member stays in the fleet and nothing is resubmitted: tokens streamed, answers and heartbeats
+whose progress moves keep each one's lease, however late they come. Under the same starvation, a
+replica that hangs (SIGSTOP) still leaves within its lease and its streams finish on the other. Real
+processes and gRPC throughout."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from burn import burning, load_of  # noqa: E402
 
 STREAMS, TOKENS = 40, 160
+LOAD = float(os.environ.get("RLSYNC_TEST_BURN", "2"))  # busy loops per core (4: what bench/results reports too)
 
 
 def test_a_starved_fleet_keeps_every_member_and_an_inflight_sync_resubmits_nothing(services):
@@ -32,14 +34,14 @@ def test_a_starved_fleet_keeps_every_member_and_an_inflight_sync_resubmits_nothi
                           name=f"r{i}") for i in range(2)]
     client = CoordinatorClient(co.address)
     client.wait_ready(3)
-    with burning(load_of(2)):
+    with burning(load_of(LOAD)):
         started = time.monotonic()
         streams = [Stream(client, f"busy {i}", max_tokens=TOKENS, ignore_eos=True, seed=i) for i in range(STREAMS)]
         assert all(s.first.wait(120) for s in streams), "the streams never started"
         sync = client.sync_weights(version=1)
         for s in streams:
             s.thread.join(300)
-        print(f"\n[busy] {STREAMS} streams of {TOKENS} tokens and an in-flight sync under {load_of(2)} busy loops: "
+        print(f"\n[busy] {STREAMS} streams of {TOKENS} tokens and an in-flight sync under {load_of(LOAD)} busy loops: "
               f"{time.monotonic() - started:.1f}s; {liveness(co)}")
         assert sync.version == 1 and sync.replicas == 2
         complete(streams)
@@ -58,7 +60,7 @@ def test_a_starved_fleet_keeps_every_member_and_an_inflight_sync_resubmits_nothi
             while rollouts(client) != ["r0"]:
                 assert time.monotonic() < deadline, "the hung replica never left"
                 time.sleep(0.05)
-            print(f"\n[busy] a hung replica under {load_of(2)} busy loops left in {time.monotonic() - stopped:.1f}s "
+            print(f"\n[busy] a hung replica under {load_of(LOAD)} busy loops left in {time.monotonic() - stopped:.1f}s "
                   f"(lease {LEASE}s)")
             for s in streams:
                 s.thread.join(300)
