@@ -7,6 +7,7 @@ versions served, the calls the loop had to retry (by status) and any call stuck 
 
     python bench/chaos.py --faults kill,hang --kills 20
     python bench/chaos.py --faults kill,hang --kills 20 --engine vllm
+    python bench/chaos.py --faults kill,hang --kills 20 --burn 4   # 4 busy loops starve the CPU throughout
 
 The loop behaves as an RL job would: a call that fails because a member is down is retried once
 the fleet answers again (a generation with the same request id: the client keeps at most one
@@ -18,6 +19,7 @@ two completions, or more tokens than it asked for.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -34,6 +36,10 @@ import grpc
 from rlsync.client import CoordinatorClient, RpcError, TrainerClient, collect, generate_request, trajectory
 from rlsync.launch import ServiceProcess
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from burn import burning  # noqa: E402
+from fleet_metrics import add, liveness  # noqa: E402
+
 DEADLINE = 120.0  # no call may take longer, whatever is killed
 LEASE = 1.5  # the coordinator's --lease
 ENGINE_ARGS = {"hf": {}, "vllm": {"enforce_eager": True, "kv_cache_memory_bytes": 64 << 20, "max_num_seqs": 32}}
@@ -45,11 +51,12 @@ class Fleet:
     def __init__(self, logs: Path, replicas: int, engine: str):
         self.logs, self.lock = logs, threading.Lock()
         self.procs: dict[str, ServiceProcess] = {}
+        self.liveness: dict = {}  # the coordinator's figures, summed over its restarts (fleet_metrics)
         self._start("coordinator", ["--port", "0", "--sync-mode", "async", "--lease", str(LEASE),
-                                    "--heartbeat-interval", "0.3"])
+                                    "--heartbeat-interval", "0.3", "--metrics-port", "0"])
         self.coordinator = self.procs["coordinator"].wait_ready()
         self.args = {"coordinator": ["--port", self.coordinator.rsplit(":", 1)[1], "--sync-mode", "async",
-                                     "--lease", str(LEASE), "--heartbeat-interval", "0.3"],
+                                     "--lease", str(LEASE), "--heartbeat-interval", "0.3", "--metrics-port", "0"],
                      "trainer": ["--port", "0", "--coordinator", self.coordinator]}
         for i in range(replicas):
             self.args[f"r{i}"] = ["--port", "0", "--coordinator", self.coordinator, "--engine", engine,
@@ -65,8 +72,17 @@ class Fleet:
         service = "rollout" if name.startswith("r") else name
         self.procs[name] = ServiceProcess(service, args, log_path=self.logs / f"{name}.log", name=name)
 
+    def bank_liveness(self) -> None:
+        """Adds the running coordinator's liveness figures to the total (before it is killed, and at the end)."""
+        try:
+            add(self.liveness, liveness(self.procs["coordinator"].http_address("metrics", timeout=10)))
+        except Exception as e:  # noqa: BLE001 - a figure missing is reported, not fatal
+            self.liveness.setdefault("unread", []).append(str(e))
+
     def kill_and_restart(self, name: str, down_seconds: float) -> None:
         with self.lock:
+            if name == "coordinator":
+                self.bank_liveness()
             self.procs[name].kill()
             self.procs[name].proc.wait(30)
             time.sleep(down_seconds)
@@ -121,13 +137,21 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--logs", default="runs/chaos")
+    parser.add_argument("--burn", type=int, default=0, help="busy-loop processes starving the CPU throughout")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
     checkpoint = tempfile.mkdtemp(prefix="rlsync-chaos-")
     faults = args.faults.split(",")
-    fleet = Fleet(logs, args.replicas, args.engine)
+    burn = contextlib.ExitStack()  # the busy loops, stopped when the loop ends (or the fleet cannot start)
+    if args.burn:
+        burn.enter_context(burning(args.burn))
+    try:
+        fleet = Fleet(logs, args.replicas, args.engine)
+    except BaseException:
+        burn.close()
+        raise
     stats: dict = {"engine": args.engine, "kills": {}, "hangs": {}, "hang_seconds": [], "steps": 0, "syncs": 0,
                    "verified": 0, "sync_seconds": [], "sent": 0, "completed": 0, "lost": 0, "duplicated": 0,
                    "versions_served": set(), "stuck_calls": [], "trainer_restored": 0, "retries": {}}
@@ -198,6 +222,9 @@ def main() -> None:
     finally:
         done.set()
         seconds = time.monotonic() - start
+        stats["loadavg_1m"] = os.getloadavg()[0]
+        burn.close()
+        fleet.bank_liveness()
         fleet.stop()
     served = sorted(stats["versions_served"])
     stats["versions_served"] = {"count": len(served), "first": served[0] if served else None,
@@ -207,6 +234,7 @@ def main() -> None:
     stats["longest_sync_s"] = round(max(synced, default=0.0), 2)
     stats["median_sync_s"] = round(statistics.median(synced), 3) if synced else None
     stats["lease_s"] = LEASE
+    stats["burn"], stats["cores"], stats["liveness"] = args.burn, os.cpu_count(), fleet.liveness
     print(json.dumps(stats, indent=1))
     sys.exit(0 if not stats["lost"] and not stats["duplicated"] and stats["verified"] == stats["syncs"]
              and not stats["stuck_calls"] else 1)

@@ -4,19 +4,30 @@ a replica directly. Prints one JSON object.
 
     python bench/gateway_load.py --streams 200 --updates 3
     python bench/gateway_load.py --sync-mode inflight     # updates without a pause: nothing resubmitted
+    python bench/gateway_load.py --burn 8 --no-latency    # while 8 busy loops starve the CPU (4x on 2 cores)
+
+"liveness" has the coordinator's figures (bench/fleet_metrics.py): members suspected, cleared and dropped,
+resubmissions by reason; "lease_drops" counts members dropped for a lease without progress: with no fault
+injected, every one of them was a healthy member.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
-from rlsync.client import AsyncCoordinatorClient, AsyncRolloutClient
+from rlsync.client import AsyncCoordinatorClient, AsyncRolloutClient, CoordinatorClient
 from rlsync.launch import ServiceProcess
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from burn import burning  # noqa: E402
+from fleet_metrics import lease_drops, liveness  # noqa: E402
 
 VLLM_ARGS = {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 256}
 
@@ -120,11 +131,13 @@ def main() -> None:
     parser.add_argument("--sync-mode", choices=("async", "inflight"), default="async")
     parser.add_argument("--logs", default="runs/gateway_load")
     parser.add_argument("--no-latency", action="store_true", help="only the correctness run under updates")
+    parser.add_argument("--burn", type=int, default=0, help="busy-loop processes starving the CPU while the "
+                        "streams run (started once the fleet is up, stopped after)")
     args = parser.parse_args()
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
     engine_args = json.dumps(VLLM_ARGS if args.engine == "vllm" else {"max_num_seqs": 256})
-    fleet = [ServiceProcess("coordinator", ["--port", "0", "--sync-mode", args.sync_mode],
+    fleet = [ServiceProcess("coordinator", ["--port", "0", "--sync-mode", args.sync_mode, "--metrics-port", "0"],
                             log_path=logs / "coordinator.log")]
     co = fleet[0].wait_ready()
     fleet.append(ServiceProcess("trainer", ["--port", "0", "--coordinator", co], log_path=logs / "trainer.log"))
@@ -134,15 +147,22 @@ def main() -> None:
     try:
         for p in fleet[1:]:
             p.wait_ready(300)
-        from rlsync.client import CoordinatorClient
-
         with CoordinatorClient(co) as c:
             c.wait_ready(args.replicas + 1, timeout=300)
         result = {"engine": args.engine, "replicas": args.replicas, "sync_mode": args.sync_mode,
-                  "load": asyncio.run(under_updates(co, args.streams, args.max_tokens, args.updates))}
-        if not args.no_latency:
-            result["latency"] = asyncio.run(overhead(co, [p.address for p in fleet[2:]], args.streams,
-                                                     args.max_tokens))
+                  "burn": args.burn, "cores": os.cpu_count()}
+        with burning(args.burn) if args.burn else contextlib.nullcontext():
+            started = time.monotonic()
+            result["load"] = asyncio.run(under_updates(co, args.streams, args.max_tokens, args.updates))
+            result["load"]["seconds"] = round(time.monotonic() - started, 1)
+            if not args.no_latency:
+                result["latency"] = asyncio.run(overhead(co, [p.address for p in fleet[2:]], args.streams,
+                                                         args.max_tokens))
+            result["loadavg_1m"] = os.getloadavg()[0]
+        result["liveness"] = liveness(fleet[0].http_address("metrics"))
+        result["lease_drops"] = lease_drops(result["liveness"])
+        with CoordinatorClient(co) as c:
+            result["members_at_end"] = sorted(m.name for m in c.status().members)
     finally:
         for p in reversed(fleet):
             p.stop()

@@ -62,8 +62,9 @@ class Coordinator:
 
         now = time.monotonic()
         members = [pb.Member(id=m.id, name=m.name, role=m.role, address=m.address, state=m.state,
-                             weight_version=m.weight_version, seconds_since_heartbeat=now - m.last_seen,
-                             in_flight=m.in_flight, backend=m.backend)
+                             weight_version=m.weight_version, seconds_since_heartbeat=now - m.evidence.heartbeat_at,
+                             in_flight=m.in_flight, backend=m.backend, suspect=m.suspect,
+                             seconds_since_progress=now - m.evidence.progress_at)
                    for m in self.registry.members.values()]
         return pb.FleetStatus(
             mode=MODES[self.cfg.sync_mode],

@@ -1,7 +1,8 @@
 """The generation gateway: routes each completion to a replica and, when a weight update (or a replica
 that dies, or hangs until the registry drops it: its stream then ends with Gone) cuts it short,
 resubmits prompt + tokens so far, so the caller sees one continuous stream in which every token
-names the weight version that produced it."""
+names the weight version that produced it. A suspect replica (no progress for half its lease) gets no
+new completions; the ones it streams go on, and every chunk is evidence that keeps it in the fleet."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from rlsync.client import RpcError
+from rlsync.client import Gone, RpcError
 from rlsync.common import metrics
 from rlsync.common.v1 import generate_pb2 as pb
 from rlsync.coordinator.config import CoordinatorConfig
@@ -46,7 +47,7 @@ class Gateway:
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             await self.syncer.ready.wait()
-            ready = self.registry.rollouts("ready")
+            ready = [m for m in self.registry.rollouts("ready") if not m.suspect]
             sticky = self.registry.members.get(self.sessions.get(session, ""))
             if sticky is not None and sticky in ready:
                 return sticky
@@ -130,6 +131,7 @@ class Gateway:
             member.in_flight += 1
             self._running[key] = (member, req.request_id)
             final, start, made = None, len(produced), []  # made: this attempt's spans, from its chunks
+            cause = "replica_failed"  # what cut it short, if it is: rlsync_gateway_resubmissions_total{reason}
             try:
                 async for chunk in member.client.stream(req):
                     if prompt is None:
@@ -149,6 +151,7 @@ class Gateway:
             except RpcError as e:
                 if e.code not in _RETRYABLE or base.request_id in self._aborted:
                     raise
+                cause = "replica_lost" if isinstance(e, Gone) else "replica_failed"
                 log.info("replica %s failed %s (%s); resubmitting", member.name, req.request_id, e.code.name)
                 await asyncio.sleep(min(1.0, 0.05 * (attempt + 1)))  # let the registry notice a dead replica
             finally:
@@ -168,13 +171,14 @@ class Gateway:
                     self._finish(final, spans, attempt)
                     out.put_nowait(final)
                     return
+                cause = "aborted"
                 if final.token_ids or final.text or final.prompt_token_ids:  # what came before the abort counts
                     final.finish_reason, final.finish_detail = 0, ""
                     del final.version_spans[:]
                     out.put_nowait(final)
             attempt += 1
             self.resubmissions += 1
-            metrics.RESUBMISSIONS.inc()
+            metrics.RESUBMISSIONS.labels(cause).inc()
             if attempt > self.cfg.max_resubmissions:
                 raise Unavailable(f"request {base.request_id} was cut short {attempt} times; giving up")
 

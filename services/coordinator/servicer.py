@@ -48,12 +48,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     @unary
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
-        return pb.HeartbeatResponse(known=self.core.registry.heartbeat(request.member_id))
+        return pb.HeartbeatResponse(known=self.core.registry.heartbeat(request.member_id, request.progress))
 
     @unary
     async def Deregister(self, request: pb.DeregisterRequest, context) -> pb.DeregisterResponse:
         if request.reason:
-            self.core.registry.lose(request.member_id, request.reason)
+            self.core.registry.lose(request.member_id, request.reason, "left")
         else:
             self.core.registry.remove(request.member_id, "deregistered")
         return pb.DeregisterResponse()

@@ -12,8 +12,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import grpc
-
 from rlsync.client import (Gone, RpcError, abort_staged_async, commit_staged_async, push_weights_async,
                            stage_weights_async)
 from rlsync.common import metrics
@@ -61,6 +59,7 @@ class Syncer:
         metrics.TRAINER_STEP.set_function(lambda: self.trainer_step)
         metrics.REPLICAS.labels("ready").set_function(lambda: len(registry.rollouts("ready")))
         metrics.REPLICAS.labels("all").set_function(lambda: len(registry.rollouts(None)))
+        metrics.REPLICAS.labels("suspect").set_function(lambda: sum(bool(r.suspect) for r in registry.rollouts(None)))
 
     def _trainer(self) -> Member:
         trainer = self.registry.trainer()
@@ -229,14 +228,15 @@ class Syncer:
 
     async def _survivors(self, replicas: list[Member]) -> list[Member]:
         """The replicas still alive; the others leave the rotation now rather than at their lease
-        (the gateway resumes their requests elsewhere)."""
+        (the gateway resumes their requests elsewhere). A replica that does not answer is left to the
+        lease, which its call races: a hung one is dropped within it, a busy one answers late."""
         async def alive(r: Member) -> bool:
             if r.state == "gone":  # its lease ran out meanwhile
                 return False
             try:
-                return (await r.client.info(timeout=5.0)).state != rollout_pb2.SERVING_STATE_DEAD
-            except RpcError as e:
-                return not (e.retryable or e.code == grpc.StatusCode.DEADLINE_EXCEEDED)
+                return (await r.client.info(timeout=3 * self.registry.lease)).state != rollout_pb2.SERVING_STATE_DEAD
+            except RpcError as e:  # unreachable (dead, or dropped by the lease: Gone), or too busy to answer yet
+                return not e.retryable
 
         checks = await asyncio.gather(*(alive(r) for r in replicas))
         for r, ok in zip(replicas, checks):
@@ -246,7 +246,7 @@ class Syncer:
                 r.state = "syncing"
                 self.registry.spawn(self.catch_up(r))
             else:  # registers again when it is back
-                self.registry.lose(r.id, "gone during a sync")
+                self.registry.lose(r.id, "gone during a sync", "dead")
         return [r for r, ok in zip(replicas, checks) if ok]
 
     def _doorbells(self, replicas: list[Member]) -> list:
@@ -278,7 +278,7 @@ class Syncer:
         except Exception:  # noqa: BLE001 - out of rotation until it registers again, and tries again then
             log.exception("could not bring %s up to date; it leaves the fleet and registers again", member.name)
             if not member.static:  # its next heartbeat is answered "unknown": it registers again
-                self.registry.lose(member.id, "could not be caught up")
+                self.registry.lose(member.id, "could not be caught up", "catch_up_failed")
 
     async def _catch_up(self, member: Member) -> None:
         async with self.lock:

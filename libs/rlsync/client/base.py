@@ -7,8 +7,12 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TypeVar
 
+import grpc
+from grpc_health.v1.health_pb2 import HealthCheckRequest
+from grpc_health.v1.health_pb2_grpc import HealthStub
+
 from rlsync.client.completion import Completion, collect, generate_request
-from rlsync.client.errors import Gone, translated
+from rlsync.client.errors import Gone, RpcError, translated
 from rlsync.common.v1 import generate_pb2 as gen_pb
 from rlsync.rpc.channel import aio_channel, sync_channel
 
@@ -47,6 +51,8 @@ class SyncClient(_Client):
 
 
 T = TypeVar("T")
+# Statuses the client's own gRPC makes up when the service did not answer (unreachable, too slow, cut off).
+NOT_AN_ANSWER = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 
 
 async def until_gone(call: Awaitable[T], *gone: asyncio.Future | None, method: str = "") -> T:
@@ -82,17 +88,38 @@ async def until_gone(call: Awaitable[T], *gone: asyncio.Future | None, method: s
 class AsyncClient(_Client):
     make_channel = staticmethod(aio_channel)
 
-    def __init__(self, address: str, *, gone: asyncio.Future | None = None, **kwargs):
+    def __init__(self, address: str, *, gone: asyncio.Future | None = None,
+                 heard: Callable[[str], None] | None = None, **kwargs):
         """gone: completed (with the reason) by whoever learns the service is gone, e.g. the
         coordinator's registry when its lease runs out: every call in flight is then abandoned with
-        Gone (UNAVAILABLE), and so is every later one."""
+        Gone (UNAVAILABLE), and so is every later one.
+        heard: called with "answer" whenever the service answers a call (a response, or a status it
+        sent itself) and with "tokens" for every chunk it streams: the registry's evidence of life."""
         super().__init__(address, **kwargs)
         self.gone = gone
+        self.heard = heard
 
     async def _call(self, method: str, request, timeout: float | None = None):
-        with translated(method):
-            return await until_gone(getattr(self.stub, method)(request, timeout=timeout or self.timeout), self.gone,
-                                    method=method)
+        call = getattr(self.stub, method)(request, timeout=timeout or self.timeout)
+        return await self._answered(call, method)
+
+    async def _answered(self, call: Awaitable[T], method: str) -> T:
+        try:
+            with translated(method):
+                response = await until_gone(call, self.gone, method=method)
+        except RpcError as e:
+            if self.heard is not None and not isinstance(e, Gone) and e.code not in NOT_AN_ANSWER:
+                self.heard("answer")
+            raise
+        if self.heard is not None:
+            self.heard("answer")
+        return response
+
+    async def health(self, timeout: float | None = None) -> int:
+        """grpc.health.v1 Check of the whole server (its status): answered by its event loop alone, so
+        a cheap way to learn that a service is alive, however busy."""
+        call = HealthStub(self.channel).Check(HealthCheckRequest(), timeout=timeout or self.timeout)
+        return (await self._answered(call, "Health.Check")).status
 
     async def close(self) -> None:
         await self.channel.close()
@@ -139,8 +166,11 @@ class AsyncGenerating:
         if gone is not None:
             gone.add_done_callback(abandon)
         try:
+            heard = getattr(self, "heard", None)
             with translated("Generate"):
                 async for chunk in call:
+                    if heard is not None:
+                        heard("tokens")
                     yield chunk
         except asyncio.CancelledError:
             if gone is None or not gone.done() or asyncio.current_task().cancelling():

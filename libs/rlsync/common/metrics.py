@@ -27,14 +27,25 @@ TRANSFER_GBPS = Gauge("rlsync_transfer_gbps", "GB/s of the last sync's transfer 
                       "per backend", ["backend"])
 FLEET_VERSION = Gauge("rlsync_fleet_weight_version", "the weight version the fleet serves")
 TRAINER_STEP = Gauge("rlsync_trainer_step", "the trainer's step, as the coordinator last heard it")
-REPLICAS = Gauge("rlsync_replicas", "rollout replicas, by state", ["state"])
+REPLICAS = Gauge("rlsync_replicas", "rollout replicas, by state (ready, all, suspect)", ["state"])
+
+# -- the coordinator: liveness (the registry's lease, fed by evidence of progress) -------------------------
+MEMBERS_SUSPECTED = Counter("rlsync_members_suspected", "members suspected after half a lease without progress, by "
+                            "role and reason: silent (nothing heard) or stalled (heartbeats that show no progress)",
+                            ["role", "reason"])
+MEMBERS_CLEARED = Counter("rlsync_members_cleared", "suspected members that showed progress again, by role and the "
+                          "evidence: heartbeat, tokens, answer", ["role", "evidence"])
+MEMBERS_DROPPED = Counter("rlsync_members_dropped", "members that left the fleet, by role and reason: silent or "
+                          "stalled (a lease without progress), dead (found dead by a sync), replaced (registered "
+                          "again), left (said why), deregistered (in order), catch_up_failed", ["role", "reason"])
 
 # -- the coordinator: the gateway ---------------------------------------------------------------------
 GATEWAY_REQUESTS = Counter("rlsync_gateway_requests", "generation requests taken by the gateway (gRPC or HTTP)")
 GATEWAY_IN_FLIGHT = Gauge("rlsync_gateway_requests_in_flight", "gateway requests being answered")
 GATEWAY_WAITING = Gauge("rlsync_gateway_waiting", "completions waiting for a ready replica (queue depth)")
-RESUBMISSIONS = Counter("rlsync_gateway_resubmissions", "completions resubmitted after an update or a dead "
-                        "replica cut them short")
+RESUBMISSIONS = Counter("rlsync_gateway_resubmissions", "completions resubmitted, by what cut them short: aborted "
+                        "(the replica ended them: an update's pause, a sleep, a drain), replica_lost (the registry "
+                        "dropped the replica), replica_failed (the call failed otherwise)", ["reason"])
 STALE_FLAGGED = Counter("rlsync_gateway_stale_completions", "completions whose oldest token lags the trainer by "
                         "more than max_staleness")
 

@@ -14,6 +14,7 @@ from operator import attrgetter
 
 import torch
 
+from rlsync.common.progress import PROGRESS
 from rlsync.errors import DataLoss, InvalidArgument
 from rlsync.flat import FlatStore
 from rlsync.transfer import batched
@@ -136,6 +137,7 @@ class DestWriter:
 
     def mark(self, index: int, nbytes: int) -> None:
         """Records bytes that arrived (written through write(), or straight into direct_view())."""
+        PROGRESS.advance()  # bytes landing are progress, whatever the event loop does meanwhile
         self.received[index] += nbytes
         if self.received[index] == self.specs[index].nbytes:
             self._complete(index)
@@ -143,6 +145,7 @@ class DestWriter:
     def write_whole(self, data: torch.Tensor) -> None:
         """All tensors at once, when both sides lay them out back to back (see `whole`)."""
         self.whole.copy_(data, non_blocking=True)
+        PROGRESS.advance()
         self.landed = True  # every one lands in place: nothing to complete
 
     def write_all(self, sources: list[tuple[torch.Tensor, int] | None], plans: dict | None = None) -> None:

@@ -26,7 +26,7 @@ from rlsync.common.v1 import generate_pb2 as rlsync_dot_common_dot_v1_dot_genera
 from rlsync.trainer.v1 import trainer_pb2 as rlsync_dot_trainer_dot_v1_dot_trainer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'rlsync/coordinator/v1/coordinator.proto\x12\x15rlsync.coordinator.v1\x1a\x1frlsync/common/v1/generate.proto\x1a\x1frlsync/trainer/v1/trainer.proto\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"]\n\x12SyncWeightsRequest\x12\x14\n\x07version\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x15\n\rforce_backend\x18\x02 \x01(\t\x12\x0e\n\x06verify\x18\x03 \x01(\x08\x42\n\n\x08_version\"\xd0\x04\n\x13SyncWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12-\n\x04mode\x18\x02 \x01(\x0e\x32\x1f.rlsync.coordinator.v1.SyncMode\x12\x46\n\x06phases\x18\x03 \x03(\x0b\x32\x36.rlsync.coordinator.v1.SyncWeightsResponse.PhasesEntry\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x10\n\x08replicas\x18\x05 \x01(\x05\x12\r\n\x05\x62ytes\x18\x06 \x01(\x03\x12J\n\x08\x62\x61\x63kends\x18\x07 \x03(\x0b\x32\x38.rlsync.coordinator.v1.SyncWeightsResponse.BackendsEntry\x12\x10\n\x08verified\x18\x08 \x01(\x08\x12Y\n\x10transfer_profile\x18\t \x03(\x0b\x32?.rlsync.coordinator.v1.SyncWeightsResponse.TransferProfileEntry\x12\x12\n\nwire_bytes\x18\n \x01(\x03\x12\x1a\n\x12trainer_rank_bytes\x18\x0b \x03(\x03\x1a-\n\x0bPhasesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a/\n\rBackendsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x1a\x36\n\x14TransferProfileEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x12\n\x10GetStatusRequest\"\xca\x01\n\x06Member\x12\n\n\x02id\x18\x01 \x01(\t\x12)\n\x04role\x18\x02 \x01(\x0e\x32\x1b.rlsync.coordinator.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12\x1f\n\x17seconds_since_heartbeat\x18\x06 \x01(\x01\x12\x11\n\tin_flight\x18\x07 \x01(\x05\x12\x0c\n\x04name\x18\x08 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\t \x01(\t\"\xf2\x01\n\x0b\x46leetStatus\x12-\n\x04mode\x18\x01 \x01(\x0e\x32\x1f.rlsync.coordinator.v1.SyncMode\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x14\n\x0ctrainer_step\x18\x03 \x01(\x03\x12.\n\x07members\x18\x04 \x03(\x0b\x32\x1d.rlsync.coordinator.v1.Member\x12\x15\n\rmax_staleness\x18\x05 \x01(\x03\x12\x19\n\x11gateway_in_flight\x18\x06 \x01(\x05\x12\x15\n\rresubmissions\x18\x07 \x01(\x03\x12\r\n\x05syncs\x18\x08 \x01(\x03\"[\n\x0fRegisterRequest\x12)\n\x04role\x18\x01 \x01(\x0e\x32\x1b.rlsync.coordinator.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"P\n\x10RegisterResponse\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x1a\n\x12heartbeat_interval\x18\x02 \x01(\x01\x12\r\n\x05lease\x18\x03 \x01(\x01\"%\n\x10HeartbeatRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"6\n\x11\x44\x65registerRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x14\n\x12\x44\x65registerResponse*@\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_ROLLOUT\x10\x01\x12\x10\n\x0cROLE_TRAINER\x10\x02*k\n\x08SyncMode\x12\x19\n\x15SYNC_MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13SYNC_MODE_COLOCATED\x10\x01\x12\x13\n\x0fSYNC_MODE_ASYNC\x10\x02\x12\x16\n\x12SYNC_MODE_INFLIGHT\x10\x03\x32\xe6\x05\n\x12\x43oordinatorService\x12P\n\x08Generate\x12!.rlsync.common.v1.GenerateRequest\x1a\x1f.rlsync.common.v1.GenerateChunk0\x01\x12R\n\x05\x41\x62ort\x12#.rlsync.coordinator.v1.AbortRequest\x1a$.rlsync.coordinator.v1.AbortResponse\x12J\n\x05Train\x12\x1f.rlsync.trainer.v1.TrainRequest\x1a .rlsync.trainer.v1.TrainResponse\x12\x64\n\x0bSyncWeights\x12).rlsync.coordinator.v1.SyncWeightsRequest\x1a*.rlsync.coordinator.v1.SyncWeightsResponse\x12X\n\tGetStatus\x12\'.rlsync.coordinator.v1.GetStatusRequest\x1a\".rlsync.coordinator.v1.FleetStatus\x12[\n\x08Register\x12&.rlsync.coordinator.v1.RegisterRequest\x1a\'.rlsync.coordinator.v1.RegisterResponse\x12^\n\tHeartbeat\x12\'.rlsync.coordinator.v1.HeartbeatRequest\x1a(.rlsync.coordinator.v1.HeartbeatResponse\x12\x61\n\nDeregister\x12(.rlsync.coordinator.v1.DeregisterRequest\x1a).rlsync.coordinator.v1.DeregisterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'rlsync/coordinator/v1/coordinator.proto\x12\x15rlsync.coordinator.v1\x1a\x1frlsync/common/v1/generate.proto\x1a\x1frlsync/trainer/v1/trainer.proto\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"]\n\x12SyncWeightsRequest\x12\x14\n\x07version\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x15\n\rforce_backend\x18\x02 \x01(\t\x12\x0e\n\x06verify\x18\x03 \x01(\x08\x42\n\n\x08_version\"\xd0\x04\n\x13SyncWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12-\n\x04mode\x18\x02 \x01(\x0e\x32\x1f.rlsync.coordinator.v1.SyncMode\x12\x46\n\x06phases\x18\x03 \x03(\x0b\x32\x36.rlsync.coordinator.v1.SyncWeightsResponse.PhasesEntry\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x10\n\x08replicas\x18\x05 \x01(\x05\x12\r\n\x05\x62ytes\x18\x06 \x01(\x03\x12J\n\x08\x62\x61\x63kends\x18\x07 \x03(\x0b\x32\x38.rlsync.coordinator.v1.SyncWeightsResponse.BackendsEntry\x12\x10\n\x08verified\x18\x08 \x01(\x08\x12Y\n\x10transfer_profile\x18\t \x03(\x0b\x32?.rlsync.coordinator.v1.SyncWeightsResponse.TransferProfileEntry\x12\x12\n\nwire_bytes\x18\n \x01(\x03\x12\x1a\n\x12trainer_rank_bytes\x18\x0b \x03(\x03\x1a-\n\x0bPhasesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a/\n\rBackendsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x1a\x36\n\x14TransferProfileEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x12\n\x10GetStatusRequest\"\xfb\x01\n\x06Member\x12\n\n\x02id\x18\x01 \x01(\t\x12)\n\x04role\x18\x02 \x01(\x0e\x32\x1b.rlsync.coordinator.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12\x1f\n\x17seconds_since_heartbeat\x18\x06 \x01(\x01\x12\x11\n\tin_flight\x18\x07 \x01(\x05\x12\x0c\n\x04name\x18\x08 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\t \x01(\t\x12\x0f\n\x07suspect\x18\n \x01(\t\x12\x1e\n\x16seconds_since_progress\x18\x0b \x01(\x01\"\xf2\x01\n\x0b\x46leetStatus\x12-\n\x04mode\x18\x01 \x01(\x0e\x32\x1f.rlsync.coordinator.v1.SyncMode\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x14\n\x0ctrainer_step\x18\x03 \x01(\x03\x12.\n\x07members\x18\x04 \x03(\x0b\x32\x1d.rlsync.coordinator.v1.Member\x12\x15\n\rmax_staleness\x18\x05 \x01(\x03\x12\x19\n\x11gateway_in_flight\x18\x06 \x01(\x05\x12\x15\n\rresubmissions\x18\x07 \x01(\x03\x12\r\n\x05syncs\x18\x08 \x01(\x03\"[\n\x0fRegisterRequest\x12)\n\x04role\x18\x01 \x01(\x0e\x32\x1b.rlsync.coordinator.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"P\n\x10RegisterResponse\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x1a\n\x12heartbeat_interval\x18\x02 \x01(\x01\x12\r\n\x05lease\x18\x03 \x01(\x01\"7\n\x10HeartbeatRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x10\n\x08progress\x18\x02 \x01(\x04\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"6\n\x11\x44\x65registerRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x14\n\x12\x44\x65registerResponse*@\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_ROLLOUT\x10\x01\x12\x10\n\x0cROLE_TRAINER\x10\x02*k\n\x08SyncMode\x12\x19\n\x15SYNC_MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13SYNC_MODE_COLOCATED\x10\x01\x12\x13\n\x0fSYNC_MODE_ASYNC\x10\x02\x12\x16\n\x12SYNC_MODE_INFLIGHT\x10\x03\x32\xe6\x05\n\x12\x43oordinatorService\x12P\n\x08Generate\x12!.rlsync.common.v1.GenerateRequest\x1a\x1f.rlsync.common.v1.GenerateChunk0\x01\x12R\n\x05\x41\x62ort\x12#.rlsync.coordinator.v1.AbortRequest\x1a$.rlsync.coordinator.v1.AbortResponse\x12J\n\x05Train\x12\x1f.rlsync.trainer.v1.TrainRequest\x1a .rlsync.trainer.v1.TrainResponse\x12\x64\n\x0bSyncWeights\x12).rlsync.coordinator.v1.SyncWeightsRequest\x1a*.rlsync.coordinator.v1.SyncWeightsResponse\x12X\n\tGetStatus\x12\'.rlsync.coordinator.v1.GetStatusRequest\x1a\".rlsync.coordinator.v1.FleetStatus\x12[\n\x08Register\x12&.rlsync.coordinator.v1.RegisterRequest\x1a\'.rlsync.coordinator.v1.RegisterResponse\x12^\n\tHeartbeat\x12\'.rlsync.coordinator.v1.HeartbeatRequest\x1a(.rlsync.coordinator.v1.HeartbeatResponse\x12\x61\n\nDeregister\x12(.rlsync.coordinator.v1.DeregisterRequest\x1a).rlsync.coordinator.v1.DeregisterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,10 +39,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SYNCWEIGHTSRESPONSE_BACKENDSENTRY']._serialized_options = b'8\001'
   _globals['_SYNCWEIGHTSRESPONSE_TRANSFERPROFILEENTRY']._loaded_options = None
   _globals['_SYNCWEIGHTSRESPONSE_TRANSFERPROFILEENTRY']._serialized_options = b'8\001'
-  _globals['_ROLE']._serialized_start=1673
-  _globals['_ROLE']._serialized_end=1737
-  _globals['_SYNCMODE']._serialized_start=1739
-  _globals['_SYNCMODE']._serialized_end=1846
+  _globals['_ROLE']._serialized_start=1740
+  _globals['_ROLE']._serialized_end=1804
+  _globals['_SYNCMODE']._serialized_start=1806
+  _globals['_SYNCMODE']._serialized_end=1913
   _globals['_ABORTREQUEST']._serialized_start=132
   _globals['_ABORTREQUEST']._serialized_end=166
   _globals['_ABORTRESPONSE']._serialized_start=168
@@ -60,21 +60,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATUSREQUEST']._serialized_start=875
   _globals['_GETSTATUSREQUEST']._serialized_end=893
   _globals['_MEMBER']._serialized_start=896
-  _globals['_MEMBER']._serialized_end=1098
-  _globals['_FLEETSTATUS']._serialized_start=1101
-  _globals['_FLEETSTATUS']._serialized_end=1343
-  _globals['_REGISTERREQUEST']._serialized_start=1345
-  _globals['_REGISTERREQUEST']._serialized_end=1436
-  _globals['_REGISTERRESPONSE']._serialized_start=1438
-  _globals['_REGISTERRESPONSE']._serialized_end=1518
-  _globals['_HEARTBEATREQUEST']._serialized_start=1520
-  _globals['_HEARTBEATREQUEST']._serialized_end=1557
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1559
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1593
-  _globals['_DEREGISTERREQUEST']._serialized_start=1595
-  _globals['_DEREGISTERREQUEST']._serialized_end=1649
-  _globals['_DEREGISTERRESPONSE']._serialized_start=1651
-  _globals['_DEREGISTERRESPONSE']._serialized_end=1671
-  _globals['_COORDINATORSERVICE']._serialized_start=1849
-  _globals['_COORDINATORSERVICE']._serialized_end=2591
+  _globals['_MEMBER']._serialized_end=1147
+  _globals['_FLEETSTATUS']._serialized_start=1150
+  _globals['_FLEETSTATUS']._serialized_end=1392
+  _globals['_REGISTERREQUEST']._serialized_start=1394
+  _globals['_REGISTERREQUEST']._serialized_end=1485
+  _globals['_REGISTERRESPONSE']._serialized_start=1487
+  _globals['_REGISTERRESPONSE']._serialized_end=1567
+  _globals['_HEARTBEATREQUEST']._serialized_start=1569
+  _globals['_HEARTBEATREQUEST']._serialized_end=1624
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1626
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1660
+  _globals['_DEREGISTERREQUEST']._serialized_start=1662
+  _globals['_DEREGISTERREQUEST']._serialized_end=1716
+  _globals['_DEREGISTERRESPONSE']._serialized_start=1718
+  _globals['_DEREGISTERRESPONSE']._serialized_end=1738
+  _globals['_COORDINATORSERVICE']._serialized_start=1916
+  _globals['_COORDINATORSERVICE']._serialized_end=2658
 # @@protoc_insertion_point(module_scope)

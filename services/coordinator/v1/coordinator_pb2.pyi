@@ -101,7 +101,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Member(_message.Message):
-    __slots__ = ("id", "role", "address", "state", "weight_version", "seconds_since_heartbeat", "in_flight", "name", "backend")
+    __slots__ = ("id", "role", "address", "state", "weight_version", "seconds_since_heartbeat", "in_flight", "name", "backend", "suspect", "seconds_since_progress")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,8 @@ class Member(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    SUSPECT_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: Role
     address: str
@@ -120,7 +122,9 @@ class Member(_message.Message):
     in_flight: int
     name: str
     backend: str
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., weight_version: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., in_flight: _Optional[int] = ..., name: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+    suspect: str
+    seconds_since_progress: float
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., weight_version: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., in_flight: _Optional[int] = ..., name: _Optional[str] = ..., backend: _Optional[str] = ..., suspect: _Optional[str] = ..., seconds_since_progress: _Optional[float] = ...) -> None: ...
 
 class FleetStatus(_message.Message):
     __slots__ = ("mode", "weight_version", "trainer_step", "members", "max_staleness", "gateway_in_flight", "resubmissions", "syncs")
@@ -163,10 +167,12 @@ class RegisterResponse(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., heartbeat_interval: _Optional[float] = ..., lease: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("member_id",)
+    __slots__ = ("member_id", "progress")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     member_id: str
-    def __init__(self, member_id: _Optional[str] = ...) -> None: ...
+    progress: int
+    def __init__(self, member_id: _Optional[str] = ..., progress: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("known",)

@@ -1,0 +1,71 @@
+"""When the registry suspects a member and when it drops one: pure rules over what it last heard (no
+I/O, no clock of its own).
+
+Liveness is progress, not punctuality. Evidence of progress is anything the member gets done that the
+coordinator sees: a heartbeat whose progress counter moved (its event loop turned, transfer bytes
+landed), a chunk it streamed, any answer to a call. A member that shows none for half its lease is
+suspect (no new work goes to it; it is probed); one that shows none for its whole lease leaves, as a
+hung or dead one always has."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SUSPECT_AFTER = 0.5  # of the lease without evidence of progress
+
+
+@dataclass
+class Evidence:
+    """What the registry last heard from one member (monotonic seconds)."""
+
+    progress_at: float  # the last evidence of progress, of any kind
+    heartbeat_at: float  # the last heartbeat, whether it showed progress or not
+    counter: int = 0  # the member's progress counter at its last heartbeat (0: it reports none)
+    kind: str = "registered"  # what the last evidence was: heartbeat, tokens, answer
+
+    def heartbeat(self, now: float, counter: int) -> bool:
+        """Records a heartbeat; True when it is evidence of progress: the counter moved since the last
+        one, or the member reports none (every heartbeat of such a member counts, as it always did)."""
+        moved = counter == 0 or counter != self.counter
+        self.heartbeat_at, self.counter = now, counter
+        if moved:
+            self.saw(now, "heartbeat")
+        return moved
+
+    def saw(self, now: float, kind: str) -> None:
+        self.progress_at, self.kind = max(self.progress_at, now), kind
+
+    def credit(self, seconds: float, now: float) -> None:
+        """Time the coordinator itself stood still (stopped, starved, swapped) is not the member's silence:
+        whatever it sent meanwhile waits unread."""
+        self.progress_at = min(now, self.progress_at + seconds)
+        self.heartbeat_at = min(now, self.heartbeat_at + seconds)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    action: str  # "" (alive), "suspect" or "drop"
+    reason: str = ""  # for metrics: "silent" (nothing heard at all) or "stalled" (heartbeats without progress)
+    why: str = ""  # for people
+
+
+ALIVE = Verdict("")
+
+
+def judge(evidence: Evidence, now: float, lease: float) -> Verdict:
+    """What to do with a member, given its evidence: nothing, suspect it, or drop it."""
+    silent = now - evidence.progress_at
+    if silent <= lease * SUSPECT_AFTER:
+        return ALIVE
+    action = "drop" if silent > lease else "suspect"
+    if now - evidence.heartbeat_at <= lease * SUSPECT_AFTER:  # its heartbeats come, but show nothing done
+        return Verdict(action, "stalled", f"heartbeats arrive but show no progress for {silent:.1f}s")
+    return Verdict(action, "silent", f"no heartbeat nor any other sign of progress for {silent:.1f}s")
+
+
+def lateness(now: float, last: float, tick: float) -> float:
+    """Seconds the coordinator's own check came late by: its event loop was behind (starved, busy with
+    many streams) or the process stood still (stopped, swapped). Whatever members sent meanwhile waited
+    unread, so that time is credited to every member (Evidence.credit): the lease runs on the time the
+    coordinator could listen."""
+    return max(0.0, now - last - tick)

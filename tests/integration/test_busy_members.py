@@ -1,0 +1,91 @@
+"""Members that are busy, not hung: busy loops starve the CPU (2x the cores; RLSYNC_TEST_BURN sets
+another factor) while two replicas stream through the gateway and an in-flight sync lands under them.
+Every member stays in the fleet and nothing is resubmitted: tokens streamed, answers and heartbeats
+whose progress moves keep each one's lease, however late they come. Under the same starvation, a
+replica that hangs (SIGSTOP) still leaves within its lease and its streams finish on the other. Real
+processes and gRPC throughout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from conftest import rollout_args
+from hangs import FAST, LEASE
+from rlsync.client import CoordinatorClient
+from rlsync.coordinator.v1 import coordinator_pb2 as pb
+from streams import Stream
+from test_metrics import scrape
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from burn import burning, load_of  # noqa: E402
+
+STREAMS, TOKENS = 40, 160
+LOAD = float(os.environ.get("RLSYNC_TEST_BURN", "2"))  # busy loops per core (4: what bench/results reports too)
+
+
+def test_a_starved_fleet_keeps_every_member_and_an_inflight_sync_resubmits_nothing(services):
+    co = services.start("coordinator", ["--sync-mode", "inflight", *FAST, "--metrics-port", "0"], name="coordinator")
+    services.start("trainer", ["--coordinator", co.address], name="trainer")
+    ros = [services.start("rollout", [*rollout_args("hf"), "--coordinator", co.address, "--replica-id", f"r{i}"],
+                          name=f"r{i}") for i in range(2)]
+    client = CoordinatorClient(co.address)
+    client.wait_ready(3)
+    with burning(load_of(LOAD)):
+        started = time.monotonic()
+        streams = [Stream(client, f"busy {i}", max_tokens=TOKENS, ignore_eos=True, seed=i) for i in range(STREAMS)]
+        assert all(s.first.wait(120) for s in streams), "the streams never started"
+        sync = client.sync_weights(version=1)
+        for s in streams:
+            s.thread.join(300)
+        print(f"\n[busy] {STREAMS} streams of {TOKENS} tokens and an in-flight sync under {load_of(LOAD)} busy loops: "
+              f"{time.monotonic() - started:.1f}s; {liveness(co)}")
+        assert sync.version == 1 and sync.replicas == 2
+        complete(streams)
+        status = client.status()
+        assert rollouts(client) == ["r0", "r1"] and "dropped" not in liveness(co), "a busy member was dropped"
+        assert status.resubmissions == 0 and all(s.chunks[-1].resubmissions == 0 for s in streams), "none resubmitted"
+        assert any(len(set(s.versions())) == 2 for s in streams), "the sync landed under streams in flight"
+
+        # The other side, under the same load: a replica that makes no progress at all leaves within its lease.
+        streams = [Stream(client, f"hung {i}", max_tokens=TOKENS, ignore_eos=True, seed=i) for i in range(10)]
+        assert all(s.first.wait(120) for s in streams)
+        os.killpg(ros[1].proc.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            deadline = stopped + 60
+            while rollouts(client) != ["r0"]:
+                assert time.monotonic() < deadline, "the hung replica never left"
+                time.sleep(0.05)
+            print(f"\n[busy] a hung replica under {load_of(LOAD)} busy loops left in {time.monotonic() - stopped:.1f}s "
+                  f"(lease {LEASE}s)")
+            for s in streams:
+                s.thread.join(300)
+        finally:
+            os.killpg(ros[1].proc.pid, signal.SIGCONT)
+    complete(streams)
+    assert "rollout silent: 1" in liveness(co), liveness(co)
+
+
+def complete(streams: list[Stream]) -> None:
+    assert [s.error for s in streams if s.error] == []
+    assert all(s.tokens == TOKENS and s.chunks[-1].finish_reason for s in streams), "every stream complete"
+
+
+def rollouts(client: CoordinatorClient) -> list[str]:
+    return sorted(m.name for m in client.status().members if m.role == pb.ROLE_ROLLOUT)
+
+
+def liveness(co) -> str:
+    """The coordinator's liveness counters, e.g. "suspected: rollout silent: 2" (none: "")."""
+    figures = scrape(co.http_address("metrics"))
+    parts = []
+    for name in ("suspected", "cleared", "dropped"):
+        found = [f"{dict(k[1])['role']} {dict(k[1]).get('reason', dict(k[1]).get('evidence'))}: {v:g}"
+                 for k, v in figures.items() if k[0] == f"rlsync_members_{name}_total"]
+        if found:
+            parts.append(f"{name}: {', '.join(found)}")
+    return "; ".join(parts)
