@@ -12,7 +12,7 @@ from rlsync.checks import StartupError
 COMMANDS = {
     "demo": ("rlsync.demo.run", "run the RL demo on the tiny model (coordinator, trainer, replicas)"),
     "coordinator": ("rlsync.coordinator.__main__", "registry, weight-sync sequences and generation gateway"),
-    "rollout": ("rlsync.rollout.__main__", "serve one inference engine (vLLM or hf) over gRPC"),
+    "rollout": ("rlsync.rollout.__main__", "serve one inference engine (vLLM, SGLang or hf) over gRPC"),
     "trainer": ("rlsync.trainer.__main__", "serve a policy: GRPO-style steps, offload/onload, weight publishing"),
     "make-tiny-model": ("rlsync.models", "build the embedded default model and print its folder"),
     "transfer-check": ("rlsync.transfer.check", "move a safetensors file to another process over one backend "

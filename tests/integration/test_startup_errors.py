@@ -223,6 +223,10 @@ def test_spool_dir_that_is_a_file(tmp_path):
     (["nonsense"], "rlsync: error: unknown command 'nonsense'"),
     (["demo", "--model", "/nonexistent"], "rlsync demo: error: argument --model: /nonexistent does not exist"),
     (["demo", "--replicas", "0"], "rlsync demo: error: --replicas and --steps take 1 or more"),
+    (["transfer-check", "/missing.safetensors", "--backend", "shm"],
+     "rlsync transfer-check: error: /missing.safetensors: no such file"),
+    (["transfer-check", __file__, "--backend", "shm"],
+     "rlsync transfer-check: error: " + __file__ + ": not a readable"),
 ])
 def test_argparse_refusals(argv, fragment):
     out = run([sys.executable, "-m", "rlsync.cli", *argv])

@@ -4,6 +4,7 @@ backend, verify it bit for bit there, and print one JSON line. Exit status 1 whe
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import subprocess
 import sys
@@ -36,8 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device or ("cuda:0" if gpu else "cpu")
     receiver_device = args.receiver_device or ("cuda:1" if args.backend == "nccl" else device)
 
+    if not os.path.isfile(args.file):
+        parser.error(f"{args.file}: no such file (give the path of a .safetensors file)")
     arena = SharedArena() if device == "cpu" and not args.staged else None
-    tensors = load_tensors(args.file, device, arena)
+    try:
+        tensors = load_tensors(args.file, device, arena)
+    except Exception as e:  # noqa: BLE001 - safetensors' own words say what is wrong with the file
+        parser.error(f"{args.file}: not a readable .safetensors file ({e})")
     with WeightSender(tensors, bucket_bytes=args.bucket_bytes, checksums=args.checksums, arena=arena,
                       backends=[args.backend], one_copy=False if args.staged else None) as sender:
         offer = sender.offer(version=0)
