@@ -239,17 +239,18 @@ class VLLMEngine(Engine):
         # Asleep (the colocated order: KV cache still asleep), nothing reads the weights until they are
         # complete: the update lands straight in them where each worker's loaders allow (vllm_direct),
         # with no staging copy beside them; a failure there leaves them unfit to serve until an update lands.
+        # Few calls into the workers (vLLM's engine core serves them only between two steps): the answer, then
+        # one that checks the staging's room and begins; the memory figures are read once the bytes are in.
         direct = self._kv_asleep and layouts is None
-        refusals = [r for r in await self.llm.collective_rpc("rlsync_room", args=(needed, offer.manifest.version,
-                                                                                  direct)) if r]
-        if refusals:
-            raise ResourceExhausted(refusals[0])
-        states = await self.llm.collective_rpc("rlsync_begin", args=(raw, ans.SerializeToString(), timeout, direct))
+        states = await self.llm.collective_rpc("rlsync_begin", args=(raw, ans.SerializeToString(), timeout, direct,
+                                                                     needed))
         self._direct = all(s.get("direct") for s in states)
         if self._direct:
             self._broken = (f"weights half-written: version {offer.manifest.version}'s update into them did not "
                             "complete; the next update restores them")
-        await self._read_memory()
+        if refusals := [s["error"] for s in states if s.get("code") == "ResourceExhausted" and s.get("refused")]:
+            await self.abort_update()
+            raise ResourceExhausted(refusals[0])
         try:
             return pulled(ans, states)
         except BaseException:

@@ -75,17 +75,6 @@ class RlsyncWorkerExtension:
         return {"device": str(device), "weights_bytes": weights, "kv_cache_bytes": kv, "reserved_bytes": reserved,
                 "staging_bytes": staging}
 
-    def rlsync_room(self, nbytes: int, version: int, direct: bool = False) -> str:
-        """Why staging `nbytes` on this worker's device would not fit, or "" when it fits (or when the
-        update, `direct`, can land straight in the live weights and stages nothing)."""
-        if direct and self._rlsync_direct_views() is not None:
-            return ""
-        try:
-            ensure_room(nbytes, self._rlsync_device(), version)
-        except ResourceExhausted as e:
-            return str(e)
-        return ""
-
     def _rlsync_device(self) -> torch.device:
         return next(self.model_runner.get_model().parameters()).device
 
@@ -111,13 +100,9 @@ class RlsyncWorkerExtension:
                      force=force or None, layout=[pb.RankLayout.FromString(b) for b in layouts] if layouts else None)
         return ans.SerializeToString()
 
-    def _rlsync_direct_views(self, specs=None) -> dict[str, torch.Tensor] | None:
+    def _rlsync_direct_views(self, specs) -> dict[str, torch.Tensor] | None:
         """Views of the live parameters each checkpoint tensor loads into (vllm_direct), found once per
         tensor list; None where the loaders or the weights' processing do not allow it (said once)."""
-        if specs is None:
-            specs = getattr(self, "_rlsync_specs", None)
-            if specs is None:
-                return None
         key = tuple((s.name, s.shape) for s in specs)
         cached = getattr(self, "_rlsync_direct", None)
         if cached is None or cached[0] != key:
@@ -127,15 +112,16 @@ class RlsyncWorkerExtension:
             self._rlsync_direct = cached = (key, views)
         return cached[1]
 
-    def rlsync_begin(self, offer: bytes, answer_bytes: bytes, timeout: float, direct: bool = False) -> dict:
+    def rlsync_begin(self, offer: bytes, answer_bytes: bytes, timeout: float, direct: bool = False,
+                     staging_bytes: int = 0) -> dict:
         """Starts receiving, in the background (a pull is done when this returns): straight into the live
         weights where `direct` allows (the engine is asleep and its loaders place every tensor as one run
-        of a parameter), else into staging memory: the whole checkpoint, or from a routed offer only this
-        worker's boxes. Returns its state, as rlsync_poll, with whether it landed directly."""
+        of a parameter), else into staging memory (`staging_bytes` of it, refused first when they do not
+        fit: "refused"): the whole checkpoint, or from a routed offer only this worker's boxes. Returns its
+        state, as rlsync_poll, with whether it landed directly."""
         o, ans = pb.Offer.FromString(offer), pb.Answer.FromString(answer_bytes)
         device = self._rlsync_device()
         specs = from_proto(o.manifest)
-        self._rlsync_specs = specs
         views = self._rlsync_direct_views(specs) if direct and not o.HasField("routing") else None
         if views is not None:
             self._rlsync_update = StagedUpdate(o, ans, views, self.rank, device, timeout, post=False)
@@ -144,6 +130,10 @@ class RlsyncWorkerExtension:
             if "stages" in state:  # (a mark: the transfer's profile says where the bytes went)
                 state["stages"] = {**state["stages"], "in_place": 0.0}
             return {**state, "direct": True}
+        try:
+            ensure_room(staging_bytes, device, o.manifest.version)
+        except ResourceExhausted as e:
+            return {"state": "failed", "code": "ResourceExhausted", "error": str(e), "refused": True}
         if o.HasField("routing"):
             boxes = self._rlsync_boxes(specs)
             staging = BoxStaging(specs, boxes, device)
