@@ -111,14 +111,14 @@ test-sglang: $(STAMP) $(SGLANG_STAMP)
 # The GPU machine has no network: `make wheels` here downloads what its image lacks (Python 3.12
 # wheels, into ./wheels, carried along), `make gpu-setup` there installs them and rlsync itself.
 GPU_WHEELS := msgspec nvidia-ml-py==13.615.71 prometheus_client==0.26.0 peft==0.21.2 accelerate==1.15.0 protobuf==7.36.2 grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
-	openai==3.54.0 distro==1.9.0 jiter==0.19.0 sniffio==1.3.1 httpx2==2.16.2 httpcore2==2.16.2
+	openai==3.57.0 distro==1.9.0 jiter==0.19.0 sniffio==1.3.1 httpx2==2.16.2 httpcore2==2.16.2
 # checkpoint-engine for bench/peer_checkpoint_engine.py, then what it needs that the GPU image lacks (pip takes
 # from these only what is missing there: typing-extensions only if the image's is older than pydantic needs).
 CKPT_WHEELS := checkpoint-engine==0.4.2 pyzmq==27.3.0 loguru==0.7.3 fastapi==0.136.3 starlette==1.10.0 uvicorn==0.54.0 \
 	pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
 # vLLM for the GPU machine (requirements/gpu-vllm.txt, 290 MB): more than one call carries (64 MiB), so
-# `make gpu-parts` here cuts it into parts of 60 MiB in .gpu-parts/; each device call carries that folder with
-# one part in it and begins with `make gpu-land`, which moves the part out of the working tree (a carried folder
+# `make gpu-parts` here cuts it into parts of 60 MiB in .gpu-parts/; each device call carries one part (its
+# path, .gpu-parts/vllm.tar.NN; the last, smallest, with `wheels` beside it) and begins with `make gpu-land`, which moves the part out of the working tree (a carried folder
 # is replaced at every call) into $(GPU_PARTS); `make gpu-setup` joins and installs them once all are there.
 GPU_VLLM := requirements/gpu-vllm.txt
 GPU_PARTS ?= /root/rlsync-parts
@@ -133,8 +133,11 @@ wheels: $(STAMP)
 gpu-parts: $(STAMP)
 	$(BIN)/pip download -q -d .cache/gpu-vllm --only-binary=:all: $(PIP_PLATFORMS) --no-deps --require-hashes -r $(GPU_VLLM)
 	rm -rf .gpu-parts .cache/gpu-parts && mkdir -p .cache/gpu-parts
-	tar -C .cache/gpu-vllm -cf - $$(sed -n 's/^\([^#][^=]*\)==\([^ ]*\).*/\1 \2/p' $(GPU_VLLM) | while read n v; do \
-	    ls .cache/gpu-vllm | grep -i -m1 "^$$(echo $$n | sed 's/[-_.]/[-_.]/g')-$$v-"; done) | split -b 60M -d -a 2 - .cache/gpu-parts/vllm.tar.
+	sed -n 's/^\([^#][^=]*\)==\([^ ]*\).*/\1 \2/p' $(GPU_VLLM) | while read n v; do \
+	    ls .cache/gpu-vllm | grep -i -m1 "^$$(echo $$n | sed 's/[-_.]/[-_.]/g')-$$v-"; done > .cache/gpu-parts.list
+	test $$(wc -l < .cache/gpu-parts.list) -eq $$(grep -c '==' $(GPU_VLLM)) || { echo "a pinned wheel is missing"; exit 1; }
+	tar -C .cache/gpu-vllm -cf .cache/gpu-vllm.tar $$(cat .cache/gpu-parts.list)
+	split -b 60M -d -a 2 .cache/gpu-vllm.tar .cache/gpu-parts/vllm.tar. && rm .cache/gpu-vllm.tar
 	mv .cache/gpu-parts .gpu-parts && ls -l .gpu-parts
 
 # A base image for the Dockerfile made here from Debian's packages (no registry needed): debootstrap

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_cycle import VLLM_ARGS  # noqa: E402
 from transfer import _timed  # noqa: E402
 
 from rlsync.models import build_preset
@@ -122,10 +123,6 @@ async def run(args) -> dict:
             "onload": figure(times["onload"], profiles["onload"], "bytes_to_device", rates["h2d"])}
 
 
-VLLM_ARGS = {"dtype": "bfloat16", "enable_sleep_mode": True, "enforce_eager": True, "gpu_memory_utilization": 0.3,
-             "kv_cache_memory_bytes": 8 << 30, "max_num_seqs": 128}
-
-
 async def run_vllm(args) -> dict:
     """vLLM's sleep(1) (weights to pinned host memory, KV cache dropped) and its wake_up of the weights,
     then of the KV cache, each timed from the engine's call to its return (the worker's own copies and
@@ -135,7 +132,7 @@ async def run_vllm(args) -> dict:
     root = Path(tempfile.gettempdir()) / "rlsync-bench-models"
     model = str(build_preset(root / args.preset, args.preset, device="cuda"))
     rates = pinned_rates()
-    engine = VLLMEngine(model, VLLM_ARGS)
+    engine = VLLMEngine(model, VLLM_ARGS)  # as the services' replicas in bench/gpu_cycle.py
     await engine.start()
     weights = (await engine.memory()).weights_bytes
     times: dict[str, list[float]] = {"sleep": [], "wake_weights": [], "wake_kv_cache": []}

@@ -9,11 +9,13 @@ import asyncio
 import json
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
 from conftest import rl_step
-from rlsync.client import AsyncCoordinatorClient, CoordinatorClient, RolloutClient, TrainerClient
+from rlsync.client import (AsyncCoordinatorClient, CoordinatorClient, RolloutClient, RpcError, TrainerClient,
+                           push_weights)
 from rlsync.common.audit import differences, trainer_dtype
 
 pytestmark = pytest.mark.gpu
@@ -85,6 +87,27 @@ def test_colocated_cycles_land_each_update_in_vllms_woken_weights_bit_for_bit(se
     # bf16 logits on both sides, from different kernels: a few units in the last place of a logit (~0.03 at 5)
     assert max(off_trained) < 0.1, (served, off_trained)
     assert sum(off_base) > sum(off_trained), "the served policy is the trained one, not the one it slept with"
+
+
+def test_an_update_into_the_woken_weights_that_is_abandoned_leaves_them_unserved_until_the_next(services):
+    trainer = TrainerClient(services.start("trainer", ["--device", "cuda", "--lr", "0.05", "--checksums"],
+                                           env=ON_GPU, name="trainer-abandoned").address)
+    rollout = RolloutClient(services.start("rollout", ["--engine", "vllm", "--engine-args", json.dumps(VLLM_GPU)],
+                                           env=ON_GPU, name="vllm-abandoned").address)
+    rollout.sleep(level=1)
+    rollout.wake_up("weights")
+    offer = trainer.offer_weights(version=1, pull=True).offer  # the replica pulls it into the weights as it prepares
+    rollout.prepare_update(offer)
+    rollout.abort_update()  # whole but never committed: not version 0's weights any more, not version 1 either
+    rollout.wake_up("kv_cache")
+    with pytest.raises(RpcError) as e:
+        rollout.complete("x", max_tokens=4)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "half-written" in e.value.message
+    assert rollout.info().weight_version == 0
+    report = push_weights(trainer, [rollout], version=2, pull=True)  # awake: staged, then reloaded
+    assert report.backends == {"cuda_ipc": 1}
+    assert rollout.complete("x", max_tokens=4, ignore_eos=True)[0].token_versions == [2] * 4
+    assert _same_weights(trainer, rollout) == []
 
 
 @pytest.mark.parametrize("mode", ["async", "inflight"])

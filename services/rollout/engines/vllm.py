@@ -1,4 +1,5 @@
-"""The vLLM engine, driven only through AsyncLLM's public API and a registered worker extension."""
+"""The vLLM engine, driven through AsyncLLM's public API and a registered worker extension (and, on vLLM 0.20,
+which keeps no per-token weight versions, its output processor's token counts: vllm_versions)."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ class VLLMEngine(Engine):
         self.adapters = Adapters(model)
         self._kv_asleep = False  # slept, and the KV cache not woken since: nothing can generate
         self._broken = ""  # why the weights cannot serve: an update written into them failed
-        self._direct = False  # the prepared update lands straight in the live weights
+        self._pending = False  # an update is prepared (its receive may still be writing)
         self._switches: dict[str, SwitchPoints] = {}  # where vLLM does not tag tokens itself (vllm_versions)
 
     async def start(self) -> None:
@@ -178,6 +179,8 @@ class VLLMEngine(Engine):
     async def sleep(self, level: int) -> None:
         # On vLLM's CPU build sleep is a no-op (sleep mode needs CUDA); the core still refuses
         # Generate until WakeUp, so the sequencing is the same everywhere.
+        if self._pending:  # its receive may write into memory the sleep unmaps: it ends first
+            await self.abort_update()
         await self.llm.sleep(level)
         self._kv_asleep = True
         await self._read_memory()
@@ -242,12 +245,19 @@ class VLLMEngine(Engine):
         # Few calls into the workers (vLLM's engine core serves them only between two steps): the answer, then
         # one that checks the staging's room and begins; the memory figures are read once the bytes are in.
         direct = self._kv_asleep and layouts is None
-        states = await self.llm.collective_rpc("rlsync_begin", args=(raw, ans.SerializeToString(), timeout, direct,
-                                                                     needed))
-        self._direct = all(s.get("direct") for s in states)
-        if self._direct:
+        broken = self._broken
+        if direct:  # (from before any rank may write, until the commit)
             self._broken = (f"weights half-written: version {offer.manifest.version}'s update into them did not "
                             "complete; the next update restores them")
+        self._pending = True
+        try:
+            states = await self.llm.collective_rpc("rlsync_begin", args=(raw, ans.SerializeToString(), timeout,
+                                                                         direct, needed))
+        except BaseException:
+            await self.abort_update()
+            raise
+        if direct and not any(s.get("direct") for s in states):  # every rank staged: the weights are untouched
+            self._broken = broken
         if refusals := [s["error"] for s in states if s.get("code") == "ResourceExhausted" and s.get("refused")]:
             await self.abort_update()
             raise ResourceExhausted(refusals[0])
@@ -285,11 +295,7 @@ class VLLMEngine(Engine):
         if not was_paused:  # freeze requests in place, between two engine steps; they go on after
             await self.llm.pause_generation(mode="keep", clear_cache=False)
         try:
-            if not self._tags:  # every token so far is the old version's
-                for request_id, counts in (await self._produced()).items():
-                    if (switches := self._switches.get(request_id)) is not None:
-                        for index, produced in counts.items():
-                            switches.switch(index, produced, version)
+            produced = await self._produced() if not self._tags else {}  # every token so far: the old version's
             # Requests on an adapter would go on with it over the new weights, a mix of versions:
             # they end (the gateway resubmits them), and new ones run on the new weights alone.
             on_adapters = self.adapters.detach()
@@ -301,7 +307,13 @@ class VLLMEngine(Engine):
             except BaseException:
                 self.adapters.reattach()
                 raise
-            self._broken, self._direct = "", False
+            self._broken, self._pending = "", False
+            for request_id, switches in self._switches.items():  # (vLLM 0.20: rlsync's own record)
+                counts = produced.get(request_id)
+                if counts is None:  # arrived during the commit: every token of it is the new version's
+                    switches.start = version
+                for index, count in (counts or {}).items():
+                    switches.switch(index, count, version)
             await self.adapters.forget(self.llm)
             if self._tags:
                 await self.llm.update_weight_version(str(version))  # before anything else can fail
@@ -325,7 +337,11 @@ class VLLMEngine(Engine):
             if queue is None or queue.empty():
                 break
             await asyncio.sleep(0.001)
-        await asyncio.sleep(0)
+        else:
+            log.warning("vLLM's outputs before the pause were still queued after 1 s: version spans may be late")
+        states = self.llm.output_processor.request_states
+        for _ in range(len(states) // 128 + 2):  # it takes a step's outputs in chunks of 128, yielding between
+            await asyncio.sleep(0)
         out: dict[str, dict[int, int]] = {}
         for state in list(self.llm.output_processor.request_states.values()):
             out.setdefault(state.external_req_id, {})[state.request_index] = state.detokenizer.num_output_tokens()
@@ -334,7 +350,7 @@ class VLLMEngine(Engine):
     async def abort_update(self) -> None:
         await self.adapters.abort(self.llm)
         await self.llm.collective_rpc("rlsync_abort")
-        self._direct = False  # (its weights stay marked: written in part, or whole but not committed)
+        self._pending = False  # (direct, its weights stay marked: written in part, or whole but not committed)
         await self._read_memory()
 
     async def checksums(self):

