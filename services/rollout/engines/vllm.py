@@ -222,38 +222,31 @@ class VLLMEngine(Engine):
             return await self.adapters.prepare(offer, receiver_id, force_backend, timeout)
         raw = offer.SerializeToString()
         tp = self.tensor_parallel_size
-        # From a sharded trainer each worker receives only the boxes its loaders keep (found by vLLM's
-        # own loaders); otherwise every worker stages the whole checkpoint.
-        layouts = await self.llm.collective_rpc("rlsync_layout", args=(raw,)) if offer.HasField("routing") else None
-        answers = [transfer_pb2.Answer.FromString(a) for a in await self.llm.collective_rpc(
-            "rlsync_answer", args=(raw, receiver_id, tp, force_backend, layouts))]
-        if len({a.backend for a in answers}) > 1:  # workers on different GPUs: one channel that suits all
-            common = max((a.backend for a in answers), key=PREFERENCE.index)
-            answers = [transfer_pb2.Answer.FromString(a) for a in await self.llm.collective_rpc(
-                "rlsync_answer", args=(raw, receiver_id, tp, NAMES[common], layouts))]
-        ans = answers[0]
-        held = set.intersection(*(set(a.groups) for a in answers))  # a routed group only every worker holds
-        ans.groups[:] = [g for g in ans.groups if g in held]
-        if layouts is not None:
-            held = layout_of(from_proto(offer.manifest), ans.layout)
-            needed = max(held.nbytes(r) for r in range(held.ranks))
-        else:
-            needed = sum(t.nbytes for t in offer.manifest.tensors)
         # Asleep (the colocated order: KV cache still asleep), nothing reads the weights until they are
         # complete: the update lands straight in them where each worker's loaders allow (vllm_direct),
         # with no staging copy beside them; a failure there leaves them unfit to serve until an update lands.
-        # Few calls into the workers (vLLM's engine core serves them only between two steps): the answer, then
-        # one that checks the staging's room and begins; the memory figures are read once the bytes are in.
-        direct = self._kv_asleep and layouts is None
+        direct = self._kv_asleep and not offer.HasField("routing")
         broken = self._broken
         if direct:  # (from before any rank may write, until the commit)
             self._broken = (f"weights half-written: version {offer.manifest.version}'s update into them did not "
                             "complete; the next update restores them")
         self._pending = True
+        # Few calls into the workers: vLLM's engine core serves them only between two steps. One worker
+        # answers for itself and begins in the same call; several first agree on one channel (and, from a
+        # sharded trainer, each receives only the boxes its loaders keep, found by vLLM's own loaders).
+        # Each checks the staging's room before it allocates; the memory figures are read once the bytes are in.
         try:
-            states = await self.llm.collective_rpc("rlsync_begin", args=(raw, ans.SerializeToString(), timeout,
-                                                                         direct, needed))
-        except BaseException:
+            if tp == 1 and not offer.HasField("routing"):
+                needed = sum(t.nbytes for t in offer.manifest.tensors)
+                states = await self.llm.collective_rpc("rlsync_begin", args=(
+                    raw, b"", timeout, direct, needed, receiver_id, force_backend))
+                ans = transfer_pb2.Answer.FromString(states[0].pop("answer"))
+            else:
+                ans, needed = await self._agree(offer, raw, receiver_id, force_backend)
+                states = await self.llm.collective_rpc("rlsync_begin", args=(raw, ans.SerializeToString(), timeout,
+                                                                             direct, needed))
+        except BaseException:  # refused before any byte moved (a receive's own failure comes back in its state)
+            self._broken = broken
             await self.abort_update()
             raise
         if direct and not any(s.get("direct") for s in states):  # every rank staged: the weights are untouched
@@ -266,6 +259,24 @@ class VLLMEngine(Engine):
         except BaseException:
             await self.abort_update()
             raise
+
+    async def _agree(self, offer, raw: bytes, receiver_id: str, force_backend: str) -> tuple:
+        """(the answer every worker of a tensor-parallel replica receives by, the staging bytes each needs)."""
+        tp = self.tensor_parallel_size
+        layouts = await self.llm.collective_rpc("rlsync_layout", args=(raw,)) if offer.HasField("routing") else None
+        answers = [transfer_pb2.Answer.FromString(a) for a in await self.llm.collective_rpc(
+            "rlsync_answer", args=(raw, receiver_id, tp, force_backend, layouts))]
+        if len({a.backend for a in answers}) > 1:  # workers on different GPUs: one channel that suits all
+            common = max((a.backend for a in answers), key=PREFERENCE.index)
+            answers = [transfer_pb2.Answer.FromString(a) for a in await self.llm.collective_rpc(
+                "rlsync_answer", args=(raw, receiver_id, tp, NAMES[common], layouts))]
+        ans = answers[0]
+        held = set.intersection(*(set(a.groups) for a in answers))  # a routed group only every worker holds
+        ans.groups[:] = [g for g in ans.groups if g in held]
+        if layouts is not None:
+            held = layout_of(from_proto(offer.manifest), ans.layout)
+            return ans, max(held.nbytes(r) for r in range(held.ranks))
+        return ans, sum(t.nbytes for t in offer.manifest.tensors)
 
     async def finish_update(self, timeout: float) -> float:
         if self.adapters.pending is not None:

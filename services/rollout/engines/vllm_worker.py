@@ -120,14 +120,25 @@ class RlsyncWorkerExtension:
         return cached[1]
 
     def rlsync_begin(self, offer: bytes, answer_bytes: bytes, timeout: float, direct: bool = False,
-                     staging_bytes: int = 0) -> dict:
+                     staging_bytes: int = 0, receiver_id: str = "", force: str = "") -> dict:
         """Starts receiving, in the background (a pull is done when this returns): straight into the live
         weights where `direct` allows (the engine is asleep and its loaders place every tensor as one run
         of a parameter), else into staging memory (`staging_bytes` of it, refused first when they do not
-        fit: "refused"): the whole checkpoint, or from a routed offer only this worker's boxes. Returns its
-        state, as rlsync_poll, with whether it landed directly."""
-        o, ans = pb.Offer.FromString(offer), pb.Answer.FromString(answer_bytes)
+        fit: "refused"): the whole checkpoint, or from a routed offer only this worker's boxes. Without an
+        answer (a replica of one worker), it answers for itself first, and the state carries the answer.
+        Returns its state, as rlsync_poll, with whether it landed directly."""
+        o = pb.Offer.FromString(offer)
         device = self._rlsync_device()
+        if answer_bytes:
+            ans = pb.Answer.FromString(answer_bytes)
+        else:
+            ans = answer(o, receiver_id, device=device, force=force or None)
+            state = self._rlsync_begin(o, ans, device, timeout, direct, staging_bytes)
+            return {**state, "answer": ans.SerializeToString()}
+        return self._rlsync_begin(o, ans, device, timeout, direct, staging_bytes)
+
+    def _rlsync_begin(self, o: pb.Offer, ans: pb.Answer, device: torch.device, timeout: float, direct: bool,
+                      staging_bytes: int) -> dict:
         specs = from_proto(o.manifest)
         views = self._rlsync_direct_views(specs) if direct and not o.HasField("routing") else None
         if views is not None:
