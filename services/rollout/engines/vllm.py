@@ -306,7 +306,8 @@ class VLLMEngine(Engine):
         if not was_paused:  # freeze requests in place, between two engine steps; they go on after
             await self.llm.pause_generation(mode="keep", clear_cache=False)
         try:
-            produced = await self._produced() if not self._tags else {}  # every token so far: the old version's
+            # (vLLM 0.20) every token so far is the old version's; a request vLLM no longer holds has ended
+            produced = await self._produced() if not self._tags else {}
             # Requests on an adapter would go on with it over the new weights, a mix of versions:
             # they end (the gateway resubmits them), and new ones run on the new weights alone.
             on_adapters = self.adapters.detach()
@@ -321,8 +322,8 @@ class VLLMEngine(Engine):
             self._broken, self._pending = "", False
             for request_id, switches in self._switches.items():  # (vLLM 0.20: rlsync's own record)
                 counts = produced.get(request_id)
-                if counts is None:  # arrived during the commit: every token of it is the new version's
-                    switches.start = version
+                if counts is None and not switches.produced:  # not in vLLM yet: all its tokens are the new
+                    switches.start = version  # version's (one that ended with none of its outputs read yet: not so)
                 for index, count in (counts or {}).items():
                     switches.switch(index, count, version)
             await self.adapters.forget(self.llm)

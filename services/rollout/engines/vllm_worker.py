@@ -129,13 +129,10 @@ class RlsyncWorkerExtension:
         Returns its state, as rlsync_poll, with whether it landed directly."""
         o = pb.Offer.FromString(offer)
         device = self._rlsync_device()
-        if answer_bytes:
-            ans = pb.Answer.FromString(answer_bytes)
-        else:
-            ans = answer(o, receiver_id, device=device, force=force or None)
-            state = self._rlsync_begin(o, ans, device, timeout, direct, staging_bytes)
-            return {**state, "answer": ans.SerializeToString()}
-        return self._rlsync_begin(o, ans, device, timeout, direct, staging_bytes)
+        ans = pb.Answer.FromString(answer_bytes) if answer_bytes else \
+            answer(o, receiver_id, device=device, force=force or None)
+        state = self._rlsync_begin(o, ans, device, timeout, direct, staging_bytes)
+        return state if answer_bytes else {**state, "answer": ans.SerializeToString()}
 
     def _rlsync_begin(self, o: pb.Offer, ans: pb.Answer, device: torch.device, timeout: float, direct: bool,
                       staging_bytes: int) -> dict:
@@ -174,9 +171,8 @@ class RlsyncWorkerExtension:
         update = self._rlsync_update
         self._rlsync_update = None
         staging = update.staging
-        if getattr(update, "direct", False):  # already in the live weights
-            if staging and next(iter(staging.values())).is_cuda:
-                torch.cuda.synchronize(self._rlsync_device())
+        if getattr(update, "direct", False):  # already in the live weights (on the GPU: direct_views)
+            torch.cuda.synchronize(self._rlsync_device())
             # (read back from the live weights, in the engine's dtype: "live" tells the audit to compare so)
             self._rlsync_applied = {"live": {n: audit_entry(t) for n, t in staging.items()}}
             return
