@@ -79,8 +79,9 @@ def expert_rules(model) -> tuple[Unfuse, ...]:
         ops = [(type(op), getattr(op, "dim", None)) for op in conv.operations]
         merged = ops[:1] == [(MergeModulelist, 0)] and (
             (len(ops) == 1 and len(sources) == 1) or ops[1:] == [(Concatenate, 1)])
-        if not merged or len(targets) != 1 or not all(_PLAIN.match(p) and p.count("*") == 1
-                                                       for p in (*sources, )) or not _PLAIN.match(targets[0]):
+        plain = all(_PLAIN.match(p) and p.count("*") == 1 for p in sources) and len(targets) == 1 \
+            and _PLAIN.match(targets[0]) and "*" not in targets[0]
+        if not merged or not plain:
             continue  # not a view in reverse (a transpose, a split of q/k/v, a regex): left as it is
         rules.append(Unfuse(targets[0], tuple(sources), getattr(conv, "scope_prefix", None) or ""))
     return tuple(rules)
