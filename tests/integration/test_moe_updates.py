@@ -79,3 +79,4 @@ def test_a_users_loop_publishes_the_fused_experts_per_expert(services, moe_model
             sync = pub.publish(step, verify=True)
             assert sync.version == step and sync.verified
     assert replica.info().weight_version == 2
+
