@@ -124,3 +124,18 @@ def checkpoint_groups(specs: Mapping[str, tuple[torch.Size, torch.dtype]], rules
             out.update((n, (torch.Size(s), dtype)) for n, _, s in parts)
             groups[name] = tuple(n for n, _, _ in parts)
     return out, groups
+
+
+def has_fused_experts(path: str) -> bool:
+    """Whether the model at `path` keeps experts fused in memory (built on the meta device: nothing
+    allocated, no weights read); False for a model transformers cannot build."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 - not a transformers model: the trainer says why when it loads it
+        return False
+    rules = expert_rules(model)
+    return any(unfused(n, tuple(p.shape), rules) for n, p in model.named_parameters())
