@@ -80,3 +80,17 @@ def test_a_users_loop_publishes_the_fused_experts_per_expert(services, moe_model
             assert sync.version == step and sync.verified
     assert replica.info().weight_version == 2
 
+
+
+def test_delta_broadcasts_of_the_experts_end_bit_exact_and_send_less(services, moe_model):
+    """--delta over gloo: the per-expert views are the resident tensors a delta is taken against."""
+    co = services.start("coordinator", ["--sync-mode", "async", "--force-backend", "gloo"], name="co-moe-delta")
+    on = ["--coordinator", co.address, "--model", str(moe_model)]
+    services.start("trainer", [*on, "--delta", "--dtype", "bfloat16", "--lr", "1e-5", "--bucket-bytes", "65536"],
+                   name="trainer-moe-delta")
+    services.start("rollout", [*rollout_args("hf", dtype="bfloat16"), *on], name="rollout-moe-delta")
+    client = CoordinatorClient(co.address)
+    client.wait_ready(2)
+    syncs = [rl_step(client, seed) for seed in range(4)]
+    assert all(s.verified for s in syncs)
+    assert syncs[0].wire_bytes == syncs[0].bytes and max(s.wire_bytes / s.bytes for s in syncs[1:]) < 0.5
