@@ -94,3 +94,16 @@ def test_delta_broadcasts_of_the_experts_end_bit_exact_and_send_less(services, m
     syncs = [rl_step(client, seed) for seed in range(4)]
     assert all(s.verified for s in syncs)
     assert syncs[0].wire_bytes == syncs[0].bytes and max(s.wire_bytes / s.bytes for s in syncs[1:]) < 0.5
+
+
+def test_colocated_steps_offload_and_onload_the_experts_and_stay_bit_exact(services, moe_model):
+    """The colocated sequence moves the trainer's memory every step: its per-expert views are taken again."""
+    co = services.start("coordinator", ["--sync-mode", "colocated"], name="co-moe-colocated")
+    on = ["--coordinator", co.address, "--model", str(moe_model)]
+    services.start("trainer", [*on, "--checksums", "--lr", "0.01"], name="trainer-moe-colocated")
+    services.start("rollout", [*rollout_args("hf"), *on], name="rollout-moe-colocated")
+    client = CoordinatorClient(co.address)
+    client.wait_ready(2)
+    for step in (1, 2, 3):
+        sync = rl_step(client, seed=step)
+        assert sync.version == step and sync.verified
