@@ -26,6 +26,7 @@ class FlatStore:
             def allocate(n: int, dtype: torch.dtype) -> torch.Tensor:
                 return torch.empty(n, dtype=dtype, device=device, pin_memory=pin)
         self.buffers = {dtype: allocate(n, dtype) for dtype, n in sizes.items()}
+        self._offsets = offsets
         self.views = {name: self.buffers[dtype][offsets[name]:offsets[name] + torch.Size(shape).numel()].view(shape)
                       for name, (shape, dtype) in specs.items()}
         # (name, dtype, shape) in buffer order: a receiver whose manifest lists exactly this lands the
@@ -52,6 +53,19 @@ class FlatStore:
         if self._bytes is None:
             self._bytes = next(iter(self.buffers.values())).view(torch.uint8)
         return self._bytes
+
+    def span(self, names, shape) -> torch.Tensor:
+        """One tensor of `shape` over `names`, consecutive tensors of one dtype in this store (a fused
+        parameter over its parts); one name: its view."""
+        if len(names) == 1:
+            return self.views[names[0]].view(shape)
+        dtype = self.views[names[0]].dtype
+        start = end = self._offsets[names[0]]
+        for n in names:
+            if self._offsets[n] != end or self.views[n].dtype != dtype:
+                raise ValueError(f"{n!r} does not follow {names[0]!r}..{names[-1]!r} in the store")
+            end += self.views[n].numel()
+        return self.buffers[dtype][start:end].view(shape)
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 TINY = "tiny"
+TINY_MOE = "tiny-moe"
+ARCHS = {"qwen2": TINY, "qwen3-moe": TINY_MOE}  # make-tiny-model --arch
 EOS = "<|endoftext|>"
 # Plain-text turns (the tiny vocabulary has no role tokens); a turn ends with EOS as the model's do.
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -101,8 +103,12 @@ def build_tiny_model(out: Path, recipe: TinyRecipe = TinyRecipe()) -> Path:
 
 def ensure_tiny_model(recipe: TinyRecipe = TinyRecipe()) -> Path:
     """The cached tiny model's folder, building it first if needed (safe across processes)."""
+    return _cached(f"tiny-qwen2-{recipe.key()}", lambda out: build_tiny_model(out, recipe))
+
+
+def _cached(folder: str, build) -> Path:
     root = cache_dir() / "models"
-    target = root / f"tiny-qwen2-{recipe.key()}"
+    target = root / folder
     if (target / "rlsync_recipe.json").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
@@ -111,11 +117,61 @@ def ensure_tiny_model(recipe: TinyRecipe = TinyRecipe()) -> Path:
         if not (target / "rlsync_recipe.json").exists():
             tmp = Path(tempfile.mkdtemp(dir=root, prefix=".build-"))
             try:
-                build_tiny_model(tmp / "model", recipe)
+                build(tmp / "model")
                 (tmp / "model").rename(target)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+@dataclass(frozen=True)
+class TinyMoeRecipe:
+    """The tiny mixture of experts (a Qwen3-MoE): the tiny model's tokenizer, 8 experts, 2 per token."""
+
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32  # vLLM's CPU attention rejects head_dim 16
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
+    intermediate_size: int = 64
+    max_position_embeddings: int = 1024
+    seed: int = 0
+    tokenizer: str = TinyRecipe().key()  # the dense tiny model whose tokenizer it shares
+    version: int = 1
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def build_tiny_moe(out: Path, recipe: TinyMoeRecipe = TinyMoeRecipe()) -> Path:
+    """Writes config, safetensors weights (per expert, as transformers saves them) and the tiny tokenizer."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    dense = ensure_tiny_model()
+    base = json.loads((dense / "config.json").read_text())
+    eos = base["eos_token_id"]
+    fields = {k: v for k, v in asdict(recipe).items() if k not in ("seed", "tokenizer", "version")}
+    config = Qwen3MoeConfig(**fields, vocab_size=base["vocab_size"], tie_word_embeddings=False,
+                            bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, torch_dtype="float32")
+    torch.manual_seed(recipe.seed)
+    model = Qwen3MoeForCausalLM(config)
+    out.mkdir(parents=True)
+    model.save_pretrained(out, safe_serialization=True)
+    for f in dense.iterdir():  # the tokenizer's files (and its chat template)
+        if f.name not in ("config.json", "generation_config.json", "rlsync_recipe.json") and f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    (out / "rlsync_recipe.json").write_text(json.dumps(asdict(recipe), indent=2))
+    return out
+
+
+def ensure_tiny_moe(recipe: TinyMoeRecipe = TinyMoeRecipe()) -> Path:
+    """The cached tiny MoE model's folder, building it first if needed (safe across processes)."""
+    ensure_tiny_model()  # its tokenizer first (the same lock)
+    return _cached(f"tiny-qwen3-moe-{recipe.key()}", lambda out: build_tiny_moe(out, recipe))
 
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
@@ -133,8 +189,13 @@ def torch_dtype(name: str):
 
 
 def resolve_model(name: str) -> str:
-    """`tiny` -> the locally built default; anything else is a local path (or a hub id, offline)."""
-    return str(ensure_tiny_model()) if name == TINY else name
+    """`tiny` -> the locally built default, `tiny-moe` -> its mixture of experts; anything else is a
+    local path (or a hub id, offline)."""
+    if name == TINY:
+        return str(ensure_tiny_model())
+    if name == TINY_MOE:
+        return str(ensure_tiny_moe())
+    return name
 
 
 # Real model families' shapes with random weights, for GPU benchmarks (tokenizer: the tiny one's;
@@ -176,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="rlsync make-tiny-model", description=__doc__)
+    parser.add_argument("--arch", choices=sorted(ARCHS), default="qwen2",
+                        help="the tiny model's architecture: a dense Qwen2 (default) or a Qwen3 mixture of experts")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="instead: a real-size model with random weights")
     parser.add_argument("--out", help="folder for --preset")
     parser.add_argument("--device", default="cpu", help="where --preset initializes its weights")
@@ -185,5 +248,5 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--preset needs --out")
         print(build_preset(Path(args.out), args.preset, args.device))
     else:
-        print(ensure_tiny_model())
+        print(resolve_model(ARCHS[args.arch]))
     return 0

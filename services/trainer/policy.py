@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from rlsync.common.timing import Stopwatch
+from rlsync.checkpoint_names import checkpoint_tensors, expert_rules
 from rlsync.flat import FlatStore, specs_of
 from rlsync.lora import split as lora_split
 from rlsync.models import torch_dtype
@@ -83,6 +84,8 @@ class Policy:
         self.trainable = {n: p for n, p in self.params.items() if p.requires_grad}
         # (sent, frozen): the same Parameter objects for good (offload re-points their data, not them)
         self._published = lora_split(self.params) if lora is not None else (self.params, {})
+        # Fused experts go out per expert, under the checkpoint's names (what engines load), as views
+        self.experts = expert_rules(self.model) if lora is None else ()
         self.specs = specs_of(self.params)
         self.trainable_specs = specs_of(self.trainable)
         self.arena: SharedArena | None = None
@@ -120,8 +123,10 @@ class Policy:
 
     def published(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(what a sync sends, what receivers already hold): every parameter and nothing, or under
-        LoRA the adapter (peft's names) and its frozen base (the checkpoint's names)."""
-        return self._published
+        LoRA the adapter (peft's names) and its frozen base (the checkpoint's names). Fused experts
+        are views of the parameters' data as it is now: taken again after an onload moved it."""
+        sent, frozen = self._published
+        return (checkpoint_tensors(sent, self.experts) if self.experts else sent), frozen
 
     def numel(self) -> int:
         return sum(p.numel() for p in self.params.values())

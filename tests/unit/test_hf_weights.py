@@ -50,3 +50,25 @@ def test_staging_counts_a_store_unless_the_spare_is_kept_and_every_buffer_a_cast
     assert store == 60 and w.staging_bytes(same) == 60 and w.staging_bytes(cast) == 60 + 24
     w.swap(w.staging(), version=1)
     assert w.staging_bytes(same) == 0 and w.staging_bytes(cast) == 24
+
+
+def test_a_mixture_of_experts_is_stored_under_its_checkpoints_names_and_wakes_from_its_checkpoint(tmp_path):
+    """Fused experts span their experts' tensors in the store: an update (checkpoint names) lands in the
+    fused parameters the model computes with, and Sleep(level=2) wakes from the checkpoint's files."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from rlsync.models import TinyMoeRecipe, build_tiny_moe
+
+    path = build_tiny_moe(tmp_path / "moe", TinyMoeRecipe(num_hidden_layers=1, num_experts=4))
+    weights = Weights.load(str(path), torch.device("cpu"), "float32")
+    saved = load_file(path / "model.safetensors")
+    assert set(weights.specs) == set(saved) == set(weights.checksums())
+    fused = weights.model.get_parameter("model.layers.0.mlp.experts.gate_up_proj")
+    weights.store.views["model.layers.0.mlp.experts.3.up_proj.weight"].fill_(7.0)
+    assert (fused[3, 32:] == 7.0).all() and not (fused[3, :32] == 7.0).any()
+    weights.sleep(2)
+    weights.wake_up()
+    x = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        assert torch.equal(weights.model(x).logits, AutoModelForCausalLM.from_pretrained(path)(x).logits)

@@ -10,6 +10,7 @@ from fnmatch import fnmatchcase
 
 import torch
 
+from rlsync.checkpoint_names import Unfuse, View, unfused
 from rlsync.errors import InvalidArgument
 
 # Name components that wrappers add and engines never expect (whole components, never substrings):
@@ -21,12 +22,14 @@ LEADING_WRAPPERS = WRAPPERS | {"module"}
 @dataclass(frozen=True)
 class Entry:
     """One tensor the engine receives: made from `parts` (trainer names; several are concatenated
-    along dim 0), cast to `dtype`."""
+    along dim 0), cast to `dtype`; or, with `view`, one expert's tensor of a fused experts parameter
+    (rlsync.checkpoint_names: a contiguous view of it, under the checkpoint's name)."""
 
     name: str
     parts: tuple[str, ...]
     shape: tuple[int, ...]
     dtype: torch.dtype
+    view: View | None = None
 
 
 @dataclass
@@ -67,22 +70,30 @@ class WeightMap:
     def _cast(self, dtype: torch.dtype) -> torch.dtype:
         return self.dtype if self.dtype is not None and dtype.is_floating_point else dtype
 
-    def plan(self, tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]]) -> list[Entry]:
-        """(trainer name, global shape, dtype) of each parameter -> the engine's tensors, in order."""
+    def plan(self, tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
+             experts: Sequence[Unfuse] = ()) -> list[Entry]:
+        """(trainer name, global shape, dtype) of each parameter -> the engine's tensors, in order.
+        `experts`: the model's fused experts parameters, published per expert under the checkpoint's
+        names (engines load those), applied after renaming."""
         named: dict[str, Entry] = {}
         for source, shape, dtype in tensors:
             name = self.engine_name(source)
             if name is None:
                 continue
-            if name in named:
-                raise InvalidArgument(f"{source!r} and {named[name].parts[0]!r} both map to {name!r}: "
-                                      "rename one of them")
-            named[name] = Entry(name, (source,), tuple(shape), self._cast(dtype))
+            per_expert = unfused(name, tuple(shape), experts)
+            for n, view, s in per_expert or [(name, None, tuple(shape))]:
+                if n in named:
+                    raise InvalidArgument(f"{source!r} and {named[n].parts[0]!r} both map to {n!r}: "
+                                          "rename one of them")
+                named[n] = Entry(n, (source,), s, self._cast(dtype), view)
         for name, members in self.fuse.items():
             missing = [m for m in members if m not in named]
             if missing:
                 raise InvalidArgument(f"fuse {name!r}: no tensor named {missing} (engine names: after renaming)")
             parts = [named.pop(m) for m in members]
+            if any(p.view is not None for p in parts):
+                raise InvalidArgument(f"fuse {name!r}: {[p.name for p in parts if p.view is not None]} are views of "
+                                      "a fused experts parameter already (the engine loads them per expert)")
             if len({p.shape[1:] for p in parts}) > 1 or len({p.dtype for p in parts}) > 1:
                 raise InvalidArgument(f"fuse {name!r}: {[(p.name, list(p.shape), str(p.dtype)) for p in parts]} "
                                       "differ beyond dim 0 or in dtype, so they cannot be concatenated")
@@ -93,7 +104,8 @@ class WeightMap:
                 raise InvalidArgument(f"tied {alias!r} -> {target!r}: there is no tensor {target!r} to tie to")
             if alias in named:
                 raise InvalidArgument(f"tied {alias!r}: the model already has a tensor of that name")
-            named[alias] = Entry(alias, named[target].parts, named[target].shape, named[target].dtype)
+            named[alias] = Entry(alias, named[target].parts, named[target].shape, named[target].dtype,
+                                 named[target].view)
         out = [e for e in named.values() if self._wanted(e.name)]
         if not out:
             raise InvalidArgument("nothing to publish: every parameter was renamed away or filtered out "

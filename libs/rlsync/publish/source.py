@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from rlsync import lora
+from rlsync.checkpoint_names import expert_rules
 from rlsync.errors import InvalidArgument
 from rlsync.publish.layout import RankShards, publisher_ranks
 from rlsync.publish.mapping import Entry, WeightMap
@@ -82,7 +83,8 @@ def module_source(model: nn.Module, weights: WeightMap | None = None, group=None
         if weights.rename is not None or weights.include or weights.exclude or weights.fuse or weights.tied:
             raise InvalidArgument("a LoRA adapter is published under peft's names: of WeightMap, only dtype applies "
                                   "(drop rename, include, exclude, fuse and tied)")
-    entries = weights.plan([(n, tuple(t.shape), t.dtype) for n, t in tensors.items()])
+    experts = () if adapter is not None else expert_rules(model)
+    entries = weights.plan([(n, tuple(t.shape), t.dtype) for n, t in tensors.items()], experts)
     devices = {local_device(tensors[p]) for e in entries for p in e.parts}
     if len(devices) > 1:
         raise ValueError(f"the model's parameters live on several devices ({sorted(map(str, devices))}): "
@@ -90,25 +92,32 @@ def module_source(model: nn.Module, weights: WeightMap | None = None, group=None
     device = devices.pop()
     as_is = all(len(e.parts) == 1 and not is_sharded(tensors[e.parts[0]]) and tensors[e.parts[0]].dtype == e.dtype
                 and tensors[e.parts[0]].is_contiguous() for e in entries)
-    if as_is:
-        return ResidentSource({e.name: tensors[e.parts[0]].detach() for e in entries}, adapter=adapter,
+    if as_is:  # (an expert's view of a contiguous fused parameter is contiguous too)
+        return ResidentSource({e.name: _viewed(tensors[e.parts[0]].detach(), e) for e in entries}, adapter=adapter,
                               frozen=frozen), entries
 
     specs = [Spec(e.name, e.dtype, e.shape, _nbytes(e)) for e in entries]
     if any(is_sharded(tensors[p]) for e in entries for p in e.parts):
+        if any(e.view is not None for e in entries):
+            raise InvalidArgument("a sharded model's fused experts parameters are not published per expert yet: "
+                                  "publish experts from an unsharded model (one process)")
         rank, world, global_ranks = publisher_ranks(group)
         return ShardedModule(RankShards(tensors, entries, rank, world, global_ranks), specs, device), entries
 
     def produce(i: int) -> torch.Tensor:  # one process: cast and fused on the fly
-        parts = [tensors[p].detach().to(entries[i].dtype) for p in entries[i].parts]
+        parts = [_viewed(tensors[p].detach(), entries[i]).to(entries[i].dtype) for p in entries[i].parts]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
     # Every tensor one whole parameter, only cast: a receiver on the GPU can cast as it copies. The
     # parameters themselves, not detached aliases: an offload re-points their data, and an alias would
     # keep the old storage on the GPU (and its old values)
-    cast_only = all(len(e.parts) == 1 and tensors[e.parts[0]].is_contiguous() for e in entries)
+    cast_only = all(len(e.parts) == 1 and e.view is None and tensors[e.parts[0]].is_contiguous() for e in entries)
     originals = [tensors[e.parts[0]] for e in entries] if cast_only else None
     return StreamedSource(specs, device, produce, adapter=adapter, frozen=frozen, originals=originals), entries
+
+
+def _viewed(t: torch.Tensor, e: Entry) -> torch.Tensor:
+    return t if e.view is None else e.view.of(t)
 
 
 def _nbytes(e: Entry) -> int:

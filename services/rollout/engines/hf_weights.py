@@ -2,12 +2,15 @@
 
 Flat storage makes sleep/wake one large copy per dtype, and lets a weight update land in a second
 set of buffers and become live by re-pointing the parameters (an O(1) swap between decode steps).
+The store is laid out under the checkpoint's names (what trainers publish): a fused experts
+parameter is the consecutive run of its experts' tensors (rlsync.checkpoint_names).
 """
 
 from __future__ import annotations
 
 import torch
 
+from rlsync.checkpoint_names import checkpoint_groups, checkpoint_tensors, expert_rules
 from rlsync.flat import FlatStore, specs_of
 from rlsync.models import torch_dtype
 from rlsync.transfer.armed import Armed
@@ -21,7 +24,10 @@ class Weights:
         self.path = path
         self.device = device
         self.params = dict(model.named_parameters())  # tied parameters appear once
-        self.specs = specs_of(self.params)
+        self.shapes = {n: p.shape for n, p in self.params.items()}  # (an asleep parameter's data is empty)
+        self.experts = expert_rules(model)
+        # {checkpoint name: (shape, dtype)}, and the checkpoint names each parameter spans
+        self.specs, self.groups = checkpoint_groups(specs_of(self.params), self.experts)
         self.store: FlatStore | None = None
         self.backup: FlatStore | None = None  # Sleep(level=1) on an accelerator: the weights, in host memory
         # The store the last swap retired: the next staged update lands in it (double buffering: no
@@ -39,7 +45,7 @@ class Weights:
         self.from_checkpoint = True  # False once a weight update has replaced the checkpoint's values
         self.not_ready: str | None = None
         self.version = 0
-        self._place(self._pack(self.params))
+        self._place(self._pack(checkpoint_tensors(self.params, self.experts)))
 
     @classmethod
     def load(cls, path: str, device: torch.device, dtype: str) -> Weights:
@@ -58,7 +64,8 @@ class Weights:
         """Points every parameter at its view in `store` (or at an empty tensor when None)."""
         self.store = store
         for name, p in self.params.items():
-            p.data = store.views[name] if store is not None else torch.empty(0, dtype=p.dtype, device=self.device)
+            p.data = store.span(self.groups[name], self.shapes[name]) if store is not None \
+                else torch.empty(0, dtype=p.dtype, device=self.device)
 
     def device_bytes(self) -> int:
         return self.store.nbytes() if self.store is not None else 0
@@ -111,7 +118,7 @@ class Weights:
         tensors: dict[str, torch.Tensor] = {}
         for f in sorted(Path(self.path).glob("*.safetensors")):
             tensors.update(load_file(f))
-        missing = set(self.params) - set(tensors)
+        missing = set(self.specs) - set(tensors)
         if missing:
             raise RuntimeError(f"checkpoint {self.path} lacks {sorted(missing)[:3]}")
         return tensors
@@ -169,6 +176,8 @@ class Weights:
         from rlsync.transfer import audit_entry
 
         self.ensure_restored()
+        if self.store is not None:
+            return {n: audit_entry(t) for n, t in self.store.views.items()}
         return {n: audit_entry(p.data) for n, p in self.params.items()}
 
     def release(self) -> None:

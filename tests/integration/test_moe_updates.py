@@ -1,0 +1,115 @@
+"""A mixture of experts (the tiny Qwen3-MoE) kept in step: its trainer holds the experts fused, its
+checkpoint and engines name one tensor per expert; updates arrive bit for bit in hf and vLLM replicas,
+from rlsync's trainer through a coordinator and from a user's own loop through the publisher SDK."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from conftest import rl_step, rollout_args
+from rlsync.client import CoordinatorClient, RolloutClient, TrainerClient
+from rlsync.models import ensure_tiny_moe
+from rlsync.publish import WeightPublisher
+
+# vLLM computes in float32 here so that its audit and its greedy output compare exactly.
+ENGINE_EXTRA = {"vllm": {"dtype": "float32"}, "hf": {}}
+
+
+@pytest.fixture(scope="module")
+def moe_model():
+    return ensure_tiny_moe()
+
+
+def _fleet(services, moe_model, engine: str, with_trainer: bool):
+    """A coordinator (async sync), a replica of `engine` and, if asked, rlsync's trainer, on the tiny MoE."""
+    co = services.start("coordinator", ["--sync-mode", "async"], name=f"co-moe-{engine}")
+    trainer = None
+    if with_trainer:
+        trainer = services.start("trainer", ["--coordinator", co.address, "--model", str(moe_model), "--checksums",
+                                   "--lr", "0.01"], name=f"trainer-moe-{engine}")
+    replica = services.start("rollout", [*rollout_args(engine, **ENGINE_EXTRA[engine]), "--model", str(moe_model),
+                                         "--coordinator", co.address], name=f"rollout-moe-{engine}")
+    client = CoordinatorClient(co.address)
+    client.wait_ready(2 if with_trainer else 1)
+    return client, RolloutClient(replica.address), TrainerClient(trainer.address) if trainer else None
+
+
+def test_the_checkpoint_names_one_tensor_per_expert_and_the_model_fuses_them(moe_model):
+    with safe_open(str(moe_model / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.0.mlp.experts.7.gate_proj.weight" in names
+    assert not any(n.endswith("gate_up_proj") for n in names)
+    model = AutoModelForCausalLM.from_pretrained(moe_model)
+    assert model.get_parameter("model.layers.0.mlp.experts.gate_up_proj").shape == (8, 64, 64)
+
+
+# vLLM 0.32 (CPU build) after an in-place reload of the experts computes otherwise than a fresh vLLM on the
+# same weights (which equals transformers): its audit reads what it was handed, not its prepacked kernels.
+VLLM_REFIT = pytest.mark.xfail(strict=True, reason="vLLM CPU's in-place reload of fused MoE experts: greedy tokens "
+                                                   "differ from a fresh vLLM on the same weights (issue 54)")
+
+
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=VLLM_REFIT)])
+def test_five_trainer_steps_arrive_bit_for_bit_and_greedy_tokens_equal_transformers(services, moe_model, engine,
+                                                                               tmp_path):
+    client, replica, trainer = _fleet(services, moe_model, engine, with_trainer=True)
+    for step in range(1, 6):  # five refits in a row (a second refit is where MoE reloads have failed elsewhere)
+        sync = rl_step(client, seed=step)
+        assert sync.version == step and sync.verified and sync.replicas == 1
+    names = {t.name for t in replica.checksums().tensors}
+    assert "model.layers.1.mlp.experts.7.up_proj.weight" in names, "the engine is audited per expert"
+    # greedy tokens of the updated engine equal transformers' on the same weights (the trainer's checkpoint)
+    path = trainer.save_checkpoint(str(tmp_path / "ckpt")).path
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = replica.complete("the model reads", max_tokens=1)[0].prompt_token_ids
+    want = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+    got = replica.complete(prompt, max_tokens=12, temperature=0, ignore_eos=True)[0].token_ids
+    assert got == want
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_a_users_loop_publishes_the_fused_experts_per_expert(services, moe_model, engine):
+    """The issue's user loop: a plain transformers MoE published through the SDK (was refused by vLLM:
+    unknown tensor 'model.layers.0.mlp.experts.gate_up_proj')."""
+    client, replica, _ = _fleet(services, moe_model, engine, with_trainer=False)
+    model = AutoModelForCausalLM.from_pretrained(moe_model, dtype=torch.float32)
+    with WeightPublisher(model, client.address) as pub:
+        for step in (1, 2):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p), alpha=0.01)
+            sync = pub.publish(step, verify=True)
+            assert sync.version == step and sync.verified
+    assert replica.info().weight_version == 2
+
+
+
+def test_delta_broadcasts_of_the_experts_end_bit_exact_and_send_less(services, moe_model):
+    """--delta over gloo: the per-expert views are the resident tensors a delta is taken against."""
+    co = services.start("coordinator", ["--sync-mode", "async", "--force-backend", "gloo"], name="co-moe-delta")
+    on = ["--coordinator", co.address, "--model", str(moe_model)]
+    services.start("trainer", [*on, "--delta", "--dtype", "bfloat16", "--lr", "1e-5", "--bucket-bytes", "65536"],
+                   name="trainer-moe-delta")
+    services.start("rollout", [*rollout_args("hf", dtype="bfloat16"), *on], name="rollout-moe-delta")
+    client = CoordinatorClient(co.address)
+    client.wait_ready(2)
+    syncs = [rl_step(client, seed) for seed in range(4)]
+    assert all(s.verified for s in syncs)
+    assert syncs[0].wire_bytes == syncs[0].bytes and max(s.wire_bytes / s.bytes for s in syncs[1:]) < 0.5
+
+
+def test_colocated_steps_offload_and_onload_the_experts_and_stay_bit_exact(services, moe_model):
+    """The colocated sequence moves the trainer's memory every step: its per-expert views are taken again."""
+    co = services.start("coordinator", ["--sync-mode", "colocated"], name="co-moe-colocated")
+    on = ["--coordinator", co.address, "--model", str(moe_model)]
+    services.start("trainer", [*on, "--checksums", "--lr", "0.01"], name="trainer-moe-colocated")
+    services.start("rollout", [*rollout_args("hf"), *on], name="rollout-moe-colocated")
+    client = CoordinatorClient(co.address)
+    client.wait_ready(2)
+    for step in (1, 2, 3):
+        sync = rl_step(client, seed=step)
+        assert sync.version == step and sync.verified
