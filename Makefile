@@ -118,8 +118,9 @@ CKPT_WHEELS := checkpoint-engine==0.4.2 pyzmq==27.3.0 loguru==0.7.3 fastapi==0.1
 	pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
 # vLLM for the GPU machine (requirements/gpu-vllm.txt, 290 MB): more than one call carries (64 MiB), so
 # `make gpu-parts` here cuts it into parts of 60 MiB in .gpu-parts/; each device call carries one part (its
-# path, .gpu-parts/vllm.tar.NN; the last, smallest, with `wheels` beside it) and begins with `make gpu-land`, which moves the part out of the working tree (a carried folder
-# is replaced at every call) into $(GPU_PARTS); `make gpu-setup` joins and installs them once all are there.
+# path, .gpu-parts/vllm.tar.NN; the last, smallest, with `wheels` beside it) and begins with `make gpu-land`,
+# which moves the part out of the working tree (a carried path is replaced at every call) into $(GPU_PARTS);
+# `make gpu-setup` joins and installs them once all are there.
 GPU_VLLM := requirements/gpu-vllm.txt
 GPU_PARTS ?= /root/rlsync-parts
 PIP_PLATFORMS := --python-version 3.12 --implementation cp $(foreach n,35 34 28 27 26 24 17 5,--platform manylinux_2_$(n)_x86_64) \
@@ -165,8 +166,8 @@ image-wheels:
 gpu-land:
 	mkdir -p $(GPU_PARTS) && { mv .gpu-parts/vllm.tar.* $(GPU_PARTS)/ 2>/dev/null || true; } && ls $(GPU_PARTS)
 
-# There: the project's wheels, vLLM's once its parts have all landed (--no-deps: over the image's torch, numpy,
-# transformers and numba), and rlsync itself.
+# There: vLLM's wheels once its parts have all landed (--no-deps: over the image's torch, numpy, transformers
+# and numba; a part missing fails the join), then the project's, and rlsync itself.
 gpu-setup:
 	if ls $(GPU_PARTS)/vllm.tar.* >/dev/null 2>&1; then rm -rf /tmp/gpu-vllm && mkdir -p /tmp/gpu-vllm && \
 	    cat $(GPU_PARTS)/vllm.tar.* | tar -x -C /tmp/gpu-vllm && \
