@@ -25,8 +25,15 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
+class _Recipe:
+    """A recipe's fields determine the model's bytes: their hash names its cache folder."""
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
 @dataclass(frozen=True)
-class TinyRecipe:
+class TinyRecipe(_Recipe):
     """Everything that determines the tiny model's bytes; its hash names the cache folder."""
 
     hidden_size: int = 128
@@ -40,9 +47,6 @@ class TinyRecipe:
     seed: int = 0
     corpus_lines: int = 4000
     version: int = 2  # 2: a chat template
-
-    def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
 
 
 def cache_dir() -> Path:
@@ -125,7 +129,7 @@ def _cached(folder: str, build) -> Path:
 
 
 @dataclass(frozen=True)
-class TinyMoeRecipe:
+class TinyMoeRecipe(_Recipe):
     """The tiny mixture of experts (a Qwen3-MoE): the tiny model's tokenizer, 8 experts, 2 per token."""
 
     hidden_size: int = 64
@@ -141,9 +145,6 @@ class TinyMoeRecipe:
     seed: int = 0
     tokenizer: str = TinyRecipe().key()  # the dense tiny model whose tokenizer it shares
     version: int = 1
-
-    def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
 
 
 def build_tiny_moe(out: Path, recipe: TinyMoeRecipe = TinyMoeRecipe()) -> Path:
