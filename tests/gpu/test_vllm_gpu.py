@@ -19,9 +19,7 @@ from rlsync.client import (AsyncCoordinatorClient, CoordinatorClient, RolloutCli
 from rlsync.common.audit import differences, trainer_dtype
 
 pytestmark = pytest.mark.gpu
-vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: `make gpu-parts` here, `make gpu-setup` there")
-if torch.cuda.is_available() and not hasattr(vllm, "__version__"):
-    pytest.skip("a vLLM without a version", allow_module_level=True)
+pytest.importorskip("vllm", reason="vLLM is not installed here: `make gpu-parts` here, `make gpu-setup` there")
 
 DYING = Path(__file__).resolve().parents[1] / "rollout_worker.py"
 ON_GPU = {"CUDA_VISIBLE_DEVICES": "0"}

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from conftest import rl_step, rollout_args
+from conftest import greedy_against_transformers, rl_step, rollout_args
 from rlsync.client import CoordinatorClient, RolloutClient, TrainerClient
 from rlsync.models import ensure_tiny_moe
 from rlsync.publish import WeightPublisher
@@ -62,12 +62,7 @@ def test_five_trainer_steps_arrive_bit_for_bit_and_greedy_tokens_equal_transform
     names = {t.name for t in replica.checksums().tensors}
     assert "model.layers.1.mlp.experts.7.up_proj.weight" in names, "the engine is audited per expert"
     # greedy tokens of the updated engine equal transformers' on the same weights (the trainer's checkpoint)
-    path = trainer.save_checkpoint(str(tmp_path / "ckpt")).path
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    prompt = replica.complete("the model reads", max_tokens=1)[0].prompt_token_ids
-    want = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                          pad_token_id=0)[0, len(prompt):].tolist()
-    got = replica.complete(prompt, max_tokens=12, temperature=0, ignore_eos=True)[0].token_ids
+    got, want = greedy_against_transformers(replica, trainer.save_checkpoint(str(tmp_path / "ckpt")).path)
     assert got == want
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import engines, rollout_args
+from conftest import engines, greedy_against_transformers, rollout_args
 from rlsync.client import RolloutClient, RpcError, TrainerClient, push_weights, trajectory
 from rlsync.common.audit import differences, trainer_dtype
 from rlsync.rollout.v1 import rollout_pb2 as rpb
@@ -83,12 +83,7 @@ def test_greedy_output_equals_transformers_on_the_trainers_weights(pair, tmp_pat
     trainer, rollout, _, _ = pair
     _train_once(trainer, rollout, seed=2)
     push_weights(trainer, [rollout])
-    path = trainer.save_checkpoint(str(tmp_path / "ckpt")).path
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    prompt = rollout.complete("the model reads", max_tokens=1)[0].prompt_token_ids
-    want = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                          pad_token_id=0)[0, len(prompt):].tolist()
-    got = rollout.complete(prompt, max_tokens=12, temperature=0, ignore_eos=True)[0].token_ids
+    got, want = greedy_against_transformers(rollout, trainer.save_checkpoint(str(tmp_path / "ckpt")).path)
     assert got == want
 
 

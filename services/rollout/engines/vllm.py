@@ -355,7 +355,7 @@ class VLLMEngine(Engine):
         for _ in range(len(states) // 128 + 2):  # it takes a step's outputs in chunks of 128, yielding between
             await asyncio.sleep(0)
         out: dict[str, dict[int, int]] = {}
-        for state in list(self.llm.output_processor.request_states.values()):
+        for state in list(states.values()):
             out.setdefault(state.external_req_id, {})[state.request_index] = state.detokenizer.num_output_tokens()
         return out
 

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rlsync.rollout.engines.vllm_layout import _original_loader, shadowed
+from rlsync.rollout.engines.vllm_layout import original_loader, shadowed
 from rlsync.transfer.manifest import Spec
 
 # Modules whose parameters are used as loaded (no processing after loading) on CUDA.
@@ -61,7 +61,7 @@ def _meta_shadow(template: torch.Tensor, module: torch.nn.Module) -> torch.Tenso
     t.__class__ = template.__class__
     t.__dict__ = template.__dict__.copy()
     restore_layer_refs(t, module)
-    t.weight_loader = _original_loader(getattr(t, "weight_loader", default_weight_loader))
+    t.weight_loader = original_loader(getattr(t, "weight_loader", default_weight_loader))
     return t
 
 

@@ -27,7 +27,7 @@ from rlsync.transfer.manifest import Spec
 from rlsync.transfer.routes import Box
 
 
-def _original_loader(fn):
+def original_loader(fn):
     while getattr(fn, "__name__", "") == "online_process_loader":  # vLLM's layerwise-reload wrapper
         fn = fn.__wrapped__
     return fn
@@ -43,7 +43,7 @@ def _shadow(template: torch.Tensor, module: torch.nn.Module, record) -> torch.Te
     t.__class__ = template.__class__
     t.__dict__ = template.__dict__.copy()
     restore_layer_refs(t, module)
-    original = _original_loader(getattr(t, "weight_loader", default_weight_loader))
+    original = original_loader(getattr(t, "weight_loader", default_weight_loader))
 
     def recording_loader(param, loaded_weight, *args, **kwargs):
         scratch = torch.zeros(tuple(param.shape), dtype=torch.float64)
