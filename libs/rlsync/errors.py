@@ -21,6 +21,11 @@ class FailedPrecondition(RlsyncError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class Unmappable(FailedPrecondition):
+    """The sender's CUDA memory cannot be mapped here (another GPU than its facts said, no IPC permission
+    between two containers): nothing was read, so the handshake may choose another channel."""
+
+
 class NotFound(RlsyncError):
     code = grpc.StatusCode.NOT_FOUND
 

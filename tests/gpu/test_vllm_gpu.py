@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 import grpc
@@ -106,6 +107,23 @@ def test_an_update_into_the_woken_weights_that_is_abandoned_leaves_them_unserved
     assert report.backends == {"cuda_ipc": 1}
     assert rollout.complete("x", max_tokens=4, ignore_eos=True)[0].token_versions == [2] * 4
     assert _same_weights(trainer, rollout) == []
+
+
+def test_a_worker_that_cannot_map_the_trainers_memory_receives_over_another_channel_and_says_so(services):
+    trainer = TrainerClient(services.start("trainer", ["--device", "cuda", "--lr", "0.05", "--checksums"],
+                                           env=ON_GPU, name="trainer-unmappable").address)
+    unmappable = {**VLLM_GPU, "worker_extension_cls": "vllm_unmappable.UnmappableExtension"}
+    path = ":".join(filter(None, [str(DYING.parent), os.environ.get("PYTHONPATH")]))
+    proc = services.start("rollout", ["--engine", "vllm", "--engine-args", json.dumps(unmappable)],
+                          env={**ON_GPU, "PYTHONPATH": path}, name="vllm-unmappable")
+    rollout = RolloutClient(proc.address)
+    for version in (1, 2):  # the second is answered without cuda_ipc from the start
+        report = push_weights(trainer, [rollout], version=version, pull=True)
+        assert report.backends == {"shm": 1}, report
+        assert _same_weights(trainer, rollout) == []
+    assert rollout.complete("x", max_tokens=4, ignore_eos=True)[0].token_versions == [2] * 4
+    log = proc.log_path.read_text()
+    assert log.count("cannot map the sender's CUDA memory") == 1 and "comes over shm instead" in log, log[-3000:]
 
 
 @pytest.mark.parametrize("mode", ["async", "inflight"])

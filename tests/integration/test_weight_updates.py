@@ -242,12 +242,11 @@ def test_holding_weights_mapped_is_for_a_replica_on_the_trainers_gpu(pair):
     trainer, rollout, _, _ = pair
     bell = rollout.info().doorbell
     facts = tpb.Facts(host_id=bell.host_id, device_type="cuda", gpu_uuids=["GPU-0"])
-    # A CPU replica (or vLLM, which receives in its workers) holds nothing, and says why.
+    # A CPU replica holds nothing, and says why (vLLM's: its worker, which receives the updates).
     with pytest.raises(RpcError) as e:
         rollout.hold_weights("trainer", tpb.MappedTensors(ipc=[b"handle"]), facts)
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION, e.value
-    assert ("cuda_ipc needs CUDA tensors on both sides" if rollout.engine == "hf"
-            else "maps the trainer's memory at each update") in e.value.message
+    assert "cuda_ipc needs CUDA tensors on both sides" in e.value.message
     for holder, mapped, what in [("", [b"h"], "needs a holder"), ("trainer", [], "needs the storages")]:
         with pytest.raises(RpcError) as e:
             rollout.hold_weights(holder, tpb.MappedTensors(ipc=mapped), facts)

@@ -32,6 +32,22 @@ def test_chunks_cover_every_byte_of_every_row_in_order_and_none_is_larger_than_a
     assert covered == expected
 
 
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 40).map(lambda n: n * 4096), min_size=1, max_size=5), data=st.data())
+def test_a_rebased_table_reads_the_same_offsets_of_the_regions_mapped_anew(sizes, data):
+    old = np.array([(1 << 30) * (i + 1) for i in range(len(sizes))], dtype=np.int64)
+    new = np.array(data.draw(st.permutations([(1 << 34) + (1 << 31) * i for i in range(len(sizes))])), dtype=np.int64)
+    reads = [(r, o, n) for r, size in enumerate(sizes)  # a few copies out of each region, at its own offsets
+             for o, n in data.draw(st.lists(st.tuples(st.integers(0, size // 16 - 1).map(lambda k: k * 16),
+                                                      st.just(16)), max_size=4))]
+    rows = np.array([(old[r] + o, (1 << 40) + 64 * i, n) for i, (r, o, n) in enumerate(reads)],
+                    dtype=np.int64).reshape(-1, 3)
+    table = batched.Table(torch.from_numpy(rows), False, rows)
+    moved = batched.rebased(table, old, new)
+    assert moved.host.tolist() == [[int(new[r] + o), (1 << 40) + 64 * i, n] for i, (r, o, n) in enumerate(reads)]
+    assert moved.rows.tolist() == moved.host.tolist() and table.host.tolist() == rows.tolist()
+
+
 def test_split_leaves_pairs_the_kernel_cannot_take_to_the_caller():
     buf, out = torch.empty(4096, dtype=torch.uint8), torch.empty(4096, dtype=torch.uint8)
     base = (-buf.data_ptr()) % 16

@@ -82,7 +82,8 @@ def table(rows: np.ndarray, device: torch.device, cast: bool = False) -> Table:
         found = _TABLES.pop(key, None)
         if found is None:
             sizes = (CAST[0].itemsize, CAST[1].itemsize) if cast else (1, 1)
-            found = Table(torch.from_numpy(chunks(rows, chunk, sizes)).to(device), cast)
+            host = chunks(rows, chunk, sizes)
+            found = Table(torch.from_numpy(host).to(device), cast, host)
         _TABLES[key] = found
         while len(_TABLES) > _TABLES_MAX:
             _TABLES.popitem(last=False)
@@ -92,6 +93,19 @@ def table(rows: np.ndarray, device: torch.device, cast: bool = False) -> Table:
 class Table(NamedTuple):
     rows: torch.Tensor  # [src, dst, count] per chunk, int64, on the device
     cast: bool  # counts are elements to cast (split(cast=True)), else bytes to copy
+    host: np.ndarray  # the same rows, in host memory (rebased)
+
+
+def rebased(table: Table, old: np.ndarray, new: np.ndarray) -> Table:
+    """`table` with every source moved from the region it read (starting at one of the addresses `old`) to
+    the same offset of the region now at the address in `new` of the same index: the same copies out of
+    the same layout mapped anew (a trainer's storages after its next onload). The regions must be as
+    large as before and disjoint."""
+    order = np.argsort(old, kind="stable")
+    region = order[np.searchsorted(old[order], table.host[:, 0], side="right") - 1]
+    host = table.host.copy()
+    host[:, 0] += (new - old)[region]
+    return Table(torch.from_numpy(host).to(table.rows.device), table.cast, host)
 
 
 def launch(table: Table) -> None:

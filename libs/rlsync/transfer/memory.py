@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from rlsync.errors import Unmappable
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 
@@ -94,10 +95,14 @@ def import_cuda(h: pb.CudaIpcHandle, device: torch.device) -> torch.Tensor:
     """Maps another process's CUDA storage on `device` (the same GPU, possibly under another
     index in this process); returns its bytes as a flat uint8 tensor."""
     torch.cuda.init()  # _new_shared_cuda does not: in a process that has not used CUDA yet it crashes
-    storage = torch.UntypedStorage._new_shared_cuda(
-        device.index if device.index is not None else torch.cuda.current_device(), h.handle,
-        h.storage_size_bytes, h.storage_offset_bytes, h.ref_counter_handle, h.ref_counter_offset,
-        h.event_handle or None, h.event_sync_required)
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(
+            device.index if device.index is not None else torch.cuda.current_device(), h.handle,
+            h.storage_size_bytes, h.storage_offset_bytes, h.ref_counter_handle, h.ref_counter_offset,
+            h.event_handle or None, h.event_sync_required)
+    except RuntimeError as e:  # cudaIpcOpenMemHandle's refusal: nothing of the sender's was read
+        raise Unmappable(f"cannot map the sender's CUDA memory on {device}: {e} (is it on another GPU, or in a "
+                         "container without IPC to this one? --ipc=host on both)") from e
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
 

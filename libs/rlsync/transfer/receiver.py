@@ -31,16 +31,17 @@ from rlsync.transfer.writer import Destination, DestWriter
 
 def answer(offer: pb.Offer, receiver_id: str, *, device: torch.device | str = "cpu", ranks: int = 1,
            force: str | None = None, bucket_bytes: int = 0, base_version: int | None = None,
-           layout: list[pb.RankLayout] | None = None) -> pb.Answer:
+           layout: list[pb.RankLayout] | None = None, unusable: frozenset[int] = frozenset()) -> pb.Answer:
     """Chooses the channel for a receiver whose destination tensors live on `device`.
     base_version: the version of the weights this receiver will hand Receiver as `base` (laid out
     as the manifest: same names, dtypes and shapes; a FlatStore laid out as the manifest is taken
     without looking at any tensor), so a broadcast may send it deltas.
     layout: for a routed offer (a sharded sender), the boxes each of the `ranks` loads; left out,
-    every rank loads every tensor whole."""
+    every rank loads every tensor whole.
+    unusable: backends this receiver found it cannot use with this sender (a mapping refused: Unmappable)."""
     routed = offer.HasField("routing")
     facts = local_facts(device)
-    ans = make_answer(offer, receiver_id, facts, ranks, available(),
+    ans = make_answer(offer, receiver_id, facts, ranks, available() - unusable,
                       backend_of(force) if force else None, bucket_bytes, None if routed else base_version)
     if routed:
         specs = from_proto(offer.manifest)

@@ -6,12 +6,15 @@ assembled tensor cast into it when complete; a callable gets each tensor once co
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from functools import cached_property
 from itertools import accumulate
 from math import prod
 from operator import attrgetter
 
+import numpy as np
 import torch
 
 from rlsync.common.progress import PROGRESS
@@ -25,6 +28,15 @@ from rlsync.transfer.spans import byte_view, cast_all, coalesce, copy_all, span
 
 Destination = Mapping[str, torch.Tensor] | FlatStore | Callable[[str, torch.Tensor], None]
 
+# The one-launch table of a pull whose every copy landed in place, by (its kind, the destinations'
+# addresses, where the tensors lay in the sender's regions and how large those were), with the regions'
+# addresses then: a pull of the same layout from regions mapped anew (a trainer's storages after its
+# next onload, a replica that holds nothing) launches it with its sources moved (batched.rebased),
+# looking at no tensor. The latest few are kept.
+_REBASED: OrderedDict[tuple, tuple[batched.Table, np.ndarray]] = OrderedDict()
+_REBASED_MAX = 4
+_REBASED_LOCK = threading.Lock()
+
 
 class DestWriter:
     """Laid out per update, so it does no per-tensor tensor work it can avoid: byte views of the
@@ -37,6 +49,7 @@ class DestWriter:
         self.device = device
         self.received = [0] * len(specs)
         self.landed = False  # every tensor's bytes are in (written in place in one go)
+        self.table: batched.Table | None = None  # the one launch every tensor landed in place by, if one did
         flat = dest if isinstance(dest, FlatStore) else None
         self.dest = flat.views if flat is not None else dest
         # All destinations back to back in one buffer (flat engine weights): one view of them all.
@@ -212,13 +225,38 @@ class DestWriter:
         kept = plans.get(key)
         if kept is not None and kept[0] is sources:
             batched.launch(kept[1])
+            self.table = kept[1]
         else:
-            table = write()
+            self.table = table = write()
             if table is not None:  # every copy in one launch: the next write only launches it
                 if len(plans) >= 8:  # destinations come and go: keep the latest few
                     plans.clear()
                 plans[key] = sources, table  # the list itself: its id alone could be a new list's
         self.landed = True  # every one lands in place: nothing to complete
+
+    def write_rebased(self, kind: str, where: tuple, bases: list[int]) -> bool:
+        """Launches the table a pull of the same `kind` ("copy" or "cast") into these destinations from the
+        same layout `where` kept (keep_rebased), its sources moved to the regions at `bases` -> whether
+        one was kept; if not, nothing was written."""
+        key = self._plan_key({}, kind)
+        with _REBASED_LOCK:
+            kept = _REBASED.get((key, where)) if key is not None else None
+        if kept is None:
+            return False
+        batched.launch(batched.rebased(kept[0], kept[1], np.array(bases, dtype=np.int64)))
+        self.landed = True
+        return True
+
+    def keep_rebased(self, kind: str, where: tuple, bases: list[int]) -> None:
+        """Keeps the table this write landed by, if it did in one launch, for write_rebased."""
+        key = self._plan_key({}, kind)
+        if key is None or self.table is None:
+            return
+        with _REBASED_LOCK:
+            _REBASED[(key, where)] = self.table, np.array(bases, dtype=np.int64)
+            _REBASED.move_to_end((key, where))
+            while len(_REBASED) > _REBASED_MAX:
+                _REBASED.popitem(last=False)
 
     def _typed(self, index: int) -> torch.Tensor:
         spec = self.specs[index]

@@ -238,9 +238,12 @@ class VLLMEngine(Engine):
         try:
             if tp == 1 and not offer.HasField("routing"):
                 needed = sum(t.nbytes for t in offer.manifest.tensors)
+                called = time.perf_counter()
                 states = await self.llm.collective_rpc("rlsync_begin", args=(
                     raw, b"", timeout, direct, needed, receiver_id, force_backend))
                 ans = transfer_pb2.Answer.FromString(states[0].pop("answer"))
+                # (the engine core's round trip: the call's time beyond what the worker spent on it)
+                ans.stages["rpc"] = max(time.perf_counter() - called - states[0]["in_worker"], 0.0)
             else:
                 ans, needed = await self._agree(offer, raw, receiver_id, force_backend)
                 states = await self.llm.collective_rpc("rlsync_begin", args=(raw, ans.SerializeToString(), timeout,
@@ -277,6 +280,20 @@ class VLLMEngine(Engine):
             held = layout_of(from_proto(offer.manifest), ans.layout)
             return ans, max(held.nbytes(r) for r in range(held.ranks))
         return ans, sum(t.nbytes for t in offer.manifest.tensors)
+
+    async def hold_weights(self, holder: str, handles: list[bytes], facts) -> tuple[int, bytes, str]:
+        """The worker keeps a trainer's storages on its GPU mapped between updates (a replica of one worker:
+        a trainer's memory lies on one GPU); no bell (a copy armed at the wake is the hf engine's)."""
+        if self.tensor_parallel_size > 1:
+            raise FailedPrecondition(f"a vllm replica of {self.tensor_parallel_size} workers maps {holder}'s weights "
+                                     "at each update (each worker on its own GPU) and holds nothing between them")
+        (held,) = await self.llm.collective_rpc("rlsync_hold", args=(holder, list(handles), facts.SerializeToString()))
+        if "refused" in held:
+            raise FailedPrecondition(f"cannot hold {holder}'s weights mapped: {held['refused']}")
+        return held["mapped"], b"", ""
+
+    async def release_weights(self, holder: str) -> int:
+        return sum(await self.llm.collective_rpc("rlsync_release", args=(holder,)))
 
     async def finish_update(self, timeout: float) -> float:
         if self.adapters.pending is not None:

@@ -13,22 +13,25 @@ trainer ranks that hold it.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
 
 from rlsync.flat import flat_like
 from rlsync.rollout.engines.process import prepare_engine_process
-from rlsync.errors import ResourceExhausted
+from rlsync.errors import ResourceExhausted, Unmappable
 from rlsync.rollout.engines.vllm_direct import direct_views
 from rlsync.rollout.engines.vllm_layout import BoxStaging, loaded_boxes
 from rlsync.rollout.staging import StagedUpdate, ensure_room
 from rlsync.transfer import answer, audit_entry, from_proto
 from rlsync.transfer.checksum import box_sums
 from rlsync.transfer.dtypes import dtype_name
-from rlsync.transfer.handshake import local_facts
+from rlsync.transfer.handshake import NAMES, local_facts, same_gpu
+from rlsync.transfer.held import HELD
 from rlsync.transfer.routes import relative, share
 from rlsync.transfer.sharded import layout_of, to_layout_proto
+from rlsync.transfer.spans import copy_all
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -94,12 +97,40 @@ class RlsyncWorkerExtension:
             self._rlsync_layout = cached = (key, loaded_boxes(self.model_runner.get_model(), specs))
         return cached[1]
 
+    def rlsync_hold(self, holder: str, handles: list[bytes], facts: bytes) -> dict:
+        """Keeps the storages of a trainer on this worker's GPU mapped for the pulls to come (rlsync.transfer.held):
+        a pull then maps and closes nothing, and repeats the copy table it kept. -> {"mapped": newly mapped} or
+        {"refused": why not}."""
+        device = self._rlsync_device()
+        why = same_gpu(pb.Facts.FromString(facts), device)
+        if why is None:
+            try:
+                return {"mapped": HELD.hold(holder, handles, device)}
+            except Unmappable as e:
+                why = str(e)
+        return {"refused": why}
+
+    def rlsync_release(self, holder: str) -> int:
+        return HELD.release(holder)
+
+    def _rlsync_unusable(self, o: pb.Offer) -> frozenset[int]:
+        """The channels this worker found it cannot use with this sender (its memory would not map here)."""
+        return frozenset({pb.BACKEND_CUDA_IPC}) if o.facts.SerializeToString() in self._rlsync_unmappable() else \
+            frozenset()
+
+    def _rlsync_unmappable(self) -> set[bytes]:
+        if not hasattr(self, "_rlsync_unmapped"):
+            self._rlsync_unmapped: set[bytes] = set()  # the facts of senders whose memory would not map here
+        return self._rlsync_unmapped
+
     def rlsync_answer(self, offer: bytes, receiver_id: str, ranks: int, force: str,
                       layouts: list[bytes] | None = None) -> bytes:
         """This worker's choice of channel (its own device decides: same GPU as the trainer or not);
         for a routed offer, with every worker's boxes (`layouts`, by rank)."""
-        ans = answer(pb.Offer.FromString(offer), receiver_id, device=self._rlsync_device(), ranks=ranks,
-                     force=force or None, layout=[pb.RankLayout.FromString(b) for b in layouts] if layouts else None)
+        o = pb.Offer.FromString(offer)
+        ans = answer(o, receiver_id, device=self._rlsync_device(), ranks=ranks, force=force or None,
+                     layout=[pb.RankLayout.FromString(b) for b in layouts] if layouts else None,
+                     unusable=self._rlsync_unusable(o))
         return ans.SerializeToString()
 
     def _rlsync_direct_views(self, specs) -> dict[str, torch.Tensor] | None:
@@ -125,13 +156,26 @@ class RlsyncWorkerExtension:
         weights where `direct` allows (the engine is asleep and its loaders place every tensor as one run
         of a parameter), else into staging memory (`staging_bytes` of it, refused first when they do not
         fit: "refused"): the whole checkpoint, or from a routed offer only this worker's boxes. Without an
-        answer (a replica of one worker), it answers for itself first, and the state carries the answer.
-        Returns its state, as rlsync_poll, with whether it landed directly."""
+        answer (a replica of one worker), it answers for itself first, and the state carries the answer;
+        where the trainer's memory then does not map here, it answers again with another channel (said in
+        the log; a replica of several workers leaves cuda_ipc out from its next answer on).
+        Returns its state, as rlsync_poll, with whether it landed directly and the seconds spent here."""
+        entered = time.perf_counter()
         o = pb.Offer.FromString(offer)
         device = self._rlsync_device()
         ans = pb.Answer.FromString(answer_bytes) if answer_bytes else \
-            answer(o, receiver_id, device=device, force=force or None)
+            answer(o, receiver_id, device=device, force=force or None, unusable=self._rlsync_unusable(o))
         state = self._rlsync_begin(o, ans, device, timeout, direct, staging_bytes)
+        if ans.pull and state.get("code") == "Unmappable":  # nothing was read: another channel may do
+            self._rlsync_unmappable().add(o.facts.SerializeToString())
+            if not answer_bytes and not force:
+                ans = answer(o, receiver_id, device=device, unusable=self._rlsync_unusable(o))
+                log.warning("%s: version %d comes over %s instead, and so do the next from this trainer",
+                            state["error"], o.manifest.version, NAMES[ans.backend])
+                state = self._rlsync_begin(o, ans, device, timeout, direct, staging_bytes)
+        state["in_worker"] = time.perf_counter() - entered
+        if "stages" in state:  # (what this call took beyond the receive's own stages: parsing, answering)
+            state["stages"] = {**state["stages"], "worker": max(state["in_worker"] - sum(state["stages"].values()), 0)}
         return state if answer_bytes else {**state, "answer": ans.SerializeToString()}
 
     def _rlsync_begin(self, o: pb.Offer, ans: pb.Answer, device: torch.device, timeout: float, direct: bool,
@@ -164,17 +208,28 @@ class RlsyncWorkerExtension:
         return update.poll() if update is not None else {"state": "none"}
 
     def rlsync_commit(self) -> None:
-        """Loads the received tensors through vLLM's reload path (nothing to load for an update that landed
-        straight in the live weights), and remembers their checksums
+        """Makes the received tensors live, between two engine steps: where vLLM's loaders place every tensor
+        as one run of a parameter (on the GPU: vllm_direct), by one batched copy from staging into those runs
+        (nothing at all for an update that landed in them already); else through vLLM's reload path. Remembers
+        their checksums: of the live weights where they were copied into place, else as handed to the loaders
         (vLLM's CPU build prepacks linear weights, so the live ones cannot be read back). Boxes are
         handed to the loaders as full-shape views (BoxStaging.full), audited per box."""
         update = self._rlsync_update
         self._rlsync_update = None
         staging = update.staging
-        if getattr(update, "direct", False):  # already in the live weights (on the GPU: direct_views)
+        views = staging if getattr(update, "direct", False) else None  # already in the live weights
+        if views is None and not isinstance(staging, BoxStaging):
+            views = self._rlsync_direct_views(from_proto(update.receiver.offer.manifest))
+            if views is not None:
+                same = [(src, views[name]) for name, src in staging.items() if src.dtype == views[name].dtype]
+                copy_all((src.view(-1).view(torch.uint8), dst.view(-1).view(torch.uint8)) for src, dst in same)
+                for name, src in staging.items():
+                    if src.dtype != views[name].dtype:  # (a manifest in another dtype than the engine's: cast)
+                        views[name].copy_(src)
+        if views is not None:
             torch.cuda.synchronize(self._rlsync_device())
             # (read back from the live weights, in the engine's dtype: "live" tells the audit to compare so)
-            self._rlsync_applied = {"live": {n: audit_entry(t) for n, t in staging.items()}}
+            self._rlsync_applied = {"live": {n: audit_entry(t) for n, t in views.items()}}
             return
         if isinstance(staging, BoxStaging):
             self.reload_weights(weights_iterator=staging.full())

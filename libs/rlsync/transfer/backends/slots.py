@@ -183,6 +183,12 @@ class _Mapped(abc.ABC):
         job.clock.lap("map")
         if len(job.welcome.locations) != len(job.specs):
             raise DataLoss(f"sender described {len(job.welcome.locations)} tensors, manifest has {len(job.specs)}")
+        kind = "cast" if job.welcome.dtypes else "copy"
+        where = (tuple(job.specs), tuple(job.welcome.dtypes), tuple(map(tuple, job.welcome.locations)),
+                 tuple(r.numel() for r in regions))
+        bases = [r.data_ptr() for r in regions]
+        if job.writer.write_rebased(kind, where, bases):  # the same layout as a pull before, mapped anew
+            return regions
         layout = self._layout(job, regions)
         if job.welcome.dtypes:  # in another dtype at the sender: cast as copied
             job.writer.write_cast(layout.typed(job.welcome.dtypes), layout.plans)
@@ -191,6 +197,7 @@ class _Mapped(abc.ABC):
             job.writer.write_whole(regions[region][start:start + nbytes])
         else:
             job.writer.write_all(layout.sources, layout.plans)
+        job.writer.keep_rebased(kind, where, bases)
         return regions
 
     @staticmethod
@@ -201,8 +208,8 @@ class _Mapped(abc.ABC):
         memo = job.scratch.get("memo")
         if memo is None and job.scratch.get("held"):
             memo = HELD.memo(job.welcome.ipc)
-        if memo is None:
-            return _Layout(job.specs, job.welcome.locations, regions, None)
+        if memo is None:  # (its plans go with it, but a one-launch table is kept rebased: DestWriter.keep_rebased)
+            return _Layout(job.specs, job.welcome.locations, regions, {})
         kept = memo.setdefault("layouts", [])
         found = next((layout for layout in kept if layout.serves(job.specs, job.welcome.locations, regions)), None)
         if found is None:
@@ -217,10 +224,10 @@ class _Layout:
     """What a pull derives from the regions and the tensors' locations in them: whether they lie back
     to back in one (`whole`: region, start, bytes), else each tensor's bytes (`sources`) or elements in
     the sender's dtypes (`typed`, a pull that casts); and `plans`, a dict for what the writer derives
-    from those (DestWriter.write_all / write_cast), when the regions are held. Used by one thread at a
-    time (a replica's pulls run on its engine thread)."""
+    from those (DestWriter.write_all / write_cast), kept with the layout while the regions are held.
+    Used by one thread at a time (a replica's pulls run on its engine thread)."""
 
-    def __init__(self, specs, locations, regions: list[torch.Tensor], plans: dict | None):
+    def __init__(self, specs, locations, regions: list[torch.Tensor], plans: dict):
         self.specs, self.locations, self.regions = specs, locations, regions
         self.whole = contiguous(specs, locations)
         if self.whole is not None:
