@@ -59,6 +59,12 @@ def test_falls_back_when_a_backend_is_missing_on_the_receiver():
     assert backend == pb.BACKEND_SHM
 
 
+def test_a_receiver_on_the_senders_gpu_that_cannot_map_it_takes_shm_not_nccl():
+    cuda = facts(device="cuda", gpus=["g0"])  # NCCL takes no two ranks on one GPU
+    backend, _ = choose_backend(offer(cuda), cuda, available={pb.BACKEND_NCCL, pb.BACKEND_SHM, pb.BACKEND_GLOO})
+    assert backend == pb.BACKEND_SHM
+
+
 def test_forced_backend_is_honoured_when_it_can_work():
     backend, reason = choose_backend(offer(facts()), facts(), force=pb.BACKEND_GLOO)
     assert backend == pb.BACKEND_GLOO and "forced" in reason

@@ -153,6 +153,8 @@ def _feasible(backend: int, sender: pb.Facts, receiver: pb.Facts, peer: bool = F
     elif backend == B.BACKEND_NCCL:
         if not both_cuda:
             return "nccl needs CUDA tensors on both sides"
+        if same_host and set(sender.gpu_uuids) & set(receiver.gpu_uuids):
+            return f"nccl takes no two ranks on one GPU (both on {', '.join(receiver.gpu_uuids)})"
     elif backend == B.BACKEND_SHM:
         if not same_host:
             return (f"shm needs both processes on one host (sender on {sender.hostname}, "

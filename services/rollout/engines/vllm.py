@@ -181,6 +181,7 @@ class VLLMEngine(Engine):
         # Generate until WakeUp, so the sequencing is the same everywhere.
         if self._pending:  # its receive may write into memory the sleep unmaps: it ends first
             await self.abort_update()
+        await self.llm.collective_rpc("rlsync_settle")  # (the last commit's audit may still read the weights)
         await self.llm.sleep(level)
         self._kv_asleep = True
         await self._read_memory()
@@ -384,6 +385,9 @@ class VLLMEngine(Engine):
 
     async def checksums(self):
         per_worker = await self.llm.collective_rpc("rlsync_applied")
+        while any(w is not None and w.get("pending") for w in per_worker):  # read back beside generation
+            await asyncio.sleep(0.005)
+            per_worker = await self.llm.collective_rpc("rlsync_applied")
         applied = per_worker[0]
         if applied is None:  # still the checkpoint it started from
             base, what = await asyncio.to_thread(checkpoint_checksums, self.model), "checkpoint loaded at start"

@@ -12,7 +12,9 @@ trainer ranks that hold it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import threading
 import time
 from typing import Any
 
@@ -59,6 +61,28 @@ def refresh_tied(model: torch.nn.Module) -> int:
                 module.quant_method.process_weights_after_loading(module)
                 refreshed += 1
     return refreshed
+
+
+class LiveAudit:
+    """The audit of weights an update just made live, read back from them in a thread and on a stream of its
+    own, so the engine generates on meanwhile (a checksum per tensor: ~80 ms of the engine's thread for a 1.7B
+    model on an H200, every decode step held up behind it). The weights stay as they are until the next
+    update or sleep, which wait for it first (`settle`)."""
+
+    def __init__(self, views: dict[str, torch.Tensor], device: torch.device):
+        torch.cuda.synchronize(device)  # (the copies into them are done: the audit's stream reads after them)
+        self.future: concurrent.futures.Future[dict] = concurrent.futures.Future()
+        threading.Thread(target=self._run, args=(views, device), name="rlsync-audit", daemon=True).start()
+
+    def _run(self, views: dict[str, torch.Tensor], device: torch.device) -> None:
+        try:
+            with torch.cuda.stream(torch.cuda.Stream(device)):
+                self.future.set_result({n: audit_entry(t) for n, t in views.items()})
+        except BaseException as e:  # noqa: BLE001 - handed to whoever asks for the audit
+            self.future.set_exception(e)
+
+    def settle(self) -> None:
+        self.future.exception()  # (its failure is the audit's answer, not the next update's)
 
 
 class RlsyncWorkerExtension:
@@ -183,6 +207,7 @@ class RlsyncWorkerExtension:
         specs = from_proto(o.manifest)
         views = self._rlsync_direct_views(specs) if direct and not o.HasField("routing") else None
         if views is not None:
+            self.rlsync_settle()  # (the last audit reads them)
             self._rlsync_update = StagedUpdate(o, ans, views, self.rank, device, timeout, post=False)
             self._rlsync_update.direct = True
             state = self._rlsync_update.poll()
@@ -214,6 +239,7 @@ class RlsyncWorkerExtension:
         their checksums: of the live weights where they were copied into place, else as handed to the loaders
         (vLLM's CPU build prepacks linear weights, so the live ones cannot be read back). Boxes are
         handed to the loaders as full-shape views (BoxStaging.full), audited per box."""
+        self.rlsync_settle()  # (the last commit's audit reads the weights this one changes)
         update = self._rlsync_update
         self._rlsync_update = None
         staging = update.staging
@@ -226,10 +252,8 @@ class RlsyncWorkerExtension:
                 for name, src in staging.items():
                     if src.dtype != views[name].dtype:  # (a manifest in another dtype than the engine's: cast)
                         views[name].copy_(src)
-        if views is not None:
-            torch.cuda.synchronize(self._rlsync_device())
-            # (read back from the live weights, in the engine's dtype: "live" tells the audit to compare so)
-            self._rlsync_applied = {"live": {n: audit_entry(t) for n, t in views.items()}}
+        if views is not None:  # read back from the live weights, in the engine's dtype, while it generates on
+            self._rlsync_applied = LiveAudit(views, self._rlsync_device())
             return
         if isinstance(staging, BoxStaging):
             self.reload_weights(weights_iterator=staging.full())
@@ -262,4 +286,18 @@ class RlsyncWorkerExtension:
             update.abort()
 
     def rlsync_applied(self) -> dict | None:
-        return getattr(self, "_rlsync_applied", None)
+        """The last commit's audit; {"pending": True} while it is still being read back (LiveAudit: asked
+        again, not waited for here, where the engine would wait too)."""
+        applied = getattr(self, "_rlsync_applied", None)
+        if not isinstance(applied, LiveAudit):
+            return applied
+        if not applied.future.done():
+            return {"pending": True}
+        # ("live" tells the audit to compare in the engine's dtype)
+        return {"live": applied.future.result()}
+
+    def rlsync_settle(self) -> None:
+        """Waits for the last commit's audit to be read from the live weights, before anything changes them."""
+        applied = getattr(self, "_rlsync_applied", None)
+        if isinstance(applied, LiveAudit):
+            applied.settle()
