@@ -78,3 +78,18 @@ def test_the_stage_refuses_weights_it_cannot_quantize():
         quantized(ResidentSource({"w": torch.zeros(4, 4)}), fmt)
     with pytest.raises(InvalidArgument, match="only 2-D floating-point"):
         quantized(ResidentSource({"w": torch.zeros(4), "missing": torch.zeros(2, 2)}), fmt)
+
+
+def test_vllm_and_sglang_refuse_fp8_models_on_cpus_without_amx(tmp_path):
+    import json
+
+    from rlsync.checks import StartupError
+    from rlsync.rollout.engines.fp8_support import refuse_fp8_on_cpu
+
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": CONFIG}))
+    for engine in ("vllm", "sglang"):
+        with pytest.raises(StartupError, match=f"{engine} cannot serve the FP8 model .* needs AMX"):
+            refuse_fp8_on_cpu(engine, str(tmp_path), on_cpu=True, amx=False)
+        refuse_fp8_on_cpu(engine, str(tmp_path), on_cpu=True, amx=True)  # may serve: its own start decides
+        refuse_fp8_on_cpu(engine, str(tmp_path), on_cpu=False, amx=False)  # a GPU serves it
+    refuse_fp8_on_cpu("hf", str(tmp_path), on_cpu=True, amx=False)  # dequantizes per block
