@@ -163,7 +163,12 @@ def build_tiny_moe(out: Path, recipe: TinyMoeRecipe = TinyMoeRecipe()) -> Path:
     model = Qwen3MoeForCausalLM(config)
     out.mkdir(parents=True)
     model.save_pretrained(out, safe_serialization=True)
-    for f in dense.iterdir():  # the tokenizer's files (and its chat template)
+    return _finish(out, dense, recipe)
+
+
+def _finish(out: Path, dense: Path, recipe: _Recipe) -> Path:
+    """Copies the dense tiny model's tokenizer files (and its chat template) beside a model, and its recipe."""
+    for f in dense.iterdir():
         if f.name not in ("config.json", "generation_config.json", "rlsync_recipe.json") and f.suffix != ".safetensors":
             shutil.copy(f, out / f.name)
     (out / "rlsync_recipe.json").write_text(json.dumps(asdict(recipe), indent=2))
@@ -227,11 +232,7 @@ def build_tiny_fp8(out: Path, recipe: TinyFp8Recipe = TinyFp8Recipe()) -> Path:
     config.quantization_config = dict(FP8_CONFIG)
     config.save_pretrained(out)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    for f in dense.iterdir():  # the tokenizer's files (and its chat template)
-        if f.name not in ("config.json", "generation_config.json", "rlsync_recipe.json") and f.suffix != ".safetensors":
-            shutil.copy(f, out / f.name)
-    (out / "rlsync_recipe.json").write_text(json.dumps(asdict(recipe), indent=2))
-    return out
+    return _finish(out, dense, recipe)
 
 
 def ensure_tiny_fp8(recipe: TinyFp8Recipe = TinyFp8Recipe()) -> Path:

@@ -4,13 +4,9 @@ to the reference quantizer of the whole tensor."""
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
+from conftest import two_gloo_ranks
 from rlsync.quant.fp8_shards import fsdp_row_ranges, owned_block_rows, shared_block_rows
 
 WORKER = Path(__file__).parent.parent / "fp8_shard_worker.py"
@@ -29,15 +25,4 @@ def test_plan_names_the_cut_blocks_and_one_owner_per_scale_row():
 
 
 def test_two_gloo_ranks_quantize_their_shards_as_the_whole_tensor_bit_for_bit():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, str(WORKER)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                   "RANK": str(r), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}) for r in range(2)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
-    for out in outs:
-        (result,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        assert result["wrong"] == [] and len(result["checked"]) == 12
+    two_gloo_ranks(WORKER, results=12)

@@ -162,8 +162,8 @@ class PublisherCore:
     # ---- what the coordinator calls ---------------------------------------------------------------
     # Each request checks the state and builds the sender inside the work `run` schedules: by then an
     # offload queued before it has happened, and a sharded model is not in the middle of a step.
-    async def offer(self, version: int, pull: bool = False, describe: bool = False,
-                    fmt: tpb.WeightFormat | None = None) -> tuple[tpb.Offer, tuple[tpb.MappedTensors, tpb.Facts] | None]:
+    async def offer(self, version: int, pull: bool = False, describe: bool = False, fmt: tpb.WeightFormat | None = None
+                    ) -> tuple[tpb.Offer, tuple[tpb.MappedTensors, tpb.Facts] | None]:
         """pull: receivers on the trainer's GPU copy the weights themselves (see OfferWeightsRequest);
         else, with a publish buffer, the weights are copied into it and the offer is a pull of the
         buffer, which receivers copy while training goes on. describe: also where the weights (or
