@@ -184,6 +184,27 @@ def greedy_against_transformers(rollout, checkpoint: str, count: int = 12) -> tu
     return got, want
 
 
+def two_gloo_ranks(script: Path, results: int) -> None:
+    """Runs `script` as ranks 0 and 1 of a gloo group (separate processes); each prints one JSON line
+    {"wrong": [...], "checked": [...]}: none wrong and `results` checked on each."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, str(script)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                   "RANK": str(r), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}) for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    for out in outs:
+        (result,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert result["wrong"] == [] and len(result["checked"]) == results
+
+
 def rl_step(client, seed: int = 0):
     """One RL step through a coordinator: a group of 4 completions, a train step on them, a
     verified sync; returns the SyncWeightsResponse."""

@@ -18,7 +18,8 @@ from pathlib import Path
 
 TINY = "tiny"
 TINY_MOE = "tiny-moe"
-ARCHS = {"qwen2": TINY, "qwen3-moe": TINY_MOE}  # make-tiny-model --arch
+TINY_FP8 = "tiny-fp8"
+ARCHS = {"qwen2": TINY, "qwen3-moe": TINY_MOE, "qwen3-fp8": TINY_FP8}  # make-tiny-model --arch
 EOS = "<|endoftext|>"
 # Plain-text turns (the tiny vocabulary has no role tokens); a turn ends with EOS as the model's do.
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -162,7 +163,12 @@ def build_tiny_moe(out: Path, recipe: TinyMoeRecipe = TinyMoeRecipe()) -> Path:
     model = Qwen3MoeForCausalLM(config)
     out.mkdir(parents=True)
     model.save_pretrained(out, safe_serialization=True)
-    for f in dense.iterdir():  # the tokenizer's files (and its chat template)
+    return _finish(out, dense, recipe)
+
+
+def _finish(out: Path, dense: Path, recipe: _Recipe) -> Path:
+    """Copies the dense tiny model's tokenizer files (and its chat template) beside a model, and its recipe."""
+    for f in dense.iterdir():
         if f.name not in ("config.json", "generation_config.json", "rlsync_recipe.json") and f.suffix != ".safetensors":
             shutil.copy(f, out / f.name)
     (out / "rlsync_recipe.json").write_text(json.dumps(asdict(recipe), indent=2))
@@ -173,6 +179,66 @@ def ensure_tiny_moe(recipe: TinyMoeRecipe = TinyMoeRecipe()) -> Path:
     """The cached tiny MoE model's folder, building it first if needed (safe across processes)."""
     ensure_tiny_model()  # its tokenizer first (the same lock)
     return _cached(f"tiny-qwen3-moe-{recipe.key()}", lambda out: build_tiny_moe(out, recipe))
+
+
+@dataclass(frozen=True)
+class TinyFp8Recipe(_Recipe):
+    """A tiny Qwen3 whose linear layers are block FP8 (e4m3, 128 x 128 blocks, fp32 weight_scale_inv), as
+    DeepSeek-V3 / Kimi-K2 checkpoints are: every linear dimension a multiple of 128 (transformers'
+    dequantization on CPU needs whole blocks); embeddings, norms and the (tied) head stay bf16."""
+
+    hidden_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 256
+    max_position_embeddings: int = 1024
+    seed: int = 0
+    tokenizer: str = TinyRecipe().key()
+    version: int = 1
+
+
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def build_tiny_fp8(out: Path, recipe: TinyFp8Recipe = TinyFp8Recipe()) -> Path:
+    """Writes an FP8 checkpoint (quantized by rlsync.quant, vLLM's reference bits) and the tiny tokenizer."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from rlsync.quant.fp8_blocks import quantize_blocks
+
+    dense = ensure_tiny_model()
+    base = json.loads((dense / "config.json").read_text())
+    eos = base["eos_token_id"]
+    fields = {k: v for k, v in asdict(recipe).items() if k not in ("seed", "tokenizer", "version")}
+    config = Qwen3Config(**fields, vocab_size=base["vocab_size"], tie_word_embeddings=True, bos_token_id=eos,
+                         eos_token_id=eos, pad_token_id=eos, torch_dtype="bfloat16")
+    torch.manual_seed(recipe.seed)
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    linears = {f"{n}.weight" for n, m in model.model.layers.named_modules(prefix="model.layers")
+               if isinstance(m, torch.nn.Linear)}
+    tensors = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight":  # tied to the embedding
+            continue
+        if name in linears:
+            tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(t)
+        else:
+            tensors[name] = t.contiguous()
+    out.mkdir(parents=True)
+    config.quantization_config = dict(FP8_CONFIG)
+    config.save_pretrained(out)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return _finish(out, dense, recipe)
+
+
+def ensure_tiny_fp8(recipe: TinyFp8Recipe = TinyFp8Recipe()) -> Path:
+    """The cached tiny FP8 model's folder, building it first if needed (safe across processes)."""
+    ensure_tiny_model()
+    return _cached(f"tiny-qwen3-fp8-{recipe.key()}", lambda out: build_tiny_fp8(out, recipe))
 
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
@@ -190,12 +256,14 @@ def torch_dtype(name: str):
 
 
 def resolve_model(name: str) -> str:
-    """`tiny` -> the locally built default, `tiny-moe` -> its mixture of experts; anything else is a
-    local path (or a hub id, offline)."""
+    """`tiny` -> the locally built default, `tiny-moe` -> its mixture of experts, `tiny-fp8` -> a tiny
+    Qwen3 in block FP8; anything else is a local path (or a hub id, offline)."""
     if name == TINY:
         return str(ensure_tiny_model())
     if name == TINY_MOE:
         return str(ensure_tiny_moe())
+    if name == TINY_FP8:
+        return str(ensure_tiny_fp8())
     return name
 
 
@@ -239,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="rlsync make-tiny-model", description=__doc__)
     parser.add_argument("--arch", choices=sorted(ARCHS), default="qwen2",
-                        help="the tiny model's architecture: a dense Qwen2 (default) or a Qwen3 mixture of experts")
+                        help="the tiny model's architecture: a dense Qwen2 (default), a Qwen3 mixture of experts, "
+                             "or a Qwen3 with block-FP8 linear layers (qwen3-fp8)")
+    parser.add_argument("--model", choices=sorted(ARCHS.values()), help="the same by its model name (tiny-fp8, ...)")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="instead: a real-size model with random weights")
     parser.add_argument("--out", help="folder for --preset")
     parser.add_argument("--device", default="cpu", help="where --preset initializes its weights")
@@ -249,5 +319,5 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--preset needs --out")
         print(build_preset(Path(args.out), args.preset, args.device))
     else:
-        print(resolve_model(ARCHS[args.arch]))
+        print(resolve_model(args.model or ARCHS[args.arch]))
     return 0

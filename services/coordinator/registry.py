@@ -16,7 +16,7 @@ from rlsync.common import metrics
 from rlsync.coordinator.liveness import Evidence, judge, lateness
 from rlsync.coordinator.v1 import coordinator_pb2 as pb
 from rlsync.errors import InvalidArgument
-from rlsync.transfer.v1.transfer_pb2 import Doorbell
+from rlsync.transfer.v1.transfer_pb2 import Doorbell, WeightFormat
 
 log = logging.getLogger(__name__)
 CHECK_EVERY = 0.25  # seconds between two checks of the members' evidence (a third of the lease at most)
@@ -38,6 +38,7 @@ class Member:
     static: bool = False  # configured by address: never expires
     suspect: str = ""  # why the registry suspects it (no progress for half its lease); "" when it does not
     doorbell: Doorbell | None = None  # a rollout's (RolloutInfo.doorbell): a trainer on its host prepares it
+    weight_format: WeightFormat | None = None  # a rollout's (RolloutInfo.weight_format): what the trainer sends it
     # Completed, with the reason, when the fleet loses it (its lease ran out, a new process took its
     # place, a sync found it dead): its client's calls in flight and later fail at once with Gone.
     gone: asyncio.Future | None = None

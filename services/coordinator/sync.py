@@ -21,6 +21,7 @@ from rlsync.common.timing import Stopwatch
 from rlsync.coordinator.config import CoordinatorConfig
 from rlsync.coordinator.registry import Member, Registry
 from rlsync.errors import FailedPrecondition, Unavailable
+from rlsync.quant.fp8_format import describe
 from rlsync.rollout.v1 import rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class Syncer:
         # may pull the weights straight from its memory while they prepare.
         push = await push_weights_async(trainer.client, [r.client for r in replicas], version, backend,
                                         self._deadline(), pull=True, doorbells=self._doorbells(replicas),
-                                        hold=self.cfg.hold_weights)
+                                        hold=self.cfg.hold_weights, fmt=weight_format(replicas))
         p.add(push.phases)
         verified = await self._verify(trainer, replicas) if verify else False  # while the trainer is on the GPU
         p.lap("verify")
@@ -120,7 +121,8 @@ class Syncer:
         p, clients = Stopwatch(), [r.client for r in replicas]
         # 1. Handshake + broadcast (NCCL / gloo / shm) into every replica's staging, while it serves N.
         push = await stage_weights_async(trainer.client, clients, version, backend, self._deadline(),
-                                         doorbells=self._doorbells(replicas), hold=self.cfg.hold_weights)
+                                         doorbells=self._doorbells(replicas), hold=self.cfg.hold_weights,
+                                         fmt=weight_format(replicas))
         p.add(push.phases)
         # 2. Pause every replica, aborting requests in flight; returns once none still runs on the old
         #    weights (an acknowledged barrier). The gateway resubmits the aborted requests after step 4.
@@ -153,7 +155,8 @@ class Syncer:
         #    recomputed with N+1). Every replica switches at its own next step boundary.
         push = await push_weights_async(trainer.client, [r.client for r in replicas], version, backend,
                                         self._deadline(), recompute_kv=self.cfg.recompute_kv,
-                                        doorbells=self._doorbells(replicas), hold=self.cfg.hold_weights)
+                                        doorbells=self._doorbells(replicas), hold=self.cfg.hold_weights,
+                                        fmt=weight_format(replicas))
         p.add(push.phases)
         verified = await self._verify(trainer, replicas) if verify else False
         p.lap("verify")
@@ -286,6 +289,7 @@ class Syncer:
                 return
             info = await member.client.info()
             member.doorbell = info.doorbell if info.HasField("doorbell") else None
+            member.weight_format = info.weight_format if info.HasField("weight_format") else None
             if not self.syncs and info.weight_version > self.version:
                 self._adopt(info.weight_version, member)
             member.weight_version = info.weight_version
@@ -306,7 +310,8 @@ class Syncer:
                 # (then they are its newer step, and say so).
                 version = self.version if self.syncs and self.trainer_step == self.version else None
                 push = await push_weights_async(trainer.client, [member.client], version, self.cfg.force_backend,
-                                                self._deadline(), doorbells=self._doorbells([member]))
+                                                self._deadline(), doorbells=self._doorbells([member]),
+                                                fmt=weight_format([member]))
                 if state.offloaded:
                     await trainer.client.offload()
                 member.weight_version, member.backend = push.version, push.channels[0]
@@ -364,3 +369,14 @@ def _record(mode: str, seconds: float, phases: dict[str, float], push) -> None:
         metrics.SYNC_BYTES.labels(backend).inc(push.bytes * ranks)
         if moving > 0:
             metrics.TRANSFER_GBPS.labels(backend).set(push.bytes / moving / 1e9)
+
+
+def weight_format(replicas: list[Member]):
+    """The one format the replicas hold their weights in (None: the trainer's dtype); one update sends one
+    format, so a fleet that mixes them is refused, naming them."""
+    formats = {describe(r.weight_format): r.weight_format for r in replicas}
+    if len(formats) > 1:
+        raise FailedPrecondition("the replicas hold their weights in different formats ("
+                                 + "; ".join(f"{r.name}: {describe(r.weight_format)}" for r in replicas)
+                                 + "): one update publishes one format; serve one model per fleet")
+    return next(iter(formats.values()), None)

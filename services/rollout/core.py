@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from rlsync.common import metrics
 from rlsync.errors import (AlreadyExists, EngineDead, FailedPrecondition, InvalidArgument, NotFound, RlsyncError,
@@ -17,6 +18,7 @@ from rlsync.rollout.engines.base import Engine
 from rlsync.rollout.types import (ALL_TAGS, Chunk, FinishReason, GenerationRequest, MemoryUsage,
                                   PauseMode, SamplingParams, WakeTag)
 from rlsync import lora
+from rlsync.quant.fp8_format import describe, same_format
 from rlsync.transfer import check_against, from_proto
 from rlsync.transfer.v1.transfer_pb2 import Answer, Offer
 
@@ -49,6 +51,7 @@ class Info:
     requests_admitted: int = 0
     doorbell: str = ""  # where a trainer on this host hands it offers (rlsync.rpc.doorbell)
     received_bytes: tuple[int, ...] = ()  # per engine rank, the last update it waited for
+    weight_format: Any = None  # the engine's (rlsync.transfer.v1.WeightFormat), None when unquantized
 
 
 @dataclass(frozen=True)
@@ -238,7 +241,7 @@ class RolloutCore:
         return Info(e.kind, e.model, self.weight_version, state, len(self.in_flight), frozenset(self.asleep),
                     e.max_model_len, e.tensor_parallel_size, self.replica_id, e.vocab_size, memory,
                     -1 if self.pending is None else self.pending, e.dtype, dead or "", self.admitted, self.doorbell,
-                    tuple(e.received_bytes))
+                    tuple(e.received_bytes), e.weight_format)
 
     # ---- weight updates -------------------------------------------------------------------------
     async def prepare_update(self, offer: Offer, force_backend: str = "", timeout: float = 0,
@@ -270,6 +273,11 @@ class RolloutCore:
                     lora.check(specs, adapter, self.engine.expected_tensors(), max_rank)
                     self._lora_checked = checked
             elif specs != self._checked:  # the same tensor list as last time compares by identity (cached specs)
+                sent = offer.manifest.format if offer.manifest.HasField("format") else None
+                if not same_format(sent, self.engine.weight_format):
+                    raise InvalidArgument(f"this replica holds its weights as {describe(self.engine.weight_format)}, "
+                                          f"the update is {describe(sent)}: offer it with the replica's "
+                                          "RolloutInfo.weight_format (OfferWeightsRequest.format)")
                 check_against(specs, self.engine.expected_tensors())
                 self._checked = specs
             checked = time.perf_counter()

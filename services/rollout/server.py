@@ -16,10 +16,17 @@ from rlsync.models import resolve_model
 from rlsync.rollout.config import RolloutConfig
 from rlsync.rollout.core import RolloutCore
 from rlsync.rollout.engines import create_engine
+from rlsync.rollout.engines.fp8_support import refuse_fp8_on_cpu
 from rlsync.rollout.servicer import RolloutServicer
 from rlsync.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 class RolloutService:
@@ -28,7 +35,9 @@ class RolloutService:
 
     def __init__(self, cfg: RolloutConfig):
         self.cfg = cfg
-        self.engine = create_engine(cfg.engine, resolve_model(cfg.model), cfg.engine_args)
+        model = resolve_model(cfg.model)
+        refuse_fp8_on_cpu(cfg.engine, model, on_cpu=not _cuda())
+        self.engine = create_engine(cfg.engine, model, cfg.engine_args)
         self.core = RolloutCore(self.engine, cfg.replica_id, cfg.update_timeout)
 
     async def start(self) -> None:

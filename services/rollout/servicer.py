@@ -62,7 +62,8 @@ def info_to_proto(i: Info) -> pb.RolloutInfo:
         max_model_len=i.max_model_len, tensor_parallel_size=i.tensor_parallel_size, replica_id=i.replica_id,
         memory=memory_to_proto(i.memory), vocab_size=i.vocab_size, pending_version=i.pending_version, dtype=i.dtype,
         dead_reason=i.dead_reason, requests_admitted=i.requests_admitted, received_bytes=i.received_bytes,
-        doorbell=Doorbell(host_id=host_id(), address=i.doorbell, name=i.replica_id) if i.doorbell else None)
+        doorbell=Doorbell(host_id=host_id(), address=i.doorbell, name=i.replica_id) if i.doorbell else None,
+        weight_format=i.weight_format)
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):

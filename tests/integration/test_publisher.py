@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from conftest import engines, rollout_args
+from conftest import engines, rollout_args, two_gloo_ranks
 from hangs import FAST, report
 from rlsync.client import CoordinatorClient, RolloutClient, RpcError
 from rlsync.coordinator.v1.coordinator_pb2 import ROLE_TRAINER
@@ -236,16 +236,7 @@ def test_every_dtensor_placement_is_cut_into_boxes_and_audited_without_a_gather(
     """Dim-0 shards (uneven, empty, fewer rows than ranks), dim-1 shards (tensor parallel),
     replicated and plain tensors, over 2 gloo ranks: each rank's boxes are the whole tensors' cast to
     bf16, and the checksum shares of the ranks add up to the whole tensors' checksums."""
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(WORKER.parent / "dtensor_worker.py")], stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                   "RANK": str(r), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}) for r in range(2)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
-    for out in outs:
-        (result,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        assert result["wrong"] == [] and len(result["checked"]) == 6
+    two_gloo_ranks(WORKER.parent / "dtensor_worker.py", results=6)
 
 
 def test_the_trainer_killed_mid_transfer_leaves_the_old_version_and_a_new_trainer_syncs(fleet, tmp_path):

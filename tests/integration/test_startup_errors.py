@@ -238,3 +238,12 @@ def test_argparse_refusals(argv, fragment):
 def test_fleet_file_that_does_not_exist():
     line = refused(["up", "/nonexistent/fleet.yaml"])
     assert "cannot read the fleet file /nonexistent/fleet.yaml" in line, line
+
+
+@pytest.mark.skipif(__import__("rlsync.rollout.engines.fp8_support", fromlist=["x"]).cpu_has_amx(),
+                    reason="this CPU has AMX: vLLM's CPU build may serve FP8 here")
+def test_vllm_on_a_cpu_without_amx_refuses_an_fp8_model_saying_why():
+    from rlsync.models import ensure_tiny_fp8
+
+    line = refused(["rollout", "--port", "0", "--engine", "vllm", "--model", str(ensure_tiny_fp8())])
+    assert "vllm cannot serve the FP8 model" in line and "AMX" in line and "--engine hf" in line

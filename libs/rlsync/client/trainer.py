@@ -58,14 +58,15 @@ class _TrainerMethods:
 
     def offer_weights(self, version: int | None = None, pull: bool = False,
                       ring: Iterable[transfer_pb2.Doorbell] = (), force_backend: str = "", timeout: float = 0,
-                      hold: bool = False, publish: bool = False):
+                      hold: bool = False, publish: bool = False, fmt: transfer_pb2.WeightFormat | None = None):
         """-> OfferWeightsResponse. pull: see OfferWeightsRequest.pull (only while nothing trains until
         every replica prepared). ring: replicas' doorbells the trainer hands the offer to, when on its
         host (force_backend and timeout are theirs). hold: those on its GPU keep its weights mapped
         from now on (OfferWeightsRequest.hold). publish: `ring` is every replica: once all prepared,
-        the trainer sends at once (OfferWeightsRequest.publish; PublishWeights then collects it)."""
+        the trainer sends at once (OfferWeightsRequest.publish; PublishWeights then collects it). fmt: the format
+        the replicas hold their weights in (RolloutInfo.weight_format): the trainer quantizes to it."""
         request = pb.OfferWeightsRequest(version=version, pull=pull, ring=list(ring), force_backend=force_backend,
-                                         timeout=timeout, hold=hold, publish=publish)
+                                         timeout=timeout, hold=hold, publish=publish, format=fmt)
         # Longer than the trainer's rings ((timeout or 300) + 30), so a silent replica's own error comes back.
         return self._call("OfferWeights", request, timeout=(timeout or 300) + 60 if request.ring else None)
 

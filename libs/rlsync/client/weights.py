@@ -29,7 +29,7 @@ from rlsync.errors import Relayed, RlsyncError
 from rlsync.rollout.v1 import rollout_pb2
 from rlsync.rpc.doorbell import Lines, Unreachable, ring
 from rlsync.transfer.handshake import host_id
-from rlsync.transfer.v1.transfer_pb2 import Backend, Doorbell, Facts, MappedTensors, Offer
+from rlsync.transfer.v1.transfer_pb2 import Backend, Doorbell, Facts, MappedTensors, Offer, WeightFormat
 
 if TYPE_CHECKING:  # the trainer's own process rings bells and waits on copies: the coordinator never loads torch
     import torch
@@ -242,7 +242,8 @@ def _prepared(clock: Stopwatch, offer, offered, pub, answers: list, rest: list[i
 
 def stage_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version: int | None = None,
                   force_backend: str = "", timeout: float = 0, pull: bool = False,
-                  doorbells: list[Doorbell | None] | None = None, hold: bool = False) -> PushReport:
+                  doorbells: list[Doorbell | None] | None = None, hold: bool = False,
+                  fmt: WeightFormat | None = None) -> PushReport:
     """Offer -> prepare on every replica -> publish, one call after the other (stage_weights_async
     overlaps the replicas). Every replica then holds the new version in staging; commit it with
     commit_staged (or RolloutClient.abort_update). On failure nothing stays staged.
@@ -251,11 +252,12 @@ def stage_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version
     only while nothing trains, offloads or loads until this returns.
     doorbells: each replica's (RolloutInfo.doorbell; None: none); the trainer prepares those on its
     host itself, the others are prepared here. hold: those on its GPU keep its weights mapped from
-    now on (OfferWeightsRequest.hold)."""
+    now on (OfferWeightsRequest.hold). fmt: the replicas' weight format (RolloutInfo.weight_format), which
+    the trainer quantizes to."""
     clock, bells = Stopwatch(), _bells(doorbells, len(rollouts))
     try:
         offered = trainer.offer_weights(version, pull, [d for d in bells if d.address], force_backend, timeout,
-                                        hold, publish=_all_rung(bells))
+                                        hold, publish=_all_rung(bells), fmt=fmt)
         offer, answers = offered.offer, _rung(bells, offered)
         clock.lap("offer")
         rest = [i for i, a in enumerate(answers) if a is None]
@@ -285,9 +287,9 @@ def commit_staged(rollouts: list[RolloutClient], push: PushReport, timeout: floa
 def push_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version: int | None = None,
                  force_backend: str = "", timeout: float = 0, recompute_kv: bool = False,
                  pull: bool = False, doorbells: list[Doorbell | None] | None = None,
-                 hold: bool = False) -> PushReport:
+                 hold: bool = False, fmt: WeightFormat | None = None) -> PushReport:
     """Stage, then commit at once."""
-    push = stage_weights(trainer, rollouts, version, force_backend, timeout, pull, doorbells, hold)
+    push = stage_weights(trainer, rollouts, version, force_backend, timeout, pull, doorbells, hold, fmt)
     commit_staged(rollouts, push, timeout, recompute_kv)
     return push
 
@@ -295,7 +297,7 @@ def push_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version:
 async def stage_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncRolloutClient],
                               version: int | None = None, force_backend: str = "", timeout: float = 0,
                               pull: bool = False, doorbells: list[Doorbell | None] | None = None,
-                              hold: bool = False) -> PushReport:
+                              hold: bool = False, fmt: WeightFormat | None = None) -> PushReport:
     """Offer -> prepare on every replica -> publish: every replica then holds the new version in
     staging, received while it kept serving, and not yet live. Commit with commit_staged_async (or
     drop it with abort_staged_async). On failure nothing stays staged. pull, hold: as stage_weights.
@@ -307,7 +309,7 @@ async def stage_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncR
         # gone (its client's `gone`, see AsyncClient) abandons them at once.
         gone = [getattr(r, "gone", None) for r in rollouts]
         offered = await until_gone(trainer.offer_weights(version, pull, [d for d in bells if d.address], force_backend,
-                                                         timeout, hold, publish=_all_rung(bells)),
+                                                         timeout, hold, publish=_all_rung(bells), fmt=fmt),
                                    *gone, method="OfferWeights")
         offer, answers = offered.offer, _rung(bells, offered)
         clock.lap("offer")
@@ -349,8 +351,9 @@ async def abort_staged_async(rollouts: list[AsyncRolloutClient]) -> None:
 async def push_weights_async(trainer: AsyncTrainerClient, rollouts: list[AsyncRolloutClient],
                              version: int | None = None, force_backend: str = "", timeout: float = 0,
                              recompute_kv: bool = False, pull: bool = False,
-                             doorbells: list[Doorbell | None] | None = None, hold: bool = False) -> PushReport:
+                             doorbells: list[Doorbell | None] | None = None, hold: bool = False,
+                             fmt: WeightFormat | None = None) -> PushReport:
     """Stage, then commit at once."""
-    push = await stage_weights_async(trainer, rollouts, version, force_backend, timeout, pull, doorbells, hold)
+    push = await stage_weights_async(trainer, rollouts, version, force_backend, timeout, pull, doorbells, hold, fmt)
     await commit_staged_async(rollouts, push, timeout, recompute_kv)
     return push

@@ -17,7 +17,9 @@ import torch
 from rlsync.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from rlsync.publish.buffer import PublishBuffer
 from rlsync.publish.ranks import AUDIT, OFFLOAD, ONLOAD, PASSES, ROUTED, PublishPoints, Ranks
+from rlsync.publish.quantized import quantized
 from rlsync.publish.source import ShardedModule
+from rlsync.quant.fp8_format import same_format
 from rlsync.transfer import Report, WeightSender, audit_entry
 from rlsync.transfer.checksum import from_sums
 from rlsync.transfer.dtypes import dtype_name, dtype_of
@@ -74,14 +76,29 @@ class PublisherCore:
         self._started: dict[str, tuple[asyncio.Task, list[bytes]]] = {}  # id -> a send begun early, its answers
         self._running: set[asyncio.Task] = set()
         self.ranks: Ranks | None = None  # a sharded trainer's ranks: each sends its own shards
+        self.format: tpb.WeightFormat | None = None  # what the replicas hold (quantized on the way out), if any
 
     def _require_on_device(self, action: str) -> None:
         if self.offloaded:
             raise FailedPrecondition(f"trainer is offloaded: call Onload before {action}")
 
+    def use_format(self, fmt: tpb.WeightFormat | None) -> None:
+        """The format the next offers publish in (the replicas' engine chose it): a new one makes a new
+        sender, whose source quantizes those tensors on the way out (rlsync.publish.quantized)."""
+        fmt = fmt if fmt is not None and fmt.HasField("fp8") else None
+        if not same_format(fmt, self.format):
+            self.drop_sender()
+            self.format = fmt
+
     def _sender_now(self) -> WeightSender | ShardedSender:
         if self._sender is None:
             source = self.source()
+            if self.format is not None:
+                if isinstance(source, ShardedModule):
+                    raise InvalidArgument("FP8 publishing of a sharded trainer (FSDP2) is not wired into the routed "
+                                          "send yet (rlsync.quant.fp8_shards has the exact per-rank quantizer): "
+                                          "run the trainer with --nproc 1 for replicas that hold FP8 weights")
+                source = quantized(source, self.format)
             if isinstance(source, ShardedModule):  # every rank sends its own shards
                 if self.delta:
                     raise InvalidArgument("delta updates need resident tensors: a sharded model's ranks each send "
@@ -145,15 +162,16 @@ class PublisherCore:
     # ---- what the coordinator calls ---------------------------------------------------------------
     # Each request checks the state and builds the sender inside the work `run` schedules: by then an
     # offload queued before it has happened, and a sharded model is not in the middle of a step.
-    async def offer(self, version: int, pull: bool = False,
-                    describe: bool = False) -> tuple[tpb.Offer, tuple[tpb.MappedTensors, tpb.Facts] | None]:
+    async def offer(self, version: int, pull: bool = False, describe: bool = False, fmt: tpb.WeightFormat | None = None
+                    ) -> tuple[tpb.Offer, tuple[tpb.MappedTensors, tpb.Facts] | None]:
         """pull: receivers on the trainer's GPU copy the weights themselves (see OfferWeightsRequest);
         else, with a publish buffer, the weights are copied into it and the offer is a pull of the
         buffer, which receivers copy while training goes on. describe: also where the weights (or
         the buffer) lie on the GPU, for replicas on it to keep mapped (see onload); None when they
-        cannot be mapped."""
+        cannot be mapped. fmt: the format the replicas hold (quantized on the way out; None: as it trains)."""
         def offer() -> tuple[tpb.Offer, tuple[tpb.MappedTensors, tpb.Facts] | None]:
             self._require_on_device("publishing weights")
+            self.use_format(fmt)
             sender = self._sender_now()
             if isinstance(sender, ShardedSender):
                 offer = sender.offer(version)
@@ -268,7 +286,8 @@ class PublisherCore:
             with torch.no_grad():  # a LoRA adapter's audit covers its frozen base too: the whole policy served
                 for name, t in itertools.chain(source.items(), source.frozen.items()):
                     t = t.detach()
-                    out[name] = audit_entry(t.to(target) if target is not None and t.is_floating_point() else t)
+                    cast = target is not None and t.is_floating_point() and name not in source.quantized
+                    out[name] = audit_entry(t.to(target) if cast else t)
             return out
 
         if self.sharded:  # every rank adds its share; nothing is gathered

@@ -69,7 +69,8 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
     async def OfferWeights(self, request: pb.OfferWeightsRequest, context) -> pb.OfferWeightsResponse:
         ring = list(request.ring)
         offer, regions = await self.publisher.offer(request.version if request.HasField("version") else self.step(),
-                                                    request.pull, describe=request.hold and bool(ring))
+                                                    request.pull, describe=request.hold and bool(ring),
+                                                    fmt=request.format if request.HasField("format") else None)
         publishing = False
         try:
             if regions is not None:

@@ -32,9 +32,12 @@ def build_manifest(tensors: Mapping[str, torch.Tensor], version: int, checksums:
     return to_proto([Spec.of(n, t, checksums) for n, t in tensors.items()], version)
 
 
-def to_proto(specs: list[Spec], version: int) -> pb.Manifest:
+def to_proto(specs: list[Spec], version: int, fmt: pb.WeightFormat | None = None) -> pb.Manifest:
+    """fmt: the format the sender quantized to (Manifest.format), if any."""
     manifest = pb.Manifest.FromString(_tensor_list(tuple(specs)))
     manifest.version = version
+    if fmt is not None and fmt.HasField("fp8"):
+        manifest.format.CopyFrom(fmt)
     return manifest
 
 
@@ -44,6 +47,8 @@ def from_proto(manifest: pb.Manifest) -> list[Spec]:
     rest = pb.Manifest(version=manifest.version)  # what follows the tensors when serialized
     if manifest.HasField("adapter"):
         rest.adapter.CopyFrom(manifest.adapter)
+    if manifest.HasField("format"):
+        rest.format.CopyFrom(manifest.format)
     tail = rest.SerializeToString()
     return list(_parsed(raw[:len(raw) - len(tail)] if raw.endswith(tail) else raw))
 

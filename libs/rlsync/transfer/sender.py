@@ -120,7 +120,7 @@ class WeightSender:
         while len(self._specs) > 4:
             self._specs.pop(next(iter(self._specs)))
         one_copy = self._one_copy()
-        manifest = to_proto(specs, version)
+        manifest = to_proto(specs, version, self.source.format)
         if self.source.adapter is not None:
             manifest.adapter.CopyFrom(self.source.adapter)
         return pb.Offer(

@@ -31,6 +31,9 @@ class ResidentSource:
     The tensors' values are read at send time; their layout (shapes, dtypes, where they lie) is
     read once: a tensor that changes shape needs a new source (a trainer makes one after an onload)."""
 
+    format = None  # the WeightFormat its tensors were quantized to (a quantizing stage's: StreamedSource)
+    quantized: frozenset[str] = frozenset()  # the names of those tensors (audited as they are, never cast)
+
     def __init__(self, tensors: Mapping[str, torch.Tensor], arena: SharedArena | None = None,
                  adapter: pb.LoraAdapter | None = None, frozen: Mapping[str, torch.Tensor] | None = None):
         self.tensors = dict(tensors)
@@ -75,6 +78,8 @@ class StreamedSource:
     """
 
     arena = None  # produced tensors never live in shared memory a receiver could map
+    format = None  # see ResidentSource (rlsync.publish.quantized sets both)
+    quantized: frozenset[str] = frozenset()
 
     def __init__(self, specs: list[Spec], device: torch.device, produce: Callable[[int], torch.Tensor],
                  adapter: pb.LoraAdapter | None = None, frozen: Mapping[str, torch.Tensor] | None = None,

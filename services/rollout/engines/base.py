@@ -77,6 +77,9 @@ class Engine(abc.ABC):
     received_bytes: tuple[int, ...] = ()
     #: The dtype the engine computes in.
     dtype: str = ""
+    #: How the engine holds quantized weights (rlsync.quant.fp8_format, from its model's quantization
+    #: config), valid after start(); None: every tensor in the trainer's dtype.
+    weight_format: Any = None
 
     @abc.abstractmethod
     def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], None]]:

@@ -146,6 +146,7 @@ class HFEngine(Engine):
         self.vocab_size = config.vocab_size
         self.max_model_len = self.args.max_model_len or config.max_position_embeddings
         self.weights = Weights.load(self.model, self.device, self.args.dtype)
+        self.weight_format = self.weights.format
         self.dtype = str(next(iter(self.weights.specs.values()))[1]).removeprefix("torch.")
         self.batch = Batch(self.weights.model, self.device)
         self.adapter = Adapter(self.weights.model, self.device, next(iter(self.weights.specs.values()))[1])
@@ -431,8 +432,11 @@ class HFEngine(Engine):
         return await self._call(read)
 
     # ---- weight updates -------------------------------------------------------------------------
-    def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], None]]:
-        return {n: (tuple(shape), None) for n, (shape, _) in self.weights.specs.items()}
+    def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+        """Any dtype (cast on arrival), except FP8 weights and their scales: those arrive as they are held."""
+        held = set(self.weight_format.fp8.weights) if self.weight_format is not None else set()
+        return {n: (tuple(shape), dtype if n in held or n.removesuffix("_scale_inv") in held else None)
+                for n, (shape, dtype) in self.weights.specs.items()}
 
     async def prepare_update(self, offer, receiver_id: str, force_backend: str, timeout: float):
         if self.weights.store is None:

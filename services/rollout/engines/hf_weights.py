@@ -13,6 +13,7 @@ import torch
 from rlsync.checkpoint_names import checkpoint_groups, checkpoint_tensors, expert_rules
 from rlsync.flat import FlatStore, specs_of
 from rlsync.models import torch_dtype
+from rlsync.rollout.engines.hf_fp8 import to_fp8
 from rlsync.transfer.armed import Armed
 
 
@@ -45,6 +46,7 @@ class Weights:
         self.from_checkpoint = True  # False once a weight update has replaced the checkpoint's values
         self.not_ready: str | None = None
         self.version = 0
+        self.format = None  # the engine's WeightFormat (hf_fp8), None when unquantized
         self._place(self._pack(checkpoint_tensors(self.params, self.experts)))
 
     @classmethod
@@ -52,7 +54,10 @@ class Weights:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype))
-        return cls(model.to(device).eval().requires_grad_(False), path, device)
+        fmt = to_fp8(model, path)  # an FP8 checkpoint: its layers hold the FP8 values again
+        weights = cls(model.to(device).eval().requires_grad_(False), path, device)
+        weights.format = fmt
+        return weights
 
     def _pack(self, tensors: dict[str, torch.Tensor]) -> FlatStore:
         store = FlatStore(self.specs, self.device)

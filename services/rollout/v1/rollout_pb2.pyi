@@ -212,7 +212,7 @@ class MemoryUsage(_message.Message):
     def __init__(self, device: _Optional[str] = ..., weights_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., device_reserved_bytes: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., spare_bytes: _Optional[int] = ...) -> None: ...
 
 class RolloutInfo(_message.Message):
-    __slots__ = ("engine", "model", "weight_version", "state", "in_flight", "asleep", "max_model_len", "tensor_parallel_size", "replica_id", "memory", "vocab_size", "pending_version", "dtype", "dead_reason", "requests_admitted", "doorbell", "received_bytes")
+    __slots__ = ("engine", "model", "weight_version", "state", "in_flight", "asleep", "max_model_len", "tensor_parallel_size", "replica_id", "memory", "vocab_size", "pending_version", "dtype", "dead_reason", "requests_admitted", "doorbell", "received_bytes", "weight_format")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +230,7 @@ class RolloutInfo(_message.Message):
     REQUESTS_ADMITTED_FIELD_NUMBER: _ClassVar[int]
     DOORBELL_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     engine: str
     model: str
     weight_version: int
@@ -247,4 +248,5 @@ class RolloutInfo(_message.Message):
     requests_admitted: int
     doorbell: _transfer_pb2.Doorbell
     received_bytes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, engine: _Optional[str] = ..., model: _Optional[str] = ..., weight_version: _Optional[int] = ..., state: _Optional[_Union[ServingState, str]] = ..., in_flight: _Optional[int] = ..., asleep: _Optional[_Iterable[_Union[WakeTag, str]]] = ..., max_model_len: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., replica_id: _Optional[str] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ..., vocab_size: _Optional[int] = ..., pending_version: _Optional[int] = ..., dtype: _Optional[str] = ..., dead_reason: _Optional[str] = ..., requests_admitted: _Optional[int] = ..., doorbell: _Optional[_Union[_transfer_pb2.Doorbell, _Mapping]] = ..., received_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
+    weight_format: _transfer_pb2.WeightFormat
+    def __init__(self, engine: _Optional[str] = ..., model: _Optional[str] = ..., weight_version: _Optional[int] = ..., state: _Optional[_Union[ServingState, str]] = ..., in_flight: _Optional[int] = ..., asleep: _Optional[_Iterable[_Union[WakeTag, str]]] = ..., max_model_len: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., replica_id: _Optional[str] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ..., vocab_size: _Optional[int] = ..., pending_version: _Optional[int] = ..., dtype: _Optional[str] = ..., dead_reason: _Optional[str] = ..., requests_admitted: _Optional[int] = ..., doorbell: _Optional[_Union[_transfer_pb2.Doorbell, _Mapping]] = ..., received_bytes: _Optional[_Iterable[int]] = ..., weight_format: _Optional[_Union[_transfer_pb2.WeightFormat, _Mapping]] = ...) -> None: ...

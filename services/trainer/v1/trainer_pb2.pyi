@@ -148,7 +148,7 @@ class LoadCheckpointResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ...) -> None: ...
 
 class OfferWeightsRequest(_message.Message):
-    __slots__ = ("version", "pull", "ring", "force_backend", "timeout", "hold", "publish")
+    __slots__ = ("version", "pull", "ring", "force_backend", "timeout", "hold", "publish", "format")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
     RING_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,7 @@ class OfferWeightsRequest(_message.Message):
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     HOLD_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
     version: int
     pull: bool
     ring: _containers.RepeatedCompositeFieldContainer[_transfer_pb2.Doorbell]
@@ -163,7 +164,8 @@ class OfferWeightsRequest(_message.Message):
     timeout: float
     hold: bool
     publish: bool
-    def __init__(self, version: _Optional[int] = ..., pull: _Optional[bool] = ..., ring: _Optional[_Iterable[_Union[_transfer_pb2.Doorbell, _Mapping]]] = ..., force_backend: _Optional[str] = ..., timeout: _Optional[float] = ..., hold: _Optional[bool] = ..., publish: _Optional[bool] = ...) -> None: ...
+    format: _transfer_pb2.WeightFormat
+    def __init__(self, version: _Optional[int] = ..., pull: _Optional[bool] = ..., ring: _Optional[_Iterable[_Union[_transfer_pb2.Doorbell, _Mapping]]] = ..., force_backend: _Optional[str] = ..., timeout: _Optional[float] = ..., hold: _Optional[bool] = ..., publish: _Optional[bool] = ..., format: _Optional[_Union[_transfer_pb2.WeightFormat, _Mapping]] = ...) -> None: ...
 
 class OfferWeightsResponse(_message.Message):
     __slots__ = ("offer", "rung", "ring_seconds", "publishing")

@@ -35,14 +35,36 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("tensors", "version", "adapter")
+    __slots__ = ("tensors", "version", "adapter", "format")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     version: int
     adapter: LoraAdapter
-    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., version: _Optional[int] = ..., adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
+    format: WeightFormat
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., version: _Optional[int] = ..., adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ..., format: _Optional[_Union[WeightFormat, _Mapping]] = ...) -> None: ...
+
+class WeightFormat(_message.Message):
+    __slots__ = ("fp8",)
+    FP8_FIELD_NUMBER: _ClassVar[int]
+    fp8: Fp8Blocks
+    def __init__(self, fp8: _Optional[_Union[Fp8Blocks, _Mapping]] = ...) -> None: ...
+
+class Fp8Blocks(_message.Message):
+    __slots__ = ("fmt", "block", "scale_dtype", "pow2_scales", "weights")
+    FMT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    SCALE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    POW2_SCALES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    fmt: str
+    block: _containers.RepeatedScalarFieldContainer[int]
+    scale_dtype: str
+    pow2_scales: bool
+    weights: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, fmt: _Optional[str] = ..., block: _Optional[_Iterable[int]] = ..., scale_dtype: _Optional[str] = ..., pow2_scales: _Optional[bool] = ..., weights: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoraAdapter(_message.Message):
     __slots__ = ("rank", "alpha", "use_rslora", "base_version")

@@ -1,0 +1,40 @@
+"""Which engines serve a block-FP8 model where: vLLM's and SGLang's CPU paths run FP8 block GEMMs only on
+AMX tiles (vLLM 0.32: "CPUFp8W8A8BlockScaledMMKernel requires AMX tile support"; SGLang 0.5: "Fp8LinearMethod
+on CPU requires that CPU has AMX support"), and otherwise fail deep in their start with a traceback. A
+replica refuses such a start at once, in one line that says why and what serves it instead."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rlsync.checks import StartupError
+from rlsync.quant.fp8_format import is_fp8_config
+
+NEEDS_AMX = {"vllm": "vLLM's CPU FP8 block kernel (CPUFp8W8A8BlockScaledMMKernel)",
+             "sglang": "SGLang's CPU Fp8LinearMethod"}
+
+
+def quantization_config(model: str) -> dict | None:
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return None  # a hub id: the engine reads its config itself
+    return json.loads(config.read_text()).get("quantization_config")
+
+
+def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    try:
+        return "amx_tile" in Path(cpuinfo).read_text()
+    except OSError:
+        return False
+
+
+def refuse_fp8_on_cpu(engine: str, model: str, on_cpu: bool, amx: bool | None = None) -> None:
+    """Raises StartupError when `engine` cannot serve `model`'s FP8 weights on this CPU."""
+    if engine not in NEEDS_AMX or not on_cpu or not is_fp8_config(quantization_config(model)):
+        return
+    if amx if amx is not None else cpu_has_amx():
+        return
+    raise StartupError(f"{engine} cannot serve the FP8 model {model} on this CPU: {NEEDS_AMX[engine]} needs AMX "
+                       "tiles, which this processor lacks (no amx_tile in /proc/cpuinfo); serve it with --engine hf "
+                       "(dequantized per block on CPU), or on a GPU")

@@ -1,0 +1,62 @@
+"""The block FP8 kernel (rlsync.quant.fp8_kernel, Triton) on the GPU against the reference quantizer,
+bit for bit: the reference run on the CPU (what CI checks against vLLM's) and on the GPU, and vLLM's own
+per_block_cast_to_fp8 where vLLM is importable; shapes that are and are not multiples of 128, bf16 / fp32
+/ fp16, power-of-two scales; the publishing stage uses the kernel for CUDA tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlsync.quant.fp8_blocks import quantize_blocks
+from rlsync.quant.fp8_kernel import quantize, quantize_cuda
+
+pytestmark = pytest.mark.gpu
+SHAPES = [(128, 128), (1, 1), (129, 127), (300, 77), (1000, 4097), (4096, 7168), (7168, 2048), (151, 16384)]
+
+
+def _weights(m: int, n: int, seed: int, dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, n, generator=g) * torch.logspace(-4, 3, m).unsqueeze(1)[torch.randperm(m, generator=g)]
+    x[0, 0] = 0.0
+    if m > 200:
+        x[130:140] = 0.0  # zero rows inside blocks
+    if m >= 256 and n >= 256:
+        x[128:256, 128:256] = 0.0  # a whole zero block: the 1e-4 floor
+    return x.to(dtype)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).cpu()
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kernel_equals_the_reference_bit_for_bit(shape, dtype, pow2):
+    x = _weights(*shape, seed=sum(shape), dtype=dtype)
+    q_cpu, s_cpu = quantize_blocks(x, pow2=pow2)
+    q_gpu, s_gpu = quantize_cuda(x.cuda(), pow2=pow2)
+    q_ref_gpu, s_ref_gpu = quantize_blocks(x.cuda(), pow2=pow2)
+    assert torch.equal(_bits(s_gpu), _bits(s_cpu)) and torch.equal(_bits(q_gpu), _bits(q_cpu))
+    assert torch.equal(_bits(s_ref_gpu), _bits(s_cpu)) and torch.equal(_bits(q_ref_gpu), _bits(q_cpu))
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_kernel_equals_vllms_quantizer_on_the_gpu(pow2):
+    try:
+        from vllm.utils.deep_gemm import per_block_cast_to_fp8
+    except Exception as e:  # noqa: BLE001 - vLLM not installed on this GPU machine
+        pytest.skip(f"vLLM is not importable here: {e}")
+    for shape in SHAPES:
+        x = _weights(*shape, seed=sum(shape), dtype=torch.bfloat16).cuda()
+        q, s = quantize_cuda(x, pow2=pow2)
+        q_ref, s_ref = per_block_cast_to_fp8(x, [128, 128], use_ue8m0=pow2)
+        assert torch.equal(_bits(s), _bits(s_ref.float())) and torch.equal(_bits(q), _bits(q_ref)), shape
+
+
+def test_a_non_contiguous_weight_and_the_dispatch():
+    x = _weights(512, 384, seed=1, dtype=torch.bfloat16).cuda().t()  # a transposed view
+    q, s = quantize(x)
+    q_ref, s_ref = quantize_blocks(x.cpu().contiguous())
+    assert q.is_cuda and torch.equal(_bits(q), _bits(q_ref)) and torch.equal(_bits(s), _bits(s_ref))

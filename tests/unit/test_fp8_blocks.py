@@ -1,0 +1,118 @@
+"""The block FP8 quantizer against vLLM's own reference (vllm.utils.deep_gemm.per_block_cast_to_fp8),
+bit for bit, over shapes that are and are not multiples of 128; scales rounded to powers of two
+before quantizing; the edge cases (zero blocks, huge values) and the errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rlsync.errors import InvalidArgument
+from rlsync.quant.fp8_blocks import (BLOCK, FP8_MAX, block_amax, dequantize_blocks, quantize_blocks, scale_shape,
+                                     scales_of)
+
+
+def _vllm_reference():
+    try:
+        from vllm.utils.deep_gemm import per_block_cast_to_fp8
+    except Exception as e:  # noqa: BLE001 - vLLM missing or not importable here
+        pytest.skip(f"vLLM's reference quantizer is not importable: {e}")
+    return per_block_cast_to_fp8
+
+
+def _weights(m: int, n: int, seed: int, dtype=torch.bfloat16, spread: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, n, generator=g) * spread
+    # rows of very different magnitude, so blocks get very different scales
+    x *= torch.logspace(-3, 2, m).unsqueeze(1)[torch.randperm(m, generator=g)]
+    return x.to(dtype)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+SHAPES = [(256, 384), (1, 1), (129, 127), (640, 129)]
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_bit_identical_to_vllm(shape, pow2):
+    reference = _vllm_reference()
+    x = _weights(*shape, seed=sum(shape))
+    q, s = quantize_blocks(x, pow2=pow2)
+    q_ref, s_ref = reference(x, [128, 128], use_ue8m0=pow2)
+    assert _same_bits(s, s_ref.float().contiguous())
+    assert _same_bits(q, q_ref)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(m=st.integers(1, 400), n=st.integers(1, 400), seed=st.integers(0, 2**16),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.float16]), pow2=st.booleans(),
+       spread=st.sampled_from([1e-6, 1e-2, 1.0, 1e3]))
+def test_bit_identical_to_vllm_any_shape(m, n, seed, dtype, pow2, spread):
+    reference = _vllm_reference()
+    x = _weights(m, n, seed, dtype, spread)
+    q, s = quantize_blocks(x, pow2=pow2)
+    q_ref, s_ref = reference(x, [128, 128], use_ue8m0=pow2)
+    assert s.shape == scale_shape((m, n))
+    assert _same_bits(s, s_ref.float().contiguous())
+    assert _same_bits(q, q_ref)
+
+
+@settings(max_examples=30, deadline=None)
+@given(m=st.integers(1, 300), n=st.integers(1, 300), seed=st.integers(0, 2**16), pow2=st.booleans())
+def test_round_trip_within_fp8_precision(m, n, seed, pow2):
+    x = _weights(m, n, seed, torch.float32)
+    q, s = quantize_blocks(x, pow2=pow2)
+    back = dequantize_blocks(q, s, dtype=torch.float32)
+    # e4m3 keeps 3 mantissa bits: half an ulp is 1/16 of the value, or of the block's smallest normal step
+    full = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:m, :n]
+    assert torch.all((back - x).abs() <= x.abs() / 16 + full * 2.0 ** -9 + 1e-30)
+    assert q.float().abs().max() <= FP8_MAX
+
+
+def test_power_of_two_scales_rounded_before_quantizing():
+    x = _weights(256, 256, seed=3, dtype=torch.float32)
+    q, s = quantize_blocks(x, pow2=True)
+    assert torch.equal(s, torch.pow(2.0, torch.round(torch.log2(s))))  # every scale a power of two
+    assert torch.all(s >= block_amax(x) / FP8_MAX)  # rounded up: nothing saturates
+    # the values were quantized with the rounded scale, not rounded afterwards
+    assert torch.equal(q, (x * (1.0 / s).repeat_interleave(128, 0).repeat_interleave(128, 1)).to(q.dtype))
+    _, plain = quantize_blocks(x)
+    assert torch.all(s / plain < 2) and torch.all(s / plain >= 1)
+
+
+def test_zero_block_gets_the_floor_scale_and_zeros():
+    x = torch.zeros(130, 200)
+    x[129, 199] = 3.0
+    q, s = quantize_blocks(x)
+    assert s[0, 0].item() == pytest.approx(1e-4 / FP8_MAX) and s[1, 1].item() == pytest.approx(3.0 / FP8_MAX)
+    assert torch.count_nonzero(q.float()) == 1 and q.float()[129, 199].item() == FP8_MAX
+
+
+def test_amax_of_parts_is_the_amax_of_the_whole():
+    x = _weights(300, 260, seed=1)
+    top, bottom = x[:200], x[200:]
+    # rows 200..299 start inside block row 1 (128..255): a block cut in two
+    parts = torch.zeros(scale_shape(x.shape))
+    parts[:2] = block_amax(top)
+    cut = torch.zeros(scale_shape(x.shape))
+    padded = torch.cat([torch.zeros(72, 260, dtype=x.dtype), bottom])  # rows 128..299 of the whole
+    cut[1:] = block_amax(padded)
+    assert torch.equal(torch.maximum(parts, cut), block_amax(x))
+
+
+def test_errors_say_what_is_wrong():
+    with pytest.raises(InvalidArgument, match="2-D"):
+        quantize_blocks(torch.zeros(4, 4, 4))
+    with pytest.raises(InvalidArgument, match="floating-point"):
+        quantize_blocks(torch.zeros(4, 4, dtype=torch.int32))
+    with pytest.raises(InvalidArgument, match="block size"):
+        scale_shape((4, 4), (0, 128))
+    q, s = quantize_blocks(torch.ones(256, 256))
+    with pytest.raises(InvalidArgument, match=r"expected \[2, 2\]"):
+        dequantize_blocks(q, s[:1])
+    assert BLOCK == (128, 128) and scales_of(torch.tensor([0.0])).item() > 0
