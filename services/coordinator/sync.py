@@ -132,7 +132,7 @@ class Syncer:
             p.lap("pause")
             # 3. Commit everywhere: the staged weights go live (a pointer swap, or vLLM's reload).
             await commit_staged_async(clients, push, self._deadline())
-            p.add({"commit": push.phases["commit"]})
+            p.add({k: v for k, v in push.phases.items() if k.startswith("commit")})
         except BaseException:
             await abort_staged_async(clients)  # (a no-op where the commit went through)
             raise

@@ -7,6 +7,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,7 @@ class CommitResult:
     switch_seconds: float
     changed: bool
     recomputed: int = 0
+    stages: dict[str, float] = dataclasses.field(default_factory=dict)  # the engine's own (Engine.commit_stages)
 
 
 class RolloutCore:
@@ -335,7 +337,8 @@ class RolloutCore:
             self.weight_version, self.pending = version, None
             if self._pending_full:  # the base is now these weights (an adapter leaves it as it was)
                 self.base_version = version
-            return CommitResult(version, waited, asyncio.get_running_loop().time() - start, True, recomputed)
+            return CommitResult(version, waited, asyncio.get_running_loop().time() - start, True, recomputed,
+                                dict(self.engine.commit_stages))
 
     async def abort_update(self) -> bool:
         async with self._control:

@@ -23,10 +23,15 @@ from rlsync.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 log = logging.getLogger(__name__)
 
 
-def _cuda() -> bool:
+def _on_cpu() -> bool:
+    """Whether this host has no GPU, asked without initializing CUDA here (NVML): vLLM forks its engine
+    process from this one, and CUDA does not survive a fork."""
+    import os
+
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     import torch
 
-    return torch.cuda.is_available()
+    return not torch.cuda.is_available()
 
 
 class RolloutService:
@@ -36,7 +41,7 @@ class RolloutService:
     def __init__(self, cfg: RolloutConfig):
         self.cfg = cfg
         model = resolve_model(cfg.model)
-        refuse_fp8_on_cpu(cfg.engine, model, on_cpu=not _cuda())
+        refuse_fp8_on_cpu(cfg.engine, model, on_cpu=_on_cpu)
         self.engine = create_engine(cfg.engine, model, cfg.engine_args)
         self.core = RolloutCore(self.engine, cfg.replica_id, cfg.update_timeout)
 

@@ -155,7 +155,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def CommitUpdate(self, request: pb.CommitUpdateRequest, context) -> pb.CommitUpdateResponse:
         r = await self.core.commit_update(request.version, request.force, request.timeout, request.recompute_kv)
         return pb.CommitUpdateResponse(version=r.version, wait_seconds=r.wait_seconds, switch_seconds=r.switch_seconds,
-                                       changed=r.changed, recomputed=r.recomputed)
+                                       changed=r.changed, recomputed=r.recomputed, stages=r.stages)
 
     @unary
     async def AbortUpdate(self, request, context) -> pb.AbortUpdateResponse:

@@ -278,10 +278,17 @@ def stage_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version
 def commit_staged(rollouts: list[RolloutClient], push: PushReport, timeout: float = 0,
                   recompute_kv: bool = False) -> None:
     clock = Stopwatch()
-    for r in rollouts:
-        r.commit_update(push.version, timeout=timeout, recompute_kv=recompute_kv)
+    done = [r.commit_update(push.version, timeout=timeout, recompute_kv=recompute_kv) for r in rollouts]
     clock.lap("commit")
+    _committed(push, clock, done)
+
+
+def _committed(push: PushReport, clock: Stopwatch, done: list) -> None:
+    """The commit's phase, and the engines' own stages of the switch at the slowest replica (commit_<stage>)."""
     push.phases.update(clock.stages)
+    for response in done:
+        for stage, seconds in response.stages.items():
+            push.phases[f"commit_{stage}"] = max(push.phases.get(f"commit_{stage}", 0.0), seconds)
 
 
 def push_weights(trainer: TrainerClient, rollouts: list[RolloutClient], version: int | None = None,
@@ -335,12 +342,13 @@ async def commit_staged_async(rollouts: list[AsyncRolloutClient], push: PushRepo
     is raised (replicas that committed serve the new version, the rest their previous one)."""
     clock = Stopwatch()
     try:
-        await settle(*(r.commit_update(push.version, timeout=timeout, recompute_kv=recompute_kv) for r in rollouts))
+        done = await settle(*(r.commit_update(push.version, timeout=timeout, recompute_kv=recompute_kv)
+                              for r in rollouts))
     except BaseException:
         await abort_staged_async(rollouts)
         raise
     clock.lap("commit")
-    push.phases.update(clock.stages)
+    _committed(push, clock, done)
 
 
 async def abort_staged_async(rollouts: list[AsyncRolloutClient]) -> None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 from rlsync.rollout.types import Delta, GenerationRequest, MemoryUsage, PauseMode, WakeTag
@@ -80,6 +81,8 @@ class Engine(abc.ABC):
     #: How the engine holds quantized weights (rlsync.quant.fp8_format, from its model's quantization
     #: config), valid after start(); None: every tensor in the trainer's dtype.
     weight_format: Any = None
+    #: The last commit's stages, in seconds, for its CommitUpdateResponse.stages (an engine that times them).
+    commit_stages: Mapping[str, float] = MappingProxyType({})
 
     @abc.abstractmethod
     def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], None]]:

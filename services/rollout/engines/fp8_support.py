@@ -6,6 +6,7 @@ replica refuses such a start at once, in one line that says why and what serves 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from rlsync.checks import StartupError
@@ -29,9 +30,12 @@ def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
         return False
 
 
-def refuse_fp8_on_cpu(engine: str, model: str, on_cpu: bool, amx: bool | None = None) -> None:
-    """Raises StartupError when `engine` cannot serve `model`'s FP8 weights on this CPU."""
-    if engine not in NEEDS_AMX or not on_cpu or not is_fp8_config(quantization_config(model)):
+def refuse_fp8_on_cpu(engine: str, model: str, on_cpu: bool | Callable[[], bool], amx: bool | None = None) -> None:
+    """Raises StartupError when `engine` cannot serve `model`'s FP8 weights on this CPU. `on_cpu` may be asked
+    lazily: only for an FP8 model (asking CUDA in a process vLLM then forks breaks its engine's start)."""
+    if engine not in NEEDS_AMX or not is_fp8_config(quantization_config(model)):
+        return
+    if not (on_cpu() if callable(on_cpu) else on_cpu):
         return
     if amx if amx is not None else cpu_has_amx():
         return

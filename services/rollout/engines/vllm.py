@@ -20,6 +20,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
+from rlsync.common.timing import Stopwatch
 from rlsync.errors import DeadlineExceeded, EngineDead, FailedPrecondition, InvalidArgument, ResourceExhausted
 from rlsync.rollout.engines.process import CRASH_DIR_ENV, crash_reports, own_log
 from rlsync.rollout.staging import pulled, raise_failure
@@ -320,12 +321,15 @@ class VLLMEngine(Engine):
             await self.adapters.commit(self.llm, version)
             self.version = version
             return 0
+        clock = Stopwatch()  # (the stages go back in the commit's answer: where a gap in generation comes from)
         was_paused = await self.llm.is_paused()
         if not was_paused:  # freeze requests in place, between two engine steps; they go on after
             await self.llm.pause_generation(mode="keep", clear_cache=False)
+        clock.lap("pause")
         try:
             # (vLLM 0.20) every token so far is the old version's; a request vLLM no longer holds has ended
             produced = await self._produced() if not self._tags else {}
+            clock.lap("produced")
             # Requests on an adapter would go on with it over the new weights, a mix of versions:
             # they end (the gateway resubmits them), and new ones run on the new weights alone.
             on_adapters = self.adapters.detach()
@@ -334,6 +338,7 @@ class VLLMEngine(Engine):
                     await self.llm.abort(request_id)
                 self._salt = version  # requests arriving from now on run on the new weights
                 await self.llm.collective_rpc("rlsync_commit")
+                clock.lap("apply")
             except BaseException:
                 self.adapters.reattach()
                 raise
@@ -353,10 +358,14 @@ class VLLMEngine(Engine):
                 await self.llm.reset_prefix_cache(reset_running_requests=True)
             elif not self._in_flight:  # frees the old version's cached blocks now (salts keep them apart anyway)
                 await self.llm.reset_prefix_cache()
+            clock.lap("bookkeeping")
         finally:
             if not was_paused:
                 await self.llm.resume_generation()
+            clock.lap("resume")
         await self._read_memory()
+        clock.lap("memory")
+        self.commit_stages = clock.stages
         return recomputed
 
     async def _produced(self) -> dict[str, dict[int, int]]:

@@ -74,18 +74,27 @@ class CommitUpdateRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., force: _Optional[bool] = ..., timeout: _Optional[float] = ..., recompute_kv: _Optional[bool] = ...) -> None: ...
 
 class CommitUpdateResponse(_message.Message):
-    __slots__ = ("version", "wait_seconds", "switch_seconds", "changed", "recomputed")
+    __slots__ = ("version", "wait_seconds", "switch_seconds", "changed", "recomputed", "stages")
+    class StagesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     VERSION_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SWITCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CHANGED_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
     version: int
     wait_seconds: float
     switch_seconds: float
     changed: bool
     recomputed: int
-    def __init__(self, version: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., switch_seconds: _Optional[float] = ..., changed: _Optional[bool] = ..., recomputed: _Optional[int] = ...) -> None: ...
+    stages: _containers.ScalarMap[str, float]
+    def __init__(self, version: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., switch_seconds: _Optional[float] = ..., changed: _Optional[bool] = ..., recomputed: _Optional[int] = ..., stages: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class HoldWeightsRequest(_message.Message):
     __slots__ = ("holder", "mapped", "facts")
