@@ -46,13 +46,7 @@ def test_the_checkpoint_names_one_tensor_per_expert_and_the_model_fuses_them(moe
     assert model.get_parameter("model.layers.0.mlp.experts.gate_up_proj").shape == (8, 64, 64)
 
 
-# vLLM 0.32 (CPU build) after an in-place reload of the experts computes otherwise than a fresh vLLM on the
-# same weights (which equals transformers): its audit reads what it was handed, not its prepacked kernels.
-VLLM_REFIT = pytest.mark.xfail(strict=True, reason="vLLM CPU's in-place reload of fused MoE experts: greedy tokens "
-                                                   "differ from a fresh vLLM on the same weights (issue 54)")
-
-
-@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=VLLM_REFIT)])
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
 def test_five_trainer_steps_arrive_bit_for_bit_and_greedy_tokens_equal_transformers(services, moe_model, engine,
                                                                                tmp_path):
     client, replica, trainer = _fleet(services, moe_model, engine, with_trainer=True)

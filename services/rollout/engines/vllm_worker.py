@@ -21,6 +21,7 @@ from rlsync.flat import flat_like
 from rlsync.rollout.engines.process import prepare_engine_process
 from rlsync.errors import ResourceExhausted
 from rlsync.rollout.engines.vllm_direct import direct_views
+from rlsync.rollout.engines.vllm_experts import first_load_processing
 from rlsync.rollout.engines.vllm_layout import BoxStaging, loaded_boxes
 from rlsync.rollout.staging import StagedUpdate, ensure_room
 from rlsync.transfer import answer, audit_entry, from_proto
@@ -176,11 +177,12 @@ class RlsyncWorkerExtension:
             # (read back from the live weights, in the engine's dtype: "live" tells the audit to compare so)
             self._rlsync_applied = {"live": {n: audit_entry(t) for n, t in staging.items()}}
             return
+        with first_load_processing(self.model_runner.get_model()):  # (vLLM skips its experts' processing otherwise)
+            self.reload_weights(weights_iterator=staging.full() if isinstance(staging, BoxStaging)
+                                else iter(staging.items()))
         if isinstance(staging, BoxStaging):
-            self.reload_weights(weights_iterator=staging.full())
             self._rlsync_applied = {"parts": self._rlsync_parts(update, staging)}
         else:
-            self.reload_weights(weights_iterator=iter(staging.items()))
             self._rlsync_applied = {n: audit_entry(t) for n, t in staging.items()}
         refresh_tied(self.model_runner.get_model())
 
