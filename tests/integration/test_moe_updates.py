@@ -102,3 +102,40 @@ def test_colocated_steps_offload_and_onload_the_experts_and_stay_bit_exact(servi
     for step in (1, 2, 3):
         sync = rl_step(client, seed=step)
         assert sync.version == step and sync.verified
+
+
+def _tp2_share(moe_model) -> tuple[int, int]:
+    """(fp32 bytes each of two tensor-parallel vLLM workers loads of the tiny MoE, of them the experts'): every
+    matrix split in two (experts' gate/up by rows, down by columns; attention by heads, 2 key/value heads over 2
+    ranks; vocabulary by rows) but the router, which every rank holds whole, as it does the norms."""
+    with safe_open(str(moe_model / "model.safetensors"), "pt") as f:
+        shapes = {n: f.get_slice(n).get_shape() for n in f.keys()}
+    numel = {n: int(torch.tensor(s).prod()) for n, s in shapes.items()}
+    split = [n for n, s in shapes.items() if len(s) == 2 and not n.endswith("mlp.gate.weight")]
+    whole = sum(numel[n] for n in shapes if n not in split)
+    experts = sum(numel[n] for n in split if ".mlp.experts." in n)
+    return (sum(numel[n] for n in split) // 2 + whole) * 4, experts // 2 * 4
+
+
+def test_an_fsdp2_trainer_routes_each_tensor_parallel_worker_its_slice_of_every_expert(services, moe_model):
+    """--nproc 2 (FSDP2: each trainer rank holds whole experts) into a vLLM replica of TP = 2 beside an hf
+    replica: each vLLM worker receives exactly its slice of every expert (and nothing more), five refits in
+    a row are verified, and the vLLM replica's greedy tokens equal the hf replica's (transformers') after them."""
+    co = services.start("coordinator", ["--sync-mode", "async"], name="co-moe-tp2")
+    on = ["--coordinator", co.address, "--model", str(moe_model)]
+    services.start("trainer", [*on, "--nproc", "2", "--lr", "0.01"], name="trainer-moe-fsdp2")
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    tp2 = RolloutClient(services.start("rollout", [*rollout_args("vllm", tensor_parallel_size=2, dtype="float32"),
+                                                   *on], env=env, name="rollout-moe-tp2").address)
+    hf = RolloutClient(services.start("rollout", [*rollout_args("hf"), *on], name="rollout-moe-hf-beside").address)
+    client = CoordinatorClient(co.address)
+    client.wait_ready(3)
+    for step in range(1, 6):
+        sync = rl_step(client, seed=step)
+        assert sync.version == step and sync.verified and sync.replicas == 2, sync
+    share, expert_share = _tp2_share(moe_model)
+    received = list(tp2.info().received_bytes)
+    assert received == [share, share], f"each worker receives its slice of every tensor: {received} vs {share}"
+    prompt = hf.complete("the model reads", max_tokens=1)[0].prompt_token_ids
+    greedy = [r.complete(prompt, max_tokens=12, temperature=0, ignore_eos=True)[0].token_ids for r in (tp2, hf)]
+    assert greedy[0] == greedy[1], "vLLM TP = 2 computes what transformers does on the same weights"
