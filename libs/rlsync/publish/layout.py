@@ -135,6 +135,7 @@ class RankShards:
         self.global_ranks = list(global_ranks) if global_ranks is not None else list(range(world))
         infos = [TensorInfo(e.name, tuple(e.shape), e.dtype.itemsize) for e in self.entries]
         self._meshes = Meshes()
+        self._cuts: dict[tuple[str, View], tuple[slice, ...]] = {}  # an expert view's slice of this rank's shard
         parts = self._parts()
         # Every rank's boxes of every entry: entries of the same parts' shapes and placements share them.
         by_kind: dict[tuple, Callable[[int], tuple[Box, ...]]] = {}
@@ -209,11 +210,14 @@ class RankShards:
         local = (t.to_local() if isinstance(t, DTensor) else t).detach()
         if view is None:
             return local
-        held = dtensor_boxes(t, self._meshes)(self.global_ranks[self.rank]) if isinstance(t, DTensor) \
-            else whole(t.shape)
-        region = _region(view, t.shape)
-        cut = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(held, region)]
-        return local[tuple(slice(a - h, b - h) for (a, b), (h, _) in zip(cut, held))][0]
+        cut = self._cuts.get(part)
+        if cut is None:  # (where this rank's shard holds the view: the same at every update)
+            held = dtensor_boxes(t, self._meshes)(self.global_ranks[self.rank]) if isinstance(t, DTensor) \
+                else whole(t.shape)
+            region = _region(view, t.shape)
+            self._cuts[part] = cut = tuple(slice(max(a, c) - a, min(b, d) - a)
+                                           for (a, b), (c, d) in zip(held, region))
+        return local[cut][0]
 
     def checksum_share(self, dtype: torch.dtype | None = None) -> list[tuple[int, int]]:
         """This rank's share of each engine tensor's checksum sums (checksum.box_sums), cast to `dtype`
