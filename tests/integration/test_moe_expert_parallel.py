@@ -23,9 +23,10 @@ from rlsync.transfer.v1 import transfer_pb2 as pb
 @pytest.fixture(scope="module")
 def ep_layouts():
     """(checkpoint specs, the routing Layout of a TP = 2, EP vLLM engine's two workers for them)."""
-    os.environ.update(VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-    multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # (two workers: vLLM's multiprocess executor)
+    # (two workers: vLLM's multiprocess executor; the environment is put back for the tests after these)
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     from vllm import LLM
 
     model = ensure_tiny_moe()
@@ -38,10 +39,11 @@ def ep_layouts():
         layouts = [pb.RankLayout.FromString(raw) for raw in llm.collective_rpc("rlsync_layout", args=(offer,))]
     finally:
         llm.llm_engine.engine_core.shutdown()
-        if multiprocessing is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = multiprocessing
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
     return specs, layout_of(specs, layouts)
 
 

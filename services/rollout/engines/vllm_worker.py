@@ -21,7 +21,7 @@ from rlsync.flat import flat_like
 from rlsync.rollout.engines.process import prepare_engine_process
 from rlsync.errors import ResourceExhausted
 from rlsync.rollout.engines.vllm_direct import direct_views
-from rlsync.rollout.engines.vllm_experts import first_load_processing
+from rlsync.rollout.engines.vllm_experts import first_load_processing, live_mismatches
 from rlsync.rollout.engines.vllm_layout import BoxStaging, loaded_boxes
 from rlsync.rollout.staging import StagedUpdate, ensure_room
 from rlsync.transfer import answer, audit_entry, from_proto
@@ -166,9 +166,10 @@ class RlsyncWorkerExtension:
 
     def rlsync_commit(self) -> None:
         """Loads the received tensors through vLLM's reload path (nothing to load for an update that landed
-        straight in the live weights), and remembers their checksums
-        (vLLM's CPU build prepacks linear weights, so the live ones cannot be read back). Boxes are
-        handed to the loaders as full-shape views (BoxStaging.full), audited per box."""
+        straight in the live weights), and remembers their checksums (vLLM's CPU build prepacks linear weights,
+        so the live ones cannot be read back); its prepacked experts are read back against vLLM's own processing
+        of the tensors handed to it (vllm_experts), and a difference fails the commit. Boxes are handed to the
+        loaders as full-shape views (BoxStaging.full), audited per box."""
         update = self._rlsync_update
         self._rlsync_update = None
         staging = update.staging
@@ -177,14 +178,22 @@ class RlsyncWorkerExtension:
             # (read back from the live weights, in the engine's dtype: "live" tells the audit to compare so)
             self._rlsync_applied = {"live": {n: audit_entry(t) for n, t in staging.items()}}
             return
-        with first_load_processing(self.model_runner.get_model()):  # (vLLM skips its experts' processing otherwise)
-            self.reload_weights(weights_iterator=staging.full() if isinstance(staging, BoxStaging)
-                                else iter(staging.items()))
+        model = self.model_runner.get_model()
+
+        def handed():
+            return staging.full() if isinstance(staging, BoxStaging) else iter(staging.items())
+
+        with first_load_processing(model):  # (vLLM skips its experts' processing otherwise)
+            self.reload_weights(weights_iterator=handed())
+        if wrong := live_mismatches(model, handed()):  # what the experts compute with, read back
+            raise RuntimeError(f"vLLM's live expert weights differ from its own processing of the tensors this "
+                               f"update handed it ({', '.join(wrong[:4])}{', ...' if len(wrong) > 4 else ''}): it "
+                               "would compute with weights other than the ones verified")
         if isinstance(staging, BoxStaging):
             self._rlsync_applied = {"parts": self._rlsync_parts(update, staging)}
         else:
             self._rlsync_applied = {n: audit_entry(t) for n, t in staging.items()}
-        refresh_tied(self.model_runner.get_model())
+        refresh_tied(model)
 
     def _rlsync_parts(self, update: StagedUpdate, staging: BoxStaging) -> dict:
         """This worker's share of each tensor's checksum: the replica's workers split every tensor
