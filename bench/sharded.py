@@ -378,7 +378,8 @@ def main() -> None:
         worker(args)
         return
     cases = []
-    for args.layout in args.layouts.split(","):
+    for layout in args.layouts.split(","):
+        args.layout = layout
         for k in map(int, args.trainer_ranks.split(",")):
             for g in map(int, args.engine_ranks.split(",")):
                 case = run_case(args, k, g)
@@ -389,8 +390,8 @@ def main() -> None:
     device = torch.cuda.get_device_name(args.device) if args.device != "cpu" else "cpu"
     if args.gpus > 1:
         device = f"{device} x{args.gpus} ({args.placement})"
-    print(json.dumps({"preset": args.preset, "model": args.model, "device": device, "bucket_bytes": args.bucket_mib << 20,
-                      "hold": args.hold, "cases": cases, "plan": plan}))
+    print(json.dumps({"preset": args.preset, "model": args.model, "device": device,
+                      "bucket_bytes": args.bucket_mib << 20, "hold": args.hold, "cases": cases, "plan": plan}))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ from rlsync.transfer.v1 import transfer_pb2 as pb
 def ep_layouts():
     """(checkpoint specs, the routing Layout of a TP = 2, EP vLLM engine's two workers for them)."""
     # (two workers: vLLM's multiprocess executor; the environment is put back for the tests after these)
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     before = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     from vllm import LLM
