@@ -8,6 +8,7 @@ engine rank receives only the boxes it loads), for K trainer ranks (FSDP2 over g
     python bench/sharded.py --device cuda --preset qwen3-1.7b --hold   # ... receivers keep the mappings
     python bench/sharded.py --device cuda --gpus 2 --placement apart       # trainer on GPU 0, engine on 1: NCCL
     python bench/sharded.py --device cuda --gpus 2 --placement colocated   # rank r on GPU r % 2: both
+    python bench/sharded.py --model tiny-moe --layouts tp,ep   # a real MoE (fused experts, per expert on the wire)
     BENCH_PROFILE=/tmp/prof python bench/sharded.py ...   # each worker writes a cProfile of its timed repeats
 
 On one GPU every trainer rank and engine rank shares the GPU: the receivers pull their boxes over CUDA
@@ -21,7 +22,9 @@ and engine rank e on GPUs r % 2 and e % 2, as a trainer and an engine sharing tw
 
 Per case and path: sync seconds (median of --repeats after a warm-up), the peak extra memory of every
 trainer rank against its bound (two buckets plus the largest slice it sends), staging per engine rank
-against its shard, bytes received per engine rank over its shard. Offers and answers travel through
+against its shard, bytes received per engine rank over its shard (and, for a mixture of experts, of
+them the experts': under `ep` each engine rank loads whole experts, rank r of g the r-th g-th of them,
+as vLLM's expert parallelism places them). Offers and answers travel through
 the TCPStore the processes share (protobuf bytes), as they would through the coordinator. Last, how
 long planning the routes takes at scale (256 trainer ranks into 4 TP=8 replicas, 50 tensors).
 """
@@ -34,6 +37,7 @@ import datetime
 import json
 import math
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -91,11 +95,20 @@ def rank0_source(model, weights: WeightMap) -> StreamedSource:
     return StreamedSource(specs, torch.device("cpu"), lambda i: gathered(tensors[entries[i].parts[0]]))
 
 
-def engine_boxes(specs, g: int, rank: int) -> list[list]:
-    """What tensor-parallel rank `rank` of `g` loads: 2-D weights by rows, everything else whole."""
+EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def engine_boxes(specs, g: int, rank: int, ep: bool = False) -> list[list]:
+    """What tensor-parallel rank `rank` of `g` loads: 2-D weights by rows, everything else whole; with `ep`,
+    an expert's tensors whole on the rank that owns the expert (rank r: the r-th g-th of the experts)."""
+    experts = 1 + max((int(m.group(1)) for s in specs if (m := EXPERT.search(s.name))), default=-1)
     out = []
     for s in specs:
         box = whole(s.shape)
+        expert = EXPERT.search(s.name)
+        if ep and expert:
+            out.append([box] if int(expert.group(1)) * g // experts == rank else [])
+            continue
         if len(s.shape) == 2 and g > 1:
             box = (chunks(s.shape[0], g)[rank], box[1])
         out.append([box] if all(b > a for a, b in box) else [])
@@ -130,8 +143,18 @@ def trainer(args, shapes, bucket, k: int, g: int, rank: int, store) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = build_module(shapes, torch.float32, args.device)
-    fully_shard(model, mesh=init_device_mesh(torch.device(args.device).type, (k,)))
+    mesh = init_device_mesh(torch.device(args.device).type, (k,))
+    if args.model:  # a real model, sharded as rlsync's trainer shards it: one unit per decoder block
+        from transformers import AutoModelForCausalLM
+
+        from rlsync.models import resolve_model
+
+        model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=torch.float32).to(args.device)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+    else:
+        model = build_module(shapes, torch.float32, args.device)
+    fully_shard(model, mesh=mesh)
     module, _ = module_source(model, WeightMap(dtype=torch.bfloat16))
     baseline = rank0_source(model, WeightMap(dtype=torch.bfloat16)) if args.device == "cpu" else None
     largest = max(s.nbytes for s in module.specs)
@@ -182,7 +205,7 @@ def engine(args, k: int, g: int, rank: int, store) -> dict:
                 profiler.enable()
             offer = pb.Offer.FromString(_get(store, f"{path}/offer/{i}"))
             specs = from_proto(offer.manifest)
-            mine = engine_boxes(specs, g, rank)
+            mine = engine_boxes(specs, g, rank, args.layout == "ep")
             if path == "rank0":  # every engine rank receives the whole checkpoint, as before
                 staging = {s.name: torch.empty(s.shape, dtype=s.dtype) for s in specs}
                 ans = answer(offer, f"engine-{rank}", force="gloo")
@@ -192,7 +215,8 @@ def engine(args, k: int, g: int, rank: int, store) -> dict:
                 boxes = {s.name: b[0] for s, b in zip(specs, mine) if b}
                 staging = staging or {s.name: torch.empty(tuple(e - a for a, e in boxes[s.name]), dtype=s.dtype,
                                                           device=args.device) for s in specs if s.name in boxes}
-                layouts = [to_layout_proto(engine_boxes(specs, g, r), local_facts(engine_device(args, r)))
+                layouts = [to_layout_proto(engine_boxes(specs, g, r, args.layout == "ep"),
+                                           local_facts(engine_device(args, r)))
                            for r in range(g)]  # where each rank runs: pairs on one GPU pull
                 ans = answer(offer, "replica", ranks=g, layout=layouts, device=args.device)
                 store.set(f"{path}/answer/{i}/{rank}", ans.SerializeToString())
@@ -207,7 +231,10 @@ def engine(args, k: int, g: int, rank: int, store) -> dict:
         HELD.release("bench")  # before the trainer's memory goes
         shard = sum(t.numel() * t.element_size() for t in staging.values())
         loads = sum(math.prod(e - a for a, e in b[0]) * s.dtype.itemsize for s, b in zip(specs, mine) if b)
+        experts = sum(math.prod(e - a for a, e in b[0]) * s.dtype.itemsize for s, b in zip(specs, mine)
+                      if b and EXPERT.search(s.name))
         out[path] = {"staging_bytes": shard, "received_bytes": report.nbytes, "shard_bytes": loads,
+                     "expert_bytes": experts if path == "routed" else 0,
                      "receive_seconds": statistics.median(seconds), "channels": report.backends,
                      "profile": {k: round(v, 4) for k, v in report.profile.items()}}
     return out
@@ -251,6 +278,7 @@ def run_case(args, k: int, g: int) -> dict:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(ports[1]), "WORLD_SIZE": str(k),
            "OMP_NUM_THREADS": "1", "K": str(k), "G": str(g), "BENCH_STORE": f"127.0.0.1:{ports[0]}"}
     cmd = [sys.executable, __file__, "--worker", "--preset", args.preset, "--bucket-mib", str(args.bucket_mib),
+           "--model", args.model, "--layout", args.layout,
            "--repeats", str(args.repeats), "--device", args.device, "--gpus", str(args.gpus),
            "--placement", args.placement, *(["--hold"] if args.hold else [])]
     procs = [subprocess.Popen(cmd, env={**env, "ROLE": role, "RANK": str(r)}, stdout=subprocess.PIPE, text=True)
@@ -265,7 +293,7 @@ def run_case(args, k: int, g: int) -> dict:
         results.append(json.loads(line[len("RESULT "):]))
     trainers = [r for r in results if r["role"] == "trainer"]
     engines = [r for r in results if r["role"] == "engine"]
-    case = {"trainer_ranks": k, "engine_ranks": g}
+    case = {"trainer_ranks": k, "engine_ranks": g, "layout": args.layout}
     for path in paths(args.device):
         case[path] = {
             "seconds": round(trainers[0][path]["seconds"], 4),
@@ -273,12 +301,16 @@ def run_case(args, k: int, g: int) -> dict:
             "bound_bytes": trainers[0][path]["bound_bytes"],
             "within_bound": all(t[path]["peak_extra_bytes"] <= t[path]["bound_bytes"] for t in trainers),
             "staging_bytes": [e[path]["staging_bytes"] for e in engines],
+            "received_bytes": [e[path]["received_bytes"] for e in engines],
             "received_over_shard": [round(e[path]["received_bytes"] / e[path]["shard_bytes"], 3) for e in engines],
             "receive_seconds": [round(e[path]["receive_seconds"], 4) for e in engines],
             "channels": [e[path]["channels"] for e in engines],
             "profile": [e[path]["profile"] for e in engines]}
         if path == "routed":
             case[path]["trainer_profile"] = [t[path]["profile"] for t in trainers]
+            case[path]["MBps"] = round(sum(e[path]["received_bytes"] for e in engines) / case[path]["seconds"] / 1e6, 1)
+            if any(e[path]["expert_bytes"] for e in engines):
+                case[path]["expert_bytes"] = [e[path]["expert_bytes"] for e in engines]
     if "rank0" in case:
         case["routed_over_rank0_seconds"] = round(case["routed"]["seconds"] / case["rank0"]["seconds"], 3)
     if args.device != "cpu":  # the limit: a device copy of the bytes every engine rank received, plain and cast
@@ -327,6 +359,10 @@ def main() -> None:
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small")
+    parser.add_argument("--model", default="", help="a real model instead of a preset's shapes: tiny, tiny-moe, a path")
+    parser.add_argument("--layouts", default="tp", help="engine layouts to run, comma-separated: tp, ep (experts "
+                        "whole on the rank that owns them)")
+    parser.add_argument("--layout", default="tp", help=argparse.SUPPRESS)
     parser.add_argument("--bucket-mib", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--trainer-ranks", default="1,2,4")
@@ -342,18 +378,20 @@ def main() -> None:
         worker(args)
         return
     cases = []
-    for k in map(int, args.trainer_ranks.split(",")):
-        for g in map(int, args.engine_ranks.split(",")):
-            case = run_case(args, k, g)
-            print(json.dumps(case), flush=True)
-            cases.append(case)
+    for layout in args.layouts.split(","):
+        args.layout = layout
+        for k in map(int, args.trainer_ranks.split(",")):
+            for g in map(int, args.engine_ranks.split(",")):
+                case = run_case(args, k, g)
+                print(json.dumps(case), flush=True)
+                cases.append(case)
     plan = plan_seconds()
     print(json.dumps({"plan": plan}), flush=True)
     device = torch.cuda.get_device_name(args.device) if args.device != "cpu" else "cpu"
     if args.gpus > 1:
         device = f"{device} x{args.gpus} ({args.placement})"
-    print(json.dumps({"preset": args.preset, "device": device, "bucket_bytes": args.bucket_mib << 20,
-                      "hold": args.hold, "cases": cases, "plan": plan}))
+    print(json.dumps({"preset": args.preset, "model": args.model, "device": device,
+                      "bucket_bytes": args.bucket_mib << 20, "hold": args.hold, "cases": cases, "plan": plan}))
 
 
 if __name__ == "__main__":

@@ -103,13 +103,6 @@ class TrainerConfig:
                                             "send from the trainer's own copy), --nproc > 1 or a CPU --device")
         if self.lora_rank > 0 and not [t for t in self.lora_targets.split(",") if t.strip()]:
             raise refused("lora_targets", "names no module: 'all-linear', or comma-separated names (q_proj,v_proj)")
-        if self.nproc > 1:
-            from rlsync.checkpoint_names import has_fused_experts
-            from rlsync.models import resolve_model
-
-            if has_fused_experts(resolve_model(self.model)):
-                raise refused("nproc", "a mixture of experts trains in one process for now (its fused experts are "
-                                       "published per expert from unsharded parameters only): use --nproc 1")
         if self.nproc > 1 and self.device.startswith("cuda"):
             import torch
 

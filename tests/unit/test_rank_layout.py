@@ -14,6 +14,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from rlsync.publish.layout import RankShards
 from rlsync.publish.mapping import WeightMap
+from rlsync.transfer.routes import Piece
 
 SHAPES = {"a": (37, 10), "b": (37, 10), "norm": (5,), "d": (16, 7), "e": (3, 16, 5), "tiny": (1, 4), "scale": ()}
 
@@ -92,3 +93,36 @@ def _volume(box) -> int:
     for a, b in box:
         out *= b - a
     return out
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2])  # FSDP2 cuts experts (dim 0); a cut of rows or columns splits each
+def test_a_sharded_fused_experts_parameter_is_published_per_expert_from_each_ranks_own_rows(dim):
+    """gate_up [E, 2I, H] under Shard(dim) over 2 ranks: each rank's boxes of expert e's gate and up tensors
+    are what its shard holds of them, cut with no collective, and every element is held by some rank."""
+    from rlsync.checkpoint_names import Unfuse
+
+    experts, rows, hidden, world = 4, 3, 4, 2
+    full = torch.arange(experts * 2 * rows * hidden, dtype=torch.float32).reshape(experts, 2 * rows, hidden)
+    rule = Unfuse("mlp.experts.gate_up_proj", ("mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"))
+    covered: dict[str, int] = {}
+    for rank in range(world):
+        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+        try:
+            mesh = init_device_mesh("cpu", (world,))
+            local = full.chunk(world, dim)[rank].clone()
+            param = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=full.shape,
+                                       stride=full.stride())
+            entries = WeightMap().plan([("mlp.experts.gate_up_proj", tuple(full.shape), full.dtype)], [rule])
+            assert [e.name for e in entries[:2]] == ["mlp.experts.0.gate_proj.weight", "mlp.experts.0.up_proj.weight"]
+            shards = RankShards({"mlp.experts.gate_up_proj": param}, entries, rank, world)
+            for index, (entry, held) in enumerate(zip(entries, shards.layout.held[rank])):
+                want = entry.view.of(full)
+                for box in held:
+                    got = shards.piece(Piece(index, box))
+                    assert torch.equal(got, want[tuple(slice(a, b) for a, b in box)]), (rank, entry.name, box)
+                    covered[entry.name] = covered.get(entry.name, 0) + _volume(box)
+        finally:
+            dist.destroy_process_group()
+    assert covered == {e.name: rows * hidden for e in entries}, "every element of every expert is held once"
+    if dim == 0:
+        assert not shards.layout.held[1][0] and shards.layout.held[1][-1], "whole experts per rank"

@@ -4,7 +4,9 @@ and each piece a route asks of it, cut from its local shards with no collective.
 DTensor placements give the boxes (Shard(d) split as torch.chunk splits, Replicate whole, several
 mesh dimensions applied in order, as DTensor does); a plain tensor is held whole by every rank
 (one process, or a replicated module under DDP). A fused engine tensor (WeightMap.fuse) is its
-parts' boxes, each moved down dim 0 by the rows of the parts before it.
+parts' boxes, each moved down dim 0 by the rows of the parts before it. An expert's tensor of a fused
+experts parameter (Entry.view) is what a rank's box of that parameter holds of the expert's rows: under
+FSDP2's Shard(0) a rank holds whole experts and nothing of the others.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from rlsync.errors import InvalidArgument
+from rlsync.checkpoint_names import View
 from rlsync.publish.mapping import Entry
 from rlsync.transfer.checksum import box_sums
 from rlsync.transfer.routes import Box, Layout, Piece, TensorInfo, chunk, contains, layout, relative, share, whole
@@ -79,6 +82,28 @@ def dtensor_boxes(t, meshes: Meshes) -> Callable[[int], Box | None]:
 _Part = tuple[str, Callable[[int], "Box | None"], int]  # a part's name, its box by global rank, rows before it
 
 
+def _region(view: View, shape: Sequence[int]) -> Box:
+    """The box of a fused experts parameter of `shape` that `view` is (expert e's k-th row block)."""
+    rows = shape[1] // view.chunks
+    return ((view.expert, view.expert + 1), (view.chunk * rows, (view.chunk + 1) * rows),
+            *((0, d) for d in shape[2:]))
+
+
+def _in_view(box: Box | None, region: Box) -> Box | None:
+    """What `box` (of the fused parameter) holds of `region` (a view's), in the view's coordinates (its
+    expert dimension dropped); None when nothing."""
+    if box is None:
+        return None
+    cut = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(box, region))
+    if any(a >= b for a, b in cut):
+        return None
+    return tuple((a - c, b - c) for (a, b), (c, _) in zip(cut[1:], region[1:]))
+
+
+def _viewed_boxes(box_of: Callable[[int], Box | None], region: Box) -> Callable[[int], Box | None]:
+    return lambda rank: _in_view(box_of(rank), region)
+
+
 def _whole(box: Box, rank: int) -> Box:  # a plain tensor: every rank holds it whole
     return box
 
@@ -109,6 +134,8 @@ class RankShards:
         self.rank, self.world = rank, world
         self.global_ranks = list(global_ranks) if global_ranks is not None else list(range(world))
         infos = [TensorInfo(e.name, tuple(e.shape), e.dtype.itemsize) for e in self.entries]
+        self._meshes = Meshes()
+        self._cuts: dict[tuple[str, View], tuple[slice, ...]] = {}  # an expert view's slice of this rank's shard
         parts = self._parts()
         # Every rank's boxes of every entry: entries of the same parts' shapes and placements share them.
         by_kind: dict[tuple, Callable[[int], tuple[Box, ...]]] = {}
@@ -120,8 +147,9 @@ class RankShards:
     def _parts(self) -> list[list[_Part]]:
         """Per entry, each part's (name, its box as a function of the global rank, rows before it in the
         entry), read once: a layout asks for every rank's box of every part."""
-        meshes, out = Meshes(), []
+        meshes, out = self._meshes, []
         same: dict[tuple, Callable[[int], Box | None]] = {}  # parameters of one shape and placement share boxes
+        viewed: dict[tuple, Callable[[int], Box | None]] = {}  # (its parameter's boxes, a view's region) -> boxes
         for entry in self.entries:
             parts, row = [], 0
             for part in entry.parts:
@@ -133,6 +161,11 @@ class RankShards:
                     box_of = same[key]
                 else:
                     box_of = functools.partial(_whole, whole(t.shape))
+                if entry.view is not None:  # one expert's rows of a fused parameter: (name, view) is the part
+                    region = _region(entry.view, t.shape)
+                    box_of = viewed.setdefault((id(box_of), region), _viewed_boxes(box_of, region))
+                    parts.append(((part, entry.view), box_of, 0))
+                    continue
                 parts.append((part, box_of, row))
                 row += t.shape[0] if t.dim() else 0
             out.append(parts)
@@ -169,9 +202,22 @@ class RankShards:
                 out.append([self._local(mine[box]) for box in boxes])
         return out
 
-    def _local(self, part: str) -> torch.Tensor:
-        t = self.tensors[part]
-        return (t.to_local() if isinstance(t, DTensor) else t).detach()
+    def _local(self, part: str | tuple[str, View]) -> torch.Tensor:
+        """This rank's local values of a part: of a parameter, its local shard; of an expert's view, the rows
+        of that expert its shard holds (a view)."""
+        name, view = part if isinstance(part, tuple) else (part, None)
+        t = self.tensors[name]
+        local = (t.to_local() if isinstance(t, DTensor) else t).detach()
+        if view is None:
+            return local
+        cut = self._cuts.get(part)
+        if cut is None:  # (where this rank's shard holds the view: the same at every update)
+            held = dtensor_boxes(t, self._meshes)(self.global_ranks[self.rank]) if isinstance(t, DTensor) \
+                else whole(t.shape)
+            region = _region(view, t.shape)
+            self._cuts[part] = cut = tuple(slice(max(a, c) - a, min(b, d) - a)
+                                           for (a, b), (c, d) in zip(held, region))
+        return local[cut][0]
 
     def checksum_share(self, dtype: torch.dtype | None = None) -> list[tuple[int, int]]:
         """This rank's share of each engine tensor's checksum sums (checksum.box_sums), cast to `dtype`

@@ -98,9 +98,6 @@ def module_source(model: nn.Module, weights: WeightMap | None = None, group=None
 
     specs = [Spec(e.name, e.dtype, e.shape, _nbytes(e)) for e in entries]
     if any(is_sharded(tensors[p]) for e in entries for p in e.parts):
-        if any(e.view is not None for e in entries):
-            raise InvalidArgument("a sharded model's fused experts parameters are not published per expert yet: "
-                                  "publish experts from an unsharded model (one process)")
         rank, world, global_ranks = publisher_ranks(group)
         return ShardedModule(RankShards(tensors, entries, rank, world, global_ranks), specs, device), entries
 

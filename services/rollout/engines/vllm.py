@@ -339,8 +339,11 @@ class VLLMEngine(Engine):
                 self._salt = version  # requests arriving from now on run on the new weights
                 await self.llm.collective_rpc("rlsync_commit")
                 clock.lap("apply")
-            except BaseException:
+            except BaseException as e:
                 self.adapters.reattach()
+                # vLLM's reload wrote into the weights (or they differ from what it was handed): not servable
+                self._broken = (f"version {version}'s commit failed after loading into the weights ({e}); the next "
+                                "update restores them")
                 raise
             self._broken, self._pending = "", False
             for request_id, switches in self._switches.items():  # (vLLM 0.20: rlsync's own record)

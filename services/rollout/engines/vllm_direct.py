@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rlsync.rollout.engines.vllm_layout import original_loader, shadowed
+from rlsync.rollout.engines.vllm_layout import shadow_param, shadowed
 from rlsync.transfer.manifest import Spec
 
 # Modules whose parameters are used as loaded (no processing after loading) on CUDA.
@@ -53,18 +53,6 @@ def _run(t: torch.Tensor) -> tuple[int, int] | None:
     return (t.storage_offset(), t.numel()) if t.is_contiguous() else None
 
 
-def _meta_shadow(template: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
-    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
-    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
-    t = torch.empty(tuple(template.shape), dtype=template.dtype, device="meta")
-    t.__class__ = template.__class__
-    t.__dict__ = template.__dict__.copy()
-    restore_layer_refs(t, module)
-    t.weight_loader = original_loader(getattr(t, "weight_loader", default_weight_loader))
-    return t
-
-
 class Placement(NamedTuple):
     """Where one checkpoint tensor lands: the parameter `name` of `module` (of the shape vLLM recorded
     before processing it), its flat elements [offset, offset + numel)."""
@@ -84,7 +72,7 @@ def placements(model: torch.nn.Module, specs: Sequence[Spec]) -> tuple[dict[str,
     shapes: dict[int, torch.Size] = {}
 
     def make(template, module, name):
-        shadow = _meta_shadow(template, module)
+        shadow = shadow_param(template, module)
         shapes[id(shadow)] = template.shape
         return shadow
 

@@ -33,6 +33,21 @@ def original_loader(fn):
     return fn
 
 
+def shadow_param(template: torch.Tensor, module: torch.nn.Module, device: str = "meta") -> torch.Tensor:
+    """A tensor like `template` (its class and attributes, its original weight_loader bound to `module`): on
+    the meta device (no memory, no data), or zeros on `device`, for vLLM's loaders to load into."""
+    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    t = torch.empty(tuple(template.shape), dtype=template.dtype, device="meta") if device == "meta" else \
+        torch.zeros(tuple(template.shape), dtype=template.dtype, device=device)
+    t.__class__ = template.__class__
+    t.__dict__ = template.__dict__.copy()
+    restore_layer_refs(t, module)
+    t.weight_loader = original_loader(getattr(t, "weight_loader", default_weight_loader))
+    return t
+
+
 def _shadow(template: torch.Tensor, module: torch.nn.Module, record) -> torch.Tensor:
     """A float64 meta tensor with the template's class and attributes (its weight_loader bound to
     `module`), whose loader runs the original one on a real scratch copy and records what landed."""

@@ -24,6 +24,7 @@ from rlsync.flat import flat_like
 from rlsync.rollout.engines.process import prepare_engine_process
 from rlsync.errors import ResourceExhausted, Unmappable
 from rlsync.rollout.engines.vllm_direct import direct_views
+from rlsync.rollout.engines.vllm_experts import first_load_processing, live_mismatches
 from rlsync.rollout.engines.vllm_layout import BoxStaging, loaded_boxes
 from rlsync.rollout.staging import StagedUpdate, ensure_room
 from rlsync.transfer import answer, audit_entry, from_proto
@@ -237,8 +238,9 @@ class RlsyncWorkerExtension:
         as one run of a parameter (on the GPU: vllm_direct), by one batched copy from staging into those runs
         (nothing at all for an update that landed in them already); else through vLLM's reload path. Remembers
         their checksums: of the live weights where they were copied into place, else as handed to the loaders
-        (vLLM's CPU build prepacks linear weights, so the live ones cannot be read back). Boxes are
-        handed to the loaders as full-shape views (BoxStaging.full), audited per box."""
+        (vLLM's CPU build prepacks linear weights, so the live ones cannot be read back); prepacked experts are
+        read back against vLLM's own processing of the tensors handed to it (vllm_experts), and a difference
+        fails the commit. Boxes are handed to the loaders as full-shape views (BoxStaging.full), audited per box."""
         self.rlsync_settle()  # (the last commit's audit reads the weights this one changes)
         update = self._rlsync_update
         self._rlsync_update = None
@@ -255,13 +257,22 @@ class RlsyncWorkerExtension:
         if views is not None:  # read back from the live weights, in the engine's dtype, while it generates on
             self._rlsync_applied = LiveAudit(views, self._rlsync_device())
             return
+        model = self.model_runner.get_model()
+
+        def handed():
+            return staging.full() if isinstance(staging, BoxStaging) else iter(staging.items())
+
+        with first_load_processing(model):  # (vLLM skips its experts' processing otherwise)
+            self.reload_weights(weights_iterator=handed())
+        if wrong := live_mismatches(model, handed()):  # what the experts compute with, read back
+            raise RuntimeError(f"vLLM's live expert weights differ from its own processing of the tensors this "
+                               f"update handed it ({', '.join(wrong[:4])}{', ...' if len(wrong) > 4 else ''}): it "
+                               "would compute with weights other than the ones verified")
         if isinstance(staging, BoxStaging):
-            self.reload_weights(weights_iterator=staging.full())
             self._rlsync_applied = {"parts": self._rlsync_parts(update, staging)}
         else:
-            self.reload_weights(weights_iterator=iter(staging.items()))
             self._rlsync_applied = {n: audit_entry(t) for n, t in staging.items()}
-        refresh_tied(self.model_runner.get_model())
+        refresh_tied(model)
 
     def _rlsync_parts(self, update: StagedUpdate, staging: BoxStaging) -> dict:
         """This worker's share of each tensor's checksum: the replica's workers split every tensor
