@@ -66,6 +66,7 @@ class VLLMEngine(Engine):
         self._kv_asleep = False  # slept, and the KV cache not woken since: nothing can generate
         self._broken = ""  # why the weights cannot serve: an update written into them failed
         self._pending = False  # an update is prepared (its receive may still be writing)
+        self._paused = False  # paused by Pause (a commit then leaves it so)
         self._switches: dict[str, SwitchPoints] = {}  # where vLLM does not tag tokens itself (vllm_versions)
 
     async def start(self) -> None:
@@ -173,9 +174,11 @@ class VLLMEngine(Engine):
 
     async def pause(self, mode: PauseMode) -> None:
         await self.llm.pause_generation(mode=mode.value)
+        self._paused = True
 
     async def resume(self) -> None:
         await self.llm.resume_generation()
+        self._paused = False
 
     async def sleep(self, level: int) -> None:
         # On vLLM's CPU build sleep is a no-op (sleep mode needs CUDA); the core still refuses
@@ -322,9 +325,13 @@ class VLLMEngine(Engine):
             self.version = version
             return 0
         clock = Stopwatch()  # (the stages go back in the commit's answer: where a gap in generation comes from)
-        was_paused = await self.llm.is_paused()
-        if not was_paused:  # freeze requests in place, between two engine steps; they go on after
-            await self.llm.pause_generation(mode="keep", clear_cache=False)
+        # Paused by Pause, or the KV cache asleep (the colocated order): nothing generates, nothing to freeze.
+        # (Its own record: asking the engine core would wait for a step.)
+        was_paused = self._paused or self._kv_asleep
+        if not was_paused:  # freeze requests in place, between two engine steps; they go on after. (The
+            # scheduler's own call: AsyncLLM.pause_generation sleeps 20 ms more for the outputs' order, which
+            # the version records do not need: vLLM labels each step itself, or _produced waits for them.)
+            await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
         clock.lap("pause")
         try:
             # (vLLM 0.20) every token so far is the old version's; a request vLLM no longer holds has ended
