@@ -62,4 +62,4 @@ def test_token_weights_scale_each_tokens_policy_gradient():
     weighted, _ = grpo_loss(logprobs, batch, clip_eps=0.2, total_tokens=3, token_weights=weights)
     weighted.backward()
     assert torch.allclose(logprobs.grad, g_plain * weights)
-    assert float(weighted) == pytest.approx(float(plain) * (0.5 + 2.0 + 1.0) / 3)
+    assert weighted.item() == pytest.approx(plain.item() * (0.5 + 2.0 + 1.0) / 3)
