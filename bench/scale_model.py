@@ -61,6 +61,7 @@ def measured() -> dict:
     prof = pick(h100, "gpu-cycle-h100-colocated.json", "colocated", "steady", "transfer_profile_ms")
     lib_fixed_ms = sum(prof[k] for k in ("connect", "receiver_map", "receiver_release", "receiver_verify"))
     h100_cycle = "gpu-cycle-h100-colocated.json"
+    q, qname = load("fp8-quantize-h200.json"), "fp8-quantize-h200.json"
     transfer_ms = pick(h100, h100_cycle, "colocated", "steady", "transfer_ms")
     return {
         "d2d_copy_GB/s": (pick(ipc, "transfer-h200-cuda_ipc.json", "limits", "d2d_copy"),
@@ -73,6 +74,8 @@ def measured() -> dict:
                              f"{h100_cycle}: colocated.steady transfer_ms - transfer_profile_ms.receiver_copy"),
         "library_fixed_s": (lib_fixed_ms / 1e3, f"{h100_cycle}: transfer_profile_ms connect + receiver_map + "
                             "receiver_release + receiver_verify (the transfer library alone, no RPC)"),
+        "fp8_quantize_GB/s": (pick(q, qname, "bf16_bytes") / pick(q, qname, "quantize_seconds") / GB,
+                              f"{qname}: bf16_bytes / quantize_seconds (bf16 in, FP8 + block scales out, H200)"),
         "prepare_commit_s": (steady(h100, h100_cycle, "colocated", "prepare")
                              + steady(h100, h100_cycle, "colocated", "commit"),
                              f"{h100_cycle}: median prepare + median commit, cycles 2-5"),
@@ -85,6 +88,7 @@ class Links:
     nvlink: float  # B/s, NCCL broadcast between GPUs of one node
     nic: float  # B/s, one GPU's NIC, achievable
     fixed: float  # s per update that does not grow with bytes: transfer control path + prepare + commit
+    quantize: float  # B/s of bf16 weights quantized to block FP8 on one GPU (the trainer's, before sending)
 
     @property
     def node(self) -> float:
@@ -94,7 +98,14 @@ class Links:
 def links_from(inputs: dict) -> Links:
     v = {k: val for k, (val, _) in inputs.items()}
     return Links(copy=v["d2d_copy_GB/s"] * v["copy_vs_d2d"] * GB, nvlink=v["nvlink_nccl_GB/s"] * GB,
-                 nic=NIC_GBPS / 8 * GB * NET_EFFICIENCY, fixed=v["transfer_fixed_s"] + v["prepare_commit_s"])
+                 nic=NIC_GBPS / 8 * GB * NET_EFFICIENCY, fixed=v["transfer_fixed_s"] + v["prepare_commit_s"],
+                 quantize=v["fp8_quantize_GB/s"] * GB)
+
+
+def quantize_s(params: float, gpus: int, ln: Links) -> float:
+    """BF16 training, FP8 serving: each of `gpus` GPUs quantizes its share of the bf16 weights (2 bytes a parameter)
+    before it sends, one kernel per bucket; counted before the transfer, not overlapped with it."""
+    return 2 * params / gpus / ln.quantize
 
 
 # ---- the model: pure functions of bytes, layout and links ---------------------------------------------------------
@@ -182,12 +193,19 @@ def predictions(ln: Links) -> list[dict]:
                 data = max(terms.values()) if mode in ("async-sharded", "async-routed") else sum(terms.values())
                 if not fits:  # the trainer's state or one inference replica does not fit in these GPUs
                     continue
+                quantize = 0.0
+                if bpp == 1:  # the trainer holds bf16: its GPUs quantize their own shards first
+                    quantize = quantize_s(params, gpus if mode == "colocated-sharded" else half, ln)
+                    terms = {"quantize_s": quantize, **terms}
+                    data += quantize
                 rows.append({"model": name, "params": params, "dtype": "bf16" if bpp == 2 else "fp8",
                              "bytes": nbytes, "nodes": k, "gpus": gpus, "replica_gpus": g_r, "mode": mode,
                              "terms_s": {t: round(v, 4) for t, v in terms.items()}, "fixed_s": round(ln.fixed, 4),
                              "seconds": round(data + ln.fixed, 4)})
                 if mode == "colocated-sharded":  # the brief's floor: the copy alone, engine layout already in place
-                    rows[-1]["copy_only_s"] = round(terms["copy_s"] + ln.fixed, 4)
+                    # (in fp8: each GPU quantizes its bf16 engine shard, 2 bytes a parameter, then copies it)
+                    engine_quantize = quantize_s(params, g_r, ln) if bpp == 1 else 0.0
+                    rows[-1]["copy_only_s"] = round(terms["copy_s"] + engine_quantize + ln.fixed, 4)
     return rows
 
 
@@ -198,9 +216,9 @@ def check(inputs: dict, ln: Links) -> list[dict]:
     co, dis = load("gpu-cycle-h200-colocated.json"), load("gpu-cycle-h200x2-disaggregated.json")
     cpu = load("transfer-cpu.json")
 
-    def channel(doc, name, backend, mode, layout):
+    def channel(doc, name, backend, mode, layout):  # not held: each transfer maps the sender's memory anew
         for c in pick(doc, name, "channels"):
-            if (c["backend"], c["mode"], c["layout"]) == (backend, mode, layout):
+            if (c["backend"], c["mode"], c["layout"], c.get("held", False)) == (backend, mode, layout, False):
                 return c["seconds"]
         sys.exit(f"scale_model: bench/results/{name} has no {backend} {mode} {layout} channel")
 
@@ -212,7 +230,7 @@ def check(inputs: dict, ln: Links) -> list[dict]:
     rows = [
         ("qwen3-4b, 8.82 GB, cuda_ipc one-copy flat, H200 (transfer library alone)",
          pick(ipc, "transfer-h200-cuda_ipc.json", "bytes") / ln.copy + v["library_fixed_s"],
-         channel(ipc, "transfer-h200-cuda_ipc.json", "cuda_ipc", "one_copy", "flat")),
+         channel(ipc, "transfer-h200-cuda_ipc.json", "cuda_ipc", "pull", "flat")),  # the one-copy pull
         ("qwen3-4b, 8.82 GB, nccl flat, H200 x2 (transfer library alone)",
          pick(nccl, "transfer-h200x2-nccl.json", "bytes") / ln.nvlink + v["library_fixed_s"],
          channel(nccl, "transfer-h200x2-nccl.json", "nccl", "staged", "flat")),
@@ -244,6 +262,7 @@ PUBLISHED = [
     {"system": "Perplexity (RDMA WRITE, point to point)", "date": "2025-09-24", "model": "Kimi-K2 1T, BF16 train "
      "-> FP8 inference", "bytes": 1.0e12, "setup": "256 training GPUs -> 128 inference GPUs, RDMA",
      "seconds": 1.3, "mode": "async-sharded", "trainer_nodes": 32, "rollout_nodes": 16, "replica_gpus": 16,
+     "quantized_params": 1e12,  # bf16 on the trainer, quantized before sending
      "url": "https://research.perplexity.ai/articles/weight-transfer-for-rl-post-training-in-under-2-seconds",
      "note": "also arXiv 2510.27656. Replica size not published: 16 GPUs assumed here (8 GPUs: 3.1 s; 32: 0.8 s)"},
     {"system": "SGLang + miles, NCCL broadcast", "date": "2026-04-29", "model": "Kimi-K2 FP8 (~1 TB)",
@@ -279,14 +298,17 @@ def published(ln: Links) -> list[dict]:
     out = []
     for p in PUBLISHED:
         row = {k: v for k, v in p.items() if k not in ("trainer_nodes", "rollout_nodes", "replica_gpus", "nodes",
-                                                          "trainer_gpus", "root_node_receives")}
+                                                          "trainer_gpus", "root_node_receives", "quantized_params")}
         mode, b = p["mode"], p["bytes"]
         if mode == "async-sharded":
+            trainer_gpus = p["trainer_nodes"] * GPUS_PER_NODE
+            quantize = quantize_s(p["quantized_params"], trainer_gpus, ln) if "quantized_params" in p else 0.0
+            if quantize:
+                row["quantize_s"] = round(quantize, 4)
             terms = async_sharded(b, p["trainer_nodes"], p["rollout_nodes"], p["replica_gpus"], ln)
-            row["model_s"] = max(terms.values()) + ln.fixed
-            routes = async_routed(b, p["trainer_nodes"] * GPUS_PER_NODE, p["rollout_nodes"] * GPUS_PER_NODE,
-                                  p["replica_gpus"], ln)
-            row["rlsync_routes_s"] = round(max(routes.values()) + ln.fixed, 3)  # rlsync today, same setup
+            row["model_s"] = max(terms.values()) + quantize + ln.fixed
+            routes = async_routed(b, trainer_gpus, p["rollout_nodes"] * GPUS_PER_NODE, p["replica_gpus"], ln)
+            row["rlsync_routes_s"] = round(max(routes.values()) + quantize + ln.fixed, 4)  # rlsync today, same setup
         elif mode == "async-rank0":
             gpus = p.get("trainer_gpus", p.get("trainer_nodes", 0) * GPUS_PER_NODE)
             row["model_s"] = sum(rank0(b, gpus, True, p.get("root_node_receives", False), ln).values()) + ln.fixed

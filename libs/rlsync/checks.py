@@ -83,9 +83,9 @@ _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # a Hugging Face mod
 def local_model(value: str) -> str | None:
     """'tiny', a model folder, or the name of a Hugging Face model already in this host's cache:
     nothing is downloaded at run time."""
-    from rlsync.models import TINY, TINY_MOE
+    from rlsync.models import TINY, TINY_FP8, TINY_MOE
 
-    if value in (TINY, TINY_MOE):
+    if value in (TINY, TINY_MOE, TINY_FP8):
         return None
     path = Path(value).expanduser()
     if path.is_dir():

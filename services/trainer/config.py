@@ -60,6 +60,10 @@ class TrainerConfig:
     weight_decay: float = option(0.0, "AdamW weight decay", minimum=0)
     clip_eps: float = option(0.2, "PPO/GRPO ratio clipping", above=0)
     kl_coef: float = option(0.0, "weight of the KL penalty to the initial policy (0 = no reference model)", minimum=0)
+    tis_cap: float = option(0.0, "truncated importance sampling: scale each token's policy-gradient loss by "
+                                 "min(p_trainer / p_engine, this cap), the PPO ratio then taken against the trainer's "
+                                 "own logprobs (corrects for an engine that samples with other numerics, e.g. FP8); "
+                                 "0 = off: the ratio is taken against the engine's logprobs", minimum=0)
     max_grad_norm: float = option(1.0, "gradient clipping (0 = off)", minimum=0)
     micro_batch: int = option(32, "trajectories per forward/backward (gradients accumulate)", minimum=1)
     seed: int = option(0, "torch seed", minimum=-(1 << 63), maximum=(1 << 64) - 1)  # what torch.manual_seed takes

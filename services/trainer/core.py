@@ -28,6 +28,7 @@ from rlsync.address import advertise_host
 from rlsync.trainer import checkpoint
 from rlsync.trainer.config import TrainerConfig
 from rlsync.trainer.grpo import grpo_loss, group_advantages, make_batch, token_logprobs
+from rlsync.trainer.mismatch import logprob_gap, tis_weights
 from rlsync.trainer.policy import Policy
 from rlsync.trainer.v1 import trainer_pb2 as pb
 from rlsync.transfer.source import ResidentSource
@@ -194,22 +195,33 @@ class TrainerCore:
             return StepResult(self.step, {**metrics, "loss": 0.0}, 0, stale, len(trajectories))
         total_tokens = sum(len(trajectories[i].completion_ids) for i in keep)
         model, opt = self.policy.model, self.policy.optimizer
-        sums = {"loss": 0.0, "ratio_mean": 0.0, "clip_frac": 0.0, "kl_sum": 0.0}
+        sums = {"loss": 0.0, "ratio_mean": 0.0, "clip_frac": 0.0, "kl_sum": 0.0, "gap": 0.0, "gap_tokens": 0.0,
+                "tis": 0.0}
         for start in range(0, len(keep), self.cfg.micro_batch):
             idx = keep[start:start + self.cfg.micro_batch]
             ts = [trajectories[i] for i in idx]
             batch = make_batch([t.prompt_ids for t in ts], [t.completion_ids for t in ts],
                                [t.behavior_logprobs for t in ts], [advantages[i] for i in idx],
                                [weights[i] for i in idx], self.pad_id, self.policy.device)
-            logprobs = token_logprobs(model, batch)
+            logprobs = token_logprobs(model, batch)  # the trainer's own, recomputed for the loss
             missing = [j for j, t in enumerate(ts) if not t.behavior_logprobs]
-            if missing:  # no behaviour logprobs: on-policy, the ratio is 1
+            sampled = batch.target_mask.clone()  # the tokens whose engine logprobs were sent
+            sampled[missing] = 0
+            gap, gap_tokens = logprob_gap(logprobs, batch.behavior, sampled)
+            sums["gap"] += gap
+            sums["gap_tokens"] += gap_tokens
+            tis = None
+            if self.cfg.tis_cap > 0:  # the engine's logprobs weigh the tokens; the ratio is against the trainer's
+                tis = tis_weights(logprobs, batch.behavior, self.cfg.tis_cap) * sampled + (1 - sampled)
+                sums["tis"] += float((tis * sampled).sum())
+                batch.behavior = logprobs.detach() * batch.target_mask
+            elif missing:  # no behaviour logprobs: on-policy, the ratio is 1
                 batch.behavior[missing] = logprobs.detach()[missing] * batch.target_mask[missing]
             ref = None
             if self.cfg.kl_coef > 0:
                 with torch.no_grad(), _swapped(self.policy, self.policy.reference_model_params()):
                     ref = token_logprobs(model, batch)
-            loss, stats = grpo_loss(logprobs, batch, self.cfg.clip_eps, total_tokens, ref, self.cfg.kl_coef)
+            loss, stats = grpo_loss(logprobs, batch, self.cfg.clip_eps, total_tokens, ref, self.cfg.kl_coef, tis)
             loss.backward()
             share = stats["tokens"] / total_tokens
             sums["loss"] += float(loss)
@@ -227,6 +239,10 @@ class TrainerCore:
         metrics.update(loss=sums["loss"], ratio_mean=sums["ratio_mean"], clip_frac=sums["clip_frac"],
                        kl=sums["kl_sum"] / total_tokens, tokens=float(total_tokens),
                        advantage_abs_mean=sum(abs(advantages[i]) for i in keep) / len(keep))
+        if sums["gap_tokens"]:  # mean |engine - trainer| logprob over the sampled tokens, before this step's update
+            metrics["logprob_gap"] = sums["gap"] / sums["gap_tokens"]
+            if self.cfg.tis_cap > 0:
+                metrics["tis_weight_mean"] = sums["tis"] / sums["gap_tokens"]
         return StepResult(self.step, metrics, len(keep), stale, len(trajectories) - len(keep))
 
     # ---- memory ---------------------------------------------------------------------------------

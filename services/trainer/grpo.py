@@ -66,14 +66,16 @@ def token_logprobs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
 
 
 def grpo_loss(logprobs: torch.Tensor, batch: Batch, clip_eps: float, total_tokens: int,
-              ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0) -> tuple[torch.Tensor, dict]:
+              ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0,
+              token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Sum over this batch's completion tokens of the clipped surrogate (+ KL), divided by the
-    tokens of the whole step (so micro-batches accumulate to a token mean)."""
+    tokens of the whole step (so micro-batches accumulate to a token mean). token_weights [B, T-1]
+    (detached) scale each token's surrogate: truncated importance sampling (rlsync.trainer.mismatch)."""
     mask = batch.target_mask
     ratio = torch.exp(logprobs - batch.behavior) * mask + (1 - mask)
     adv = batch.advantages[:, None]
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
-    per_token = -surrogate
+    per_token = -surrogate if token_weights is None else -surrogate * token_weights
     kl = torch.zeros((), device=logprobs.device)
     if ref_logprobs is not None and kl_coef > 0:
         delta = ref_logprobs - logprobs

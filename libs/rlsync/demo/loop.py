@@ -36,6 +36,8 @@ class StepRecord:
     generate_seconds: float = 0.0
     train_seconds: float = 0.0
     sync_bytes: int = 0  # what the sync moved: the whole model, or a LoRA adapter
+    logprob_gap: float | None = None  # mean |engine - trainer| logprob over the step's sampled tokens
+    tis_weight_mean: float | None = None  # the truncated importance weights' mean, with --tis
 
 
 async def run_loop(coordinator: str, task: DigitsTask, cfg: LoopConfig, token: str = "",
@@ -57,14 +59,14 @@ async def run_loop(coordinator: str, task: DigitsTask, cfg: LoopConfig, token: s
                     r = task.reward(comp.token_ids)
                     rewards.append(r)
                     batch.append(trajectory(comp, r, group_id=f"{step}-{g}"))
-            await c.train(batch)
+            trained = (await c.train(batch)).metrics
             t2 = time.perf_counter()
             version, sync_s, verified, phases, nbytes = (await c.status()).weight_version, 0.0, False, {}, 0
             if cfg.sync:
                 s = await c.sync_weights(verify=cfg.verify)
                 version, sync_s, verified, phases, nbytes = s.version, s.seconds, s.verified, dict(s.phases), s.bytes
             rec = StepRecord(step + 1, sum(rewards) / len(rewards), version, sync_s, verified, phases, t1 - t0, t2 - t1,
-                             nbytes)
+                             nbytes, trained.get("logprob_gap"), trained.get("tis_weight_mean"))
             records.append(rec)
             if on_step:
                 on_step(rec)
@@ -76,5 +78,9 @@ def summarize(records: list[StepRecord], **meta) -> dict:
         return sum(r.reward_mean for r in rs) / max(1, len(rs))
 
     first, last = mean(records[:5]), mean(records[-5:])
+    gaps = [r.logprob_gap for r in records if r.logprob_gap is not None]
+    gap = {"logprob_gap_mean": sum(gaps) / len(gaps), "logprob_gap_max": max(gaps),
+           "logprob_gap_first5": sum(gaps[:5]) / len(gaps[:5]), "logprob_gap_last5": sum(gaps[-5:]) / len(gaps[-5:])} \
+        if gaps else {}
     return {**meta, "steps": [asdict(r) for r in records], "reward_first5": first, "reward_last5": last,
-            "improvement": last - first}
+            "improvement": last - first, **gap}
