@@ -115,7 +115,8 @@ class Engine(abc.ABC):
         """Keeps `holder`'s CUDA storages (IPC handles on this GPU, or on one it reads by P2P) mapped for
         the pulls to come (rlsync.transfer.held) -> (how many were newly mapped, the handle of a bell that
         starts a pull armed at wake, or b"": rlsync.transfer.armed; this engine's GPU when the storages lie
-        on another, else ""). Only an engine that pulls in this process can."""
+        on another, else ""). Only an engine that pulls where it can keep mappings can: hf in this process,
+        vLLM in its worker (one worker per replica)."""
         raise FailedPrecondition(f"the {self.kind} engine receives updates outside the rollout process: it maps "
                                  "the trainer's memory at each update and holds nothing between them")
 
