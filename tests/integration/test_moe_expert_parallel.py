@@ -14,10 +14,11 @@ import torch
 
 from rlsync.models import ensure_tiny_moe
 from rlsync.rollout.engines.checkpoint import checkpoint_tensors
-from rlsync.rollout.engines.vllm import WORKER_EXTENSION
 from rlsync.transfer.manifest import Spec, to_proto
 from rlsync.transfer.sharded import layout_of
 from rlsync.transfer.v1 import transfer_pb2 as pb
+
+pytestmark = pytest.mark.usefixtures("keeps_environ")  # vLLM in this process (conftest)
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,9 @@ def ep_layouts():
            "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     before = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    from vllm import LLM
+    from vllm import LLM  # (imported here, not at collection: it changes the environment)
+
+    from rlsync.rollout.engines.vllm import WORKER_EXTENSION
 
     model = ensure_tiny_moe()
     specs = [Spec(n, torch.float32, tuple(shape), 4 * math.prod(shape))

@@ -16,6 +16,8 @@ from transformers import AutoModelForCausalLM
 from rlsync.models import ensure_tiny_moe
 from rlsync.rollout.engines.vllm_experts import first_load_processing, live_mismatches
 
+pytestmark = pytest.mark.usefixtures("keeps_environ")  # vLLM in this process (conftest)
+
 PROMPT = [5, 6, 7, 8, 9]
 
 

@@ -13,6 +13,8 @@ from rlsync.errors import InvalidArgument
 from rlsync.quant.fp8_blocks import (BLOCK, FP8_MAX, block_amax, dequantize_blocks, quantize_blocks, scale_shape,
                                      scales_of)
 
+pytestmark = pytest.mark.usefixtures("keeps_environ")  # vLLM in this process (conftest)
+
 
 def _vllm_reference():
     try:
