@@ -31,7 +31,8 @@ def _fleet(services, moe_model, engine: str, with_trainer: bool, mode: str = "as
         trainer = services.start("trainer", ["--coordinator", co.address, "--model", str(moe_model), "--checksums",
                                    "--lr", "0.01"], name=f"trainer-moe-{engine}-{mode}")
     replica = services.start("rollout", [*rollout_args(engine, **ENGINE_EXTRA[engine]), "--model", str(moe_model),
-                                         "--coordinator", co.address], name=f"rollout-moe-{engine}-{mode}")
+                                         "--coordinator", co.address], name=f"rollout-moe-{engine}-{mode}", wait=False)
+    replica.wait_ready(timeout=360)  # (slow is not dead: a vLLM MoE replica beside two busy lanes took over 180 s)
     client = CoordinatorClient(co.address)
     client.wait_ready(2 if with_trainer else 1)
     return client, RolloutClient(replica.address), TrainerClient(trainer.address) if trainer else None
