@@ -144,9 +144,8 @@ class RlsyncWorkerExtension:
             frozenset()
 
     def _rlsync_unmappable(self) -> set[bytes]:
-        if not hasattr(self, "_rlsync_unmapped"):
-            self._rlsync_unmapped: set[bytes] = set()  # the facts of senders whose memory would not map here
-        return self._rlsync_unmapped
+        """The facts of senders whose memory would not map here (kept on the worker, which has no __init__ of ours)."""
+        return self.__dict__.setdefault("_rlsync_unmapped", set())
 
     def rlsync_answer(self, offer: bytes, receiver_id: str, ranks: int, force: str,
                       layouts: list[bytes] | None = None) -> bytes:

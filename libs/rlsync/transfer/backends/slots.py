@@ -15,6 +15,7 @@ from functools import cached_property
 import torch
 
 from rlsync.errors import DataLoss, FailedPrecondition
+from rlsync.transfer import batched
 from rlsync.transfer.backends.base import ReceiveJob, SendJob, collect_results, expect, report_failure, sync
 from rlsync.transfer.checksum import checksum_bytes
 from rlsync.transfer.copied import record_copied
@@ -184,11 +185,13 @@ class _Mapped(abc.ABC):
         if len(job.welcome.locations) != len(job.specs):
             raise DataLoss(f"sender described {len(job.welcome.locations)} tensors, manifest has {len(job.specs)}")
         kind = "cast" if job.welcome.dtypes else "copy"
-        where = (tuple(job.specs), tuple(job.welcome.dtypes), tuple(map(tuple, job.welcome.locations)),
-                 tuple(r.numel() for r in regions))
-        bases = [r.data_ptr() for r in regions]
-        if job.writer.write_rebased(kind, where, bases):  # the same layout as a pull before, mapped anew
-            return regions
+        where, bases = None, []
+        if batched.available(job.device):  # (a kept table is a kernel launch's: none to key elsewhere)
+            where = (tuple(job.specs), tuple(job.welcome.dtypes), tuple(map(tuple, job.welcome.locations)),
+                     tuple(r.numel() for r in regions))
+            bases = [r.data_ptr() for r in regions]
+            if job.writer.write_rebased(kind, where, bases):  # the same layout as a pull before, mapped anew
+                return regions
         layout = self._layout(job, regions)
         if job.welcome.dtypes:  # in another dtype at the sender: cast as copied
             job.writer.write_cast(layout.typed(job.welcome.dtypes), layout.plans)
@@ -197,7 +200,8 @@ class _Mapped(abc.ABC):
             job.writer.write_whole(regions[region][start:start + nbytes])
         else:
             job.writer.write_all(layout.sources, layout.plans)
-        job.writer.keep_rebased(kind, where, bases)
+        if where is not None:
+            job.writer.keep_rebased(kind, where, bases)
         return regions
 
     @staticmethod
