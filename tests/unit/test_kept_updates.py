@@ -6,6 +6,7 @@ import torch
 
 from rlsync.errors import DataLoss
 from rlsync.transfer import kept
+from rlsync.transfer.held import HELD, HeldMappings
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.routed import destinations
 from rlsync.transfer.routes import TensorInfo, chunks, layout, plan_routes, whole
@@ -32,13 +33,17 @@ def _staging(g: int, rank: int):
     return out
 
 
-def _writer(routes, staging, rank=0):
+HOLDER = "test-kept"
+
+
+def _writer(routes, staging, rank=0, held=HELD):
     made = []
 
     def lay_out():
         made.append(1)
         return destinations(routes, rank, SPECS, staging)
-    return kept.writer(routes.of_receiver(rank), rank, SPECS, staging, torch.device("cpu"), lay_out), len(made)
+    return kept.writer(routes.of_receiver(rank), rank, SPECS, staging, torch.device("cpu"), held.kept(HOLDER),
+                       lay_out), len(made)
 
 
 def test_a_repeat_with_the_same_values_makes_nothing_and_another_key_makes_it_anew():
@@ -63,6 +68,7 @@ def test_where_tensors_lie_changes_when_a_storage_moves_and_not_otherwise():
 
 
 def test_a_repeat_routed_update_reuses_its_writer_and_receives_into_it_anew():
+    HELD.release(HOLDER)
     routes, staging = _routes(2, 2), _staging(2, 0)
     first, made = _writer(routes, staging)
     again, made_again = _writer(routes, dict(staging))  # the same tensors, in another dict: the same key
@@ -99,3 +105,18 @@ def test_a_writer_made_ready_again_completes_empty_tensors_as_a_new_one_does():
     assert writer.finish() == 8
     writer.again().write(0, 0, torch.full((2,), 2.0).view(torch.uint8))
     assert writer.finish() == 8 and dest["x"].eq(2).all()
+
+
+def test_a_receiver_that_holds_nothing_or_let_go_keeps_no_view_of_its_staging():
+    routes, staging, held = _routes(2, 2), _staging(2, 0), HeldMappings()
+    first, _ = _writer(routes, staging, held=held)
+    assert _writer(routes, staging, held=held) == (first, 0)
+    held.release(HOLDER)  # the engine may free its staging now: nothing of it is kept
+    again, made = _writer(routes, staging, held=held)
+    assert made == 1 and again is not first
+    lay_outs = []
+    unheld = kept.writer(routes.of_receiver(0), 0, SPECS, staging, torch.device("cpu"), None,
+                         lambda: lay_outs.append(1) or destinations(routes, 0, SPECS, staging))
+    kept.writer(routes.of_receiver(0), 0, SPECS, staging, torch.device("cpu"), None,
+                lambda: lay_outs.append(1) or destinations(routes, 0, SPECS, staging))
+    assert len(lay_outs) == 2 and unheld is not first

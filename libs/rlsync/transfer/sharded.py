@@ -37,6 +37,7 @@ from rlsync.address import reachable_host
 from rlsync.errors import Aborted, DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from rlsync.transfer import kept, pulls, routed, routed_groups
 from rlsync.transfer.control import Deadline
+from rlsync.transfer.held import HELD
 from rlsync.transfer.handshake import NAMES, PROTOCOL_VERSION, local_facts
 from rlsync.transfer.manifest import Spec, from_proto, to_proto
 from rlsync.flat import FlatStore
@@ -557,6 +558,7 @@ class RoutedReceiver:
     def _receive(self, store, routes: Routes, me: int, answers: Sequence[pb.Answer], profile: dict) -> int:
         """The pieces that come over the group (every member joins it, with or without pieces of its own)."""
         writer = kept.writer(routes.of_receiver(me), me, self.specs, self.staging, self.device,
+                             HELD.kept(self.hold) if self.hold else None,
                              lambda: routed.destinations(routes, me, self.specs, self.staging))
         tid, senders = self.offer.transfer_id, self.trainer.ranks
         members = senders + routes.receivers
