@@ -33,6 +33,10 @@ PRESETS = {
                      vocab=151936, tied=False),
     "qwen3-1.7b": dict(hidden=2048, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=6144,
                        vocab=151936, tied=True),
+    # Qwen3-1.7B's 310 tensors at a few KB each: on a CPU, a routed update's fixed per-update work
+    # (roster, plan, layouts, export) is then most of its time (bench/sharded.py).
+    "qwen3-1.7b-tiny": dict(hidden=64, layers=28, heads=2, kv_heads=1, head_dim=32, intermediate=128, vocab=512,
+                            tied=True),
     "small": dict(hidden=512, layers=4, heads=8, kv_heads=4, head_dim=64, intermediate=1536, vocab=32000,
                   tied=False),
 }

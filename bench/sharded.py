@@ -199,13 +199,14 @@ def trainer(args, shapes, bucket, k: int, g: int, rank: int, store) -> dict:
 def engine(args, k: int, g: int, rank: int, store) -> dict:
     out = {}
     for path in paths(args.device):
-        seconds, staging, profiler = [], None, _profiled()
+        seconds, staging, profiler, layouts = [], None, _profiled(), None
         for i in range(args.repeats + 1):
             if i == 1 and profiler is not None:
                 profiler.enable()
             offer = pb.Offer.FromString(_get(store, f"{path}/offer/{i}"))
             specs = from_proto(offer.manifest)
-            mine = engine_boxes(specs, g, rank, args.layout == "ep")
+            if i == 0:  # an engine's layout is its own, the same at every update
+                mine = engine_boxes(specs, g, rank, args.layout == "ep")
             if path == "rank0":  # every engine rank receives the whole checkpoint, as before
                 staging = {s.name: torch.empty(s.shape, dtype=s.dtype) for s in specs}
                 ans = answer(offer, f"engine-{rank}", force="gloo")
@@ -215,9 +216,9 @@ def engine(args, k: int, g: int, rank: int, store) -> dict:
                 boxes = {s.name: b[0] for s, b in zip(specs, mine) if b}
                 staging = staging or {s.name: torch.empty(tuple(e - a for a, e in boxes[s.name]), dtype=s.dtype,
                                                           device=args.device) for s in specs if s.name in boxes}
-                layouts = [to_layout_proto(engine_boxes(specs, g, r, args.layout == "ep"),
-                                           local_facts(engine_device(args, r)))
-                           for r in range(g)]  # where each rank runs: pairs on one GPU pull
+                layouts = layouts or [to_layout_proto(engine_boxes(specs, g, r, args.layout == "ep"),
+                                                      local_facts(engine_device(args, r)))
+                                      for r in range(g)]  # where each rank runs: pairs on one GPU pull
                 ans = answer(offer, "replica", ranks=g, layout=layouts, device=args.device)
                 store.set(f"{path}/answer/{i}/{rank}", ans.SerializeToString())
                 report = RoutedReceiver(offer, ans, staging, rank=rank, boxes=boxes, device=args.device,

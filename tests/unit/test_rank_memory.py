@@ -15,8 +15,8 @@ from rlsync.transfer import pulls
 from rlsync.transfer.control import Deadline
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.routes import TensorInfo, chunks, layout, plan_routes
-from rlsync.transfer.sharded import (ShardedSender, _held_key, _held_memories, _layout_key, _memories, _memory_key,
-                                    _put_memory, engine_facts, engine_layout, make_roster, roster_layout,
+from rlsync.transfer.sharded import (ShardedSender, _export, _held_key, _held_memories, _layout_key, _memories,
+                                    _memory_key, _put_memory, engine_facts, engine_layout, make_roster, roster_layout,
                                     to_layout_proto, trainer_layout)
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
@@ -45,7 +45,7 @@ def test_members_read_summaries_and_a_puller_the_whole_memory_of_its_sources(sto
     offer = pb.Offer(transfer_id="t1")
     memories = [_memory(0, "gpu-0"), _memory(1, "gpu-1"), pb.RankMemory(facts=pb.Facts(host_id="h"))]
     for rank, memory in enumerate(memories):
-        _put_memory(store, offer, rank, memory)
+        _put_memory(store, offer, rank, _export(memory, [])[1])
 
     summaries = _memories(store, offer, 3, Deadline(5, "test"))
     for memory, got in zip(memories, summaries):

@@ -21,6 +21,7 @@ import torch
 from rlsync.transfer import batched
 from rlsync.transfer.dtypes import dtype_name, dtype_of, itemsize
 from rlsync.transfer.held import HELD
+from rlsync.transfer.kept import staging_where
 from rlsync.transfer.memory import open_cuda, share_cuda
 from rlsync.transfer.routed import destinations, piece_name
 from rlsync.transfer.routes import Box, Layout, Routes, contains, extent, relative
@@ -108,7 +109,7 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.R
         memo = memo.setdefault("routed", {})
         pieces = [t.pieces for t in mine]
         key = (rank, *map(id, pieces), *(memories[k].SerializeToString() for k in sources),
-               tuple((n, b, t.data_ptr(), t.dtype, t.shape, t.stride(), t.device) for n, (b, t) in staging.items()))
+               staging_where(staging))
         kept = memo.get(key)
     if kept is not None:
         for table in kept[1]:

@@ -35,8 +35,9 @@ import torch.distributed as dist
 
 from rlsync.address import reachable_host
 from rlsync.errors import Aborted, DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
-from rlsync.transfer import pulls, routed, routed_groups
+from rlsync.transfer import kept, pulls, routed, routed_groups
 from rlsync.transfer.control import Deadline
+from rlsync.transfer.held import HELD
 from rlsync.transfer.handshake import NAMES, PROTOCOL_VERSION, local_facts
 from rlsync.transfer.manifest import Spec, from_proto, to_proto
 from rlsync.flat import FlatStore
@@ -44,7 +45,6 @@ from rlsync.transfer.routes import Box, Layout, Piece, Routes, TensorInfo, cache
 from rlsync.transfer.sender import Report
 from rlsync.transfer.streams import handed_over, on_transfer_stream, resolved
 from rlsync.transfer.v1 import transfer_pb2 as pb
-from rlsync.transfer.writer import DestWriter
 
 
 def to_layout_proto(held: Sequence[Sequence[Box]], facts: pb.Facts | None = None) -> pb.RankLayout:
@@ -186,12 +186,19 @@ def _pulled_key(offer: pb.Offer, rank: int) -> str:
 
 
 
-def _put_memory(store, offer: pb.Offer, rank: int, memory: pb.RankMemory) -> None:
-    """Trainer rank `rank`'s memory: its summary for every member, the whole of it (when any of it can
-    be mapped) for the receiver ranks that pull from it, set first, so one that sees the summary finds it."""
-    keys, values = [_memory_key(offer, rank)], [pulls.summary(memory).SerializeToString()]
-    if memory.regions:
-        keys, values = [_held_key(offer, rank), *keys], [memory.SerializeToString(), *values]
+def _export(memory: pb.RankMemory, groups: Sequence[str]) -> tuple[pb.RankMemory, list[bytes]]:
+    """A trainer rank's memory with the groups it holds, and what _put_memory sets of it: the whole of
+    it (when any of it can be mapped) and its summary. Made once while its storages stay (ShardedSender)."""
+    memory.groups.extend(groups)
+    summary = pulls.summary(memory).SerializeToString()
+    return memory, [memory.SerializeToString(), summary] if memory.regions else [summary]
+
+
+def _put_memory(store, offer: pb.Offer, rank: int, values: list[bytes]) -> None:
+    """Trainer rank `rank`'s memory (_export's values): its summary for every member, the whole of it
+    (when any of it can be mapped) for the receiver ranks that pull from it, set first, so one that sees
+    the summary finds it."""
+    keys = [_held_key(offer, rank), _memory_key(offer, rank)] if len(values) == 2 else [_memory_key(offer, rank)]
     store.multi_set(keys, values)
 
 
@@ -302,6 +309,10 @@ class ShardedSender:
         self.device = device or torch.device("cpu")
         self._store = None
         self._shares: dict = {}  # exported CUDA IPC handles, kept until close() (the trainer offloads)
+        # This rank's exports by where its storages lie (kept.where), its facts and the groups it holds: a
+        # repeat update from storages that stayed exports nothing; one that moved (and keeps the old alive
+        # in _shares, so no address repeats) is another key.
+        self._exports = kept.Kept(2)
         self._spent: list[str] = []  # rank 0: the store keys of the last transfer
         self._open: OrderedDict[str, pb.Offer] = OrderedDict()  # rank 0: offers neither sent nor refused yet
         self._group = routed_groups.Decider()  # rank 0: the routed group of the last transfer
@@ -347,9 +358,10 @@ class ShardedSender:
         routes = cached_routes(self.layout, engine)
         facts, receivers = local_facts(self.device), engine_facts(answers)
         near = self.held is not None and any(pulls.same_gpu(facts, f) for f in receivers)
-        memory = pulls.memory(self.held() if near else None, facts, self._shares)
-        memory.groups.extend(routed_groups.held())
-        _put_memory(store, offer, self.rank, memory)
+        held, groups = self.held() if near else None, routed_groups.held()
+        key = (facts.SerializeToString(), near and kept.where(t for tensors in held for t in tensors), *groups)
+        _, values = self._exports.get(key, lambda: _export(pulls.memory(held, facts, self._shares), groups))
+        _put_memory(store, offer, self.rank, values)
         profile = {"export": time.perf_counter() - start}
         memories = _memories(store, offer, self.world, deadline)
         if self.rank == 0:
@@ -428,6 +440,7 @@ class ShardedSender:
                 pass
         self._store = None
         self._shares = {}
+        self._exports.clear()
 
 
 def _wire_bytes(routes: Routes, rank: int) -> int:
@@ -544,8 +557,9 @@ class RoutedReceiver:
 
     def _receive(self, store, routes: Routes, me: int, answers: Sequence[pb.Answer], profile: dict) -> int:
         """The pieces that come over the group (every member joins it, with or without pieces of its own)."""
-        piece_specs, views = routed.destinations(routes, me, self.specs, self.staging)
-        writer = DestWriter(piece_specs, views, self.device)
+        writer = kept.writer(routes.of_receiver(me), me, self.specs, self.staging, self.device,
+                             HELD.kept(self.hold) if self.hold else None,
+                             lambda: routed.destinations(routes, me, self.specs, self.staging))
         tid, senders = self.offer.transfer_id, self.trainer.ranks
         members = senders + routes.receivers
         gid, pg = routed_groups.take(store, tid, senders + me, members, self.device, self.deadline)

@@ -63,8 +63,19 @@ class DestWriter:
         if not all(self.direct):
             self.targets  # noqa: B018 - buffers to cast from are allocated now, before any byte moves
         self.whole = self._whole() if all(self.direct) else None
-        if 0 in map(_nbytes, specs):
-            for i, spec in enumerate(specs):
+        self._empty()
+
+    def again(self) -> DestWriter:
+        """This writer, laid out as it is, ready for another transfer into the same destinations (a
+        repeat update's: rlsync.transfer.kept): nothing received yet."""
+        self.received, self.landed, self.table = [0] * len(self.specs), False, None
+        self._empty()
+        return self
+
+    def _empty(self) -> None:
+        """Empty tensors are complete before any byte moves."""
+        if self.whole is None and 0 in map(_nbytes, self.specs):
+            for i, spec in enumerate(self.specs):
                 if spec.nbytes == 0:
                     self._complete(i)
 

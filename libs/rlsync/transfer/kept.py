@@ -1,0 +1,77 @@
+"""What a repeat routed update keeps: the work each update would redo for the same layouts in the same memory.
+
+A routed update between the same trainer layout and engine layout, from and into storages that have not
+moved, derives the same things every time: a trainer rank's export of its memory (RankMemory, its bytes),
+an engine rank's views of its staging and the writer laid out over them. They are kept here under a key
+that names everything they were derived from, so what invalidates them is detected, not assumed: a
+storage that moved (an optimizer that reallocates, an offload, a resharding) changes its tensors'
+addresses (`where`); another layout, other routes or other groups change the rest of the key.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+
+import torch
+
+from rlsync.transfer.manifest import Spec
+from rlsync.transfer.routes import Box, Transfer
+from rlsync.transfer.writer import DestWriter
+
+
+def where(tensors: Iterable[torch.Tensor]) -> tuple:
+    """Where each tensor lies (address, dtype, shape, strides, device): equal only while none has moved.
+    A caller keeps the storages alive meanwhile (a trainer's exported handles, an engine's staging), so
+    no other allocation can take an address in the key."""
+    return tuple((t.data_ptr(), t.dtype, t.shape, t.stride(), t.device) for t in tensors)
+
+
+def staging_where(staging: Mapping[str, tuple[Box, torch.Tensor]]) -> tuple:
+    """An engine rank's staging, by name, box and where each tensor lies."""
+    return tuple(zip(staging, (b for b, _ in staging.values()), where(t for _, t in staging.values())))
+
+
+class Kept:
+    """The latest few values by key, made on a miss (`get`). Thread-safe; `hits` and `misses` say which."""
+
+    def __init__(self, size: int = 4):
+        self.size, self.hits, self.misses = size, 0, 0
+        self._values: OrderedDict[Hashable, object] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable, make: Callable[[], object]):
+        with self._lock:
+            if key in self._values:
+                self.hits += 1
+                self._values.move_to_end(key)
+                return self._values[key]
+        value = make()
+        with self._lock:
+            self.misses += 1
+            self._values[key] = value
+            while len(self._values) > self.size:
+                self._values.popitem(last=False)
+        return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._values.clear()
+
+
+def writer(mine: Sequence[Transfer], rank: int, specs: Sequence[Spec],
+           staging: Mapping[str, tuple[Box, torch.Tensor]], device: torch.device, keep: dict | None,
+           lay_out: Callable[[], tuple[list[Spec], dict[str, torch.Tensor]]]) -> DestWriter:
+    """The writer of engine rank `rank`'s pieces (`mine`: its transfers) into `staging`, laid out once
+    (`lay_out`: routed.destinations) and made ready for this transfer. `keep`: where it is kept (a held
+    receiver's HELD.kept, which goes with the hold); None: laid out each time (nothing may keep views of
+    staging its owner could free). The pieces' tuples are the plan's own (routes.cached_routes keeps
+    them), held by the kept entry, so their ids name them; the routes know sizes, not dtypes, so the key
+    has those too."""
+    if keep is None:
+        return DestWriter(*lay_out(), device)
+    writers = keep.setdefault("writers", Kept(4))
+    key = (rank, device, *(id(t.pieces) for t in mine), tuple(s.dtype for s in specs), staging_where(staging))
+    _, laid = writers.get(key, lambda: ([t.pieces for t in mine], DestWriter(*lay_out(), device)))
+    return laid.again()
