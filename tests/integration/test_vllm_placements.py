@@ -13,6 +13,8 @@ import torch
 
 from rlsync.transfer.manifest import Spec
 
+pytestmark = pytest.mark.usefixtures("keeps_environ")  # vLLM in this process (conftest)
+
 
 @pytest.fixture(scope="module")
 def vllm_model(tiny_model):

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from conftest import VLLM_TEST_ARGS
 from rlsync.rollout.engines.vllm_versions import SwitchPoints
 from rlsync.rollout.types import GenerationRequest, SamplingParams
 
 TOKENS, N, SWITCHES = 160, 2, (7, 8)
+pytestmark = pytest.mark.usefixtures("keeps_environ")  # vLLM in this process (conftest)
 
 
 def test_switch_points_split_completions_where_vllm_labels_change(tiny_model):
