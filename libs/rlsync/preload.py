@@ -16,8 +16,8 @@ that, made when the first vLLM replica asks (its engine core is still a process 
 imports for itself).
 
 Not for: SGLang replicas (another environment), a service given environment variables the preloaded
-process did not start with (what modules read at import would differ; a tensor-parallel vLLM replica's
-thread binding, say), a command of its own, or a parent-death signal.
+process did not start with (what modules read at import would differ; but see AT_START), a command of
+its own, or a parent-death signal.
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ PRELOAD = ("torch", "grpc", "transformers", "rlsync.rollout.server", "rlsync.rol
            "rlsync.trainer.server", "rlsync.coordinator.server", "rlsync.rollout.__main__",
            "rlsync.trainer.__main__", "rlsync.coordinator.__main__")
 IMAGES = {"base": PRELOAD, "vllm": (*PRELOAD, "vllm", "rlsync.rollout.engines.vllm")}
+# Variables an image's modules read only once an engine starts, never at import: a service may set them
+# and still be forked from the image (a tensor-parallel vLLM replica's thread binding).
+AT_START = {"base": (), "vllm": ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")}
 
 
 class Start(msgspec.Struct, tag=True):
@@ -226,8 +229,9 @@ def preloaded_for(service: str, args: list[str], env: dict[str, str], command, p
     found = _session[image]
     if not isinstance(found, Preloaded):
         found = _session[image] = found()
-    same = {k: v for k, v in env.items() if k not in VOLATILE} == \
-        {k: v for k, v in found.env.items() if k not in VOLATILE}
+    ignored = (*VOLATILE, *AT_START[image])
+    same = {k: v for k, v in env.items() if k not in ignored} == \
+        {k: v for k, v in found.env.items() if k not in ignored}
     return found if same and found.proc.poll() is None else None
 
 

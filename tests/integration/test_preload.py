@@ -62,5 +62,7 @@ def test_a_vllm_replica_is_forked_from_an_image_that_imported_vllm_too(preloaded
     assert image is not None and image.image == "vllm" and image is not preloaded
     assert image.proc.poll() is None
     assert preloaded_for("rollout", ["--engine", "vllm"], dict(os.environ), None, 0) is image, "made once"
-    bound = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # a tensor-parallel replica's: not the image's
-    assert preloaded_for("rollout", ["--engine", "vllm"], bound, None, 0) is None
+    bound = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # a tensor-parallel replica's: read at start
+    assert preloaded_for("rollout", ["--engine", "vllm"], bound, None, 0) is image
+    assert preloaded_for("rollout", ["--engine", "vllm"], {**os.environ, "RLSYNC_LOG_LEVEL": "DEBUG"}, None, 0) is None
+    assert preloaded_for("rollout", ["--engine", "hf"], bound, None, 0) is None, "the base image imports no vLLM"
