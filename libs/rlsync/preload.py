@@ -210,6 +210,7 @@ class Preloaded:
 
 
 _session: dict[str, Preloaded | Callable[[], Preloaded]] = {}
+_making = threading.Lock()  # one image of each kind, however many threads start services at once
 
 
 def use(preloaded: Preloaded | None, vllm: Callable[[], Preloaded] | None = None) -> None:
@@ -226,9 +227,12 @@ def preloaded_for(service: str, args: list[str], env: dict[str, str], command, p
     image = eligible(service, args)
     if image not in _session or command is not None or parent_death_signal:
         return None
-    found = _session[image]
-    if not isinstance(found, Preloaded):
-        found = _session[image] = found()
+    with _making:
+        found = _session.get(image)
+        if found is not None and not isinstance(found, Preloaded):
+            found = _session[image] = found()
+    if found is None:  # (use(None) meanwhile)
+        return None
     ignored = (*VOLATILE, *AT_START[image])
     same = {k: v for k, v in env.items() if k not in ignored} == \
         {k: v for k, v in found.env.items() if k not in ignored}
