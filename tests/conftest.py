@@ -60,16 +60,37 @@ def logs_dir(tmp_path_factory) -> Path:
 def preloaded(tmp_path_factory):
     """Coordinators, trainers and hf replicas started by the tests are forked from one process that
     imported torch and transformers once (rlsync.preload): ~5 s of CPU less each, a few hundred
-    times. RLSYNC_TEST_PRELOAD=0: each starts in a process of its own, as outside the tests."""
+    times; one-worker vLLM replicas from a second that imported vLLM too (~10 s less each).
+    RLSYNC_TEST_PRELOAD=0: each starts in a process of its own, as outside the tests."""
     if os.environ.get("RLSYNC_TEST_PRELOAD", "1") == "0":
         yield None
         return
     ensure_tiny_model()  # (built before the fork: nothing in the preloaded image builds it)
-    forker = preload.Preloaded(tmp_path_factory.mktemp("preloaded") / "preloaded.log")
-    preload.use(forker)
+    logs = tmp_path_factory.mktemp("preloaded")
+    forker = preload.Preloaded(logs / "preloaded.log")
+    made = [forker]
+
+    def with_vllm() -> preload.Preloaded:  # the first vLLM replica's start pays its import, once
+        made.append(preload.Preloaded(logs / "preloaded-vllm.log", image="vllm", env=forker.env))
+        return made[-1]
+
+    preload.use(forker, vllm=with_vllm)
     yield forker
     preload.use(None)
-    forker.close()
+    for image in made:
+        image.close()
+
+
+@pytest.fixture(scope="module")
+def keeps_environ():
+    """For a module that runs vLLM in this process: vLLM sets environment variables as it imports and
+    configures an engine (LD_PRELOAD, VLLM_WORKER_MULTIPROC_METHOD, ...). They are put back after the
+    module, so that services started later get the test session's environment: that of the preloaded
+    image, which they are then forked from (with vLLM's, each started in a process of its own)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,13 @@ gRPC object (no thread exists when it forks), and answers on an abstract Unix so
 parent). The child takes the environment, working directory and log it is given, a process group
 of its own, and runs `rlsync.<service>.__main__.main(argv)`.
 
-Not for: vLLM and SGLang replicas (their engines spawn processes of their own, SGLang in another
-environment), a service given environment variables the preloaded process did not start with (what
-modules read at import would differ), a command of its own, or a parent-death signal.
+A one-worker vLLM replica imports vLLM too (~10 s of CPU more): a second image, `image="vllm"`, holds
+that, made when the first vLLM replica asks (its engine core is still a process vLLM spawns, which
+imports for itself).
+
+Not for: SGLang replicas (another environment), a service given environment variables the preloaded
+process did not start with (what modules read at import would differ; but see AT_START), a command of
+its own, or a parent-death signal.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -40,6 +45,10 @@ VOLATILE = ("PYTEST_CURRENT_TEST",)  # changes under a test runner from test to 
 PRELOAD = ("torch", "grpc", "transformers", "rlsync.rollout.server", "rlsync.rollout.engines.hf",
            "rlsync.trainer.server", "rlsync.coordinator.server", "rlsync.rollout.__main__",
            "rlsync.trainer.__main__", "rlsync.coordinator.__main__")
+IMAGES = {"base": PRELOAD, "vllm": (*PRELOAD, "vllm", "rlsync.rollout.engines.vllm")}
+# Variables an image's modules read only once an engine starts, never at import: a service may set them
+# and still be forked from the image (a tensor-parallel vLLM replica's thread binding).
+AT_START = {"base": (), "vllm": ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")}
 
 
 class Start(msgspec.Struct, tag=True):
@@ -85,11 +94,13 @@ def _exactly(sock: socket.socket, n: int) -> bytes | None:
     return data
 
 
-def eligible(service: str, args: list[str]) -> bool:
-    """The services this image holds what they import for: the coordinator, the trainer, an hf replica."""
+def eligible(service: str, args: list[str]) -> str | None:
+    """The image that holds what a service imports: "base" for the coordinator, the trainer and an hf
+    replica, "vllm" for a vLLM replica; None for any other."""
     if service in ("coordinator", "trainer"):
-        return True
-    return service == "rollout" and "--engine" in args and args[args.index("--engine") + 1:][:1] == ["hf"]
+        return "base"
+    engine = args[args.index("--engine") + 1:][:1] if service == "rollout" and "--engine" in args else []
+    return {"hf": "base", "vllm": "vllm"}.get(engine[0]) if engine else None
 
 
 # ---- the launcher's side --------------------------------------------------------------------------
@@ -126,16 +137,20 @@ class Preloaded:
     """The preloaded process, started here and stopped with `close()` (its children are not: each is
     stopped by its own ServiceProcess)."""
 
-    def __init__(self, log_path: str | Path | None = None, ready_timeout: float = 120.0):
+    def __init__(self, log_path: str | Path | None = None, ready_timeout: float = 120.0, image: str = "base",
+                 env: dict[str, str] | None = None):
+        """env: the environment it starts with, and which its children must be given (default: this
+        process's)."""
         from rlsync.rpc.doorbell import to_socket  # (here: it imports grpc, which launchers need not)
 
         self.address = f"@rlsync-preload-{uuid.uuid4().hex[:12]}"
-        self.env = dict(os.environ)
+        self.image = image
+        self.env = dict(os.environ if env is None else env)
         log = open(log_path or os.devnull, "ab")  # noqa: SIM115 - the child keeps its own descriptor
         with log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "rlsync.preload", self.address],
+            self.proc = subprocess.Popen([sys.executable, "-m", "rlsync.preload", self.address, image],
                                          stdin=subprocess.PIPE,  # (closed when this process ends: so does it)
-                                         stdout=log, stderr=subprocess.STDOUT, process_group=0)
+                                         stdout=log, stderr=subprocess.STDOUT, process_group=0, env=self.env)
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         deadline = time.monotonic() + ready_timeout
@@ -194,28 +209,39 @@ class Preloaded:
                 self.proc.wait()
 
 
-_session: Preloaded | None = None
+_session: dict[str, Preloaded | Callable[[], Preloaded]] = {}
+_making = threading.Lock()  # one image of each kind, however many threads start services at once
 
 
-def use(preloaded: Preloaded | None) -> None:
-    """Services this process starts from now on are forked from `preloaded` where they can be (None: none)."""
-    global _session
-    _session = preloaded
+def use(preloaded: Preloaded | None, vllm: Callable[[], Preloaded] | None = None) -> None:
+    """Services this process starts from now on are forked from `preloaded` where they can be (None: none);
+    vLLM replicas from the image `vllm()` makes, called when the first one starts."""
+    _session.clear()
+    if preloaded is not None:
+        _session.update({"base": preloaded, **({"vllm": vllm} if vllm else {})})
 
 
 def preloaded_for(service: str, args: list[str], env: dict[str, str], command, parent_death_signal: int):
     """The Preloaded a service so started may be forked from, else None (a process of its own): see
     the module's docstring for which."""
-    if _session is None or command is not None or parent_death_signal or not eligible(service, args):
+    image = eligible(service, args)
+    if image not in _session or command is not None or parent_death_signal:
         return None
-    same = {k: v for k, v in env.items() if k not in VOLATILE} == \
-        {k: v for k, v in _session.env.items() if k not in VOLATILE}
-    return _session if same and _session.proc.poll() is None else None
+    with _making:
+        found = _session.get(image)
+        if found is not None and not isinstance(found, Preloaded):
+            found = _session[image] = found()
+    if found is None:  # (use(None) meanwhile)
+        return None
+    ignored = (*VOLATILE, *AT_START[image])
+    same = {k: v for k, v in env.items() if k not in ignored} == \
+        {k: v for k, v in found.env.items() if k not in ignored}
+    return found if same and found.proc.poll() is None else None
 
 
 # ---- the preloaded process ------------------------------------------------------------------------
 
-def _child(request: Start, keep_closed: list[socket.socket]) -> None:
+def _child(request: Start, keep_closed: list[socket.socket], imported_env: dict[str, str]) -> None:
     """In the forked child: become the service, then exit (never back into the server's loop)."""
     code = 1
     try:
@@ -235,6 +261,7 @@ def _child(request: Start, keep_closed: list[socket.socket]) -> None:
                 pass
         os.environ.clear()
         os.environ.update(request.env)
+        os.environ.update(imported_env)  # what the imports set, as in a process of its own (vLLM's: several)
         os.chdir(request.cwd)
         sys.argv = [f"rlsync.{request.service}", *request.argv]
         code = importlib.import_module(f"rlsync.{request.service}.__main__").main(request.argv)
@@ -250,9 +277,11 @@ def _child(request: Start, keep_closed: list[socket.socket]) -> None:
             os._exit(code if isinstance(code, int) else 1)
 
 
-def serve(address: str) -> None:
-    for module in PRELOAD:
+def serve(address: str, image: str = "base") -> None:
+    before = dict(os.environ)
+    for module in IMAGES[image]:
         importlib.import_module(module)
+    imported_env = {k: v for k, v in os.environ.items() if before.get(k) != v}
     from rlsync.rpc.doorbell import to_socket
 
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -295,11 +324,11 @@ def serve(address: str) -> None:
                 sys.stdout.flush(), sys.stderr.flush()  # nothing of this process's buffers in the child's log
                 pid = os.fork()
                 if pid == 0:
-                    _child(request, [server, *clients])
+                    _child(request, [server, *clients], imported_env)
                 children.add(pid)
                 reply = Reply(pid=pid)
             _send(sock, _ENCODE(reply))
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(*sys.argv[1:3])

@@ -13,20 +13,20 @@ import pytest
 
 from conftest import rollout_args
 from rlsync.client import RolloutClient
-from rlsync.preload import Forked, eligible
+from rlsync.preload import Forked, eligible, preloaded_for
 
 
 @pytest.mark.parametrize("service, args, expected", [
-    ("coordinator", [], True),
-    ("trainer", ["--steps", "1"], True),
-    ("rollout", ["--engine", "hf"], True),
-    ("rollout", ["--engine", "vllm"], False),  # its engine spawns processes of its own
-    ("rollout", ["--engine", "sglang"], False),  # another environment
-    ("rollout", [], False),  # the default engine is vLLM
-    ("rollout", ["--engine"], False),
+    ("coordinator", [], "base"),
+    ("trainer", ["--steps", "1"], "base"),
+    ("rollout", ["--engine", "hf"], "base"),
+    ("rollout", ["--engine", "vllm"], "vllm"),  # an image that imported vLLM too
+    ("rollout", ["--engine", "sglang"], None),  # another environment
+    ("rollout", [], None),  # the default engine (vLLM, or RLSYNC_ENGINE's): not told
+    ("rollout", ["--engine"], None),
 ])
 def test_which_services_the_preloaded_image_suits(service, args, expected):
-    assert eligible(service, args) is expected
+    assert eligible(service, args) == expected
 
 
 def test_a_forked_replica_serves_and_reports_its_exit_as_popen_would(services, preloaded):
@@ -53,3 +53,16 @@ def test_a_service_given_other_environment_gets_a_process_of_its_own(services, p
     proc = services.start("coordinator", [], env={"RLSYNC_LOG_LEVEL": "DEBUG"}, name="own-process")
     assert isinstance(proc.proc, subprocess.Popen)
     assert proc.stop() == 0
+
+
+def test_a_vllm_replica_is_forked_from_an_image_that_imported_vllm_too(preloaded):
+    if preloaded is None:
+        pytest.skip("RLSYNC_TEST_PRELOAD=0")
+    image = preloaded_for("rollout", ["--engine", "vllm"], dict(os.environ), None, 0)
+    assert image is not None and image.image == "vllm" and image is not preloaded
+    assert image.proc.poll() is None
+    assert preloaded_for("rollout", ["--engine", "vllm"], dict(os.environ), None, 0) is image, "made once"
+    bound = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # a tensor-parallel replica's: read at start
+    assert preloaded_for("rollout", ["--engine", "vllm"], bound, None, 0) is image
+    assert preloaded_for("rollout", ["--engine", "vllm"], {**os.environ, "RLSYNC_LOG_LEVEL": "DEBUG"}, None, 0) is None
+    assert preloaded_for("rollout", ["--engine", "hf"], bound, None, 0) is None, "the base image imports no vLLM"
