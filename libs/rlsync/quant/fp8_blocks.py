@@ -2,7 +2,9 @@
 (vllm.utils.deep_gemm.per_block_cast_to_fp8, which DeepGEMM's tests and vLLM's block-FP8 tests use):
 
     amax  = max |x| over the block, in fp32, clamped below at 1e-4
-    scale = amax / 448                      (rounded up to a power of two first when asked: UE8M0)
+    scale = amax / 448                      (rounded up to a power of two first when asked: UE8M0;
+                                             torch on a GPU multiplies by the fp32 reciprocal instead,
+                                             so the reference equals vLLM's on the device it runs on)
     q     = fp8(x * (1 / scale))            (x promoted to fp32; one rounding, to nearest even)
 
 `scale` is what checkpoints store as `weight_scale_inv` (x ~ q * scale), fp32, one per block:

@@ -1,10 +1,13 @@
 """Block FP8 quantization on the GPU: one Triton program per 128 x 128 block reads the block once,
 takes its amax, and writes its FP8 values and its scale (3 bytes moved per bf16 element: read 2,
 write 1, the memory-bound limit). The same bits as the reference (rlsync.quant.fp8_blocks, vLLM's):
-the same fp32 operations in the same order, divisions correctly rounded (div_rn: Triton's `/` is
-approximate). Power-of-two scales take torch's own log2 / ceil / pow between two launches (an amax
-pass, then the quantizing pass): a log2 of another library could round a scale just above a power
-of two the other way. Elsewhere (CPU, no Triton) the reference itself."""
+the same fp32 operations in the same order as torch runs them on a GPU: amax / 448 as a product with
+the fp32 reciprocal of 448 (torch's CUDA division by a scalar; on the CPU it divides, which rounds a
+scale one ulp apart now and then: the kernel equals the reference run on the GPU, as vLLM's own
+quantizer does there), 1 / scale correctly rounded (div_rn: Triton's `/` is approximate).
+Power-of-two scales take torch's own log2 / ceil / pow between two launches (an amax pass, then the
+quantizing pass): a log2 of another library could round a scale just above a power of two the other way.
+Elsewhere (CPU, no Triton) the reference itself."""
 
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ if triton is not None:
             if MODE == 1:
                 tl.store(s_at, amax)
                 return
-            scale = tl.math.div_rn(tl.maximum(amax, floor), fp8_max)
+            scale = tl.maximum(amax, floor) * tl.math.div_rn(1.0, fp8_max)  # (torch's CUDA x / scalar)
             tl.store(s_at, scale)
         inv = tl.math.div_rn(1.0, scale)
         q = (x * inv).to(q_ptr.dtype.element_ty)
