@@ -93,18 +93,6 @@ def keeps_environ():
     os.environ.update(saved)
 
 
-@pytest.fixture(scope="module")
-def keeps_environ():
-    """For a module that runs vLLM in this process: vLLM sets environment variables as it imports and
-    configures an engine (LD_PRELOAD, VLLM_WORKER_MULTIPROC_METHOD, ...). They are put back after the
-    module, so that services started later get the test session's environment: that of the preloaded
-    image, which they are then forked from (with vLLM's, each started in a process of its own)."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 class Services:
     """Starts services on free ports, logs each to its own file, stops them all at the end."""
 

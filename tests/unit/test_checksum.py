@@ -1,10 +1,16 @@
 """The transfer checksum: deterministic, position-sensitive, alignment-proof."""
 
+import json
+import os
+import subprocess
+import sys
+
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlsync.transfer.checksum import checksum_bytes, checksum_tensor
+from rlsync.transfer.checksum import audit, audit_entry, checksum_bytes, checksum_tensor, checksum_tensors
 
 
 def test_same_bytes_same_checksum_any_alignment():
@@ -56,3 +62,44 @@ def test_the_sums_of_any_cut_of_a_tensor_add_up_to_its_checksum(shape, dtype, pa
         a, b = box_sums(t[tuple(slice(x, y) for x, y in box)] if box else t, box, tuple(shape))
         s1, s2 = s1 + a, s2 + b
     assert from_sums(t.numel() * t.element_size(), s1, s2) == checksum_tensor(t)
+
+
+def test_many_tensors_at_once_equal_one_at_a_time():
+    """checksum_tensors / audit (off a GPU: one Checksums, read once) give each tensor's own checksum:
+    odd sizes, unaligned and non-contiguous views, an empty tensor, mixed dtypes."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randint(0, 256, (40_000,), dtype=torch.uint8, generator=g)
+    tensors = [torch.randn(300, 17, generator=g), torch.randn(64, 64, generator=g).to(torch.bfloat16).t(),
+               base[3:10_003], base[8:16_008].view(torch.int64), torch.empty(0), torch.randn(5, generator=g)]
+    assert checksum_tensors(tensors) == [checksum_tensor(t) for t in tensors]
+    named = {f"t{k}": t for k, t in enumerate(tensors)}
+    assert audit(named) == {n: audit_entry(t) for n, t in named.items()}
+
+
+SUMS_RUN = r"""
+import json, sys, numpy as np, torch
+from rlsync.transfer import checksum
+checksum.CHUNK_WORDS = 100  # many chunks per tensor, and partial ones
+g = torch.Generator().manual_seed(int(sys.argv[1]))
+words = [int(n) for n in torch.randint(1, 700, (12,), generator=g)]
+buf = torch.randint(-2 ** 62, 2 ** 62, (sum(words) + 8,), dtype=torch.int64, generator=g)
+buf[:4] = torch.tensor([-1, 2 ** 63 - 1, -2 ** 63, 7])  # sums that wrap
+views, at = [], 1
+for n in words:
+    views.append(buf[at:at + n])
+    at += n
+rows = np.array([(v.data_ptr(), v.numel(), k) for k, v in enumerate(views)], dtype=np.int64)
+got = [f"{8 * n:x}:{a & checksum._MASK:016x}:{b & checksum._MASK:016x}"
+       for n, (a, b) in zip(words, checksum._summed(rows, torch.device("cpu")))]
+print(json.dumps({"exact": got == [checksum.checksum_tensor(v) for v in views]}))
+"""
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_checksum_kernel_sums_as_the_torch_path_does_under_tritons_interpreter(seed):
+    """The one-launch kernel of checksum_tensors (batched_kernel.checksum_chunks), run on the CPU by
+    Triton's interpreter: every tensor's two sums modulo 2^64 equal checksum_tensor's, chunks cut anywhere."""
+    done = subprocess.run([sys.executable, "-c", SUMS_RUN, str(seed)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["exact"]

@@ -12,7 +12,8 @@ import importlib
 
 # Loaded on first use, so that importing the protobuf messages under rlsync.transfer.v1 (every
 # service's and client's stubs do) does not import torch: a coordinator or a CLI never needs it.
-_WHERE = {"audit_entry": "checksum", "checksum_tensor": "checksum", "local_facts": "handshake", "Spec": "manifest",
+_WHERE = {"audit": "checksum", "audit_entry": "checksum", "checksum_tensor": "checksum",
+          "checksum_tensors": "checksum", "local_facts": "handshake", "Spec": "manifest",
           "build_manifest": "manifest", "check_against": "manifest", "from_proto": "manifest",
           "SharedArena": "memory", "Bucket": "plan", "Slice": "plan", "plan_buckets": "plan",
           "Receiver": "receiver", "answer": "receiver", "receive": "receiver",

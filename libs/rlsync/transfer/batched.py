@@ -135,6 +135,11 @@ def _indexed(device: torch.device) -> torch.device:
     return device
 
 
+def checksum_kernel():
+    """batched_kernel.checksum_chunks (rlsync.transfer.checksum.checksum_tensors): where available()."""
+    return _kernel().checksum_chunks
+
+
 @functools.cache
 def _kernel():
     """The kernel, built at first use (importing Triton takes a fraction of a second); None without Triton."""

@@ -1,4 +1,4 @@
-"""The Triton kernel of rlsync.transfer.batched (imported at its first use: Triton is optional)."""
+"""The Triton kernels of rlsync.transfer.batched and of checksum_tensors (imported at first use: Triton is optional)."""
 
 import triton
 import triton.language as tl
@@ -37,3 +37,25 @@ def cast_chunks(table, BLOCK: tl.constexpr):
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         nan = (bits & 0x7FFFFFFF) > 0x7F800000
         tl.store(dst + i, tl.where(nan, 0x7FFF, rounded).to(tl.uint16), mask=inside)
+
+
+@triton.jit
+def checksum_chunks(table, sums, BLOCK: tl.constexpr):
+    """Program i adds row i of `table` ([address, words, tensor, first word], int64; the address a
+    multiple of 8) to its tensor's sums: sums[2 t] += sum w_j, sums[2 t + 1] += sum (first + j + 1) w_j
+    over the chunk's little-endian 64-bit words w_j, in int64 arithmetic, which wraps: modulo 2^64, so
+    the chunks add up in any order (rlsync.transfer.checksum)."""
+    row = table + tl.program_id(0) * 4
+    src = tl.multiple_of(tl.load(row), 8).to(tl.pointer_type(tl.int64))
+    words = tl.load(row + 1)
+    tensor = tl.load(row + 2)
+    first = tl.load(row + 3)
+    s1 = tl.zeros((BLOCK,), dtype=tl.int64)
+    s2 = tl.zeros((BLOCK,), dtype=tl.int64)
+    for start in range(0, words, BLOCK):
+        j = start + tl.arange(0, BLOCK)
+        w = tl.load(src + j, mask=j < words, other=0)
+        s1 += w
+        s2 += (first + j + 1) * w
+    tl.atomic_add(sums + 2 * tensor, tl.sum(s1, axis=0))
+    tl.atomic_add(sums + 2 * tensor + 1, tl.sum(s2, axis=0))

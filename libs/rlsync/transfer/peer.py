@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from rlsync.flat import FlatStore
 from rlsync.transfer.armed import Bell
-from rlsync.transfer.checksum import as_bytes, checksum_tensor
+from rlsync.transfer.checksum import as_bytes, checksum_tensors
 from rlsync.transfer.manifest import from_proto
 from rlsync.transfer.memory import SharedArena
 from rlsync.transfer.receiver import answer as make_answer
@@ -102,7 +102,7 @@ def run_receive(args) -> int:
         emit("RESULT", json.dumps({"ok": True, "bytes": report.nbytes, "seconds": report.seconds,
                                    "verified": verified, "stages": report.profile, "adopted": adopted,
                                    "adopted_posted": bool(last is not None and last.adopted_posted),
-                                   **({"checksums": {n: checksum_tensor(t) for n, t in dest.views.items()}}
+                                   **({"checksums": dict(zip(dest.views, checksum_tensors(list(dest.views.values()))))}
                                       if args.report_checksums else {})}))
         armed = last.arm(bell) if bell is not None and last is not None else None  # after the checksums' kernels
         if not args.loop:

@@ -102,9 +102,9 @@ class Adapter:
             p.requires_grad_(False)
 
     def checksums(self) -> dict[str, tuple[str, tuple[int, ...], str]]:
-        from rlsync.transfer import audit_entry
+        from rlsync.transfer import audit
 
-        return {n: audit_entry(p.data) for n, p in self.params.items()} if self.active is not None else {}
+        return audit({n: p.data for n, p in self.params.items()}) if self.active is not None else {}
 
 
 def _cast_into(live: FlatStore, staged: FlatStore) -> None:

@@ -178,12 +178,10 @@ class Weights:
         self.version = version
 
     def checksums(self) -> dict[str, tuple[str, tuple[int, ...], str]]:
-        from rlsync.transfer import audit_entry
+        from rlsync.transfer import audit
 
         self.ensure_restored()
-        if self.store is not None:
-            return {n: audit_entry(t) for n, t in self.store.views.items()}
-        return {n: audit_entry(p.data) for n, p in self.params.items()}
+        return audit(self.store.views if self.store is not None else {n: p.data for n, p in self.params.items()})
 
     def release(self) -> None:
         self.disarm()

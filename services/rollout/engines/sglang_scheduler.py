@@ -58,11 +58,11 @@ def load(model, named_tensors) -> None:
     (name, _), = named_tensors
     request = msgspec.json.decode(name[len(PREFIX):], type=Request)
     try:
-        from rlsync.transfer import audit_entry
+        from rlsync.transfer import audit
 
         tensors = request_tensors(request)
         model.load_weights(tensors)
-        applied = {n: audit_entry(t) for n, t in tensors}
+        applied = audit(dict(tensors))
         reply = Reply(True, applied={n: (d, list(s), c) for n, (d, s, c) in applied.items()})
     except Exception as e:  # noqa: BLE001 - the rollout process raises it, with this message
         reply = Reply(False, error=f"{type(e).__name__}: {e}")

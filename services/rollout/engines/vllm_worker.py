@@ -27,7 +27,7 @@ from rlsync.rollout.engines.vllm_direct import direct_views
 from rlsync.rollout.engines.vllm_experts import first_load_processing, live_mismatches
 from rlsync.rollout.engines.vllm_layout import BoxStaging, loaded_boxes
 from rlsync.rollout.staging import StagedUpdate, ensure_room
-from rlsync.transfer import answer, audit_entry, from_proto
+from rlsync.transfer import answer, audit, from_proto
 from rlsync.transfer.checksum import box_sums
 from rlsync.transfer.dtypes import dtype_name
 from rlsync.transfer.handshake import NAMES, local_facts, same_gpu
@@ -66,9 +66,8 @@ def refresh_tied(model: torch.nn.Module) -> int:
 
 class LiveAudit:
     """The audit of weights an update just made live, read back from them in a thread and on a stream of its
-    own, so the engine generates on meanwhile (a checksum per tensor: ~80 ms of the engine's thread for a 1.7B
-    model on an H200, every decode step held up behind it). The weights stay as they are until the next
-    update or sleep, which wait for it first (`settle`)."""
+    own, so the engine generates on meanwhile (one launch for all its tensors: rlsync.transfer.checksum). The
+    weights stay as they are until the next update or sleep, which wait for it first (`settle`)."""
 
     def __init__(self, views: dict[str, torch.Tensor], device: torch.device):
         torch.cuda.synchronize(device)  # (the copies into them are done: the audit's stream reads after them)
@@ -78,7 +77,7 @@ class LiveAudit:
     def _run(self, views: dict[str, torch.Tensor], device: torch.device) -> None:
         try:
             with torch.cuda.stream(torch.cuda.Stream(device)):
-                self.future.set_result({n: audit_entry(t) for n, t in views.items()})
+                self.future.set_result(audit(views))
         except BaseException as e:  # noqa: BLE001 - handed to whoever asks for the audit
             self.future.set_exception(e)
 
@@ -270,7 +269,7 @@ class RlsyncWorkerExtension:
         if isinstance(staging, BoxStaging):
             self._rlsync_applied = {"parts": self._rlsync_parts(update, staging)}
         else:
-            self._rlsync_applied = {n: audit_entry(t) for n, t in staging.items()}
+            self._rlsync_applied = audit(staging)
         refresh_tied(model)
 
     def _rlsync_parts(self, update: StagedUpdate, staging: BoxStaging) -> dict:
