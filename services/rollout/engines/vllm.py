@@ -208,6 +208,10 @@ class VLLMEngine(Engine):
         except Exception:  # noqa: BLE001 - the previous figures stay
             log.warning("could not read the workers' memory figures", exc_info=True)
             return
+        self._take_memory(per_worker)
+
+    def _take_memory(self, per_worker: list[dict]) -> None:
+        """The workers' figures (rlsync_memory's, or the commit's answer) as this engine's."""
         device = per_worker[0]["device"]
         self._memory = MemoryUsage(device, *(sum(w[k] for w in per_worker) for k in
                                              ("weights_bytes", "kv_cache_bytes", "reserved_bytes", "staging_bytes")))
@@ -344,7 +348,7 @@ class VLLMEngine(Engine):
                 for request_id in on_adapters:
                     await self.llm.abort(request_id)
                 self._salt = version  # requests arriving from now on run on the new weights
-                await self.llm.collective_rpc("rlsync_commit")
+                figures = await self.llm.collective_rpc("rlsync_commit")  # (with each worker's memory after it)
                 clock.lap("apply")
             except BaseException as e:
                 self.adapters.reattach()
@@ -373,8 +377,7 @@ class VLLMEngine(Engine):
             if not was_paused:
                 await self.llm.resume_generation()
             clock.lap("resume")
-        await self._read_memory()
-        clock.lap("memory")
+        self._take_memory(figures)
         self.commit_stages = clock.stages
         return recomputed
 

@@ -231,7 +231,13 @@ class RlsyncWorkerExtension:
         update = getattr(self, "_rlsync_update", None)
         return update.poll() if update is not None else {"state": "none"}
 
-    def rlsync_commit(self) -> None:
+    def rlsync_commit(self) -> dict[str, Any]:
+        """Makes the received tensors live (_rlsync_commit) -> this worker's memory figures after it (rlsync_memory):
+        the commit's answer, so the engine asks for them in no call of its own (one more engine step's wait)."""
+        self._rlsync_commit()
+        return self.rlsync_memory()
+
+    def _rlsync_commit(self) -> None:
         """Makes the received tensors live, between two engine steps: where vLLM's loaders place every tensor
         as one run of a parameter (on the GPU: vllm_direct), by one batched copy from staging into those runs
         (nothing at all for an update that landed in them already); else through vLLM's reload path. Remembers
