@@ -312,7 +312,7 @@ class VLLMEngine(Engine):
         while True:
             states = await self.llm.collective_rpc("rlsync_poll")
             if all(s["state"] != "running" for s in states):
-                await self._read_memory()  # a failed transfer has dropped its staging
+                self._take_memory([s["memory"] for s in states])  # (a failed transfer has dropped its staging)
                 for s in states:
                     raise_failure(s)
                 self.received_bytes = tuple(s.get("bytes", 0) for s in states)

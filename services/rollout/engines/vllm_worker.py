@@ -228,8 +228,11 @@ class RlsyncWorkerExtension:
         return self._rlsync_update.poll()
 
     def rlsync_poll(self) -> dict:
+        """The update's state; once it is no longer running, with this worker's memory figures then (the
+        engine asks for them in no call of its own: each call waits for an engine step)."""
         update = getattr(self, "_rlsync_update", None)
-        return update.poll() if update is not None else {"state": "none"}
+        state = update.poll() if update is not None else {"state": "none"}
+        return state if state["state"] == "running" else {**state, "memory": self.rlsync_memory()}
 
     def rlsync_commit(self) -> dict[str, Any]:
         """Makes the received tensors live (_rlsync_commit) -> this worker's memory figures after it (rlsync_memory):
