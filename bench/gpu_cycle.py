@@ -338,9 +338,18 @@ def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: floa
     quiet_gaps = [g for g, _, _ in gaps(quiet)]
     median_gap = statistics.median(quiet_gaps)
     across = [g for g, t0, t1 in gaps(busy) if any(t0 < w1 and t1 > w0 for w0, w1 in windows)]
+    busy_gaps = gaps(busy)
+
+    def longest(w0: float, w1: float) -> dict:
+        """The longest gap across the sync of window (w0, w1), its ends in ms from the sync's start: which
+        phase it spans (phases_ms run offer, prepare, transfer, commit)."""
+        g = max(((g, t0, t1) for g, t0, t1 in busy_gaps if t0 < w1 and t1 > w0), default=None)
+        return {} if g is None else {"longest_gap": {"ms": round(g[0] * 1e3, 2), "from_ms": round((g[1] - w0) * 1e3, 2),
+                                                     "to_ms": round((g[2] - w0) * 1e3, 2)}}
+
     per_sync = [{"version": s.version, "seconds": round(s.seconds, 4),
                  "phases_ms": {k: round(v * 1e3, 3) for k, v in s.phases.items()},
-                 **transfer_figures(s, limit, "limit")} for s in syncs]
+                 **transfer_figures(s, limit, "limit"), **longest(*w)} for s, w in zip(syncs, windows)]
     transfer_ms = statistics.median(moving(s.phases) * 1e3 for s in syncs)
     out = {"mode": mode, "streams": streams, "syncs": len(syncs), "interval_s": interval, "window_s": seconds,
            "rounds": rounds,
