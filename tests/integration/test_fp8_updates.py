@@ -9,6 +9,7 @@ same through the routed send: every rank quantizes the rows it holds, and the re
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -90,6 +91,30 @@ def test_trainer_publishes_fp8_the_hf_replica_holds_bit_for_bit(services, fp8_mo
     print(f"\nFP8 engine vs bf16 trainer, greedy logprobs over 16 tokens: mean gap {mean:.4f}, max {worst:.4f} nats; "
           f"bytes per sync {sync.bytes} (bf16: {bf16_bytes})")
     assert mean < 0.1
+
+
+def test_the_trainer_sharded_over_two_ranks_publishes_fp8_and_every_sync_verifies(services, fp8_model):
+    """`rlsync trainer --nproc 2` (FSDP2, gloo): the same FP8 bytes on the wire as one rank, every rank
+    sending its rows, and the trainer's audit (every rank's share) equal to what the replica serves."""
+    co = services.start("coordinator", ["--sync-mode", "async"], name="co-fp8-nproc2")
+    on = ["--coordinator", co.address, "--model", str(fp8_model)]
+    services.start("trainer", [*on, "--nproc", "2", "--dtype", "bfloat16", "--lr", "0.01"], name="trainer-fp8-nproc2")
+    replica = RolloutClient(services.start("rollout", [*rollout_args("hf", dtype="bfloat16"), *on],
+                                           name="rollout-fp8-nproc2").address)
+    client = CoordinatorClient(co.address)
+    client.wait_ready(2)
+    served = []
+    for step in (1, 2, 3):
+        sync = rl_step(client, seed=step)
+        assert sync.version == step and sync.verified
+        assert len(sync.trainer_rank_bytes) == 2 and min(sync.trainer_rank_bytes) > 0.3 * sync.bytes
+        served.append({t.name: t.checksum for t in replica.checksums().tensors})
+    fmt = replica.info().weight_format.fp8
+    assert all(served[-1][scale_name(w)] for w in fmt.weights)
+    assert len({tuple(sorted(s.items())) for s in served}) == 3, "every step changed what the replica serves"
+    fp8_bytes = sum(math.prod(t.shape) * (1 if t.dtype == "float8_e4m3fn" else 4 if t.dtype == "float32" else 2)
+                    for t in replica.checksums().tensors)
+    assert sync.bytes == fp8_bytes
 
 
 WORKER = Path(__file__).resolve().parents[1] / "fp8_publish_worker.py"
