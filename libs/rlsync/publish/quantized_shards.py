@@ -99,6 +99,8 @@ class QuantizedShards:
                     out.append([self.scales[i][tuple(slice(a, b) for a, b in box)] for box in boxes])
                 else:
                     out.append([self._quantized_box(i, box) for box in boxes])
+        if self.device.type == "cuda":  # another process reads them next, ordered by no stream of ours
+            torch.cuda.current_stream(self.device).synchronize()
         return out
 
     def _quantized_box(self, i: int, box: Box) -> torch.Tensor:
