@@ -6,8 +6,10 @@ the whole tensors. DEVICE=cuda puts every member on one GPU (receiver ranks then
 puts this member on GPU i (pairs on one GPU pull, the others go over NCCL). Trainer rank 0
 hosts a board (ROUTED_STORE) where the offer and the replica's answer are passed. TRANSFERS updates
 (2 by default) run one after the other in the same processes, as a trainer and a replica do (STEPS:
-the trainer changes every value in place between them; HOLD: engine ranks keep its memory mapped). Every
-member prints one JSON line: the last transfer's outcome, and the routed group each transfer used."""
+the trainer changes every value in place between them; HOLD: engine ranks keep its memory mapped; FP8: the
+replica holds embed, qk and o in block FP8, whose blocks the trainer's shards cut by rows, fused parts and
+columns, and checks them against the reference quantizer of the whole tensors). Every member prints one
+JSON line: the last transfer's outcome, and the routed group each transfer used."""
 
 import json
 import os
@@ -19,10 +21,15 @@ import torch.distributed as dist
 from torch import nn
 
 from rlsync.publish import WeightMap
+from rlsync.publish.quantized import quantized
+from rlsync.publish.ranks import Ranks
 from rlsync.publish.source import module_source
+from rlsync.quant.fp8_blocks import quantize_blocks
+from rlsync.quant.fp8_format import scale_name
 from rlsync.transfer import answer, routed_groups
 from rlsync.transfer.handshake import local_facts
 from rlsync.transfer.held import HELD
+from rlsync.transfer.manifest import from_proto
 from rlsync.transfer.routes import TensorInfo, chunks, layout, plan_routes, volume, whole
 from rlsync.transfer.sharded import RoutedReceiver, to_layout_proto
 from rlsync.transfer.v1 import transfer_pb2 as pb
@@ -35,6 +42,9 @@ TRANSFERS = int(os.environ.get("TRANSFERS", 2))
 HOLD = os.environ.get("HOLD", "")  # engine ranks keep what they pull mapped under this holder name
 STEPS = bool(os.environ.get("STEPS"))  # the trainer adds 1 to every parameter in place before each later transfer
 DEVICE = torch.device(os.environ.get("DEVICE", "cpu"))
+FP8 = bool(os.environ.get("FP8"))  # blocks of 16 x 12: cut by every trainer layout below
+FORMAT = pb.WeightFormat(fp8=pb.Fp8Blocks(fmt="e4m3", block=[16, 12], scale_dtype="float32",
+                                          weights=["embed", "qk", "o"]))
 if DEVICE.index is not None:
     torch.cuda.set_device(DEVICE)
 
@@ -58,8 +68,8 @@ WEIGHTS = WeightMap(dtype=torch.bfloat16, fuse={"qk": ["q", "k"]})
 
 def engine_layout(entries):
     """What each of G tensor-parallel ranks loads, as vLLM lays a decoder out: vocabulary and fused
-    projections by rows, the output projection by columns, norms and scalars whole."""
-    infos = [TensorInfo(e.name, e.shape, 2) for e in entries]
+    projections by rows, the output projection by columns, norms, scalars (and FP8 scales) whole."""
+    infos = [TensorInfo(e.name, tuple(e.shape), e.dtype.itemsize) for e in entries]
     held = []
     for e in range(G):
         boxes = []
@@ -106,6 +116,8 @@ def trainer(whole_model, entries, board):
         sharded.norm = nn.Parameter(DTensor.from_local(whole_model.norm.detach().clone(), mesh, [Replicate()],
                                                        run_check=False))
     module, entries = module_source(sharded, WEIGHTS)  # in the manifest's order
+    if FP8:
+        module = quantized(module, FORMAT)
     sender = module.sender(bucket_bytes=BUCKET)
     groups = []
     for i in range(TRANSFERS):
@@ -118,12 +130,13 @@ def trainer(whole_model, entries, board):
         offer = pb.Offer.FromString(board.get(f"offer/{i}"))
         ans = pb.Answer.FromString(board.get(f"answer/{i}"))
         start = time.perf_counter()
+        module.refresh(Ranks())  # every rank, in step, before it sends (as PublisherCore does)
         report = sender.send(offer, [ans], timeout=60)
         groups.append(last_group())
-    routes = plan_routes(module.shards.layout, engine_layout(entries))
+    routes = plan_routes(module.shards.layout, engine_layout(module.specs))
     print(json.dumps({"role": ROLE, "rank": RANK, "sent": report.wire_bytes, "planned": routes.sent_bytes()[RANK],
                       "held": module.shards.layout.nbytes(RANK), "channels": report.backends,
-                      "layout_as_expected": module.shards.layout == trainer_layout(entries),
+                      "layout_as_expected": FP8 or module.shards.layout == trainer_layout(entries),
                       "seconds": time.perf_counter() - start, "groups": groups}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
@@ -134,18 +147,17 @@ def engine(whole_model, entries, board):
     groups, held = [], []  # ... and the mappings this process keeps, after each transfer
     for i in range(TRANSFERS):
         offer = pb.Offer.FromString(board.get(f"offer/{i}"))
-        order = [t.name for t in offer.manifest.tensors]
-        entries = sorted(entries, key=lambda e: order.index(e.name))  # laid out as the manifest lists them
-        mine = engine_layout(entries).held[RANK]
+        specs = from_proto(offer.manifest)  # laid out as the manifest lists them (in FP8 with the scales)
+        mine = engine_layout(specs).held[RANK]
         board.set(f"layout/{i}/{RANK}", to_layout_proto(mine, local_facts(DEVICE)).SerializeToString())
         if RANK == 0:
             layouts = [pb.RankLayout.FromString(board.get(f"layout/{i}/{e}")) for e in range(G)]
             board.set(f"answer/{i}", answer(offer, "replica", device=DEVICE, ranks=G, layout=layouts)
                       .SerializeToString())
         ans = pb.Answer.FromString(board.get(f"answer/{i}"))
-        staging = {e.name: torch.full(tuple(b - a for a, b in boxes[0]), float("nan"), dtype=e.dtype, device=DEVICE)
-                   for e, boxes in zip(entries, mine) if boxes}
-        boxes = {e.name: boxes[0] for e, boxes in zip(entries, mine) if boxes}
+        staging = {e.name: torch.full(tuple(b - a for a, b in boxes[0]), float("nan"), device=DEVICE).to(e.dtype)
+                   for e, boxes in zip(specs, mine) if boxes}
+        boxes = {e.name: boxes[0] for e, boxes in zip(specs, mine) if boxes}
         report = RoutedReceiver(offer, ans, staging, rank=RANK, device=DEVICE, timeout=60, boxes=boxes,
                                 hold=HOLD).run()
         groups.append(last_group())
@@ -155,12 +167,18 @@ def engine(whole_model, entries, board):
     params = {n: p.detach() + step for n, p in whole_model.named_parameters()}
     full = {e.name: (torch.cat([params[p] for p in e.parts]) if len(e.parts) > 1 else
                      params[e.parts[0]]).to(e.dtype) for e in entries}
-    wrong = [n for n, t in staging.items()
-             if not torch.equal(t, full[n][tuple(slice(a, b) for a, b in boxes[n])] if boxes[n] else full[n])]
+    for w in FORMAT.fp8.weights if FP8 else ():  # the reference quantizer of the whole tensor, on this device
+        full[w], full[scale_name(w)] = quantize_blocks(full[w], tuple(FORMAT.fp8.block))
+    wrong = [n for n, t in staging.items() if not _same(t, full[n][tuple(slice(a, b) for a, b in boxes[n])]
+                                                         if boxes[n] else full[n])]
     print(json.dumps({"role": ROLE, "rank": RANK, "received": report.nbytes, "channels": report.backends,
-                      "loads": engine_layout(entries).nbytes(RANK), "wrong": wrong,
+                      "loads": engine_layout(specs).nbytes(RANK), "wrong": wrong,
                       "tensors": sorted(staging), "groups": groups, "held": held,
                       "held_after_release": HELD.count(), "profile": report.profile}), flush=True)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype.itemsize == 1 else torch.equal(a, b)
 
 
 def last_group() -> str:

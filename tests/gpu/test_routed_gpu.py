@@ -56,3 +56,15 @@ def test_ranks_over_two_gpus_pull_on_their_gpu_and_take_the_rest_over_nccl(sende
     channels = {c for e in engines for c in e["channels"]}
     assert channels == {"cuda_ipc", "nccl"}, f"pairs on one GPU pull, the others go over NCCL: {channels}"
     assert sum(t["sent"] for t in trainers) == sum(e["received"] for e in engines)
+
+
+@pytest.mark.parametrize("senders,receivers", [(2, 2), (3, 2)])
+def test_colocated_fp8_ranks_pull_the_quantized_boxes_and_each_steps_through_a_kept_launch(senders, receivers):
+    """FP8 replica ranks on the trainer's GPU pull each trainer rank's quantized boxes and scales, made
+    on the GPU into buffers that stay put (so the held second pull launches the kept table and finds the
+    step's new bits), equal to the reference quantizer of the whole tensors run on the GPU."""
+    results = run_routed(senders, receivers, 1 << 12, device="cuda", HOLD="trainer", STEPS="1", FP8="1")
+    engines = [r for r in results if r["role"] == "engine"]
+    for e in engines:
+        assert e["wrong"] == [], f"engine rank {e['rank']}: these differ from the reference: {e['wrong']}"
+        assert e["received"] == e["loads"] and set(e["channels"]) == {"cuda_ipc"}

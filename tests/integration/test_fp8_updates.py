@@ -3,9 +3,18 @@ holds its linear layers in block FP8 (as the checkpoint does). The replica decla
 coordinator hands it to the trainer, the trainer quantizes on the way out: half the bytes of those
 weights on the wire, the FP8 values and scales bit for bit those of the reference quantizer on the
 trainer's weights (vLLM's, rlsync.quant.fp8_blocks), and the engine's greedy logprobs close to the
-trainer's bf16 ones (the gap is printed)."""
+trainer's bf16 ones (the gap is printed). A sharded trainer (a user's FSDP2 loop over 2 gloo ranks) does the
+same through the routed send: every rank quantizes the rows it holds, and the replica gets the same bits."""
 
 from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,3 +91,62 @@ def test_trainer_publishes_fp8_the_hf_replica_holds_bit_for_bit(services, fp8_mo
     print(f"\nFP8 engine vs bf16 trainer, greedy logprobs over 16 tokens: mean gap {mean:.4f}, max {worst:.4f} nats; "
           f"bytes per sync {sync.bytes} (bf16: {bf16_bytes})")
     assert mean < 0.1
+
+
+def test_the_trainer_sharded_over_two_ranks_publishes_fp8_and_every_sync_verifies(services, fp8_model):
+    """`rlsync trainer --nproc 2` (FSDP2, gloo): the same FP8 bytes on the wire as one rank, every rank
+    sending its rows, and the trainer's audit (every rank's share) equal to what the replica serves."""
+    co = services.start("coordinator", ["--sync-mode", "async"], name="co-fp8-nproc2")
+    on = ["--coordinator", co.address, "--model", str(fp8_model)]
+    services.start("trainer", [*on, "--nproc", "2", "--dtype", "bfloat16", "--lr", "0.01"], name="trainer-fp8-nproc2")
+    replica = RolloutClient(services.start("rollout", [*rollout_args("hf", dtype="bfloat16"), *on],
+                                           name="rollout-fp8-nproc2").address)
+    client = CoordinatorClient(co.address)
+    client.wait_ready(2)
+    served = []
+    for step in (1, 2, 3):
+        sync = rl_step(client, seed=step)
+        assert sync.version == step and sync.verified
+        assert len(sync.trainer_rank_bytes) == 2 and min(sync.trainer_rank_bytes) > 0.3 * sync.bytes
+        served.append({t.name: t.checksum for t in replica.checksums().tensors})
+    fmt = replica.info().weight_format.fp8
+    assert all(served[-1][scale_name(w)] for w in fmt.weights)
+    assert len({tuple(sorted(s.items())) for s in served}) == 3, "every step changed what the replica serves"
+    fp8_bytes = sum(math.prod(t.shape) * (1 if t.dtype == "float8_e4m3fn" else 4 if t.dtype == "float32" else 2)
+                    for t in replica.checksums().tensors)
+    assert sync.bytes == fp8_bytes
+
+
+WORKER = Path(__file__).resolve().parents[1] / "fp8_publish_worker.py"
+
+
+def test_an_fsdp2_loop_over_two_ranks_publishes_fp8_each_rank_its_rows_bit_for_bit(services, fp8_model, tmp_path):
+    """Each rank quantizes the rows it holds (k_proj, v_proj, o_proj and down_proj: 128 rows, 64 a rank, so
+    every scale block is cut by the shard boundary and its amax exchanged); 3 steps, each verified, and the
+    replica's FP8 values and scales after each equal to the reference quantizer of the whole weights."""
+    co = services.start("coordinator", ["--sync-mode", "async"], name="co-fp8-fsdp2")
+    replica = services.start("rollout", [*rollout_args("hf", dtype="bfloat16"), "--coordinator", co.address,
+                                         "--model", str(fp8_model)], name="rollout-fp8-fsdp2")
+    with CoordinatorClient(co.address) as c:
+        c.wait_ready(1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"}
+        out = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 - closed with the process
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), "--coordinator", co.address, "--replica",
+                                       replica.address, "--model", str(fp8_model), "--steps", "3"], env=env,
+                                      stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT))
+    codes = [p.wait(300) for p in procs]
+    logs = [(tmp_path / f"rank{r}.log").read_text() for r in range(2)]
+    assert codes == [0, 0], "\n".join(f"rank {r}: {log[-3000:]}" for r, log in enumerate(logs))
+    steps = [json.loads(line) for line in logs[0].splitlines() if line.startswith("{")]
+    assert [s["version"] for s in steps] == [1, 2, 3] and all(s["verified"] for s in steps), steps
+    assert [s["served_version"] for s in steps] == [1, 2, 3]
+    assert all(s["weights"] == 14 and s["checked"] == 28 and s["wrong"] == [] for s in steps), steps
+    assert len({tuple(s["served"]) for s in steps}) == 3, "every step changed the FP8 weights the replica serves"
+    sent = steps[-1]["rank_bytes"]  # every rank sends its own rows: each about half, together every byte once
+    assert len(sent) == 2 and sum(sent) == steps[-1]["bytes"] and min(sent) > 0.3 * sum(sent), steps[-1]

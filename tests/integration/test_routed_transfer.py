@@ -27,3 +27,19 @@ def test_each_engine_rank_receives_exactly_its_boxes_from_the_ranks_that_hold_th
     used = {tuple(r["groups"]) for r in results}
     assert len(used) == 1 and len(set(*used)) == 1 and "" not in set(*used), \
         f"every member took one group for both transfers (the second reused the first's): {used}"
+
+
+@pytest.mark.parametrize("senders", [2, 3])
+def test_fp8_replica_ranks_receive_the_whole_tensors_quantization_of_their_boxes(senders):
+    """The replica holds embed, qk and o in block FP8 (16 x 12 blocks): every trainer rank quantizes the
+    boxes it holds, which cut blocks by rows (FSDP2), by fused parts (qk) and by columns (o, Shard(1)); each
+    engine rank's FP8 boxes and scales equal the reference quantizer of the whole tensors after a step,
+    each byte sent once."""
+    results = run_routed(senders, 2, 96, STEPS="1", FP8="1")
+    trainers = [r for r in results if r["role"] == "trainer"]
+    engines = [r for r in results if r["role"] == "engine"]
+    for e in engines:
+        assert e["wrong"] == [], f"engine rank {e['rank']}: these differ from the reference: {e['wrong']}"
+        assert e["received"] == e["loads"]
+        assert {"embed", "qk", "o", "embed_scale_inv", "qk_scale_inv", "o_scale_inv", "norm"} <= set(e["tensors"])
+    assert sum(t["sent"] for t in trainers) == sum(e["received"] for e in engines)

@@ -1,27 +1,105 @@
-"""Block FP8 across row shards: the plan (which block rows two ranks cut, who sends which scale row) and,
-with real torch.distributed (gloo, 2 ranks, separate processes), the per-rank result equal bit for bit
-to the reference quantizer of the whole tensor."""
+"""Block FP8 across ranks that each hold boxes of a weight: the plan (which blocks the ranks exchange, who
+sends which scale), every rank's FP8 values and scales equal bit for bit to the reference quantizer of the
+whole tensor wherever the boxes cut it (the ranks simulated in one process: the exchange is a max), and,
+with real torch.distributed (gloo, 2 ranks, separate processes), the same over a real all-reduce."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+from hypothesis import given, settings, strategies as st
+
 from conftest import two_gloo_ranks
-from rlsync.quant.fp8_shards import fsdp_row_ranges, owned_block_rows, shared_block_rows
+from rlsync.quant.fp8_blocks import quantize_blocks, scales_of
+from rlsync.quant.fp8_shards import block_plan, exchange, partial_amax, quantize_box
+from rlsync.transfer.routes import chunks
 
 WORKER = Path(__file__).parent.parent / "fp8_shard_worker.py"
 
 
-def test_plan_names_the_cut_blocks_and_one_owner_per_scale_row():
-    ranges = fsdp_row_ranges(300, 2)  # rows 0..149 and 150..299: block row 1 (128..255) is cut
-    assert ranges == [(0, 150), (150, 300)]
-    assert shared_block_rows(ranges) == [1]
-    assert [list(owned_block_rows(ranges, r)) for r in range(2)] == [[0, 1], [2]]
-    assert shared_block_rows(fsdp_row_ranges(256, 2)) == []  # shards on block boundaries: no exchange
-    assert shared_block_rows(fsdp_row_ranges(1, 2)) == [] and list(owned_block_rows(fsdp_row_ranges(1, 2), 1)) == []
-    ranges = fsdp_row_ranges(520, 4)  # 130 rows each: every boundary cuts a block
-    owners = [list(owned_block_rows(ranges, r)) for r in range(4)]
-    assert sorted(b for o in owners for b in o) == list(range(5))
+def _rows(ranges, n):
+    return tuple((((a, b), (0, n)),) if b > a else () for a, b in ranges)
+
+
+def test_plan_names_the_cut_blocks_and_one_sender_per_scale():
+    plan = block_plan((300, 200), _rows(chunks(300, 2), 200))  # rows 0..149, 150..299: block row 1 is cut
+    assert plan.grid == (3, 2) and plan.cut == (2, 3)
+    assert plan.owned == ((((0, 2), (0, 2)),), (((2, 3), (0, 2)),))
+    assert block_plan((256, 128), _rows(chunks(256, 2), 128)).cut == ()  # on block boundaries: no exchange
+    one = block_plan((1, 300), _rows(chunks(1, 2), 300))  # fewer rows than ranks: rank 1 holds nothing
+    assert one.cut == () and one.owned[1] == ()
+    replicas = block_plan((200, 128), ((((0, 200), (0, 128)),),) * 2)  # both hold it whole: nothing to exchange
+    assert replicas.cut == () and replicas.owned[0] == replicas.owned[1] == (((0, 2), (0, 1)),)
+    columns = block_plan((128, 300), tuple((((0, 128), c),) for c in chunks(300, 2)))  # a tensor-parallel split
+    assert columns.cut == (1,) and columns.owned == ((((0, 1), (0, 2)),), (((0, 1), (2, 3)),))
+
+
+def _cuts(draw, size: int, parts: int) -> list[tuple[int, int]]:
+    points = sorted(draw(st.lists(st.integers(0, size), min_size=parts - 1, max_size=parts - 1)))
+    edges = [0, *points, size]
+    return list(zip(edges, edges[1:]))
+
+
+@st.composite
+def layouts(draw):
+    """A weight's shape, block, and each rank's boxes: rows cut anywhere (FSDP2), columns (tensor parallel),
+    a grid of both, two row ranges a rank (fused parts) or every box held twice (replicas)."""
+    block = draw(st.sampled_from([(128, 128), (16, 8), (4, 4)]))
+    m, n = draw(st.integers(1, 5 * block[0])), draw(st.integers(1, 5 * block[1]))
+    kind = draw(st.sampled_from(["rows", "columns", "grid", "fused", "replicas", "fsdp"]))
+    ranks = draw(st.integers(1, 5))
+    if kind == "rows":
+        held = [[((a, b), (0, n))] for a, b in _cuts(draw, m, ranks)]
+    elif kind == "fsdp":
+        held = [[((a, b), (0, n))] for a, b in chunks(m, ranks)]
+    elif kind == "columns":
+        held = [[((0, m), c)] for c in _cuts(draw, n, ranks)]
+    elif kind == "grid":
+        held = [[(r, c)] for r in _cuts(draw, m, 2) for c in _cuts(draw, n, 2)]
+    elif kind == "fused":
+        cuts = _cuts(draw, m, 2 * ranks)
+        held = [[((a, b), (0, n)) for a, b in (cuts[r], cuts[r + ranks])] for r in range(ranks)]
+    else:
+        held = [[((a, b), (0, n))] for a, b in _cuts(draw, m, ranks) for _ in range(2)]
+    held = tuple(tuple(b for b in boxes if b[0][1] > b[0][0] and b[1][1] > b[1][0]) for boxes in held)
+    return (m, n), block, held, kind, draw(st.booleans()), draw(st.integers(0, 2 ** 16))
+
+
+@settings(max_examples=150, deadline=None)
+@given(layouts())
+def test_every_rank_quantizes_its_boxes_as_the_whole_tensor_bit_for_bit(case):
+    (m, n), block, held, kind, pow2, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    whole = (torch.randn(m, n, generator=gen) * torch.logspace(-3, 2, m).unsqueeze(1)).to(torch.bfloat16)
+    whole[torch.randint(0, m, (1,), generator=gen)] *= 1000  # one rank's rows hold a cut block's largest value
+    q_ref, s_ref = quantize_blocks(whole, block, pow2)
+    plan = block_plan((m, n), held, block)
+
+    def cut(box):
+        return whole[box[0][0]:box[0][1], box[1][0]:box[1][1]]
+
+    amaxes = [partial_amax([(b, cut(b)) for b in boxes], (m, n), block) for boxes in held]
+    offered = []  # what each rank hands the all-reduce; then every rank gets their max
+    for a in amaxes:
+        exchange([a.clone()], [plan], lambda t: offered.append(t) or t)
+    for a in amaxes:
+        exchange([a], [plan], lambda t: torch.stack(offered).amax(0))
+    sent = torch.zeros(plan.grid, dtype=torch.int32)
+    for r, boxes in enumerate(held):
+        scale = scales_of(amaxes[r], pow2)
+        for b in boxes:
+            q = quantize_box(cut(b), b, scale, block)
+            assert torch.equal(q.view(torch.uint8), cut_of(q_ref, b).view(torch.uint8)), (kind, r, b)
+        for b in plan.owned[r]:
+            assert torch.equal(cut_of(scale, b).view(torch.int32), cut_of(s_ref, b).view(torch.int32)), (kind, r, b)
+            cut_of(sent, b).add_(1)
+    holders = 2 if kind == "replicas" else 1  # every scale is declared by one rank (by each of its replicas)
+    assert torch.equal(sent, torch.full(plan.grid, holders, dtype=torch.int32)), (kind, sent)
+
+
+def cut_of(t, box):
+    return t[box[0][0]:box[0][1], box[1][0]:box[1][1]]
 
 
 def test_two_gloo_ranks_quantize_their_shards_as_the_whole_tensor_bit_for_bit():

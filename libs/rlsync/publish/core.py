@@ -93,11 +93,7 @@ class PublisherCore:
     def _sender_now(self) -> WeightSender | ShardedSender:
         if self._sender is None:
             source = self.source()
-            if self.format is not None:
-                if isinstance(source, ShardedModule):
-                    raise InvalidArgument("FP8 publishing of a sharded trainer (FSDP2) is not wired into the routed "
-                                          "send yet (rlsync.quant.fp8_shards has the exact per-rank quantizer): "
-                                          "run the trainer with --nproc 1 for replicas that hold FP8 weights")
+            if self.format is not None:  # a sharded model's ranks each quantize what they hold
                 source = quantized(source, self.format)
             if isinstance(source, ShardedModule):  # every rank sends its own shards
                 if self.delta:
@@ -290,8 +286,8 @@ class PublisherCore:
                     out[name] = audit_entry(t.to(target) if cast else t)
             return out
 
-        if self.sharded:  # every rank adds its share; nothing is gathered
-            payload = dtype.encode()
+        if self.sharded:  # every rank adds its share; nothing is gathered (of the tensors in the format sent)
+            payload = dtype.encode() + (b"\0" + self.format.SerializeToString() if self.format is not None else b"")
             return await self.run(lambda: self.audit_shares(payload), AUDIT, 0, payload)
         return await self.run(audit, PASSES, lambda: self._passes(1))
 
@@ -302,16 +298,21 @@ class PublisherCore:
 
     def audit_shares(self, payload: bytes) -> Audit:
         """Every rank of a sharded trainer: its share of each tensor's checksum; the ranks add them up
-        (see RankShards.checksum_share). `payload`: the dtype to cast to, or empty."""
+        (see RankShards.checksum_share). `payload`: the dtype to cast to, or empty, then NUL and the
+        WeightFormat rank 0 publishes in (protobuf), if any: every rank audits the same tensors."""
         self._require_on_device("GetWeightChecksums")
-        target = dtype_of(payload.decode()) if payload else None
+        dtype, _, fmt = payload.partition(b"\0")
+        target = dtype_of(dtype.decode()) if dtype else None
+        self.use_format(tpb.WeightFormat.FromString(fmt) if fmt else None)
         module = self.source_kind()
-        shares = module.shards.checksum_share(target)
         ranks = self.ranks or Ranks()
+        module.refresh(ranks)  # (every rank, in step: a quantized model's scales are exchanged)
+        shares = module.shards.checksum_share(target)
         totals = ranks.add_up([v for pair in shares for v in pair])
         out = {}
         for i, spec in enumerate(module.specs):
-            dtype = target if target is not None and spec.dtype.is_floating_point else spec.dtype
+            cast = target is not None and spec.dtype.is_floating_point and spec.name not in module.quantized
+            dtype = target if cast else spec.dtype
             nbytes = spec.nbytes // spec.dtype.itemsize * dtype.itemsize
             out[spec.name] = (dtype_name(dtype), tuple(spec.shape), from_sums(nbytes, totals[2 * i], totals[2 * i + 1]))
         return out
@@ -330,6 +331,8 @@ class PublisherCore:
         report, error = None, None
         try:  # every rank checks it can send before any joins the transfer (a rank that cannot would hold
             self._require_on_device("publishing weights")  # the others and the replicas in its group)
+            manifest = request.offer.manifest  # in the format rank 0 offered (its own format: the same)
+            self.use_format(manifest.format if manifest.HasField("format") else None)
             sender = self._sender_now()
         except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
             error = e
@@ -340,7 +343,8 @@ class PublisherCore:
             if error is None:  # the receivers wait for the roster: tell them now, not at their deadline
                 sender.refuse(request.offer, str(why))
             raise why
-        try:
+        try:  # every rank, in step: what it sends made from the weights as they are now (a quantized model's scales)
+            self._source.refresh(ranks)
             report = sender.send(request.offer, list(request.answers), request.timeout_seconds)
         except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
             error = e

@@ -192,6 +192,9 @@ class RankShards:
             out = out.to(entry.dtype)
         return out.contiguous()
 
+    def refresh(self, ranks) -> None:
+        """Nothing to bring up to date: pieces are cut from the shards as they are at the send."""
+
     def held_tensors(self) -> list[list[torch.Tensor]]:
         """This rank's boxes as tensors (its local shards, or parts of them), per engine tensor in its
         layout's order: what receiver ranks on its GPU pull from (rlsync.transfer.pulls)."""

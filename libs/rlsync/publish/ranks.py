@@ -81,6 +81,18 @@ class Ranks:
             raise Unavailable(f"a rank of the trainer is gone (did it die?): {e}") from e
         return [v & _MASK for v in t.tolist()]
 
+    def max_of(self, t: torch.Tensor) -> torch.Tensor:
+        """The elementwise max of every rank's `t` (every rank calls it, with a tensor of the same shape):
+        exact in any order, so what the ranks of a sharded weight combine its block scales with."""
+        if self.world == 1:
+            return t
+        out = t.to(self.device)
+        try:
+            dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
+        except RuntimeError as e:
+            raise Unavailable(f"a rank of the trainer is gone (did it die?): {e}") from e
+        return out
+
     def agree(self, ok: bool) -> int:
         """How many ranks report a failure (every rank calls it once, with its own outcome)."""
         if self.world == 1:

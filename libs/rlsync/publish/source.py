@@ -22,6 +22,7 @@ from rlsync.publish.mapping import Entry, WeightMap
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.sharded import ShardedSender
 from rlsync.transfer.source import ResidentSource, StreamedSource
+from rlsync.transfer.v1 import transfer_pb2 as pb
 
 try:
     from torch.distributed.tensor import DTensor
@@ -55,16 +56,26 @@ def _non_persistent(model: nn.Module) -> set[str]:
 
 @dataclass
 class ShardedModule:
-    """A sharded model: this rank's shards, what every rank holds (see RankShards), and the tensors the
-    engine receives. Every rank sends its own pieces, and adds its share to an audit's checksums."""
+    """A sharded model: this rank's shards, what every rank holds (see RankShards; or the quantizing
+    stage's QuantizedShards over them), and the tensors the engine receives. Every rank sends its own
+    pieces, and adds its share to an audit's checksums."""
 
     shards: RankShards
     specs: list[Spec]
     device: torch.device
+    format: pb.WeightFormat | None = None  # what its tensors were quantized to (rlsync.publish.quantized)
+    quantized: frozenset[str] = frozenset()  # the names of those tensors (audited as sent, never cast)
 
     def sender(self, **kwargs) -> ShardedSender:
-        return ShardedSender(self.shards.layout, self.specs, self.shards.rank, self.shards.piece,
-                             device=self.device, held=self.shards.held_tensors, **kwargs)
+        sender = ShardedSender(self.shards.layout, self.specs, self.shards.rank, self.shards.piece,
+                               device=self.device, held=self.shards.held_tensors, **kwargs)
+        sender.format = self.format
+        return sender
+
+    def refresh(self, ranks) -> None:
+        """Every rank, before its pieces of a send or an audit are cut: brings what it sends up to date
+        with the weights (the quantizing stage's scales: one all-reduce over `ranks`, rlsync.publish.ranks)."""
+        self.shards.refresh(ranks)
 
 
 def module_source(model: nn.Module, weights: WeightMap | None = None, group=None) \

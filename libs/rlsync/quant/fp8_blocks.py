@@ -59,12 +59,12 @@ def scales_of(amax: torch.Tensor, pow2: bool = False) -> torch.Tensor:
 
 
 def quantize_with(x: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = BLOCK,
-                  row0: int = 0) -> torch.Tensor:
-    """x's FP8 values under block scales `scale` (the whole tensor's grid); `row0`: the row of the
-    whole tensor that x's first row is (a shard of rows), so each row meets its block's scale."""
+                  row0: int = 0, col0: int = 0) -> torch.Tensor:
+    """x's FP8 values under block scales `scale` (the whole tensor's grid); `row0`, `col0`: where x's
+    first element lies in the whole tensor (a shard), so each element meets its block's scale."""
     bm, bn = block
     rows = torch.arange(row0, row0 + x.shape[0], device=x.device) // bm
-    inv = (1.0 / scale)[rows].repeat_interleave(bn, dim=1)[:, :x.shape[1]]
+    inv = (1.0 / scale)[rows].repeat_interleave(bn, dim=1)[:, col0:col0 + x.shape[1]]
     return (x * inv).to(FP8)
 
 

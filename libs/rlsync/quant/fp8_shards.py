@@ -1,72 +1,106 @@
-"""Block FP8 of a weight whose rows are sharded over ranks (FSDP2's Shard(0)), equal bit for bit to
-quantizing the whole tensor: a 128-row block that two ranks' rows cut gets one amax, the max of the
-ranks' partial amaxes (max is exact in any order), exchanged for the cut blocks only (an all-reduce
-of a few scale rows, not a gather of the weight). Planning is pure (`shared_block_rows`)."""
+"""Block FP8 of a weight whose ranks each hold boxes of it (FSDP2's Shard(0) rows, a tensor-parallel
+column split, fused parts, replicas), equal bit for bit to quantizing the whole tensor: a block that some
+rank holds only part of gets one amax, the max of the ranks' partial amaxes (max is exact in any order),
+exchanged for those blocks only (one all-reduce MAX of a few scales for every weight, not a gather).
+Planning is pure (`block_plan`); each scale is sent by a rank holding its block's first element."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
 from rlsync.errors import InvalidArgument
-from rlsync.quant.fp8_blocks import BLOCK, block_amax, quantize_with, scale_shape, scales_of
+from rlsync.quant.fp8_blocks import BLOCK, block_amax, quantize_with, scale_shape
+
+Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension, as rlsync.transfer.routes has it
 
 
-def shared_block_rows(ranges: list[tuple[int, int]], block_rows: int = BLOCK[0]) -> list[int]:
-    """The block rows that the row ranges [start, stop) of more than one rank touch, ascending."""
-    touched: dict[int, int] = {}
-    for start, stop in ranges:
-        if stop > start:
-            for b in range(start // block_rows, (stop - 1) // block_rows + 1):
-                touched[b] = touched.get(b, 0) + 1
-    return sorted(b for b, n in touched.items() if n > 1)
+@dataclass(frozen=True)
+class BlockPlan:
+    """How the ranks of one weight make its scales: the blocks whose amax they exchange (`cut`: flat,
+    row-major indices into the scale grid), and the boxes of the scale grid each rank declares it
+    holds (`owned[rank]`: the blocks whose first element one of its boxes holds)."""
+
+    grid: tuple[int, int]
+    cut: tuple[int, ...]
+    owned: tuple[tuple[Box, ...], ...]
 
 
-def owned_block_rows(ranges: list[tuple[int, int]], rank: int, block_rows: int = BLOCK[0]) -> range:
-    """The scale rows `rank` sends: those of the blocks whose first row it holds (one owner each)."""
-    start, stop = ranges[rank]
-    if stop <= start:
-        return range(0)
-    return range(-(-start // block_rows), (stop - 1) // block_rows + 1)
+def _overlaps(start: int, stop: int, size: int, step: int) -> dict[int, int]:
+    """{block index: how many of [start, stop) fall in it} along one dimension of `size`."""
+    out = {}
+    for b in range(start // step, (stop - 1) // step + 1) if stop > start else ():
+        out[b] = min(stop, (b + 1) * step, size) - max(start, b * step)
+    return out
 
 
-def quantize_row_shard(local: torch.Tensor, ranges: list[tuple[int, int]], rank: int, columns: int,
-                       group=None, block: tuple[int, int] = BLOCK,
-                       pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor, range]:
-    """This rank's rows of the whole tensor's FP8 values, and the scale rows it owns (`owned_block_rows`)
-    -> (fp8 rows, fp32 scales [len(owned), ceil(columns / block[1])], owned). `ranges`: every rank's rows
-    of the whole tensor, in rank order; every rank of `group` calls this, for every sharded weight, in
-    the same order (one all-reduce when a block is cut; none otherwise)."""
-    import torch.distributed as dist
-
-    start, stop = ranges[rank]
-    if tuple(local.shape) != (stop - start, columns):
-        raise InvalidArgument(f"rank {rank} holds rows [{start}, {stop}) of {columns} columns, its shard is "
-                              f"{list(local.shape)}")
-    rows = max(b for _, b in ranges)
-    bm = block[0]
-    grid = scale_shape((max(rows, 1), columns), block)
-    amax = torch.zeros(grid, dtype=torch.float32, device=local.device)
-    if stop > start:  # pad in front to the block boundary: the partial amax lands on the whole tensor's grid
-        lead = start % bm
-        padded = torch.cat([local.new_zeros(lead, columns), local]) if lead else local
-        first = start // bm
-        part = block_amax(padded, block)
-        amax[first:first + part.shape[0]] = part
-    shared = shared_block_rows(ranges, bm)
-    if shared:
-        index = torch.tensor(shared, device=local.device)
-        cut = amax.index_select(0, index)
-        dist.all_reduce(cut, op=dist.ReduceOp.MAX, group=group)
-        amax.index_copy_(0, index, cut)
-    scale = scales_of(amax, pow2)
-    owned = owned_block_rows(ranges, rank, bm)
-    q = quantize_with(local, scale, block, row0=start) if stop > start else local.new_empty(0, columns).to(
-        torch.float8_e4m3fn)
-    return q, scale[owned.start:owned.stop].contiguous(), owned
+@lru_cache(maxsize=256)
+def block_plan(shape: tuple[int, int], held: tuple[tuple[Box, ...], ...],
+               block: tuple[int, int] = BLOCK) -> BlockPlan:
+    """The plan for a weight of `shape` whose rank r holds the boxes `held[r]` (not overlapping each
+    other; together covering the weight). A block is cut when some rank holds part of it but not all:
+    every rank then joins its exchange; a block every holder holds whole needs none (replicas)."""
+    grid = scale_shape(shape, block)
+    (m, n), (bm, bn) = shape, block
+    cut = set()
+    for boxes in held:
+        covered: dict[tuple[int, int], int] = {}
+        for (r0, r1), (c0, c1) in boxes:
+            rows, cols = _overlaps(r0, r1, m, bm), _overlaps(c0, c1, n, bn)
+            for i, h in rows.items():
+                for j, w in cols.items():
+                    covered[i, j] = covered.get((i, j), 0) + h * w
+        for (i, j), area in covered.items():
+            if area < (min(m, (i + 1) * bm) - i * bm) * (min(n, (j + 1) * bn) - j * bn):
+                cut.add(i * grid[1] + j)
+    owned = tuple(tuple(((-(-r0 // bm), (r1 - 1) // bm + 1), (-(-c0 // bn), (c1 - 1) // bn + 1))
+                        for (r0, r1), (c0, c1) in boxes
+                        if r1 > r0 and c1 > c0 and -(-r0 // bm) * bm < r1 and -(-c0 // bn) * bn < c1)
+                  for boxes in held)
+    return BlockPlan(grid, tuple(sorted(cut)), owned)
 
 
-def fsdp_row_ranges(rows: int, world: int) -> list[tuple[int, int]]:
-    """The rows each rank holds under FSDP2's Shard(0) (torch.chunk: ceil(rows / world) each, the last short,
-    trailing ranks empty)."""
-    chunk = -(-rows // world) if rows else 0
-    return [(min(r * chunk, rows), min((r + 1) * chunk, rows)) for r in range(world)]
+def partial_amax(pieces: Sequence[tuple[Box, torch.Tensor]], shape: tuple[int, int],
+                 block: tuple[int, int] = BLOCK, device: torch.device | None = None) -> torch.Tensor:
+    """max |x| per block of the whole weight's grid over the boxes this rank holds (`pieces`: each box
+    and its values), 0 where it holds nothing: before the floor, for the exchange to combine."""
+    bm, bn = block
+    grid = scale_shape(shape, block)
+    amax = torch.zeros(grid, dtype=torch.float32, device=device)
+    for ((r0, r1), (c0, c1)), x in pieces:
+        if tuple(x.shape) != (r1 - r0, c1 - c0):
+            raise InvalidArgument(f"values of shape {list(x.shape)} for box {[[r0, r1], [c0, c1]]}")
+        if r1 <= r0 or c1 <= c0:
+            continue
+        lead_r, lead_c = r0 % bm, c0 % bn
+        if lead_r or lead_c:  # pad in front to the block boundary: the partial amax lands on the whole grid
+            padded = x.new_zeros(lead_r + x.shape[0], lead_c + x.shape[1])
+            padded[lead_r:, lead_c:] = x
+            x = padded
+        part = block_amax(x, block)
+        at = amax[r0 // bm:r0 // bm + part.shape[0], c0 // bn:c0 // bn + part.shape[1]]
+        torch.maximum(at, part.to(at.device), out=at)
+    return amax
+
+
+def exchange(amaxes: Sequence[torch.Tensor], plans: Sequence[BlockPlan],
+             max_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """The cut blocks of every weight made whole, in place: one call of `max_of` (an all-reduce MAX
+    over the ranks, which every rank makes with the same weights in the same order), none when
+    nothing is cut."""
+    picked = [(a.view(-1), torch.tensor(p.cut, device=a.device)) for a, p in zip(amaxes, plans) if p.cut]
+    if not picked:
+        return
+    maxed = max_of(torch.cat([flat.index_select(0, index) for flat, index in picked]))
+    at = 0
+    for flat, index in picked:
+        flat.index_copy_(0, index, maxed[at:at + len(index)].to(flat.device))
+        at += len(index)
+
+
+def quantize_box(x: torch.Tensor, box: Box, scale: torch.Tensor, block: tuple[int, int] = BLOCK) -> torch.Tensor:
+    """The whole weight's FP8 values of `box` (x: its values), under the whole grid's scales."""
+    return quantize_with(x, scale, block, row0=box[0][0], col0=box[1][0])

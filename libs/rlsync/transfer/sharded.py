@@ -298,6 +298,8 @@ class ShardedSender:
     `piece` cuts a piece from this rank's own shards (contiguous, in the spec's dtype). Rank 0 hosts
     the store (on `host`, advertised as `advertise`) and makes offers; every rank sends."""
 
+    format: pb.WeightFormat | None = None  # the format its specs were quantized to (Manifest.format), if any
+
     def __init__(self, layout: Layout, specs: Sequence[Spec], rank: int, piece: Callable[[Piece], torch.Tensor], *,
                  bucket_bytes: int, host: str = "127.0.0.1", advertise: str | None = None,
                  device: torch.device | None = None,
@@ -328,7 +330,7 @@ class ShardedSender:
         if self.rank != 0:
             raise FailedPrecondition("offers are made by rank 0 of the trainer")
         offer = pb.Offer(
-            protocol_version=PROTOCOL_VERSION, manifest=to_proto(self.specs, version),
+            protocol_version=PROTOCOL_VERSION, manifest=to_proto(self.specs, version, self.format),
             facts=local_facts(self.device), backends=self.backends, token=secrets.token_hex(16),
             bucket_bytes=self.bucket_bytes, transfer_id=uuid.uuid4().hex,
             routing=pb.Routing(store=self.store_address, layout=self._layout))

@@ -1,0 +1,122 @@
+"""The quantizing stage (rlsync.publish.quantized) over a sharded model's ranks: each rank sends the FP8
+values of the boxes it holds and the scales of the blocks whose first element it holds, bit for bit those
+of quantizing the whole tensor (rlsync.quant.fp8_shards: a block that ranks' boxes cut gets one amax, one
+all-reduce MAX per update for every weight). The routed plan sends each byte once, as for any tensor."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from rlsync.errors import InvalidArgument
+from rlsync.publish.layout import RankShards
+from rlsync.quant.fp8_blocks import FP8, scales_of
+from rlsync.quant.fp8_shards import BlockPlan, block_plan, exchange, partial_amax, quantize_box
+from rlsync.transfer.checksum import box_sums
+from rlsync.transfer.manifest import Spec
+from rlsync.transfer.routes import Box, Piece, TensorInfo, layout, share
+from rlsync.transfer.v1 import transfer_pb2 as pb
+
+WEIGHT, SCALE = 1, 2  # what a tensor of the stage is of its base tensor (0: the base tensor as it is)
+
+
+class QuantizedShards:
+    """What rank `base.rank` holds of the stage's tensors (`specs`; `plan[j]` = (base index, part)) and
+    the pieces cut from it: RankShards' interface. A weight's boxes are those of its base tensor, its
+    scales' the blocks each rank sends (BlockPlan.owned); `refresh` makes the scales of this rank's
+    blocks from the weights as they are (every rank, in step), and pieces are quantized as they are cut."""
+
+    def __init__(self, base: RankShards, specs: Sequence[Spec], plan: Sequence[tuple[int, int]],
+                 fmt: pb.WeightFormat, device: torch.device):
+        self.base, self.rank, self.world = base, base.rank, base.world
+        self.specs, self.plan, self.device = list(specs), list(plan), device
+        self.block, self.pow2 = tuple(fmt.fp8.block), fmt.fp8.pow2_scales
+        held = base.layout.held
+        self.blocks: dict[int, BlockPlan] = {}  # base index -> how the ranks make its scales
+        for i, part in self.plan:
+            if part != WEIGHT:
+                continue
+            shape = base.layout.tensors[i].shape
+            boxes = tuple(held[r][i] for r in range(self.world))
+            if any(len(b) != 2 for ranks in boxes for b in ranks):
+                raise InvalidArgument(f"{base.layout.tensors[i].name!r} is not 2-D: only 2-D weights are quantized "
+                                      "to block FP8")
+            self.blocks[i] = block_plan(tuple(shape), boxes, self.block)
+        infos = [TensorInfo(s.name, tuple(s.shape), s.dtype.itemsize) for s in self.specs]
+        self.layout = layout(infos, [[self.blocks[i].owned[r] if part == SCALE else held[r][i] for i, part in self.plan]
+                                     for r in range(self.world)])
+        # The scales of every block this rank touches, on the whole grid (the rest unused), kept in place:
+        # receiver ranks on this GPU pull views of them (held_tensors), and find them where they were.
+        self.scales = {i: torch.zeros(p.grid, dtype=torch.float32, device=device) for i, p in self.blocks.items()}
+        self._values: dict[tuple[int, Box], torch.Tensor] = {}  # FP8 boxes for pulls, made when first asked
+        self._fresh = False
+
+    def refresh(self, ranks) -> None:
+        """Every rank, in step: the scales of the blocks its boxes touch, from the weights as they are now
+        (partial amaxes, the cut blocks' combined by `ranks.max_of` in one call)."""
+        amaxes = []
+        with torch.no_grad():
+            for i in self.blocks:
+                pieces = [(box, self.base.piece(Piece(i, box))) for box in self.base.layout.held[self.rank][i]]
+                amaxes.append(partial_amax(pieces, self.base.layout.tensors[i].shape, self.block, self.device))
+            exchange(amaxes, list(self.blocks.values()), ranks.max_of)
+            for i, amax in zip(self.blocks, amaxes):
+                self.scales[i].copy_(scales_of(amax, self.pow2))
+        self._fresh = True
+
+    def _check_fresh(self) -> None:
+        if not self._fresh:
+            raise RuntimeError("a quantized piece was cut before the ranks made its scales (call refresh)")
+
+    def piece(self, p: Piece) -> torch.Tensor:
+        """The piece's values, contiguous, in the stage's dtype: FP8 for a weight (quantized from this
+        rank's values under the whole tensor's scales), fp32 for its scales."""
+        i, part = self.plan[p.tensor]
+        if part == SCALE:
+            self._check_fresh()
+            return self.scales[i][tuple(slice(a, b) for a, b in p.box)].contiguous()
+        values = self.base.piece(Piece(i, p.box))
+        if part == 0:
+            return values
+        self._check_fresh()
+        with torch.no_grad():
+            return quantize_box(values, p.box, self.scales[i], self.block)
+
+    def held_tensors(self) -> list[list[torch.Tensor]]:
+        """This rank's boxes as tensors, per stage tensor in its layout's order (rlsync.transfer.pulls):
+        the base's for tensors sent as they are; a weight's FP8 boxes quantized now into buffers kept
+        from one update to the next, and views of its scales."""
+        self._check_fresh()
+        base = self.base.held_tensors()
+        out = []
+        with torch.no_grad():
+            for j, boxes in enumerate(self.layout.held[self.rank]):
+                i, part = self.plan[j]
+                if part == 0:
+                    out.append(base[i])
+                elif part == SCALE:
+                    out.append([self.scales[i][tuple(slice(a, b) for a, b in box)] for box in boxes])
+                else:
+                    out.append([self._quantized_box(i, box) for box in boxes])
+        if self.device.type == "cuda":  # another process reads them next, ordered by no stream of ours
+            torch.cuda.current_stream(self.device).synchronize()
+        return out
+
+    def _quantized_box(self, i: int, box: Box) -> torch.Tensor:
+        q = self._values.get((i, box))
+        if q is None:
+            q = self._values[i, box] = torch.empty([b - a for a, b in box], dtype=FP8, device=self.device)
+        q.copy_(quantize_box(self.base.piece(Piece(i, box)), box, self.scales[i], self.block))
+        return q
+
+    def checksum_share(self, dtype: torch.dtype | None = None) -> list[tuple[int, int]]:
+        """As RankShards.checksum_share, over the stage's tensors: FP8 values and scales as sent, never cast."""
+        sums = [(0, 0)] * len(self.specs)
+        for p in share(self.layout, self.rank):
+            values = self.piece(p)
+            if dtype is not None and values.is_floating_point() and self.plan[p.tensor][1] == 0:
+                values = values.to(dtype)
+            s1, s2 = box_sums(values, p.box, self.specs[p.tensor].shape)
+            sums[p.tensor] = (sums[p.tensor][0] + s1, sums[p.tensor][1] + s2)
+        return sums
