@@ -64,7 +64,7 @@ class ShardedModule:
 
     def sender(self, **kwargs) -> ShardedSender:
         return ShardedSender(self.shards.layout, self.specs, self.shards.rank, self.shards.piece,
-                             device=self.device, held=self.shards.held_tensors, **kwargs)
+                             device=self.device, held=self.shards.held_tensors, where=self.shards.where, **kwargs)
 
 
 def module_source(model: nn.Module, weights: WeightMap | None = None, group=None) \
