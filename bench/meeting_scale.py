@@ -71,9 +71,11 @@ def worker(address: str, world: int, members: list[int]) -> None:
     nbytes = 0
     for m in members:
         deadline = Deadline(600, "meeting")
-        nbytes += sum(x.ByteSize() for x in sharded._memories(store, OFFER, world, deadline))
-        if m >= world:
-            nbytes += sum(x.ByteSize() for x in sharded._held_memories(store, OFFER, [m - world], deadline).values())
+        summaries = sharded._memories(store, OFFER, world, deadline)
+        nbytes += sum(x.ByteSize() for x in summaries)
+        if m >= world:  # (each rank's memory its own digest: every member's first meeting of it)
+            nbytes += sum(x.ByteSize() for x in sharded._held_memories(store, summaries, [m - world],
+                                                                       deadline).values())
     store.set(f"done/{members[0]}", str(nbytes))
 
 
@@ -82,9 +84,8 @@ def meeting(world: int, tensors: int, procs: int, before: bool) -> dict:
                           timeout=datetime.timedelta(seconds=600))
     if before:  # every member reads every rank's whole memory
         pulls.summary = lambda memory: memory
-    memory = sharded._export(rank_memory(0, tensors), [])[1]
     for rank in range(world):
-        sharded._put_memory(store, OFFER, rank, memory)
+        sharded._put_memory(store, OFFER, rank, *sharded._export(rank_memory(rank, tensors)))
     shares = [list(range(2 * world))[p::procs] for p in range(procs)]
     workers = [subprocess.Popen([sys.executable, __file__, "--worker", f"127.0.0.1:{store.port}", str(world),
                                  ",".join(map(str, s))]) for s in shares if s]

@@ -24,7 +24,8 @@ Per case and path: sync seconds (median of --repeats after a warm-up), the peak 
 trainer rank against its bound (two buckets plus the largest slice it sends), staging per engine rank
 against its shard, bytes received per engine rank over its shard (and, for a mixture of experts, of
 them the experts': under `ep` each engine rank loads whole experts, rank r of g the r-th g-th of them,
-as vLLM's expert parallelism places them). Offers and answers travel through
+as vLLM's expert parallelism places them), and where each member's time went: the last repeat's stages
+(`profile`) and each stage's median over the repeats (`profile_median`). Offers and answers travel through
 the TCPStore the processes share (protobuf bytes), as they would through the coordinator. Last, how
 long planning the routes takes at scale (256 trainer ranks into 4 TP=8 replicas, 50 tensors).
 """
@@ -135,6 +136,12 @@ def _dump(profiler, role: str, path: str, k: int, g: int, rank: int) -> None:
         profiler.dump_stats(os.path.join(PROFILE, f"{role}-{path}-k{k}-g{g}-r{rank}.prof"))
 
 
+def _median(profiles: list[dict]) -> dict:
+    """Each stage's median over the timed repeats (a stage a repeat did not go through counts as 0)."""
+    stages = dict.fromkeys(k for p in profiles for k in p)
+    return {k: round(statistics.median(p.get(k, 0.0) for p in profiles), 5) for k in stages}
+
+
 def paths(device: str) -> tuple[str, ...]:
     return ("rank0", "routed") if device == "cpu" else ("routed",)
 
@@ -161,7 +168,7 @@ def trainer(args, shapes, bucket, k: int, g: int, rank: int, store) -> dict:
     out = {}
     for path in paths(args.device):
         dist.barrier()
-        peak, seconds, profiler = Peak(args.device), [], _profiled()
+        peak, seconds, profiler, profiles = Peak(args.device), [], _profiled(), []
         sender = WeightSender(baseline, bucket_bytes=bucket, backends=["gloo"]) if path == "rank0" and rank == 0 \
             else module.sender(bucket_bytes=bucket) if path == "routed" else None
         for i in range(args.repeats + 1):
@@ -188,18 +195,20 @@ def trainer(args, shapes, bucket, k: int, g: int, rank: int, store) -> dict:
             _get(store, f"{path}/done/{i}")  # every engine rank confirmed
             if i:
                 seconds.append(time.perf_counter() - start)
+                profiles += [report.profile] if path == "routed" else []
         _dump(profiler, "trainer", path, k, g, rank)
         if rank == 0 or path == "routed":
             sender.close()
         out[path] = {"seconds": statistics.median(seconds), "peak_extra_bytes": peak.extra(),
-                     "bound_bytes": 2 * bucket + largest, **({"profile": profile} if path == "routed" else {})}
+                     "bound_bytes": 2 * bucket + largest,
+                     **({"profile": profile, "profile_median": _median(profiles)} if path == "routed" else {})}
     return out
 
 
 def engine(args, k: int, g: int, rank: int, store) -> dict:
     out = {}
     for path in paths(args.device):
-        seconds, staging, profiler, layouts = [], None, _profiled(), None
+        seconds, staging, profiler, layouts, profiles = [], None, _profiled(), None, []
         for i in range(args.repeats + 1):
             if i == 1 and profiler is not None:
                 profiler.enable()
@@ -225,6 +234,7 @@ def engine(args, k: int, g: int, rank: int, store) -> dict:
                                         hold="bench" if args.hold else "").run()
             if i:
                 seconds.append(report.seconds)
+                profiles.append(report.profile)
             done = store.add(f"{path}/count/{i}", 1)
             if done == g:
                 store.set(f"{path}/done/{i}", b"1")
@@ -237,7 +247,8 @@ def engine(args, k: int, g: int, rank: int, store) -> dict:
         out[path] = {"staging_bytes": shard, "received_bytes": report.nbytes, "shard_bytes": loads,
                      "expert_bytes": experts if path == "routed" else 0,
                      "receive_seconds": statistics.median(seconds), "channels": report.backends,
-                     "profile": {k: round(v, 4) for k, v in report.profile.items()}}
+                     "profile": {k: round(v, 4) for k, v in report.profile.items()},
+                     "profile_median": _median(profiles)}
     return out
 
 
@@ -306,9 +317,11 @@ def run_case(args, k: int, g: int) -> dict:
             "received_over_shard": [round(e[path]["received_bytes"] / e[path]["shard_bytes"], 3) for e in engines],
             "receive_seconds": [round(e[path]["receive_seconds"], 4) for e in engines],
             "channels": [e[path]["channels"] for e in engines],
-            "profile": [e[path]["profile"] for e in engines]}
+            "profile": [e[path]["profile"] for e in engines],
+            "profile_median": [e[path]["profile_median"] for e in engines]}
         if path == "routed":
             case[path]["trainer_profile"] = [t[path]["profile"] for t in trainers]
+            case[path]["trainer_profile_median"] = [t[path]["profile_median"] for t in trainers]
             case[path]["MBps"] = round(sum(e[path]["received_bytes"] for e in engines) / case[path]["seconds"] / 1e6, 1)
             if any(e[path]["expert_bytes"] for e in engines):
                 case[path]["expert_bytes"] = [e[path]["expert_bytes"] for e in engines]

@@ -1,15 +1,24 @@
 """What a repeat routed update keeps (rlsync.transfer.kept): a repeat from and into memory that stayed uses
-what the first update made; a storage that moved, another layout or other staging make it anew."""
+what the first update made (its writer, its split of the routes, the key a trainer rank exports by); a
+storage that moved, another layout, other facts or other staging make it anew."""
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from rlsync.errors import DataLoss
-from rlsync.transfer import kept
+from rlsync.publish.layout import RankShards
+from rlsync.publish.mapping import WeightMap
+from rlsync.transfer import kept, pulls
 from rlsync.transfer.held import HELD, HeldMappings
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.routed import destinations
 from rlsync.transfer.routes import TensorInfo, chunks, layout, plan_routes, whole
+from rlsync.transfer.v1 import transfer_pb2 as pb
 from rlsync.transfer.writer import DestWriter
 
 SHAPES = {"a": (8, 4), "b": (4,), "c": (6, 2)}
@@ -120,3 +129,50 @@ def test_a_receiver_that_holds_nothing_or_let_go_keeps_no_view_of_its_staging():
     kept.writer(routes.of_receiver(0), 0, SPECS, staging, torch.device("cpu"), None,
                 lambda: lay_outs.append(1) or destinations(routes, 0, SPECS, staging))
     assert len(lay_outs) == 2 and unheld is not first
+
+
+def _facts(gpu: str) -> pb.Facts:
+    return pb.Facts(host_id="h", device_type="cuda", gpu_uuids=[gpu])
+
+
+def test_a_repeat_split_gets_the_very_routes_it_got_and_other_facts_or_routes_split_anew():
+    routes = _routes(2, 2)
+    memories = [pb.RankMemory(facts=_facts("gpu-0"), regions=3), pb.RankMemory(facts=_facts("gpu-1"), regions=3)]
+    engine = [_facts("gpu-0"), _facts("gpu-1")]
+    first = pulls.split(routes, memories, engine)
+    again = pulls.split(routes, [pb.RankMemory.FromString(m.SerializeToString()) for m in memories], list(engine))
+    assert again[0] is first[0] and again[1] is first[1], "the same routes and facts: the same objects"
+    swapped = [_facts("gpu-1"), _facts("gpu-0")]  # the engine ranks swapped GPUs: other pairs pull
+    moved = pulls.split(routes, memories, swapped)
+    assert moved == pulls._split(routes, memories, swapped) and moved[0] != first[0]
+    offloaded = pulls.split(routes, [memories[0], pb.RankMemory(facts=_facts("gpu-1"))], engine)  # nothing to map
+    assert not any(t.dsts for t in offloaded[0].transfers if t.src == 1)
+    replanned = pulls.split(_routes(2, 2), memories, engine)  # another plan: split anew, never taken for the last
+    assert replanned[0] is not first[0] and replanned[0] == first[0]
+
+
+def _rank_shards(rows: int = 8):
+    """Rank 0 of 2 of an FSDP2-like model on a `fake` process group: a parameter per tensor, each rank's
+    local shard its own storage."""
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    mesh = init_device_mesh("cpu", (2,))
+    params = {name: nn.Parameter(distribute_tensor(torch.zeros(rows, 4), mesh, [Shard(0)]))
+              for name in ("w1", "w2")}
+    entries = WeightMap().plan([(n, tuple(t.shape), t.dtype) for n, t in params.items()])
+    return params, RankShards(params, entries, 0, 2)
+
+
+def test_a_ranks_where_stays_through_an_in_place_step_and_changes_when_a_shard_moves():
+    try:
+        params, shards = _rank_shards()
+        before = shards.where()
+        with torch.no_grad():
+            params["w1"].add_(1.0)  # an optimizer step in place
+        assert shards.where() == before
+        held = [t.data_ptr() for tensors in shards.held_tensors() for t in tensors]
+        assert held == [p.to_local().data_ptr() for p in params.values()], "where() names what held() cuts from"
+        module = nn.ParameterDict(params)
+        module.to(torch.float64).to(torch.float32)  # the same parameters in new memory (an offload and onload)
+        assert all(module[n] is p for n, p in params.items()) and shards.where() != before
+    finally:
+        dist.destroy_process_group()

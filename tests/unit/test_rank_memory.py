@@ -15,7 +15,7 @@ from rlsync.transfer import pulls
 from rlsync.transfer.control import Deadline
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.routes import TensorInfo, chunks, layout, plan_routes
-from rlsync.transfer.sharded import (ShardedSender, _export, _held_key, _held_memories, _layout_key, _memories,
+from rlsync.transfer.sharded import (ShardedSender, _export, _held_memories, _layout_key, _mapped_key, _memories,
                                     _memory_key, _put_memory, engine_facts, engine_layout, make_roster, roster_layout,
                                     to_layout_proto, trainer_layout)
 from rlsync.transfer.v1 import transfer_pb2 as pb
@@ -44,20 +44,42 @@ def store():
 def test_members_read_summaries_and_a_puller_the_whole_memory_of_its_sources(store):
     offer = pb.Offer(transfer_id="t1")
     memories = [_memory(0, "gpu-0"), _memory(1, "gpu-1"), pb.RankMemory(facts=pb.Facts(host_id="h"))]
-    for rank, memory in enumerate(memories):
-        _put_memory(store, offer, rank, _export(memory, [])[1])
+    exports = [_export(memory) for memory in memories]
+    for rank, (summary, mapped) in enumerate(exports):  # (a summary of a memory with groups has them)
+        _put_memory(store, offer, rank, summary, mapped)
 
     summaries = _memories(store, offer, 3, Deadline(5, "test"))
     for memory, got in zip(memories, summaries):
-        assert got == pulls.summary(memory) and not got.ipc and not got.held
+        assert not got.ipc and not got.held
         assert (got.facts, got.regions, list(got.groups)) == (memory.facts, memory.regions, list(memory.groups))
-        assert len(got.SerializeToString()) < 100 < TENSORS
+        assert len(got.SerializeToString()) < 200 < TENSORS
     assert len(memories[1].SerializeToString()) > 150 * TENSORS  # what each member would read of each rank
 
-    assert _held_memories(store, offer, [1], Deadline(5, "test")) == {1: memories[1]}
-    assert store.check([_held_key(offer, 0)]) and not store.check([_held_key(offer, 2)]), \
-        "a rank with nothing to map puts no whole memory"
+    got = _held_memories(store, summaries, [1], Deadline(5, "test"))[1]
+    assert (list(got.ipc), list(got.held), got.digest) == (list(memories[1].ipc), list(memories[1].held),
+                                                           summaries[1].digest)
+    assert store.check([_mapped_key(0, summaries[0].digest)]) and not summaries[2].digest, \
+        "a rank with nothing to map puts no mapped memory"
     assert store.check([_memory_key(offer, 2)])
+
+
+def test_a_receiver_parses_a_mapped_memory_once_per_digest_and_refuses_one_that_does_not_match(store):
+    summary, mapped = _export(_memory(0, "gpu-0"))
+    offer = pb.Offer(transfer_id="t2")
+    _put_memory(store, offer, 0, summary, mapped)
+    first = _held_memories(store, [summary], [0], Deadline(5, "test"))[0]
+    store.delete_key(_mapped_key(0, summary.digest))  # a repeat of the same digest reads nothing
+    assert _held_memories(store, [summary], [0], Deadline(5, "test"))[0] is first
+    moved = _memory(0, "gpu-0")
+    moved.held[0].offset = 7  # a storage that moved: another digest, read and parsed anew
+    other, raw = _export(moved)
+    assert other.digest != summary.digest
+    _put_memory(store, offer, 0, other, raw)
+    assert _held_memories(store, [other], [0], Deadline(5, "test"))[0].held[0].offset == 7
+    forged = pb.RankMemory(digest="ab" * 32)
+    store.set(_mapped_key(0, forged.digest), mapped)
+    with pytest.raises(DataLoss, match="does not match its digest"):
+        _held_memories(store, [forged], [0], Deadline(5, "test"))
 
 
 def test_summaries_split_the_routes_as_the_whole_memories_do():

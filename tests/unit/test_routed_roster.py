@@ -7,9 +7,10 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from rlsync.errors import Aborted, FailedPrecondition, Unavailable
-from rlsync.transfer import answer
+from rlsync.transfer import answer, kept
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.routes import TensorInfo, layout, whole
 from rlsync.transfer.sharded import (RoutedReceiver, ShardedSender, _refused_key, _roster_key, _set_roster,
@@ -138,3 +139,19 @@ def test_closing_the_sender_wakes_the_receivers_of_its_open_offers(sender):
     thread.join(10)
     assert isinstance(outcome.get("error"), Unavailable) and "closed" in str(outcome["error"])
     assert outcome["at"] - closed < 5
+
+
+def test_a_receiver_whose_kept_connection_is_to_a_store_gone_since_connects_anew(sender):
+    """A receiver keeps its connection to the trainer's store for the next transfer (kept.CONNECTIONS); one
+    kept from a store gone since (a trainer restarted on the same address) fails at its first round trip,
+    and the receiver connects anew instead of failing the transfer."""
+    gone = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    stale = dist.TCPStore("127.0.0.1", gone.port, is_master=False, wait_for_workers=False)
+    del gone  # its server stops: the connection to it is dead
+    offer = sender.offer(version=1)
+    kept.CONNECTIONS.give(offer.routing.store, stale)
+    _set_roster(sender._store, offer, make_roster([answer(offer, "another-replica")]).SerializeToString())
+    receiver = RoutedReceiver(offer, answer(offer, "replica"), {"w": torch.empty(4, 2)}, timeout=10)
+    with pytest.raises(FailedPrecondition, match="another-replica"):  # it read the roster: not "the store is gone"
+        receiver.run()
+    assert kept.CONNECTIONS.take(offer.routing.store) is None, "a failed transfer gives no connection back"

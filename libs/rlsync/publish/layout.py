@@ -21,6 +21,7 @@ import torch.distributed as dist
 from rlsync.errors import InvalidArgument
 from rlsync.checkpoint_names import View
 from rlsync.publish.mapping import Entry
+from rlsync.transfer import kept
 from rlsync.transfer.checksum import box_sums
 from rlsync.transfer.routes import Box, Layout, Piece, TensorInfo, chunk, contains, layout, relative, share, whole
 
@@ -143,6 +144,9 @@ class RankShards:
         self.layout: Layout = layout(infos, [[f(self.global_ranks[r]) for f in boxes_of] for r in range(world)])
         # per entry: (box in the engine tensor, (part name, box in the part))
         self._mine = [self._boxes(entry_parts, self.global_ranks[rank]) for entry_parts in parts]
+        # the parameters this rank's boxes are cut from, each once
+        self._held = list(dict.fromkeys(part if isinstance(part, str) else part[0]
+                                        for mine in self._mine for _, (part, _) in mine))
 
     def _parts(self) -> list[list[_Part]]:
         """Per entry, each part's (name, its box as a function of the global rank, rows before it in the
@@ -204,6 +208,14 @@ class RankShards:
                 mine = {box: part for box, (part, _) in self._mine[index]}
                 out.append([self._local(mine[box]) for box in boxes])
         return out
+
+    def where(self) -> tuple:
+        """Where the tensors held_tensors() gives lie: kept.where of the local tensor of every parameter they
+        are cut from (the same cut of the same local tensor is the same view). Equal while none has moved,
+        at a look per parameter, where held_tensors() makes a view per box (a microsecond each, and
+        to_local() of a parameter makes one too): a repeat update keys its export by it (ShardedSender)."""
+        return kept.where([t._local_tensor if isinstance(t, DTensor) else t
+                           for t in (self.tensors[name] for name in self._held)])
 
     def _local(self, part: str | tuple[str, View]) -> torch.Tensor:
         """This rank's local values of a part: of a parameter, its local shard; of an expert's view, the rows

@@ -13,6 +13,7 @@ from rlsync.errors import InvalidArgument
 from rlsync.publish.layout import RankShards
 from rlsync.quant.fp8_blocks import FP8, scales_of
 from rlsync.quant.fp8_shards import BlockPlan, block_plan, exchange, partial_amax, quantize_box
+from rlsync.transfer import kept
 from rlsync.transfer.checksum import box_sums
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.routes import Box, Piece, TensorInfo, layout, share
@@ -63,7 +64,16 @@ class QuantizedShards:
             exchange(amaxes, list(self.blocks.values()), ranks.max_of)
             for i, amax in zip(self.blocks, amaxes):
                 self.scales[i].copy_(scales_of(amax, self.pow2))
+            for (i, box), q in self._values.items():  # the FP8 boxes receivers pull: a repeat's export is kept
+                q.copy_(quantize_box(self.base.piece(Piece(i, box)), box, self.scales[i], self.block))
+        if self._values and self.device.type == "cuda":  # another process reads them next (held_tensors)
+            torch.cuda.current_stream(self.device).synchronize()
         self._fresh = True
+
+    def where(self) -> tuple:
+        """Where held_tensors()' tensors lie (ShardedSender keys a repeat's export by it): the FP8 boxes and
+        scales stay where they were made, and refresh() brings them up to date; the rest is the base's."""
+        return self.base.where(), kept.where([*self._values.values(), *self.scales.values()])
 
     def _check_fresh(self) -> None:
         if not self._fresh:
@@ -85,8 +95,8 @@ class QuantizedShards:
 
     def held_tensors(self) -> list[list[torch.Tensor]]:
         """This rank's boxes as tensors, per stage tensor in its layout's order (rlsync.transfer.pulls):
-        the base's for tensors sent as they are; a weight's FP8 boxes quantized now into buffers kept
-        from one update to the next, and views of its scales."""
+        the base's for tensors sent as they are; a weight's FP8 boxes in buffers kept from one update to
+        the next (filled by refresh(), made at their first use), and views of its scales."""
         self._check_fresh()
         base = self.base.held_tensors()
         out = []
@@ -104,10 +114,11 @@ class QuantizedShards:
         return out
 
     def _quantized_box(self, i: int, box: Box) -> torch.Tensor:
+        """The box's FP8 buffer, made and filled at its first use; refresh() fills it again at every send."""
         q = self._values.get((i, box))
         if q is None:
             q = self._values[i, box] = torch.empty([b - a for a, b in box], dtype=FP8, device=self.device)
-        q.copy_(quantize_box(self.base.piece(Piece(i, box)), box, self.scales[i], self.block))
+            q.copy_(quantize_box(self.base.piece(Piece(i, box)), box, self.scales[i], self.block))
         return q
 
     def checksum_share(self, dtype: torch.dtype | None = None) -> list[tuple[int, int]]:

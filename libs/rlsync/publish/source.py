@@ -68,7 +68,8 @@ class ShardedModule:
 
     def sender(self, **kwargs) -> ShardedSender:
         sender = ShardedSender(self.shards.layout, self.specs, self.shards.rank, self.shards.piece,
-                               device=self.device, held=self.shards.held_tensors, **kwargs)
+                               device=self.device, held=self.shards.held_tensors, where=self.shards.where,
+                               **kwargs)
         sender.format = self.format
         return sender
 

@@ -21,7 +21,7 @@ import torch
 from rlsync.transfer import batched
 from rlsync.transfer.dtypes import dtype_name, dtype_of, itemsize
 from rlsync.transfer.held import HELD
-from rlsync.transfer.kept import staging_where
+from rlsync.transfer.kept import Kept, staging_where
 from rlsync.transfer.memory import open_cuda, share_cuda
 from rlsync.transfer.routed import destinations, piece_name
 from rlsync.transfer.routes import Box, Layout, Routes, contains, extent, relative
@@ -62,10 +62,20 @@ def same_gpu(a: pb.Facts, b: pb.Facts) -> bool:
             and bool(set(a.gpu_uuids) & set(b.gpu_uuids)))
 
 
+_SPLITS = Kept(8)  # a repeat update splits the same routes by the same facts: the same two Routes objects
+
+
 def split(routes: Routes, trainer: Sequence[pb.RankMemory], engine: Sequence[pb.Facts]) -> tuple[Routes, Routes]:
     """(pulled, pushed): the routes' transfers to the receivers that pull them, and to those that
     receive them over the group (every member computes the same from the same facts; `trainer`: each
-    rank's memory or its summary)."""
+    rank's memory or its summary). Kept by the routes (the plan's own object, kept alive by the entry, so
+    its id names it) and every member's facts: a repeat gets the very objects it got last time."""
+    key = (id(routes), *((m.regions > 0, m.facts.SerializeToString()) for m in trainer),
+           *(f.SerializeToString() for f in engine))
+    return _SPLITS.get(key, lambda: (routes, _split(routes, trainer, engine)))[1]
+
+
+def _split(routes: Routes, trainer: Sequence[pb.RankMemory], engine: Sequence[pb.Facts]) -> tuple[Routes, Routes]:
     by_gpu: dict[tuple[str, str], set[int]] = defaultdict(set)  # pairs are many (K x E), GPUs few
     for dst, facts in enumerate(engine):
         if facts.device_type == "cuda":
@@ -81,7 +91,7 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.R
          profile: dict[str, float] | None = None, hold: str = "") -> int:
     """Receiver rank `rank`: copies every piece it pulls (`routes`, as split() gives them) from the
     trainer ranks' memory (`memories`: the whole RankMemory of each rank it pulls from, by trainer
-    rank) into its view of `staging` (`routed.destinations`), and waits for the copies.
+    rank, each with its digest) into its view of `staging` (`routed.destinations`), and waits for the copies.
     Returns the bytes it received; `profile` gets the seconds spent mapping, copying (queued and done)
     and unmapping.
 
@@ -108,8 +118,7 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.R
         # in the trainer's memory and the same staging (so the same views of it)
         memo = memo.setdefault("routed", {})
         pieces = [t.pieces for t in mine]
-        key = (rank, *map(id, pieces), *(memories[k].SerializeToString() for k in sources),
-               staging_where(staging))
+        key = (rank, *map(id, pieces), *(_digest(memories[k]) for k in sources), staging_where(staging))
         kept = memo.get(key)
     if kept is not None:
         for table in kept[1]:
@@ -130,6 +139,12 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.R
     if profile is not None:
         profile.update(map=mapping, copy=copied - start - mapping, unmap=time.perf_counter() - copied)
     return nbytes
+
+
+def _digest(memory: pb.RankMemory) -> str:
+    if not memory.digest:
+        raise ValueError("a held pull keys what it keeps by each trainer rank's memory digest: this one has none")
+    return memory.digest
 
 
 def _copy(transfers: Sequence, trainer: Layout, memories: Mapping[int, pb.RankMemory], specs: Sequence,

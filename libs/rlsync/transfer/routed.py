@@ -20,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -41,8 +42,10 @@ class Op:
     tag: int
 
 
-def schedule(routes: Routes, bucket_bytes: int) -> list[Op]:
-    """Every bucket of every transfer (that has a receiver), in the one order all members follow."""
+@lru_cache(maxsize=16)
+def schedule(routes: Routes, bucket_bytes: int) -> tuple[Op, ...]:
+    """Every bucket of every transfer (that has a receiver), in the one order all members follow (kept: a
+    repeat update schedules the same routes)."""
     plans = [cached_plan(tuple(p.nbytes(routes.tensors) for p in t.pieces), bucket_bytes) if t.dsts else []
              for t in routes.transfers]
     ops, tag = [], 0
@@ -51,7 +54,7 @@ def schedule(routes: Routes, bucket_bytes: int) -> list[Op]:
             if i < len(plan):
                 ops.append(Op(j, plan[i], tag))
                 tag += 1
-    return ops
+    return tuple(ops)
 
 
 def piece_name(name: str, box: Box) -> str:

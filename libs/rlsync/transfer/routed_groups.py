@@ -89,9 +89,8 @@ class Decider:
 def take(store, transfer_id: str, rank: int, world: int, device: torch.device, deadline: Deadline):
     """This transfer's group, as sender rank 0 decided: the one this process holds (taken out of the
     held set until `keep`), or a new one formed now. Returns (group id, group)."""
-    try:
-        store.wait([key(transfer_id)],
-                   datetime.timedelta(seconds=min(JOIN_SECONDS, deadline.remaining("waiting for the group"))))
+    try:  # a get waits for its key, up to the connection's timeout: one round trip
+        store.set_timeout(datetime.timedelta(seconds=min(JOIN_SECONDS, deadline.remaining("waiting for the group"))))
         choice = pb.RoutedGroup.FromString(store.get(key(transfer_id)))
     except dist.DistError as e:
         raise Unavailable(f"{deadline.what}: sender rank 0 named no group, or its store is gone ({e})") from e

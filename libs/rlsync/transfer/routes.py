@@ -138,6 +138,14 @@ class Routes:
     senders: int
     receivers: int
 
+    def __hash__(self) -> int:
+        """Hashed once, as Layout: what a transfer derives from its routes (its schedule, its bytes) is
+        kept by them, and a repeat update meets the very same Routes again (pulls.split)."""
+        if (h := self.__dict__.get("_hash")) is None:
+            h = hash((self.tensors, self.transfers, self.senders, self.receivers))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     def sent_bytes(self) -> list[int]:
         """Per trainer rank: the payload it sends (a broadcast's bytes once)."""
         out = [0] * self.senders

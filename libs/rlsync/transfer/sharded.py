@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from functools import lru_cache
 
 import torch
@@ -134,6 +134,21 @@ def _store(address: str, master: bool, timeout: float) -> dist.TCPStore:
                          timeout=datetime.timedelta(seconds=timeout))
 
 
+def _connect(address: str, timeout: float) -> tuple[dist.TCPStore, bool]:
+    """A connection to the trainer's store: one this process used for an earlier transfer and left idle
+    (kept.CONNECTIONS: give it back after a success), else a new one. -> (it, whether it was kept)."""
+    store = kept.CONNECTIONS.take(address)
+    if store is None:
+        return _store(address, False, timeout), False
+    store.set_timeout(datetime.timedelta(seconds=timeout))
+    return store, True
+
+
+def _timeout(store, seconds: float) -> None:
+    """A store's get waits for its keys up to the connection's timeout: one round trip, not a wait and a get."""
+    store.set_timeout(datetime.timedelta(seconds=max(seconds, 0.001)))
+
+
 def _roster_key(offer: pb.Offer) -> str:
     return f"rlsync-routed/{offer.transfer_id}/roster"
 
@@ -163,7 +178,8 @@ def _set_roster(store, offer: pb.Offer, roster: bytes) -> list[str]:
     looks for the roster; one listed after this read finds the roster there and does not wait."""
     store.set(_roster_key(offer), roster)
     waiting = _waiting_key(offer)
-    wakes = store.get(waiting).decode().split() if store.check([waiting]) else []
+    store.append(waiting, b"")  # (an append is not answered: this get is the one round trip)
+    wakes = store.get(waiting).decode().split()
     if wakes:
         store.multi_set(wakes, [b""] * len(wakes))
     return [_roster_key(offer), waiting, *wakes]
@@ -174,11 +190,12 @@ def _memory_key(offer: pb.Offer, rank: int) -> str:
     return f"rlsync-routed/{offer.transfer_id}/memory/{rank}"
 
 
-def _held_key(offer: pb.Offer, rank: int) -> str:
-    """A trainer rank's whole RankMemory (its handles and boxes), which only the receiver ranks that pull
-    from it read: at K ranks of a few hundred tensors each, every member reading every rank's would move
-    K x K x tens of KB through rank 0's store at every transfer."""
-    return f"rlsync-routed/{offer.transfer_id}/held/{rank}"
+def _mapped_key(rank: int, digest: str) -> str:
+    """A trainer rank's mapped memory (its handles and boxes) by its digest (RankMemory.digest), which only
+    the receiver ranks that pull from it read, once per process: at K ranks of a few hundred tensors each,
+    every member reading every rank's would move K x K x tens of KB through rank 0's store at every
+    transfer, and parsing it is most of a repeat's planning. The rank keeps it there while it stays."""
+    return f"rlsync-routed/mapped/{rank}/{digest}"
 
 
 def _pulled_key(offer: pb.Offer, rank: int) -> str:
@@ -186,39 +203,60 @@ def _pulled_key(offer: pb.Offer, rank: int) -> str:
 
 
 
-def _export(memory: pb.RankMemory, groups: Sequence[str]) -> tuple[pb.RankMemory, list[bytes]]:
-    """A trainer rank's memory with the groups it holds, and what _put_memory sets of it: the whole of
-    it (when any of it can be mapped) and its summary. Made once while its storages stay (ShardedSender)."""
-    memory.groups.extend(groups)
-    summary = pulls.summary(memory).SerializeToString()
-    return memory, [memory.SerializeToString(), summary] if memory.regions else [summary]
+def _export(memory: pb.RankMemory) -> tuple[pb.RankMemory, bytes]:
+    """A trainer rank's memory as the store holds it: its summary without the groups (facts, regions and
+    the digest of its mapped part) and that part's bytes (b"" when nothing of it can be mapped). Made
+    once while its storages stay (ShardedSender)."""
+    summary = pulls.summary(memory)
+    if not memory.regions:
+        return summary, b""
+    mapped = pb.RankMemory(ipc=memory.ipc, held=memory.held, regions=memory.regions).SerializeToString()
+    summary.digest = hashlib.sha256(mapped).hexdigest()
+    return summary, mapped
 
 
-def _put_memory(store, offer: pb.Offer, rank: int, values: list[bytes]) -> None:
-    """Trainer rank `rank`'s memory (_export's values): its summary for every member, the whole of it
-    (when any of it can be mapped) for the receiver ranks that pull from it, set first, so one that sees
-    the summary finds it."""
-    keys = [_held_key(offer, rank), _memory_key(offer, rank)] if len(values) == 2 else [_memory_key(offer, rank)]
-    store.multi_set(keys, values)
+def _put_memory(store, offer: pb.Offer, rank: int, summary: pb.RankMemory, mapped: bytes = b"") -> None:
+    """Trainer rank `rank`'s summary (_export's, with the groups it holds) for every member; `mapped`:
+    its mapped part, when it has not put that since it changed (set first: one that sees the summary
+    finds it)."""
+    keys, values = ([_mapped_key(rank, summary.digest)], [mapped]) if mapped else ([], [])
+    store.multi_set([*keys, _memory_key(offer, rank)], [*values, summary.SerializeToString()])
 
 
-def _memories(store, offer: pb.Offer, senders: int, deadline: Deadline) -> list[pb.RankMemory]:
-    """Every trainer rank's memory summary, as each puts it in the store when it starts to send."""
-    return _read(store, [_memory_key(offer, k) for k in range(senders)], deadline)
+def _memories(store, offer: pb.Offer, senders: int, deadline: Deadline,
+              own: tuple[int, pb.RankMemory] | None = None) -> list[pb.RankMemory]:
+    """Every trainer rank's memory summary, as each puts it in the store when it starts to send (`own`: a
+    trainer rank's own, which it does not read back)."""
+    ranks = [k for k in range(senders) if own is None or k != own[0]]
+    read = dict(zip(ranks, _read(store, [_memory_key(offer, k) for k in ranks], deadline))) if ranks else {}
+    return [read[k] if k in read else own[1] for k in range(senders)]
 
 
-def _held_memories(store, offer: pb.Offer, ranks: Sequence[int], deadline: Deadline) -> dict[int, pb.RankMemory]:
-    """The whole RankMemory of each trainer rank in `ranks` (those a receiver rank pulls from)."""
-    return dict(zip(ranks, _read(store, [_held_key(offer, k) for k in ranks], deadline)))
+_MAPPED = kept.Kept(8)  # digest -> a trainer rank's mapped memory, parsed: the few ranks this process pulls from
 
 
-def _read(store, keys: list[str], deadline: Deadline) -> list[pb.RankMemory]:
+def _held_memories(store, summaries: Sequence[pb.RankMemory], ranks: Sequence[int],
+                   deadline: Deadline) -> dict[int, pb.RankMemory]:
+    """The mapped memory of each trainer rank in `ranks` (those a receiver rank pulls from), by the digest its
+    summary names: read, checked and parsed the first time this process meets that digest, then kept (a
+    repeat from storages that stayed reads and parses nothing). Each has its digest set."""
+    def fetch(rank: int, digest: str) -> pb.RankMemory:
+        (raw,) = _read(store, [_mapped_key(rank, digest)], deadline, parse=False)
+        if hashlib.sha256(raw).hexdigest() != digest:
+            raise DataLoss(f"{deadline.what}: trainer rank {rank}'s memory in its store does not match its digest")
+        memory = pb.RankMemory.FromString(raw)
+        memory.digest = digest
+        return memory
+    return {k: _MAPPED.get(summaries[k].digest, lambda k=k: fetch(k, summaries[k].digest)) for k in ranks}
+
+
+def _read(store, keys: list[str], deadline: Deadline, parse: bool = True) -> list:
     try:
-        wait = min(routed_groups.JOIN_SECONDS, deadline.remaining("meeting the trainer"))
-        store.wait(keys, datetime.timedelta(seconds=wait))
-        return [pb.RankMemory.FromString(v) for v in store.multi_get(keys)]
+        _timeout(store, min(routed_groups.JOIN_SECONDS, deadline.remaining("meeting the trainer")))
+        values = store.multi_get(keys)
     except dist.DistError as e:
         raise Unavailable(f"{deadline.what}: a trainer rank did not start sending, or its store is gone ({e})") from e
+    return [pb.RankMemory.FromString(v) for v in values] if parse else values
 
 
 def _await_pulls(store, offer: pb.Offer, ranks: Sequence[int], deadline: Deadline) -> None:
@@ -228,7 +266,7 @@ def _await_pulls(store, offer: pb.Offer, ranks: Sequence[int], deadline: Deadlin
         return
     keys = [_pulled_key(offer, r) for r in ranks]
     try:
-        store.wait(keys, datetime.timedelta(seconds=max(deadline.remaining("waiting for the pulls"), 0.001)))
+        _timeout(store, deadline.remaining("waiting for the pulls"))
         outcomes = store.multi_get(keys)
     except dist.DistError as e:
         raise DeadlineExceeded(f"{deadline.what}: receiver ranks {list(ranks)} did not finish pulling in time "
@@ -303,18 +341,23 @@ class ShardedSender:
     def __init__(self, layout: Layout, specs: Sequence[Spec], rank: int, piece: Callable[[Piece], torch.Tensor], *,
                  bucket_bytes: int, host: str = "127.0.0.1", advertise: str | None = None,
                  device: torch.device | None = None,
-                 held: Callable[[], Sequence[Sequence[torch.Tensor]]] | None = None):
+                 held: Callable[[], Sequence[Sequence[torch.Tensor]]] | None = None,
+                 where: Callable[[], Hashable] | None = None):
         """held: the tensors of this rank's boxes (per tensor, in its layout's order), for receiver
-        ranks on its GPU to pull from (pulls.py); without it every receiver gets its pieces over the group."""
+        ranks on its GPU to pull from (pulls.py); without it every receiver gets its pieces over the group.
+        where: a key of where held()'s tensors lie, equal only while none has moved, cheaper than held()
+        (RankShards.where); by default kept.where of held()'s tensors."""
         self.layout, self.specs, self.rank, self.piece, self.held = layout, list(specs), rank, piece, held
+        self.where = where or (lambda: kept.where(t for tensors in held() for t in tensors))
         self.world, self.bucket_bytes = layout.ranks, bucket_bytes
         self.device = device or torch.device("cpu")
         self._store = None
         self._shares: dict = {}  # exported CUDA IPC handles, kept until close() (the trainer offloads)
-        # This rank's exports by where its storages lie (kept.where), its facts and the groups it holds: a
-        # repeat update from storages that stayed exports nothing; one that moved (and keeps the old alive
-        # in _shares, so no address repeats) is another key.
+        # This rank's exports by where its storages lie (kept.where) and its facts: a repeat update from
+        # storages that stayed exports nothing; one that moved (and keeps the old alive in _shares, so no
+        # address repeats) is another key, and another digest for the receivers.
         self._exports = kept.Kept(2)
+        self._mapped = ""  # the digest of the mapped memory this rank last put in the store
         self._spent: list[str] = []  # rank 0: the store keys of the last transfer
         self._open: OrderedDict[str, pb.Offer] = OrderedDict()  # rank 0: offers neither sent nor refused yet
         self._group = routed_groups.Decider()  # rank 0: the routed group of the last transfer
@@ -347,32 +390,35 @@ class ShardedSender:
             if a.transfer_id != offer.transfer_id:
                 raise InvalidArgument(f"answer from {a.receiver_id!r} is for transfer {a.transfer_id!r}, "
                                       f"not {offer.transfer_id!r}: pass the answers to this offer")
-        store = self._store if self._store is not None else _store(offer.routing.store, False,
-                                                                   deadline.remaining("joining the store"))
-        if self.rank == 0:
-            self._forget(store)
-            self._close_others(store, offer, "a newer offer was sent")
-            receivers = sum(a.ranks for a in answers)
-            self._spent += [*(_memory_key(offer, k) for k in range(self.world)),
-                            *(_pulled_key(offer, e) for e in range(receivers)), routed_groups.key(offer.transfer_id),
-                            *_set_roster(store, offer, make_roster(answers).SerializeToString())]
+        store = self._store if self._store is not None else _connect(offer.routing.store,
+                                                                     deadline.remaining("joining the store"))[0]
         engine = engine_layout(self.specs, answers)
         routes = cached_routes(self.layout, engine)
         facts, receivers = local_facts(self.device), engine_facts(answers)
         near = self.held is not None and any(pulls.same_gpu(facts, f) for f in receivers)
-        held, groups = self.held() if near else None, routed_groups.held()
-        key = (facts.SerializeToString(), near and kept.where(t for tensors in held for t in tensors), *groups)
-        _, values = self._exports.get(key, lambda: _export(pulls.memory(held, facts, self._shares), groups))
-        _put_memory(store, offer, self.rank, values)
+        key = (facts.SerializeToString(), near and self.where())  # a repeat calls no held()
+        summary, mapped = self._exports.get(key, lambda: _export(
+            pulls.memory(self.held() if near else None, facts, self._shares)))
+        mine = pb.RankMemory(facts=summary.facts, regions=summary.regions, digest=summary.digest,
+                             groups=routed_groups.held())
+        fresh = self._mapped != summary.digest  # the mapped part is in the store from the last put till it changes
+        _put_memory(store, offer, self.rank, mine, mapped if fresh else b"")
+        if fresh:
+            self._unmap(store, summary.digest)
+        spent = []  # rank 0: the transfer before's keys, which every member is done with
+        if self.rank == 0:  # its memory, then the roster: a receiver rank of K = 1 waits for nothing more
+            spent, self._spent = self._spent, []
+            self._close_others(store, offer, "a newer offer was sent")
+            self._spent += [*(_memory_key(offer, k) for k in range(self.world)),
+                            *(_pulled_key(offer, e) for e in range(engine.ranks)), routed_groups.key(offer.transfer_id),
+                            *_set_roster(store, offer, make_roster(answers).SerializeToString())]
         profile = {"export": time.perf_counter() - start}
-        memories = _memories(store, offer, self.world, deadline)
-        if self.rank == 0:
-            self._spent += [_held_key(offer, k) for k, m in enumerate(memories) if m.regions]
-        pulled, pushed = pulls.split(routes, memories, receivers)
-        profile["meet"] = time.perf_counter() - start - profile["export"]
-        sent, gid, pg = _wire_bytes(pulled, self.rank), "", None
-        members = self.world + engine.ranks
+        gid, pg, members = "", None, self.world + engine.ranks
         try:
+            memories = _memories(store, offer, self.world, deadline, own=(self.rank, mine))
+            pulled, pushed = pulls.split(routes, memories, receivers)
+            profile["meet"] = time.perf_counter() - start - profile["export"]
+            sent = _wire_bytes(pulled, self.rank)
             if any(t.dsts for t in pushed.transfers):
                 if self.rank == 0:
                     self._group.decide(store, offer.transfer_id, self.world, answers, memories)
@@ -380,11 +426,14 @@ class ShardedSender:
                 profile["group"] = time.perf_counter() - start - profile["export"] - profile["meet"]
                 sent += routed.send(pg, pushed, self.rank, self.piece, _bucket(offer, answers), deadline, self.device,
                                     profile)
+            _delete(store, spent)  # while the receiver ranks pull (one round trip each)
+            spent = []
             waited = time.perf_counter()
             _await_pulls(store, offer, sorted({d for t in pulled.of_sender(self.rank) for d in t.dsts}), deadline)
             profile["pulls"] = time.perf_counter() - waited
         except BaseException as e:
             if self.rank == 0:
+                self._spent += spent
                 self._group.forget()
             if pg is not None:
                 routed_groups.release(pg, e)
@@ -392,9 +441,18 @@ class ShardedSender:
             raise
         if pg is not None:
             routed_groups.keep(gid, pg)
+        if store is not self._store:
+            kept.CONNECTIONS.give(offer.routing.store, store)
         seconds = time.perf_counter() - start
         return Report(sent, seconds, _channels(pulled, pushed, self.backends[-1], sender=self.rank), seconds,
                       {"data": seconds, **profile}, sent)
+
+    def _unmap(self, store, digest: str) -> None:
+        """This rank put its mapped memory of `digest`: the one it put before goes (the transfers that could
+        read it are over)."""
+        if self._mapped:
+            _delete(store, [_mapped_key(self.rank, self._mapped)])
+        self._mapped = digest
 
     def refuse(self, offer: pb.Offer, reason: str) -> None:
         """Rank 0: tells the receivers waiting for this offer's roster that no send will come, and why."""
@@ -420,13 +478,9 @@ class ShardedSender:
 
     def _forget(self, store) -> None:
         """Rank 0: drops the keys of the transfer before (every member is done with it once another
-        starts), so a long run does not pile up every transfer's handles in the store."""
-        for key in self._spent:
-            try:
-                store.delete_key(key)
-            except dist.DistError:
-                break
-        self._spent = []
+        starts), so a long run does not pile up every transfer's keys in the store."""
+        spent, self._spent = self._spent, []
+        _delete(store, spent)
 
     def regions(self) -> None:
         """No HoldWeights for a sharded trainer's memory (each rank's handles would have to reach rank
@@ -443,8 +497,18 @@ class ShardedSender:
         self._store = None
         self._shares = {}
         self._exports.clear()
+        self._mapped = ""
 
 
+def _delete(store, keys: Sequence[str]) -> None:
+    for key in keys:
+        try:
+            store.delete_key(key)
+        except dist.DistError:
+            break
+
+
+@lru_cache(maxsize=16)
 def _wire_bytes(routes: Routes, rank: int) -> int:
     """What trainer rank `rank` moves on these routes: each piece once per receiver."""
     return sum(p.nbytes(routes.tensors) * len(t.dsts) for t in routes.of_sender(rank) for p in t.pieces)
@@ -476,7 +540,8 @@ class RoutedReceiver:
         self.trainer: Layout | None = None  # read at run() (trainer_layout)
         layout_of(self.specs, answer.layout)  # a layout that does not fit the manifest is refused now
         dest = dest.views if isinstance(dest, FlatStore) else dest
-        self.staging = {s.name: ((boxes or {}).get(s.name, whole(s.shape)), dest[s.name]) for s in self.specs
+        boxes = boxes or {}
+        self.staging = {s.name: (boxes.get(s.name) or whole(s.shape), dest[s.name]) for s in self.specs
                         if s.name in dest}
         self.deadline = Deadline(timeout, f"receiving routed transfer {offer.transfer_id[:8]} "
                                           f"(version {offer.manifest.version})")
@@ -493,7 +558,7 @@ class RoutedReceiver:
         all their ranks. Waits for it until the deadline, a refusal from the trainer, or close(), on
         a key of its own that the trainer sets with the roster (_set_roster) and close() sets too:
         the store wakes this wait as the key is set (a poll would add its period to every transfer)."""
-        key, refused = _roster_key(self.offer), _refused_key(self.offer)
+        key = _roster_key(self.offer)
         try:
             store.append(_waiting_key(self.offer), self._wake + "\n")
             ready = store.check([key])  # after the append (see _set_roster); not under the lock close() takes
@@ -503,20 +568,23 @@ class RoutedReceiver:
                 try:
                     store.wait([self._wake], datetime.timedelta(
                         seconds=self.deadline.remaining("waiting for the trainer to send")))
+                    ready = True  # woken by the roster (or by close(), told below)
                 except dist.DistError:  # the deadline, or the store is gone: told apart below
                     pass
                 with self._lock:
                     self._waiting = False
             if self._closed:
                 raise Aborted(f"{self.deadline.what}: closed before the trainer sent")
-            if store.check([refused]):
-                raise Unavailable(f"{self.deadline.what}: {store.get(refused).decode(errors='replace')}")
-            if not store.check([key]):
+            if not ready and not store.check([key]):
                 self.deadline.remaining("waiting for the trainer to send")
                 raise Unavailable(f"{self.deadline.what}: the trainer's store stopped answering")
+            raw = store.get(key)
+            if not raw:  # a refusal: the trainer set its reason first
+                raise Unavailable(f"{self.deadline.what}: "
+                                  f"{store.get(_refused_key(self.offer)).decode(errors='replace')}")
         except dist.DistError as e:
             raise Unavailable(f"{self.deadline.what}: the trainer's store is gone ({e})") from e
-        roster = pb.Roster.FromString(store.get(key))
+        roster = pb.Roster.FromString(raw)
         answers = roster.answers
         ids = [a.receiver_id for a in answers]
         if self.answer.receiver_id not in ids:
@@ -530,8 +598,15 @@ class RoutedReceiver:
             return self._run()
 
     def _run(self) -> Report:
-        store = _store(self.offer.routing.store, False, self.deadline.remaining("joining the store"))
-        roster, me = self._roster(store)
+        address = self.offer.routing.store
+        store, reused = _connect(address, self.deadline.remaining("joining the store"))
+        try:
+            roster, me = self._roster(store)
+        except Unavailable as e:  # a connection kept from a store gone since (a trainer restarted on its address)
+            if not reused or not isinstance(e.__cause__, dist.DistError):
+                raise
+            store = _store(address, False, self.deadline.remaining("joining the store"))
+            roster, me = self._roster(store)
         answers = roster.answers
         nbytes, profile = 0, {"roster": time.perf_counter() - self.start}
         try:
@@ -540,7 +615,7 @@ class RoutedReceiver:
             memories = _memories(store, self.offer, self.trainer.ranks, self.deadline)
             pulled, pushed = pulls.split(routes, memories, roster.facts)
             sources = sorted({t.src for t in pulled.of_receiver(me)})
-            held = _held_memories(store, self.offer, sources, self.deadline) if sources else {}
+            held = _held_memories(store, memories, sources, self.deadline) if sources else {}
             profile["plan"] = time.perf_counter() - self.start - profile["roster"]
             if sources:
                 nbytes = pulls.pull(pulled, me, self.trainer, held, self.specs, self.staging, self.device, profile,
@@ -553,6 +628,7 @@ class RoutedReceiver:
             received = time.perf_counter()
             nbytes += self._receive(store, pushed, me, answers, profile)
             profile["group"] = time.perf_counter() - received
+        kept.CONNECTIONS.give(address, store)
         backend = pb.BACKEND_NCCL if self.device.type == "cuda" else pb.BACKEND_GLOO
         return Report(nbytes, time.perf_counter() - self.start, _channels(pulled, pushed, backend, receiver=me),
                       profile=profile)

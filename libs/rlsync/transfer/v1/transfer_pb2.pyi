@@ -146,7 +146,7 @@ class RankLayout(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[RankLayout.Boxes, _Mapping]]] = ..., facts: _Optional[_Union[Facts, _Mapping]] = ...) -> None: ...
 
 class RankMemory(_message.Message):
-    __slots__ = ("facts", "ipc", "held", "groups", "regions")
+    __slots__ = ("facts", "ipc", "held", "groups", "regions", "digest")
     class Held(_message.Message):
         __slots__ = ("region", "offset", "stride", "dtype")
         REGION_FIELD_NUMBER: _ClassVar[int]
@@ -163,12 +163,14 @@ class RankMemory(_message.Message):
     HELD_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     facts: Facts
     ipc: _containers.RepeatedScalarFieldContainer[bytes]
     held: _containers.RepeatedCompositeFieldContainer[RankMemory.Held]
     groups: _containers.RepeatedScalarFieldContainer[str]
     regions: int
-    def __init__(self, facts: _Optional[_Union[Facts, _Mapping]] = ..., ipc: _Optional[_Iterable[bytes]] = ..., held: _Optional[_Iterable[_Union[RankMemory.Held, _Mapping]]] = ..., groups: _Optional[_Iterable[str]] = ..., regions: _Optional[int] = ...) -> None: ...
+    digest: str
+    def __init__(self, facts: _Optional[_Union[Facts, _Mapping]] = ..., ipc: _Optional[_Iterable[bytes]] = ..., held: _Optional[_Iterable[_Union[RankMemory.Held, _Mapping]]] = ..., groups: _Optional[_Iterable[str]] = ..., regions: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class RoutedGroup(_message.Message):
     __slots__ = ("id", "reuse")
