@@ -147,6 +147,7 @@ class PublisherCore:
             self._sender.close()
             self._sender = None
             self._offers.clear()
+        self._source = None  # (a quantized stage's FP8 buffers and scales go with it: the GPU is the engine's now)
 
     def _passes(self, per_send: int) -> int:
         """Passes a request makes over a streamed source (none over a resident one, nor a sharded

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rlsync.errors import InvalidArgument
+from rlsync.errors import InvalidArgument, Unavailable
 from rlsync.publish.layout import RankShards
 from rlsync.quant.fp8_blocks import FP8, scales_of
 from rlsync.quant.fp8_shards import BlockPlan, block_plan, exchange, partial_amax, quantize_box
@@ -55,12 +55,20 @@ class QuantizedShards:
 
     def refresh(self, ranks) -> None:
         """Every rank, in step: the scales of the blocks its boxes touch, from the weights as they are now
-        (partial amaxes, the cut blocks' combined by `ranks.max_of` in one call)."""
-        amaxes = []
+        (partial amaxes, the cut blocks' combined by `ranks.max_of` in one call). A rank that cannot make its
+        partial amaxes says so first (`ranks.agree`), so that every rank raises before the exchange, not
+        one of them in another collective than the others."""
+        self._fresh, amaxes, error = False, [], None
+        try:
+            with torch.no_grad():
+                for i in self.blocks:
+                    pieces = [(box, self.base.piece(Piece(i, box))) for box in self.base.layout.held[self.rank][i]]
+                    amaxes.append(partial_amax(pieces, self.base.layout.tensors[i].shape, self.block, self.device))
+        except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
+            error = e
+        if ranks.agree(error is None):
+            raise error or Unavailable("another rank of the trainer could not make its FP8 block scales (see its log)")
         with torch.no_grad():
-            for i in self.blocks:
-                pieces = [(box, self.base.piece(Piece(i, box))) for box in self.base.layout.held[self.rank][i]]
-                amaxes.append(partial_amax(pieces, self.base.layout.tensors[i].shape, self.block, self.device))
             exchange(amaxes, list(self.blocks.values()), ranks.max_of)
             for i, amax in zip(self.blocks, amaxes):
                 self.scales[i].copy_(scales_of(amax, self.pow2))
@@ -76,7 +84,7 @@ class QuantizedShards:
         return self.base.where(), kept.where([*self._values.values(), *self.scales.values()])
 
     def _check_fresh(self) -> None:
-        if not self._fresh:
+        if not self._fresh:  # (never made, or the last refresh failed)
             raise RuntimeError("a quantized piece was cut before the ranks made its scales (call refresh)")
 
     def piece(self, p: Piece) -> torch.Tensor:

@@ -135,7 +135,6 @@ def checksum_tensors(tensors: Sequence[torch.Tensor]) -> list[str]:
             out[k] = f"{8 * words:x}:{s1 & _MASK:016x}:{s2 & _MASK:016x}"
     for k, value in zip(rest_at, rest.values()):
         out[k] = value
-    del kept
     return out  # type: ignore[return-value]
 
 

@@ -98,7 +98,7 @@ def writer(mine: Sequence[Transfer], rank: int, specs: Sequence[Spec],
     has those too."""
     if keep is None:
         return DestWriter(*lay_out(), device)
-    writers = keep.setdefault("writers", Kept(4))
+    writers = keep.setdefault(("writers", rank), Kept(1))  # the latest only: no older staging kept alive
     key = (rank, device, *(id(t.pieces) for t in mine), tuple(s.dtype for s in specs), staging_where(staging))
     _, laid = writers.get(key, lambda: ([t.pieces for t in mine], DestWriter(*lay_out(), device)))
     return laid.again()

@@ -115,7 +115,11 @@ def keep(gid: str, pg) -> None:
 
 
 def _form(store: dist.Store, gid: str, rank: int, world: int, device: torch.device, timeout: float):
-    """A process group over `store`, private to rlsync (no default group touched)."""
+    """A process group over a connection of its own to `store`'s server (a transfer's connection is kept for
+    the next transfer, which sets its timeouts: kept.CONNECTIONS), private to rlsync (no default group touched)."""
+    if isinstance(store, dist.TCPStore):
+        store = dist.TCPStore(store.host, store.port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout))
     prefixed = dist.PrefixStore(f"rlsync-routed/{gid}", store)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()

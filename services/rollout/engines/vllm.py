@@ -211,7 +211,10 @@ class VLLMEngine(Engine):
         self._take_memory(per_worker)
 
     def _take_memory(self, per_worker: list[dict]) -> None:
-        """The workers' figures (rlsync_memory's, or the commit's answer) as this engine's."""
+        """The workers' figures (rlsync_memory's, or the commit's answer) as this engine's; None from a worker
+        that could not read them (the previous figures stay)."""
+        if any(w is None for w in per_worker):
+            return
         device = per_worker[0]["device"]
         self._memory = MemoryUsage(device, *(sum(w[k] for w in per_worker) for k in
                                              ("weights_bytes", "kv_cache_bytes", "reserved_bytes", "staging_bytes")))
@@ -312,7 +315,7 @@ class VLLMEngine(Engine):
         while True:
             states = await self.llm.collective_rpc("rlsync_poll")
             if all(s["state"] != "running" for s in states):
-                self._take_memory([s["memory"] for s in states])  # (a failed transfer has dropped its staging)
+                self._take_memory([s.get("memory") for s in states])  # (a failed transfer has dropped its staging)
                 for s in states:
                     raise_failure(s)
                 self.received_bytes = tuple(s.get("bytes", 0) for s in states)

@@ -232,13 +232,21 @@ class RlsyncWorkerExtension:
         engine asks for them in no call of its own: each call waits for an engine step)."""
         update = getattr(self, "_rlsync_update", None)
         state = update.poll() if update is not None else {"state": "none"}
-        return state if state["state"] == "running" else {**state, "memory": self.rlsync_memory()}
+        return state if state["state"] == "running" else {**state, "memory": self._rlsync_figures()}
 
     def rlsync_commit(self) -> dict[str, Any]:
         """Makes the received tensors live (_rlsync_commit) -> this worker's memory figures after it (rlsync_memory):
         the commit's answer, so the engine asks for them in no call of its own (one more engine step's wait)."""
         self._rlsync_commit()
-        return self.rlsync_memory()
+        return self._rlsync_figures()
+
+    def _rlsync_figures(self) -> dict[str, Any] | None:
+        """rlsync_memory, best effort: a figure that cannot be read must not fail what it comes with."""
+        try:
+            return self.rlsync_memory()
+        except Exception:  # noqa: BLE001 - the engine keeps its previous figures
+            log.warning("could not read this worker's memory figures", exc_info=True)
+            return None
 
     def _rlsync_commit(self) -> None:
         """Makes the received tensors live, between two engine steps: where vLLM's loaders place every tensor
