@@ -73,7 +73,7 @@ class QuantizedShards:
             for i, amax in zip(self.blocks, amaxes):
                 self.scales[i].copy_(scales_of(amax, self.pow2))
             for (i, box), q in self._values.items():  # the FP8 boxes receivers pull: a repeat's export is kept
-                q.copy_(quantize_box(self.base.piece(Piece(i, box)), box, self.scales[i], self.block))
+                q.copy_(self._quantize(i, box))
         if self._values and self.device.type == "cuda":  # another process reads them next (held_tensors)
             torch.cuda.current_stream(self.device).synchronize()
         self._fresh = True
@@ -99,7 +99,7 @@ class QuantizedShards:
             return values
         self._check_fresh()
         with torch.no_grad():
-            return quantize_box(values, p.box, self.scales[i], self.block)
+            return self._quantize(i, p.box, values)
 
     def held_tensors(self) -> list[list[torch.Tensor]]:
         """This rank's boxes as tensors, per stage tensor in its layout's order (rlsync.transfer.pulls):
@@ -126,8 +126,13 @@ class QuantizedShards:
         q = self._values.get((i, box))
         if q is None:
             q = self._values[i, box] = torch.empty([b - a for a, b in box], dtype=FP8, device=self.device)
-            q.copy_(quantize_box(self.base.piece(Piece(i, box)), box, self.scales[i], self.block))
+            q.copy_(self._quantize(i, box))
         return q
+
+    def _quantize(self, i: int, box: Box, values: torch.Tensor | None = None) -> torch.Tensor:
+        """The FP8 values of `box` of base tensor i (`values`: its values, else cut now) under the scales."""
+        values = self.base.piece(Piece(i, box)) if values is None else values
+        return quantize_box(values, box, self.scales[i], self.block)
 
     def checksum_share(self, dtype: torch.dtype | None = None) -> list[tuple[int, int]]:
         """As RankShards.checksum_share, over the stage's tensors: FP8 values and scales as sent, never cast."""

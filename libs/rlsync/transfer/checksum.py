@@ -74,7 +74,7 @@ class Checksums:
                 acc = sums[index]
                 acc[0] += s1
                 acc[1] += r * _COLS + c + base * s1
-        return [f"{n:x}:{s1 & _MASK:016x}:{s2 & _MASK:016x}" for n, (s1, s2) in zip(self._sizes, sums)]
+        return [from_sums(n, s1, s2) for n, (s1, s2) in zip(self._sizes, sums)]
 
 
 def checksum_bytes(data: torch.Tensor) -> str:
@@ -98,14 +98,17 @@ def checksum_tensor(t: torch.Tensor) -> str:
 
 def audit_entry(t: torch.Tensor) -> tuple[str, tuple[int, ...], str]:
     """(dtype, shape, checksum) of one tensor: a row of a weight audit (rlsync.common.audit)."""
-    return str(t.dtype).removeprefix("torch."), tuple(t.shape), checksum_tensor(t)
+    return *_row(t), checksum_tensor(t)
 
 
 def audit(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...], str]]:
     """{name: audit_entry(tensor)} of many tensors, their checksums taken together (checksum_tensors)."""
     sums = checksum_tensors(list(tensors.values()))
-    return {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape), c)
-            for (n, t), c in zip(tensors.items(), sums)}
+    return {n: (*_row(t), c) for (n, t), c in zip(tensors.items(), sums)}
+
+
+def _row(t: torch.Tensor) -> tuple[str, tuple[int, ...]]:
+    return str(t.dtype).removeprefix("torch."), tuple(t.shape)
 
 
 CHUNK_WORDS = 1 << 15  # 64-bit words one program of the checksum kernel sums at most (256 KiB)
@@ -132,7 +135,7 @@ def checksum_tensors(tensors: Sequence[torch.Tensor]) -> list[str]:
             rest_at.append(k)
     for device, found in rows.items():
         for (_, words, k), (s1, s2) in zip(found, _summed(np.array(found, dtype=np.int64), device)):
-            out[k] = f"{8 * words:x}:{s1 & _MASK:016x}:{s2 & _MASK:016x}"
+            out[k] = from_sums(8 * words, s1, s2)
     for k, value in zip(rest_at, rest.values()):
         out[k] = value
     return out  # type: ignore[return-value]
