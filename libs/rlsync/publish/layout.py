@@ -238,14 +238,22 @@ class RankShards:
         """This rank's share of each engine tensor's checksum sums (checksum.box_sums), cast to `dtype`
         when given: routes from every rank's boxes to one whole copy split each tensor among the ranks
         (a replicated box counts once), so the ranks' shares add up to the whole tensor's sums."""
-        sums = [(0, 0)] * len(self.entries)
-        for p in share(self.layout, self.rank):
-            values = self.piece(p)
-            if dtype is not None and values.is_floating_point():
-                values = values.to(dtype)
-            s1, s2 = box_sums(values, p.box, self.entries[p.tensor].shape)
-            sums[p.tensor] = (sums[p.tensor][0] + s1, sums[p.tensor][1] + s2)
-        return sums
+        return checksum_shares(self.layout, self.rank, self.piece, [e.shape for e in self.entries],
+                               lambda p: dtype)
+
+
+def checksum_shares(layout, rank: int, piece: Callable[[Piece], torch.Tensor], shapes: Sequence[tuple[int, ...]],
+                    cast_to: Callable[[Piece], torch.dtype | None]) -> list[tuple[int, int]]:
+    """Rank `rank`'s share of each tensor's checksum sums over the pieces `share` gives it, each piece's
+    floating values cast to `cast_to(piece)` when that is not None (RankShards, QuantizedShards)."""
+    sums = [(0, 0)] * len(shapes)
+    for p in share(layout, rank):
+        values, dtype = piece(p), cast_to(p)
+        if dtype is not None and values.is_floating_point():
+            values = values.to(dtype)
+        s1, s2 = box_sums(values, p.box, shapes[p.tensor])
+        sums[p.tensor] = (sums[p.tensor][0] + s1, sums[p.tensor][1] + s2)
+    return sums
 
 
 def publisher_ranks(group=None) -> tuple[int, int, list[int]]:

@@ -10,13 +10,12 @@ from collections.abc import Sequence
 import torch
 
 from rlsync.errors import InvalidArgument, Unavailable
-from rlsync.publish.layout import RankShards
+from rlsync.publish.layout import RankShards, checksum_shares
 from rlsync.quant.fp8_blocks import FP8, scales_of
 from rlsync.quant.fp8_shards import BlockPlan, block_plan, exchange, partial_amax, quantize_box
 from rlsync.transfer import kept
-from rlsync.transfer.checksum import box_sums
 from rlsync.transfer.manifest import Spec
-from rlsync.transfer.routes import Box, Piece, TensorInfo, layout, share
+from rlsync.transfer.routes import Box, Piece, TensorInfo, layout
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 WEIGHT, SCALE = 1, 2  # what a tensor of the stage is of its base tensor (0: the base tensor as it is)
@@ -136,11 +135,5 @@ class QuantizedShards:
 
     def checksum_share(self, dtype: torch.dtype | None = None) -> list[tuple[int, int]]:
         """As RankShards.checksum_share, over the stage's tensors: FP8 values and scales as sent, never cast."""
-        sums = [(0, 0)] * len(self.specs)
-        for p in share(self.layout, self.rank):
-            values = self.piece(p)
-            if dtype is not None and values.is_floating_point() and self.plan[p.tensor][1] == 0:
-                values = values.to(dtype)
-            s1, s2 = box_sums(values, p.box, self.specs[p.tensor].shape)
-            sums[p.tensor] = (sums[p.tensor][0] + s1, sums[p.tensor][1] + s2)
-        return sums
+        return checksum_shares(self.layout, self.rank, self.piece, [s.shape for s in self.specs],
+                               lambda p: dtype if self.plan[p.tensor][1] == 0 else None)
