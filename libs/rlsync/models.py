@@ -255,6 +255,22 @@ def torch_dtype(name: str):
     return getattr(torch, name)
 
 
+def load_trainable(path: str, dtype: str = "auto"):
+    """The causal LM at `path` (on CPU) with trainable weights in `dtype`: a block-FP8 checkpoint's
+    dequantized, wherever it loads (transformers keeps them FP8, which no optimizer steps, whenever a
+    GPU is present; without one it dequantizes them itself)."""
+    from transformers import AutoModelForCausalLM
+
+    config = Path(path) / "config.json"
+    quant = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+    extra = {}
+    if (quant or {}).get("quant_method") == "fp8":
+        from transformers import FineGrainedFP8Config
+
+        extra["quantization_config"] = FineGrainedFP8Config(dequantize=True)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), **extra)
+
+
 def resolve_model(name: str) -> str:
     """`tiny` -> the locally built default, `tiny-moe` -> its mixture of experts, `tiny-fp8` -> a tiny
     Qwen3 in block FP8; anything else is a local path (or a hub id, offline)."""

@@ -15,7 +15,7 @@ from rlsync.common.timing import Stopwatch
 from rlsync.checkpoint_names import checkpoint_tensors, expert_rules
 from rlsync.flat import FlatStore, specs_of
 from rlsync.lora import split as lora_split
-from rlsync.models import torch_dtype
+from rlsync.models import load_trainable
 from rlsync.transfer import SharedArena
 from rlsync.transfer.v1.transfer_pb2 import LoraAdapter
 
@@ -64,14 +64,13 @@ class Policy:
 
     def __init__(self, model_path: str, device: str, dtype: str, lr: float, weight_decay: float, spool_dir: str,
                  lora: LoraAdapter | None = None, lora_targets: str = "all-linear"):
-        from transformers import AutoModelForCausalLM
 
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" != "cuda:0" when comparing
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype(dtype)).to(self.device)
+        self.model = load_trainable(model_path, dtype).to(self.device)
         self.adapter = lora
         if lora is not None:
             from peft import LoraConfig, get_peft_model

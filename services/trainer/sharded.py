@@ -11,20 +11,19 @@ import torch
 import torch.distributed as dist
 
 from rlsync.errors import FailedPrecondition
-from rlsync.models import torch_dtype
+from rlsync.models import load_trainable
 
 
 class ShardedPolicy:
     def __init__(self, model_path: str, device: str, dtype: str, lr: float, weight_decay: float):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        from transformers import AutoModelForCausalLM
 
         world = dist.get_world_size()
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype(dtype)).to(self.device)
+        model = load_trainable(model_path, dtype).to(self.device)
         mesh = init_device_mesh(self.device.type, (world,))
         for layer in getattr(getattr(model, "model", None), "layers", []):  # decoder blocks: one unit each
             fully_shard(layer, mesh=mesh)

@@ -30,10 +30,11 @@ VLLM_GPU = {"dtype": "bfloat16", "enable_sleep_mode": True, "enforce_eager": Tru
 LORA = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
 
 
-def _fleet(services, mode: str, replicas: int = 1, trainer_args=(), engine_extra=None, dying: str = ""):
+def _fleet(services, mode: str, replicas: int = 1, trainer_args=(), engine_extra=None, dying: str = "",
+           model: str = ""):
     co = services.start("coordinator", ["--sync-mode", mode, "--lease", "3", "--heartbeat-interval", "0.3"],
                         name=f"coordinator-{mode}")
-    on = ["--coordinator", co.address]
+    on = ["--coordinator", co.address, *(["--model", model] if model else [])]
     tr = services.start("trainer", [*on, "--device", "cuda", "--lr", "0.05", "--checksums", *trainer_args],
                         env=ON_GPU, name=f"trainer-{mode}")
     engine = ["--engine", "vllm", "--engine-args", json.dumps({**VLLM_GPU, **(engine_extra or {})})]
@@ -86,6 +87,53 @@ def test_colocated_cycles_land_each_update_in_vllms_woken_weights_bit_for_bit(se
     # bf16 logits on both sides, from different kernels: a few units in the last place of a logit (~0.03 at 5)
     assert max(off_trained) < 0.1, (served, off_trained)
     assert sum(off_base) > sum(off_trained), "the served policy is the trained one, not the one it slept with"
+
+
+@pytest.mark.parametrize("mode", ["colocated", "async"])
+def test_vllm_serves_an_fp8_checkpoint_and_each_update_arrives_quantized_bit_for_bit(services, mode, tmp_path):
+    """vLLM's Fp8LinearMethod (block scales, on the GPU) holds the checkpoint's FP8 weights; the replica says so
+    (RolloutInfo.weight_format), the bf16 trainer quantizes on the way out, vLLM's layerwise reload takes the
+    FP8 values and scales, and it then computes with the trained weights."""
+    from safetensors.torch import load_file
+
+    from rlsync.models import ensure_tiny_fp8, load_trainable
+    from rlsync.quant.fp8_blocks import quantize_blocks
+    from rlsync.quant.fp8_format import scale_name
+    from rlsync.transfer import audit_entry
+
+    fp8 = str(ensure_tiny_fp8())
+    client, trainer, (rollout,), _ = _fleet(services, mode, model=fp8, trainer_args=("--dtype", "bfloat16"))
+    fmt = rollout.info().weight_format.fp8  # from the checkpoint (its config and its scales), not a hand list
+    assert list(fmt.block) == [128, 128] and fmt.fmt == "e4m3" and len(fmt.weights) == 14, fmt
+    syncs = [rl_step(client, seed) for seed in range(2)]
+    assert [s.version for s in syncs] == [1, 2] and all(s.verified for s in syncs), syncs
+    assert all(s.backends == {"cuda_ipc": 1} for s in syncs), syncs
+
+    if mode == "colocated":
+        trainer.onload()  # (the cycle left it offloaded)
+    checkpoint = trainer.save_checkpoint(str(tmp_path / "c")).path
+    trained = load_file(f"{checkpoint}/model.safetensors")
+    served = {t.name: t for t in rollout.checksums().tensors}
+    want = {}
+    for w in fmt.weights:  # the reference quantizer on the GPU (its arithmetic: rlsync.quant.fp8_blocks)
+        q, scale = quantize_blocks(trained[w].cuda())
+        want[w], want[scale_name(w)] = audit_entry(q.cpu())[2], audit_entry(scale.cpu())[2]
+    assert {n: served[n].checksum for n in want} == want  # values and scales, bit for bit
+    fp8_bytes = sum(t.nbytes // 2 + 4 * -(-t.shape[0] // 128) * -(-t.shape[1] // 128) if n in fmt.weights
+                    else t.nbytes for n, t in trained.items())
+    assert syncs[-1].bytes == fp8_bytes < sum(t.nbytes for t in trained.values())
+
+    done = client.complete("3+4=", n=1, max_tokens=12, temperature=0, logprobs=True, ignore_eos=True)
+    assert {v for c in done for v in c.token_versions} == {2}
+    served_lp = [lp for c in done for lp in c.logprobs]
+    off = {}
+    for name, path in (("trained", checkpoint), ("base", fp8)):
+        model = load_trainable(path, "bfloat16").cuda().eval()  # (the base: its FP8 weights dequantized)
+        off[name] = [abs(a - b) for a, b in zip(served_lp, _logprobs(model, done))]
+    print(f"\nvLLM FP8 ({mode}) vs the bf16 trainer, greedy logprobs over 12 tokens: mean gap "
+          f"{sum(off['trained']) / 12:.4f} (vs the base weights {sum(off['base']) / 12:.4f}) nats; "
+          f"{syncs[-1].bytes} bytes a sync")
+    assert sum(off["base"]) > sum(off["trained"]), ("it computes with the trained weights, not the loaded ones", off)
 
 
 def test_an_update_into_the_woken_weights_that_is_abandoned_leaves_them_unserved_until_the_next(services):

@@ -93,3 +93,21 @@ def test_vllm_and_sglang_refuse_fp8_models_on_cpus_without_amx(tmp_path):
         refuse_fp8_on_cpu(engine, str(tmp_path), on_cpu=True, amx=True)  # may serve: its own start decides
         refuse_fp8_on_cpu(engine, str(tmp_path), on_cpu=False, amx=False)  # a GPU serves it
     refuse_fp8_on_cpu("hf", str(tmp_path), on_cpu=True, amx=False)  # dequantizes per block
+
+
+def test_an_engine_loading_the_checkpoint_as_is_declares_the_format_the_hf_engine_finds():
+    """vLLM (on a GPU) holds a pre-quantized checkpoint's FP8 weights as they are: its format comes from the
+    checkpoint alone and names the weights the hf engine finds in its model."""
+    from transformers import AutoModelForCausalLM
+
+    from rlsync.models import ensure_tiny_fp8, ensure_tiny_model
+    from rlsync.rollout.engines.fp8_support import checkpoint_format
+    from rlsync.rollout.engines.hf_fp8 import to_fp8
+
+    path = str(ensure_tiny_fp8())
+    fmt = checkpoint_format(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    found = to_fp8(model, path)
+    assert sorted(fmt.fp8.weights) == sorted(found.fp8.weights) and len(fmt.fp8.weights) == 14
+    assert list(fmt.fp8.block) == [128, 128] and fmt.fp8.scale_dtype == "float32"
+    assert checkpoint_format(str(ensure_tiny_model())) is None

@@ -10,7 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rlsync.checks import StartupError
-from rlsync.quant.fp8_format import is_fp8_config
+from rlsync.quant.fp8_format import fp8_format, is_fp8_config
+from rlsync.transfer.v1 import transfer_pb2 as pb
 
 NEEDS_AMX = {"vllm": "vLLM's CPU FP8 block kernel (CPUFp8W8A8BlockScaledMMKernel)",
              "sglang": "SGLang's CPU Fp8LinearMethod"}
@@ -21,6 +22,19 @@ def quantization_config(model: str) -> dict | None:
     if not config.is_file():
         return None  # a hub id: the engine reads its config itself
     return json.loads(config.read_text()).get("quantization_config")
+
+
+def checkpoint_format(model: str) -> pb.WeightFormat | None:
+    """How a pre-quantized checkpoint holds its weights (the engine loads them so: vLLM, SGLang), from its
+    config and tensor names alone (a weight is FP8 where the checkpoint has its scales); None when unquantized."""
+    quant = quantization_config(model)
+    if not is_fp8_config(quant):
+        return None
+    from rlsync.rollout.engines.checkpoint import checkpoint_tensors
+
+    tensors = checkpoint_tensors(model)
+    linears = [n for n, (shape, _) in tensors.items() if n.endswith(".weight") and len(shape) == 2]
+    return fp8_format(quant, linears, tensors)
 
 
 def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:

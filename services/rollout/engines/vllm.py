@@ -32,6 +32,7 @@ from rlsync.transfer.v1 import transfer_pb2
 from rlsync.common.audit import LIVE
 from rlsync.rollout.engines.base import Engine
 from rlsync.rollout.engines.checkpoint import checkpoint_checksums, checkpoint_tensors
+from rlsync.rollout.engines.fp8_support import checkpoint_format
 from rlsync.rollout.engines.vllm_lora import Adapters
 from rlsync.rollout.engines.vllm_versions import RequestRefused, SwitchPoints, check, tags_tokens
 from rlsync.rollout.types import Delta, FinishReason, GenerationRequest, MemoryUsage, PauseMode, WakeTag
@@ -83,6 +84,9 @@ class VLLMEngine(Engine):
         self.dtype = str(config.model_config.dtype).removeprefix("torch.")
         self.vocab_size = config.model_config.get_vocab_size()
         self.tensor_parallel_size = config.parallel_config.tensor_parallel_size
+        # an FP8 checkpoint's weights stay FP8 in vLLM (its Fp8LinearMethod): updates arrive so, reloaded through
+        # vLLM's layerwise reload, which processes them as at the first load
+        self.weight_format = checkpoint_format(self.model)
         # vLLM labels every step's tokens with it: the version of the full weights (an adapter's
         # requests carry their adapter's version instead, see _deltas); older releases do not.
         self._tags = tags_tokens(self.llm)
