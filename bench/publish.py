@@ -6,7 +6,10 @@ the bound (two buckets plus the largest tensor). Prints one JSON line per case, 
     python bench/publish.py --device cuda         # GPU: cuda_ipc to GPU 0
 
 Layouts: "module" = a plain module's parameters, one allocation each, sent as they are; "cast" = fp32
-parameters published as bf16 (produced tensor by tensor). Sharded models (FSDP2 over several ranks):
+parameters published as bf16 (produced tensor by tensor); "fp8" = bf16 parameters whose 2-D weights are
+published as block FP8 plus scales, quantized on the way out by the trainer (one kernel per weight), against
+the quantize kernel's limit (3 bytes moved an element at the copy rate) plus the D2D copy of what is sent
+(`--only fp8` runs these alone). Sharded models (FSDP2 over several ranks):
 bench/sharded.py, the rank-0 path and routes side by side.
 """
 
@@ -29,9 +32,12 @@ from models import preset_shapes  # noqa: E402
 from transfer import Receivers, _timed, d2d_limit, memcpy_limit  # noqa: E402
 
 from rlsync.publish import WeightMap  # noqa: E402
+from rlsync.publish.quantized import quantized  # noqa: E402
 from rlsync.publish.source import module_source  # noqa: E402
+from rlsync.quant.fp8_format import parse_fp8  # noqa: E402
 from rlsync.transfer import WeightSender  # noqa: E402
 from rlsync.transfer.source import StreamedSource, run_pass  # noqa: E402
+from rlsync.transfer.v1 import transfer_pb2 as pb  # noqa: E402
 
 GB = 1e9
 
@@ -81,10 +87,12 @@ class Peak:
 
 
 def run_case(model: nn.Module, weights: WeightMap, backend: str, receivers: list[str], bucket: int, repeats: int,
-             device: str, ranks: int, rank: int, hold: bool = False, pull: bool = False) -> dict | None:
+             device: str, ranks: int, rank: int, hold: bool = False, pull: bool = False, fmt=None) -> dict | None:
     """pull: receivers on the trainer's GPU copy the weights themselves, before they answer (what a
-    colocated replica does); their own seconds are the figure."""
+    colocated replica does); their own seconds are the figure. fmt: a WeightFormat the source is quantized to."""
     source, _ = module_source(model, weights)
+    if fmt is not None:
+        source = quantized(source, fmt)
     passes = 1 if isinstance(source, StreamedSource) else 0
     produce_seconds = [0.0]
     if passes:  # time spent making the tensors (gather from shards, cast) apart from moving them
@@ -154,7 +162,8 @@ def single_rank(args, shapes, bucket) -> list[dict]:
         limit = {"memcpy_1_thread": round(memcpy_limit(1 << 30, 1), 2)}
         plan = [("module", torch.bfloat16, None, "shm", ["cpu"], False, False),
                 ("module", torch.bfloat16, None, "gloo", ["cpu"], False, False),
-                ("cast", torch.float32, torch.bfloat16, "shm", ["cpu"], False, False)]
+                ("cast", torch.float32, torch.bfloat16, "shm", ["cpu"], False, False),
+                ("fp8", torch.bfloat16, None, "shm", ["cpu"], False, False)]
         key = "memcpy_1_thread"
     else:
         limit = {"d2d_copy": round(d2d_limit(4 << 30, device), 1), "cast_fp32_to_bf16": cast_limit(1 << 30, device)}
@@ -167,13 +176,26 @@ def single_rank(args, shapes, bucket) -> list[dict]:
                 ("module", torch.bfloat16, None, "cuda_ipc", [device], True, True),
                 ("cast", torch.float32, torch.bfloat16, "cuda_ipc", [device], False, False),
                 ("cast", torch.float32, torch.bfloat16, "cuda_ipc", [device], False, True),
-                ("cast", torch.float32, torch.bfloat16, "cuda_ipc", [device], True, True)]
+                ("cast", torch.float32, torch.bfloat16, "cuda_ipc", [device], True, True),
+                ("fp8", torch.bfloat16, None, "cuda_ipc", [device], False, False),
+                ("fp8", torch.bfloat16, None, "cuda_ipc", [device], True, False)]
         key = "d2d_copy"
+    if args.only:
+        plan = [p for p in plan if p[0] in args.only.split(",")]
     for layout, dtype, out, backend, receivers, hold, pull in plan:
         model = build_module(shapes, dtype, device)
+        fmt = None
+        if layout == "fp8":
+            fmt = pb.WeightFormat(fp8=parse_fp8({"quant_method": "fp8", "weight_block_size": [128, 128]}))
+            fmt.fp8.weights.extend(n for n, p in model.named_parameters() if p.dim() == 2)
         r = run_case(model, WeightMap(dtype=out), backend, receivers, bucket, args.repeats, device, 1, 0, hold,
-                     pull)
+                     pull, fmt)
         r.update(layout=layout, limit=key, limit_GB_s=limit[key], ratio=round(r["GB/s"] / limit[key], 3))
+        if fmt is not None:  # quantize (read 2, write 1 byte an element) then copy what is sent, each at its limit
+            elements = sum(p.numel() for n, p in model.named_parameters() if n in set(fmt.fp8.weights))
+            limit_s = 3 * elements / (2 * limit[key] * GB) + r["bytes"] / (limit[key] * GB)
+            r.update(limit="quantize_then_d2d", limit_seconds=round(limit_s, 5),
+                     ratio=round(limit_s / r["seconds"], 3), bf16_bytes=sum(p.nbytes for p in model.parameters()))
         if layout == "cast" and "cast_fp32_to_bf16" in limit:  # the cast kernel's own rate bounds a cast
             r.update(cast_limit_GB_s=limit["cast_fp32_to_bf16"],
                      ratio_to_cast=round(r["GB/s"] / limit["cast_fp32_to_bf16"], 3))
@@ -193,6 +215,7 @@ def main() -> None:
     parser.add_argument("--preset", default="", help="model shapes (default: small on CPU, qwen3-4b on GPU)")
     parser.add_argument("--bucket-mib", type=int, default=0, help="default: 32 on CPU, 512 on GPU")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", default="", help="comma-separated layouts to run (module, cast, fp8)")
     args = parser.parse_args()
     args.preset = args.preset or ("small" if args.device == "cpu" else "qwen3-4b")
     args.bucket_mib = args.bucket_mib or (32 if args.device == "cpu" else 512)
