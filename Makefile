@@ -177,8 +177,18 @@ gpu-setup:
 	python3 -m pip install -q --no-index --find-links wheels checkpoint-engine==0.4.2
 	python3 -m pip install -q --no-deps --no-build-isolation -e .
 
+# More than one device call's 10 minutes on one H200: GPU_PART=vllm runs vLLM's tests, GPU_PART=rest the others
+# (empty: all). Each test's line lands in $(GPU_LOG) as it finishes (a call cut short still brings back what ran),
+# and a test that hangs fails after $(GPU_TEST_TIMEOUT) s where pytest-timeout is installed (the GPU image has it).
+GPU_PART ?=
+GPU_LOG ?= $(if $(OUT),$(OUT),.cache)/gpu-test.log
+GPU_TEST_TIMEOUT ?= 300
+GPU_SELECT := $(if $(filter vllm,$(GPU_PART)),tests/gpu/test_vllm_gpu.py,$(if $(filter rest,$(GPU_PART)),tests --ignore=tests/gpu/test_vllm_gpu.py,tests))
 gpu-test:
-	python3 -m pytest -m gpu $(PYTEST_ARGS) tests
+	@mkdir -p $(dir $(GPU_LOG))
+	PYTHONUNBUFFERED=1 python3 -m pytest -m gpu -rfE --durations=15 \
+	    $$(python3 -c 'import pytest_timeout' 2>/dev/null && echo --timeout=$(GPU_TEST_TIMEOUT)) \
+	    $(PYTEST_ARGS) $(GPU_SELECT) > $(GPU_LOG) 2>&1; rc=$$?; cat $(GPU_LOG); exit $$rc
 
 protos: $(STAMP)
 	$(BIN)/python -m rlsync.protogen
