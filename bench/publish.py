@@ -7,10 +7,10 @@ the bound (two buckets plus the largest tensor). Prints one JSON line per case, 
 
 Layouts: "module" = a plain module's parameters, one allocation each, sent as they are; "cast" = fp32
 parameters published as bf16 (produced tensor by tensor); "fp8" = bf16 parameters whose 2-D weights are
-published as block FP8 plus scales, quantized on the way out by the trainer (one kernel per weight), against
-the quantize kernel's limit (3 bytes moved an element at the copy rate) plus the D2D copy of what is sent
-(`--only fp8` runs these alone). Sharded models (FSDP2 over several ranks):
-bench/sharded.py, the rank-0 path and routes side by side.
+published as block FP8 plus scales, quantized by the trainer into a buffer of its own at each offer (one kernel
+per weight; its time counts), then moved as resident weights, against the quantize kernel's limit (3 bytes
+moved an element at the copy rate) plus the D2D copy of what is sent (`--only fp8` runs these alone).
+Sharded models (FSDP2 over several ranks): bench/sharded.py, the rank-0 path and routes side by side.
 """
 
 from __future__ import annotations
@@ -112,12 +112,18 @@ def run_case(model: nn.Module, weights: WeightMap, backend: str, receivers: list
                 run_pass(source)
         return {"rank": rank, "peak_extra_bytes": peak.extra()}
     group = Receivers(receivers, backend, hold)
-    seconds = []
+    seconds, quantize_seconds = [], []
+    refresh = getattr(source, "refresh", None) if fmt is not None else None  # a publisher's offer fills it anew
     try:
         with WeightSender(source, bucket_bytes=bucket, backends=[backend]) as sender:
             nbytes = sum(s.nbytes for s in source.specs())
             largest = max(s.nbytes for s in source.specs())
             for i in range(repeats + 1):  # the first one warms up
+                took = 0.0
+                if refresh is not None and i:  # (the first one was filled as it was made)
+                    start = time.perf_counter()
+                    refresh()
+                    took = time.perf_counter() - start
                 offer = sender.offer(version=i, pull=pull)
                 answers = group.answers(offer)
                 report = sender.send(offer, answers, timeout=600)
@@ -125,8 +131,9 @@ def run_case(model: nn.Module, weights: WeightMap, backend: str, receivers: list
                 if not all(r["ok"] for r in results):
                     raise RuntimeError(f"{backend}: a receiver failed")
                 pulled = all(a.pull for a in answers)  # done by the receivers before they answered
-                if i:
-                    seconds.append(max(r["seconds"] for r in results) if pulled else report.seconds)
+                if i:  # (quantizing into the buffer, then moving it)
+                    seconds.append(took + (max(r["seconds"] for r in results) if pulled else report.seconds))
+                    quantize_seconds.append(took)
                 else:
                     produce_seconds[0] = 0.0
     finally:
@@ -140,7 +147,8 @@ def run_case(model: nn.Module, weights: WeightMap, backend: str, receivers: list
             "held": hold,
             "streamed": bool(passes), "bytes": nbytes, "tensors": len(source.specs()), "seconds": round(s, 4),
             "GB/s": round(nbytes / s / GB, 3), "peak_extra_bytes": {0: peak.extra()},
-            "bound_bytes": 2 * bucket + largest, "produce_seconds": round(produce_seconds[0] / repeats, 4)}
+            "bound_bytes": 2 * bucket + largest, "produce_seconds": round(produce_seconds[0] / repeats, 4),
+            **({"quantize_seconds": round(statistics.median(quantize_seconds), 5)} if refresh is not None else {})}
 
 
 def cast_limit(elements: int, device: str) -> float:
@@ -178,7 +186,7 @@ def single_rank(args, shapes, bucket) -> list[dict]:
                 ("cast", torch.float32, torch.bfloat16, "cuda_ipc", [device], False, True),
                 ("cast", torch.float32, torch.bfloat16, "cuda_ipc", [device], True, True),
                 ("fp8", torch.bfloat16, None, "cuda_ipc", [device], False, False),
-                ("fp8", torch.bfloat16, None, "cuda_ipc", [device], True, False)]
+                ("fp8", torch.bfloat16, None, "cuda_ipc", [device], True, True)]
         key = "d2d_copy"
     if args.only:
         plan = [p for p in plan if p[0] in args.only.split(",")]

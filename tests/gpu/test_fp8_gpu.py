@@ -68,3 +68,29 @@ def test_a_non_contiguous_weight_and_the_dispatch():
     q, s = quantize(x)
     q_ref, s_ref = quantize_blocks(x.contiguous())  # the reference on the same device
     assert q.is_cuda and torch.equal(_bits(q), _bits(q_ref)) and torch.equal(_bits(s), _bits(s_ref))
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_a_publishers_fp8_buffer_holds_the_kernels_bits_and_is_filled_again_in_place(pow2):
+    """QuantizedBuffer (a single-process trainer's FP8 weights, kept for replicas to pull or keep mapped): the
+    kernel writes into its views, the same bits as a fresh quantize, and a refresh moves no memory."""
+    from rlsync.publish.quantized import quantized
+    from rlsync.quant.fp8_format import fp8_format, scale_name
+    from rlsync.transfer.source import ResidentSource
+
+    weights = {f"layers.{i}.proj.weight": _weights(*shape, seed=i, dtype=torch.bfloat16).cuda()
+               for i, shape in enumerate([(300, 77), (4096, 7168), (129, 127)])}
+    tensors = {"embed.weight": torch.randn(64, 32, device="cuda", dtype=torch.bfloat16), **weights}
+    config = {"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0" if pow2 else None}
+    buffer = quantized(ResidentSource(tensors), fp8_format(config, list(weights)))
+    where = {n: t.data_ptr() for n, t in buffer.tensors.items()}
+    for step in range(2):
+        for name, w in weights.items():
+            q, s = quantize_cuda(w, pow2=pow2)
+            assert torch.equal(_bits(buffer.tensors[name]), _bits(q)), (step, name)
+            assert torch.equal(_bits(buffer.tensors[scale_name(name)]), _bits(s)), (step, name)
+        assert torch.equal(buffer.tensors["embed.weight"], tensors["embed.weight"])
+        for w in weights.values():
+            w.mul_(-1.5)  # a training step
+        buffer.refresh()
+    assert {n: t.data_ptr() for n, t in buffer.tensors.items()} == where

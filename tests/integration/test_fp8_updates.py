@@ -150,3 +150,24 @@ def test_an_fsdp2_loop_over_two_ranks_publishes_fp8_each_rank_its_rows_bit_for_b
     assert len({tuple(s["served"]) for s in steps}) == 3, "every step changed the FP8 weights the replica serves"
     sent = steps[-1]["rank_bytes"]  # every rank sends its own rows: each about half, together every byte once
     assert len(sent) == 2 and sum(sent) == steps[-1]["bytes"] and min(sent) > 0.3 * sum(sent), steps[-1]
+
+
+def test_delta_updates_send_only_the_fp8_bytes_that_changed_and_end_bit_for_bit(services, fp8_model):
+    """--delta with an FP8 replica: the trainer keeps what it quantized (a buffer of its own, filled at
+    every offer), so each update after the first sends only the words of FP8 values and scales that
+    changed since the replicas' base; every sync verified, the replica's tensors the trainer's."""
+    co = services.start("coordinator", ["--sync-mode", "async", "--force-backend", "gloo"], name="co-fp8-delta")
+    on = ["--coordinator", co.address, "--model", str(fp8_model)]
+    tr = services.start("trainer", [*on, "--delta", "--dtype", "bfloat16", "--lr", "1e-4", "--bucket-bytes", "65536"],
+                        name="trainer-fp8-delta")
+    replica = services.start("rollout", [*rollout_args("hf", dtype="bfloat16"), *on], name="rollout-fp8-delta")
+    client = CoordinatorClient(co.address)
+    client.wait_ready(2)
+    syncs = [rl_step(client, seed) for seed in range(4)]
+    assert all(s.verified for s in syncs), syncs
+    assert syncs[0].wire_bytes == syncs[0].bytes, "the first update has no base: it goes whole"
+    assert all(s.wire_bytes < s.bytes for s in syncs[1:]), [(s.wire_bytes, s.bytes) for s in syncs]
+    served = {t.name: t.checksum for t in RolloutClient(replica.address).checksums().tensors}
+    sent = {t.name: t.checksum for t in TrainerClient(tr.address).checksums().tensors}
+    assert served == sent
+    print(f"\nFP8 delta updates, wire bytes over bytes: {[round(s.wire_bytes / s.bytes, 3) for s in syncs]}")

@@ -17,7 +17,7 @@ import torch
 from rlsync.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from rlsync.publish.buffer import PublishBuffer
 from rlsync.publish.ranks import AUDIT, OFFLOAD, ONLOAD, PASSES, ROUTED, PublishPoints, Ranks
-from rlsync.publish.quantized import quantized
+from rlsync.publish.quantized import QuantizedBuffer, quantized
 from rlsync.publish.source import ShardedModule
 from rlsync.quant.fp8_format import same_format
 from rlsync.transfer import Report, WeightSender, audit_entry
@@ -169,7 +169,10 @@ class PublisherCore:
         def offer() -> tuple[tpb.Offer, tuple[tpb.MappedTensors, tpb.Facts] | None]:
             self._require_on_device("publishing weights")
             self.use_format(fmt)
+            made = self._sender is None
             sender = self._sender_now()
+            if isinstance(self._source, QuantizedBuffer) and not made:  # (a new one was just filled)
+                self._source.refresh()  # what this offer sends: the weights now, quantized
             if isinstance(sender, ShardedSender):
                 offer = sender.offer(version)
                 self._remember(offer, sender)

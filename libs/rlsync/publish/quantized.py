@@ -1,19 +1,24 @@
 """Quantization as a stage of the update: any source, its weights quantized on the way out in the format
 the replicas hold (rlsync.quant.fp8_format), each "<module>.weight" followed by its
-"<module>.weight_scale_inv". A single-process source makes one pass per transfer as any streamed source;
-on a GPU one kernel per weight (rlsync.quant.fp8_kernel), elsewhere the reference (rlsync.quant.fp8_blocks):
-the same bits. A sharded model's ranks each quantize the boxes they hold (QuantizedShards), the same bits."""
+"<module>.weight_scale_inv". Resident weights (rlsync's trainer, a user's plain module) are quantized into a
+buffer of their own on the trainer's device (QuantizedBuffer), filled again at every offer: what is sent is
+then resident too, so replicas on the GPU pull it (or keep it mapped) as any resident weights, and delta
+updates diff its FP8 bytes. Streamed ones (cast, or gathered by every rank in step) are quantized tensor by
+tensor as they are sent. On a GPU one kernel per weight (rlsync.quant.fp8_kernel), elsewhere the reference
+(rlsync.quant.fp8_blocks): the same bits. A sharded model's ranks each quantize the boxes they hold
+(QuantizedShards), the same bits."""
 
 from __future__ import annotations
 
 import torch
 
 from rlsync.errors import InvalidArgument
+from rlsync.flat import FlatStore
 from rlsync.publish.quantized_shards import SCALE, WEIGHT, QuantizedShards
 from rlsync.publish.source import ShardedModule
 from rlsync.quant.fp8_blocks import FP8, scale_shape
 from rlsync.quant.fp8_format import scale_name
-from rlsync.quant.fp8_kernel import quantize
+from rlsync.quant.fp8_kernel import quantize, quantize_into
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.source import ResidentSource, StreamedSource
 from rlsync.transfer.v1 import transfer_pb2 as pb
@@ -47,15 +52,17 @@ def stage(base: list[Spec], fmt: pb.WeightFormat) -> tuple[list[Spec], list[tupl
 
 
 def quantized(source: ResidentSource | StreamedSource | ShardedModule, fmt: pb.WeightFormat
-              ) -> StreamedSource | ShardedModule:
+              ) -> QuantizedBuffer | ShardedModule:
     """`source` with the weights `fmt` lists in FP8 plus their scales; every other tensor as it was."""
     if getattr(source, "adapter", None) is not None:
         raise InvalidArgument("a LoRA adapter is not quantized: its replicas apply it to their base in the engine's "
                               "dtype (publish the adapter to replicas that hold an unquantized model)")
+    if isinstance(source, ResidentSource):
+        return QuantizedBuffer(source, fmt)
     if isinstance(source, ShardedModule):  # every rank quantizes what it holds
         specs, plan = stage(source.specs, fmt)
         out = ShardedModule(QuantizedShards(source.shards, specs, plan, fmt, source.device), specs, source.device)
-    else:
+    else:  # produced tensor by tensor (cast, or gathered by every rank in step): quantized as they come
         specs, plan = stage(source.specs(), fmt)
         out = StreamedSource(specs, source.device, _produce(source, plan, fmt), frozen=source.frozen)
     out.format = fmt
@@ -63,14 +70,42 @@ def quantized(source: ResidentSource | StreamedSource | ShardedModule, fmt: pb.W
     return out
 
 
-def _produce(source: ResidentSource | StreamedSource, plan: list[tuple[int, int]], fmt: pb.WeightFormat):
-    """The stage's tensor j of a single-process source: its weight's scales are made with its values."""
+class QuantizedBuffer(ResidentSource):
+    """A single-process source's tensors as the replicas hold them, in one flat store on its device (a buffer
+    per dtype): the listed weights' FP8 values and scales, the rest copied. `refresh()` fills it from the
+    source's values now; the publisher calls it at every offer, so what is sent, audited and diffed is what
+    was quantized then, and training may go on while replicas read it. Its memory never moves: a replica
+    that holds it mapped maps nothing again. It costs the quantized model's bytes on the device (about half
+    of bf16's), from the first offer to the offload (which drops the sender, and this with it)."""
+
+    def __init__(self, base: ResidentSource, fmt: pb.WeightFormat):
+        specs, self._plan = stage(base.specs(), fmt)
+        self.store = FlatStore({s.name: (s.shape, s.dtype) for s in specs}, base.device)
+        super().__init__(self.store.views, frozen=base.frozen)
+        self.base = base
+        self.format = fmt
+        self.quantized = frozenset(s.name for s, (_, part) in zip(specs, self._plan) if part)  # audited as sent
+        self.refresh()  # (whole before anything reads it)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Quantizes (and copies) the source's current values into the buffer; returns once they are there."""
+        block, pow2 = tuple(self.format.fp8.block), self.format.fp8.pow2_scales
+        out, base = list(self.store.views.values()), list(self.base.tensors.values())
+        for j, (i, part) in enumerate(self._plan):
+            if part == WEIGHT:  # its scales are the next tensor
+                quantize_into(base[i].detach(), out[j], out[j + 1], block, pow2)
+            elif part == 0:
+                out[j].copy_(base[i].detach())
+        if self.device.type == "cuda":  # whole before anything reads it, on any stream
+            torch.cuda.current_stream(self.device).synchronize()
+
+
+def _produce(source: StreamedSource, plan: list[tuple[int, int]], fmt: pb.WeightFormat):
+    """The stage's tensor j of a streamed source: its weight's scales are made with its values (the base's
+    tensors asked once each, in order)."""
     block, pow2 = tuple(fmt.fp8.block), fmt.fp8.pow2_scales
-    if isinstance(source, ResidentSource):
-        tensors = list(source.tensors.values())
-        read = tensors.__getitem__
-    else:  # produced in order as before: this stage asks each base tensor once, in order
-        read = _in_order(source)
+    read = _in_order(source)
     last: dict[int, torch.Tensor] = {}  # base index -> its scales, made with its values
 
     @torch.no_grad()

@@ -25,9 +25,25 @@ except ImportError:  # CPU builds without Triton: the reference everywhere
 def quantize(x: torch.Tensor, block: tuple[int, int] = BLOCK,
              pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (fp8 values, fp32 scales): the kernel on a CUDA device, else the reference."""
-    if x.is_cuda and triton is not None and x.dim() == 2 and x.is_floating_point() and x.numel():
+    if _on_kernel(x):
         return quantize_cuda(x, block, pow2)
     return quantize_blocks(x, block, pow2)
+
+
+def quantize_into(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tuple[int, int] = BLOCK,
+                  pow2: bool = False) -> None:
+    """quantize(x), written into `q` (FP8, x's shape, rows contiguous) and `s` (fp32, the scale grid):
+    on a CUDA device straight from the kernel, nothing allocated; else the reference's, copied in."""
+    if _on_kernel(x) and q.stride(1) == 1 and s.is_contiguous():
+        _launch(x if x.stride(1) == 1 else x.contiguous(), q, s, block, pow2)
+        return
+    ref_q, ref_s = quantize_blocks(x, block, pow2)
+    q.copy_(ref_q)
+    s.copy_(ref_s)
+
+
+def _on_kernel(x: torch.Tensor) -> bool:
+    return x.is_cuda and triton is not None and x.dim() == 2 and x.is_floating_point() and x.numel() > 0
 
 
 if triton is not None:
@@ -60,10 +76,15 @@ def quantize_cuda(x: torch.Tensor, block: tuple[int, int] = BLOCK,
                   pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     if x.stride(1) != 1:
         x = x.contiguous()
+    q = torch.empty(x.shape, dtype=FP8, device=x.device)
+    s = torch.empty(scale_shape(x.shape, block), dtype=torch.float32, device=x.device)
+    _launch(x, q, s, block, pow2)
+    return q, s
+
+
+def _launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tuple[int, int], pow2: bool) -> None:
     m, n = x.shape
     grid = scale_shape(x.shape, block)
-    q = torch.empty(m, n, dtype=FP8, device=x.device)
-    s = torch.empty(grid, dtype=torch.float32, device=x.device)
     args = (x, q, s, m, n, x.stride(0), q.stride(0), AMAX_FLOOR, FP8_MAX)
     if pow2:
         _quantize_block[grid](*args, BM=block[0], BN=block[1], MODE=1, num_warps=8)
@@ -71,4 +92,3 @@ def quantize_cuda(x: torch.Tensor, block: tuple[int, int] = BLOCK,
         _quantize_block[grid](*args, BM=block[0], BN=block[1], MODE=2, num_warps=8)
     else:
         _quantize_block[grid](*args, BM=block[0], BN=block[1], MODE=0, num_warps=8)
-    return q, s
