@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -240,3 +242,11 @@ def peft_policy(model_dir, checkpoint):
     from transformers import AutoModelForCausalLM
 
     return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), str(Path(checkpoint) / "adapter"))
+
+
+def interpreted(script: str, seed: int) -> dict:
+    """The JSON line `script` prints, run with Triton's interpreter (a kernel on the CPU)."""
+    done = subprocess.run([sys.executable, "-c", script, str(seed)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

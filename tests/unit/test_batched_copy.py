@@ -4,16 +4,13 @@ the kernel itself, run by Triton's interpreter on the CPU, lands every byte of s
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from conftest import interpreted
 from rlsync.transfer import batched
 
 pytest.importorskip("triton")
@@ -79,14 +76,6 @@ copy_all(rest, one_launch=False)
 print(json.dumps({"exact": all(torch.equal(a, b) for a, b in pairs), "kernel": len(rows), "rest": len(rest),
                   "untouched": int(dst_buf.count_nonzero()) == sum(int(a.count_nonzero()) for a, _ in pairs)}))
 """
-
-
-def interpreted(script: str, seed: int) -> dict:
-    """The JSON line `script` prints, run with Triton's interpreter (the kernel on the CPU)."""
-    done = subprocess.run([sys.executable, "-c", script, str(seed)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("seed", [0, 1])

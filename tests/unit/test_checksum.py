@@ -1,15 +1,12 @@
 """The transfer checksum: deterministic, position-sensitive, alignment-proof."""
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import interpreted
 from rlsync.transfer.checksum import audit, audit_entry, checksum_bytes, checksum_tensor, checksum_tensors
 
 
@@ -99,7 +96,4 @@ print(json.dumps({"exact": got == [checksum.checksum_tensor(v) for v in views]})
 def test_the_checksum_kernel_sums_as_the_torch_path_does_under_tritons_interpreter(seed):
     """The one-launch kernel of checksum_tensors (batched_kernel.checksum_chunks), run on the CPU by
     Triton's interpreter: every tensor's two sums modulo 2^64 equal checksum_tensor's, chunks cut anywhere."""
-    done = subprocess.run([sys.executable, "-c", SUMS_RUN, str(seed)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1])["exact"]
+    assert interpreted(SUMS_RUN, seed)["exact"]

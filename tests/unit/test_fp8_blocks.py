@@ -9,6 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import interpreted
 from rlsync.errors import InvalidArgument
 from rlsync.quant.fp8_blocks import (BLOCK, FP8_MAX, block_amax, dequantize_blocks, quantize_blocks, scale_shape,
                                      scales_of)
@@ -118,3 +119,40 @@ def test_errors_say_what_is_wrong():
     with pytest.raises(InvalidArgument, match=r"expected \[2, 2\]"):
         dequantize_blocks(q, s[:1])
     assert BLOCK == (128, 128) and scales_of(torch.tensor([0.0])).item() > 0
+
+
+MANY_RUN = """
+import json, sys, torch
+from rlsync.quant import fp8_kernel as k
+from rlsync.quant.fp8_blocks import FP8, scale_shape
+g = torch.Generator().manual_seed(int(sys.argv[1]))
+shapes = [(128, 128), (1, 1), (300, 77), (129, 257), (5, 640)]
+xs = [(torch.randn(*s, generator=g) * 10 ** torch.randint(-3, 3, (1,), generator=g)).to(d)
+      for s, d in zip(shapes, [torch.bfloat16, torch.float32, torch.bfloat16, torch.float16, torch.bfloat16])]
+xs.append(torch.randn(256, 300, generator=g).to(torch.bfloat16)[:, 7:263])  # rows apart: x's own row stride
+out = {}
+for pow2 in (False, True):
+    one = [(torch.empty(x.shape, dtype=FP8), torch.empty(scale_shape(x.shape), dtype=torch.float32)) for x in xs]
+    many = [(torch.empty(x.shape, dtype=FP8), torch.empty(scale_shape(x.shape), dtype=torch.float32)) for x in xs]
+    for x, (q, s) in zip(xs, one):  # the one-weight kernel, interpreted
+        k._launch(x, q, s, (128, 128), pow2)
+    quantizer = k.ManyQuantizer([], (128, 128), pow2)  # its launches over these (CPU) tensors, interpreted
+    by_kind = {}
+    for x, (q, s) in zip(xs, many):
+        by_kind.setdefault(k._KINDS[x.dtype], []).append((x, q, s))
+    quantizer.launches = [k._table(kind, group, (128, 128)) for kind, group in by_kind.items()]
+    quantizer.scales = [s for group in by_kind.values() for _, _, s in group]
+    quantizer.run()
+    out[str(pow2)] = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) and torch.equal(c, d)
+                         for (a, c), (b, d) in zip(one, many))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_one_launch_over_many_weights_writes_what_one_launch_each_does_under_tritons_interpreter(seed):
+    """ManyQuantizer's kernel (every block of every weight one program, found from a kept table), run on the
+    CPU by Triton's interpreter: the same FP8 values and scales as the one-weight kernel, weight by weight,
+    over mixed dtypes, shapes that are not multiples of 128, a weight whose rows lie apart, and power-of-two
+    scales. (The interpreter rounds FP8 otherwise than a GPU: bits against the reference are the GPU test's.)"""
+    assert interpreted(MANY_RUN, seed) == {"False": True, "True": True}

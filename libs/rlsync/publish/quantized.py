@@ -1,12 +1,12 @@
 """Quantization as a stage of the update: any source, its weights quantized on the way out in the format
 the replicas hold (rlsync.quant.fp8_format), each "<module>.weight" followed by its
 "<module>.weight_scale_inv". Resident weights (rlsync's trainer, a user's plain module) are quantized into a
-buffer of their own on the trainer's device (QuantizedBuffer), filled again at every offer: what is sent is
-then resident too, so replicas on the GPU pull it (or keep it mapped) as any resident weights, and delta
-updates diff its FP8 bytes. Streamed ones (cast, or gathered by every rank in step) are quantized tensor by
-tensor as they are sent. On a GPU one kernel per weight (rlsync.quant.fp8_kernel), elsewhere the reference
-(rlsync.quant.fp8_blocks): the same bits. A sharded model's ranks each quantize the boxes they hold
-(QuantizedShards), the same bits."""
+buffer of their own on the trainer's device (QuantizedBuffer), filled again at every offer, on a GPU in one
+launch for all of them (fp8_kernel.ManyQuantizer): what is sent is then resident too, so replicas on the GPU
+pull it (or keep it mapped) as any resident weights, and delta updates diff its FP8 bytes. Streamed ones
+(cast, or gathered by every rank in step) are quantized as they are sent, one kernel per weight. Elsewhere
+than on a GPU the reference (rlsync.quant.fp8_blocks): the same bits. A sharded model's ranks each quantize
+the boxes they hold (QuantizedShards), the same bits."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from rlsync.publish.quantized_shards import SCALE, WEIGHT, QuantizedShards
 from rlsync.publish.source import ShardedModule
 from rlsync.quant.fp8_blocks import FP8, scale_shape
 from rlsync.quant.fp8_format import scale_name
-from rlsync.quant.fp8_kernel import quantize, quantize_into
+from rlsync.quant.fp8_kernel import ManyQuantizer, quantize
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.source import ResidentSource, StreamedSource
 from rlsync.transfer.v1 import transfer_pb2 as pb
@@ -85,18 +85,20 @@ class QuantizedBuffer(ResidentSource):
         self.base = base
         self.format = fmt
         self.quantized = frozenset(s.name for s, (_, part) in zip(specs, self._plan) if part)  # audited as sent
+        self._quantizer: ManyQuantizer | None = None
         self.refresh()  # (whole before anything reads it)
 
     @torch.no_grad()
     def refresh(self) -> None:
         """Quantizes (and copies) the source's current values into the buffer; returns once they are there."""
-        block, pow2 = tuple(self.format.fp8.block), self.format.fp8.pow2_scales
-        out, base = list(self.store.views.values()), list(self.base.tensors.values())
+        out, base = list(self.store.views.values()), [t.detach() for t in self.base.tensors.values()]
+        weights = [(base[i], out[j], out[j + 1]) for j, (i, part) in enumerate(self._plan) if part == WEIGHT]
+        if self._quantizer is None or not self._quantizer.same_as(weights):  # (its table: made once)
+            self._quantizer = ManyQuantizer(weights, tuple(self.format.fp8.block), self.format.fp8.pow2_scales)
+        self._quantizer.run()
         for j, (i, part) in enumerate(self._plan):
-            if part == WEIGHT:  # its scales are the next tensor
-                quantize_into(base[i].detach(), out[j], out[j + 1], block, pow2)
-            elif part == 0:
-                out[j].copy_(base[i].detach())
+            if part == 0:
+                out[j].copy_(base[i])
         if self.device.type == "cuda":  # whole before anything reads it, on any stream
             torch.cuda.current_stream(self.device).synchronize()
 

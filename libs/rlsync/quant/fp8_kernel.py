@@ -48,11 +48,10 @@ def _on_kernel(x: torch.Tensor) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _quantize_block(x_ptr, q_ptr, s_ptr, m, n, stride_xm, stride_qm, floor, fp8_max,
-                        BM: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr):
-        """MODE 0: amax -> scale -> values; 1: the block's amax only (into s); 2: values under the scale in s."""
-        bi = tl.program_id(0)
-        bj = tl.program_id(1)
+    def _block(x_ptr, q_ptr, s_ptr, bi, bj, m, n, stride_xm, stride_qm, floor, fp8_max,
+               BM: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr):
+        """Block (bi, bj) of one weight. MODE 0: amax -> scale -> values; 1: the block's amax only (into s);
+        2: values under the scale in s."""
         rows = bi * BM + tl.arange(0, BM)
         cols = bj * BN + tl.arange(0, BN)
         mask = (rows[:, None] < m) & (cols[None, :] < n)
@@ -70,6 +69,36 @@ if triton is not None:
         inv = tl.math.div_rn(1.0, scale)
         q = (x * inv).to(q_ptr.dtype.element_ty)
         tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
+
+    @triton.jit
+    def _quantize_block(x_ptr, q_ptr, s_ptr, m, n, stride_xm, stride_qm, floor, fp8_max,
+                        BM: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr):
+        """One weight: program (i, j) its block (i, j)."""
+        _block(x_ptr, q_ptr, s_ptr, tl.program_id(0), tl.program_id(1), m, n, stride_xm, stride_qm, floor, fp8_max,
+               BM, BN, MODE)
+
+    @triton.jit
+    def _quantize_many(table, owner, floor, fp8_max, BM: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr,
+                       KIND: tl.constexpr):
+        """Many weights of one dtype (KIND 0: bf16, 1: fp16, 2: fp32): program b is block b of them all,
+        of the weight owner[b], whose row of `table` is [x, q, s addresses, m, n, x's and q's row strides,
+        its first block] (int64)."""
+        b = tl.program_id(0)
+        row = table + tl.load(owner + b).to(tl.int64) * 8
+        if KIND == 0:
+            x_ptr = tl.load(row).to(tl.pointer_type(tl.bfloat16))
+        elif KIND == 1:
+            x_ptr = tl.load(row).to(tl.pointer_type(tl.float16))
+        else:
+            x_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+        q_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float8e4nv))
+        s_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+        m = tl.load(row + 3)
+        n = tl.load(row + 4)
+        local = b - tl.load(row + 7)
+        per_row = tl.cdiv(n, BN)
+        _block(x_ptr, q_ptr, s_ptr, local // per_row, local % per_row, m, n, tl.load(row + 5), tl.load(row + 6),
+               floor, fp8_max, BM, BN, MODE)
 
 
 def quantize_cuda(x: torch.Tensor, block: tuple[int, int] = BLOCK,
@@ -92,3 +121,58 @@ def _launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tuple[int,
         _quantize_block[grid](*args, BM=block[0], BN=block[1], MODE=2, num_warps=8)
     else:
         _quantize_block[grid](*args, BM=block[0], BN=block[1], MODE=0, num_warps=8)
+
+
+_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+class ManyQuantizer:
+    """quantize_into for many (x, q, s), each of them: on a CUDA device one launch per input dtype from a
+    table made once (the weights and outputs must stay where they are: `same_as` tells), where every block of
+    every weight is one program; power-of-two scales take an amax launch, torch's rounding of the scales,
+    then a values launch. Elsewhere, or for a weight whose rows are not contiguous, quantize_into one by one."""
+
+    def __init__(self, items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: tuple[int, int] = BLOCK,
+                 pow2: bool = False):
+        self.block, self.pow2 = block, pow2
+        self.key = _addresses(items)
+        self.alone: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        by_kind: dict[int, list] = {}
+        for x, q, s in items:
+            if _on_kernel(x) and x.stride(1) == 1 and q.stride(1) == 1 and s.is_contiguous() and x.dtype in _KINDS:
+                by_kind.setdefault(_KINDS[x.dtype], []).append((x, q, s))
+            else:
+                self.alone.append((x, q, s))
+        self.launches = [_table(kind, group, block) for kind, group in by_kind.items()]
+        self.scales = [s for group in by_kind.values() for _, _, s in group]
+
+    def same_as(self, items) -> bool:
+        return _addresses(items) == self.key
+
+    def run(self) -> None:
+        for x, q, s in self.alone:
+            quantize_into(x, q, s, self.block, self.pow2)
+        for mode in ((1, 2) if self.pow2 else (0,)):
+            if mode == 2:
+                for s in self.scales:
+                    s.copy_(scales_of(s, pow2=True))
+            for kind, table, owner in self.launches:
+                _quantize_many[(owner.numel(),)](table, owner, AMAX_FLOOR, FP8_MAX, BM=self.block[0], BN=self.block[1],
+                                                 MODE=mode, KIND=kind, num_warps=8)
+
+
+def _addresses(items) -> tuple[int, ...]:
+    return tuple(t.data_ptr() for item in items for t in item)
+
+
+def _table(kind: int, group: list, block: tuple[int, int]) -> tuple[int, torch.Tensor, torch.Tensor]:
+    rows, owner, first = [], [], 0
+    for w, (x, q, s) in enumerate(group):
+        m, n = x.shape
+        blocks = scale_shape(x.shape, block)[0] * scale_shape(x.shape, block)[1]
+        rows.append([x.data_ptr(), q.data_ptr(), s.data_ptr(), m, n, x.stride(0), q.stride(0), first])
+        owner += [w] * blocks
+        first += blocks
+    device = group[0][0].device
+    return (kind, torch.tensor(rows, dtype=torch.int64).to(device),
+            torch.tensor(owner, dtype=torch.int32).to(device))
