@@ -291,7 +291,7 @@ class PublisherCore:
             return out
 
         if self.sharded:  # every rank adds its share; nothing is gathered (of the tensors in the format sent)
-            payload = dtype.encode() + (b"\0" + self.format.SerializeToString() if self.format is not None else b"")
+            payload = tpb.AuditShares(dtype=dtype, format=self.format).SerializeToString()
             return await self.run(lambda: self.audit_shares(payload), AUDIT, 0, payload)
         return await self.run(audit, PASSES, lambda: self._passes(1))
 
@@ -302,12 +302,12 @@ class PublisherCore:
 
     def audit_shares(self, payload: bytes) -> Audit:
         """Every rank of a sharded trainer: its share of each tensor's checksum; the ranks add them up
-        (see RankShards.checksum_share). `payload`: the dtype to cast to, or empty, then NUL and the
-        WeightFormat rank 0 publishes in (protobuf), if any: every rank audits the same tensors."""
+        (see RankShards.checksum_share). `payload`: an AuditShares (the dtype to cast to, the format rank 0
+        publishes in): every rank audits the same tensors."""
         self._require_on_device("GetWeightChecksums")
-        dtype, _, fmt = payload.partition(b"\0")
-        target = dtype_of(dtype.decode()) if dtype else None
-        self.use_format(tpb.WeightFormat.FromString(fmt) if fmt else None)
+        request = tpb.AuditShares.FromString(payload)
+        target = dtype_of(request.dtype) if request.dtype else None
+        self.use_format(request.format if request.HasField("format") else None)
         module = self.source_kind()
         ranks = self.ranks or Ranks()
         module.refresh(ranks)  # (every rank, in step: a quantized model's scales are exchanged)

@@ -202,6 +202,14 @@ class RoutedSend(_message.Message):
     timeout_seconds: float
     def __init__(self, offer: _Optional[_Union[Offer, _Mapping]] = ..., answers: _Optional[_Iterable[_Union[Answer, _Mapping]]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
+class AuditShares(_message.Message):
+    __slots__ = ("dtype", "format")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    format: WeightFormat
+    def __init__(self, dtype: _Optional[str] = ..., format: _Optional[_Union[WeightFormat, _Mapping]] = ...) -> None: ...
+
 class Routing(_message.Message):
     __slots__ = ("store", "layout")
     STORE_FIELD_NUMBER: _ClassVar[int]
