@@ -203,7 +203,8 @@ def single_rank(args, shapes, bucket) -> list[dict]:
             elements = sum(p.numel() for n, p in model.named_parameters() if n in set(fmt.fp8.weights))
             limit_s = 3 * elements / (2 * limit[key] * GB) + r["bytes"] / (limit[key] * GB)
             r.update(limit="quantize_then_d2d", limit_seconds=round(limit_s, 5),
-                     ratio=round(limit_s / r["seconds"], 3), bf16_bytes=sum(p.nbytes for p in model.parameters()))
+                     ratio=round(limit_s / r["seconds"], 3), bf16_bytes=sum(p.nbytes for p in model.parameters()),
+                     kept_buffer_bytes=r["bytes"])  # (the quantized weights kept on the device: in the peak too)
         if layout == "cast" and "cast_fp32_to_bf16" in limit:  # the cast kernel's own rate bounds a cast
             r.update(cast_limit_GB_s=limit["cast_fp32_to_bf16"],
                      ratio_to_cast=round(r["GB/s"] / limit["cast_fp32_to_bf16"], 3))

@@ -15,7 +15,7 @@ from rlsync.models import ensure_tiny_moe
 from rlsync.publish import WeightPublisher
 
 # vLLM computes in float32 here so that its audit and its greedy output compare exactly.
-ENGINE_EXTRA = {"vllm": {"dtype": "float32"}, "hf": {}}
+ENGINE_EXTRA = {"vllm": {"dtype": "float32"}, "hf": {}, "sglang": {"dtype": "float32"}}
 
 
 @pytest.fixture(scope="module")
