@@ -1,5 +1,5 @@
 """A mixture of experts (the tiny Qwen3-MoE) kept in step: its trainer holds the experts fused, its
-checkpoint and engines name one tensor per expert; updates arrive bit for bit in hf and vLLM replicas,
+checkpoint and engines name one tensor per expert; updates arrive bit for bit in hf, vLLM and SGLang replicas,
 from rlsync's trainer through a coordinator and from a user's own loop through the publisher SDK."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from conftest import greedy_against_transformers, rl_step, rollout_args
+from conftest import engines, greedy_against_transformers, rl_step, rollout_args
 from rlsync.client import CoordinatorClient, RolloutClient, TrainerClient
 from rlsync.models import ensure_tiny_moe
 from rlsync.publish import WeightPublisher
 
 # vLLM computes in float32 here so that its audit and its greedy output compare exactly.
-ENGINE_EXTRA = {"vllm": {"dtype": "float32"}, "hf": {}}
+ENGINE_EXTRA = {"vllm": {"dtype": "float32"}, "hf": {}, "sglang": {"dtype": "float32"}}
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +47,11 @@ def test_the_checkpoint_names_one_tensor_per_expert_and_the_model_fuses_them(moe
     assert model.get_parameter("model.layers.0.mlp.experts.gate_up_proj").shape == (8, 64, 64)
 
 
+SGLANG_ASYNC = [pytest.param(*e.values, "async", marks=e.marks) for e in engines("sglang")]
+
+
 # vLLM async is the TP = 2 test's (below); here in-flight: the commit switches between two engine steps.
-@pytest.mark.parametrize("engine, mode", [("hf", "async"), ("vllm", "inflight")])
+@pytest.mark.parametrize("engine, mode", [("hf", "async"), ("vllm", "inflight"), *SGLANG_ASYNC])
 def test_five_trainer_steps_arrive_bit_for_bit_and_greedy_tokens_equal_transformers(services, moe_model, engine,
                                                                                mode, tmp_path):
     """Five refits in a row (NeMo-RL's failure was the second: vLLM laid the experts out anew at the first), each
