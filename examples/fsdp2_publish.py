@@ -29,6 +29,9 @@ def main() -> None:
                         help="coordinator address (default: $RLSYNC_COORDINATOR, which `rlsync up` sets)")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--after-step", type=int, default=0,
+                        help="the fleet's version to go on from: steps are numbered from the next one (replicas "
+                             "refuse a version older than the one they serve)")
     parser.add_argument("--publish-dtype", default="", help="cast on the way out, e.g. bfloat16 (default: as trained)")
     parser.add_argument("--bucket-bytes", type=int, default=64 << 20)
     parser.add_argument("--verify", action="store_true", help="compare the replicas' checksums after each sync")
@@ -56,7 +59,7 @@ def main() -> None:
 
     weights = WeightMap(dtype=getattr(torch, args.publish_dtype) if args.publish_dtype else None)
     with WeightPublisher(model, args.coordinator, weights=weights, bucket_bytes=args.bucket_bytes) as pub:
-        for step in range(1, args.steps + 1):
+        for step in range(args.after_step + 1, args.after_step + args.steps + 1):
             tokens = torch.randint(0, model.config.vocab_size, (4, 32), device="cuda" if cuda else "cpu")
             loss = model(input_ids=tokens, labels=tokens).loss
             loss.backward()

@@ -190,6 +190,20 @@ def small_model(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("small") / "model", recipe)
 
 
+def as_left(replica, version: int) -> None:
+    """A shared replica is as the test before left it: on `version`, serving (not paused, not asleep, not
+    dead), nothing prepared and no request in flight. Checked first by each test that shares one, so that
+    an order change or a failing neighbour fails here, saying what it left, not later as a puzzle."""
+    from rlsync.rollout.v1 import rollout_pb2
+
+    info = replica.info()
+    left = {"weight_version": info.weight_version, "pending_version": info.pending_version,
+            "state": rollout_pb2.ServingState.Name(info.state), "asleep": len(info.asleep),
+            "in_flight": info.in_flight, "dead_reason": info.dead_reason}
+    assert left == {"weight_version": version, "pending_version": -1, "state": "SERVING_STATE_SERVING", "asleep": 0,
+                    "in_flight": 0, "dead_reason": ""}, f"the shared replica was not left as expected: {left}"
+
+
 def rollout_args(engine: str, *extra: str, **engine_extra) -> list[str]:
     return ["--engine", engine, "--engine-args", engine_args(engine, **engine_extra), *extra]
 

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from conftest import engines, rollout_args, two_gloo_ranks
+from conftest import as_left, engines, rollout_args, two_gloo_ranks
 from hangs import FAST, report
 from rlsync.client import CoordinatorClient, RolloutClient, RpcError
 from rlsync.coordinator.v1.coordinator_pb2 import ROLE_TRAINER
@@ -89,27 +89,40 @@ def test_fsdp2_over_two_ranks_publishes_bit_exact(fleet, tmp_path, engine):
     assert serves_exactly(replica, load_file(saved)) == [], "the replica serves the unsharded state dict, bit for bit"
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_fsdp2_into_a_tensor_parallel_vllm_replica_routes_each_worker_its_boxes(services, tmp_path, world):
-    """Every trainer rank sends its own rows; each of the replica's two workers receives only the boxes
-    its loaders keep (found by vLLM's own loaders), and serves exactly the unsharded state dict."""
-    co = services.start("coordinator", ["--sync-mode", "async"], name=f"co-tp2-{world}")
+@pytest.fixture(scope="module")
+def tp2_fleet(module_services):
+    """A coordinator (async sync) and a tensor-parallel vLLM replica (TP = 2) that the world sizes below take
+    turns on, and the version the last of them left it on (a start costs more than all their steps)."""
+    co = module_services.start("coordinator", ["--sync-mode", "async"], name="co-tp2")
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    replica = RolloutClient(services.start("rollout", rollout_args("vllm", "--coordinator", co.address,
-                                                                   tensor_parallel_size=2, dtype="float32"),
-                                           env=env, name=f"pub-tp2-{world}").address)
+    replica = RolloutClient(module_services.start("rollout", rollout_args("vllm", "--coordinator", co.address,
+                                                                          tensor_parallel_size=2, dtype="float32"),
+                                                  env=env, name="pub-tp2").address)
     with CoordinatorClient(co.address) as c:
         c.wait_ready(1)
+    yield co.address, replica, {"version": 0}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp2_into_a_tensor_parallel_vllm_replica_routes_each_worker_its_boxes(tp2_fleet, tmp_path, world):
+    """Every trainer rank sends its own rows; each of the replica's two workers receives only the boxes
+    its loaders keep (found by vLLM's own loaders), and serves exactly the unsharded state dict."""
+    coordinator, replica, left = tp2_fleet
+    as_left(replica, left["version"])  # each world's loop goes on from the version the one before left
+    with CoordinatorClient(coordinator) as c:
+        assert [m.name for m in c.status().members if m.role == ROLE_TRAINER] == [], "the last loop left the fleet"
+    base = left["version"]
     saved = tmp_path / "full.safetensors"
-    procs = start_ranks(tmp_path, ["--coordinator", co.address, "--steps", "3", "--verify", "--save", str(saved),
-                                   "--bucket-bytes", "65536"], world=world)
+    procs = start_ranks(tmp_path, ["--coordinator", coordinator, "--steps", "3", "--after-step", str(base), "--verify",
+                                   "--save", str(saved), "--bucket-bytes", "65536"], world=world)
     codes = [p.wait(300) for p in procs]
     assert codes == [0] * world, "\n".join(f"rank {r}: {(tmp_path / f'rank{r}.log').read_text()[-2000:]}"
                                           for r in range(world))
     steps = _lines(tmp_path / "rank0.log")
-    assert [s["version"] for s in steps] == [1, 2, 3] and all(s["verified"] for s in steps), steps
+    assert [s["version"] for s in steps] == [base + 1, base + 2, base + 3] and all(s["verified"] for s in steps), steps
     info = replica.info()
-    assert info.weight_version == 3
+    assert info.weight_version == base + 3
+    left["version"] = base + 3
     assert serves_exactly(replica, load_file(saved)) == [], "the workers' boxes add up to the unsharded state dict"
     served = {t.name for t in replica.checksums().tensors}  # the checkpoint's (a tied lm_head is not one)
     split, held_whole = _tp_split({n: t for n, t in load_file(saved).items() if n in served})
