@@ -79,7 +79,7 @@ demo: $(STAMP) $(if $(findstring sglang,$(ARGS)),$(SGLANG_STAMP))
 
 # Three processes side by side, each one's output shown after the first's: the unit and integration
 # tests; the Ray fleet tests (one Ray at a time on a machine: the fleet CLI finds the Ray that `rlsync up`
-# started), then the end-to-end suites (whole fleets, demos) and three integration modules, which even
+# started), then the end-to-end suites (whole fleets, demos) and four integration modules, which even
 # out the two (measured beside the rest: 1628 s, and 272 + 1875 s with test_startup_errors.py, since moved
 # to the first); and a third that runs the compose test (marker docker: image build, a stack of four
 # containers; it skips itself, with the reason, without a Docker engine), then builds SGLang's
@@ -88,7 +88,7 @@ demo: $(STAMP) $(if $(findstring sglang,$(ARGS)),$(SGLANG_STAMP))
 # fleets are gone (.cache/ray-done): an SGLang replica takes about 6 GB. Where SGLang's environment
 # cannot be built, its tests skip with the reason (as the compose test does without Docker).
 RAY_TESTS := tests/integration/test_fleet_ray.py
-SIDE_TESTS := tests/e2e tests/integration/test_publisher.py tests/integration/test_lora_updates.py \
+SIDE_TESTS := tests/e2e tests/integration/test_publisher.py tests/integration/test_lora_updates.py tests/integration/test_inflight.py \
 	tests/integration/test_dropped_link.py
 CPU_TESTS := -m "not gpu and not docker and not sglang" $(PYTEST_ARGS)
 SGLANG_TESTS := -m "sglang and not gpu" $(PYTEST_ARGS) tests
