@@ -276,7 +276,8 @@ class PublisherCore:
         return offer.manifest.version, report
 
     async def checksums(self, dtype: str = "") -> Audit:
-        """{name: (dtype, shape, checksum)} of what would be sent now, cast to `dtype` when given."""
+        """{name: (dtype, shape, checksum)} of what would be sent now, cast to `dtype` when given (weights kept
+        quantized, QuantizedBuffer: what the last offer quantized, which replicas may still be reading)."""
         target = dtype_of(dtype) if dtype else None
 
         def audit() -> Audit:
