@@ -57,18 +57,18 @@ if triton is not None:
         mask = (rows[:, None] < m) & (cols[None, :] < n)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         s_at = s_ptr + bi * tl.cdiv(n, BN) + bj
-        if MODE == 2:
-            scale = tl.load(s_at)
+        if MODE == 1:
+            tl.store(s_at, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
         else:
-            amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-            if MODE == 1:
-                tl.store(s_at, amax)
-                return
-            scale = tl.maximum(amax, floor) * tl.math.div_rn(1.0, fp8_max)  # (torch's CUDA x / scalar)
-            tl.store(s_at, scale)
-        inv = tl.math.div_rn(1.0, scale)
-        q = (x * inv).to(q_ptr.dtype.element_ty)
-        tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
+            if MODE == 2:
+                scale = tl.load(s_at)
+            else:
+                amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+                scale = tl.maximum(amax, floor) * tl.math.div_rn(1.0, fp8_max)  # (torch's CUDA x / scalar)
+                tl.store(s_at, scale)
+            inv = tl.math.div_rn(1.0, scale)
+            q = (x * inv).to(q_ptr.dtype.element_ty)
+            tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
 
     @triton.jit
     def _quantize_block(x_ptr, q_ptr, s_ptr, m, n, stride_xm, stride_qm, floor, fp8_max,
