@@ -80,8 +80,8 @@ demo: $(STAMP) $(if $(findstring sglang,$(ARGS)),$(SGLANG_STAMP))
 # Three processes side by side, each one's output shown after the first's: the unit and integration
 # tests; the Ray fleet tests (one Ray at a time on a machine: the fleet CLI finds the Ray that `rlsync up`
 # started), then the end-to-end suites (whole fleets, demos) and four integration modules, which even
-# out the two (measured beside the rest: 1628 s, and 272 + 1875 s with test_startup_errors.py, since moved
-# to the first); and a third that runs the compose test (marker docker: image build, a stack of four
+# out the two (from a fresh clone, beside the rest: 1259-1333 s, and 220 + 934-1001 s); and a third that
+# runs the compose test (marker docker: image build, a stack of four
 # containers; it skips itself, with the reason, without a Docker engine), then builds SGLang's
 # environment and runs the SGLang replicas' tests (marker sglang: every engine-parametrized test, the
 # SGLang demo, the mixed fleet). SGLang goes last there, once the Docker stack is down and the Ray
