@@ -261,10 +261,10 @@ def load_trainable(path: str, dtype: str = "auto"):
     GPU is present; without one it dequantizes them itself)."""
     from transformers import AutoModelForCausalLM
 
-    config = Path(path) / "config.json"
-    quant = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+    from rlsync.quant.fp8_format import is_fp8_config, quantization_config
+
     extra = {}
-    if (quant or {}).get("quant_method") == "fp8":
+    if is_fp8_config(quantization_config(path)):
         from transformers import FineGrainedFP8Config
 
         extra["quantization_config"] = FineGrainedFP8Config(dequantize=True)

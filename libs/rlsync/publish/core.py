@@ -169,9 +169,8 @@ class PublisherCore:
         def offer() -> tuple[tpb.Offer, tuple[tpb.MappedTensors, tpb.Facts] | None]:
             self._require_on_device("publishing weights")
             self.use_format(fmt)
-            made = self._sender is None
             sender = self._sender_now()
-            if isinstance(self._source, QuantizedBuffer) and not made:  # (a new one was just filled)
+            if isinstance(self._source, QuantizedBuffer):
                 self._source.refresh()  # what this offer sends: the weights now, quantized
             if isinstance(sender, ShardedSender):
                 offer = sender.offer(version)

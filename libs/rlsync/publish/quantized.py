@@ -79,26 +79,25 @@ class QuantizedBuffer(ResidentSource):
     of bf16's), from the first offer to the offload (which drops the sender, and this with it)."""
 
     def __init__(self, base: ResidentSource, fmt: pb.WeightFormat):
-        specs, self._plan = stage(base.specs(), fmt)
+        specs, plan = stage(base.specs(), fmt)
         self.store = FlatStore({s.name: (s.shape, s.dtype) for s in specs}, base.device)
         super().__init__(self.store.views, frozen=base.frozen)
-        self.base = base
+        self.base = base  # (kept alive: the quantizer's table holds where its tensors lie)
         self.format = fmt
-        self.quantized = frozenset(s.name for s, (_, part) in zip(specs, self._plan) if part)  # audited as sent
-        self._quantizer: ManyQuantizer | None = None
+        self.quantized = frozenset(s.name for s, (_, part) in zip(specs, plan) if part)  # audited as sent
+        out, tensors = list(self.store.views.values()), [t.detach() for t in base.tensors.values()]
+        # (a resident source's tensors stay where they are: what reads them is laid out once)
+        self._quantizer = ManyQuantizer([(tensors[i], out[j], out[j + 1]) for j, (i, part) in enumerate(plan)
+                                         if part == WEIGHT], tuple(fmt.fp8.block), fmt.fp8.pow2_scales)
+        self._copies = [(tensors[i], out[j]) for j, (i, part) in enumerate(plan) if part == 0]
         self.refresh()  # (whole before anything reads it)
 
     @torch.no_grad()
     def refresh(self) -> None:
         """Quantizes (and copies) the source's current values into the buffer; returns once they are there."""
-        out, base = list(self.store.views.values()), [t.detach() for t in self.base.tensors.values()]
-        weights = [(base[i], out[j], out[j + 1]) for j, (i, part) in enumerate(self._plan) if part == WEIGHT]
-        if self._quantizer is None or not self._quantizer.same_as(weights):  # (its table: made once)
-            self._quantizer = ManyQuantizer(weights, tuple(self.format.fp8.block), self.format.fp8.pow2_scales)
         self._quantizer.run()
-        for j, (i, part) in enumerate(self._plan):
-            if part == 0:
-                out[j].copy_(base[i])
+        for src, dst in self._copies:
+            dst.copy_(src)
         if self.device.type == "cuda":  # whole before anything reads it, on any stream
             torch.cuda.current_stream(self.device).synchronize()
 

@@ -5,8 +5,10 @@ Manifest.format)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from fnmatch import fnmatchcase
+from pathlib import Path
 from typing import Any
 
 from rlsync.errors import InvalidArgument
@@ -21,6 +23,15 @@ NEVER = ("lm_head", "*.mlp.gate", "*.router", "*.router.*")
 
 def scale_name(weight: str) -> str:
     return weight + SCALE_SUFFIX
+
+
+def quantization_config(model: str) -> dict | None:
+    """A local checkpoint's own `quantization_config` (its config.json's; transformers drops it from a model it
+    loaded dequantized), or None: unquantized, or a hub id (the engine reads its config itself)."""
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return None
+    return json.loads(config.read_text()).get("quantization_config")
 
 
 def is_fp8_config(quant: Mapping[str, Any] | None) -> bool:

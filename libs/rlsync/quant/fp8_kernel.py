@@ -128,14 +128,13 @@ _KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 class ManyQuantizer:
     """quantize_into for many (x, q, s), each of them: on a CUDA device one launch per input dtype from a
-    table made once (the weights and outputs must stay where they are: `same_as` tells), where every block of
-    every weight is one program; power-of-two scales take an amax launch, torch's rounding of the scales,
+    table made once (the weights and outputs stay where they are, as a resident source's do), where every block
+    of every weight is one program; power-of-two scales take an amax launch, torch's rounding of the scales,
     then a values launch. Elsewhere, or for a weight whose rows are not contiguous, quantize_into one by one."""
 
     def __init__(self, items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: tuple[int, int] = BLOCK,
                  pow2: bool = False):
         self.block, self.pow2 = block, pow2
-        self.key = _addresses(items)
         self.alone: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         by_kind: dict[int, list] = {}
         for x, q, s in items:
@@ -145,9 +144,6 @@ class ManyQuantizer:
                 self.alone.append((x, q, s))
         self.launches = [_table(kind, group, block) for kind, group in by_kind.items()]
         self.scales = [s for group in by_kind.values() for _, _, s in group]
-
-    def same_as(self, items) -> bool:
-        return _addresses(items) == self.key
 
     def run(self) -> None:
         for x, q, s in self.alone:
@@ -161,15 +157,11 @@ class ManyQuantizer:
                                                  MODE=mode, KIND=kind, num_warps=8)
 
 
-def _addresses(items) -> tuple[int, ...]:
-    return tuple(t.data_ptr() for item in items for t in item)
-
-
 def _table(kind: int, group: list, block: tuple[int, int]) -> tuple[int, torch.Tensor, torch.Tensor]:
     rows, owner, first = [], [], 0
     for w, (x, q, s) in enumerate(group):
         m, n = x.shape
-        blocks = scale_shape(x.shape, block)[0] * scale_shape(x.shape, block)[1]
+        blocks = s.numel()  # (the scale grid: one scale a block)
         rows.append([x.data_ptr(), q.data_ptr(), s.data_ptr(), m, n, x.stride(0), q.stride(0), first])
         owner += [w] * blocks
         first += blocks

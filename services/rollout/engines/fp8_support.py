@@ -5,23 +5,16 @@ replica refuses such a start at once, in one line that says why and what serves 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 from rlsync.checks import StartupError
-from rlsync.quant.fp8_format import fp8_format, is_fp8_config
+from rlsync.quant.fp8_format import fp8_format, is_fp8_config, quantization_config
+from rlsync.rollout.engines.checkpoint import checkpoint_tensors
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 NEEDS_AMX = {"vllm": "vLLM's CPU FP8 block kernel (CPUFp8W8A8BlockScaledMMKernel)",
              "sglang": "SGLang's CPU Fp8LinearMethod"}
-
-
-def quantization_config(model: str) -> dict | None:
-    config = Path(model) / "config.json"
-    if not config.is_file():
-        return None  # a hub id: the engine reads its config itself
-    return json.loads(config.read_text()).get("quantization_config")
 
 
 def checkpoint_format(model: str) -> pb.WeightFormat | None:
@@ -30,8 +23,6 @@ def checkpoint_format(model: str) -> pb.WeightFormat | None:
     quant = quantization_config(model)
     if not is_fp8_config(quant):
         return None
-    from rlsync.rollout.engines.checkpoint import checkpoint_tensors
-
     tensors = checkpoint_tensors(model)
     linears = [n for n, (shape, _) in tensors.items() if n.endswith(".weight") and len(shape) == 2]
     return fp8_format(quant, linears, tensors)

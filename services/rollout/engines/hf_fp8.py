@@ -8,14 +8,13 @@ lists are put back to the checkpoint's FP8 values here."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from rlsync.quant.fp8_blocks import FP8, dequantize_blocks, scale_shape
-from rlsync.quant.fp8_format import fp8_format, is_fp8_config, scale_name
+from rlsync.quant.fp8_format import fp8_format, is_fp8_config, quantization_config, scale_name
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 
@@ -50,8 +49,7 @@ def checkpoint_tensors(path: str) -> dict[str, torch.Tensor]:
 def to_fp8(model: nn.Module, path: str) -> pb.WeightFormat | None:
     """Puts the checkpoint's FP8 layers back in `model` (loaded dequantized) -> the engine's format, or
     None for a model without an FP8 quantization config."""
-    config = Path(path) / "config.json"  # the checkpoint's own (transformers drops it once it dequantized)
-    quant = json.loads(config.read_text()).get("quantization_config") if config.exists() else None
+    quant = quantization_config(path)
     if not is_fp8_config(quant):
         return None
     linears = [f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)]
