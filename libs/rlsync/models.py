@@ -196,7 +196,7 @@ class TinyFp8Recipe(_Recipe):
     max_position_embeddings: int = 1024
     seed: int = 0
     tokenizer: str = TinyRecipe().key()
-    version: int = 1
+    version: int = 2  # 2: config.json names its architecture (vLLM reads no generating model without it)
 
 
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
@@ -230,6 +230,7 @@ def build_tiny_fp8(out: Path, recipe: TinyFp8Recipe = TinyFp8Recipe()) -> Path:
             tensors[name] = t.contiguous()
     out.mkdir(parents=True)
     config.quantization_config = dict(FP8_CONFIG)
+    config.architectures = [type(model).__name__]  # model.save_pretrained writes it; config.save_pretrained does not
     config.save_pretrained(out)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return _finish(out, dense, recipe)

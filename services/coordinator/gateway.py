@@ -124,6 +124,7 @@ class Gateway:
         produced: list[int] = []
         spans: list[pb.VersionSpan] = []
         attempt = 0
+        last = ""  # why the latest attempt was cut short: the give-up error says it
         prompt_sent = False  # the caller gets its prompt's ids once, on the first chunk it receives
         while True:
             member = await self._pick(base.session_id)
@@ -152,6 +153,7 @@ class Gateway:
                 if e.code not in _RETRYABLE or base.request_id in self._aborted:
                     raise
                 cause = "replica_lost" if isinstance(e, Gone) else "replica_failed"
+                last = f"replica {member.name} answered {e.code.name}: {e.message}"
                 log.info("replica %s failed %s (%s); resubmitting", member.name, req.request_id, e.code.name)
                 await asyncio.sleep(min(1.0, 0.05 * (attempt + 1)))  # let the registry notice a dead replica
             finally:
@@ -171,7 +173,7 @@ class Gateway:
                     self._finish(final, spans, attempt)
                     out.put_nowait(final)
                     return
-                cause = "aborted"
+                cause, last = "aborted", f"replica {member.name} aborted it"
                 if final.token_ids or final.text or final.prompt_token_ids:  # what came before the abort counts
                     final.finish_reason, final.finish_detail = 0, ""
                     del final.version_spans[:]
@@ -180,7 +182,7 @@ class Gateway:
             self.resubmissions += 1
             metrics.RESUBMISSIONS.labels(cause).inc()
             if attempt > self.cfg.max_resubmissions:
-                raise Unavailable(f"request {base.request_id} was cut short {attempt} times; giving up")
+                raise Unavailable(f"request {base.request_id} was cut short {attempt} times; giving up (last: {last})")
 
     def _finish(self, emit: pb.GenerateChunk, spans: list, attempt: int) -> None:
         """Completes the final chunk: spans, versions and resubmissions across every attempt."""

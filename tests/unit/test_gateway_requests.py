@@ -58,3 +58,30 @@ def test_the_caller_gets_its_prompt_ids_when_the_first_replica_died_before_any_c
     got = [out.get_nowait() for _ in range(out.qsize())]
     assert [list(c.prompt_token_ids) for c in got] == [prompt, []], "once, on the first chunk the caller receives"
     assert [t for c in got for t in c.token_ids] == [1, 2] and got[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_giving_up_says_what_cut_the_last_attempt_short():
+    """A replica that fails every request alike (an engine that cannot generate) ends in one error that says why."""
+    import asyncio
+    from dataclasses import replace
+
+    import grpc
+    import pytest
+
+    from rlsync.client import RpcError
+
+    class Broken(_Replica):
+        async def stream(self, req):
+            raise RpcError(grpc.StatusCode.INTERNAL, "ValueError: This model does not support generation")
+            yield
+
+    gw = Gateway(registry=None, syncer=None, cfg=replace(CoordinatorConfig(), max_resubmissions=2))
+
+    async def pick(session):
+        return Broken("r0", None)
+
+    gw._pick = pick
+    base = pb.GenerateRequest(request_id="r", text="hi", sampling=pb.SamplingParams(max_tokens=2))
+    with pytest.raises(Exception, match=r"cut short 3 times; giving up \(last: replica r0 answered INTERNAL: "
+                                        r"ValueError: This model does not support generation\)"):
+        asyncio.run(gw._run_completion(base, 0, 1, asyncio.Queue()))

@@ -76,6 +76,11 @@ class VLLMEngine(Engine):
         except (ValueError, TypeError) as e:  # vLLM validates argument values here
             raise InvalidArgument(f"vllm refused its arguments: {e}") from e
         config = self.llm.vllm_config
+        tasks = await self.llm.get_supported_tasks()
+        if "generate" not in tasks:  # else every Generate fails alike: refuse to start instead
+            raise InvalidArgument(
+                f"vllm loaded {self.model} as a model that cannot generate (its tasks: {list(tasks)}; architectures "
+                f"{config.model_config.architectures}): its config.json must name a causal LM, e.g. Qwen3ForCausalLM")
         self.tokenizer = self.llm.tokenizer if hasattr(self.llm, "tokenizer") else None
         if self.tokenizer is None:
             from transformers import AutoTokenizer
