@@ -136,15 +136,13 @@ for pow2 in (False, True):
     many = [(torch.empty(x.shape, dtype=FP8), torch.empty(scale_shape(x.shape), dtype=torch.float32)) for x in xs]
     for x, (q, s) in zip(xs, one):  # the one-weight kernel, interpreted
         k._launch(x, q, s, (128, 128), pow2)
-    quantizer = k.ManyQuantizer([], (128, 128), pow2)  # its launches over these (CPU) tensors, interpreted
-    by_kind = {}
-    for x, (q, s) in zip(xs, many):
-        by_kind.setdefault(k._KINDS[x.dtype], []).append((x, q, s))
-    quantizer.launches = [k._table(kind, group, (128, 128)) for kind, group in by_kind.items()]
-    quantizer.scales = [s for group in by_kind.values() for _, _, s in group]
+    k._on_kernel = lambda x: x.dim() == 2 and x.numel() > 0  # its launches over these (CPU) tensors, interpreted
+    quantizer = k.ManyQuantizer([(x, q, s) for x, (q, s) in zip(xs, many)], (128, 128), pow2)
     quantizer.run()
     out[str(pow2)] = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) and torch.equal(c, d)
                          for (a, c), (b, d) in zip(one, many))
+    out["table"] = sum(len(owner) for _, _, owner in quantizer.launches)  # blocks: (128, 128) and (5, 640)
+    out["alone"] = [tuple(x.shape) for x, _, _ in quantizer.alone]  # what its hints would not hold for
 print(json.dumps(out))
 """
 
@@ -154,5 +152,7 @@ def test_one_launch_over_many_weights_writes_what_one_launch_each_does_under_tri
     """ManyQuantizer's kernel (every block of every weight one program, found from a kept table), run on the
     CPU by Triton's interpreter: the same FP8 values and scales as the one-weight kernel, weight by weight,
     over mixed dtypes, shapes that are not multiples of 128, a weight whose rows lie apart, and power-of-two
-    scales. (The interpreter rounds FP8 otherwise than a GPU: bits against the reference are the GPU test's.)"""
-    assert interpreted(MANY_RUN, seed) == {"False": True, "True": True}
+    scales; weights its alignment hints would not hold for go one by one. (The interpreter rounds FP8
+    otherwise than a GPU: bits against the reference are the GPU test's.)"""
+    assert interpreted(MANY_RUN, seed) == {"False": True, "True": True, "table": 1 + 5,
+                                           "alone": [[1, 1], [300, 77], [129, 257], [256, 256]]}

@@ -79,7 +79,7 @@ if triton is not None:
 
     @triton.jit
     def _quantize_many(table, owner, floor, fp8_max, BM: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr,
-                       KIND: tl.constexpr):
+                       KIND: tl.constexpr, ALIGN: tl.constexpr):
         """Many weights of one dtype (KIND 0: bf16, 1: fp16, 2: fp32): program b is block b of them all,
         of the weight owner[b], whose row of `table` is [x, q, s addresses, m, n, x's and q's row strides,
         its first block] (int64)."""
@@ -94,10 +94,14 @@ if triton is not None:
         q_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float8e4nv))
         s_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
         m = tl.load(row + 3)
-        n = tl.load(row + 4)
+        n = tl.multiple_of(tl.load(row + 4), ALIGN)
         local = b - tl.load(row + 7)
         per_row = tl.cdiv(n, BN)
-        _block(x_ptr, q_ptr, s_ptr, local // per_row, local % per_row, m, n, tl.load(row + 5), tl.load(row + 6),
+        # What Triton knows of a launch's own arguments (16-byte aligned, a multiple of 16) it cannot know of
+        # values read from memory: said here (the table holds only weights for which it is true), else every
+        # element is its own 1- or 2-byte access
+        _block(tl.multiple_of(x_ptr, ALIGN), tl.multiple_of(q_ptr, ALIGN), s_ptr, local // per_row, local % per_row,
+               m, n, tl.multiple_of(tl.load(row + 5), ALIGN), tl.multiple_of(tl.load(row + 6), ALIGN),
                floor, fp8_max, BM, BN, MODE)
 
 
@@ -130,7 +134,7 @@ class ManyQuantizer:
     """quantize_into for many (x, q, s), each of them: on a CUDA device one launch per input dtype from a
     table made once (the weights and outputs stay where they are, as a resident source's do), where every block
     of every weight is one program; power-of-two scales take an amax launch, torch's rounding of the scales,
-    then a values launch. Elsewhere, or for a weight whose rows are not contiguous, quantize_into one by one."""
+    then a values launch. Elsewhere, or for a weight the table cannot take (_aligned), quantize_into one by one."""
 
     def __init__(self, items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: tuple[int, int] = BLOCK,
                  pow2: bool = False):
@@ -138,7 +142,7 @@ class ManyQuantizer:
         self.alone: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         by_kind: dict[int, list] = {}
         for x, q, s in items:
-            if _on_kernel(x) and x.stride(1) == 1 and q.stride(1) == 1 and s.is_contiguous() and x.dtype in _KINDS:
+            if _on_kernel(x) and _aligned(x, q, s):
                 by_kind.setdefault(_KINDS[x.dtype], []).append((x, q, s))
             else:
                 self.alone.append((x, q, s))
@@ -154,7 +158,17 @@ class ManyQuantizer:
                     s.copy_(scales_of(s, pow2=True))
             for kind, table, owner in self.launches:
                 _quantize_many[(owner.numel(),)](table, owner, AMAX_FLOOR, FP8_MAX, BM=self.block[0], BN=self.block[1],
-                                                 MODE=mode, KIND=kind, num_warps=8)
+                                                 MODE=mode, KIND=kind, ALIGN=_ALIGN, num_warps=8)
+
+
+_ALIGN = 16
+
+
+def _aligned(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> bool:
+    """A weight the one launch takes: of a dtype it reads, its and its output's rows contiguous, starting
+    16-byte aligned, a multiple of 16 elements long and apart (what its kernel's hints say of them all)."""
+    return (x.dtype in _KINDS and s.is_contiguous() and x.shape[1] % _ALIGN == 0
+            and all(t.stride(1) == 1 and t.stride(0) % _ALIGN == 0 and t.data_ptr() % _ALIGN == 0 for t in (x, q)))
 
 
 def _table(kind: int, group: list, block: tuple[int, int]) -> tuple[int, torch.Tensor, torch.Tensor]:
