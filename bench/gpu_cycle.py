@@ -35,6 +35,7 @@ from rlsync.client import (AsyncCoordinatorClient, CoordinatorClient, RolloutCli
 from rlsync.launch import ServiceProcess  # noqa: E402
 from rlsync.models import build_preset  # noqa: E402
 from rlsync.rollout.__main__ import parse_engine_arg  # noqa: E402
+from rlsync.rollout.engines.vllm_trace import TRACE_ENV, read as read_trace  # noqa: E402
 
 GIB = 1 << 30
 ENGINE = "hf"  # the replicas' engine (--engine)
@@ -269,14 +270,19 @@ def disaggregated(model: str, cycles: int, logs: Path, gpus: int, limit: float, 
 
 def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: float, interval: float,
                   streams: int = 32, max_tokens: int = 256, trainer_args=(), replica_env=None,
-                  rounds: int = 2) -> dict:
+                  rounds: int = 2, trace: bool = False) -> dict:
     """Generation through the gateway (`streams` streams, each starting a new request when one ends)
     for `seconds` without updates and for `seconds` with a sync every `interval` seconds: tokens/s
     of both windows, the gaps between two tokens of one stream (the longest across an update against
     the median without), and each sync's phases. One GPU: trainer and replica share it (cuda_ipc);
     more: the replica on GPU 1 (a pull over P2P; nccl with --no-peer). mode: inflight (no pause) or async
-    (abort and resume)."""
+    (abort and resume). trace: each sync's longest gap also lists the replica's engine steps, output batches
+    and commit stages that overlap it (vLLM: rollout.engines.vllm_trace)."""
     gpus = torch.cuda.device_count()
+    steps = logs / "steps.jsonl"
+    if trace:
+        steps.unlink(missing_ok=True)
+        replica_env = {**(replica_env or {}), TRACE_ENV: str(steps)}
     fleet = start(logs, mode, model, "0", ["1" if gpus > 1 else "0"], trainer_args, replica_env=replica_env)
     address = fleet[0].address
     arrivals: list[list[tuple[float, int, int]]] = [[] for _ in range(streams)]  # (time, tokens, request)
@@ -335,6 +341,7 @@ def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: floa
         return [(b[0] - a[0], a[0], b[0]) for arr in arrivals for a, b in zip(arr, arr[1:])
                 if a[2] == b[2] and any(w0 <= a[0] and b[0] < w1 for w0, w1 in windows)]
 
+    events = sorted(read_trace(str(steps)), key=lambda e: e[1]) if trace and steps.exists() else []
     quiet_gaps = [g for g, _, _ in gaps(quiet)]
     median_gap = statistics.median(quiet_gaps)
     across = [g for g, t0, t1 in gaps(busy) if any(t0 < w1 and t1 > w0 for w0, w1 in windows)]
@@ -344,8 +351,13 @@ def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: floa
         """The longest gap across the sync of window (w0, w1), its ends in ms from the sync's start: which
         phase it spans (phases_ms run offer, prepare, transfer, commit)."""
         g = max(((g, t0, t1) for g, t0, t1 in busy_gaps if t0 < w1 and t1 > w0), default=None)
-        return {} if g is None else {"longest_gap": {"ms": round(g[0] * 1e3, 2), "from_ms": round((g[1] - w0) * 1e3, 2),
-                                                     "to_ms": round((g[2] - w0) * 1e3, 2)}}
+        if g is None:
+            return {}
+        out = {"ms": round(g[0] * 1e3, 2), "from_ms": round((g[1] - w0) * 1e3, 2), "to_ms": round((g[2] - w0) * 1e3, 2)}
+        if events:  # what the replica did from a step before the gap to its end: [kind, start, end] in ms
+            out["replica"] = [[k, round((a - w0) * 1e3, 2), round((b - w0) * 1e3, 2)] for k, a, b in events
+                              if b > g[1] - 2 * median_gap and a < g[2]]
+        return {"longest_gap": out}
 
     per_sync = [{"version": s.version, "seconds": round(s.seconds, 4),
                  "phases_ms": {k: round(v * 1e3, 3) for k, v in s.phases.items()},
@@ -389,6 +401,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=32,
                         help="disaggregated only: generation streams running through every update")
     parser.add_argument("--dir", default="/tmp/rlsync-gpu")
+    parser.add_argument("--trace", action="store_true",
+                        help="updates: each sync's longest gap lists what the (vLLM) replica did meanwhile")
     parser.add_argument("--no-doorbell", action="store_true",
                         help="colocated only: the coordinator prepares the replica by gRPC (the trainer rings none)")
     parser.add_argument("--no-hold", action="store_true",
@@ -440,7 +454,7 @@ def main() -> None:
         for mode in args.mode or ["inflight", "async"]:
             result[f"updates_{mode}"] = under_updates(model, root / f"logs-{mode}", mode, limit, args.seconds,
                                                       args.interval, trainer_args=buffer, replica_env=replica_env,
-                                                      rounds=args.rounds)
+                                                      rounds=args.rounds, trace=args.trace)
             print(json.dumps({k: v for k, v in result[f"updates_{mode}"].items() if k != "per_sync"}),
                   file=sys.stderr, flush=True)
     print(json.dumps(result, indent=1))

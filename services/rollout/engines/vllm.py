@@ -34,6 +34,7 @@ from rlsync.rollout.engines.base import Engine
 from rlsync.rollout.engines.checkpoint import checkpoint_checksums, checkpoint_tensors
 from rlsync.rollout.engines.fp8_support import checkpoint_format
 from rlsync.rollout.engines.vllm_lora import Adapters
+from rlsync.rollout.engines.vllm_trace import mark, trace, trace_path
 from rlsync.rollout.engines.vllm_versions import RequestRefused, SwitchPoints, check, tags_tokens
 from rlsync.rollout.types import Delta, FinishReason, GenerationRequest, MemoryUsage, PauseMode, WakeTag
 
@@ -98,6 +99,9 @@ class VLLMEngine(Engine):
         if self._tags:
             await self.llm.update_weight_version(str(self.version))
         self.base_version = self.version
+        if path := trace_path():  # (a bench's: where a gap in generation comes from)
+            await self.llm.collective_rpc("rlsync_trace", args=(path,))
+            trace(self.llm.output_processor, "process_outputs", "outputs", path)
         self._in_flight: set[str] = set()
         self._salt = self.version  # moves to the new version before its weights go live
         await self._read_memory()
@@ -340,7 +344,7 @@ class VLLMEngine(Engine):
             await self.adapters.commit(self.llm, version)
             self.version = version
             return 0
-        clock = Stopwatch()  # (the stages go back in the commit's answer: where a gap in generation comes from)
+        began, clock = time.perf_counter(), Stopwatch()  # (the stages go back in the commit's answer)
         # Paused by Pause, or the KV cache asleep (the colocated order): nothing generates, nothing to freeze.
         # (Its own record: asking the engine core would wait for a step.)
         was_paused = self._paused or self._kv_asleep
@@ -389,6 +393,8 @@ class VLLMEngine(Engine):
             if not was_paused:
                 await self.llm.resume_generation()
             clock.lap("resume")
+        for stage, seconds in clock.stages.items():  # (a bench's trace: vllm_trace)
+            mark(f"commit_{stage}", began, began := began + seconds)
         self._take_memory(figures)
         self.commit_stages = clock.stages
         return recomputed

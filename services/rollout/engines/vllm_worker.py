@@ -88,6 +88,14 @@ class LiveAudit:
 class RlsyncWorkerExtension:
     """Mixed into vLLM's Worker class: `self` is the worker (self.model_runner, self.device, self.rank...)."""
 
+    def rlsync_trace(self, path: str) -> None:
+        """Times this worker's model steps into `path` (vllm_trace: for benches)."""
+        from rlsync.rollout.engines.vllm_trace import trace
+
+        for method in ("execute_model", "sample_tokens"):
+            if hasattr(self, method):
+                trace(self, method, method, path)
+
     def rlsync_memory(self) -> dict[str, Any]:
         model = self.model_runner.get_model()
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
