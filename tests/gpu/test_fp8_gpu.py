@@ -73,17 +73,21 @@ def test_a_non_contiguous_weight_and_the_dispatch():
 @pytest.mark.parametrize("pow2", [False, True])
 def test_a_publishers_fp8_buffer_holds_the_kernels_bits_and_is_filled_again_in_place(pow2):
     """QuantizedBuffer (a single-process trainer's FP8 weights, kept for replicas to pull or keep mapped): the
-    kernel writes into its views, the same bits as a fresh quantize, and a refresh moves no memory."""
+    kernel writes into its views (aligned weights from the one launch's table, the others one by one), the same
+    bits as a fresh quantize, and a refresh moves no memory."""
     from rlsync.publish.quantized import quantized
     from rlsync.quant.fp8_format import fp8_format, scale_name
     from rlsync.transfer.source import ResidentSource
 
     weights = {f"layers.{i}.proj.weight": _weights(*shape, seed=i, dtype=torch.bfloat16).cuda()
-               for i, shape in enumerate([(300, 77), (4096, 7168), (129, 127)])}
+               for i, shape in enumerate([(4096, 7168), (256, 384), (300, 77), (129, 127)])}
     tensors = {"embed.weight": torch.randn(64, 32, device="cuda", dtype=torch.bfloat16), **weights}
     config = {"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0" if pow2 else None}
     buffer = quantized(ResidentSource(tensors), fp8_format(config, list(weights)))
     where = {n: t.data_ptr() for n, t in buffer.tensors.items()}
+    # the first two in one launch (its table: 16-byte aligned rows); the others, unaligned after them, one by one
+    assert sum(owner.numel() for _, _, owner in buffer._quantizer.launches) == 32 * 56 + 2 * 3
+    assert [tuple(x.shape) for x, _, _ in buffer._quantizer.alone] == [(300, 77), (129, 127)]
     for step in range(2):
         for name, w in weights.items():
             q, s = quantize_cuda(w, pow2=pow2)
