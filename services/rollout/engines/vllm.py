@@ -68,6 +68,7 @@ class VLLMEngine(Engine):
         self._kv_asleep = False  # slept, and the KV cache not woken since: nothing can generate
         self._broken = ""  # why the weights cannot serve: an update written into them failed
         self._pending = False  # an update is prepared (its receive may still be writing)
+        self._ended: list[dict] | None = None  # the workers' final states, where the prepare's call ended it
         self._paused = False  # paused by Pause (a commit then leaves it so)
         self._switches: dict[str, SwitchPoints] = {}  # where vLLM does not tag tokens itself (vllm_versions)
 
@@ -282,6 +283,8 @@ class VLLMEngine(Engine):
         if refusals := [s["error"] for s in states if s.get("code") == "ResourceExhausted" and s.get("refused")]:
             await self.abort_update()
             raise ResourceExhausted(refusals[0])
+        # a pull ends within this call: finish_update then asks no engine step more for what it knows
+        self._ended = states if all(st.get("state") != "running" for st in states) else None
         try:
             return pulled(ans, states)
         except BaseException:
@@ -324,9 +327,9 @@ class VLLMEngine(Engine):
         if self.adapters.pending is not None:
             return await self.adapters.finish(self.llm, timeout)
         # Poll instead of one blocking call: a worker blocked in an RPC would stall generation.
-        start = time.perf_counter()
+        start, states, self._ended = time.perf_counter(), self._ended, None
         while True:
-            states = await self.llm.collective_rpc("rlsync_poll")
+            states = states or await self.llm.collective_rpc("rlsync_poll")
             if all(s["state"] != "running" for s in states):
                 self._take_memory([s.get("memory") for s in states])  # (a failed transfer has dropped its staging)
                 for s in states:
@@ -336,6 +339,7 @@ class VLLMEngine(Engine):
             if time.perf_counter() - start > timeout:
                 await self.abort_update()
                 raise DeadlineExceeded(f"weight transfer did not finish within {timeout:.0f}s")
+            states = None
             await asyncio.sleep(0.005)
 
     async def commit_update(self, version: int, recompute_kv: bool = False) -> int:
@@ -420,7 +424,8 @@ class VLLMEngine(Engine):
     async def abort_update(self) -> None:
         await self.adapters.abort(self.llm)
         await self.llm.collective_rpc("rlsync_abort")
-        self._pending = False  # (direct, its weights stay marked: written in part, or whole but not committed)
+        # (direct, its weights stay marked: written in part, or whole but not committed)
+        self._pending, self._ended = False, None
         await self._read_memory()
 
     async def checksums(self):

@@ -190,7 +190,8 @@ class RlsyncWorkerExtension:
         answer (a replica of one worker), it answers for itself first, and the state carries the answer;
         where the trainer's memory then does not map here, it answers again with another channel (said in
         the log; a replica of several workers leaves cuda_ipc out from its next answer on).
-        Returns its state, as rlsync_poll, with whether it landed directly and the seconds spent here."""
+        Returns its state, as rlsync_poll (with the memory figures once it is not running: a pull's final
+        state), with whether it landed directly and the seconds spent here."""
         entered = time.perf_counter()
         o = pb.Offer.FromString(offer)
         device = self._rlsync_device()
@@ -204,6 +205,8 @@ class RlsyncWorkerExtension:
                 log.warning("%s: version %d comes over %s instead, and so do the next from this trainer",
                             state["error"], o.manifest.version, NAMES[ans.backend])
                 state = self._rlsync_begin(o, ans, device, timeout, direct, staging_bytes)
+        if state.get("state") != "running":  # (a pull has ended: its final state, as rlsync_poll's, saves a poll)
+            state["memory"] = self._rlsync_figures()
         state["in_worker"] = time.perf_counter() - entered
         if "stages" in state:  # (what this call took beyond the receive's own stages: parsing, answering)
             state["stages"] = {**state["stages"], "worker": max(state["in_worker"] - sum(state["stages"].values()), 0)}
