@@ -18,6 +18,9 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 # (for OpenMP thread binding, which tests do not need). It saves ~7 s and a process per replica
 # start; tensor-parallel replicas still get one process per worker.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# An FP8 vLLM replica on a GPU compiles DeepGEMM's kernels for every batch size it may meet before it serves
+# (55 s of the tiny FP8 model's start on an H200); a test's replica compiles those it runs, when it runs them.
+os.environ.setdefault("VLLM_DEEP_GEMM_WARMUP", "skip")
 # OpenMP threads that wait by sleeping, not spinning: every service the tests start (vLLM's workers, the
 # hf engine's and the trainer's torch) shares the CI machine's two cores with two other suites, and a
 # spinning wait takes a core from whichever process holds the work (a two-worker vLLM replica's first
