@@ -176,3 +176,37 @@ def test_a_ranks_where_stays_through_an_in_place_step_and_changes_when_a_shard_m
         assert all(module[n] is p for n, p in params.items()) and shards.where() != before
     finally:
         dist.destroy_process_group()
+
+
+def test_an_fp8_ranks_where_names_its_boxes_from_the_first_send_on():
+    """QuantizedShards: the sender keys a repeat's export by where(), asked before held_tensors(); the FP8
+    boxes held_tensors() hands out are made by where() the first time, so the second send's key is the
+    first's (before, the second missed the export and made another) and names what held_tensors() cuts."""
+    from types import SimpleNamespace
+
+    from rlsync.publish.quantized import stage
+    from rlsync.publish.quantized_shards import QuantizedShards
+    from rlsync.quant.fp8_format import fp8_format
+    from rlsync.transfer.routes import Piece
+
+    try:
+        params, shards = _rank_shards(rows=256)
+        with torch.no_grad():
+            for p in params.values():
+                p.to_local().normal_()
+        fmt = fp8_format({"quant_method": "fp8", "weight_block_size": [128, 128]}, ["w1", "w2"])
+        specs, plan = stage([Spec(n, torch.float32, (256, 4), 4096) for n in params], fmt)
+        q = QuantizedShards(shards, specs, plan, fmt, torch.device("cpu"))
+        ranks = SimpleNamespace(agree=lambda ok: not ok, max_of=lambda t: t)  # (one rank's view: nothing to combine)
+        q.refresh(ranks)
+        first = q.where()
+        held = [t.data_ptr() for tensors in q.held_tensors() for t in tensors]
+        with torch.no_grad():
+            params["w1"].to_local().mul_(-2.0)  # a training step, in place
+        q.refresh(ranks)
+        assert q.where() == first, "the second send's key is the first's"
+        assert [t.data_ptr() for tensors in q.held_tensors() for t in tensors] == held
+        box = q.layout.held[0][0][0]  # w1's FP8 rows on rank 0: what it holds now, quantized after the step
+        assert torch.equal(q.held_tensors()[0][0].view(torch.uint8), q.piece(Piece(0, box)).view(torch.uint8))
+    finally:
+        dist.destroy_process_group()

@@ -78,8 +78,14 @@ class QuantizedShards:
         self._fresh = True
 
     def where(self) -> tuple:
-        """Where held_tensors()' tensors lie (ShardedSender keys a repeat's export by it): the FP8 boxes and
+        """Where held_tensors()' tensors lie (ShardedSender keys a repeat's export by it, then asks for them):
+        the FP8 boxes, made here the first time (so that the second send finds the first's export), and the
         scales stay where they were made, and refresh() brings them up to date; the rest is the base's."""
+        if self._fresh:
+            for j, boxes in enumerate(self.layout.held[self.rank]):
+                i, part = self.plan[j]
+                for box in boxes if part == WEIGHT else ():
+                    self._quantized_box(i, box)
         return self.base.where(), kept.where([*self._values.values(), *self.scales.values()])
 
     def _check_fresh(self) -> None:
