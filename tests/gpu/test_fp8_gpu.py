@@ -98,3 +98,29 @@ def test_a_publishers_fp8_buffer_holds_the_kernels_bits_and_is_filled_again_in_p
             w.mul_(-1.5)  # a training step
         buffer.refresh()
     assert {n: t.data_ptr() for n, t in buffer.tensors.items()} == where
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_sharded_ranks_boxes_from_the_box_kernel_equal_the_reference_of_the_whole_weight(dtype, pow2):
+    """fp8_box_kernel on the GPU: two ranks' boxes (rows cut off a block boundary, then a column split of one
+    rank's rows), each rank's partial amaxes in one launch, their max the reference's amaxes, and each box's
+    values under those scales the whole weight's reference values there, bit for bit."""
+    from rlsync.quant.fp8_blocks import FP8, scale_shape, scales_of
+    from rlsync.quant.fp8_box_kernel import box_amax, box_values
+
+    whole = _weights(300, 1000, seed=3, dtype=dtype).cuda()
+    held = [[((0, 150), (0, 1000)), ((150, 300), (0, 333))], [((150, 300), (333, 1000))]]
+    q_ref, s_ref = quantize_blocks(whole, pow2=pow2)  # the reference, on the GPU
+
+    def cut(t, box):
+        return t[box[0][0]:box[0][1], box[1][0]:box[1][1]]
+
+    grids = [torch.zeros(scale_shape(whole.shape), device="cuda") for _ in held]
+    box_amax([(cut(whole, b), b, grid) for boxes, grid in zip(held, grids) for b in boxes])
+    scale = scales_of(torch.stack(grids).amax(0), pow2)  # (what the ranks' exchange makes)
+    assert torch.equal(_bits(scale), _bits(s_ref))
+    for b in (b for boxes in held for b in boxes):
+        q = torch.empty(cut(whole, b).shape, dtype=FP8, device="cuda")
+        box_values([(cut(whole, b), b, scale, q)])
+        assert torch.equal(_bits(q), _bits(cut(q_ref, b))), b

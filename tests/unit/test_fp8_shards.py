@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from conftest import two_gloo_ranks
+from conftest import interpreted, two_gloo_ranks
 from rlsync.quant.fp8_blocks import quantize_blocks, scales_of
 from rlsync.quant.fp8_shards import block_plan, exchange, partial_amax, quantize_box
 from rlsync.transfer.routes import chunks
@@ -104,3 +105,48 @@ def cut_of(t, box):
 
 def test_two_gloo_ranks_quantize_their_shards_as_the_whole_tensor_bit_for_bit():
     two_gloo_ranks(WORKER, results=12)
+
+
+BOXES_RUN = """
+import json, sys, torch
+from rlsync.quant import fp8_box_kernel as bk, fp8_kernel as k
+from rlsync.quant.fp8_blocks import FP8, scale_shape, scales_of
+g = torch.Generator().manual_seed(int(sys.argv[1]))
+kernel = lambda x: x.dim() == 2 and x.dtype in k._KINDS  # the box kernel over CPU tensors, interpreted
+reference = lambda x: False
+out = []
+for (m, n), block, held, dtype in [
+        ((300, 200), (128, 128), [[((0, 150), (0, 200))], [((150, 300), (0, 200))]], torch.bfloat16),  # FSDP2 rows
+        ((130, 300), (128, 128), [[((0, 130), (0, 77))], [((0, 130), (77, 300))]], torch.float32),  # a column split
+        ((40, 37), (16, 8), [[((0, 9), (0, 37)), ((23, 31), (0, 37))], [((9, 23), (0, 37)), ((31, 40), (0, 37))]],
+         torch.float16),  # two row ranges a rank (fused parts): a rank's boxes share blocks
+        ((33, 20), (4, 4), [[((0, 17), (0, 11)), ((17, 33), (11, 20))], [((0, 17), (11, 20)), ((17, 33), (0, 11))]],
+         torch.bfloat16)]:  # a grid of both
+    whole = (torch.randn(m, n, generator=g) * 10 ** torch.randint(-2, 3, (m, 1), generator=g)).to(dtype)
+    cut = lambda b: whole[b[0][0]:b[0][1], b[1][0]:b[1][1]]
+    grids = {}
+    for name, on in (("kernel", kernel), ("reference", reference)):
+        bk._on_kernel = on
+        grids[name] = [torch.zeros(scale_shape((m, n), block)) for _ in held]
+        bk.box_amax([(cut(b), b, grid) for boxes, grid in zip(held, grids[name]) for b in boxes], block)
+    amax_equal = all(torch.equal(a, b) for a, b in zip(grids["kernel"], grids["reference"]))
+    scale = scales_of(torch.stack(grids["kernel"]).amax(0), True)  # every rank's after the exchange
+    whole_q = torch.empty(m, n, dtype=FP8)  # the one-weight kernel's values under these scales, interpreted
+    k._quantize_block[scale.shape](whole, whole_q, scale, m, n, whole.stride(0), whole_q.stride(0), 1e-4, 448.0,
+                                   BM=block[0], BN=block[1], MODE=2)
+    bk._on_kernel = kernel
+    boxes = [(cut(b), b, scale, torch.empty(cut(b).shape, dtype=FP8)) for rank in held for b in rank]
+    bk.box_values(boxes, block)
+    values_equal = all(torch.equal(q.view(torch.uint8), whole_q[b[0][0]:b[0][1], b[1][0]:b[1][1]].view(torch.uint8))
+                       for _, b, _, q in boxes)
+    out.append([amax_equal, values_equal])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_box_kernel_makes_the_references_amaxes_and_the_one_weight_kernels_values_under_tritons_interpreter(seed):
+    """fp8_box_kernel (a sharded rank's boxes, one launch a dtype), run on the CPU by Triton's interpreter: each
+    rank's partial amaxes exactly the reference's (rows and columns cut off block boundaries, a rank's boxes
+    sharing blocks), and each box's FP8 values those of the one-weight kernel under the same scales."""
+    assert interpreted(BOXES_RUN, seed) == [[True, True]] * 4

@@ -6,7 +6,8 @@ launch for all of them (fp8_kernel.ManyQuantizer): what is sent is then resident
 pull it (or keep it mapped) as any resident weights, and delta updates diff its FP8 bytes. Streamed ones
 (cast, or gathered by every rank in step) are quantized as they are sent, one kernel per weight. Elsewhere
 than on a GPU the reference (rlsync.quant.fp8_blocks): the same bits. A sharded model's ranks each quantize
-the boxes they hold (QuantizedShards), the same bits."""
+the boxes they hold (QuantizedShards; on a GPU in a launch or two for all of them: fp8_box_kernel), the
+same bits."""
 
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ import torch
 from rlsync.errors import InvalidArgument, Unavailable
 from rlsync.publish.layout import RankShards, checksum_shares
 from rlsync.quant.fp8_blocks import FP8, scales_of
-from rlsync.quant.fp8_shards import BlockPlan, block_plan, exchange, partial_amax, quantize_box
+from rlsync.quant.fp8_box_kernel import box_amax, box_values
+from rlsync.quant.fp8_shards import BlockPlan, block_plan, checked, exchange, quantize_box
 from rlsync.transfer import kept
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.routes import Box, Piece, TensorInfo, layout
@@ -47,8 +48,11 @@ class QuantizedShards:
         self.layout = layout(infos, [[self.blocks[i].owned[r] if part == SCALE else held[r][i] for i, part in self.plan]
                                      for r in range(self.world)])
         # The scales of every block this rank touches, on the whole grid (the rest unused), kept in place:
-        # receiver ranks on this GPU pull views of them (held_tensors), and find them where they were.
-        self.scales = {i: torch.zeros(p.grid, dtype=torch.float32, device=device) for i, p in self.blocks.items()}
+        # receiver ranks on this GPU pull views of them (held_tensors), and find them where they were. One
+        # buffer for all: zeroed, made the amaxes, then the scales, each for all weights at once.
+        sizes = [p.grid[0] * p.grid[1] for p in self.blocks.values()]
+        self._grids = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+        self.scales = {i: g.view(p.grid) for (i, p), g in zip(self.blocks.items(), self._grids.split(sizes))}
         self._values: dict[tuple[int, Box], torch.Tensor] = {}  # FP8 boxes for pulls, made when first asked
         self._fresh = False
 
@@ -57,22 +61,23 @@ class QuantizedShards:
         (partial amaxes, the cut blocks' combined by `ranks.max_of` in one call). A rank that cannot make its
         partial amaxes says so first (`ranks.agree`), so that every rank raises before the exchange, not
         one of them in another collective than the others."""
-        self._fresh, amaxes, error = False, [], None
-        try:
+        self._fresh, error = False, None
+        try:  # (the partial amaxes into the grids, in one launch a dtype on a GPU)
             with torch.no_grad():
-                for i in self.blocks:
-                    pieces = [(box, self.base.piece(Piece(i, box))) for box in self.base.layout.held[self.rank][i]]
-                    amaxes.append(partial_amax(pieces, self.base.layout.tensors[i].shape, self.block, self.device))
+                self._grids.zero_()
+                box_amax([(x, box, self.scales[i]) for i in self.blocks
+                          for box, x in checked([(box, self.base.piece(Piece(i, box)))
+                                                 for box in self.base.layout.held[self.rank][i]])], self.block)
         except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
             error = e
         if ranks.agree(error is None):
             raise error or Unavailable("another rank of the trainer could not make its FP8 block scales (see its log)")
         with torch.no_grad():
-            exchange(amaxes, list(self.blocks.values()), ranks.max_of)
-            for i, amax in zip(self.blocks, amaxes):
-                self.scales[i].copy_(scales_of(amax, self.pow2))
-            for (i, box), q in self._values.items():  # the FP8 boxes receivers pull: a repeat's export is kept
-                q.copy_(self._quantize(i, box))
+            exchange(list(self.scales.values()), list(self.blocks.values()), ranks.max_of)
+            self._grids.copy_(scales_of(self._grids, self.pow2))
+            # the FP8 boxes receivers pull (a repeat's export is kept), in one launch a dtype
+            box_values([(self.base.piece(Piece(i, box)), box, self.scales[i], q)
+                        for (i, box), q in self._values.items()], self.block)
         if self._values and self.device.type == "cuda":  # another process reads them next (held_tensors)
             torch.cuda.current_stream(self.device).synchronize()
         self._fresh = True

@@ -13,7 +13,8 @@ from functools import lru_cache
 import torch
 
 from rlsync.errors import InvalidArgument
-from rlsync.quant.fp8_blocks import BLOCK, block_amax, quantize_with, scale_shape
+from rlsync.quant.fp8_blocks import BLOCK, FP8, scale_shape
+from rlsync.quant.fp8_box_kernel import box_amax, box_values
 
 Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension, as rlsync.transfer.routes has it
 
@@ -67,23 +68,17 @@ def partial_amax(pieces: Sequence[tuple[Box, torch.Tensor]], shape: tuple[int, i
                  block: tuple[int, int] = BLOCK, device: torch.device | None = None) -> torch.Tensor:
     """max |x| per block of the whole weight's grid over the boxes this rank holds (`pieces`: each box
     and its values), 0 where it holds nothing: before the floor, for the exchange to combine."""
-    bm, bn = block
-    grid = scale_shape(shape, block)
-    amax = torch.zeros(grid, dtype=torch.float32, device=device)
+    amax = torch.zeros(scale_shape(shape, block), dtype=torch.float32, device=device)
+    box_amax([(x, box, amax) for box, x in checked(pieces)], block)
+    return amax
+
+
+def checked(pieces: Sequence[tuple[Box, torch.Tensor]]) -> Sequence[tuple[Box, torch.Tensor]]:
+    """`pieces`, each box's values of the box's shape (else InvalidArgument)."""
     for ((r0, r1), (c0, c1)), x in pieces:
         if tuple(x.shape) != (r1 - r0, c1 - c0):
             raise InvalidArgument(f"values of shape {list(x.shape)} for box {[[r0, r1], [c0, c1]]}")
-        if r1 <= r0 or c1 <= c0:
-            continue
-        lead_r, lead_c = r0 % bm, c0 % bn
-        if lead_r or lead_c:  # pad in front to the block boundary: the partial amax lands on the whole grid
-            padded = x.new_zeros(lead_r + x.shape[0], lead_c + x.shape[1])
-            padded[lead_r:, lead_c:] = x
-            x = padded
-        part = block_amax(x, block)
-        at = amax[r0 // bm:r0 // bm + part.shape[0], c0 // bn:c0 // bn + part.shape[1]]
-        torch.maximum(at, part.to(at.device), out=at)
-    return amax
+    return pieces
 
 
 def exchange(amaxes: Sequence[torch.Tensor], plans: Sequence[BlockPlan],
@@ -103,4 +98,6 @@ def exchange(amaxes: Sequence[torch.Tensor], plans: Sequence[BlockPlan],
 
 def quantize_box(x: torch.Tensor, box: Box, scale: torch.Tensor, block: tuple[int, int] = BLOCK) -> torch.Tensor:
     """The whole weight's FP8 values of `box` (x: its values), under the whole grid's scales."""
-    return quantize_with(x, scale, block, row0=box[0][0], col0=box[1][0])
+    q = torch.empty(x.shape, dtype=FP8, device=x.device)
+    box_values([(x, box, scale, q)], block)
+    return q

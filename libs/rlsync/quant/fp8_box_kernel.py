@@ -1,0 +1,130 @@
+"""Block FP8 of the boxes a sharded rank holds (rlsync.quant.fp8_shards' arithmetic, on the GPU): one Triton
+program per block of the whole weight's grid that a box touches, over the part of the block the box holds. The
+amax pass max-es each part's amax into the weight's grid (atomically: boxes of one rank may share a block; max
+is exact in any order), so the grid holds what partial_amax makes; the values pass writes the box's FP8 values
+under the grid's scales, as quantize_with does (x promoted to fp32, times the correctly rounded 1 / scale, one
+rounding to FP8). All boxes of one input dtype go in one launch, from a table made at each call. Elsewhere (CPU,
+no Triton) the reference's torch operations."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from rlsync.quant.fp8_blocks import BLOCK
+from rlsync.quant.fp8_kernel import _KINDS, triton
+
+Box = tuple[tuple[int, int], tuple[int, int]]  # [start, stop) of rows, of columns, in the whole weight
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _box_block(x_ptr, q_ptr, s_ptr, gi, gj, r0, r1, c0, c1, gn, stride_xm, stride_qm,
+                   BM: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr):
+        """Block (gi, gj) of the weight's grid (gn blocks a row), over the box [r0, r1) x [c0, c1) whose first
+        element is x's (0, 0) and q's. MODE 1: the part's amax, max-ed into the grid; 2: its FP8 values."""
+        rows = gi * BM + tl.arange(0, BM)
+        cols = gj * BN + tl.arange(0, BN)
+        mask = (rows[:, None] >= r0) & (rows[:, None] < r1) & (cols[None, :] >= c0) & (cols[None, :] < c1)
+        local_r, local_c = rows - r0, cols - c0
+        x = tl.load(x_ptr + local_r[:, None] * stride_xm + local_c[None, :], mask=mask, other=0.0).to(tl.float32)
+        s_at = s_ptr + gi * gn + gj
+        if MODE == 1:
+            tl.atomic_max(s_at, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+        else:
+            inv = tl.math.div_rn(1.0, tl.load(s_at))
+            q = (x * inv).to(q_ptr.dtype.element_ty)
+            tl.store(q_ptr + local_r[:, None] * stride_qm + local_c[None, :], q, mask=mask)
+
+    @triton.jit
+    def _quantize_boxes(table, owner, BM: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr, KIND: tl.constexpr):
+        """Program b: block b of all the boxes, of box owner[b], whose row of `table` is [x, q, s addresses, r0,
+        r1, c0, c1, gn, x's and q's row strides, its first program, its blocks a row, its first block's grid
+        row and column] (int64, 16 a row)."""
+        b = tl.program_id(0)
+        row = table + tl.load(owner + b).to(tl.int64) * 16
+        if KIND == 0:
+            x_ptr = tl.load(row).to(tl.pointer_type(tl.bfloat16))
+        elif KIND == 1:
+            x_ptr = tl.load(row).to(tl.pointer_type(tl.float16))
+        else:
+            x_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+        q_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float8e4nv))
+        s_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+        local = b - tl.load(row + 10)
+        per_row = tl.load(row + 11)
+        _box_block(x_ptr, q_ptr, s_ptr, tl.load(row + 12) + local // per_row, tl.load(row + 13) + local % per_row,
+                   tl.load(row + 3), tl.load(row + 4), tl.load(row + 5), tl.load(row + 6), tl.load(row + 7),
+                   tl.load(row + 8), tl.load(row + 9), BM, BN, MODE)
+
+
+def _on_kernel(x: torch.Tensor) -> bool:
+    return x.is_cuda and triton is not None and x.dim() == 2 and x.dtype in _KINDS
+
+
+def box_amax(items: Sequence[tuple[torch.Tensor, Box, torch.Tensor]], block: tuple[int, int] = BLOCK) -> None:
+    """For each (x: a box's values, box, amax: its weight's grid, fp32, contiguous): max-es the amax of the part
+    of each block the box holds into amax (which the caller zeroes first). The boxes of one weight share its grid."""
+    from rlsync.quant.fp8_blocks import block_amax
+
+    rest = [it for it in items if not _usable(it[0], it[2], block)]
+    _launch([it for it in items if _usable(it[0], it[2], block)], 1, block)
+    bm, bn = block
+    for x, ((r0, r1), (c0, c1)), amax in rest:  # the reference: pad in front to the block boundary
+        if r1 <= r0 or c1 <= c0:
+            continue
+        lead_r, lead_c = r0 % bm, c0 % bn
+        if lead_r or lead_c:
+            padded = x.new_zeros(lead_r + x.shape[0], lead_c + x.shape[1])
+            padded[lead_r:, lead_c:] = x
+            x = padded
+        part = block_amax(x, block)
+        at = amax[r0 // bm:r0 // bm + part.shape[0], c0 // bn:c0 // bn + part.shape[1]]
+        torch.maximum(at, part.to(at.device), out=at)
+
+
+def box_values(items: Sequence[tuple[torch.Tensor, Box, torch.Tensor, torch.Tensor]],
+               block: tuple[int, int] = BLOCK) -> None:
+    """For each (x: a box's values, box, scale: its weight's grid of scales, q: FP8, x's shape, rows contiguous):
+    writes x's FP8 values under the scales into q."""
+    from rlsync.quant.fp8_blocks import quantize_with
+
+    rest = [it for it in items if not (_usable(it[0], it[2], block) and it[3].stride(1) == 1)]
+    _launch([it for it in items if _usable(it[0], it[2], block) and it[3].stride(1) == 1], 2, block)
+    for x, box, scale, q in rest:
+        q.copy_(quantize_with(x, scale, block, row0=box[0][0], col0=box[1][0]))
+
+
+def _usable(x: torch.Tensor, grid: torch.Tensor, block: tuple[int, int]) -> bool:
+    """The kernel takes it: rows contiguous, the grid contiguous fp32, blocks of powers of two (its tiles)."""
+    return (_on_kernel(x) and x.stride(1) == 1 and grid.is_contiguous() and grid.dtype == torch.float32
+            and all(b & (b - 1) == 0 for b in block))
+
+
+def _launch(items: list, mode: int, block: tuple[int, int]) -> None:
+    """One launch per input dtype over `items` (as box_amax's, or box_values' with q last)."""
+    bm, bn = block
+    by_kind: dict[int, list] = {}
+    for it in items:
+        by_kind.setdefault(_KINDS[it[0].dtype], []).append(it)
+    for kind, group in by_kind.items():
+        rows, owner, first = [], [], 0
+        for x, ((r0, r1), (c0, c1)), grid, *q in group:
+            if r1 <= r0 or c1 <= c0:
+                continue
+            gi0, gj0 = r0 // bm, c0 // bn
+            per_row = (c1 - 1) // bn + 1 - gj0
+            blocks = ((r1 - 1) // bm + 1 - gi0) * per_row
+            out = q[0] if q else x  # (the amax pass writes no values: any address will do)
+            rows.append([x.data_ptr(), out.data_ptr(), grid.data_ptr(), r0, r1, c0, c1, grid.shape[1],
+                         x.stride(0), out.stride(0), first, per_row, gi0, gj0, 0, 0])
+            owner += [len(rows) - 1] * blocks
+            first += blocks
+        if not owner:
+            continue
+        device = group[0][0].device
+        table = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+        owners = torch.tensor(owner, dtype=torch.int32).to(device, non_blocking=True)
+        _quantize_boxes[(len(owner),)](table, owners, BM=bm, BN=bn, MODE=mode, KIND=kind, num_warps=8)
