@@ -50,6 +50,10 @@ class CoordinatorConfig:
                                       "nor closes them")
     update_timeout: float = option(300.0, "seconds a weight transfer may take", above=0)
     max_resubmissions: int = option(50, "times the gateway resubmits one completion before giving up", minimum=0)
+    max_internal_resubmissions: int = option(
+        2, "times the gateway resubmits one completion that replicas failed with an internal error in a row (a "
+           "fault in the engine, which a retry seldom cures, not a replica lost) before passing that error on",
+        minimum=0)
     http_port: int = option(-1, "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
                                 "/v1/models) on the gateway, bound to --host; 0 picks a free one; -1: off",
                             minimum=-1, maximum=65535)

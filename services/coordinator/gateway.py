@@ -26,6 +26,7 @@ DEFAULT_MAX_TOKENS = 16
 # Failures of one replica that another replica can make good (anything else is the request's fault).
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.CANCELLED,
               grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED}
+_FAULTS = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}  # an engine's own error: retried a few times only
 
 
 class Gateway:
@@ -39,15 +40,21 @@ class Gateway:
         metrics.GATEWAY_IN_FLIGHT.set_function(lambda: self.in_flight)
 
     # ---- routing --------------------------------------------------------------------------------
-    async def _pick(self, session: str, timeout: float = 60.0) -> Member:
+    async def _pick(self, session: str, timeout: float = 60.0, avoid: frozenset[str] = frozenset()) -> Member:
+        """A ready replica for a completion of `session`: its sticky one, else the least busy; one not in
+        `avoid` (ids) while there is such a one."""
         with metrics.GATEWAY_WAITING.track_inprogress():
-            return await self._wait_for_replica(session, timeout)
+            return await self._wait_for_replica(session, timeout, avoid)
 
-    async def _wait_for_replica(self, session: str, timeout: float) -> Member:
+    def _ready(self, avoid: frozenset[str] = frozenset()) -> list[Member]:
+        ready = [m for m in self.registry.rollouts("ready") if not m.suspect]
+        return [m for m in ready if m.id not in avoid] or ready
+
+    async def _wait_for_replica(self, session: str, timeout: float, avoid: frozenset[str]) -> Member:
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             await self.syncer.ready.wait()
-            ready = [m for m in self.registry.rollouts("ready") if not m.suspect]
+            ready = self._ready(avoid)
             sticky = self.registry.members.get(self.sessions.get(session, ""))
             if sticky is not None and sticky in ready:
                 return sticky
@@ -124,15 +131,18 @@ class Gateway:
         produced: list[int] = []
         spans: list[pb.VersionSpan] = []
         attempt = 0
-        last = ""  # why the latest attempt was cut short: the give-up error says it
+        internal = 0  # attempts in a row that a replica failed with an internal error, producing nothing
+        faulty: set[str] = set()  # the replicas that did: the next attempts go to others while there are some
         prompt_sent = False  # the caller gets its prompt's ids once, on the first chunk it receives
         while True:
-            member = await self._pick(base.session_id)
+            member = await self._pick(base.session_id, avoid=frozenset(faulty))
             req = self._sub_request(base, index, n, attempt, prompt, produced)
             member.in_flight += 1
             self._running[key] = (member, req.request_id)
             final, start, made = None, len(produced), []  # made: this attempt's spans, from its chunks
             cause = "replica_failed"  # what cut it short, if it is: rlsync_gateway_resubmissions_total{reason}
+            # why it was cut short, if it is (the give-up error names the last attempt's)
+            last = f"replica {member.name} ended the stream with no final chunk"
             try:
                 async for chunk in member.client.stream(req):
                     if prompt is None:
@@ -150,7 +160,13 @@ class Gateway:
                     elif count or chunk.text or chunk.prompt_token_ids:
                         out.put_nowait(chunk)
             except RpcError as e:
-                if e.code not in _RETRYABLE or base.request_id in self._aborted:
+                fault = e.code in _FAULTS and len(produced) == start
+                internal = internal + 1 if fault else 0
+                if fault:
+                    faulty.add(member.id)
+                if e.code not in _RETRYABLE or base.request_id in self._aborted or (
+                        internal > self.cfg.max_internal_resubmissions and
+                        all(m.id in faulty for m in self._ready())):  # (no replica left that did not fail it)
                     raise
                 cause = "replica_lost" if isinstance(e, Gone) else "replica_failed"
                 last = f"replica {member.name} answered {e.code.name}: {e.message}"

@@ -47,7 +47,7 @@ def test_the_caller_gets_its_prompt_ids_when_the_first_replica_died_before_any_c
     replicas = iter([_Replica("dead", None), _Replica("alive", chunks)])
     gw = Gateway(registry=None, syncer=None, cfg=CoordinatorConfig())
 
-    async def pick(session):
+    async def pick(session, avoid=frozenset()):
         return next(replicas)
 
     gw._pick = pick
@@ -60,10 +60,13 @@ def test_the_caller_gets_its_prompt_ids_when_the_first_replica_died_before_any_c
     assert [t for c in got for t in c.token_ids] == [1, 2] and got[-1].finish_reason == pb.FINISH_REASON_LENGTH
 
 
-def test_giving_up_says_what_cut_the_last_attempt_short():
-    """A replica that fails every request alike (an engine that cannot generate) ends in one error that says why."""
+def test_an_engine_fault_in_every_attempt_is_passed_on_after_a_few_and_giving_up_says_what_cut_it_short():
+    """A replica that fails every request alike with an internal error (an engine that cannot generate) is
+    retried max_internal_resubmissions times, then its error is passed on as it is; replicas lost while they
+    generate (UNAVAILABLE) are resubmitted up to max_resubmissions, and giving up names the last cause."""
     import asyncio
     from dataclasses import replace
+    from types import SimpleNamespace
 
     import grpc
     import pytest
@@ -75,13 +78,29 @@ def test_giving_up_says_what_cut_the_last_attempt_short():
             raise RpcError(grpc.StatusCode.INTERNAL, "ValueError: This model does not support generation")
             yield
 
-    gw = Gateway(registry=None, syncer=None, cfg=replace(CoordinatorConfig(), max_resubmissions=2))
+    broken = Broken("r0", None)
+    broken.id, broken.suspect = "r0", False
+    registry = SimpleNamespace(rollouts=lambda state: [broken])
+    picked = []
 
-    async def pick(session):
-        return Broken("r0", None)
+    async def pick(session, avoid=frozenset()):
+        picked.append(avoid)
+        return broken
 
-    gw._pick = pick
     base = pb.GenerateRequest(request_id="r", text="hi", sampling=pb.SamplingParams(max_tokens=2))
-    with pytest.raises(Exception, match=r"cut short 3 times; giving up \(last: replica r0 answered INTERNAL: "
-                                        r"ValueError: This model does not support generation\)"):
+    gw = Gateway(registry=registry, syncer=None, cfg=CoordinatorConfig())
+    gw._pick = pick
+    with pytest.raises(RpcError) as failed:
+        asyncio.run(gw._run_completion(base, 0, 1, asyncio.Queue()))
+    assert failed.value.code == grpc.StatusCode.INTERNAL and "does not support generation" in failed.value.message
+    assert picked == [frozenset()] + [frozenset({"r0"})] * CoordinatorConfig().max_internal_resubmissions
+
+    alive = SimpleNamespace(id="r1", suspect=False)  # another replica: the next attempts go there
+    gw.registry = SimpleNamespace(rollouts=lambda state: [broken, alive])
+    assert gw._ready(frozenset({"r0"})) == [alive] and gw._ready(frozenset({"r0", "r1"})) == [broken, alive]
+
+    gw = Gateway(registry=None, syncer=None, cfg=replace(CoordinatorConfig(), max_resubmissions=2))
+    gw._pick = lambda session, avoid: asyncio.sleep(0, _Replica("lost", None))  # UNAVAILABLE every time
+    with pytest.raises(Exception, match=r"cut short 3 times; giving up \(last: replica lost answered UNAVAILABLE: "
+                                        r"connection refused\)"):
         asyncio.run(gw._run_completion(base, 0, 1, asyncio.Queue()))

@@ -91,16 +91,21 @@ def box_values(items: Sequence[tuple[torch.Tensor, Box, torch.Tensor, torch.Tens
     writes x's FP8 values under the scales into q."""
     from rlsync.quant.fp8_blocks import quantize_with
 
-    rest = [it for it in items if not (_usable(it[0], it[2], block) and it[3].stride(1) == 1)]
-    _launch([it for it in items if _usable(it[0], it[2], block) and it[3].stride(1) == 1], 2, block)
+    def fits(x, grid, q) -> bool:
+        return _usable(x, grid, block) and q.stride(1) == 1 and q.device == x.device
+
+    rest = [it for it in items if not fits(it[0], it[2], it[3])]
+    _launch([it for it in items if fits(it[0], it[2], it[3])], 2, block)
     for x, box, scale, q in rest:
         q.copy_(quantize_with(x, scale, block, row0=box[0][0], col0=box[1][0]))
 
 
 def _usable(x: torch.Tensor, grid: torch.Tensor, block: tuple[int, int]) -> bool:
-    """The kernel takes it: rows contiguous, the grid contiguous fp32, blocks of powers of two (its tiles)."""
+    """The kernel takes it: rows contiguous, the grid contiguous fp32 on x's device, blocks of powers of two (its
+    tiles). (Its addresses come from a table: unlike ManyQuantizer's aligned weights, a box's columns may start
+    anywhere, so its loads are not hinted as vectors.)"""
     return (_on_kernel(x) and x.stride(1) == 1 and grid.is_contiguous() and grid.dtype == torch.float32
-            and all(b & (b - 1) == 0 for b in block))
+            and grid.device == x.device and all(b & (b - 1) == 0 for b in block))
 
 
 def _launch(items: list, mode: int, block: tuple[int, int]) -> None:

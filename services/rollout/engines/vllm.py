@@ -80,6 +80,7 @@ class VLLMEngine(Engine):
         config = self.llm.vllm_config
         tasks = await self.llm.get_supported_tasks()
         if "generate" not in tasks:  # else every Generate fails alike: refuse to start instead
+            await self.shutdown()
             raise InvalidArgument(
                 f"vllm loaded {self.model} as a model that cannot generate (its tasks: {list(tasks)}; architectures "
                 f"{config.model_config.architectures}): its config.json must name a causal LM, e.g. Qwen3ForCausalLM")
@@ -252,6 +253,7 @@ class VLLMEngine(Engine):
         # complete: the update lands straight in them where each worker's loaders allow (vllm_direct),
         # with no staging copy beside them; a failure there leaves them unfit to serve until an update lands.
         direct = self._kv_asleep and not offer.HasField("routing")
+        self._ended = None
         broken = self._broken
         if direct:  # (from before any rank may write, until the commit)
             self._broken = (f"weights half-written: version {offer.manifest.version}'s update into them did not "
@@ -422,10 +424,10 @@ class VLLMEngine(Engine):
         return out
 
     async def abort_update(self) -> None:
+        self._ended = None
         await self.adapters.abort(self.llm)
         await self.llm.collective_rpc("rlsync_abort")
-        # (direct, its weights stay marked: written in part, or whole but not committed)
-        self._pending, self._ended = False, None
+        self._pending = False  # (direct, its weights stay marked: written in part, or whole but not committed)
         await self._read_memory()
 
     async def checksums(self):
