@@ -20,6 +20,8 @@ Box = tuple[tuple[int, int], tuple[int, int]]  # [start, stop) of rows, of colum
 if triton is not None:
     import triton.language as tl
 
+    from rlsync.quant.fp8_kernel import _pointers
+
     @triton.jit
     def _box_block(x_ptr, q_ptr, s_ptr, gi, gj, r0, r1, c0, c1, gn, stride_xm, stride_qm,
                    BM: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr):
@@ -45,14 +47,7 @@ if triton is not None:
         row and column] (int64, 16 a row)."""
         b = tl.program_id(0)
         row = table + tl.load(owner + b).to(tl.int64) * 16
-        if KIND == 0:
-            x_ptr = tl.load(row).to(tl.pointer_type(tl.bfloat16))
-        elif KIND == 1:
-            x_ptr = tl.load(row).to(tl.pointer_type(tl.float16))
-        else:
-            x_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
-        q_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float8e4nv))
-        s_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+        x_ptr, q_ptr, s_ptr = _pointers(row, KIND)
         local = b - tl.load(row + 10)
         per_row = tl.load(row + 11)
         _box_block(x_ptr, q_ptr, s_ptr, tl.load(row + 12) + local // per_row, tl.load(row + 13) + local % per_row,

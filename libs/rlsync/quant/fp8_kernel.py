@@ -78,13 +78,8 @@ if triton is not None:
                BM, BN, MODE)
 
     @triton.jit
-    def _quantize_many(table, owner, floor, fp8_max, BM: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr,
-                       KIND: tl.constexpr, ALIGN: tl.constexpr):
-        """Many weights of one dtype (KIND 0: bf16, 1: fp16, 2: fp32): program b is block b of them all,
-        of the weight owner[b], whose row of `table` is [x, q, s addresses, m, n, x's and q's row strides,
-        its first block] (int64)."""
-        b = tl.program_id(0)
-        row = table + tl.load(owner + b).to(tl.int64) * 8
+    def _pointers(row, KIND: tl.constexpr):
+        """The addresses a table's row starts with: x (KIND 0: bf16, 1: fp16, 2: fp32), its FP8 values, its scales."""
         if KIND == 0:
             x_ptr = tl.load(row).to(tl.pointer_type(tl.bfloat16))
         elif KIND == 1:
@@ -92,7 +87,17 @@ if triton is not None:
         else:
             x_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
         q_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float8e4nv))
-        s_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+        return x_ptr, q_ptr, tl.load(row + 2).to(tl.pointer_type(tl.float32))
+
+    @triton.jit
+    def _quantize_many(table, owner, floor, fp8_max, BM: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr,
+                       KIND: tl.constexpr, ALIGN: tl.constexpr):
+        """Many weights of one dtype (KIND 0: bf16, 1: fp16, 2: fp32): program b is block b of them all,
+        of the weight owner[b], whose row of `table` is [x, q, s addresses, m, n, x's and q's row strides,
+        its first block] (int64)."""
+        b = tl.program_id(0)
+        row = table + tl.load(owner + b).to(tl.int64) * 8
+        x_ptr, q_ptr, s_ptr = _pointers(row, KIND)
         m = tl.load(row + 3)
         n = tl.multiple_of(tl.load(row + 4), ALIGN)
         local = b - tl.load(row + 7)
