@@ -102,15 +102,17 @@ def test_a_publishers_fp8_buffer_holds_the_kernels_bits_and_is_filled_again_in_p
 
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_sharded_ranks_boxes_from_the_box_kernel_equal_the_reference_of_the_whole_weight(dtype, pow2):
+@pytest.mark.parametrize("width, split", [(1000, 333), (1024, 336)])
+def test_a_sharded_ranks_boxes_from_the_box_kernel_equal_the_reference_of_the_whole_weight(width, split, dtype, pow2):
     """fp8_box_kernel on the GPU: two ranks' boxes (rows cut off a block boundary, then a column split of one
     rank's rows), each rank's partial amaxes in one launch, their max the reference's amaxes, and each box's
-    values under those scales the whole weight's reference values there, bit for bit."""
+    values under those scales the whole weight's reference values there, bit for bit: from the plain launch
+    (1000 wide, split at 333) and from the one that hints aligned boxes' loads as vectors (1024, 336)."""
     from rlsync.quant.fp8_blocks import FP8, scale_shape, scales_of
     from rlsync.quant.fp8_box_kernel import box_amax, box_values
 
-    whole = _weights(300, 1000, seed=3, dtype=dtype).cuda()
-    held = [[((0, 150), (0, 1000)), ((150, 300), (0, 333))], [((150, 300), (333, 1000))]]
+    whole = _weights(300, width, seed=3, dtype=dtype).cuda()
+    held = [[((0, 150), (0, width)), ((150, 300), (0, split))], [((150, 300), (split, width))]]
     q_ref, s_ref = quantize_blocks(whole, pow2=pow2)  # the reference, on the GPU
 
     def cut(t, box):

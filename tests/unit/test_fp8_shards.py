@@ -116,7 +116,9 @@ kernel = lambda x: x.dim() == 2 and x.dtype in k._KINDS  # the box kernel over C
 reference = lambda x: False
 out = []
 for (m, n), block, held, dtype in [
-        ((300, 200), (128, 128), [[((0, 150), (0, 200))], [((150, 300), (0, 200))]], torch.bfloat16),  # FSDP2 rows
+        ((300, 256), (128, 128), [[((0, 150), (0, 256))], [((150, 300), (0, 256))]], torch.bfloat16),  # FSDP2 rows
+        ((300, 200), (128, 128), [[((0, 150), (0, 200))], [((150, 300), (0, 160)), ((150, 300), (160, 200))]],
+         torch.bfloat16),  # rows 200 apart: no vectors
         ((130, 300), (128, 128), [[((0, 130), (0, 77))], [((0, 130), (77, 300))]], torch.float32),  # a column split
         ((40, 37), (16, 8), [[((0, 9), (0, 37)), ((23, 31), (0, 37))], [((9, 23), (0, 37)), ((31, 40), (0, 37))]],
          torch.float16),  # two row ranges a rank (fused parts): a rank's boxes share blocks
@@ -139,7 +141,8 @@ for (m, n), block, held, dtype in [
     bk.box_values(boxes, block)
     values_equal = all(torch.equal(q.view(torch.uint8), whole_q[b[0][0]:b[0][1], b[1][0]:b[1][1]].view(torch.uint8))
                        for _, b, _, q in boxes)
-    out.append([amax_equal, values_equal])
+    aligned = [bk._aligned(x, b, q, block) for x, b, _, q in boxes]  # (the launch that says so: vectors)
+    out.append([amax_equal, values_equal, aligned])
 print(json.dumps(out))
 """
 
@@ -148,5 +151,8 @@ print(json.dumps(out))
 def test_the_box_kernel_makes_the_references_amaxes_and_the_one_weight_kernels_values_under_tritons_interpreter(seed):
     """fp8_box_kernel (a sharded rank's boxes, one launch a dtype), run on the CPU by Triton's interpreter: each
     rank's partial amaxes exactly the reference's (rows and columns cut off block boundaries, a rank's boxes
-    sharing blocks), and each box's FP8 values those of the one-weight kernel under the same scales."""
-    assert interpreted(BOXES_RUN, seed) == [[True, True]] * 4
+    sharing blocks), and each box's FP8 values those of the one-weight kernel under the same scales, from the
+    launch that hints its aligned boxes' loads as vectors and from the one that does not."""
+    assert interpreted(BOXES_RUN, seed) == [[True, True, [True, True]], [True, True, [False] * 3],
+                                            [True, True, [False, False]], [True, True, [False] * 4],
+                                            [True, True, [False] * 4]]

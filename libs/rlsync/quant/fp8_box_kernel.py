@@ -41,18 +41,22 @@ if triton is not None:
             tl.store(q_ptr + local_r[:, None] * stride_qm + local_c[None, :], q, mask=mask)
 
     @triton.jit
-    def _quantize_boxes(table, owner, BM: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr, KIND: tl.constexpr):
+    def _quantize_boxes(table, owner, BM: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr, KIND: tl.constexpr,
+                        ALIGN: tl.constexpr):
         """Program b: block b of all the boxes, of box owner[b], whose row of `table` is [x, q, s addresses, r0,
         r1, c0, c1, gn, x's and q's row strides, its first program, its blocks a row, its first block's grid
-        row and column] (int64, 16 a row)."""
+        row and column] (int64, 16 a row). ALIGN 16: every box's addresses, strides and columns are multiples of
+        16 (_aligned), which Triton cannot know of values read from memory: said, its loads become vectors."""
         b = tl.program_id(0)
         row = table + tl.load(owner + b).to(tl.int64) * 16
         x_ptr, q_ptr, s_ptr = _pointers(row, KIND)
         local = b - tl.load(row + 10)
         per_row = tl.load(row + 11)
-        _box_block(x_ptr, q_ptr, s_ptr, tl.load(row + 12) + local // per_row, tl.load(row + 13) + local % per_row,
-                   tl.load(row + 3), tl.load(row + 4), tl.load(row + 5), tl.load(row + 6), tl.load(row + 7),
-                   tl.load(row + 8), tl.load(row + 9), BM, BN, MODE)
+        _box_block(tl.multiple_of(x_ptr, ALIGN), tl.multiple_of(q_ptr, ALIGN), s_ptr,
+                   tl.load(row + 12) + local // per_row, tl.load(row + 13) + local % per_row,
+                   tl.load(row + 3), tl.load(row + 4), tl.multiple_of(tl.load(row + 5), ALIGN),
+                   tl.multiple_of(tl.load(row + 6), ALIGN), tl.load(row + 7), tl.multiple_of(tl.load(row + 8), ALIGN),
+                   tl.multiple_of(tl.load(row + 9), ALIGN), BM, BN, MODE)
 
 
 def _on_kernel(x: torch.Tensor) -> bool:
@@ -97,8 +101,7 @@ def box_values(items: Sequence[tuple[torch.Tensor, Box, torch.Tensor, torch.Tens
 
 def _usable(x: torch.Tensor, grid: torch.Tensor, block: tuple[int, int]) -> bool:
     """The kernel takes it: rows contiguous, the grid contiguous fp32 on x's device, blocks of powers of two (its
-    tiles). (Its addresses come from a table: unlike ManyQuantizer's aligned weights, a box's columns may start
-    anywhere, so its loads are not hinted as vectors.)"""
+    tiles)."""
     return (_on_kernel(x) and x.stride(1) == 1 and grid.is_contiguous() and grid.dtype == torch.float32
             and grid.device == x.device and all(b & (b - 1) == 0 for b in block))
 
@@ -106,10 +109,11 @@ def _usable(x: torch.Tensor, grid: torch.Tensor, block: tuple[int, int]) -> bool
 def _launch(items: list, mode: int, block: tuple[int, int]) -> None:
     """One launch per input dtype over `items` (as box_amax's, or box_values' with q last)."""
     bm, bn = block
-    by_kind: dict[int, list] = {}
+    by_kind: dict[tuple[int, int], list] = {}
     for it in items:
-        by_kind.setdefault(_KINDS[it[0].dtype], []).append(it)
-    for kind, group in by_kind.items():
+        aligned = _aligned(it[0], it[1], it[3] if len(it) > 3 else None, block)
+        by_kind.setdefault((_KINDS[it[0].dtype], _ALIGN if aligned else 1), []).append(it)
+    for (kind, align), group in by_kind.items():
         rows, owner, first = [], [], 0
         for x, ((r0, r1), (c0, c1)), grid, *q in group:
             if r1 <= r0 or c1 <= c0:
@@ -127,4 +131,15 @@ def _launch(items: list, mode: int, block: tuple[int, int]) -> None:
         device = group[0][0].device
         table = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
         owners = torch.tensor(owner, dtype=torch.int32).to(device, non_blocking=True)
-        _quantize_boxes[(len(owner),)](table, owners, BM=bm, BN=bn, MODE=mode, KIND=kind, num_warps=8)
+        _quantize_boxes[(len(owner),)](table, owners, BM=bm, BN=bn, MODE=mode, KIND=kind, ALIGN=align, num_warps=8)
+
+
+_ALIGN = 16
+
+
+def _aligned(x: torch.Tensor, box: Box, q: torch.Tensor | None, block: tuple[int, int]) -> bool:
+    """A box whose kernel loads (and stores) may be vectors: its columns start and end at multiples of 16 (so
+    do the blocks), and its values' (and FP8 values') rows start 16-byte aligned, a multiple of 16 apart."""
+    tensors = (x,) if q is None else (x, q)
+    return (box[1][0] % _ALIGN == 0 and box[1][1] % _ALIGN == 0 and block[1] % _ALIGN == 0
+            and all(t.data_ptr() % _ALIGN == 0 and t.stride(0) % _ALIGN == 0 for t in tensors))
