@@ -330,6 +330,7 @@ class VLLMEngine(Engine):
             return await self.adapters.finish(self.llm, timeout)
         # Poll instead of one blocking call: a worker blocked in an RPC would stall generation.
         start, states, self._ended = time.perf_counter(), self._ended, None
+        polled = states is None
         while True:
             states = states or await self.llm.collective_rpc("rlsync_poll")
             if all(s["state"] != "running" for s in states):
@@ -337,6 +338,7 @@ class VLLMEngine(Engine):
                 for s in states:
                     raise_failure(s)
                 self.received_bytes = tuple(s.get("bytes", 0) for s in states)
+                mark("finish_polled" if polled else "finish", start, time.perf_counter())  # (a bench's trace)
                 return time.perf_counter() - start
             if time.perf_counter() - start > timeout:
                 await self.abort_update()
