@@ -114,7 +114,7 @@ def _launch(items: list, mode: int, block: tuple[int, int]) -> None:
         aligned = _aligned(it[0], it[1], it[3] if len(it) > 3 else None, block)
         by_kind.setdefault((_KINDS[it[0].dtype], _ALIGN if aligned else 1), []).append(it)
     for (kind, align), group in by_kind.items():
-        rows, owner, first = [], [], 0
+        rows, counts, first = [], [], 0  # (a program a block: which row each reads, made without a loop)
         for x, ((r0, r1), (c0, c1)), grid, *q in group:
             if r1 <= r0 or c1 <= c0:
                 continue
@@ -124,14 +124,15 @@ def _launch(items: list, mode: int, block: tuple[int, int]) -> None:
             out = q[0] if q else x  # (the amax pass writes no values: any address will do)
             rows.append([x.data_ptr(), out.data_ptr(), grid.data_ptr(), r0, r1, c0, c1, grid.shape[1],
                          x.stride(0), out.stride(0), first, per_row, gi0, gj0, 0, 0])
-            owner += [len(rows) - 1] * blocks
+            counts.append(blocks)
             first += blocks
-        if not owner:
+        if not first:
             continue
         device = group[0][0].device
         table = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-        owners = torch.tensor(owner, dtype=torch.int32).to(device, non_blocking=True)
-        _quantize_boxes[(len(owner),)](table, owners, BM=bm, BN=bn, MODE=mode, KIND=kind, ALIGN=align, num_warps=8)
+        owners = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32), torch.tensor(counts))
+        _quantize_boxes[(first,)](table, owners.to(device, non_blocking=True), BM=bm, BN=bn, MODE=mode, KIND=kind,
+                                  ALIGN=align, num_warps=8)
 
 
 _ALIGN = 16
