@@ -1,7 +1,8 @@
 """Where a gap in generation comes from: with RLSYNC_STEP_TRACE=path in a vLLM replica's environment, its engine
-worker's model steps (execute_model, sample_tokens) and its replica's output batches (the output processor) each
-append a line [kind, start, end] to `path`, in time.perf_counter() seconds (CLOCK_MONOTONIC on Linux: one clock for
-every process of the host, a bench's too). For benches only (bench/gpu_cycle.py --trace): a line a step."""
+worker's model steps (execute_model, sample_tokens), its replica's output batches (the output processor), and the
+update's own work (finish_update, the commit's stages, the audit thread) each append a line [kind, start, end] to
+`path`, in time.perf_counter() seconds (CLOCK_MONOTONIC on Linux: one clock for every process of the host, a
+bench's too). For benches only (bench/gpu_cycle.py --trace): a line a step."""
 
 from __future__ import annotations
 

@@ -75,11 +75,15 @@ class LiveAudit:
         threading.Thread(target=self._run, args=(views, device), name="rlsync-audit", daemon=True).start()
 
     def _run(self, views: dict[str, torch.Tensor], device: torch.device) -> None:
+        from rlsync.rollout.engines.vllm_trace import mark
+
+        began = time.perf_counter()
         try:
             with torch.cuda.stream(torch.cuda.Stream(device)):
                 self.future.set_result(audit(views))
         except BaseException as e:  # noqa: BLE001 - handed to whoever asks for the audit
             self.future.set_exception(e)
+        mark("audit", began, time.perf_counter())  # (a bench's trace: beside the steps it runs with)
 
     def settle(self) -> None:
         self.future.exception()  # (its failure is the audit's answer, not the next update's)
