@@ -61,13 +61,13 @@ class QuantizedShards:
         (partial amaxes, the cut blocks' combined by `ranks.max_of` in one call). A rank that cannot make its
         partial amaxes says so first (`ranks.agree`), so that every rank raises before the exchange, not
         one of them in another collective than the others."""
-        self._fresh, error = False, None
+        self._fresh, error, values = False, None, {}
         try:  # (the partial amaxes into the grids, in one launch a dtype on a GPU)
             with torch.no_grad():
                 self._grids.zero_()
-                box_amax([(x, box, self.scales[i]) for i in self.blocks
-                          for box, x in checked([(box, self.base.piece(Piece(i, box)))
-                                                 for box in self.base.layout.held[self.rank][i]])], self.block)
+                values = {(i, box): x for i in self.blocks for box, x in checked(
+                    [(box, self.base.piece(Piece(i, box))) for box in self.base.layout.held[self.rank][i]])}
+                box_amax([(x, box, self.scales[i]) for (i, box), x in values.items()], self.block)
         except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
             error = e
         if ranks.agree(error is None):
@@ -76,8 +76,7 @@ class QuantizedShards:
             exchange(list(self.scales.values()), list(self.blocks.values()), ranks.max_of)
             self._grids.copy_(scales_of(self._grids, self.pow2))
             # the FP8 boxes receivers pull (a repeat's export is kept), in one launch a dtype
-            box_values([(self.base.piece(Piece(i, box)), box, self.scales[i], q)
-                        for (i, box), q in self._values.items()], self.block)
+            box_values([(values[i, box], box, self.scales[i], q) for (i, box), q in self._values.items()], self.block)
         if self._values and self.device.type == "cuda":  # another process reads them next (held_tensors)
             torch.cuda.current_stream(self.device).synchronize()
         self._fresh = True

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from rlsync.quant.fp8_blocks import BLOCK
-from rlsync.quant.fp8_kernel import _KINDS, triton
+from rlsync.quant.fp8_kernel import _KINDS, owners, triton
 
 Box = tuple[tuple[int, int], tuple[int, int]]  # [start, stop) of rows, of columns, in the whole weight
 
@@ -114,7 +114,7 @@ def _launch(items: list, mode: int, block: tuple[int, int]) -> None:
         aligned = _aligned(it[0], it[1], it[3] if len(it) > 3 else None, block)
         by_kind.setdefault((_KINDS[it[0].dtype], _ALIGN if aligned else 1), []).append(it)
     for (kind, align), group in by_kind.items():
-        rows, counts, first = [], [], 0  # (a program a block: which row each reads, made without a loop)
+        rows, counts, first = [], [], 0  # (a program a block: `owners` says which row each reads)
         for x, ((r0, r1), (c0, c1)), grid, *q in group:
             if r1 <= r0 or c1 <= c0:
                 continue
@@ -130,9 +130,8 @@ def _launch(items: list, mode: int, block: tuple[int, int]) -> None:
             continue
         device = group[0][0].device
         table = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-        owners = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32), torch.tensor(counts))
-        _quantize_boxes[(first,)](table, owners.to(device, non_blocking=True), BM=bm, BN=bn, MODE=mode, KIND=kind,
-                                  ALIGN=align, num_warps=8)
+        _quantize_boxes[(first,)](table, owners(counts, device), BM=bm, BN=bn, MODE=mode, KIND=kind, ALIGN=align,
+                                  num_warps=8)
 
 
 _ALIGN = 16

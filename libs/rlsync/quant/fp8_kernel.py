@@ -177,13 +177,17 @@ def _aligned(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> bool:
 
 
 def _table(kind: int, group: list, block: tuple[int, int]) -> tuple[int, torch.Tensor, torch.Tensor]:
-    rows, owner, first = [], [], 0
-    for w, (x, q, s) in enumerate(group):
+    rows, counts, first = [], [], 0
+    for x, q, s in group:
         m, n = x.shape
-        blocks = s.numel()  # (the scale grid: one scale a block)
         rows.append([x.data_ptr(), q.data_ptr(), s.data_ptr(), m, n, x.stride(0), q.stride(0), first])
-        owner += [w] * blocks
-        first += blocks
+        counts.append(s.numel())  # (the scale grid: one scale a block)
+        first += counts[-1]
     device = group[0][0].device
-    return (kind, torch.tensor(rows, dtype=torch.int64).to(device),
-            torch.tensor(owner, dtype=torch.int32).to(device))
+    return kind, torch.tensor(rows, dtype=torch.int64).to(device), owners(counts, device)
+
+
+def owners(counts: list[int], device: torch.device) -> torch.Tensor:
+    """A table launch's program -> row index: row r owns `counts[r]` programs in a row (int32, on `device`)."""
+    return torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), torch.tensor(counts)).to(
+        device, non_blocking=True)

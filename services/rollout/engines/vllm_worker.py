@@ -209,8 +209,7 @@ class RlsyncWorkerExtension:
                 log.warning("%s: version %d comes over %s instead, and so do the next from this trainer",
                             state["error"], o.manifest.version, NAMES[ans.backend])
                 state = self._rlsync_begin(o, ans, device, timeout, direct, staging_bytes)
-        if state.get("state") != "running":  # (a pull has ended: its final state, as rlsync_poll's, saves a poll)
-            state["memory"] = self._rlsync_figures()
+        state = self._rlsync_final(state)  # (a pull that ended here: its final state, as rlsync_poll's, saves a poll)
         state["in_worker"] = time.perf_counter() - entered
         if "stages" in state:  # (what this call took beyond the receive's own stages: parsing, answering)
             state["stages"] = {**state["stages"], "worker": max(state["in_worker"] - sum(state["stages"].values()), 0)}
@@ -246,8 +245,11 @@ class RlsyncWorkerExtension:
         """The update's state; once it is no longer running, with this worker's memory figures then (the
         engine asks for them in no call of its own: each call waits for an engine step)."""
         update = getattr(self, "_rlsync_update", None)
-        state = update.poll() if update is not None else {"state": "none"}
-        return state if state["state"] == "running" else {**state, "memory": self._rlsync_figures()}
+        return self._rlsync_final(update.poll() if update is not None else {"state": "none"})
+
+    def _rlsync_final(self, state: dict) -> dict:
+        """`state`, with this worker's memory figures once the update no longer runs."""
+        return state if state.get("state") == "running" else {**state, "memory": self._rlsync_figures()}
 
     def rlsync_commit(self) -> dict[str, Any]:
         """Makes the received tensors live (_rlsync_commit) -> this worker's memory figures after it (rlsync_memory):
