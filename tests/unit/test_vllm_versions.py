@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rlsync.errors import FailedPrecondition
-from rlsync.rollout.engines.vllm_versions import SwitchPoints, check
+from rlsync.rollout.engines.vllm_versions import SwitchPoints, check, owner
 
 
 @pytest.mark.parametrize("version", ["0.20.2", "0.20.0", "0.25.1", "0.32.0", "0.32.1+cpu"])
@@ -44,3 +44,15 @@ def test_spans_cover_every_token_once_in_version_order(total, switches):
     assert all(s == sum(n for _, _, n in spans[:i]) for i, (_, s, _) in enumerate(spans))
     assert [v for v, _, _ in spans] == sorted({v for v, _, _ in spans})
     assert all(points.version_at(0, s + k) == v for v, s, n in spans for k in range(n))
+
+
+def test_vllms_ids_for_a_completion_name_the_request_and_index_they_belong_to():
+    completions = {"req-1": 1, "req_2": 1, "abc": 3, "x-y": 2}
+    assert owner("req-1-0123abcd", completions) == ("req-1", 0)
+    assert owner("req_2-0123abcd", completions) == ("req_2", 0)
+    assert owner("2_abc-0123abcd", completions) == ("abc", 2)
+    assert owner("1_x-y-0123abcd", completions) == ("x-y", 1)
+    assert owner("req-1", completions) == ("req-1", 0)  # (vLLM's suffix switched off)
+    assert owner("7_abc", completions) == ("abc", 7)
+    assert owner("other-0123abcd", completions) is None
+    assert owner("1_req-1-0123abcd", completions) is None  # (req-1 has one completion: no children)

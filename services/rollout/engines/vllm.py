@@ -1,5 +1,5 @@
-"""The vLLM engine, driven through AsyncLLM's public API and a registered worker extension (and, on vLLM 0.20,
-which keeps no per-token weight versions, its output processor's token counts: vllm_versions)."""
+"""The vLLM engine, driven through AsyncLLM's public API and a registered worker extension (and, for which weight
+version made which tokens, its model runner's per-request token counts: vllm_versions)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from rlsync.rollout.engines.checkpoint import checkpoint_checksums, checkpoint_t
 from rlsync.rollout.engines.fp8_support import checkpoint_format
 from rlsync.rollout.engines.vllm_lora import Adapters
 from rlsync.rollout.engines.vllm_trace import mark, trace, trace_path
-from rlsync.rollout.engines.vllm_versions import RequestRefused, SwitchPoints, check, tags_tokens
+from rlsync.rollout.engines.vllm_versions import RequestRefused, SwitchPoints, check, owner
 from rlsync.rollout.types import Delta, FinishReason, GenerationRequest, MemoryUsage, PauseMode, WakeTag
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,9 @@ class VLLMEngine(Engine):
         self._pending = False  # an update is prepared (its receive may still be writing)
         self._ended: list[dict] | None = None  # the workers' final states, where the prepare's call ended it
         self._paused = False  # paused by Pause (a commit then leaves it so)
-        self._switches: dict[str, SwitchPoints] = {}  # where vLLM does not tag tokens itself (vllm_versions)
+        self._switches: dict[str, SwitchPoints] = {}  # which version made which tokens, per request (vllm_versions)
+        self._admit = asyncio.Event()  # cleared while a commit is on its way: new requests wait for it
+        self._admit.set()
 
     async def start(self) -> None:
         try:
@@ -95,11 +97,12 @@ class VLLMEngine(Engine):
         # an FP8 checkpoint's weights stay FP8 in vLLM (its Fp8LinearMethod): updates arrive so, reloaded through
         # vLLM's layerwise reload, which processes them as at the first load
         self.weight_format = checkpoint_format(self.model)
-        # vLLM labels every step's tokens with it: the version of the full weights (an adapter's
-        # requests carry their adapter's version instead, see _deltas); older releases do not.
-        self._tags = tags_tokens(self.llm)
-        if self._tags:
-            await self.llm.update_weight_version(str(self.version))
+        # Each worker counts every request's sampled tokens, so a commit says which ones the old weights made
+        # and needs no pause; where one cannot count exactly, each commit pauses generation (vllm_versions)
+        why = [w for w in await self.llm.collective_rpc("rlsync_count_tokens") if w]
+        self._counted = not why
+        if why:
+            log.info("commits pause generation between two steps: %s", why[0])
         self.base_version = self.version
         if path := trace_path():  # (a bench's: where a gap in generation comes from)
             await self.llm.collective_rpc("rlsync_trace", args=(path,))
@@ -134,10 +137,11 @@ class VLLMEngine(Engine):
             logprobs=0 if p.logprobs else None, output_kind=RequestOutputKind.DELTA)
         # The salt keeps each version's prefix cache apart: after an in-flight switch, a new request
         # never reuses blocks the old weights computed (requests in flight keep theirs).
+        # (None reaches vLLM between the new salt and the commit: it would run a step on the old weights under it)
+        await self._admit.wait()
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids), cache_salt=f"rlsync-v{self._salt}")
         self._in_flight.add(request.request_id)
-        if not self._tags:
-            self._switches[request.request_id] = SwitchPoints(self.base_version)
+        self._switches[request.request_id] = SwitchPoints(self.base_version, p.n)
         # With an adapter: the request runs on it to the end, so its tokens are all that version's.
         lora, adapter_version = self.adapters.use(request.request_id)
         try:
@@ -159,8 +163,7 @@ class VLLMEngine(Engine):
 
     def _deltas(self, out, want_logprobs: bool, adapter_version: int | None = None,
                 switches: SwitchPoints | None = None) -> list[Delta]:
-        # The version live when the output is read: outputs made just before a switch may be read
-        # just after it, so the final Delta carries vLLM's own per-token record (exact), which wins.
+        # Each chunk: the version that made its last token; the final one: the completion's spans, exact to the token.
         version = self.base_version if adapter_version is None else adapter_version
         deltas = []
         for c in out.outputs:
@@ -171,11 +174,8 @@ class VLLMEngine(Engine):
             detail = ""
             if finish is FinishReason.STOP:
                 detail = f"stop string {c.stop_reason!r}" if isinstance(c.stop_reason, str) else "end of sequence"
-            spans, tagged = None, getattr(c, "weight_versions", None)
-            if adapter_version is None and tagged is not None and all(s.version.isdigit() for s in tagged):
-                # On the final output: [start, end) per version label (ours; anything else: the chunks' tags).
-                spans = [(int(s.version), s.start, s.end - s.start) for s in tagged if s.end > s.start]
-            elif adapter_version is None and switches is not None:  # our own record (vllm_versions)
+            spans = None
+            if adapter_version is None and switches is not None:
                 produced = switches.produced.get(c.index, 0) + len(c.token_ids)
                 switches.produced[c.index] = produced
                 version = switches.version_at(c.index, produced - 1)
@@ -353,26 +353,31 @@ class VLLMEngine(Engine):
             self.version = version
             return 0
         began, clock = time.perf_counter(), Stopwatch()  # (the stages go back in the commit's answer)
+        # The commit is one call into the workers, which vLLM serves between two engine steps: the steps before
+        # it ran on the old weights, the steps after it on the new, and the workers' token counts in its answer
+        # say which tokens are which. Generation pauses only where the running requests must be prefilled again
+        # (recompute_kv: no step may run on the new weights over their old KV first) or a worker cannot count.
         # Paused by Pause, or the KV cache asleep (the colocated order): nothing generates, nothing to freeze.
-        # (Its own record: asking the engine core would wait for a step.)
-        was_paused = self._paused or self._kv_asleep
-        if not was_paused:  # freeze requests in place, between two engine steps; they go on after. (The
-            # scheduler's own call: AsyncLLM.pause_generation sleeps 20 ms more for the outputs' order, which
-            # the version records do not need: vLLM labels each step itself, or _produced waits for them.)
+        pause = not (self._paused or self._kv_asleep) and (recompute_kv or not self._counted)
+        if pause:  # freeze requests in place, between two engine steps; they go on after. (The scheduler's own
+            # call: AsyncLLM.pause_generation sleeps 20 ms more for the outputs' order, which _produced waits for.)
             await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
         clock.lap("pause")
         try:
-            # (vLLM 0.20) every token so far is the old version's; a request vLLM no longer holds has ended
-            produced = await self._produced() if not self._tags else {}
+            produced = {} if self._counted else await self._produced()  # (counted: in the commit's answer)
             clock.lap("produced")
             # Requests on an adapter would go on with it over the new weights, a mix of versions:
             # they end (the gateway resubmits them), and new ones run on the new weights alone.
             on_adapters = self.adapters.detach()
             try:
-                for request_id in on_adapters:
+                for request_id in on_adapters:  # (vLLM takes them before the commit: one input queue, in order)
                     await self.llm.abort(request_id)
                 self._salt = version  # requests arriving from now on run on the new weights
-                figures = await self.llm.collective_rpc("rlsync_commit")  # (with each worker's memory after it)
+                self._admit.clear()
+                try:
+                    answers = await self.llm.collective_rpc("rlsync_commit")
+                finally:
+                    self._admit.set()
                 clock.lap("apply")
             except BaseException as e:
                 self.adapters.reattach()
@@ -381,15 +386,15 @@ class VLLMEngine(Engine):
                                 "update restores them")
                 raise
             self._broken, self._pending = "", False
-            for request_id, switches in self._switches.items():  # (vLLM 0.20: rlsync's own record)
+            if self._counted:
+                produced = self._by_request(answers[0]["tokens"])
+            for request_id, switches in self._switches.items():
                 counts = produced.get(request_id)
-                if counts is None and not switches.produced:  # not in vLLM yet: all its tokens are the new
-                    switches.start = version  # version's (one that ended with none of its outputs read yet: not so)
-                for index, count in (counts or {}).items():
-                    switches.switch(index, count, version)
+                if counts is None and not self._counted and switches.produced:
+                    continue  # (under a pause, one its output processor no longer holds has ended: all the old's)
+                for index in range(switches.n):  # (a completion vLLM has not begun: all the new version's)
+                    switches.switch(index, (counts or {}).get(index, 0), version)
             await self.adapters.forget(self.llm)
-            if self._tags:
-                await self.llm.update_weight_version(str(version))  # before anything else can fail
             self.version = self.base_version = version
             recomputed = len(self._in_flight) if recompute_kv else 0
             if recompute_kv:  # preempts the running requests: vLLM prefills their tokens again
@@ -398,14 +403,27 @@ class VLLMEngine(Engine):
                 await self.llm.reset_prefix_cache()
             clock.lap("bookkeeping")
         finally:
-            if not was_paused:
+            if pause:
                 await self.llm.resume_generation()
             clock.lap("resume")
         for stage, seconds in clock.stages.items():  # (a bench's trace: vllm_trace)
             mark(f"commit_{stage}", began, began := began + seconds)
-        self._take_memory(figures)
+        self._take_memory([a["memory"] for a in answers])
         self.commit_stages = clock.stages
         return recomputed
+
+    def _by_request(self, tokens: dict[str, int]) -> dict[str, dict[int, int]]:
+        """A worker's {vLLM's request id: count} as {request id: {completion index: count}}: by the output
+        processor's record while it holds the request, else by the form of vLLM's ids (vllm_versions.owner)."""
+        states = self.llm.output_processor.request_states
+        completions = {request_id: switches.n for request_id, switches in self._switches.items()}
+        out: dict[str, dict[int, int]] = {}
+        for vllm_id, count in tokens.items():
+            state = states.get(vllm_id)
+            ours = (state.external_req_id, state.request_index) if state is not None else owner(vllm_id, completions)
+            if ours is not None:
+                out.setdefault(ours[0], {})[ours[1]] = count
+        return out
 
     async def _produced(self) -> dict[str, dict[int, int]]:
         """{request id: {completion index: tokens produced}}, as vLLM's output processor counts them once it

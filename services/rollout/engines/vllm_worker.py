@@ -26,6 +26,7 @@ from rlsync.errors import ResourceExhausted, Unmappable
 from rlsync.rollout.engines.vllm_direct import direct_views
 from rlsync.rollout.engines.vllm_experts import first_load_processing, live_mismatches
 from rlsync.rollout.engines.vllm_layout import BoxStaging, loaded_boxes
+from rlsync.rollout.engines.vllm_versions import TokenCounts
 from rlsync.rollout.staging import StagedUpdate, ensure_room
 from rlsync.transfer import answer, audit, from_proto
 from rlsync.transfer.checksum import box_sums
@@ -70,16 +71,21 @@ class LiveAudit:
     weights stay as they are until the next update or sleep, which wait for it first (`settle`)."""
 
     def __init__(self, views: dict[str, torch.Tensor], device: torch.device):
-        torch.cuda.synchronize(device)  # (the copies into them are done: the audit's stream reads after them)
+        # Its stream reads after the copies into them (and the step before them: the commit may come while a
+        # step still runs on the GPU, which the engine's thread does not wait for here)
+        written = torch.cuda.Event()
+        written.record(torch.cuda.current_stream(device))
         self.future: concurrent.futures.Future[dict] = concurrent.futures.Future()
-        threading.Thread(target=self._run, args=(views, device), name="rlsync-audit", daemon=True).start()
+        threading.Thread(target=self._run, args=(views, device, written), name="rlsync-audit", daemon=True).start()
 
-    def _run(self, views: dict[str, torch.Tensor], device: torch.device) -> None:
+    def _run(self, views: dict[str, torch.Tensor], device: torch.device, written: torch.cuda.Event) -> None:
         from rlsync.rollout.engines.vllm_trace import mark
 
         began = time.perf_counter()
         try:
-            with torch.cuda.stream(torch.cuda.Stream(device)):
+            stream = torch.cuda.Stream(device)
+            stream.wait_event(written)
+            with torch.cuda.stream(stream):
                 self.future.set_result(audit(views))
         except BaseException as e:  # noqa: BLE001 - handed to whoever asks for the audit
             self.future.set_exception(e)
@@ -99,6 +105,18 @@ class RlsyncWorkerExtension:
         for method in ("execute_model", "sample_tokens"):
             if hasattr(self, method):
                 trace(self, method, method, path)
+
+    def rlsync_count_tokens(self) -> str:
+        """Starts counting each request's sampled tokens for the commits (TokenCounts) -> "" where this worker
+        counts exactly, else why not (the replica then pauses generation for each commit)."""
+        why = TokenCounts.exact(self)
+        if not why and getattr(self, "_rlsync_tokens", None) is None:
+            self._rlsync_tokens = TokenCounts(self)
+        return why
+
+    def rlsync_tokens(self) -> dict[str, int]:
+        """{vLLM's request id: tokens sampled so far} (TokenCounts), read between two engine steps."""
+        return self._rlsync_tokens.now()
 
     def rlsync_memory(self) -> dict[str, Any]:
         model = self.model_runner.get_model()
@@ -252,10 +270,13 @@ class RlsyncWorkerExtension:
         return state if state.get("state") == "running" else {**state, "memory": self._rlsync_figures()}
 
     def rlsync_commit(self) -> dict[str, Any]:
-        """Makes the received tensors live (_rlsync_commit) -> this worker's memory figures after it (rlsync_memory):
-        the commit's answer, so the engine asks for them in no call of its own (one more engine step's wait)."""
+        """Makes the received tensors live (_rlsync_commit), between two engine steps -> {"memory": this worker's
+        figures after it (rlsync_memory), "tokens": each request's tokens sampled before it, by the old weights
+        (rank 0, where it counts: TokenCounts)}; in one answer, as each call waits for an engine step."""
+        counts = getattr(self, "_rlsync_tokens", None)
+        tokens = counts.now() if counts is not None and self.rank == 0 else None
         self._rlsync_commit()
-        return self._rlsync_figures()
+        return {"memory": self._rlsync_figures(), "tokens": tokens}
 
     def _rlsync_figures(self) -> dict[str, Any] | None:
         """rlsync_memory, best effort: a figure that cannot be read must not fail what it comes with."""
