@@ -4,6 +4,11 @@ before quantizing; the edge cases (zero blocks, huge values) and the errors."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -156,3 +161,60 @@ def test_one_launch_over_many_weights_writes_what_one_launch_each_does_under_tri
     otherwise than a GPU: bits against the reference are the GPU test's.)"""
     assert interpreted(MANY_RUN, seed) == {"False": True, "True": True, "table": 1 + 5,
                                            "alone": [[1, 1], [300, 77], [129, 257], [256, 256]]}
+
+
+VECTORS_RUN = """
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from rlsync.quant import fp8_box_kernel as bk, fp8_kernel as k
+
+def ptx(fn, **constexprs):  # sm_90 PTX with no GPU; the table's and owner's addresses 16-byte aligned, as launched
+    sig = {a: "constexpr" if a.isupper() else "*i64" if a == "table" else "*i32" if a == "owner" else "fp32"
+           for a in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs=dict(BM=128, BN=128, KIND=0, ALIGN=16, **constexprs),
+                    attrs={(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+
+q = r"(?:\\.[a-z_]+)*"  # (state space, cache qualifiers)
+counts = (r"ld\\.global" + q + r"\\.v4\\.", r"st\\.global" + q + r"\\.v4\\.",
+          r"(?:ld|st)\\.global" + q + r"\\.b(?:8|16) ")
+out = {name: [len(re.findall(c, code)) for c in counts]
+       for name, code in (("many", ptx(k._quantize_many, MODE=0)), ("boxes", ptx(bk._quantize_boxes, MODE=2)))}
+print(json.dumps(out))
+"""
+
+
+def test_the_table_kernels_load_and_store_16_byte_vectors_when_compiled_for_sm90():
+    """What the table kernels' alignment hints are for, checked in the code Triton makes (compiled for an H100/H200,
+    no GPU needed): each thread's 64 bf16 values of a 128 x 128 block in 8 16-byte loads, its FP8 values in 4
+    16-byte stores, no 1- or 2-byte access. (A hint put on a helper's returned value once lay on the call op,
+    which Triton 3.7's inliner drops: every element its own access, 254 registers, 4x slower on an H200.)"""
+    pytest.importorskip("triton")
+    from triton.backends import backends
+    if "nvidia" not in backends:
+        pytest.skip("this Triton has no NVIDIA backend")
+    import rlsync
+    libs = os.path.dirname(os.path.dirname(rlsync.__file__))  # (the subprocess compiles this test's rlsync)
+    done = subprocess.run([sys.executable, "-c", VECTORS_RUN], capture_output=True, text=True, timeout=300,
+                          env={**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+                               "PYTHONPATH": os.pathsep.join([libs, os.environ.get("PYTHONPATH", "")])})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"many": [8, 4, 0], "boxes": [8, 4, 0]}
+
+
+def test_the_one_launch_takes_only_weights_whose_offsets_fit_in_32_bits():
+    """ManyQuantizer's kernel indexes a weight in int32 (its addresses 64-bit): a weight whose block grid reaches
+    2**31 elements from its start goes one by one."""
+    from rlsync.quant.fp8_blocks import FP8
+    from rlsync.quant.fp8_kernel import _aligned
+
+    def pair(m, n):
+        return (torch.empty(m, n, dtype=torch.bfloat16, device="meta"), torch.empty(m, n, dtype=FP8, device="meta"),
+                torch.empty(scale_shape((m, n)), device="meta"))
+
+    assert _aligned(*pair(151936, 2560))  # Qwen3's embedding: 389M elements
+    assert _aligned(*pair(16384, 131072))  # its last offset 16384 * 131072 - 1 = 2**31 - 1
+    assert not _aligned(*pair(16384, 131072 + 16))  # (its last block's masked columns past 2**31)
+    assert not _aligned(*pair(16385, 131072))  # (one more row: its last block's masked rows too)

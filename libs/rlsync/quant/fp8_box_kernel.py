@@ -49,10 +49,10 @@ if triton is not None:
         16 (_aligned), which Triton cannot know of values read from memory: said, its loads become vectors."""
         b = tl.program_id(0)
         row = table + tl.load(owner + b).to(tl.int64) * 16
-        x_ptr, q_ptr, s_ptr = _pointers(row, KIND)
+        x_ptr, q_ptr, s_ptr = _pointers(row, KIND, ALIGN)
         local = b - tl.load(row + 10)
         per_row = tl.load(row + 11)
-        _box_block(tl.multiple_of(x_ptr, ALIGN), tl.multiple_of(q_ptr, ALIGN), s_ptr,
+        _box_block(x_ptr, q_ptr, s_ptr,
                    tl.load(row + 12) + local // per_row, tl.load(row + 13) + local % per_row,
                    tl.load(row + 3), tl.load(row + 4), tl.multiple_of(tl.load(row + 5), ALIGN),
                    tl.multiple_of(tl.load(row + 6), ALIGN), tl.load(row + 7), tl.multiple_of(tl.load(row + 8), ALIGN),

@@ -78,8 +78,10 @@ if triton is not None:
                BM, BN, MODE)
 
     @triton.jit
-    def _pointers(row, KIND: tl.constexpr):
-        """The addresses a table's row starts with: x (KIND 0: bf16, 1: fp16, 2: fp32), its FP8 values, its scales."""
+    def _pointers(row, KIND: tl.constexpr, ALIGN: tl.constexpr):
+        """The addresses a table's row starts with: x (KIND 0: bf16, 1: fp16, 2: fp32), its FP8 values, its scales;
+        x's and the values' said to be ALIGN-byte aligned. (Said here, on the ops that make them: a hint put on a
+        helper's returned value lands on the call op, which the inliner may drop, Triton version by version.)"""
         if KIND == 0:
             x_ptr = tl.load(row).to(tl.pointer_type(tl.bfloat16))
         elif KIND == 1:
@@ -87,7 +89,8 @@ if triton is not None:
         else:
             x_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
         q_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float8e4nv))
-        return x_ptr, q_ptr, tl.load(row + 2).to(tl.pointer_type(tl.float32))
+        return (tl.multiple_of(x_ptr, ALIGN), tl.multiple_of(q_ptr, ALIGN),
+                tl.load(row + 2).to(tl.pointer_type(tl.float32)))
 
     @triton.jit
     def _quantize_many(table, owner, floor, fp8_max, BM: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr,
@@ -97,16 +100,19 @@ if triton is not None:
         its first block] (int64)."""
         b = tl.program_id(0)
         row = table + tl.load(owner + b).to(tl.int64) * 8
-        x_ptr, q_ptr, s_ptr = _pointers(row, KIND)
-        m = tl.load(row + 3)
-        n = tl.multiple_of(tl.load(row + 4), ALIGN)
-        local = b - tl.load(row + 7)
+        x_ptr, q_ptr, s_ptr = _pointers(row, KIND, ALIGN)
+        # The block's arithmetic as the one-weight kernel's, whose launch makes m, n and the strides i32 with
+        # n and the strides multiples of 16: here read from memory, so made i32 (_aligned keeps to the table
+        # weights whose every element offset, a masked block's too, is below 2**31; the addresses stay 64-bit)
+        # and said to be multiples of ALIGN (_aligned: true of every weight in the table). As int64 they made
+        # each address 64-bit multiplies and adds, and a 64-bit division per program.
+        m = tl.load(row + 3).to(tl.int32)
+        n = tl.multiple_of(tl.load(row + 4).to(tl.int32), ALIGN)
+        stride_xm = tl.multiple_of(tl.load(row + 5).to(tl.int32), ALIGN)
+        stride_qm = tl.multiple_of(tl.load(row + 6).to(tl.int32), ALIGN)
+        local = b - tl.load(row + 7).to(tl.int32)
         per_row = tl.cdiv(n, BN)
-        # What Triton knows of a launch's own arguments (16-byte aligned, a multiple of 16) it cannot know of
-        # values read from memory: said here (the table holds only weights for which it is true), else every
-        # element is its own 1- or 2-byte access
-        _block(tl.multiple_of(x_ptr, ALIGN), tl.multiple_of(q_ptr, ALIGN), s_ptr, local // per_row, local % per_row,
-               m, n, tl.multiple_of(tl.load(row + 5), ALIGN), tl.multiple_of(tl.load(row + 6), ALIGN),
+        _block(x_ptr, q_ptr, s_ptr, local // per_row, local % per_row, m, n, stride_xm, stride_qm,
                floor, fp8_max, BM, BN, MODE)
 
 
@@ -147,7 +153,7 @@ class ManyQuantizer:
         self.alone: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         by_kind: dict[int, list] = {}
         for x, q, s in items:
-            if _on_kernel(x) and _aligned(x, q, s):
+            if _on_kernel(x) and _aligned(x, q, s, block):
                 by_kind.setdefault(_KINDS[x.dtype], []).append((x, q, s))
             else:
                 self.alone.append((x, q, s))
@@ -169,11 +175,20 @@ class ManyQuantizer:
 _ALIGN = 16
 
 
-def _aligned(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> bool:
+def _aligned(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tuple[int, int] = BLOCK) -> bool:
     """A weight the one launch takes: of a dtype it reads, its and its output's rows contiguous, starting
-    16-byte aligned, a multiple of 16 elements long and apart (what its kernel's hints say of them all)."""
+    16-byte aligned, a multiple of 16 elements long and apart (what its kernel's hints say of them all), and
+    every element offset its blocks make (a masked block's past the last row or column too) below 2**31, as
+    its kernel's 32-bit index math needs."""
     return (x.dtype in _KINDS and s.is_contiguous() and x.shape[1] % _ALIGN == 0
-            and all(t.stride(1) == 1 and t.stride(0) % _ALIGN == 0 and t.data_ptr() % _ALIGN == 0 for t in (x, q)))
+            and all(t.stride(1) == 1 and t.stride(0) % _ALIGN == 0 and t.data_ptr() % _ALIGN == 0
+                    and _offsets_fit(t, block) for t in (x, q)))
+
+
+def _offsets_fit(t: torch.Tensor, block: tuple[int, int]) -> bool:
+    """Every offset rows * row stride + column of t's block grid (its last blocks whole) fits in an int32."""
+    rows, cols = (-(-size // b) * b for size, b in zip(t.shape, block))
+    return (rows - 1) * t.stride(0) + cols - 1 < 2**31
 
 
 def _table(kind: int, group: list, block: tuple[int, int]) -> tuple[int, torch.Tensor, torch.Tensor]:
