@@ -3,7 +3,9 @@ the same run: quantizing moves 3 bytes per bf16 element (read 2, write 1; the sc
 that), so the limit is 3 bytes x elements / the device's copy rate (a 2-byte-in, 2-byte-out clone of
 the same bf16 weights, timed here, is the copy rate). Weights of real shapes (a 1T-class MoE's
 7168-wide layers) up to --gib of bf16; medians of --repeats after a warm-up; checks the kernel's bits
-against the reference on one weight. Prints one JSON object (--out: also writes it there).
+against the reference on one weight. Both forms: a launch per weight, and one launch for them all
+(ManyQuantizer, what a publisher's kept FP8 buffer runs), with 4 and 8 warps a program. Prints one JSON
+object (--out: also writes it there).
 
     python bench/fp8_quantize.py [--gib 8] [--repeats 10] [--out bench/results/fp8-quantize-h200.json]
 """
@@ -20,7 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "libs"))
 from rlsync.quant.fp8_blocks import quantize_blocks  # noqa: E402
-from rlsync.quant.fp8_kernel import quantize_cuda  # noqa: E402
+from rlsync.quant.fp8_blocks import scale_shape  # noqa: E402
+from rlsync.quant.fp8_kernel import ManyQuantizer, quantize_cuda  # noqa: E402
 
 SHAPES = [(7168, 2048), (2048, 7168), (7168, 18432), (18432, 7168), (1536, 7168), (24576, 1536)]
 
@@ -66,18 +69,27 @@ def main() -> None:
     copy_s = _time(copy, args.repeats)
     outs.clear()  # (its memory back before the quantized outputs take theirs)
     quant_s = _time(quant, args.repeats)
+    kept = [(w, torch.empty(w.shape, dtype=torch.float8_e4m3fn, device="cuda"),
+             torch.empty(scale_shape(w.shape), dtype=torch.float32, device="cuda")) for w in weights]
+    many = {warps: ManyQuantizer(kept, pow2=args.pow2, num_warps=warps) for warps in (4, 8)}
+    many_s = {warps: _time(m.run, args.repeats) for warps, m in many.items()}
+    alone = sum(len(m.alone) for m in many.values())
     rate = 4 * elements / copy_s  # bytes moved per second by a copy (2 read + 2 written per element)
     limit_s = 3 * elements / rate
     q, s = quantize_cuda(weights[0], pow2=args.pow2)
     q_ref, s_ref = quantize_blocks(weights[0], pow2=args.pow2)  # on the weights' device, as the engine's own runs
     exact = torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and \
         torch.equal(s.view(torch.int32), s_ref.view(torch.int32))
+    _, q_many, s_many = kept[0]
+    many_exact = torch.equal(q.view(torch.uint8), q_many.view(torch.uint8)) and torch.equal(s, s_many)
     result = {
         "bench": "fp8_quantize", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "weights": len(weights), "bf16_bytes": 2 * elements, "pow2_scales": args.pow2, "repeats": args.repeats,
         "copy_seconds": copy_s, "copy_gbps": rate / 1e9, "quantize_seconds": quant_s,
         "quantize_gbps": 3 * elements / quant_s / 1e9, "limit_seconds": limit_s,
         "ratio_to_limit": limit_s / quant_s, "target_ratio": 0.8, "bit_identical_to_reference": exact,
+        "one_launch": {f"{warps}_warps": {"seconds": t, "ratio_to_limit": limit_s / t} for warps, t in many_s.items()},
+        "one_launch_weights_left_to_their_own_launch": alone, "one_launch_bit_identical_to_the_kernels": many_exact,
     }
     text = json.dumps(result, indent=1)
     print(text)

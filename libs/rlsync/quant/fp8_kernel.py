@@ -148,8 +148,8 @@ class ManyQuantizer:
     then a values launch. Elsewhere, or for a weight the table cannot take (_aligned), quantize_into one by one."""
 
     def __init__(self, items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: tuple[int, int] = BLOCK,
-                 pow2: bool = False):
-        self.block, self.pow2 = block, pow2
+                 pow2: bool = False, num_warps: int = 8):
+        self.block, self.pow2, self.num_warps = block, pow2, num_warps
         self.alone: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         by_kind: dict[int, list] = {}
         for x, q, s in items:
@@ -169,7 +169,7 @@ class ManyQuantizer:
                     s.copy_(scales_of(s, pow2=True))
             for kind, table, owner in self.launches:
                 _quantize_many[(owner.numel(),)](table, owner, AMAX_FLOOR, FP8_MAX, BM=self.block[0], BN=self.block[1],
-                                                 MODE=mode, KIND=kind, ALIGN=_ALIGN, num_warps=8)
+                                                 MODE=mode, KIND=kind, ALIGN=_ALIGN, num_warps=self.num_warps)
 
 
 _ALIGN = 16

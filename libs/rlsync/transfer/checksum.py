@@ -154,6 +154,11 @@ def _summed(found: np.ndarray, device: torch.device) -> list[list[int]]:
     if device.type == "cuda":
         with torch.cuda.device(device):
             run(rows, sums, BLOCK=SUM_BLOCK, num_warps=4)
+            summed = torch.cuda.Event()
+            summed.record()
+        # Waited for here, where the GIL is let go (a read back waits holding it): an audit in a thread beside
+        # an engine that launches its steps from Python would stall the engine for the whole kernel otherwise
+        summed.synchronize()
     else:  # only under TRITON_INTERPRET=1 (tests/unit/test_checksum.py)
         run(rows, sums, BLOCK=SUM_BLOCK)
     return sums.view(-1, 2).tolist()
