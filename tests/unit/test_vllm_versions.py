@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rlsync.errors import FailedPrecondition
-from rlsync.rollout.engines.vllm_versions import SwitchPoints, check, owner
+from rlsync.rollout.engines.vllm_versions import SwitchPoints, check, owner, switch_all
 
 
 @pytest.mark.parametrize("version", ["0.20.2", "0.20.0", "0.25.1", "0.32.0", "0.32.1+cpu"])
@@ -56,3 +56,21 @@ def test_vllms_ids_for_a_completion_name_the_request_and_index_they_belong_to():
     assert owner("7_abc", completions) == ("abc", 7)
     assert owner("other-0123abcd", completions) is None
     assert owner("1_req-1-0123abcd", completions) is None  # (req-1 has one completion: no children)
+
+
+def test_a_commit_switches_each_completion_at_its_count_and_one_with_none_by_whether_it_had_begun():
+    switches = {"a": SwitchPoints(0, 2), "b": SwitchPoints(0), "c": SwitchPoints(0)}
+    switches["c"].produced[0] = 5  # handed out 5 tokens, then vLLM's record of it was gone: it ended before
+    switch_all(switches, {"a": {0: 3, 1: 4}}, 1, counted=True)
+    assert switches["a"].spans(0, 6) == [(0, 0, 3), (1, 3, 3)]
+    assert switches["a"].spans(1, 6) == [(0, 0, 4), (1, 4, 2)]
+    assert switches["b"].spans(0, 2) == [(1, 0, 2)]  # not begun: all the new version's
+    assert switches["c"].spans(0, 5) == [(0, 0, 5)]
+
+
+def test_under_a_pause_a_finished_child_the_output_processor_no_longer_holds_keeps_its_tokens_old():
+    points = SwitchPoints(0, 2)
+    points.produced[1] = 7  # child 1 ended (and left the output processor), child 0 goes on
+    switch_all({"a": points}, {"a": {0: 9}}, 1, counted=False)
+    assert points.spans(1, 7) == [(0, 0, 7)]
+    assert points.spans(0, 12) == [(0, 0, 9), (1, 9, 3)]

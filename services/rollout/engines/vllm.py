@@ -35,7 +35,7 @@ from rlsync.rollout.engines.checkpoint import checkpoint_checksums, checkpoint_t
 from rlsync.rollout.engines.fp8_support import checkpoint_format
 from rlsync.rollout.engines.vllm_lora import Adapters
 from rlsync.rollout.engines.vllm_trace import mark, trace, trace_path
-from rlsync.rollout.engines.vllm_versions import RequestRefused, SwitchPoints, check, owner
+from rlsync.rollout.engines.vllm_versions import RequestRefused, SwitchPoints, check, owner, switch_all
 from rlsync.rollout.types import Delta, FinishReason, GenerationRequest, MemoryUsage, PauseMode, WakeTag
 
 log = logging.getLogger(__name__)
@@ -374,28 +374,21 @@ class VLLMEngine(Engine):
                     await self.llm.abort(request_id)
                 self._salt = version  # requests arriving from now on run on the new weights
                 self._admit.clear()
-                try:
-                    answers = await self.llm.collective_rpc("rlsync_commit")
-                finally:
-                    self._admit.set()
+                answers = await self.llm.collective_rpc("rlsync_commit")
                 clock.lap("apply")
             except BaseException as e:
+                self._admit.set()
                 self.adapters.reattach()
                 # vLLM's reload wrote into the weights (or they differ from what it was handed): not servable
                 self._broken = (f"version {version}'s commit failed after loading into the weights ({e}); the next "
                                 "update restores them")
                 raise
             self._broken, self._pending = "", False
-            if self._counted:
-                produced = self._by_request(answers[0]["tokens"])
-            for request_id, switches in self._switches.items():
-                counts = produced.get(request_id)
-                if counts is None and not self._counted and switches.produced:
-                    continue  # (under a pause, one its output processor no longer holds has ended: all the old's)
-                for index in range(switches.n):  # (a completion vLLM has not begun: all the new version's)
-                    switches.switch(index, (counts or {}).get(index, 0), version)
+            counted = self._by_request(answers[0]["tokens"]) if self._counted else None
+            switch_all(self._switches, counted if counted is not None else produced, version, counted is not None)
+            self.version = self.base_version = version  # (then the requests waiting: theirs is all the new version)
+            self._admit.set()
             await self.adapters.forget(self.llm)
-            self.version = self.base_version = version
             recomputed = len(self._in_flight) if recompute_kv else 0
             if recompute_kv:  # preempts the running requests: vLLM prefills their tokens again
                 await self.llm.reset_prefix_cache(reset_running_requests=True)
@@ -403,6 +396,7 @@ class VLLMEngine(Engine):
                 await self.llm.reset_prefix_cache()
             clock.lap("bookkeeping")
         finally:
+            self._admit.set()  # (whatever failed)
             if pause:
                 await self.llm.resume_generation()
             clock.lap("resume")
@@ -423,6 +417,8 @@ class VLLMEngine(Engine):
             ours = (state.external_req_id, state.request_index) if state is not None else owner(vllm_id, completions)
             if ours is not None:
                 out.setdefault(ours[0], {})[ours[1]] = count
+            else:
+                log.debug("a worker counted tokens for %s, which is none of this replica's requests", vllm_id)
         return out
 
     async def _produced(self) -> dict[str, dict[int, int]]:

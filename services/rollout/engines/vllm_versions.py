@@ -111,6 +111,8 @@ class TokenCounts:
             return "speculative decoding counts a step's drafts before they are accepted"
         if config.parallel_config.pipeline_parallel_size > 1:
             return "pipeline stages other than the last sample no tokens"
+        if config.parallel_config.data_parallel_size > 1:
+            return "each data-parallel engine serves the commit between its own steps, and answers for itself"
         if not isinstance(getattr(worker.model_runner, "requests", None), dict):
             return f"{type(worker.model_runner).__name__} keeps no per-request state this reads"
         return ""
@@ -118,6 +120,22 @@ class TokenCounts:
     def now(self) -> dict[str, int]:
         """{vLLM's request id: tokens sampled so far}, finished requests' last counts included."""
         return {**self.finished, **{r: len(s.output_token_ids) for r, s in self.runner.requests.items()}}
+
+
+def switch_all(switches: dict[str, SwitchPoints], counts: dict[str, dict[int, int]], version: int,
+               counted: bool) -> None:
+    """Switches every request's completions to `version` at its count of tokens: `counts` ({request id:
+    {completion index: tokens}}) the workers' (`counted`: every completion vLLM had begun), else the output
+    processor's under a pause (every completion it still holds). A completion with no count had not begun
+    (all its tokens are the new version's), unless it has handed out tokens already: then it ended before
+    the switch (its count forgotten, or under a pause no longer held), all the old version's."""
+    for request_id, points in switches.items():
+        by_index = counts.get(request_id, {})
+        for index in range(points.n):
+            if index in by_index:
+                points.switch(index, by_index[index], version)
+            elif not points.produced.get(index):
+                points.switch(index, 0, version)
 
 
 def owner(request_id: str, completions: Mapping[str, int]) -> tuple[str, int] | None:
