@@ -61,7 +61,7 @@ def test_vllms_ids_for_a_completion_name_the_request_and_index_they_belong_to():
 def test_a_commit_switches_each_completion_at_its_count_and_one_with_none_by_whether_it_had_begun():
     switches = {"a": SwitchPoints(0, 2), "b": SwitchPoints(0), "c": SwitchPoints(0)}
     switches["c"].produced[0] = 5  # handed out 5 tokens, then vLLM's record of it was gone: it ended before
-    switch_all(switches, {"a": {0: 3, 1: 4}}, 1, counted=True)
+    switch_all(switches, {"a": {0: 3, 1: 4}}, 1, ended={})
     assert switches["a"].spans(0, 6) == [(0, 0, 3), (1, 3, 3)]
     assert switches["a"].spans(1, 6) == [(0, 0, 4), (1, 4, 2)]
     assert switches["b"].spans(0, 2) == [(1, 0, 2)]  # not begun: all the new version's
@@ -71,6 +71,13 @@ def test_a_commit_switches_each_completion_at_its_count_and_one_with_none_by_whe
 def test_under_a_pause_a_finished_child_the_output_processor_no_longer_holds_keeps_its_tokens_old():
     points = SwitchPoints(0, 2)
     points.produced[1] = 7  # child 1 ended (and left the output processor), child 0 goes on
-    switch_all({"a": points}, {"a": {0: 9}}, 1, counted=False)
+    switch_all({"a": points}, {"a": {0: 9}}, 1)
     assert points.spans(1, 7) == [(0, 0, 7)]
     assert points.spans(0, 12) == [(0, 0, 9), (1, 9, 3)]
+
+
+def test_a_completion_vllm_finished_is_passed_by_at_every_later_commit():
+    points = SwitchPoints(0)
+    switch_all({"a": points}, {"a": {0: 4}}, 1, ended={"a": {0}})  # finished at 4 tokens, none read yet
+    switch_all({"a": points}, {}, 2, ended={})  # its count forgotten: it had ended, not "not begun"
+    assert points.spans(0, 4) == [(0, 0, 4)]

@@ -384,8 +384,12 @@ class VLLMEngine(Engine):
                                 "update restores them")
                 raise
             self._broken, self._pending = "", False
-            counted = self._by_request(answers[0]["tokens"]) if self._counted else None
-            switch_all(self._switches, counted if counted is not None else produced, version, counted is not None)
+            if self._counted:
+                produced = self._by_request(answers[0]["tokens"])
+                ended: dict[str, set[int]] = {}
+                for request_id, indices in self._by_request(dict.fromkeys(answers[0]["ended"], 0)).items():
+                    ended[request_id] = set(indices)
+            switch_all(self._switches, produced, version, ended if self._counted else None)
             self.version = self.base_version = version  # (then the requests waiting: theirs is all the new version)
             self._admit.set()
             await self.adapters.forget(self.llm)

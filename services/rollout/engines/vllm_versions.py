@@ -54,6 +54,7 @@ class SwitchPoints:
 
     def __init__(self, version: int, n: int = 1):
         self.start, self.n = version, n
+        self.ended: set[int] = set()  # completions vLLM has finished (a later switch passes them by)
         self.switches: dict[int, list[tuple[int, int]]] = {}  # completion index -> [(first token, version)]
         self.produced: dict[int, int] = {}  # completion index -> tokens handed out so far
 
@@ -85,7 +86,7 @@ class TokenCounts:
     """In a vLLM worker: how many tokens its model runner has sampled for each request, read between two engine
     steps (all its state is then the steps scheduled so far: with async scheduling, the step still on the GPU
     has appended its placeholder already). A request that finished leaves the runner at the next step: its
-    last count is kept (the newest `keep` of them), for a commit that comes before its outputs are read."""
+    last count is kept until a commit has read it (`forget`; at most the newest `keep` of them)."""
 
     def __init__(self, worker, keep: int = 4096):
         self.runner = worker.model_runner
@@ -121,21 +122,28 @@ class TokenCounts:
         """{vLLM's request id: tokens sampled so far}, finished requests' last counts included."""
         return {**self.finished, **{r: len(s.output_token_ids) for r, s in self.runner.requests.items()}}
 
+    def forget(self, finished: list[str]) -> None:
+        """Drops these finished requests' counts: a commit has read them (and made them switch points)."""
+        for request_id in finished:
+            self.finished.pop(request_id, None)
+
 
 def switch_all(switches: dict[str, SwitchPoints], counts: dict[str, dict[int, int]], version: int,
-               counted: bool) -> None:
+               ended: dict[str, set[int]] | None = None) -> None:
     """Switches every request's completions to `version` at its count of tokens: `counts` ({request id:
-    {completion index: tokens}}) the workers' (`counted`: every completion vLLM had begun), else the output
-    processor's under a pause (every completion it still holds). A completion with no count had not begun
-    (all its tokens are the new version's), unless it has handed out tokens already: then it ended before
-    the switch (its count forgotten, or under a pause no longer held), all the old version's."""
+    {completion index: tokens}}) the workers' (every completion vLLM has begun and not finished before an
+    earlier commit; those it finished since, in `ended`), else the output processor's under a pause (every
+    completion it still holds). A completion with no count had not begun (all its tokens are the new
+    version's), unless it has ended (said at an earlier commit) or handed out tokens already (under a pause,
+    one the output processor no longer holds): all the old version's."""
     for request_id, points in switches.items():
         by_index = counts.get(request_id, {})
         for index in range(points.n):
             if index in by_index:
                 points.switch(index, by_index[index], version)
-            elif not points.produced.get(index):
+            elif index not in points.ended and not points.produced.get(index):
                 points.switch(index, 0, version)
+        points.ended |= (ended or {}).get(request_id, set())
 
 
 def owner(request_id: str, completions: Mapping[str, int]) -> tuple[str, int] | None:

@@ -271,12 +271,17 @@ class RlsyncWorkerExtension:
 
     def rlsync_commit(self) -> dict[str, Any]:
         """Makes the received tensors live (_rlsync_commit), between two engine steps -> {"memory": this worker's
-        figures after it (rlsync_memory), "tokens": each request's tokens sampled before it, by the old weights
-        (rank 0, where it counts: TokenCounts)}; in one answer, as each call waits for an engine step."""
+        figures after it (rlsync_memory), "tokens": each request's tokens sampled before it, by the old weights,
+        "ended": those of them finished (rank 0, where it counts: TokenCounts)}: in one answer, as each call
+        waits for an engine step."""
         counts = getattr(self, "_rlsync_tokens", None)
-        tokens = counts.now() if counts is not None and self.rank == 0 else None
+        tokens = ended = None
+        if counts is not None and self.rank == 0:
+            tokens, ended = counts.now(), list(counts.finished)
         self._rlsync_commit()
-        return {"memory": self._rlsync_figures(), "tokens": tokens}
+        if ended:
+            counts.forget(ended)
+        return {"memory": self._rlsync_figures(), "tokens": tokens, "ended": ended}
 
     def _rlsync_figures(self) -> dict[str, Any] | None:
         """rlsync_memory, best effort: a figure that cannot be read must not fail what it comes with."""
