@@ -87,7 +87,7 @@ def _greedy(model, cache: DynamicCache, fed: list[int], count: int) -> list[int]
     return out
 
 
-@pytest.mark.parametrize("pair", ["hf"], indirect=True)  # the reference replays the hf engine's decode
+@pytest.mark.parametrize("pair", ["hf", "vllm"], indirect=True)  # the reference: transformers, decoding as the engines do
 @pytest.mark.parametrize("recompute_kv", [False, True], ids=["kv-kept", "kv-recomputed"])
 def test_greedy_text_equals_one_run_switched_at_that_token(pair, recompute_kv, tmp_path):
     trainer, rollout = pair
