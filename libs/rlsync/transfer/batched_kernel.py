@@ -40,22 +40,23 @@ def cast_chunks(table, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def checksum_chunks(table, sums, BLOCK: tl.constexpr):
-    """Program i adds row i of `table` ([address, words, tensor, first word], int64; the address a
-    multiple of 8) to its tensor's sums: sums[2 t] += sum w_j, sums[2 t + 1] += sum (first + j + 1) w_j
-    over the chunk's little-endian 64-bit words w_j, in int64 arithmetic, which wraps: modulo 2^64, so
-    the chunks add up in any order (rlsync.transfer.checksum)."""
-    row = table + tl.program_id(0) * 4
-    src = tl.multiple_of(tl.load(row), 8).to(tl.pointer_type(tl.int64))
-    words = tl.load(row + 1)
-    tensor = tl.load(row + 2)
-    first = tl.load(row + 3)
-    s1 = tl.zeros((BLOCK,), dtype=tl.int64)
-    s2 = tl.zeros((BLOCK,), dtype=tl.int64)
-    for start in range(0, words, BLOCK):
-        j = start + tl.arange(0, BLOCK)
-        w = tl.load(src + j, mask=j < words, other=0)
-        s1 += w
-        s2 += (first + j + 1) * w
-    tl.atomic_add(sums + 2 * tensor, tl.sum(s1, axis=0))
-    tl.atomic_add(sums + 2 * tensor + 1, tl.sum(s2, axis=0))
+def checksum_chunks(table, rows, sums, BLOCK: tl.constexpr):
+    """Program p adds rows p, p + P, p + 2P... (P programs) of `table` ([address, words, tensor, first word],
+    int64; the address a multiple of 8) to their tensors' sums: sums[2 t] += sum w_j, sums[2 t + 1] +=
+    sum (first + j + 1) w_j over the chunk's little-endian 64-bit words w_j, in int64 arithmetic, which
+    wraps: modulo 2^64, so the chunks add up in any order (rlsync.transfer.checksum)."""
+    for r in range(tl.program_id(0), rows, tl.num_programs(0)):
+        row = table + r * 4
+        src = tl.multiple_of(tl.load(row), 8).to(tl.pointer_type(tl.int64))
+        words = tl.load(row + 1)
+        tensor = tl.load(row + 2)
+        first = tl.load(row + 3)
+        s1 = tl.zeros((BLOCK,), dtype=tl.int64)
+        s2 = tl.zeros((BLOCK,), dtype=tl.int64)
+        for start in range(0, words, BLOCK):
+            j = start + tl.arange(0, BLOCK)
+            w = tl.load(src + j, mask=j < words, other=0)
+            s1 += w
+            s2 += (first + j + 1) * w
+        tl.atomic_add(sums + 2 * tensor, tl.sum(s1, axis=0))
+        tl.atomic_add(sums + 2 * tensor + 1, tl.sum(s2, axis=0))

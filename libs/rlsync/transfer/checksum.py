@@ -101,9 +101,9 @@ def audit_entry(t: torch.Tensor) -> tuple[str, tuple[int, ...], str]:
     return *_row(t), checksum_tensor(t)
 
 
-def audit(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...], str]]:
+def audit(tensors: Mapping[str, torch.Tensor], programs: int | None = None) -> dict[str, tuple[str, tuple[int, ...], str]]:
     """{name: audit_entry(tensor)} of many tensors, their checksums taken together (checksum_tensors)."""
-    sums = checksum_tensors(list(tensors.values()))
+    sums = checksum_tensors(list(tensors.values()), programs)
     return {n: (*_row(t), c) for (n, t), c in zip(tensors.items(), sums)}
 
 
@@ -115,11 +115,13 @@ CHUNK_WORDS = 1 << 15  # 64-bit words one program of the checksum kernel sums at
 SUM_BLOCK = 1024  # words a program loads per step
 
 
-def checksum_tensors(tensors: Sequence[torch.Tensor]) -> list[str]:
+def checksum_tensors(tensors: Sequence[torch.Tensor], programs: int | None = None) -> list[str]:
     """checksum_tensor of each tensor, in order. On a GPU with Triton, every tensor whose bytes start at
     a multiple of 8 and count a multiple of 8 goes into one kernel launch per device
     (batched_kernel.checksum_chunks) and one read back; the others, and every tensor elsewhere, as
-    Checksums takes them (one read back per device for all). The tensors must not change until it returns."""
+    Checksums takes them (one read back per device for all). The tensors must not change until it returns.
+    `programs`: at most that many programs in the launch (a read in the background leaves the other SMs to
+    the work beside it); None: a program for each 256 KiB chunk."""
     out: list[str | None] = [None] * len(tensors)
     rest, rest_at = Checksums(), []
     rows: dict[torch.device, list[tuple[int, int, int]]] = {}
@@ -134,14 +136,14 @@ def checksum_tensors(tensors: Sequence[torch.Tensor]) -> list[str]:
             rest.add(data)
             rest_at.append(k)
     for device, found in rows.items():
-        for (_, words, k), (s1, s2) in zip(found, _summed(np.array(found, dtype=np.int64), device)):
+        for (_, words, k), (s1, s2) in zip(found, _summed(np.array(found, dtype=np.int64), device, programs)):
             out[k] = from_sums(8 * words, s1, s2)
     for k, value in zip(rest_at, rest.values()):
         out[k] = value
     return out  # type: ignore[return-value]
 
 
-def _summed(found: np.ndarray, device: torch.device) -> list[list[int]]:
+def _summed(found: np.ndarray, device: torch.device, programs: int | None) -> list[list[int]]:
     """[s1, s2] of each row [address, words, index] of `found`: its chunks in one launch, read back once."""
     counts = (found[:, 1] + CHUNK_WORDS - 1) // CHUNK_WORDS
     which = np.repeat(np.arange(len(found)), counts)
@@ -150,17 +152,17 @@ def _summed(found: np.ndarray, device: torch.device) -> list[list[int]]:
                       which, first], axis=1)
     rows = torch.from_numpy(table).to(device)
     sums = torch.zeros(2 * len(found), dtype=torch.int64, device=device)
-    run = batched.checksum_kernel()[(len(table),)]
+    run = batched.checksum_kernel()[(min(len(table), programs or len(table)),)]
     if device.type == "cuda":
         with torch.cuda.device(device):
-            run(rows, sums, BLOCK=SUM_BLOCK, num_warps=4)
+            run(rows, len(table), sums, BLOCK=SUM_BLOCK, num_warps=4)
             summed = torch.cuda.Event()
             summed.record()
         # Waited for here, where the GIL is let go (a read back waits holding it): an audit in a thread beside
         # an engine that launches its steps from Python would stall the engine for the whole kernel otherwise
         summed.synchronize()
     else:  # only under TRITON_INTERPRET=1 (tests/unit/test_checksum.py)
-        run(rows, sums, BLOCK=SUM_BLOCK)
+        run(rows, len(table), sums, BLOCK=SUM_BLOCK)
     return sums.view(-1, 2).tolist()
 
 

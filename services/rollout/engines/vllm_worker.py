@@ -65,6 +65,9 @@ def refresh_tied(model: torch.nn.Module) -> int:
     return refreshed
 
 
+_AUDIT_PROGRAMS = 16  # of the checksum kernel: an H200's 132 SMs less these stay the engine's steps
+
+
 class LiveAudit:
     """The audit of weights an update just made live, read back from them in a thread and on a stream of its
     own, so the engine generates on meanwhile (one launch for all its tensors: rlsync.transfer.checksum). The
@@ -86,7 +89,7 @@ class LiveAudit:
             stream = torch.cuda.Stream(device)
             stream.wait_event(written)
             with torch.cuda.stream(stream):
-                self.future.set_result(audit(views))
+                self.future.set_result(audit(views, programs=_AUDIT_PROGRAMS))
         except BaseException as e:  # noqa: BLE001 - handed to whoever asks for the audit
             self.future.set_exception(e)
         mark("audit", began, time.perf_counter())  # (a bench's trace: beside the steps it runs with)
