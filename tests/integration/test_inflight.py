@@ -87,7 +87,8 @@ def _greedy(model, cache: DynamicCache, fed: list[int], count: int) -> list[int]
     return out
 
 
-@pytest.mark.parametrize("pair", ["hf", "vllm"], indirect=True)  # the reference: transformers, decoding as the engines do
+# the reference: transformers, decoding as the engines do
+@pytest.mark.parametrize("pair", ["hf", "vllm"], indirect=True)
 @pytest.mark.parametrize("recompute_kv", [False, True], ids=["kv-kept", "kv-recomputed"])
 def test_greedy_text_equals_one_run_switched_at_that_token(pair, recompute_kv, tmp_path):
     trainer, rollout = pair

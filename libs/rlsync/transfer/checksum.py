@@ -101,8 +101,10 @@ def audit_entry(t: torch.Tensor) -> tuple[str, tuple[int, ...], str]:
     return *_row(t), checksum_tensor(t)
 
 
-def audit(tensors: Mapping[str, torch.Tensor], programs: int | None = None) -> dict[str, tuple[str, tuple[int, ...], str]]:
-    """{name: audit_entry(tensor)} of many tensors, their checksums taken together (checksum_tensors)."""
+def audit(tensors: Mapping[str, torch.Tensor],
+          programs: int | None = None) -> dict[str, tuple[str, tuple[int, ...], str]]:
+    """{name: audit_entry(tensor)} of many tensors, their checksums taken together (checksum_tensors, at most
+    `programs` programs)."""
     sums = checksum_tensors(list(tensors.values()), programs)
     return {n: (*_row(t), c) for (n, t), c in zip(tensors.items(), sums)}
 
