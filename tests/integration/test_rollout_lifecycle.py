@@ -13,7 +13,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import NEEDS_SGLANG, engines, rollout_args
 from rlsync.client import RolloutClient, RpcError
-from rlsync.launch import python_for
 from streams import frozen_streams
 
 
@@ -76,12 +75,15 @@ def test_tls_from_cert_files(services, tmp_path):
     pytest.param("sglang", ["-E", "tp_size=2"], "runs one rank (tp_size=2 asked)",  # SGLang's CPU TP needs AMX kernels
                  marks=[NEEDS_SGLANG, pytest.mark.sglang]),
 ])
-def test_wrong_engine_argument_is_refused_at_start(tiny_model, engine, args, fragment):
-    command = [python_for("rollout", ["--engine", engine]), "-m", "rlsync.rollout", "--engine", engine, "--port", "0"]
-    out = subprocess.run([*command, *args], capture_output=True, text=True, timeout=180)
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert "rlsync rollout: error:" in out.stderr, out.stderr[-2000:]
-    assert fragment in out.stderr[out.stderr.index("rlsync rollout: error:"):]
+def test_wrong_engine_argument_is_refused_at_start(services, engine, args, fragment):
+    """Started as every replica of the tests is (forked from the session's preloaded image that holds the
+    engine, as rlsync.preload says; SGLang in its own Python), it exits 2 before it listens, saying why."""
+    proc = services.start("rollout", ["--engine", engine, *args], wait=False, name=f"refused-{engine}")
+    assert proc.proc.wait(180) == 2, proc.log_tail()
+    said = proc.log_path.read_text(errors="replace")
+    assert "rlsync rollout: error:" in said, said[-2000:]
+    assert fragment in said[said.index("rlsync rollout: error:"):]
+    assert '"listening"' not in said
 
 
 def test_hf_sleep_frees_memory_and_wake_up_restores_output(services, small_model):

@@ -218,3 +218,30 @@ def test_the_one_launch_takes_only_weights_whose_offsets_fit_in_32_bits():
     assert _aligned(*pair(16384, 131072))  # its last offset 16384 * 131072 - 1 = 2**31 - 1
     assert not _aligned(*pair(16384, 131072 + 16))  # (its last block's masked columns past 2**31)
     assert not _aligned(*pair(16385, 131072))  # (one more row: its last block's masked rows too)
+
+
+BANDS_RUN = """
+import json, sys, torch
+from rlsync.quant import fp8_kernel as k
+from rlsync.quant.fp8_blocks import FP8, scale_shape
+g = torch.Generator().manual_seed(int(sys.argv[1]))
+x = (torch.randn(700, 300, generator=g) * 3).to(torch.bfloat16)
+whole = (torch.empty(x.shape, dtype=FP8), torch.empty(scale_shape(x.shape), dtype=torch.float32))
+k._launch(x, *whole, (128, 128), False)
+launches = []
+kernel = k._quantize_block
+k._quantize_block = type("Counted", (), {"__getitem__": lambda _, grid: launches.append(grid) or kernel[grid]})()
+k._INDEX_LIMIT = 128 * 300 * 2 + 300  # as if 2**31: two block rows of this weight fit in one launch
+banded = (torch.empty(x.shape, dtype=FP8), torch.empty(scale_shape(x.shape), dtype=torch.float32))
+k._launch(x, *banded, (128, 128), False)
+print(json.dumps({"launches": [list(g) for g in launches],
+                  "same": torch.equal(whole[0].view(torch.uint8), banded[0].view(torch.uint8))
+                  and torch.equal(whole[1], banded[1])}))
+"""
+
+
+def test_a_weight_past_32_bit_offsets_is_quantized_in_bands_of_whole_block_rows_under_tritons_interpreter():
+    """The one-weight kernel's offsets are int32: a weight whose grid reaches 2**31 elements goes in bands of
+    whole 128-row blocks, each from its own start (here the limit lowered to two block rows): the same FP8
+    values and scales as one launch over it."""
+    assert interpreted(BANDS_RUN, 0) == {"launches": [[2, 3], [2, 3], [2, 3]], "same": True}

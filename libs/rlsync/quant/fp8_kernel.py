@@ -127,6 +127,13 @@ def quantize_cuda(x: torch.Tensor, block: tuple[int, int] = BLOCK,
 
 
 def _launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tuple[int, int], pow2: bool) -> None:
+    """The one-weight kernel over x, in bands of whole block rows where its 32-bit offsets would not reach
+    past one launch (a weight of 2**31 elements or more: each band's offsets from its own start)."""
+    if not (_offsets_fit(x, block) and _offsets_fit(q, block)):
+        band = max(1, (_INDEX_LIMIT - x.shape[1]) // max(x.stride(0), q.stride(0)) // block[0]) * block[0]
+        for r in range(0, x.shape[0], band):
+            _launch(x[r:r + band], q[r:r + band], s[r // block[0]:(r + band) // block[0]], block, pow2)
+        return
     m, n = x.shape
     grid = scale_shape(x.shape, block)
     args = (x, q, s, m, n, x.stride(0), q.stride(0), AMAX_FLOOR, FP8_MAX)
@@ -186,10 +193,13 @@ def _aligned(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tuple[int
                     and _offsets_fit(t, block) for t in (x, q)))
 
 
+_INDEX_LIMIT = 2**31  # the kernels' element offsets are int32
+
+
 def _offsets_fit(t: torch.Tensor, block: tuple[int, int]) -> bool:
     """Every offset rows * row stride + column of t's block grid (its last blocks whole) fits in an int32."""
     rows, cols = (-(-size // b) * b for size, b in zip(t.shape, block))
-    return (rows - 1) * t.stride(0) + cols - 1 < 2**31
+    return (rows - 1) * t.stride(0) + cols - 1 < _INDEX_LIMIT
 
 
 def _table(kind: int, group: list, block: tuple[int, int]) -> tuple[int, torch.Tensor, torch.Tensor]:
