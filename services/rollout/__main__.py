@@ -26,7 +26,13 @@ def _engine_arg_flag(parser) -> None:
 
 
 def _merge_engine_args(cfg: RolloutConfig, args) -> None:
+    """-E items over --engine-args; the hf engine's are checked here, before anything loads (vLLM's and SGLang's
+    own checks need their packages imported: the engine refuses them as it starts)."""
     cfg.engine_args.update(dict(parse_engine_arg(item) for item in args.engine_arg))
+    if cfg.engine == "hf":
+        from rlsync.rollout.engines.hf_args import HFEngineArgs
+
+        HFEngineArgs.parse(cfg.engine_args)
 
 
 def _service(cfg: RolloutConfig):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import gc
 import logging
 import sys
@@ -27,6 +26,7 @@ from rlsync.errors import EngineDead, FailedPrecondition, InvalidArgument
 from rlsync.flat import FlatStore
 from rlsync.rollout.detokenize import IncrementalText
 from rlsync.rollout.engines.base import Engine
+from rlsync.rollout.engines.hf_args import HFEngineArgs
 from rlsync.rollout.engines.hf_armed import Arming
 from rlsync.rollout.engines.hf_batch import Batch, Sequence
 from rlsync.rollout.engines.hf_lora import Adapter
@@ -48,51 +48,6 @@ log = logging.getLogger(__name__)
 # by between two checks.
 SPARE_HEADROOM = 1 << 30
 SPARE_CHECK_STEPS = 32
-
-
-@dataclasses.dataclass
-class HFEngineArgs:
-    """Arguments of the hf engine (pass with --engine-args); unknown keys are refused."""
-
-    dtype: str = "auto"  # auto = the checkpoint's dtype; or float32, bfloat16, float16
-    device: str = "auto"  # auto = cuda when available, else cpu
-    max_num_seqs: int = 64  # completions decoded together; more wait in a queue
-    # Prompt tokens prefilled in one step at most (a request's own prompt always goes whole): many
-    # requests arriving together join over several steps instead of stalling every running one.
-    max_prefill_tokens: int = 2048
-    max_model_len: int = 0  # 0 = the model's max_position_embeddings
-    seed: int = 0  # seeds completions that do not bring their own seed
-    # The interpreter's GIL switch interval, set at start: a thread asking for the GIL the decode loop
-    # holds (a prepare's hops, the gRPC loop) waits up to this long for it. Python's default is 5 ms.
-    switch_interval_ms: float = 0.5
-    # On the trainer's GPU, holding its memory mapped: queue the next update's copy at a wake, for the
-    # trainer to start on the GPU (rlsync.transfer.armed). False: each update's copy starts at its prepare.
-    arm: bool = True
-
-    @classmethod
-    def parse(cls, raw: dict[str, Any]) -> HFEngineArgs:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise InvalidArgument(f"unknown hf engine argument(s) {', '.join(unknown)}; "
-                                  f"valid: {', '.join(sorted(known))}")
-        args = cls(**raw)
-        if args.max_num_seqs < 1 or args.max_prefill_tokens < 1:
-            raise InvalidArgument(f"max_num_seqs and max_prefill_tokens must be >= 1, got {args.max_num_seqs} and "
-                                  f"{args.max_prefill_tokens}")
-        if not isinstance(args.arm, bool):
-            raise InvalidArgument(f"hf engine argument arm must be true or false, got {args.arm!r}")
-        if not args.switch_interval_ms > 0:
-            raise InvalidArgument(f"hf engine argument switch_interval_ms must be > 0, got {args.switch_interval_ms}")
-        if args.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise InvalidArgument(f"hf engine argument dtype={args.dtype!r}: auto, float32, bfloat16 or float16")
-        if args.device != "auto":
-            try:
-                torch.device(args.device)
-            except RuntimeError:
-                raise InvalidArgument(f"hf engine argument device={args.device!r}: auto, cpu, cuda or cuda:N") \
-                    from None
-        return args
 
 
 class _Request:
