@@ -126,3 +126,17 @@ def test_a_sharded_ranks_boxes_from_the_box_kernel_equal_the_reference_of_the_wh
         q = torch.empty(cut(whole, b).shape, dtype=FP8, device="cuda")
         box_values([(cut(whole, b), b, scale, q)])
         assert torch.equal(_bits(q), _bits(cut(q_ref, b))), b
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_a_weight_past_32_bit_offsets_goes_in_bands_and_equals_the_reference(monkeypatch, pow2):
+    """The one-weight kernel's int32 offsets: a weight whose grid passes the limit (lowered here to a few block
+    rows of this one, as if 2**31) is quantized in bands of whole block rows, bit for bit the reference's."""
+    from rlsync.quant import fp8_kernel
+
+    x = _weights(1000, 4097, seed=7, dtype=torch.bfloat16).cuda()
+    q_ref, s_ref = quantize_blocks(x, pow2=pow2)
+    monkeypatch.setattr(fp8_kernel, "_INDEX_LIMIT", 3 * 128 * 4097 + 4097)
+    assert not fp8_kernel._offsets_fit(x, (128, 128))
+    q, s = quantize_cuda(x, pow2=pow2)
+    assert torch.equal(_bits(s), _bits(s_ref)) and torch.equal(_bits(q), _bits(q_ref))
