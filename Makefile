@@ -112,7 +112,7 @@ test-sglang: $(STAMP) $(SGLANG_STAMP)
 # The GPU machine has no network: `make wheels` here downloads what its image lacks (Python 3.12
 # wheels, into ./wheels, carried along), `make gpu-setup` there installs them and rlsync itself.
 GPU_WHEELS := msgspec nvidia-ml-py==13.615.71 prometheus_client==0.26.0 peft==0.21.2 accelerate==1.15.0 protobuf==7.36.2 grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
-	openai==3.57.0 distro==1.9.0 jiter==0.19.0 sniffio==1.3.1 httpx2==2.16.2 httpcore2==2.16.2
+	openai==3.57.0 distro==1.9.0 jiter==0.19.0 sniffio==1.3.1 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
 # checkpoint-engine for bench/peer_checkpoint_engine.py, then what it needs that the GPU image lacks (pip takes
 # from these only what is missing there: typing-extensions only if the image's is older than pydantic needs).
 CKPT_WHEELS := checkpoint-engine==0.4.2 pyzmq==27.3.0 loguru==0.7.3 fastapi==0.136.3 starlette==1.10.0 uvicorn==0.54.0 \
