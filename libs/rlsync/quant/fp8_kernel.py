@@ -131,6 +131,9 @@ def _launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tuple[int,
     past one launch (a weight of 2**31 elements or more: each band's offsets from its own start)."""
     if not (_offsets_fit(x, block) and _offsets_fit(q, block)):
         band = max(1, (_INDEX_LIMIT - x.shape[1]) // max(x.stride(0), q.stride(0)) // block[0]) * block[0]
+        if band >= x.shape[0]:  # (one block row alone passes it: 16M columns or more)
+            raise ValueError(f"a weight of shape {tuple(x.shape)}: one row of 128 x 128 blocks passes the FP8 "
+                             f"kernel's 32-bit offsets")
         for r in range(0, x.shape[0], band):
             _launch(x[r:r + band], q[r:r + band], s[r // block[0]:(r + band) // block[0]], block, pow2)
         return
