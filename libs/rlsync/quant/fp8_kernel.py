@@ -130,7 +130,8 @@ def _launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tuple[int,
     """The one-weight kernel over x, in bands of whole block rows where its 32-bit offsets would not reach
     past one launch (a weight of 2**31 elements or more: each band's offsets from its own start)."""
     if not (_offsets_fit(x, block) and _offsets_fit(q, block)):
-        band = max(1, (_INDEX_LIMIT - x.shape[1]) // max(x.stride(0), q.stride(0)) // block[0]) * block[0]
+        cols = -(-x.shape[1] // block[1]) * block[1]  # (as _offsets_fit counts them: the last block whole)
+        band = max(1, (_INDEX_LIMIT - cols) // max(x.stride(0), q.stride(0)) // block[0]) * block[0]
         if band >= x.shape[0]:  # (one block row alone passes it: 16M columns or more)
             raise ValueError(f"a weight of shape {tuple(x.shape)}: one row of 128 x 128 blocks passes the FP8 "
                              f"kernel's 32-bit offsets")
