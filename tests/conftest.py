@@ -65,7 +65,8 @@ def logs_dir(tmp_path_factory) -> Path:
 def preloaded(tmp_path_factory):
     """Coordinators, trainers and hf replicas started by the tests are forked from one process that
     imported torch and transformers once (rlsync.preload): ~5 s of CPU less each, a few hundred
-    times; one-worker vLLM replicas from a second that imported vLLM too (~10 s less each).
+    times; one-worker vLLM replicas from a second that imported vLLM too (~10 s less each), SGLang
+    replicas from a third in SGLang's environment (~15-25 s less each).
     RLSYNC_TEST_PRELOAD=0: each starts in a process of its own, as outside the tests."""
     if os.environ.get("RLSYNC_TEST_PRELOAD", "1") == "0":
         yield None
@@ -75,11 +76,17 @@ def preloaded(tmp_path_factory):
     forker = preload.Preloaded(logs / "preloaded.log")
     made = [forker]
 
-    def with_vllm() -> preload.Preloaded:  # the first vLLM replica's start pays its import, once
-        made.append(preload.Preloaded(logs / "preloaded-vllm.log", image="vllm", env=forker.env))
-        return made[-1]
+    def maker(image: str, python: str = sys.executable):  # the first replica of the engine pays its import, once
+        def make() -> preload.Preloaded:
+            made.append(preload.Preloaded(logs / f"preloaded-{image}.log", image=image, env=forker.env,
+                                          python=python))
+            return made[-1]
+        return make
 
-    preload.use(forker, vllm=with_vllm)
+    images = {"vllm": maker("vllm")}
+    if (python := sglang_python()) is not None:
+        images["sglang"] = maker("sglang", python)
+    preload.use(forker, images)
     yield forker
     preload.use(None)
     for image in made:

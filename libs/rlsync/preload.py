@@ -13,11 +13,12 @@ of its own, and runs `rlsync.<service>.__main__.main(argv)`.
 
 A one-worker vLLM replica imports vLLM too (~10 s of CPU more): a second image, `image="vllm"`, holds
 that, made when the first vLLM replica asks (its engine core is still a process vLLM spawns, which
-imports for itself).
+imports for itself). An SGLang replica runs in SGLang's own environment: a third image, `image="sglang"`,
+is that environment's Python with SGLang's engine imported (~15-25 s of CPU; its scheduler and
+detokenizer are still processes SGLang spawns, which import for themselves).
 
-Not for: SGLang replicas (another environment), a service given environment variables the preloaded
-process did not start with (what modules read at import would differ; but see AT_START), a command of
-its own, or a parent-death signal.
+Not for: a service given environment variables the preloaded process did not start with (what modules
+read at import would differ; but see AT_START), a command of its own, or a parent-death signal.
 """
 
 from __future__ import annotations
@@ -45,10 +46,12 @@ VOLATILE = ("PYTEST_CURRENT_TEST",)  # changes under a test runner from test to 
 PRELOAD = ("torch", "grpc", "transformers", "rlsync.rollout.server", "rlsync.rollout.engines.hf",
            "rlsync.trainer.server", "rlsync.coordinator.server", "rlsync.rollout.__main__",
            "rlsync.trainer.__main__", "rlsync.coordinator.__main__")
-IMAGES = {"base": PRELOAD, "vllm": (*PRELOAD, "vllm", "rlsync.rollout.engines.vllm")}
+IMAGES = {"base": PRELOAD, "vllm": (*PRELOAD, "vllm", "rlsync.rollout.engines.vllm"),
+          "sglang": ("torch", "grpc", "transformers", "sglang.srt.entrypoints.engine", "rlsync.rollout.server",
+                     "rlsync.rollout.engines.sglang", "rlsync.rollout.__main__")}
 # Variables an image's modules read only once an engine starts, never at import: a service may set them
 # and still be forked from the image (a tensor-parallel vLLM replica's thread binding).
-AT_START = {"base": (), "vllm": ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")}
+AT_START = {"base": (), "vllm": ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"), "sglang": ()}
 
 
 class Start(msgspec.Struct, tag=True):
@@ -96,11 +99,11 @@ def _exactly(sock: socket.socket, n: int) -> bytes | None:
 
 def eligible(service: str, args: list[str]) -> str | None:
     """The image that holds what a service imports: "base" for the coordinator, the trainer and an hf
-    replica, "vllm" for a vLLM replica; None for any other."""
+    replica, "vllm" for a vLLM replica, "sglang" for an SGLang one; None for any other."""
     if service in ("coordinator", "trainer"):
         return "base"
     engine = args[args.index("--engine") + 1:][:1] if service == "rollout" and "--engine" in args else []
-    return {"hf": "base", "vllm": "vllm"}.get(engine[0]) if engine else None
+    return {"hf": "base", "vllm": "vllm", "sglang": "sglang"}.get(engine[0]) if engine else None
 
 
 # ---- the launcher's side --------------------------------------------------------------------------
@@ -138,9 +141,9 @@ class Preloaded:
     stopped by its own ServiceProcess)."""
 
     def __init__(self, log_path: str | Path | None = None, ready_timeout: float = 120.0, image: str = "base",
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, python: str = sys.executable):
         """env: the environment it starts with, and which its children must be given (default: this
-        process's)."""
+        process's); python: the environment's interpreter (SGLang's has one of its own)."""
         from rlsync.rpc.doorbell import to_socket  # (here: it imports grpc, which launchers need not)
 
         self.address = f"@rlsync-preload-{uuid.uuid4().hex[:12]}"
@@ -148,7 +151,7 @@ class Preloaded:
         self.env = dict(os.environ if env is None else env)
         log = open(log_path or os.devnull, "ab")  # noqa: SIM115 - the child keeps its own descriptor
         with log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "rlsync.preload", self.address, image],
+            self.proc = subprocess.Popen([python, "-m", "rlsync.preload", self.address, image],
                                          stdin=subprocess.PIPE,  # (closed when this process ends: so does it)
                                          stdout=log, stderr=subprocess.STDOUT, process_group=0, env=self.env)
         self._lock = threading.Lock()
@@ -213,12 +216,13 @@ _session: dict[str, Preloaded | Callable[[], Preloaded]] = {}
 _making = threading.Lock()  # one image of each kind, however many threads start services at once
 
 
-def use(preloaded: Preloaded | None, vllm: Callable[[], Preloaded] | None = None) -> None:
+def use(preloaded: Preloaded | None, images: dict[str, Callable[[], Preloaded]] | None = None) -> None:
     """Services this process starts from now on are forked from `preloaded` where they can be (None: none);
-    vLLM replicas from the image `vllm()` makes, called when the first one starts."""
+    those of another image (images: "vllm", "sglang") from the one its maker makes, called when the first
+    such service starts."""
     _session.clear()
     if preloaded is not None:
-        _session.update({"base": preloaded, **({"vllm": vllm} if vllm else {})})
+        _session.update({"base": preloaded, **(images or {})})
 
 
 def preloaded_for(service: str, args: list[str], env: dict[str, str], command, parent_death_signal: int):

@@ -11,8 +11,9 @@ import subprocess
 import psutil
 import pytest
 
-from conftest import rollout_args
+from conftest import NEEDS_SGLANG, rollout_args
 from rlsync.client import RolloutClient
+from rlsync.launch import sglang_python
 from rlsync.preload import Forked, eligible, preloaded_for
 
 
@@ -21,7 +22,7 @@ from rlsync.preload import Forked, eligible, preloaded_for
     ("trainer", ["--steps", "1"], "base"),
     ("rollout", ["--engine", "hf"], "base"),
     ("rollout", ["--engine", "vllm"], "vllm"),  # an image that imported vLLM too
-    ("rollout", ["--engine", "sglang"], None),  # another environment
+    ("rollout", ["--engine", "sglang"], "sglang"),  # an image in SGLang's environment
     ("rollout", [], None),  # the default engine (vLLM, or RLSYNC_ENGINE's): not told
     ("rollout", ["--engine"], None),
 ])
@@ -66,3 +67,18 @@ def test_a_vllm_replica_is_forked_from_an_image_that_imported_vllm_too(preloaded
     assert preloaded_for("rollout", ["--engine", "vllm"], bound, None, 0) is image
     assert preloaded_for("rollout", ["--engine", "vllm"], {**os.environ, "RLSYNC_LOG_LEVEL": "DEBUG"}, None, 0) is None
     assert preloaded_for("rollout", ["--engine", "hf"], bound, None, 0) is None, "the base image imports no vLLM"
+
+
+@NEEDS_SGLANG
+@pytest.mark.sglang
+def test_an_sglang_replica_is_forked_from_an_image_in_sglangs_environment(services, preloaded):
+    if preloaded is None:
+        pytest.skip("RLSYNC_TEST_PRELOAD=0")
+    replica = services.start("rollout", rollout_args("sglang"), name="forked-sglang")
+    image = preloaded_for("rollout", ["--engine", "sglang"], dict(os.environ), None, 0)
+    assert image is not None and image.image == "sglang" and image is not preloaded
+    assert psutil.Process(image.proc.pid).cmdline()[0] == sglang_python()
+    assert isinstance(replica.proc, Forked) and psutil.Process(replica.proc.pid).ppid() == image.proc.pid
+    (done,) = RolloutClient(replica.address).complete("3+4=", max_tokens=4, ignore_eos=True)
+    assert len(done.token_ids) == 4
+    assert replica.stop() == 0, replica.log_tail()  # SIGTERM: SGLang's processes end with it
