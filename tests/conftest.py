@@ -27,6 +27,8 @@ os.environ.setdefault("VLLM_DEEP_GEMM_WARMUP", "skip")
 # eight tokens took 23 s spinning, 4 s sleeping).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+pytest_plugins = ["cpu_time"]  # RLSYNC_TEST_CPU=FILE: each test's CPU time (tests/cpu_time.py)
+
 from rlsync import preload  # noqa: E402
 from rlsync.client import trajectory  # noqa: E402
 from rlsync.launch import ServiceProcess, python_for, sglang_python  # noqa: E402
