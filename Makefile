@@ -105,7 +105,7 @@ test: $(STAMP) protos-check
 	cat .cache/test-third.log; exit $$(( rc ? rc : erc ? erc : trc ))
 
 # The SGLang replicas' tests alone, in SGLang's own environment (built first): 48 tests, 5.2 min on 2 idle cores
-# (their replicas forked from a preloaded image in SGLang's environment; before that image, 12.5 min).
+# (their replicas forked from a preloaded image in SGLang's environment; before that image, about 11.5 min).
 test-sglang: $(STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m pytest $(SGLANG_TESTS)
 

@@ -15,8 +15,8 @@ A one-worker vLLM replica imports vLLM too (~10 s of CPU more): a second image, 
 that, made when the first vLLM replica asks (its engine core is still a process vLLM spawns, which
 imports for itself). An SGLang replica runs in SGLang's own environment: a third image, `image="sglang"`,
 is that environment's Python with SGLang's engine imported (its scheduler and detokenizer are still
-processes SGLang spawns, which import for themselves). The SGLang tests alone on 2 idle cores: 972 -> 468
-s of CPU, 749 -> 310 s.
+processes SGLang spawns, which import for themselves). The SGLang tests alone on 2 idle cores: about 940 ->
+468 s of CPU, 690 -> 310 s.
 
 Not for: a service given environment variables the preloaded process did not start with (what modules
 read at import would differ; but see AT_START), a command of its own, or a parent-death signal.
