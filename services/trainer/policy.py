@@ -5,8 +5,10 @@ spool file on disk, so the process's resident memory drops too)."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import uuid
+import weakref
 from pathlib import Path
 
 import torch
@@ -100,6 +102,8 @@ class Policy:
         self.switch_profile: dict[str, dict[str, float]] = {}  # the last offload's and onload's stages
         self.spool = Path(spool_dir) if spool_dir else Path(tempfile.mkdtemp(prefix="rlsync-spool-"))
         self.spool.mkdir(parents=True, exist_ok=True)
+        if not spool_dir:  # a folder of its own making goes with it (at exit at the latest); a given one stays
+            weakref.finalize(self, shutil.rmtree, self.spool, ignore_errors=True)
 
     def _new_store(self) -> FlatStore:
         """Flat parameter storage; on CPU inside shared memory, so a same-host receiver copies once."""
