@@ -14,7 +14,7 @@ from transfer_helpers import Peer
 
 from rlsync.errors import Unavailable
 from rlsync.transfer import WeightSender, answer, batched, driver, receive
-from rlsync.transfer.armed import open_bell, ring_bell
+from rlsync.transfer.armed import Armed, Bell, open_bell, ring_bell
 from rlsync.transfer.checksum import checksum_tensor
 from rlsync.transfer.spans import copy_all
 from rlsync.transfer.peer import decode, encode
@@ -213,6 +213,32 @@ def test_an_armed_held_pull_is_started_by_the_senders_bell_and_lands_each_steps_
             peer.proc.wait(30)
     assert [r["adopted"] for r in results] == [False, True, False, False]
     assert [bool(a.copied) for a in answers] == [False, True, False, False]
+
+
+def test_a_withdrawn_armed_copy_moves_nothing_unless_the_bell_started_it():
+    """Armed.withdraw, for weights with no backup to restore (a vLLM worker's woken weights): a copy whose table
+    is emptied before its bell is written copies nothing and says so; one the bell started says it wrote."""
+    g = torch.Generator().manual_seed(3)
+    srcs = [torch.randint(0, 256, (16 * int(n),), dtype=torch.uint8, generator=g).cuda()
+            for n in torch.randint(1, 70000, (12,), generator=g)]
+    dsts = [torch.zeros_like(s) for s in srcs]
+    rows, rest = batched.split(list(zip(srcs, dsts)))
+    assert not rest
+    kept = batched.table(rows, torch.device("cuda:0"))
+    bell = Bell(torch.device("cuda:0"))
+    for rung in (False, True):
+        for d in dsts:
+            d.zero_()
+        table = kept._replace(rows=kept.rows.clone())
+        armed = Armed(bell, lambda: batched.launch(table), sum(s.numel() for s in srcs), (),
+                      cancel=lambda: table.rows[:, 2].zero_())
+        if rung:
+            ring_bell(bell.flag, 7)
+            bell.stream.synchronize()
+        assert armed.withdraw() is rung
+        torch.cuda.synchronize()
+        assert all(torch.equal(d, s) if rung else not d.any() for s, d in zip(srcs, dsts)), rung
+    assert torch.equal(kept.rows.cpu(), torch.from_numpy(kept.host)), "the kept table is not the one emptied"
 
 
 def test_a_copy_queued_through_the_driver_lands_every_byte_before_its_event_from_a_fresh_thread():

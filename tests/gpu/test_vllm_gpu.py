@@ -31,11 +31,12 @@ LORA = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
 
 
 def _fleet(services, mode: str, replicas: int = 1, trainer_args=(), engine_extra=None, dying: str = "",
-           model: str = ""):
+           model: str = "", checksums: bool = True):
     co = services.start("coordinator", ["--sync-mode", mode, "--lease", "3", "--heartbeat-interval", "0.3"],
                         name=f"coordinator-{mode}")
     on = ["--coordinator", co.address, *(["--model", model] if model else [])]
-    tr = services.start("trainer", [*on, "--device", "cuda", "--lr", "0.05", "--checksums", *trainer_args],
+    tr = services.start("trainer", [*on, "--device", "cuda", "--lr", "0.05", *["--checksums"] * checksums,
+                                    *trainer_args],
                         env=ON_GPU, name=f"trainer-{mode}")
     engine = ["--engine", "vllm", "--engine-args", json.dumps({**VLLM_GPU, **(engine_extra or {})})]
     ros = []
@@ -87,6 +88,22 @@ def test_colocated_cycles_land_each_update_in_vllms_woken_weights_bit_for_bit(se
     # bf16 logits on both sides, from different kernels: a few units in the last place of a logit (~0.03 at 5)
     assert max(off_trained) < 0.1, (served, off_trained)
     assert sum(off_base) > sum(off_trained), "the served policy is the trained one, not the one it slept with"
+
+
+def test_colocated_updates_after_the_first_are_the_copy_armed_at_the_wake_started_by_the_trainers_bell(services):
+    """After a first pull into the woken weights from the storages it holds, the worker queues that pull again
+    at each wake of the weights, behind its bell (rlsync_arm); the trainer writes the bell once its weights are
+    final, and the replica adopts the copy for the offer with no call into vLLM's engine: each update verified
+    bit for bit (no checksums in the manifest: an armed copy repeats bytes it cannot check), vLLM serving the last."""
+    client, trainer, (rollout,), _ = _fleet(services, "colocated", checksums=False)
+    syncs = [rl_step(client, seed) for seed in range(4)]
+    assert [s.version for s in syncs] == [1, 2, 3, 4] and all(s.verified for s in syncs), syncs
+    assert ["receiver_adopt" in s.transfer_profile for s in syncs] == [False, True, True, True], \
+        [sorted(s.transfer_profile) for s in syncs]
+    done = client.complete("3+4=", n=2, max_tokens=8, temperature=0, ignore_eos=True)
+    assert {v for c in done for v in c.token_versions} == {4}
+    trainer.onload()  # (the cycle left it offloaded)
+    assert _same_weights(trainer, rollout) == []
 
 
 @pytest.mark.parametrize("mode", ["colocated", "async"])

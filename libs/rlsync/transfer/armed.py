@@ -12,7 +12,9 @@ when the offer is the one it was armed for (`Armed.adopt`) and answers with the 
 the trainer waits on as for any pull answered early (rlsync.transfer.copied).
 
 A copy the replica does not adopt is disarmed: it writes its bell itself and waits for the copy,
-whose bytes the weights' backup then overwrites before anything reads them. Disarm before anything
+whose bytes the weights' backup then overwrites before anything reads them (the hf engine); where there
+is no backup (vLLM's woken weights), it is withdrawn: its table emptied first, so that a copy not yet
+started by the sender moves nothing, and one that was makes the weights unfit to serve. Disarm before anything
 that waits for the whole device (a synchronize, a cudaFree): a copy waiting on its bell would make
 it wait forever.
 
@@ -65,8 +67,9 @@ class Armed:
     up): `launch()` queues it on the current stream (here the bell's), `nbytes` is what it moves. `key`
     says which offer it copies (`key_of`)."""
 
-    def __init__(self, bell: Bell, launch: Callable[[], object], nbytes: int, key: tuple):
-        self.bell, self.key, self.nbytes = bell, key, nbytes
+    def __init__(self, bell: Bell, launch: Callable[[], object], nbytes: int, key: tuple,
+                 cancel: Callable[[], object] | None = None):
+        self.bell, self.key, self.nbytes, self.cancel = bell, key, nbytes, cancel
         bell.flag.zero_()
         torch.cuda.current_stream(bell.device).synchronize()  # zeroed, and the destination free, before the wait
         with torch.cuda.stream(bell.stream):
@@ -90,6 +93,20 @@ class Armed:
             return False
         self.adopted = True
         return True
+
+    def withdraw(self) -> bool:
+        """Disarms, the copy emptied first where it can be (`cancel`, run on this process's stream: the copy
+        then moves nothing if it had not begun) -> whether it may have written its destination: the sender
+        started it, or it could not be emptied. For a destination that must keep its values when no update
+        takes the copy (an engine's live weights, with no backup to restore them from)."""
+        if self.done:
+            return True
+        if self.cancel is not None:
+            self.cancel()
+            torch.cuda.current_stream(self.bell.device).synchronize()
+        wrote = self.cancel is None or self.bell.started_by() != 0
+        self.disarm()
+        return wrote
 
     def disarm(self) -> None:
         """Lets the copy run, if the sender has not, and waits for it. Idempotent."""

@@ -182,28 +182,32 @@ class Receiver:
         return Report(nbytes, time.perf_counter() - self.start, {NAMES[self.answer.backend]: 1},
                       profile={"setup": sum(self.setup.values()), **job.clock.stages}, copied=copied)
 
-    def _pull_job(self, writer: DestWriter) -> ReceiveJob:
+    def _pull_job(self, writer: DestWriter, ipc: list[bytes] | None = None) -> ReceiveJob:
         mapped = self.offer.mapped
-        welcome = Welcome(self.answer.backend, self.offer.bucket_bytes, one_copy=True, ipc=list(mapped.ipc),
+        welcome = Welcome(self.answer.backend, self.offer.bucket_bytes, one_copy=True,
+                          ipc=list(mapped.ipc) if ipc is None else list(ipc),
                           locations=list(zip(mapped.region, mapped.offset)), dtypes=list(mapped.dtype))
         return ReceiveJob(None, welcome, [], self.specs, [], writer, self.device, self.deadline,
                           self.offer.transfer_id, hold=self.hold)
 
-    def arm(self, bell: Bell) -> Armed | None:
+    def arm(self, bell: Bell, ipc: list[bytes] | None = None) -> Armed | None:
         """After run() pulled from storages held under `hold`: the same pull again, queued now behind
         `bell` (rlsync.transfer.armed), for the sender to start on the GPU when it offers the same
-        tensors from the same places (`Armed.adopt`). None when
-        there is nothing to repeat: no pull from held storages, or a manifest with checksums (they change
-        with every version, and must be checked). Arm only where this process queues nothing else on
-        the GPU until the next offer, and disarm before anything that waits for the whole device."""
+        tensors from the same places (`Armed.adopt`); from the storages `ipc` names where given (the
+        same layout, held anew: a trainer's next onload), else from the ones it pulled from. None when
+        there is nothing to repeat: no pull from held storages, a manifest with checksums (they change
+        with every version, and must be checked), or a pull that was not one launch of a kept table
+        (transfer.backends.slots: repeat). Arm only where this process queues nothing else on the GPU
+        until the next offer, and disarm before anything that waits for the whole device."""
         if not self._held_pull or any(s.checksum for s in self.specs):
             return None
-        def launch():  # the same pull, into a writer of its own
-            self.channel.write_one_copy(self._pull_job(DestWriter(self.specs, self.dest, self.device)))
-
+        ipc = list(self.offer.mapped.ipc) if ipc is None else list(ipc)
+        repeat = self.channel.repeat(self._pull_job(DestWriter(self.specs, self.dest, self.device), ipc))
+        if repeat is None:
+            return None
         mapped = self.offer.mapped
-        return Armed(bell, launch, self._held_pull,
-                     key_of(self.specs, mapped.ipc, mapped.region, mapped.offset, mapped.dtype))
+        return Armed(bell, repeat[0], self._held_pull,
+                     key_of(self.specs, ipc, mapped.region, mapped.offset, mapped.dtype), cancel=repeat[1])
 
     def _drop_posted(self) -> None:
         """Receives it posted that no Welcome took (they would wait on the GPU for a transfer that

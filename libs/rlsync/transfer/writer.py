@@ -249,14 +249,19 @@ class DestWriter:
         """Launches the table a pull of the same `kind` ("copy" or "cast") into these destinations from the
         same layout `where` kept (keep_rebased), its sources moved to the regions at `bases` -> whether
         one was kept; if not, nothing was written."""
+        table = self.rebased_table(kind, where, bases)
+        if table is None:
+            return False
+        batched.launch(table)
+        self.landed = True
+        return True
+
+    def rebased_table(self, kind: str, where: tuple, bases: list[int]) -> batched.Table | None:
+        """The table write_rebased would launch (its rows uploaded on the current stream), or None."""
         key = self._plan_key({}, kind)
         with _REBASED_LOCK:
             kept = _REBASED.get((key, where)) if key is not None else None
-        if kept is None:
-            return False
-        batched.launch(batched.rebased(kept[0], kept[1], np.array(bases, dtype=np.int64)))
-        self.landed = True
-        return True
+        return None if kept is None else batched.rebased(kept[0], kept[1], np.array(bases, dtype=np.int64))
 
     def keep_rebased(self, kind: str, where: tuple, bases: list[int]) -> None:
         """Keeps the table this write landed by, if it did in one launch, for write_rebased."""

@@ -73,6 +73,9 @@ class VLLMEngine(Engine):
         self._switches: dict[str, SwitchPoints] = {}  # which version made which tokens, per request (vllm_versions)
         self._admit = asyncio.Event()  # cleared while a commit is on its way: new requests wait for it
         self._admit.set()
+        self._held: list[bytes] = []  # the storages the worker holds mapped for a trainer (hold_weights)
+        self._armed: tuple[transfer_pb2.Offer, transfer_pb2.Answer, dict] | None = None  # armed at a wake
+        self._rung = 0  # the prepared update is the armed copy, adopted for the offer rung with this bell value
 
     async def start(self) -> None:
         try:
@@ -200,16 +203,68 @@ class VLLMEngine(Engine):
         # Generate until WakeUp, so the sequencing is the same everywhere.
         if self._pending:  # its receive may write into memory the sleep unmaps: it ends first
             await self.abort_update()
+        await self._disarm()  # (a sleep frees memory, which waits for the whole device)
         await self.llm.collective_rpc("rlsync_settle")  # (the last commit's audit may still read the weights)
         await self.llm.sleep(level)
         self._kv_asleep = True
         await self._read_memory()
 
     async def wake_up(self, tags: frozenset[WakeTag]) -> None:
+        if WakeTag.KV_CACHE in tags:  # (its steps would queue behind an armed copy)
+            await self._disarm()
         await self.llm.wake_up(sorted(t.value for t in tags))
         if WakeTag.KV_CACHE in tags:
             self._kv_asleep = False
+        elif self._held and self._kv_asleep and not self._pending:  # the colocated order: the update these
+            await self._arm()  # weights woke for may start on the GPU, when the trainer writes the worker's bell
         await self._read_memory()
+
+    async def _arm(self) -> None:
+        """Asks the worker to queue its last pull into the live weights again, behind its bell (rlsync_arm)."""
+        try:
+            (armed,) = await self.llm.collective_rpc("rlsync_arm")
+        except Exception:  # noqa: BLE001 - the update then pulls as it would have without it
+            log.warning("could not arm the next update's copy", exc_info=True)
+            return
+        if "why" in armed:
+            log.debug("nothing armed at this wake: %s", armed["why"])
+            return
+        offer, ans = transfer_pb2.Offer.FromString(armed["offer"]), transfer_pb2.Answer.FromString(armed["answer"])
+        ans.ClearField("stages"), ans.ClearField("copied")
+        self._armed = offer, ans, armed
+
+    async def _disarm(self) -> None:
+        """Withdraws the copy armed at the wake (rlsync_disarm); if it wrote the live weights (the trainer rang
+        for an offer this replica did not adopt), they are unfit to serve until an update lands."""
+        if self._armed is None:
+            return
+        self._armed = None
+        if any(await self.llm.collective_rpc("rlsync_disarm")):
+            self._broken = ("weights overwritten by the copy armed at the wake, which no update took; the next "
+                            "update restores them")
+
+    def _adopt(self, offer, receiver_id: str, force_backend: str) -> transfer_pb2.Answer | None:
+        """The copy armed at the wake as this update, when the offer is the one it repeats (the same tensors
+        from the same places of the storages held now) and rang the bell (rlsync.transfer.armed): no call
+        into the engine's process. The worker checks at the commit that this offer's bell value started it."""
+        if self._armed is None:
+            return None
+        armed, ans, facts = self._armed
+        mapped, was = offer.mapped, armed.mapped
+        if not (mapped.bell > 0 and mapped.waits and self._kv_asleep and force_backend in ("", "cuda_ipc")
+                and not offer.HasField("routing") and not offer.manifest.HasField("adapter")
+                and list(mapped.ipc) == self._held and mapped.region == was.region and mapped.offset == was.offset
+                and mapped.dtype == was.dtype and offer.manifest.tensors == armed.manifest.tensors):
+            return None
+        self._armed, self._rung, self._pending = None, mapped.bell, True
+        self._broken = (f"weights half-written: version {offer.manifest.version}'s update into them did not "
+                        "complete; the next update restores them")
+        self._ended = [{"state": "done", "bytes": facts["nbytes"], "memory": None}]
+        out = transfer_pb2.Answer()
+        out.CopyFrom(ans)
+        out.receiver_id = receiver_id
+        out.copied.append(facts["event"])
+        return out
 
     async def memory(self) -> MemoryUsage:
         """As of the last operation that changes it (start, sleep, wake-up, an update's steps): asking
@@ -245,6 +300,11 @@ class VLLMEngine(Engine):
         return self.args.max_lora_rank
 
     async def prepare_update(self, offer, receiver_id: str, force_backend: str, timeout: float):
+        began = time.perf_counter()
+        if (adopted := self._adopt(offer, receiver_id, force_backend)) is not None:
+            adopted.stages["adopt"] = time.perf_counter() - began
+            return adopted
+        await self._disarm()  # (before anything else runs in the worker)
         if offer.manifest.HasField("adapter"):  # received here, then loaded by vLLM's own LoRA support
             return await self.adapters.prepare(offer, receiver_id, force_backend, timeout)
         raw = offer.SerializeToString()
@@ -313,16 +373,20 @@ class VLLMEngine(Engine):
 
     async def hold_weights(self, holder: str, handles: list[bytes], facts) -> tuple[int, bytes, str]:
         """The worker keeps a trainer's storages on its GPU mapped between updates (a replica of one worker:
-        a trainer's memory lies on one GPU); no bell (a copy armed at the wake is the hf engine's)."""
+        a trainer's memory lies on one GPU), and answers with its bell (a copy armed at the next wake)."""
         if self.tensor_parallel_size > 1:
             raise FailedPrecondition(f"a vllm replica of {self.tensor_parallel_size} workers maps {holder}'s weights "
                                      "at each update (each worker on its own GPU) and holds nothing between them")
+        await self._disarm()
         (held,) = await self.llm.collective_rpc("rlsync_hold", args=(holder, list(handles), facts.SerializeToString()))
         if "refused" in held:
             raise FailedPrecondition(f"cannot hold {holder}'s weights mapped: {held['refused']}")
-        return held["mapped"], b"", ""
+        self._held = list(handles)
+        return held["mapped"], held["bell"], ""
 
     async def release_weights(self, holder: str) -> int:
+        await self._disarm()
+        self._held = []
         return sum(await self.llm.collective_rpc("rlsync_release", args=(holder,)))
 
     async def finish_update(self, timeout: float) -> float:
@@ -374,7 +438,8 @@ class VLLMEngine(Engine):
                     await self.llm.abort(request_id)
                 self._salt = version  # requests arriving from now on run on the new weights
                 self._admit.clear()
-                answers = await self.llm.collective_rpc("rlsync_commit")
+                rung, self._rung = self._rung, 0
+                answers = await self.llm.collective_rpc("rlsync_commit", args=(rung,))
                 clock.lap("apply")
             except BaseException as e:
                 self._admit.set()
@@ -444,7 +509,8 @@ class VLLMEngine(Engine):
         return out
 
     async def abort_update(self) -> None:
-        self._ended = None
+        self._ended, self._rung = None, 0
+        await self._disarm()
         await self.adapters.abort(self.llm)
         await self.llm.collective_rpc("rlsync_abort")
         self._pending = False  # (direct, its weights stay marked: written in part, or whole but not committed)

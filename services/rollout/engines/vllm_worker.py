@@ -16,7 +16,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -29,9 +29,11 @@ from rlsync.rollout.engines.vllm_layout import BoxStaging, loaded_boxes
 from rlsync.rollout.engines.vllm_versions import TokenCounts
 from rlsync.rollout.staging import StagedUpdate, ensure_room
 from rlsync.transfer import answer, audit, from_proto
+from rlsync.transfer.armed import Armed, Bell
 from rlsync.transfer.checksum import box_sums
 from rlsync.transfer.dtypes import dtype_name
 from rlsync.transfer.handshake import NAMES, local_facts, same_gpu
+from rlsync.transfer.receiver import Receiver
 from rlsync.transfer.held import HELD
 from rlsync.transfer.routes import relative, share
 from rlsync.transfer.sharded import layout_of, to_layout_proto
@@ -98,6 +100,15 @@ class LiveAudit:
         self.future.exception()  # (its failure is the audit's answer, not the next update's)
 
 
+class ArmedUpdate(NamedTuple):
+    """An update that the copy armed at a wake moved into the live weights (rlsync_arm), as a direct pull
+    does: what the commit reads of it."""
+
+    staging: dict[str, torch.Tensor]  # the live weights' views
+    receiver: Receiver  # the pull it repeated
+    direct: bool = True
+
+
 class RlsyncWorkerExtension:
     """Mixed into vLLM's Worker class: `self` is the worker (self.model_runner, self.device, self.rank...)."""
 
@@ -156,19 +167,59 @@ class RlsyncWorkerExtension:
 
     def rlsync_hold(self, holder: str, handles: list[bytes], facts: bytes) -> dict:
         """Keeps the storages of a trainer on this worker's GPU mapped for the pulls to come (rlsync.transfer.held):
-        a pull then maps and closes nothing, and repeats the copy table it kept. -> {"mapped": newly mapped} or
-        {"refused": why not}."""
+        a pull then maps and closes nothing, and repeats the copy table it kept. -> {"mapped": newly mapped, "bell":
+        the handle of this worker's bell, which the trainer writes to start a copy armed at a wake (rlsync_arm)}
+        or {"refused": why not}."""
+        self.rlsync_disarm()  # (before a storage an armed copy reads may close)
         device = self._rlsync_device()
         why = same_gpu(pb.Facts.FromString(facts), device)
         if why is None:
             try:
-                return {"mapped": HELD.hold(holder, handles, device)}
+                mapped = HELD.hold(holder, handles, device)
             except Unmappable as e:
                 why = str(e)
+            else:
+                if getattr(self, "_rlsync_bell", None) is None:
+                    self._rlsync_bell = Bell(device)
+                self._rlsync_held = list(handles)
+                return {"mapped": mapped, "bell": self._rlsync_bell.handle}
         return {"refused": why}
 
     def rlsync_release(self, holder: str) -> int:
+        self.rlsync_disarm()
         return HELD.release(holder)
+
+    def rlsync_arm(self) -> dict:
+        """At a wake of the weights while the KV cache sleeps (the colocated order: nothing runs on this GPU
+        for the engine until the update): the last pull into the live weights again, from the storages held
+        now, queued behind this worker's bell (rlsync.transfer.armed), which the trainer writes once its
+        weights are final and before its offer reaches the replica. -> {"nbytes": what it copies, "event":
+        the handle of the event after it, "offer" and "answer": the pull's (the replica adopts the copy for
+        an offer of the same tensors from the same places)} or {"why": why nothing was armed}."""
+        receiver, bell = getattr(self, "_rlsync_learnt", None), getattr(self, "_rlsync_bell", None)
+        if receiver is None or bell is None:
+            return {"why": "no pull from held storages into the live weights to repeat"}
+        self.rlsync_disarm()
+        armed = receiver.arm(bell, self._rlsync_held)
+        if armed is None:
+            return {"why": "the last pull was not one copy or one launch of a kept table"}
+        self._rlsync_armed = armed
+        return {"nbytes": armed.nbytes, "event": bell.event_handle, "offer": receiver.offer.SerializeToString(),
+                "answer": receiver.answer.SerializeToString()}
+
+    def rlsync_disarm(self) -> bool:
+        """Withdraws an armed copy (Armed.withdraw: emptied, so that it moves nothing unless the trainer started
+        it): first in whatever else runs on the GPU or waits for the whole device -> whether it may have written
+        the live weights (they then hold bytes no update verified)."""
+        armed = getattr(self, "_rlsync_armed", None)
+        self._rlsync_armed = None
+        if armed is None:
+            return False
+        wrote = armed.withdraw()
+        if wrote:
+            log.warning("a copy armed at the wake wrote the live weights and no update took it: they are unfit to "
+                        "serve until the next update")
+        return wrote
 
     def _rlsync_unusable(self, o: pb.Offer) -> frozenset[int]:
         """The channels this worker found it cannot use with this sender (its memory would not map here)."""
@@ -218,6 +269,7 @@ class RlsyncWorkerExtension:
         Returns its state, as rlsync_poll (with the memory figures once it is not running: a pull's final
         state), with whether it landed directly and the seconds spent here."""
         entered = time.perf_counter()
+        self.rlsync_disarm()  # (its copy would write the live weights under this update)
         o = pb.Offer.FromString(offer)
         device = self._rlsync_device()
         ans = pb.Answer.FromString(answer_bytes) if answer_bytes else \
@@ -272,19 +324,36 @@ class RlsyncWorkerExtension:
         """`state`, with this worker's memory figures once the update no longer runs."""
         return state if state.get("state") == "running" else {**state, "memory": self._rlsync_figures()}
 
-    def rlsync_commit(self) -> dict[str, Any]:
+    def rlsync_commit(self, rung: int = 0) -> dict[str, Any]:
         """Makes the received tensors live (_rlsync_commit), between two engine steps -> {"memory": this worker's
         figures after it (rlsync_memory), "tokens": each request's tokens sampled before it, by the old weights,
         "ended": those of them finished (rank 0, where it counts: TokenCounts)}: in one answer, as each call
-        waits for an engine step."""
+        waits for an engine step. `rung`: the update is the copy armed at the wake (rlsync_arm), which the
+        replica adopted for an offer rung with that bell value."""
         counts = getattr(self, "_rlsync_tokens", None)
         tokens = ended = None
         if counts is not None and self.rank == 0:
             tokens, ended = counts.now(), list(counts.finished)
+        if rung:
+            self._rlsync_adopt(rung)
         self._rlsync_commit()
         if ended:
             counts.forget(ended)
         return {"memory": self._rlsync_figures(), "tokens": tokens, "ended": ended}
+
+    def _rlsync_adopt(self, rung: int) -> None:
+        """The armed copy as the update to commit, once it is known to be the one the trainer started for
+        the offer rung with `rung` (a bell written for an earlier offer started it with older bytes)."""
+        armed, receiver = getattr(self, "_rlsync_armed", None), getattr(self, "_rlsync_learnt", None)
+        started = armed.bell.started_by() if armed is not None else 0
+        self._rlsync_armed = None
+        if armed is not None:
+            armed.disarm()  # (done: the trainer waited for its event before the commit)
+        if armed is None or receiver is None or started != rung:
+            raise RuntimeError(f"the copy armed at the wake was started by bell value {started}, not {rung} (the "
+                               "offer's): its bytes may be an earlier offer's" if armed is not None else
+                               "no copy was armed at the wake for the replica to adopt")
+        self._rlsync_update = ArmedUpdate(receiver.dest, receiver)
 
     def _rlsync_figures(self) -> dict[str, Any] | None:
         """rlsync_memory, best effort: a figure that cannot be read must not fail what it comes with."""
@@ -306,7 +375,10 @@ class RlsyncWorkerExtension:
         update = self._rlsync_update
         self._rlsync_update = None
         staging = update.staging
-        views = staging if getattr(update, "direct", False) else None  # already in the live weights
+        direct = getattr(update, "direct", False)
+        views = staging if direct else None  # already in the live weights
+        # a direct pull from held storages: the next colocated wake may queue it again (rlsync_arm)
+        self._rlsync_learnt = update.receiver if direct and update.receiver._held_pull else None
         if views is None and not isinstance(staging, BoxStaging):
             views = self._rlsync_direct_views(from_proto(update.receiver.offer.manifest))
             if views is not None:
@@ -352,6 +424,7 @@ class RlsyncWorkerExtension:
         return out
 
     def rlsync_abort(self) -> None:
+        self.rlsync_disarm()
         update = getattr(self, "_rlsync_update", None)
         self._rlsync_update = None
         if update is not None:
@@ -369,7 +442,9 @@ class RlsyncWorkerExtension:
         return {"live": applied.future.result()}
 
     def rlsync_settle(self) -> None:
-        """Waits for the last commit's audit to be read from the live weights, before anything changes them."""
+        """Waits for the last commit's audit to be read from the live weights, before anything changes them
+        (and lets an armed copy run out: a sleep frees memory, which waits for the whole device)."""
+        self.rlsync_disarm()
         applied = getattr(self, "_rlsync_applied", None)
         if isinstance(applied, LiveAudit):
             applied.settle()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import operator
+from collections.abc import Callable
 from functools import cached_property
 
 import torch
@@ -187,9 +188,7 @@ class _Mapped(abc.ABC):
         kind = "cast" if job.welcome.dtypes else "copy"
         where, bases = None, []
         if batched.available(job.device):  # (a kept table is a kernel launch's: none to key elsewhere)
-            where = (tuple(job.specs), tuple(job.welcome.dtypes), tuple(map(tuple, job.welcome.locations)),
-                     tuple(r.numel() for r in regions))
-            bases = [r.data_ptr() for r in regions]
+            where, bases = _where(job, regions)
             if job.writer.write_rebased(kind, where, bases):  # the same layout as a pull before, mapped anew
                 return regions
         layout = self._layout(job, regions)
@@ -203,6 +202,32 @@ class _Mapped(abc.ABC):
         if where is not None:
             job.writer.keep_rebased(kind, where, bases)
         return regions
+
+    def repeat(self, job: ReceiveJob) -> tuple[Callable[[], None], Callable[[], None] | None] | None:
+        """A pull made before from held storages, as one launch to queue later (rlsync.transfer.armed) ->
+        (launch, cancel: what makes that launch copy nothing while it has not begun, or None). One copy where
+        both sides lie back to back, else its kept table (DestWriter.keep_rebased) moved to the regions
+        mapped now, uploaded and waited for here, its own copy of the rows (which `cancel` empties). The
+        launch then queues one copy and nothing else: behind a wait on a bell, anything that waits for
+        the stream would wait forever. None where that pull was neither (no Triton, or not one launch)."""
+        if job.device.type != "cuda" or len(job.welcome.locations) != len(job.specs):
+            return None
+        regions = self.open_regions(job)
+        if not job.scratch.get("held"):
+            return None
+        layout = self._layout(job, regions)
+        if not job.welcome.dtypes and layout.whole is not None and job.writer.whole is not None:
+            region, start, nbytes = layout.whole
+            source = regions[region][start:start + nbytes]
+            return (lambda: job.writer.write_whole(source)), None
+        kept = job.writer.rebased_table("cast" if job.welcome.dtypes else "copy", *_where(job, regions)) \
+            if batched.available(job.device) else None
+        if kept is None:
+            return None
+        table = kept._replace(rows=kept.rows.clone())  # (the kept one launches later pulls)
+        torch.cuda.current_stream(job.device).synchronize()  # its rows are on the GPU before anything waits
+        # (from held mappings: their holder keeps them open)
+        return (lambda: batched.launch(table)), (lambda: table.rows[:, 2].zero_())
 
     @staticmethod
     def _layout(job: ReceiveJob, regions: list[torch.Tensor]) -> _Layout:
@@ -222,6 +247,14 @@ class _Mapped(abc.ABC):
             found = _Layout(job.specs, job.welcome.locations, regions, {})
             kept.append(found)
         return found
+
+
+def _where(job: ReceiveJob, regions: list[torch.Tensor]) -> tuple[tuple, list[int]]:
+    """(what a kept one-launch table of this pull is keyed by besides its destinations, the regions'
+    addresses it is moved to: DestWriter.write_rebased)."""
+    where = (tuple(job.specs), tuple(job.welcome.dtypes), tuple(map(tuple, job.welcome.locations)),
+             tuple(r.numel() for r in regions))
+    return where, [r.data_ptr() for r in regions]
 
 
 class _Layout:
