@@ -230,8 +230,8 @@ def test_a_withdrawn_armed_copy_moves_nothing_unless_the_bell_started_it():
         for d in dsts:
             d.zero_()
         table = kept._replace(rows=kept.rows.clone())
-        armed = Armed(bell, lambda: batched.launch(table), sum(s.numel() for s in srcs), (),
-                      cancel=lambda: table.rows[:, 2].zero_())
+        armed = Armed(bell, lambda t=table: batched.launch(t), sum(s.numel() for s in srcs), (),
+                      cancel=lambda t=table: t.rows[:, 2].zero_())
         if rung:
             ring_bell(bell.flag, 7)
             bell.stream.synchronize()

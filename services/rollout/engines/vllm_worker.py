@@ -29,7 +29,7 @@ from rlsync.rollout.engines.vllm_layout import BoxStaging, loaded_boxes
 from rlsync.rollout.engines.vllm_versions import TokenCounts
 from rlsync.rollout.staging import StagedUpdate, ensure_room
 from rlsync.transfer import answer, audit, from_proto
-from rlsync.transfer.armed import Armed, Bell
+from rlsync.transfer.armed import Bell
 from rlsync.transfer.checksum import box_sums
 from rlsync.transfer.dtypes import dtype_name
 from rlsync.transfer.handshake import NAMES, local_facts, same_gpu
