@@ -227,7 +227,7 @@ class VLLMEngine(Engine):
             log.warning("could not arm the next update's copy", exc_info=True)
             return
         if "why" in armed:
-            log.debug("nothing armed at this wake: %s", armed["why"])
+            log.info("the next update's copy is not armed at this wake: %s", armed["why"])
             return
         offer, ans = transfer_pb2.Offer.FromString(armed["offer"]), transfer_pb2.Answer.FromString(armed["answer"])
         ans.ClearField("stages"), ans.ClearField("copied")
@@ -251,10 +251,16 @@ class VLLMEngine(Engine):
             return None
         armed, ans, facts = self._armed
         mapped, was = offer.mapped, armed.mapped
-        if not (mapped.bell > 0 and mapped.waits and self._kv_asleep and force_backend in ("", "cuda_ipc")
-                and not offer.HasField("routing") and not offer.manifest.HasField("adapter")
-                and list(mapped.ipc) == self._held and mapped.region == was.region and mapped.offset == was.offset
-                and mapped.dtype == was.dtype and offer.manifest.tensors == armed.manifest.tensors):
+        why = "the sender rang no bell" if not (mapped.bell > 0 and mapped.waits) else \
+            f"a backend forced ({force_backend})" if force_backend not in ("", "cuda_ipc") else \
+            "a routed offer or an adapter" if offer.HasField("routing") or offer.manifest.HasField("adapter") else \
+            "other storages than the ones held" if list(mapped.ipc) != self._held else \
+            "other places in them" if (mapped.region, mapped.offset, mapped.dtype) != (was.region, was.offset,
+                                                                                       was.dtype) else \
+            "other tensors" if offer.manifest.tensors != armed.manifest.tensors else ""
+        if why or not self._kv_asleep:
+            log.info("version %d's update is not the copy armed at the wake (%s): pulled as usual",
+                     offer.manifest.version, why or "the KV cache is awake")
             return None
         self._armed, self._rung, self._pending = None, mapped.bell, True
         self._broken = (f"weights half-written: version {offer.manifest.version}'s update into them did not "

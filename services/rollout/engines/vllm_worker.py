@@ -202,7 +202,8 @@ class RlsyncWorkerExtension:
         self.rlsync_disarm()
         armed = receiver.arm(bell, self._rlsync_held)
         if armed is None:
-            return {"why": "the last pull was not one copy or one launch of a kept table"}
+            return {"why": "its manifest carries checksums" if any(s.checksum for s in receiver.specs) else
+                    "the last pull was not one copy or one launch of a kept table"}
         self._rlsync_armed = armed
         return {"nbytes": armed.nbytes, "event": bell.event_handle, "offer": receiver.offer.SerializeToString(),
                 "answer": receiver.answer.SerializeToString()}
