@@ -94,8 +94,10 @@ def test_colocated_updates_after_the_first_are_the_copy_armed_at_the_wake_starte
     """After a first pull into the woken weights from the storages it holds, the worker queues that pull again
     at each wake of the weights, behind its bell (rlsync_arm); the trainer writes the bell once its weights are
     final, and the replica adopts the copy for the offer with no call into vLLM's engine: each update verified
-    bit for bit (no checksums in the manifest: an armed copy repeats bytes it cannot check), vLLM serving the last."""
-    client, trainer, (rollout,), _ = _fleet(services, "colocated", checksums=False)
+    bit for bit (no checksums in the manifest: an armed copy repeats bytes it cannot check), vLLM serving the last.
+    The trainer holds bf16 parameters, as the engine does: tensors cast on arrival are not one copy to repeat."""
+    client, trainer, (rollout,), _ = _fleet(services, "colocated", checksums=False,
+                                            trainer_args=("--dtype", "bfloat16"))
     syncs = [rl_step(client, seed) for seed in range(4)]
     assert [s.version for s in syncs] == [1, 2, 3, 4] and all(s.verified for s in syncs), syncs
     assert ["receiver_adopt" in s.transfer_profile for s in syncs] == [False, True, True, True], \

@@ -203,6 +203,8 @@ class RlsyncWorkerExtension:
         armed = receiver.arm(bell, self._rlsync_held)
         if armed is None:
             return {"why": "its manifest carries checksums" if any(s.checksum for s in receiver.specs) else
+                    "its tensors arrived in another dtype than the weights' and were cast on arrival (a trainer that "
+                    "publishes in the engine's dtype has its updates armed)" if not all(receiver.writer.direct) else
                     "the last pull was not one copy or one launch of a kept table"}
         self._rlsync_armed = armed
         return {"nbytes": armed.nbytes, "event": bell.event_handle, "offer": receiver.offer.SerializeToString(),
