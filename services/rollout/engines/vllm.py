@@ -33,6 +33,7 @@ from rlsync.common.audit import LIVE
 from rlsync.rollout.engines.base import Engine
 from rlsync.rollout.engines.checkpoint import checkpoint_checksums, checkpoint_tensors
 from rlsync.rollout.engines.fp8_support import checkpoint_format
+from rlsync.rollout.engines.vllm_armed import adopted, unlike
 from rlsync.rollout.engines.vllm_lora import Adapters
 from rlsync.rollout.engines.vllm_trace import mark, trace, trace_path
 from rlsync.rollout.engines.vllm_versions import RequestRefused, SwitchPoints, check, owner, switch_all
@@ -229,9 +230,8 @@ class VLLMEngine(Engine):
         if "why" in armed:
             log.info("the next update's copy is not armed at this wake: %s", armed["why"])
             return
-        offer, ans = transfer_pb2.Offer.FromString(armed["offer"]), transfer_pb2.Answer.FromString(armed["answer"])
-        ans.ClearField("stages"), ans.ClearField("copied")
-        self._armed = offer, ans, armed
+        self._armed = (transfer_pb2.Offer.FromString(armed["offer"]), transfer_pb2.Answer.FromString(armed["answer"]),
+                       armed)
 
     async def _disarm(self) -> None:
         """Withdraws the copy armed at the wake (rlsync_disarm); if it wrote the live weights (the trainer rang
@@ -244,33 +244,21 @@ class VLLMEngine(Engine):
                             "update restores them")
 
     def _adopt(self, offer, receiver_id: str, force_backend: str) -> transfer_pb2.Answer | None:
-        """The copy armed at the wake as this update, when the offer is the one it repeats (the same tensors
-        from the same places of the storages held now) and rang the bell (rlsync.transfer.armed): no call
+        """The copy armed at the wake as this update, when the offer is the one it repeats (vllm_armed): no call
         into the engine's process. The worker checks at the commit that this offer's bell value started it."""
         if self._armed is None:
             return None
         armed, ans, facts = self._armed
-        mapped, was = offer.mapped, armed.mapped
-        why = "the sender rang no bell" if not (mapped.bell > 0 and mapped.waits) else \
-            f"a backend forced ({force_backend})" if force_backend not in ("", "cuda_ipc") else \
-            "a routed offer or an adapter" if offer.HasField("routing") or offer.manifest.HasField("adapter") else \
-            "other storages than the ones held" if list(mapped.ipc) != self._held else \
-            "other places in them" if (mapped.region, mapped.offset, mapped.dtype) != (was.region, was.offset,
-                                                                                       was.dtype) else \
-            "other tensors" if offer.manifest.tensors != armed.manifest.tensors else ""
-        if why or not self._kv_asleep:
+        why = unlike(offer, armed, self._held, force_backend) or ("" if self._kv_asleep else "the KV cache is awake")
+        if why:
             log.info("version %d's update is not the copy armed at the wake (%s): pulled as usual",
-                     offer.manifest.version, why or "the KV cache is awake")
+                     offer.manifest.version, why)
             return None
-        self._armed, self._rung, self._pending = None, mapped.bell, True
+        self._armed, self._rung, self._pending = None, offer.mapped.bell, True
         self._broken = (f"weights half-written: version {offer.manifest.version}'s update into them did not "
                         "complete; the next update restores them")
         self._ended = [{"state": "done", "bytes": facts["nbytes"], "memory": None}]
-        out = transfer_pb2.Answer()
-        out.CopyFrom(ans)
-        out.receiver_id = receiver_id
-        out.copied.append(facts["event"])
-        return out
+        return adopted(ans, receiver_id, facts["event"])
 
     async def memory(self) -> MemoryUsage:
         """As of the last operation that changes it (start, sleep, wake-up, an update's steps): asking
