@@ -42,6 +42,7 @@ from rlsync.rollout.types import Delta, FinishReason, GenerationRequest, MemoryU
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "rlsync.rollout.engines.vllm_worker.RlsyncWorkerExtension"
+_RPC_PREFIX = "rlsync-vllm-rpc-"
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
@@ -65,6 +66,13 @@ class VLLMEngine(Engine):
         # Engine processes inherit this and write a report there if a fatal signal kills them.
         self.crash_dir = tempfile.TemporaryDirectory(prefix="rlsync-vllm-crash-")
         os.environ[CRASH_DIR_ENV] = self.crash_dir.name
+        # vLLM's sockets between its processes (ipc:// paths), in a folder that goes with this engine: in the
+        # temporary folder itself, those of a killed engine process stay there (hundreds a day of tests)
+        given = os.environ.get("VLLM_RPC_BASE_PATH", "")  # (the user's, or an earlier engine's of this process)
+        self.rpc_dir = None
+        if not given or given.startswith(os.path.join(tempfile.gettempdir(), _RPC_PREFIX)):
+            self.rpc_dir = tempfile.TemporaryDirectory(prefix=_RPC_PREFIX)
+            os.environ["VLLM_RPC_BASE_PATH"] = self.rpc_dir.name
         self.adapters = Adapters(model)
         self._kv_asleep = False  # slept, and the KV cache not woken since: nothing can generate
         self._broken = ""  # why the weights cannot serve: an update written into them failed
