@@ -230,8 +230,9 @@ def test_a_withdrawn_armed_copy_moves_nothing_unless_the_bell_started_it():
         for d in dsts:
             d.zero_()
         table = kept._replace(rows=kept.rows.clone())
-        armed = Armed(bell, lambda t=table: batched.launch(t), sum(s.numel() for s in srcs), (),
-                      cancel=lambda t=table: t.rows[:, 2].zero_())
+        zeros = torch.zeros(table.rows.shape, dtype=table.rows.dtype).pin_memory()  # (as the cuda_ipc channel's
+        armed = Armed(bell, lambda t=table: batched.launch(t), sum(s.numel() for s in srcs), (),  # repeat() empties)
+                      cancel=lambda t=table, z=zeros: t.rows.copy_(z, non_blocking=True))
         if rung:
             ring_bell(bell.flag, 7)
             bell.stream.synchronize()

@@ -65,9 +65,9 @@ def test_an_adapter_or_a_routed_offer_is_never_the_armed_copy():
 
 
 def test_the_adopting_answer_is_the_armed_pulls_for_this_receiver_naming_only_the_copys_event():
-    armed = pb.Answer(receiver_id="before", backend=pb.BACKEND_CUDA_IPC, pull=True, copied=[b"old-event"],
-                      stages={"map": 0.1})
-    out = adopted(armed, "r0", b"bell-event")
-    assert (out.receiver_id, out.backend, out.pull, list(out.copied), dict(out.stages)) == \
-        ("r0", pb.BACKEND_CUDA_IPC, True, [b"bell-event"], {})
+    armed = pb.Answer(transfer_id="t6", receiver_id="before", backend=pb.BACKEND_CUDA_IPC, pull=True,
+                      copied=[b"old-event"], stages={"map": 0.1})
+    out = adopted(armed, "t7", "r0", b"bell-event")
+    assert (out.transfer_id, out.receiver_id, out.backend, out.pull, list(out.copied), dict(out.stages)) == \
+        ("t7", "r0", pb.BACKEND_CUDA_IPC, True, [b"bell-event"], {})
     assert armed.receiver_id == "before" and list(armed.copied) == [b"old-event"]  # (its own, untouched)

@@ -88,6 +88,15 @@ class Holders:
         self._letting_go.add(task)  # (the loop keeps only a weak reference to a task)
         task.add_done_callback(self._letting_go.discard)
 
+    def bells_for(self, offer) -> dict[str, torch.Tensor]:
+        """The bells to write for `offer`, by doorbell address: of the replicas that hold exactly the storages it
+        maps, and none for an adapter. A copy armed at a wake repeats a pull of the weights from those storages;
+        rung for any other offer, it would run for nothing into weights that may have no backup to refill them."""
+        if offer.manifest.HasField("adapter"):
+            return {}
+        handles = tuple(offer.mapped.ipc)
+        return {a: b for a, b in self.bells.items() if self.holding.get(a, (None, ()))[1] == handles}
+
     def peer_readers(self, regions: tuple | None) -> list[str]:
         """The replicas (their ids) that pull the offer of `regions` from another GPU: those that hold them."""
         if regions is None:

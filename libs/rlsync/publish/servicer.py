@@ -83,7 +83,7 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 if offer.one_copy and not offer.mapped.dtype:
                     offer.peer_readers.extend(self.holders.peer_readers(regions))
             rang = asyncio.ensure_future(ring_prepare(offer, ring, self.token, request.force_backend,
-                                                      request.timeout, self.lines, self.holders.bells))
+                                                      request.timeout, self.lines, self.holders.bells_for(offer)))
             if request.publish and ring:
                 # A trainer that sends as soon as the replicas it rang answered starts broadcasting while they
                 # prepare, on the group of their last update: those that post their receives as they prepare

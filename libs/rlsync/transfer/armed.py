@@ -13,8 +13,9 @@ the trainer waits on as for any pull answered early (rlsync.transfer.copied).
 
 A copy the replica does not adopt is disarmed: it writes its bell itself and waits for the copy,
 whose bytes the weights' backup then overwrites before anything reads them (the hf engine); where there
-is no backup (vLLM's woken weights), it is withdrawn: its table emptied first, so that a copy not yet
-started by the sender moves nothing, and one that was makes the weights unfit to serve. Disarm before anything
+is no backup (vLLM's woken weights), it is withdrawn: its table emptied first (zeros copied over its rows
+from pinned memory, by a copy engine, not a kernel), so that a copy not yet started by the sender moves
+nothing, and one that was makes the weights unfit to serve. Disarm before anything
 that waits for the whole device (a synchronize, a cudaFree): a copy waiting on its bell would make
 it wait forever.
 

@@ -190,7 +190,7 @@ class Receiver:
         return ReceiveJob(None, welcome, [], self.specs, [], writer, self.device, self.deadline,
                           self.offer.transfer_id, hold=self.hold)
 
-    def arm(self, bell: Bell, ipc: list[bytes] | None = None) -> Armed | None:
+    def arm(self, bell: Bell, ipc: list[bytes] | None = None, cancellable: bool = False) -> Armed | None:
         """After run() pulled from storages held under `hold`: the same pull again, queued now behind
         `bell` (rlsync.transfer.armed), for the sender to start on the GPU when it offers the same
         tensors from the same places (`Armed.adopt`); from the storages `ipc` names where given (the
@@ -198,12 +198,13 @@ class Receiver:
         there is nothing to repeat: no pull from held storages, a manifest with checksums (they change
         with every version, and must be checked), or a pull that was not one launch of a kept table
         (transfer.backends.slots: repeat). Arm only where this process queues nothing else on the GPU
-        until the next offer, and disarm before anything that waits for the whole device."""
+        until the next offer, and disarm before anything that waits for the whole device. `cancellable`: only a
+        copy that `Armed.withdraw` can empty (a table launch; not one whole copy)."""
         if not self._held_pull or any(s.checksum for s in self.specs):
             return None
         ipc = list(self.offer.mapped.ipc) if ipc is None else list(ipc)
         repeat = self.channel.repeat(self._pull_job(DestWriter(self.specs, self.dest, self.device), ipc))
-        if repeat is None:
+        if repeat is None or (cancellable and repeat[1] is None):
             return None
         mapped = self.offer.mapped
         return Armed(bell, repeat[0], self._held_pull,

@@ -84,6 +84,8 @@ class VLLMEngine(Engine):
         self._admit.set()
         self._held: list[bytes] = []  # the storages the worker holds mapped for a trainer (hold_weights)
         self._armed: tuple[transfer_pb2.Offer, transfer_pb2.Answer, dict] | None = None  # armed at a wake
+        self._worker_armed = False  # the worker may hold an armed copy: from before rlsync_arm to a disarm's answer
+        self._arming = asyncio.Lock()  # arming, withdrawing, holding and releasing, one at a time
         self._rung = 0  # the prepared update is the armed copy, adopted for the offer rung with this bell value
 
     async def start(self) -> None:
@@ -126,6 +128,8 @@ class VLLMEngine(Engine):
     async def shutdown(self) -> None:
         self.adapters.close()
         if self.llm is not None:
+            with contextlib.suppress(Exception):  # (vLLM's teardown may wait for the whole device)
+                await self._disarm()
             llm, self.llm = self.llm, None
             await asyncio.to_thread(llm.shutdown)
 
@@ -200,6 +204,7 @@ class VLLMEngine(Engine):
         await self.llm.abort(request_id)
 
     async def pause(self, mode: PauseMode) -> None:
+        await self._disarm()  # (vLLM's pause ends in a synchronize of the whole device)
         await self.llm.pause_generation(mode=mode.value)
         self._paused = True
 
@@ -230,26 +235,36 @@ class VLLMEngine(Engine):
 
     async def _arm(self) -> None:
         """Asks the worker to queue its last pull into the live weights again, behind its bell (rlsync_arm)."""
-        try:
-            (armed,) = await self.llm.collective_rpc("rlsync_arm")
-        except Exception:  # noqa: BLE001 - the update then pulls as it would have without it
-            log.warning("could not arm the next update's copy", exc_info=True)
-            return
-        if "why" in armed:
-            log.info("the next update's copy is not armed at this wake: %s", armed["why"])
-            return
-        self._armed = (transfer_pb2.Offer.FromString(armed["offer"]), transfer_pb2.Answer.FromString(armed["answer"]),
-                       armed)
+        async with self._arming:
+            self._worker_armed = True  # (from before the call: a call cut short may still have armed)
+            try:
+                (armed,) = await self.llm.collective_rpc("rlsync_arm")
+            except Exception:  # noqa: BLE001 - the update then pulls as it would have without it
+                log.warning("could not arm the next update's copy", exc_info=True)
+                return
+            if "why" in armed:
+                self._worker_armed = False  # (it said so)
+                log.info("the next update's copy is not armed at this wake: %s", armed["why"])
+                return
+            self._armed = (transfer_pb2.Offer.FromString(armed["offer"]),
+                           transfer_pb2.Answer.FromString(armed["answer"]), armed)
 
-    async def _disarm(self) -> None:
-        """Withdraws the copy armed at the wake (rlsync_disarm); if it wrote the live weights (the trainer rang
-        for an offer this replica did not adopt), they are unfit to serve until an update lands."""
-        if self._armed is None:
+    async def _disarm(self, locked: bool = False) -> None:
+        """Withdraws the copy the worker may hold armed (rlsync_disarm); if it wrote the live weights (the trainer
+        rang for an offer this replica did not adopt), they are unfit to serve until an update lands. The mark is
+        set before the call and taken back only on its answer: a call cut short leaves it, and the next withdraws."""
+        if not self._worker_armed:
             return
-        self._armed = None
-        if any(await self.llm.collective_rpc("rlsync_disarm")):
-            self._broken = ("weights overwritten by the copy armed at the wake, which no update took; the next "
-                            "update restores them")
+        if not locked:
+            async with self._arming:
+                return await self._disarm(locked=True)
+        self._armed, before = None, self._broken
+        self._broken = ("weights may be overwritten by the copy armed at the wake, which no update took; the next "
+                        "update restores them")
+        wrote = any(await self.llm.collective_rpc("rlsync_disarm"))
+        self._worker_armed = False
+        if not wrote:
+            self._broken = before
 
     def _adopt(self, offer, receiver_id: str, force_backend: str) -> transfer_pb2.Answer | None:
         """The copy armed at the wake as this update, when the offer is the one it repeats (vllm_armed): no call
@@ -262,11 +277,11 @@ class VLLMEngine(Engine):
             log.info("version %d's update is not the copy armed at the wake (%s): pulled as usual",
                      offer.manifest.version, why)
             return None
-        self._armed, self._rung, self._pending = None, offer.mapped.bell, True
+        self._armed, self._rung, self._pending = None, offer.mapped.bell, True  # (the worker's, until the commit)
         self._broken = (f"weights half-written: version {offer.manifest.version}'s update into them did not "
                         "complete; the next update restores them")
         self._ended = [{"state": "done", "bytes": facts["nbytes"], "memory": None}]
-        return adopted(ans, receiver_id, facts["event"])
+        return adopted(ans, offer.transfer_id, receiver_id, facts["event"])
 
     async def memory(self) -> MemoryUsage:
         """As of the last operation that changes it (start, sleep, wake-up, an update's steps): asking
@@ -379,17 +394,20 @@ class VLLMEngine(Engine):
         if self.tensor_parallel_size > 1:
             raise FailedPrecondition(f"a vllm replica of {self.tensor_parallel_size} workers maps {holder}'s weights "
                                      "at each update (each worker on its own GPU) and holds nothing between them")
-        await self._disarm()
-        (held,) = await self.llm.collective_rpc("rlsync_hold", args=(holder, list(handles), facts.SerializeToString()))
-        if "refused" in held:
-            raise FailedPrecondition(f"cannot hold {holder}'s weights mapped: {held['refused']}")
-        self._held = list(handles)
-        return held["mapped"], held["bell"], ""
+        async with self._arming:  # (not beside an arm: its copy would read what this closes)
+            await self._disarm(locked=True)
+            (held,) = await self.llm.collective_rpc("rlsync_hold", args=(holder, list(handles),
+                                                                         facts.SerializeToString()))
+            if "refused" in held:
+                raise FailedPrecondition(f"cannot hold {holder}'s weights mapped: {held['refused']}")
+            self._held = list(handles)
+            return held["mapped"], held["bell"], ""
 
     async def release_weights(self, holder: str) -> int:
-        await self._disarm()
-        self._held = []
-        return sum(await self.llm.collective_rpc("rlsync_release", args=(holder,)))
+        async with self._arming:
+            await self._disarm(locked=True)
+            self._held = []
+            return sum(await self.llm.collective_rpc("rlsync_release", args=(holder,)))
 
     async def finish_update(self, timeout: float) -> float:
         if self.adapters.pending is not None:
@@ -442,6 +460,8 @@ class VLLMEngine(Engine):
                 self._admit.clear()
                 rung, self._rung = self._rung, 0
                 answers = await self.llm.collective_rpc("rlsync_commit", args=(rung,))
+                if rung:
+                    self._worker_armed = False  # (the commit took the worker's copy)
                 clock.lap("apply")
             except BaseException as e:
                 self._admit.set()

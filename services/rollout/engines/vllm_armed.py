@@ -29,13 +29,13 @@ def unlike(offer: pb.Offer, armed: pb.Offer, held: list[bytes], force_backend: s
     return ""
 
 
-def adopted(answer: pb.Answer, receiver_id: str, event: bytes) -> pb.Answer:
+def adopted(answer: pb.Answer, transfer_id: str, receiver_id: str, event: bytes) -> pb.Answer:
     """The answer to an offer that adopts the armed copy: the armed pull's own (the same channel for the same
-    tensors), for this receiver, naming the copy's event (the sender waits for it: Answer.copied)."""
+    tensors), for this transfer and receiver, naming the copy's event (the sender waits for it: Answer.copied)."""
     out = pb.Answer()
     out.CopyFrom(answer)
     out.ClearField("stages")
     del out.copied[:]
-    out.receiver_id = receiver_id
+    out.transfer_id, out.receiver_id = transfer_id, receiver_id
     out.copied.append(event)
     return out

@@ -200,12 +200,12 @@ class RlsyncWorkerExtension:
         if receiver is None or bell is None:
             return {"why": "no pull from held storages into the live weights to repeat"}
         self.rlsync_disarm()
-        armed = receiver.arm(bell, self._rlsync_held)
+        armed = receiver.arm(bell, self._rlsync_held, cancellable=True)  # (the woken weights have no backup)
         if armed is None:
             return {"why": "its manifest carries checksums" if any(s.checksum for s in receiver.specs) else
                     "its tensors arrived in another dtype than the weights' and were cast on arrival (a trainer that "
                     "publishes in the engine's dtype has its updates armed)" if not all(receiver.writer.direct) else
-                    "the last pull was not one copy or one launch of a kept table"}
+                    "the last pull was not one launch of a kept table"}
         self._rlsync_armed = armed
         return {"nbytes": armed.nbytes, "event": bell.event_handle, "offer": receiver.offer.SerializeToString(),
                 "answer": receiver.answer.SerializeToString()}

@@ -224,10 +224,13 @@ class _Mapped(abc.ABC):
             if batched.available(job.device) else None
         if kept is None:
             return None
-        table = kept._replace(rows=kept.rows.clone())  # (the kept one launches later pulls)
+        # Rows of its own (the kept table launches later pulls), and zeros to empty them with: a copy from pinned
+        # memory, which a copy engine runs beside a stream waiting on a bell (a kernel may not: rlsync.transfer.armed)
+        table = kept._replace(rows=kept.rows.clone())
+        zeros = torch.zeros(table.rows.shape, dtype=table.rows.dtype).pin_memory()
         torch.cuda.current_stream(job.device).synchronize()  # its rows are on the GPU before anything waits
         # (from held mappings: their holder keeps them open)
-        return (lambda: batched.launch(table)), (lambda: table.rows[:, 2].zero_())
+        return (lambda: batched.launch(table)), (lambda: table.rows.copy_(zeros, non_blocking=True))
 
     @staticmethod
     def _layout(job: ReceiveJob, regions: list[torch.Tensor]) -> _Layout:
