@@ -1,0 +1,19 @@
+"""Which replicas' bells a trainer writes for an offer (Holders.bells_for): pure logic on its records."""
+
+from __future__ import annotations
+
+from rlsync.publish.holders import Holders
+from rlsync.rpc.doorbell import Lines
+from rlsync.transfer.v1 import transfer_pb2 as pb
+
+
+def test_only_replicas_holding_exactly_the_offers_storages_are_rung_and_never_for_an_adapter():
+    holders = Holders("trainer", "", Lines())
+    holders.holding = {"a:1": (pb.Doorbell(address="a:1"), (b"s0", b"s1")),  # the offer's storages
+                       "b:1": (pb.Doorbell(address="b:1"), (b"s0",)),  # an earlier list
+                       "c:1": (pb.Doorbell(address="c:1"), (b"s0", b"s1"))}  # holds them, but has no bell
+    holders.bells = {"a:1": "bell-a", "b:1": "bell-b", "d:1": "bell-d"}  # (d: no longer holding)
+    offer = pb.Offer(mapped=pb.MappedTensors(ipc=[b"s0", b"s1"]))
+    assert holders.bells_for(offer) == {"a:1": "bell-a"}
+    offer.manifest.adapter.rank = 8  # an adapter: no replica armed a copy of it
+    assert holders.bells_for(offer) == {}
