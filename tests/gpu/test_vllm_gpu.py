@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import rl_step
+from rlsync.client import trajectory
 from rlsync.client import (AsyncCoordinatorClient, CoordinatorClient, RolloutClient, RpcError, TrainerClient,
                            push_weights)
 from rlsync.common.audit import differences, trainer_dtype
@@ -102,8 +103,22 @@ def test_colocated_updates_after_the_first_are_the_copy_armed_at_the_wake_starte
     assert [s.version for s in syncs] == [1, 2, 3, 4] and all(s.verified for s in syncs), syncs
     assert ["receiver_adopt" in s.transfer_profile for s in syncs] == [False, True, True, True], \
         [sorted(s.transfer_profile) for s in syncs]
-    done = client.complete("3+4=", n=2, max_tokens=8, temperature=0, ignore_eos=True)
-    assert {v for c in done for v in c.token_versions} == {4}
+    greedy = {"n": 1, "max_tokens": 8, "temperature": 0, "logprobs": True, "ignore_eos": True}
+    before = rollout.complete("3+4=", **greedy)
+    assert {v for c in before for v in c.token_versions} == {4}
+
+    # A train step without a sync (the trainer's weights move on), then a wake of the weights arms the copy again
+    # and a wake of the KV cache with no update withdraws it: emptied before any bell, it moves nothing, and the
+    # replica serves version 4's weights as they were.
+    done = client.complete("3+4=", n=4, max_tokens=8, temperature=1.0, logprobs=True, seed=9)
+    client.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])  # (sleeps it)
+    rollout.wake_up("weights")
+    rollout.wake_up("kv_cache")
+    after = rollout.complete("3+4=", **greedy)
+    assert [c.token_ids for c in after] == [c.token_ids for c in before] and \
+        [c.logprobs for c in after] == [c.logprobs for c in before], "the withdrawn copy wrote nothing"
+    sync = client.sync_weights(verify=True)  # then the next sync lands (staged: the KV cache is awake) and verifies
+    assert sync.version == 5 and sync.verified, sync
     trainer.onload()  # (the cycle left it offloaded)
     assert _same_weights(trainer, rollout) == []
 
