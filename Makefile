@@ -79,33 +79,29 @@ demo: $(STAMP) $(if $(findstring sglang,$(ARGS)),$(SGLANG_STAMP))
 
 # Three processes side by side, each one's output shown after the first's: the unit and integration
 # tests; the Ray fleet tests (one Ray at a time on a machine: the fleet CLI finds the Ray that `rlsync up`
-# started), then the end-to-end suites (whole fleets, demos) and four integration modules, then the compose
-# test (marker docker: image build, a stack of four containers; it skips itself, with the reason, without a
-# Docker engine); and a third that builds SGLang's environment and runs the SGLang replicas' tests (marker
-# sglang: every engine-parametrized test, the SGLang demo, the mixed fleet). SGLang starts once the Ray fleets
-# are gone (.cache/ray-done), and the Docker stack once the SGLang tests are done (.cache/sglang-done): an
-# SGLang replica takes about 6 GB. The compose stack goes last because its start stretches most under the
-# other lanes' load (from a fresh clone: 833 s beside them as the third lane's first, 83 s alone). Where
-# SGLang's environment cannot be built, its tests skip with the reason (as the compose test does without Docker).
+# started), then the end-to-end suites (whole fleets, demos) and four integration modules, which even
+# out the two (from a fresh clone, beside the rest: 1259-1333 s, and 220 + 934-1001 s); and a third that
+# runs the compose test (marker docker: image build, a stack of four
+# containers; it skips itself, with the reason, without a Docker engine), then builds SGLang's
+# environment and runs the SGLang replicas' tests (marker sglang: every engine-parametrized test, the
+# SGLang demo, the mixed fleet). SGLang goes last there, once the Docker stack is down and the Ray
+# fleets are gone (.cache/ray-done): an SGLang replica takes about 6 GB. Where SGLang's environment
+# cannot be built, its tests skip with the reason (as the compose test does without Docker).
 RAY_TESTS := tests/integration/test_fleet_ray.py
 SIDE_TESTS := tests/e2e tests/integration/test_publisher.py tests/integration/test_lora_updates.py tests/integration/test_inflight.py \
 	tests/integration/test_dropped_link.py
 CPU_TESTS := -m "not gpu and not docker and not sglang" $(PYTEST_ARGS)
 SGLANG_TESTS := -m "sglang and not gpu" $(PYTEST_ARGS) tests
 test: $(STAMP) protos-check
-	@mkdir -p .cache; rm -f .cache/ray-done .cache/sglang-done; \
-	{ $(MAKE) -s venv-sglang || { rm -rf $(SGLANG_VENV); echo "could not build SGLang's environment: its tests skip"; }; \
+	@mkdir -p .cache; rm -f .cache/ray-done; { $(BIN)/python -m pytest -m docker -s $(PYTEST_ARGS) tests/e2e; d=$$?; \
+	  $(MAKE) -s venv-sglang || { rm -rf $(SGLANG_VENV); echo "could not build SGLang's environment: its tests skip"; }; \
 	  while [ ! -e .cache/ray-done ]; do sleep 5; done; \
-	  $(BIN)/python -m pytest $(SGLANG_TESTS); s=$$?; touch .cache/sglang-done; exit $$s; } > .cache/test-third.log 2>&1 & \
+	  $(BIN)/python -m pytest $(SGLANG_TESTS); s=$$?; exit $$(( d ? d : s )); } > .cache/test-third.log 2>&1 & \
 	third=$$!; { $(BIN)/python -m pytest $(CPU_TESTS) $(RAY_TESTS); r=$$?; touch .cache/ray-done; \
-	  $(BIN)/python -m pytest $(CPU_TESTS) $(SIDE_TESTS); e=$$?; \
-	  while [ ! -e .cache/sglang-done ]; do sleep 5; done; \
-	  $(BIN)/python -m pytest -m docker -s $(PYTEST_ARGS) tests/e2e; d=$$?; \
-	  exit $$(( r ? r : e ? e : d )); } > .cache/test-side.log 2>&1 & \
+	  $(BIN)/python -m pytest $(CPU_TESTS) $(SIDE_TESTS); e=$$?; exit $$(( r ? r : e )); } > .cache/test-side.log 2>&1 & \
 	side=$$!; $(BIN)/python -m pytest $(CPU_TESTS) tests $(addprefix --ignore=,$(RAY_TESTS) $(SIDE_TESTS)); rc=$$?; \
-	wait $$side; erc=$$?; echo "---- pytest $(RAY_TESTS); pytest $(SIDE_TESTS); pytest -m docker (compose stack) ----"; \
-	cat .cache/test-side.log; \
-	wait $$third; trc=$$?; echo "---- make venv-sglang; pytest -m sglang ----"; \
+	wait $$side; erc=$$?; echo "---- pytest $(RAY_TESTS); pytest $(SIDE_TESTS) ----"; cat .cache/test-side.log; \
+	wait $$third; trc=$$?; echo "---- pytest -m docker (compose stack); make venv-sglang; pytest -m sglang ----"; \
 	cat .cache/test-third.log; exit $$(( rc ? rc : erc ? erc : trc ))
 
 # The SGLang replicas' tests alone, in SGLang's own environment (built first): 48 tests, 5.2 min on 2 idle cores
