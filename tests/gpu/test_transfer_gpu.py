@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -14,7 +16,7 @@ from transfer_helpers import Peer
 
 from rlsync.errors import Unavailable
 from rlsync.transfer import WeightSender, answer, batched, driver, receive
-from rlsync.transfer.armed import Armed, Bell, open_bell, ring_bell
+from rlsync.transfer.armed import open_bell, ring_bell
 from rlsync.transfer.checksum import checksum_tensor
 from rlsync.transfer.spans import copy_all
 from rlsync.transfer.peer import decode, encode
@@ -215,31 +217,45 @@ def test_an_armed_held_pull_is_started_by_the_senders_bell_and_lands_each_steps_
     assert [bool(a.copied) for a in answers] == [False, True, False, False]
 
 
+_WITHDRAW = """
+import torch
+from rlsync.transfer import batched
+from rlsync.transfer.armed import Armed, Bell, ring_bell
+
+g = torch.Generator().manual_seed(3)
+srcs = [torch.randint(0, 256, (16 * int(n),), dtype=torch.uint8, generator=g).cuda()
+        for n in torch.randint(1, 70000, (12,), generator=g)]
+dsts = [torch.zeros_like(s) for s in srcs]
+rows, rest = batched.split(list(zip(srcs, dsts)))
+assert not rest
+kept = batched.table(rows, torch.device("cuda:0"))
+batched.launch(kept)  # (its kernel loaded before anything waits on a bell: a first launch behind one may not load)
+torch.cuda.synchronize()
+bell = Bell(torch.device("cuda:0"))
+for rung in (False, True):
+    for d in dsts:
+        d.zero_()
+    table = kept._replace(rows=kept.rows.clone())
+    zeros = torch.zeros(table.rows.shape, dtype=table.rows.dtype).pin_memory()  # (as the cuda_ipc channel's repeat())
+    armed = Armed(bell, lambda t=table: batched.launch(t), sum(s.numel() for s in srcs), (),
+                  cancel=lambda t=table, z=zeros: t.rows.copy_(z, non_blocking=True))
+    if rung:
+        ring_bell(bell.flag, 7)
+        bell.stream.synchronize()
+    assert armed.withdraw() is rung, rung
+    torch.cuda.synchronize()
+    assert all(torch.equal(d, s) if rung else not d.any() for s, d in zip(srcs, dsts)), rung
+assert torch.equal(kept.rows.cpu(), torch.from_numpy(kept.host)), "the kept table is not the one emptied"
+print("OK")
+"""
+
+
 def test_a_withdrawn_armed_copy_moves_nothing_unless_the_bell_started_it():
     """Armed.withdraw, for weights with no backup to restore (a vLLM worker's woken weights): a copy whose table
-    is emptied before its bell is written copies nothing and says so; one the bell started says it wrote."""
-    g = torch.Generator().manual_seed(3)
-    srcs = [torch.randint(0, 256, (16 * int(n),), dtype=torch.uint8, generator=g).cuda()
-            for n in torch.randint(1, 70000, (12,), generator=g)]
-    dsts = [torch.zeros_like(s) for s in srcs]
-    rows, rest = batched.split(list(zip(srcs, dsts)))
-    assert not rest
-    kept = batched.table(rows, torch.device("cuda:0"))
-    bell = Bell(torch.device("cuda:0"))
-    for rung in (False, True):
-        for d in dsts:
-            d.zero_()
-        table = kept._replace(rows=kept.rows.clone())
-        zeros = torch.zeros(table.rows.shape, dtype=table.rows.dtype).pin_memory()  # (as the cuda_ipc channel's
-        armed = Armed(bell, lambda t=table: batched.launch(t), sum(s.numel() for s in srcs), (),  # repeat() empties)
-                      cancel=lambda t=table, z=zeros: t.rows.copy_(z, non_blocking=True))
-        if rung:
-            ring_bell(bell.flag, 7)
-            bell.stream.synchronize()
-        assert armed.withdraw() is rung
-        torch.cuda.synchronize()
-        assert all(torch.equal(d, s) if rung else not d.any() for s, d in zip(srcs, dsts)), rung
-    assert torch.equal(kept.rows.cpu(), torch.from_numpy(kept.host)), "the kept table is not the one emptied"
+    is emptied before its bell is written copies nothing and says so; one the bell started says it wrote. In a
+    process of its own, with a time limit: a GPU that waits on a bell forever is a failure, not a hung suite."""
+    done = subprocess.run([sys.executable, "-c", _WITHDRAW], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]
 
 
 def test_a_copy_queued_through_the_driver_lands_every_byte_before_its_event_from_a_fresh_thread():
