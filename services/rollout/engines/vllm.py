@@ -249,15 +249,18 @@ class VLLMEngine(Engine):
             self._armed = (transfer_pb2.Offer.FromString(armed["offer"]),
                            transfer_pb2.Answer.FromString(armed["answer"]), armed)
 
-    async def _disarm(self, locked: bool = False) -> None:
-        """Withdraws the copy the worker may hold armed (rlsync_disarm); if it wrote the live weights (the trainer
-        rang for an offer this replica did not adopt), they are unfit to serve until an update lands. The mark is
-        set before the call and taken back only on its answer: a call cut short leaves it, and the next withdraws."""
+    async def _disarm(self) -> None:
+        if self._worker_armed:
+            async with self._arming:
+                await self._withdraw()
+
+    async def _withdraw(self) -> None:
+        """Under `_arming`: withdraws the copy the worker may hold armed (rlsync_disarm); if it wrote the live
+        weights (the trainer rang for an offer this replica did not adopt), they are unfit to serve until an
+        update lands. The mark is set before the call and taken back only on its answer: a call cut short
+        leaves it, and the next withdraws."""
         if not self._worker_armed:
             return
-        if not locked:
-            async with self._arming:
-                return await self._disarm(locked=True)
         self._armed, before = None, self._broken
         self._broken = ("weights may be overwritten by the copy armed at the wake, which no update took; the next "
                         "update restores them")
@@ -395,7 +398,7 @@ class VLLMEngine(Engine):
             raise FailedPrecondition(f"a vllm replica of {self.tensor_parallel_size} workers maps {holder}'s weights "
                                      "at each update (each worker on its own GPU) and holds nothing between them")
         async with self._arming:  # (not beside an arm: its copy would read what this closes)
-            await self._disarm(locked=True)
+            await self._withdraw()
             (held,) = await self.llm.collective_rpc("rlsync_hold", args=(holder, list(handles),
                                                                          facts.SerializeToString()))
             if "refused" in held:
@@ -405,7 +408,7 @@ class VLLMEngine(Engine):
 
     async def release_weights(self, holder: str) -> int:
         async with self._arming:
-            await self._disarm(locked=True)
+            await self._withdraw()
             self._held = []
             return sum(await self.llm.collective_rpc("rlsync_release", args=(holder,)))
 
