@@ -68,7 +68,8 @@ def preloaded(tmp_path_factory):
     """Coordinators, trainers and hf replicas started by the tests are forked from one process that
     imported torch and transformers once (rlsync.preload): ~5 s of CPU less each, a few hundred
     times; one-worker vLLM replicas from a second that imported vLLM too (~10 s less each), SGLang
-    replicas from a third in SGLang's environment (the SGLang tests' CPU time halved).
+    replicas from a third in SGLang's environment (the SGLang tests' CPU time halved). A process a test
+    starts that starts services itself (the demo) is told of them (preload.exported, RLSYNC_PRELOADED).
     RLSYNC_TEST_PRELOAD=0: each starts in a process of its own, as outside the tests."""
     if os.environ.get("RLSYNC_TEST_PRELOAD", "1") == "0":
         yield None

@@ -18,6 +18,11 @@ is that environment's Python with SGLang's engine imported (its scheduler and de
 processes SGLang spawns, which import for themselves). The SGLang tests alone on 2 idle cores: about 940 ->
 468 s of CPU, 690 -> 310 s.
 
+A process the tests start that starts services itself (the demo: `python -m rlsync.demo.run`) forks them
+from the same images: it is started with `RLSYNC_PRELOADED` (`exported("base", "vllm")`: each image's
+address and a digest of the environment it imported in), and attaches to them when it first starts a
+service; an image gone or an environment that differs and it starts them in processes of their own.
+
 Not for: a service given environment variables the preloaded process did not start with (what modules
 read at import would differ; but see AT_START), a command of its own, or a parent-death signal.
 """
@@ -25,7 +30,9 @@ read at import would differ; but see AT_START), a command of its own, or a paren
 from __future__ import annotations
 
 import atexit
+import hashlib
 import importlib
+import json
 import os
 import select
 import signal
@@ -43,7 +50,9 @@ from pathlib import Path
 import msgspec
 
 _HEADER = struct.Struct("<I")
-VOLATILE = ("PYTEST_CURRENT_TEST",)  # changes under a test runner from test to test: not an import-time setting
+ENV = "RLSYNC_PRELOADED"  # {image: [address, environment digest]}: images a process started with it forks from
+# (not import-time settings: one changes under a test runner from test to test, the other names the images)
+VOLATILE = ("PYTEST_CURRENT_TEST", ENV)
 PRELOAD = ("torch", "grpc", "transformers", "rlsync.rollout.server", "rlsync.rollout.engines.hf",
            "rlsync.trainer.server", "rlsync.coordinator.server", "rlsync.rollout.__main__",
            "rlsync.trainer.__main__", "rlsync.coordinator.__main__")
@@ -98,6 +107,13 @@ def _exactly(sock: socket.socket, n: int) -> bytes | None:
     return data
 
 
+def _digest(env: dict[str, str], image: str) -> str:
+    """What of an environment a service forked from `image` must share with it: all but what is read later."""
+    ignored = (*VOLATILE, *AT_START[image])
+    kept = sorted((k, v) for k, v in env.items() if k not in ignored)
+    return hashlib.sha256(json.dumps(kept).encode()).hexdigest()[:16]
+
+
 def eligible(service: str, args: list[str]) -> str | None:
     """The image that holds what a service imports: "base" for the coordinator, the trainer and an hf
     replica, "vllm" for a vLLM replica, "sglang" for an SGLang one; None for any other."""
@@ -145,29 +161,44 @@ class Preloaded:
                  env: dict[str, str] | None = None, python: str = sys.executable):
         """env: the environment it starts with, and which its children must be given (default: this
         process's); python: the environment's interpreter (SGLang's has one of its own)."""
-        from rlsync.rpc.doorbell import to_socket  # (here: it imports grpc, which launchers need not)
-
         self.address = f"@rlsync-preload-{uuid.uuid4().hex[:12]}"
         self.image = image
-        self.env = dict(os.environ if env is None else env)
+        self.env = env = dict(os.environ if env is None else env)
+        self.env_digest = _digest(env, image)
         log = open(log_path or os.devnull, "ab")  # noqa: SIM115 - the child keeps its own descriptor
         with log:
-            self.proc = subprocess.Popen([python, "-m", "rlsync.preload", self.address, image],
-                                         stdin=subprocess.PIPE,  # (closed when this process ends: so does it)
-                                         stdout=log, stderr=subprocess.STDOUT, process_group=0, env=self.env)
+            self.proc: subprocess.Popen | None = subprocess.Popen(
+                [python, "-m", "rlsync.preload", self.address, image],
+                stdin=subprocess.PIPE,  # (closed when this process ends: so does it)
+                stdout=log, stderr=subprocess.STDOUT, process_group=0, env=env)
+        self._connect(time.monotonic() + ready_timeout, f"the preloaded process did not start (log: {log_path})")
+
+    @classmethod
+    def attach(cls, address: str, image: str, env_digest: str) -> Preloaded:
+        """One that another process started (its `exported`): this one forks from it, and never stops it."""
+        self = cls.__new__(cls)
+        self.address, self.image, self.env_digest, self.env, self.proc = address, image, env_digest, None, None
+        self._connect(time.monotonic(), f"the preloaded process at {address} is gone")
+        return self
+
+    def _connect(self, deadline: float, failure: str) -> None:
+        from rlsync.rpc.doorbell import to_socket  # (here: it imports grpc, which launchers need not)
+
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
-        deadline = time.monotonic() + ready_timeout
         while self._sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 sock.connect(to_socket(self.address))
                 self._sock = sock
             except OSError:
                 sock.close()
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the preloaded process did not start (log: {log_path})") from None
+                if (self.proc is not None and self.proc.poll() is not None) or time.monotonic() > deadline:
+                    raise RuntimeError(failure) from None
                 time.sleep(0.05)
+
+    def alive(self) -> bool:
+        return self._sock is not None and (self.proc is None or self.proc.poll() is None)
 
     def start(self, service: str, args: list[str], env: dict[str, str], log_path: Path,
               niceness: int | None = None) -> Forked:
@@ -204,7 +235,7 @@ class Preloaded:
             if self._sock is not None:
                 self._sock.close()
                 self._sock = None
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.stdin.close()
             try:
                 self.proc.wait(30)
@@ -226,22 +257,54 @@ def use(preloaded: Preloaded | None, images: dict[str, Callable[[], Preloaded]] 
         _session.update({"base": preloaded, **(images or {})})
 
 
+def exported(*images: str) -> str | None:
+    """The value of RLSYNC_PRELOADED with which a process this one starts forks its services from this
+    process's images `images` too (each made now if not yet); None where this process has none of them."""
+    named = {image: [found.address, found.env_digest] for image in images
+             if (found := _image(image)) is not None and found.alive()}
+    return json.dumps(named) if named else None
+
+
+def _image(image: str) -> Preloaded | None:
+    with _making:
+        if not _session and not _attached and os.environ.get(ENV):
+            _attach(os.environ[ENV])
+        found = _session.get(image)
+        if found is not None and not isinstance(found, Preloaded):
+            found = _session[image] = found()
+    return found
+
+
+_attached: list[str] = []  # RLSYNC_PRELOADED's value, once this process has attached to what it names
+
+
+def _attach(value: str) -> None:
+    _attached.append(value)
+    for image, (address, digest) in json.loads(value).items():
+        try:
+            _session[image] = Preloaded.attach(address, image, digest)
+        except RuntimeError:  # gone (its session ended): that image's services get processes of their own
+            pass
+
+
 def preloaded_for(service: str, args: list[str], env: dict[str, str], command, parent_death_signal: int):
     """The Preloaded a service so started may be forked from, else None (a process of its own): see
     the module's docstring for which."""
     image = eligible(service, args)
-    if image not in _session or command is not None or parent_death_signal:
+    if image is None or command is not None or parent_death_signal:
         return None
-    with _making:
-        found = _session.get(image)
-        if found is not None and not isinstance(found, Preloaded):
-            found = _session[image] = found()
-    if found is None:  # (use(None) meanwhile)
-        return None
-    ignored = (*VOLATILE, *AT_START[image])
-    same = {k: v for k, v in env.items() if k not in ignored} == \
-        {k: v for k, v in found.env.items() if k not in ignored}
-    return found if same and found.proc.poll() is None else None
+    found = _image(image)  # (None: use(None) meanwhile, or no such image)
+    if found is not None and found.proc is None:  # attached: leave out what this process's own imports set
+        imported = _set_since_start()
+        env = {k: v for k, v in env.items() if k not in imported or os.environ[k] != v}
+    return found if found is not None and found.alive() and _digest(env, image) == found.env_digest else None
+
+
+def _set_since_start() -> set[str]:
+    """Variables this process's imports set or changed (torch's inductor: its cache folder)."""
+    with open("/proc/self/environ", "rb") as f:
+        start = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    return {os.fsdecode(k) for k, v in os.environb.items() if start.get(k) != v}
 
 
 # ---- the preloaded process ------------------------------------------------------------------------

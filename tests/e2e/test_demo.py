@@ -3,21 +3,27 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 from conftest import NEEDS_SGLANG
+from rlsync import preload
 
 # each demo runs as long as its subprocess may (a loaded 2-core machine took the SGLang one past 300 s)
 pytestmark = pytest.mark.timeout(900)
 
 
 def run_demo(tmp_path, *args: str) -> dict:
+    """The demo as a user runs it; its services are forked from the session's images where they may be (as
+    the tests' own are: rlsync.preload), which it is told of (RLSYNC_PRELOADED)."""
     out = tmp_path / "run"
+    images = preload.exported("base", args[args.index("--engine") + 1])
     proc = subprocess.run([sys.executable, "-m", "rlsync.demo.run", "--out", str(out), *args],
-                          capture_output=True, text=True, timeout=880)
+                          capture_output=True, text=True, timeout=880,
+                          env={**os.environ, **({preload.ENV: images} if images else {})})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (out / "reward.png").stat().st_size > 1000
     return json.loads((out / "summary.json").read_text())

@@ -4,9 +4,11 @@ preloaded image does not suit gets a process of its own."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 
 import psutil
 import pytest
@@ -14,7 +16,7 @@ import pytest
 from conftest import NEEDS_SGLANG, rollout_args
 from rlsync.client import RolloutClient
 from rlsync.launch import sglang_python
-from rlsync.preload import Forked, eligible, preloaded_for
+from rlsync.preload import ENV, Forked, eligible, exported, preloaded_for
 
 
 @pytest.mark.parametrize("service, args, expected", [
@@ -67,6 +69,40 @@ def test_a_vllm_replica_is_forked_from_an_image_that_imported_vllm_too(preloaded
     assert preloaded_for("rollout", ["--engine", "vllm"], bound, None, 0) is image
     assert preloaded_for("rollout", ["--engine", "vllm"], {**os.environ, "RLSYNC_LOG_LEVEL": "DEBUG"}, None, 0) is None
     assert preloaded_for("rollout", ["--engine", "hf"], bound, None, 0) is None, "the base image imports no vLLM"
+
+
+# A process the tests start that starts services itself (as the demo does), told the session's images.
+STARTS_A_COORDINATOR = """
+import json, os, sys
+import psutil
+from rlsync.launch import ServiceProcess
+from rlsync.preload import Forked
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = "/tmp/set-by-an-import"  # (as torch's inductor does, in the demo)
+proc = ServiceProcess("coordinator", ["--port", "0"], log_path=sys.argv[1], env=json.loads(sys.argv[2]))
+proc.wait_ready()
+forked = isinstance(proc.proc, Forked)
+parent = psutil.Process(proc.proc.pid).ppid()
+print(json.dumps({"forked": forked, "parent": parent, "exit": proc.stop()}))
+"""
+
+
+def test_a_process_started_with_the_sessions_images_forks_its_services_from_them(tmp_path, preloaded):
+    if preloaded is None:
+        pytest.skip("RLSYNC_TEST_PRELOAD=0")
+
+    def started(env: dict, told: str | None, name: str) -> dict:
+        child_env = {**os.environ, **({ENV: told} if told else {})}
+        done = subprocess.run([sys.executable, "-c", STARTS_A_COORDINATOR, str(tmp_path / f"{name}.log"),
+                               json.dumps(env)], env=child_env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    told = exported("base")
+    assert json.loads(told) == {"base": [preloaded.address, preloaded.env_digest]}
+    assert started({}, told, "told") == {"forked": True, "parent": preloaded.proc.pid, "exit": 0}
+    # the environment the image imported in, or nothing: a process of its own, as for the tests' own services
+    assert started({"RLSYNC_LOG_LEVEL": "DEBUG"}, told, "other-env")["forked"] is False
+    assert started({}, json.dumps({"base": ["@rlsync-preload-gone", preloaded.env_digest]}), "gone")["forked"] is False
 
 
 @NEEDS_SGLANG
