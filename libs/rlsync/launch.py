@@ -92,11 +92,14 @@ class ServiceProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         full_env = {**os.environ, **(env or {})}
-        self.proc: subprocess.Popen | Forked
+        self.proc: subprocess.Popen | Forked | None = None
         if (preloaded := preloaded_for(service, args, full_env, command, parent_death_signal)) is not None:
             self.log_path.touch()  # (the child opens it for itself)
-            self.proc = preloaded.start(service, args, full_env, self.log_path, niceness)  # (rlsync.preload)
-        else:
+            try:
+                self.proc = preloaded.start(service, args, full_env, self.log_path, niceness)  # (rlsync.preload)
+            except ConnectionError:  # the preloaded process went away: a process of its own, as below
+                pass
+        if self.proc is None:
             # Its own process group (stop() signals the whole tree), but the launcher's session: with the
             # kernel's autogroup scheduling a new session is a new scheduling group, and when a vLLM
             # replica's spinning workers fill every core, processes of the launcher's group (a client

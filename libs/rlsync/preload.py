@@ -224,10 +224,15 @@ class Preloaded:
         with self._lock:
             if self._sock is None:
                 raise ConnectionError("the preloaded process is closed")
-            _send(self._sock, _ENCODE(request))
-            data = _recv(self._sock)
-        if data is None:
-            raise ConnectionError("the preloaded process went away")
+            try:
+                _send(self._sock, _ENCODE(request))
+                data = _recv(self._sock)
+            except OSError:
+                data = None
+            if data is None:  # (not alive() from now on: services get processes of their own)
+                self._sock.close()
+                self._sock = None
+                raise ConnectionError("the preloaded process went away")
         return _REPLY.decode(data)
 
     def close(self) -> None:
@@ -280,7 +285,11 @@ _attached: list[str] = []  # RLSYNC_PRELOADED's value, once this process has att
 
 def _attach(value: str) -> None:
     _attached.append(value)
-    for image, (address, digest) in json.loads(value).items():
+    try:
+        named = {image: (str(address), str(digest)) for image, (address, digest) in json.loads(value).items()}
+    except (ValueError, TypeError, AttributeError):  # not what `exported` writes: fork from nothing
+        return
+    for image, (address, digest) in named.items():
         try:
             _session[image] = Preloaded.attach(address, image, digest)
         except RuntimeError:  # gone (its session ended): that image's services get processes of their own

@@ -103,6 +103,7 @@ def test_a_process_started_with_the_sessions_images_forks_its_services_from_them
     # the environment the image imported in, or nothing: a process of its own, as for the tests' own services
     assert started({"RLSYNC_LOG_LEVEL": "DEBUG"}, told, "other-env")["forked"] is False
     assert started({}, json.dumps({"base": ["@rlsync-preload-gone", preloaded.env_digest]}), "gone")["forked"] is False
+    assert started({}, "{not what exported writes", "malformed")["forked"] is False
 
 
 @NEEDS_SGLANG
