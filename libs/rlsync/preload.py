@@ -77,13 +77,18 @@ class Status(msgspec.Struct, tag=True):
     pid: int
 
 
+class Describe(msgspec.Struct, tag=True):
+    """-> what the image's imports set in its environment (Reply.imported)."""
+
+
 class Reply(msgspec.Struct):
     pid: int = 0
     returncode: int | None = None  # Popen's: negative for a signal
+    imported: dict[str, str] = {}
     error: str = ""
 
 
-_REQUEST = msgspec.msgpack.Decoder(Start | Status)
+_REQUEST = msgspec.msgpack.Decoder(Start | Status | Describe)
 _REPLY = msgspec.msgpack.Decoder(Reply)
 _ENCODE = msgspec.msgpack.Encoder().encode
 
@@ -107,10 +112,12 @@ def _exactly(sock: socket.socket, n: int) -> bytes | None:
     return data
 
 
-def _digest(env: dict[str, str], image: str) -> str:
-    """What of an environment a service forked from `image` must share with it: all but what is read later."""
+def _digest(env: dict[str, str], image: str, imported: dict[str, str]) -> str:
+    """What of an environment a service forked from `image` must share with it: all but what is read later,
+    and what the image's own imports set, where it is the same (a launcher's imports may set it too: torch's
+    inductor sets its cache folder, so does `from_pretrained` in a test, and a child forked gets it anyway)."""
     ignored = (*VOLATILE, *AT_START[image])
-    kept = sorted((k, v) for k, v in env.items() if k not in ignored)
+    kept = sorted((k, v) for k, v in env.items() if k not in ignored and not (k in imported and imported[k] == v))
     return hashlib.sha256(json.dumps(kept).encode()).hexdigest()[:16]
 
 
@@ -164,7 +171,6 @@ class Preloaded:
         self.address = f"@rlsync-preload-{uuid.uuid4().hex[:12]}"
         self.image = image
         self.env = env = dict(os.environ if env is None else env)
-        self.env_digest = _digest(env, image)
         log = open(log_path or os.devnull, "ab")  # noqa: SIM115 - the child keeps its own descriptor
         with log:
             self.proc: subprocess.Popen | None = subprocess.Popen(
@@ -172,6 +178,7 @@ class Preloaded:
                 stdin=subprocess.PIPE,  # (closed when this process ends: so does it)
                 stdout=log, stderr=subprocess.STDOUT, process_group=0, env=env)
         self._connect(time.monotonic() + ready_timeout, f"the preloaded process did not start (log: {log_path})")
+        self.env_digest = _digest(env, image, self.imported)
 
     @classmethod
     def attach(cls, address: str, image: str, env_digest: str) -> Preloaded:
@@ -196,6 +203,7 @@ class Preloaded:
                 if (self.proc is not None and self.proc.poll() is not None) or time.monotonic() > deadline:
                     raise RuntimeError(failure) from None
                 time.sleep(0.05)
+        self.imported = self._call(Describe()).imported
 
     def alive(self) -> bool:
         return self._sock is not None and (self.proc is None or self.proc.poll() is None)
@@ -220,7 +228,7 @@ class Preloaded:
             raise RuntimeError(reply.error)
         return reply.returncode
 
-    def _call(self, request: Start | Status) -> Reply:
+    def _call(self, request: Start | Status | Describe) -> Reply:
         with self._lock:
             if self._sock is None:
                 raise ConnectionError("the preloaded process is closed")
@@ -303,17 +311,8 @@ def preloaded_for(service: str, args: list[str], env: dict[str, str], command, p
     if image is None or command is not None or parent_death_signal:
         return None
     found = _image(image)  # (None: use(None) meanwhile, or no such image)
-    if found is not None and found.proc is None:  # attached: leave out what this process's own imports set
-        imported = _set_since_start()
-        env = {k: v for k, v in env.items() if k not in imported or os.environ[k] != v}
-    return found if found is not None and found.alive() and _digest(env, image) == found.env_digest else None
-
-
-def _set_since_start() -> set[str]:
-    """Variables this process's imports set or changed (torch's inductor: its cache folder)."""
-    with open("/proc/self/environ", "rb") as f:
-        start = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-    return {os.fsdecode(k) for k, v in os.environb.items() if start.get(k) != v}
+    return found if found is not None and found.alive() and \
+        _digest(env, image, found.imported) == found.env_digest else None
 
 
 # ---- the preloaded process ------------------------------------------------------------------------
@@ -393,7 +392,9 @@ def serve(address: str, image: str = "base") -> None:
                 sock.close()
                 continue
             request = _REQUEST.decode(data)
-            if isinstance(request, Status):
+            if isinstance(request, Describe):
+                reply = Reply(imported=imported_env)
+            elif isinstance(request, Status):
                 reply = Reply(pid=request.pid, returncode=exited.get(request.pid))
                 if request.pid not in children and request.pid not in exited:
                     reply.error = f"pid {request.pid} is not a child of the preloaded process"

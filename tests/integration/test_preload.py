@@ -77,7 +77,7 @@ import json, os, sys
 import psutil
 from rlsync.launch import ServiceProcess
 from rlsync.preload import Forked
-os.environ["TORCHINDUCTOR_CACHE_DIR"] = "/tmp/set-by-an-import"  # (as torch's inductor does, in the demo)
+import torch._inductor.config  # sets its cache folder in the environment, as the image's imports did
 proc = ServiceProcess("coordinator", ["--port", "0"], log_path=sys.argv[1], env=json.loads(sys.argv[2]))
 proc.wait_ready()
 forked = isinstance(proc.proc, Forked)
@@ -97,6 +97,9 @@ def test_a_process_started_with_the_sessions_images_forks_its_services_from_them
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 
+    import torch._inductor.config  # noqa: F401 - as `from_pretrained` does: the environment gains its cache folder
+
+    assert preloaded_for("coordinator", [], dict(os.environ), None, 0) is preloaded, "what the image's imports set"
     told = exported("base")
     assert json.loads(told) == {"base": [preloaded.address, preloaded.env_digest]}
     assert started({}, told, "told") == {"forked": True, "parent": preloaded.proc.pid, "exit": 0}
