@@ -300,7 +300,7 @@ def _attach(value: str) -> None:
     for image, (address, digest) in named.items():
         try:
             _session[image] = Preloaded.attach(address, image, digest)
-        except RuntimeError:  # gone (its session ended): that image's services get processes of their own
+        except (RuntimeError, ConnectionError):  # gone (its session ended): their services get processes of their own
             pass
 
 
