@@ -24,7 +24,8 @@ address and a digest of the environment it imported in), and attaches to them wh
 service; an image gone or an environment that differs and it starts them in processes of their own.
 
 Not for: a service given environment variables the preloaded process did not start with (what modules
-read at import would differ; but see AT_START), a command of its own, or a parent-death signal.
+read at import would differ; but see AT_START, and a variable the image's own imports set, with the value
+they set, is no difference), a command of its own, or a parent-death signal.
 """
 
 from __future__ import annotations
