@@ -72,33 +72,35 @@ def quantized(source: ResidentSource | StreamedSource | ShardedModule, fmt: pb.W
 
 
 class QuantizedBuffer(ResidentSource):
-    """A single-process source's tensors as the replicas hold them, in one flat store on its device (a buffer
-    per dtype): the listed weights' FP8 values and scales, the rest copied. `refresh()` fills it from the
-    source's values now; the publisher calls it at every offer, so what is sent, audited and diffed is what
-    was quantized then, and training may go on while replicas read it. Its memory never moves: a replica
-    that holds it mapped maps nothing again. It costs the quantized model's bytes on the device (about half
-    of bf16's), from the first offer to the offload (which drops the sender, and this with it)."""
+    """A single-process source's tensors as the replicas hold them: the listed weights' FP8 values and scales
+    in one flat store on its device (a buffer per dtype), every other tensor the source's own (embeddings,
+    norms, lm_head: sent from where they lie, as without a format; nothing copies them). `refresh()`
+    quantizes the source's values now into the buffer; the publisher calls it at every offer, so the FP8
+    bytes sent, audited and diffed are what was quantized then. Like the source's own tensors, the buffer's
+    memory never moves: a replica that holds it mapped maps nothing again. It costs the quantized weights'
+    bytes on the device (about half of their bf16), from the first offer to the offload (which drops the
+    sender, and this with it)."""
 
     def __init__(self, base: ResidentSource, fmt: pb.WeightFormat):
         specs, plan = stage(base.specs(), fmt)
-        self.store = FlatStore({s.name: (s.shape, s.dtype) for s in specs}, base.device)
-        super().__init__(self.store.views, frozen=base.frozen)
+        self.store = FlatStore({s.name: (s.shape, s.dtype) for s, (_, part) in zip(specs, plan) if part},
+                               base.device)
+        tensors = [t.detach() for t in base.tensors.values()]
+        views = {s.name: self.store.views[s.name] if part else tensors[i] for s, (i, part) in zip(specs, plan)}
+        super().__init__(views, frozen=base.frozen)
         self.base = base  # (kept alive: the quantizer's table holds where its tensors lie)
         self.format = fmt
         self.quantized = frozenset(s.name for s, (_, part) in zip(specs, plan) if part)  # audited as sent
-        out, tensors = list(self.store.views.values()), [t.detach() for t in base.tensors.values()]
+        out = list(views.values())
         # (a resident source's tensors stay where they are: what reads them is laid out once)
         self._quantizer = ManyQuantizer([(tensors[i], out[j], out[j + 1]) for j, (i, part) in enumerate(plan)
                                          if part == WEIGHT], tuple(fmt.fp8.block), fmt.fp8.pow2_scales)
-        self._copies = [(tensors[i], out[j]) for j, (i, part) in enumerate(plan) if part == 0]
         self.refresh()  # (whole before anything reads it)
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Quantizes (and copies) the source's current values into the buffer; returns once they are there."""
+        """Quantizes the source's current values into the buffer; returns once they are there."""
         self._quantizer.run()
-        for src, dst in self._copies:
-            dst.copy_(src)
         if self.device.type == "cuda":  # whole before anything reads it, on any stream
             torch.cuda.current_stream(self.device).synchronize()
 
