@@ -112,7 +112,7 @@ def run_case(model: nn.Module, weights: WeightMap, backend: str, receivers: list
                 run_pass(source)
         return {"rank": rank, "peak_extra_bytes": peak.extra()}
     group = Receivers(receivers, backend, hold)
-    seconds, quantize_seconds = [], []
+    seconds, quantize_seconds, stages = [], [], []
     refresh = getattr(source, "refresh", None) if fmt is not None else None  # a publisher's offer fills it anew
     try:
         with WeightSender(source, bucket_bytes=bucket, backends=[backend]) as sender:
@@ -134,6 +134,8 @@ def run_case(model: nn.Module, weights: WeightMap, backend: str, receivers: list
                 if i:  # (quantizing into the buffer, then moving it)
                     seconds.append(took + (max(r["seconds"] for r in results) if pulled else report.seconds))
                     quantize_seconds.append(took)
+                    if pulled:
+                        stages.append(max(results, key=lambda r: r["seconds"])["stages"])
                 else:
                     produce_seconds[0] = 0.0
     finally:
@@ -148,7 +150,10 @@ def run_case(model: nn.Module, weights: WeightMap, backend: str, receivers: list
             "streamed": bool(passes), "bytes": nbytes, "tensors": len(source.specs()), "seconds": round(s, 4),
             "GB/s": round(nbytes / s / GB, 3), "peak_extra_bytes": {0: peak.extra()},
             "bound_bytes": 2 * bucket + largest, "produce_seconds": round(produce_seconds[0] / repeats, 4),
-            **({"quantize_seconds": round(statistics.median(quantize_seconds), 5)} if refresh is not None else {})}
+            **({"quantize_seconds": round(statistics.median(quantize_seconds), 5)} if refresh is not None else {}),
+            # a pull's stages on its slowest receiver (medians, ms): where its time beyond the copy goes
+            **({"receiver_ms": {k: round(1e3 * statistics.median(s.get(k, 0.0) for s in stages), 3)
+                                for k in stages[0]}} if stages else {})}
 
 
 def cast_limit(elements: int, device: str) -> float:
