@@ -23,11 +23,20 @@ pytestmark = pytest.mark.usefixtures("keeps_environ")  # vLLM in this process (c
 
 
 def _vllm_reference():
+    """vLLM's quantizer, its arithmetic as written (eager), as on the GPU (tests/gpu/test_fp8_gpu.py): vLLM wraps
+    it in torch.compile, which on a CPU has Inductor compile C++ for every dtype and flag (this file took 118 s with
+    a cold cache, 71 CPU-s of them in the C++ compiler; 31 s eager) and which past its recompile limit runs eager
+    anyway."""
     try:
         from vllm.utils.deep_gemm import per_block_cast_to_fp8
     except Exception as e:  # noqa: BLE001 - vLLM missing or not importable here
         pytest.skip(f"vLLM's reference quantizer is not importable: {e}")
-    return per_block_cast_to_fp8
+
+    def eager(*args, **kwargs):
+        with torch.compiler.set_stance("force_eager"):
+            return per_block_cast_to_fp8(*args, **kwargs)
+
+    return eager
 
 
 def _weights(m: int, n: int, seed: int, dtype=torch.bfloat16, spread: float = 1.0) -> torch.Tensor:
