@@ -37,7 +37,8 @@ def kind(pid: int, comm: str) -> str | None:
     command line: its kind comes from the log its output goes to, which the tests name for the service."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            argv = f.read().decode(errors="replace").split("\0")
+        cmdline = " ".join(argv)
         if "rlsync.preload" in cmdline:
             log = os.path.basename(os.readlink(f"/proc/{pid}/fd/1"))
             if log.endswith(".log") and not log.startswith("preloaded"):
@@ -47,7 +48,21 @@ def kind(pid: int, comm: str) -> str | None:
     for name, fragment in KINDS:
         if fragment in cmdline or fragment in comm:
             return name
+    if comm.startswith("python"):
+        return f"other python: {_script(argv[1:])}"
     return f"other: {comm}"
+
+
+def _script(args: list[str]) -> str:
+    """What an interpreter runs: `-m` and its module, `-c`, or its script's file name."""
+    for i, a in enumerate(args):
+        if a == "-m" and i + 1 < len(args):
+            return f"-m {args[i + 1]}"
+        if a == "-c":
+            return "-c"
+        if a and not a.startswith("-"):
+            return os.path.basename(a)
+    return "(interactive)"
 
 
 def cpu_ticks() -> dict[int, tuple[str, int]]:
