@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,12 @@ os.environ.setdefault("VLLM_DEEP_GEMM_WARMUP", "skip")
 # spinning wait takes a core from whichever process holds the work (a two-worker vLLM replica's first
 # eight tokens took 23 s spinning, 4 s sleeping).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# No torch.compile in the engines the tests start on a machine without a GPU (vLLM's logprob ranks, SGLang's
+# seeded sampling): each engine process traced them and had Inductor compile C++ (a CI run from a cold cache
+# spent 40-70 CPU-s in the C++ compiler alone; test_rollout_api's vLLM tests 66 -> 54 CPU-s without). They run
+# the same code eagerly. On a GPU machine they compile, as deployments do.
+if not Path("/dev/nvidiactl").exists():
+    os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 pytest_plugins = ["cpu_time"]  # RLSYNC_TEST_CPU=FILE: each test's CPU time (tests/cpu_time.py)
 
@@ -96,13 +104,25 @@ def preloaded(tmp_path_factory):
         image.close()
 
 
+@pytest.fixture(scope="session")
+def vllm_sockets():
+    """A folder for the interprocess sockets of the vLLM engines the tests run in this process, removed at
+    the end (a vLLM replica service makes one of its own): vLLM's default is /tmp, where each engine left
+    its sockets behind (11 a run of the suite)."""
+    path = tempfile.mkdtemp(prefix="rlsync-vllm-rpc-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
-def keeps_environ():
+def keeps_environ(vllm_sockets):
     """For a module that runs vLLM in this process: vLLM sets environment variables as it imports and
     configures an engine (LD_PRELOAD, VLLM_WORKER_MULTIPROC_METHOD, ...). They are put back after the
     module, so that services started later get the test session's environment: that of the preloaded
-    image, which they are then forked from (with vLLM's, each started in a process of its own)."""
+    image, which they are then forked from (with vLLM's, each started in a process of its own). Its
+    sockets go to `vllm_sockets` (one folder for the session: vLLM may keep the value it read)."""
     saved = dict(os.environ)
+    os.environ.setdefault("VLLM_RPC_BASE_PATH", vllm_sockets)
     yield
     os.environ.clear()
     os.environ.update(saved)
