@@ -36,6 +36,7 @@ from rlsync.publish.quantized import quantized  # noqa: E402
 from rlsync.publish.source import module_source  # noqa: E402
 from rlsync.quant.fp8_format import parse_fp8  # noqa: E402
 from rlsync.transfer import WeightSender  # noqa: E402
+from rlsync.transfer.armed import open_bell, ring_bell  # noqa: E402
 from rlsync.transfer.source import StreamedSource, run_pass  # noqa: E402
 from rlsync.transfer.v1 import transfer_pb2 as pb  # noqa: E402
 
@@ -87,9 +88,14 @@ class Peak:
 
 
 def run_case(model: nn.Module, weights: WeightMap, backend: str, receivers: list[str], bucket: int, repeats: int,
-             device: str, ranks: int, rank: int, hold: bool = False, pull: bool = False, fmt=None) -> dict | None:
+             device: str, ranks: int, rank: int, hold: bool = False, pull: bool = False, fmt=None,
+             arm: bool = False) -> dict | None:
     """pull: receivers on the trainer's GPU copy the weights themselves, before they answer (what a
-    colocated replica does); their own seconds are the figure. fmt: a WeightFormat the source is quantized to."""
+    colocated replica does); their own seconds are the figure. fmt: a WeightFormat the source is quantized to.
+    arm (with hold and pull): each receiver arms its pull again behind its bell after each update, and the
+    sender writes the bell once the weights are final, as rlsync's trainer does for a colocated replica that
+    armed at its wake (rlsync.transfer.armed): the figure is then the sender's, from the quantize to the
+    receivers' report that the copy is done (`end_to_end_seconds`, which every case reports too)."""
     source, _ = module_source(model, weights)
     if fmt is not None:
         source = quantized(source, fmt)
@@ -111,8 +117,9 @@ def run_case(model: nn.Module, weights: WeightMap, backend: str, receivers: list
             for _ in range(passes):
                 run_pass(source)
         return {"rank": rank, "peak_extra_bytes": peak.extra()}
-    group = Receivers(receivers, backend, hold)
-    seconds, quantize_seconds, stages = [], [], []
+    group = Receivers(receivers, backend, hold, arm=arm)
+    bells = [open_bell(h, torch.device(device)) for h in group.bells]
+    seconds, quantize_seconds, stages, adopted, spans = [], [], [], 0, []
     refresh = getattr(source, "refresh", None) if fmt is not None else None  # a publisher's offer fills it anew
     try:
         with WeightSender(source, bucket_bytes=bucket, backends=[backend]) as sender:
@@ -120,21 +127,31 @@ def run_case(model: nn.Module, weights: WeightMap, backend: str, receivers: list
             largest = max(s.nbytes for s in source.specs())
             for i in range(repeats + 1):  # the first one warms up
                 took = 0.0
+                start = time.perf_counter()
                 if refresh is not None and i:  # (the first one was filled as it was made)
-                    start = time.perf_counter()
                     refresh()
                     took = time.perf_counter() - start
+                for bell in bells:  # the weights are final: start the copies armed behind the bells
+                    ring_bell(bell, i + 1)
                 offer = sender.offer(version=i, pull=pull)
+                if bells:
+                    offer.mapped.bell, offer.mapped.waits = i + 1, True
                 answers = group.answers(offer)
                 report = sender.send(offer, answers, timeout=600)
                 results = group.results()
+                end = time.perf_counter()
                 if not all(r["ok"] for r in results):
                     raise RuntimeError(f"{backend}: a receiver failed")
                 pulled = all(a.pull for a in answers)  # done by the receivers before they answered
                 if i:  # (quantizing into the buffer, then moving it)
-                    seconds.append(took + (max(r["seconds"] for r in results) if pulled else report.seconds))
+                    adopted += all(r["adopted"] for r in results)
+                    spans.append(end - start)  # the sender's view: the offer's trip and the answers' too
+                    if bells:
+                        seconds.append(end - start)
+                    else:
+                        seconds.append(took + (max(r["seconds"] for r in results) if pulled else report.seconds))
                     quantize_seconds.append(took)
-                    if pulled:
+                    if pulled and not bells:
                         stages.append(max(results, key=lambda r: r["seconds"])["stages"])
                 else:
                     produce_seconds[0] = 0.0
@@ -146,9 +163,10 @@ def run_case(model: nn.Module, weights: WeightMap, backend: str, receivers: list
     s = statistics.median(seconds)
     mode = "pull" if pulled else "one_copy" if offer.one_copy else "staged"
     return {"ranks": ranks, "backend": backend, "mode": mode, "cast_by_receiver": bool(offer.mapped.dtype),
-            "held": hold,
+            "held": hold, **({"armed": True, "adopted": f"{adopted} of {repeats}"} if bells else {}),
             "streamed": bool(passes), "bytes": nbytes, "tensors": len(source.specs()), "seconds": round(s, 4),
-            "GB/s": round(nbytes / s / GB, 3), "peak_extra_bytes": {0: peak.extra()},
+            "GB/s": round(nbytes / s / GB, 3), "end_to_end_seconds": round(statistics.median(spans), 4),
+            "peak_extra_bytes": {0: peak.extra()},
             "bound_bytes": 2 * bucket + largest, "produce_seconds": round(produce_seconds[0] / repeats, 4),
             **({"quantize_seconds": round(statistics.median(quantize_seconds), 5)} if refresh is not None else {}),
             # a pull's stages on its slowest receiver (medians, ms): where its time beyond the copy goes
@@ -183,7 +201,8 @@ def single_rank(args, shapes, bucket) -> list[dict]:
         # held: the replica keeps the model's storages mapped between updates (as rlsync's replicas do for
         # a trainer on their GPU), else it maps and closes every storage at each update
         # a replica; pull: it copies before it answers, as a colocated replica does (else over a connection),
-        # and a cast is then its own, out of the fp32 parameters (else the trainer's, streamed through slots)
+        # and a cast is then its own, out of the fp32 parameters (else the trainer's, streamed through slots);
+        # "armed": held, and the pull armed again after each update, started by the trainer's bell
         plan = [("module", torch.bfloat16, None, "cuda_ipc", [device], False, False),
                 ("module", torch.bfloat16, None, "cuda_ipc", [device], True, False),
                 ("module", torch.bfloat16, None, "cuda_ipc", [device], True, True),
@@ -191,7 +210,8 @@ def single_rank(args, shapes, bucket) -> list[dict]:
                 ("cast", torch.float32, torch.bfloat16, "cuda_ipc", [device], False, True),
                 ("cast", torch.float32, torch.bfloat16, "cuda_ipc", [device], True, True),
                 ("fp8", torch.bfloat16, None, "cuda_ipc", [device], False, False),
-                ("fp8", torch.bfloat16, None, "cuda_ipc", [device], True, True)]
+                ("fp8", torch.bfloat16, None, "cuda_ipc", [device], True, True),
+                ("fp8", torch.bfloat16, None, "cuda_ipc", [device], True, "armed")]
         key = "d2d_copy"
     if args.only:
         plan = [p for p in plan if p[0] in args.only.split(",")]
@@ -202,7 +222,7 @@ def single_rank(args, shapes, bucket) -> list[dict]:
             fmt = pb.WeightFormat(fp8=parse_fp8({"quant_method": "fp8", "weight_block_size": [128, 128]}))
             fmt.fp8.weights.extend(n for n, p in model.named_parameters() if p.dim() == 2)
         r = run_case(model, WeightMap(dtype=out), backend, receivers, bucket, args.repeats, device, 1, 0, hold,
-                     pull, fmt)
+                     bool(pull), fmt, arm=pull == "armed")
         r.update(layout=layout, limit=key, limit_GB_s=limit[key], ratio=round(r["GB/s"] / limit[key], 3))
         if fmt is not None:  # quantize (read 2, write 1 byte an element) then copy what is sent, each at its limit
             elements = sum(p.numel() for n, p in model.named_parameters() if n in set(fmt.fp8.weights))

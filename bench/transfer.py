@@ -111,16 +111,20 @@ def nccl_limit(nbytes: int, world: int, form: str = "broadcast", env: dict[str, 
 class Receivers:
     """Receiver processes that take one offer per line and report each transfer."""
 
-    def __init__(self, devices: list[str], backend: str, hold: bool = False, profile: str = ""):
+    def __init__(self, devices: list[str], backend: str, hold: bool = False, profile: str = "", arm: bool = False):
         """hold: a cuda_ipc one-copy receiver keeps the sender's storages mapped between transfers.
-        profile: each receiver runs under cProfile and writes its stats to `profile`-r<i>.prof."""
+        profile: each receiver runs under cProfile and writes its stats to `profile`-r<i>.prof.
+        arm (with hold): each receiver arms its last pull again behind its bell (`bells`: their handles),
+        for the sender to start by writing it (rlsync.transfer.armed)."""
         self.procs = [subprocess.Popen([sys.executable,
                                         *(["-m", "cProfile", "-o", f"{profile}-r{i}.prof"] if profile else []),
                                         "-m", "rlsync.transfer.peer", "receive", "--loop",
                                         "--device", d, "--backend", backend, "--receiver-id", f"r{i}",
-                                        "--timeout", "600", *(["--hold", "bench"] if hold else [])],
+                                        "--timeout", "600", *(["--hold", "bench"] if hold else []),
+                                        *(["--arm"] if arm else [])],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                       for i, d in enumerate(devices)]
+        self.bells = [bytes.fromhex(self._line(p, "BELL")) for p in self.procs] if arm else []
 
     def _line(self, proc, kind):
         for raw in proc.stdout:
@@ -135,7 +139,11 @@ class Receivers:
         return [decode(pb.Answer, self._line(p, "ANSWER")) for p in self.procs]
 
     def results(self):
-        return [json.loads(self._line(p, "RESULT")) for p in self.procs]
+        out = [json.loads(self._line(p, "RESULT")) for p in self.procs]
+        if self.bells:  # each has armed its next copy (a bell written before that would be lost)
+            for p in self.procs:
+                self._line(p, "ARMED")
+        return out
 
     def close(self):
         for p in self.procs:

@@ -57,7 +57,8 @@ def emit(kind: str, payload: str) -> None:
 def run_receive(args) -> int:
     """Receives one offer per stdin line (--loop: until stdin closes) into the same destination.
     --arm (with --hold): after each pull from held storages, the same pull is armed behind this
-    process's bell (its handle first, as a BELL line); an offer rung with a bell value adopts it."""
+    process's bell (its handle first, as a BELL line; an ARMED line after each RESULT once armed); an offer
+    rung with a bell value adopts it."""
     dest = None
     status = 0
     bell = Bell(torch.device(args.device)) if args.arm else None
@@ -105,6 +106,8 @@ def run_receive(args) -> int:
                                    **({"checksums": dict(zip(dest.views, checksum_tensors(list(dest.views.values()))))}
                                       if args.report_checksums else {})}))
         armed = last.arm(bell) if bell is not None and last is not None else None  # after the checksums' kernels
+        if bell is not None:
+            emit("ARMED", json.dumps(armed is not None))  # a sender that rings now starts it (none: no copy armed)
         if not args.loop:
             break
     if armed is not None:
