@@ -146,10 +146,8 @@ def run_case(model: nn.Module, weights: WeightMap, backend: str, receivers: list
                 if i:  # (quantizing into the buffer, then moving it)
                     adopted += all(r["adopted"] for r in results)
                     spans.append(end - start)  # the sender's view: the offer's trip and the answers' too
-                    if bells:
-                        seconds.append(end - start)
-                    else:
-                        seconds.append(took + (max(r["seconds"] for r in results) if pulled else report.seconds))
+                    seconds.append(spans[-1] if bells else
+                                   took + (max(r["seconds"] for r in results) if pulled else report.seconds))
                     quantize_seconds.append(took)
                     if pulled and not bells:
                         stages.append(max(results, key=lambda r: r["seconds"])["stages"])

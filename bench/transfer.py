@@ -140,9 +140,9 @@ class Receivers:
 
     def results(self):
         out = [json.loads(self._line(p, "RESULT")) for p in self.procs]
-        if self.bells:  # each has armed its next copy (a bell written before that would be lost)
-            for p in self.procs:
-                self._line(p, "ARMED")
+        # each has armed its next copy (a bell written before that would be lost); a failed one says nothing
+        for p in [p for p, r in zip(self.procs, out) if r["ok"]] if self.bells else []:
+            self._line(p, "ARMED")
         return out
 
     def close(self):
