@@ -23,21 +23,27 @@ TICK = os.sysconf("SC_CLK_TCK")
 KINDS = (
     ("vllm engine core", "VLLM::EngineCore"), ("vllm worker", "VLLM::Worker"),
     ("sglang scheduler", "sglang::scheduler"), ("sglang detokenizer", "sglang::detokenizer"),
-    ("preloaded image", "rlsync.preload"),
+    ("preloaded image", "rlsync.preload"), ("demo", "rlsync.demo"),  # (the demo is told its replicas' --engine)
     ("rollout vllm", "--engine vllm"), ("rollout sglang", "--engine sglang"), ("rollout hf", "--engine hf"),
     ("rollout", "rlsync.rollout"), ("trainer", "rlsync.trainer"), ("coordinator", "rlsync.coordinator"),
-    ("demo", "rlsync.demo"), ("fleet cli", "rlsync.cli"), ("pytest", "pytest"),
+    ("fleet cli", "rlsync.cli"), ("pytest", "pytest"),
     ("spawned python (unnamed)", "multiprocessing.spawn"), ("ray", "ray"), ("docker", "docker"),
     ("docker", "containerd"), ("pip", "pip"), ("make", "make"),
 )
 
 
 def kind(pid: int, comm: str) -> str | None:
-    """The kind of a process now (None: gone). A service forked from a preloaded image keeps the image's
-    command line: its kind comes from the log its output goes to, which the tests name for the service."""
+    """The kind of a process now (None: gone, or ending). A service forked from a preloaded image keeps the
+    image's command line: its kind comes from the log its output goes to, which the tests name for the service.
+    A process that has ended (a zombie its parent has not reaped yet) has no command line left: it keeps the
+    kind it had, or its whole time would go under an interpreter that runs nothing (a replica that died in a
+    test stays one until the test ends; 217 CPU-s of a CI run went there)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().decode(errors="replace").split("\0")
+            raw = f.read()
+        if not raw:
+            return None
+        argv = raw.decode(errors="replace").split("\0")
         cmdline = " ".join(argv)
         if "rlsync.preload" in cmdline:
             log = os.path.basename(os.readlink(f"/proc/{pid}/fd/1"))
@@ -49,12 +55,24 @@ def kind(pid: int, comm: str) -> str | None:
         if fragment in cmdline or fragment in comm:
             return name
     if comm.startswith("python"):
-        return f"other python: {_script(argv[1:])}"
+        script = _script(argv[1:])
+        return f"other python: {script if script else f'no script, started by {_parent(pid)}'}"
     return f"other: {comm}"
 
 
+def _parent(pid: int) -> str:
+    """The kind of a process's parent (an interpreter that names no script is known by who started it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        with open(f"/proc/{ppid}/comm") as f:
+            return kind(ppid, f.read().strip()) or "?"
+    except (OSError, ValueError, IndexError):
+        return "?"
+
+
 def _script(args: list[str]) -> str:
-    """What an interpreter runs: `-m` and its module, `-c`, or its script's file name."""
+    """What an interpreter runs: `-m` and its module, `-c`, or its script's file name ("": none of them)."""
     for i, a in enumerate(args):
         if a == "-m" and i + 1 < len(args):
             return f"-m {args[i + 1]}"
@@ -62,7 +80,7 @@ def _script(args: list[str]) -> str:
             return "-c"
         if a and not a.startswith("-"):
             return os.path.basename(a)
-    return "(interactive)"
+    return ""
 
 
 def cpu_ticks() -> dict[int, tuple[str, int]]:
