@@ -141,14 +141,15 @@ class Services:
 
     def start(self, service: str, args: list[str], env: dict | None = None, wait: bool = True,
               name: str | None = None, script: Path | None = None, prefix: tuple[str, ...] = ()) -> ServiceProcess:
-        """script: a Python file that runs the service itself (say, with a fault injected first);
+        """script: a Python file that runs the service itself (say, with a fault injected first; forked from the
+        preloaded image as the service would be);
         prefix: a command the service runs under (`ip netns exec NS`: in a network namespace)."""
         name = name or service
         log = self.logs / f"{name}-{len(list(self.logs.iterdir()))}.log"
         args = ["--port", "0", *args]
         main = [str(script)] if script else ["-m", f"rlsync.{service}"]
-        proc = ServiceProcess(service, args, env=env, log_path=log, name=name,
-                              command=[*prefix, python_for(service, args), *main, *args] if script or prefix else None)
+        proc = ServiceProcess(service, args, env=env, log_path=log, name=name, script=script,
+                              command=[*prefix, python_for(service, args), *main, *args] if prefix else None)
         self.started.append(proc)
         if wait:
             proc.wait_ready()

@@ -77,14 +77,16 @@ class ServiceProcess:
 
     def __init__(self, service: str, args: list[str], env: dict[str, str] | None = None,
                  log_path: str | Path | None = None, name: str | None = None, command: list[str] | None = None,
-                 parent_death_signal: int = 0, niceness: int | None = None):
+                 parent_death_signal: int = 0, niceness: int | None = None, script: str | Path | None = None):
         """command: run this instead of `python -m rlsync.<service> args` (a user's trainer script).
+        script: a Python file that runs the service itself, run as `python SCRIPT args` (a test's replica with
+        a fault injected first); unlike a command, forked from a preloaded image where the service would be.
         parent_death_signal: Linux sends it to the child when the thread that starts it ends (a
         launcher's owner thread, so a member dies with the launcher that placed it).
         niceness: the child's, where this process may set it (else it keeps this process's)."""
         self.service = service
         self.name = name or service
-        cmd = command or [python_for(service, args), "-m", f"rlsync.{service}", *args]
+        cmd = command or [python_for(service, args), *([str(script)] if script else ["-m", f"rlsync.{service}"]), *args]
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix=f"rlsync-{self.name}-", suffix=".log")
             os.close(fd)
@@ -96,7 +98,7 @@ class ServiceProcess:
         if (preloaded := preloaded_for(service, args, full_env, command, parent_death_signal)) is not None:
             self.log_path.touch()  # (the child opens it for itself)
             try:
-                self.proc = preloaded.start(service, args, full_env, self.log_path, niceness)  # (rlsync.preload)
+                self.proc = preloaded.start(service, args, full_env, self.log_path, niceness, script)  # rlsync.preload
             except ConnectionError:  # the preloaded process went away: a process of its own, as below
                 pass
         if self.proc is None:

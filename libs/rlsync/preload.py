@@ -9,7 +9,8 @@ The preloaded process (`python -m rlsync.preload ADDRESS`) imports, never runs a
 gRPC object (no thread exists when it forks), and answers on an abstract Unix socket: msgpack
 (msgspec) `Start` -> the child's pid, `Status` -> its exit status once reaped (it is the child's
 parent). The child takes the environment, working directory and log it is given, a process group
-of its own, and runs `rlsync.<service>.__main__.main(argv)`.
+of its own, and runs `rlsync.<service>.__main__.main(argv)`, or a script given that runs the service
+itself (a test's replica with a fault injected first: `python SCRIPT argv` as a process of its own).
 
 A one-worker vLLM replica imports vLLM too (~10 s of CPU more): a second image, `image="vllm"`, holds
 that, made when the first vLLM replica asks (its engine core is still a process vLLM spawns, which
@@ -25,7 +26,8 @@ service; an image gone or an environment that differs and it starts them in proc
 
 Not for: a service given environment variables the preloaded process did not start with (what modules
 read at import would differ; but see AT_START, and a variable the image's own imports set, with the value
-they set, is no difference), a command of its own, or a parent-death signal.
+they set, is no difference), a command of its own (but a script may be: the service's arguments, run
+with the image's Python), or a parent-death signal.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import hashlib
 import importlib
 import json
 import os
+import runpy
 import select
 import signal
 import socket
@@ -61,8 +64,11 @@ IMAGES = {"base": PRELOAD, "vllm": (*PRELOAD, "vllm", "rlsync.rollout.engines.vl
           "sglang": ("torch", "grpc", "transformers", "sglang.srt.entrypoints.engine", "rlsync.rollout.server",
                      "rlsync.rollout.engines.sglang", "rlsync.rollout.__main__")}
 # Variables an image's modules read only once an engine starts, never at import: a service may set them
-# and still be forked from the image (a tensor-parallel vLLM replica's thread binding).
-AT_START = {"base": (), "vllm": ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"), "sglang": ()}
+# and still be forked from the image (a tensor-parallel vLLM replica's thread binding; the fault a test's
+# script injects as it starts, tests/rollout_worker.py, which no module of an image reads).
+FAULT = ("RLSYNC_FAULT",)
+AT_START = {"base": FAULT, "vllm": (*FAULT, "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"),
+            "sglang": FAULT}
 
 
 class Start(msgspec.Struct, tag=True):
@@ -72,6 +78,7 @@ class Start(msgspec.Struct, tag=True):
     cwd: str
     log_path: str
     niceness: int | None = None
+    script: str = ""  # run as __main__ instead of the service's module (it runs the service itself)
 
 
 class Status(msgspec.Struct, tag=True):
@@ -210,8 +217,8 @@ class Preloaded:
         return self._sock is not None and (self.proc is None or self.proc.poll() is None)
 
     def start(self, service: str, args: list[str], env: dict[str, str], log_path: Path,
-              niceness: int | None = None) -> Forked:
-        reply = self._call(Start(service, args, env, os.getcwd(), str(log_path), niceness))
+              niceness: int | None = None, script: str | Path | None = None) -> Forked:
+        reply = self._call(Start(service, args, env, os.getcwd(), str(log_path), niceness, str(script or "")))
         if reply.error:
             raise RuntimeError(f"the preloaded process could not start {service}: {reply.error}")
         return Forked(reply.pid, self)
@@ -340,8 +347,14 @@ def _child(request: Start, keep_closed: list[socket.socket], imported_env: dict[
         os.environ.update(request.env)
         os.environ.update(imported_env)  # what the imports set, as in a process of its own (vLLM's: several)
         os.chdir(request.cwd)
-        sys.argv = [f"rlsync.{request.service}", *request.argv]
-        code = importlib.import_module(f"rlsync.{request.service}.__main__").main(request.argv)
+        if request.script:  # as `python SCRIPT argv` runs it: its folder first on the path
+            sys.argv = [request.script, *request.argv]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(request.script)))
+            runpy.run_path(request.script, run_name="__main__")
+            code = 0
+        else:
+            sys.argv = [f"rlsync.{request.service}", *request.argv]
+            code = importlib.import_module(f"rlsync.{request.service}.__main__").main(request.argv)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:  # noqa: BLE001 - said in the service's log, as an uncaught error would be

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -50,6 +51,12 @@ def test_a_forked_replica_serves_and_reports_its_exit_as_popen_would(services, p
     killed = services.start("coordinator", [], name="forked-killed")
     killed.proc.send_signal(signal.SIGKILL)
     assert killed.proc.wait(30) == -signal.SIGKILL
+
+    # a script that runs the service itself, with a fault to inject as it starts (no module of the image reads it)
+    scripted = services.start("rollout", rollout_args("hf"), env={"RLSYNC_FAULT": "die_in_prepare:0"},
+                              script=Path(__file__).parents[1] / "rollout_worker.py", name="forked-script")
+    assert isinstance(scripted.proc, Forked) and psutil.Process(scripted.proc.pid).ppid() == preloaded.proc.pid
+    assert scripted.stop() == 0, scripted.log_tail()
 
 
 def test_a_service_given_other_environment_gets_a_process_of_its_own(services, preloaded):
