@@ -80,13 +80,16 @@ def _digest(worker) -> float:
 
 def pool_candidate(llm, cycles: int) -> dict:
     """Level 2 (nothing copied by vLLM) with the weights copied by the worker into one pinned pool kept
-    across sleeps, and back after wake_up(weights): each part timed, the weights checked after."""
+    across sleeps, and back after wake_up(weights), then once more into the same pages (a copy into pages
+    mapped a copy before, against one into pages just mapped): each part timed, the weights checked after."""
     before = llm.collective_rpc(_digest)[0]
-    parts: dict[str, list[float]] = {"copy_out": [], "sleep2": [], "wake_map": [], "copy_in": [], "wake_kv": []}
+    parts: dict[str, list[float]] = {"copy_out": [], "sleep2": [], "wake_map": [], "copy_in": [], "copy_in_again": [],
+                                     "wake_kv": []}
     for _ in range(cycles):
         for name, fn in (("copy_out", lambda: llm.collective_rpc(_offload)), ("sleep2", lambda: llm.sleep(level=2)),
                          ("wake_map", lambda: llm.wake_up(tags=["weights"])),
                          ("copy_in", lambda: llm.collective_rpc(_restore)),
+                         ("copy_in_again", lambda: llm.collective_rpc(_restore)),  # the same pages, mapped before
                          ("wake_kv", lambda: llm.wake_up(tags=["kv_cache"]))):
             torch.cuda.synchronize(); t = time.perf_counter(); fn(); torch.cuda.synchronize()
             parts[name].append(round((time.perf_counter() - t) * 1e3, 1))
