@@ -72,36 +72,43 @@ def logs_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def preloaded(tmp_path_factory):
+def preload_images(tmp_path_factory):
     """Coordinators, trainers and hf replicas started by the tests are forked from one process that
     imported torch and transformers once (rlsync.preload): ~5 s of CPU less each, a few hundred
     times; one-worker vLLM replicas from a second that imported vLLM too (~10 s less each), SGLang
-    replicas from a third in SGLang's environment (the SGLang tests' CPU time halved). A process a test
-    starts that starts services itself (the demo) is told of them (preload.exported, RLSYNC_PRELOADED).
+    replicas from a third in SGLang's environment (the SGLang tests' CPU time halved). Each is made when
+    the first service that needs it starts, with the environment the session had here (a session that
+    starts none, as the Ray fleet's and the compose test's, pays for none: ~5 CPU-s each). A process a test starts that
+    starts services itself (the demo) is told of them (preload.exported, RLSYNC_PRELOADED).
     RLSYNC_TEST_PRELOAD=0: each starts in a process of its own, as outside the tests."""
     if os.environ.get("RLSYNC_TEST_PRELOAD", "1") == "0":
-        yield None
+        yield
         return
     ensure_tiny_model()  # (built before the fork: nothing in the preloaded image builds it)
     logs = tmp_path_factory.mktemp("preloaded")
-    forker = preload.Preloaded(logs / "preloaded.log")
-    made = [forker]
+    env = dict(os.environ)  # (what the images start with, and their children must be given)
+    made = []
 
-    def maker(image: str, python: str = sys.executable):  # the first replica of the engine pays its import, once
+    def maker(image: str, python: str = sys.executable):  # the first service of the image pays its import, once
         def make() -> preload.Preloaded:
-            made.append(preload.Preloaded(logs / f"preloaded-{image}.log", image=image, env=forker.env,
-                                          python=python))
+            made.append(preload.Preloaded(logs / f"preloaded-{image}.log", image=image, env=env, python=python))
             return made[-1]
         return make
 
     images = {"vllm": maker("vllm")}
     if (python := sglang_python()) is not None:
         images["sglang"] = maker("sglang", python)
-    preload.use(forker, images)
-    yield forker
+    preload.use(maker("base"), images)
+    yield
     preload.use(None)
     for image in made:
         image.close()
+
+
+@pytest.fixture
+def preloaded(preload_images) -> preload.Preloaded | None:
+    """The session's base image, made now if not yet (None with RLSYNC_TEST_PRELOAD=0)."""
+    return preload.made("base")
 
 
 @pytest.fixture(scope="session")

@@ -269,10 +269,11 @@ _session: dict[str, Preloaded | Callable[[], Preloaded]] = {}
 _making = threading.Lock()  # one image of each kind, however many threads start services at once
 
 
-def use(preloaded: Preloaded | None, images: dict[str, Callable[[], Preloaded]] | None = None) -> None:
+def use(preloaded: Preloaded | Callable[[], Preloaded] | None,
+        images: dict[str, Callable[[], Preloaded]] | None = None) -> None:
     """Services this process starts from now on are forked from `preloaded` where they can be (None: none);
     those of another image (images: "vllm", "sglang") from the one its maker makes, called when the first
-    such service starts."""
+    such service starts (so may `preloaded` be: a maker)."""
     _session.clear()
     if preloaded is not None:
         _session.update({"base": preloaded, **(images or {})})
@@ -282,11 +283,12 @@ def exported(*images: str) -> str | None:
     """The value of RLSYNC_PRELOADED with which a process this one starts forks its services from this
     process's images `images` too (each made now if not yet); None where this process has none of them."""
     named = {image: [found.address, found.env_digest] for image in images
-             if (found := _image(image)) is not None and found.alive()}
+             if (found := made(image)) is not None and found.alive()}
     return json.dumps(named) if named else None
 
 
-def _image(image: str) -> Preloaded | None:
+def made(image: str) -> Preloaded | None:
+    """This process's image `image` ("base", "vllm", "sglang"), made now if not yet; None where it has none."""
     with _making:
         if not _session and not _attached and os.environ.get(ENV):
             _attach(os.environ[ENV])
@@ -318,7 +320,7 @@ def preloaded_for(service: str, args: list[str], env: dict[str, str], command, p
     image = eligible(service, args)
     if image is None or command is not None or parent_death_signal:
         return None
-    found = _image(image)  # (None: use(None) meanwhile, or no such image)
+    found = made(image)  # (None: use(None) meanwhile, or no such image)
     return found if found is not None and found.alive() and \
         _digest(env, image, found.imported) == found.env_digest else None
 
