@@ -48,7 +48,7 @@ def kind(pid: int, comm: str) -> str | None:
         if "rlsync.preload" in cmdline:
             log = os.path.basename(os.readlink(f"/proc/{pid}/fd/1"))
             if log.endswith(".log") and not log.startswith("preloaded"):
-                return f"forked service: {log.rsplit('-', 1)[0]}"
+                return f"forked service: {log.removesuffix('.log').rsplit('-', 1)[0]}"  # (the tests': NAME-N.log)
     except OSError:
         return None
     for name, fragment in KINDS:
