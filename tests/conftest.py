@@ -78,8 +78,8 @@ def preload_images(tmp_path_factory):
     times; one-worker vLLM replicas from a second that imported vLLM too (~10 s less each), SGLang
     replicas from a third in SGLang's environment (the SGLang tests' CPU time halved). Each is made when
     the first service that needs it starts, with the environment the session had here (a session that
-    starts none, as the Ray fleet's and the compose test's, pays for none: ~5 CPU-s each). A process a test starts that
-    starts services itself (the demo) is told of them (preload.exported, RLSYNC_PRELOADED).
+    starts none, as the Ray fleet's and the compose test's, pays for none: ~5 CPU-s each). A process a
+    test starts that starts services itself (the demo) is told of them (preload.exported, RLSYNC_PRELOADED).
     RLSYNC_TEST_PRELOAD=0: each starts in a process of its own, as outside the tests."""
     if os.environ.get("RLSYNC_TEST_PRELOAD", "1") == "0":
         yield
