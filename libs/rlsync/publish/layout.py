@@ -137,6 +137,7 @@ class RankShards:
         infos = [TensorInfo(e.name, tuple(e.shape), e.dtype.itemsize) for e in self.entries]
         self._meshes = Meshes()
         self._cuts: dict[tuple[str, View], tuple[slice, ...]] = {}  # an expert view's slice of this rank's shard
+        self._found: dict[tuple, tuple] = {}  # (tensor, box) -> (its part, its cut of the part, dtype): piece()
         parts = self._parts()
         # Every rank's boxes of every entry: entries of the same parts' shapes and placements share them.
         by_kind: dict[tuple, Callable[[int], tuple[Box, ...]]] = {}
@@ -181,20 +182,20 @@ class RankShards:
 
     def piece(self, p: Piece) -> torch.Tensor:
         """The piece's values from this rank's local shard, contiguous, in the engine's dtype (a view
-        when nothing needs copying)."""
-        entry = self.entries[p.tensor]
-        found = next(((box, part) for box, (part, _) in self._mine[p.tensor] if contains(box, p.box)), None)
-        if found is None:
-            raise InvalidArgument(f"rank {self.rank} does not hold {entry.name!r}{[list(b) for b in p.box]}: the route "
-                                  "was planned for another layout")
-        box, part = found
-        with torch.no_grad():
-            local = self._local(part)
-        region = relative(p.box, box)
-        out = local[tuple(slice(a, b) for a, b in region)] if region else local
-        if out.dtype != entry.dtype:
-            out = out.to(entry.dtype)
-        return out.contiguous()
+        when nothing needs copying; else one copy, which casts and gathers at once)."""
+        found = self._found.get((p.tensor, p.box))
+        if found is None:  # where a piece lies in this rank's parts is the same at every update
+            entry = self.entries[p.tensor]
+            hit = next(((box, part) for box, (part, _) in self._mine[p.tensor] if contains(box, p.box)), None)
+            if hit is None:
+                raise InvalidArgument(f"rank {self.rank} does not hold {entry.name!r}{[list(b) for b in p.box]}: the "
+                                      "route was planned for another layout")
+            region = relative(p.box, hit[0])
+            found = self._found[(p.tensor, p.box)] = (hit[1], tuple(slice(a, b) for a, b in region), entry.dtype)
+        part, cut, dtype = found
+        local = self._local(part)  # detached: no autograd in what follows
+        out = local[cut] if cut else local
+        return out.to(dtype, memory_format=torch.contiguous_format)
 
     def refresh(self, ranks) -> None:
         """Nothing to bring up to date: pieces are cut from the shards as they are at the send."""

@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from math import prod
 
 import torch
 
@@ -197,21 +198,33 @@ def _send(pg, routes, rank, piece, bucket_bytes, window, device) -> int:
 def destinations(routes: Routes, rank: int, specs: Sequence[Spec], staging: Mapping[str, tuple[Box, torch.Tensor]]) \
         -> tuple[list[Spec], dict[str, torch.Tensor]]:
     """Engine rank `rank`'s pieces as specs, and where each lands: a view of the staging tensor of
-    its tensor (`staging[name]`: the box it holds of the whole tensor, and that box's tensor)."""
-    piece_specs, views = [], {}
+    its tensor (`staging[name]`: the box it holds of the whole tensor, and that box's tensor). What
+    does not depend on where the staging lies (names, cuts, specs) is derived once per layout."""
+    layout = tuple((name, box, t.dtype, t.shape) for name, (box, t) in staging.items())
+    piece_specs, cuts = _destination_plan(routes, rank, tuple(specs), layout)
+    return list(piece_specs), {name: staging[of][1][cut] if cut else staging[of][1] for name, of, cut in cuts}
+
+
+@lru_cache(maxsize=8)
+def _destination_plan(routes: Routes, rank: int, specs: tuple[Spec, ...], layout: tuple) \
+        -> tuple[list[Spec], list[tuple[str, str, tuple[slice, ...] | None]]]:
+    """destinations(), less the views: each piece's spec, and (its name, the staging tensor it lands in, its cut
+    of that tensor). `layout`: each staging tensor's (name, box, dtype, shape)."""
+    staged = {name: (box, dtype) for name, box, dtype, _ in layout}
+    piece_specs, cuts = [], []
     for transfer in routes.of_receiver(rank):
         for p in transfer.pieces:
             spec = specs[p.tensor]
-            if spec.name not in staging:
+            if spec.name not in staged:
                 raise InvalidArgument(f"engine rank {rank} loads {spec.name!r}{[list(b) for b in p.box]} by its "
                                       "layout, but has no staging for it: the layout it answered with and the "
                                       "tensors it staged disagree")
-            box, tensor = staging[spec.name]
-            name = piece_name(spec.name, p.box)
+            box, dtype = staged[spec.name]
             region = relative(p.box, box)
-            views[name] = tensor[tuple(slice(a, b) for a, b in region)] if region else tensor
-            piece_specs.append(Spec(name, spec.dtype, extent(p.box), views[name].numel() * views[name].element_size()))
-    return piece_specs, views
+            name, shape = piece_name(spec.name, p.box), extent(p.box)
+            cuts.append((name, spec.name, tuple(slice(a, b) for a, b in region) if region else None))
+            piece_specs.append(Spec(name, spec.dtype, shape, prod(shape) * dtype.itemsize))
+    return piece_specs, cuts
 
 
 def receive(pg, routes: Routes, rank: int, writer: DestWriter, bucket_bytes: int, deadline: Deadline,
