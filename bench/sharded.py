@@ -9,6 +9,7 @@ engine rank receives only the boxes it loads), for K trainer ranks (FSDP2 over g
     python bench/sharded.py --device cuda --gpus 2 --placement apart       # trainer on GPU 0, engine on 1: NCCL
     python bench/sharded.py --device cuda --gpus 2 --placement colocated   # rank r on GPU r % 2: both
     python bench/sharded.py --model tiny-moe --layouts tp,ep   # a real MoE (fused experts, per expert on the wire)
+    python bench/sharded.py --model tiny-moe --experts 28   # the tiny MoE as many bytes as the dense tiny (0.93 MB)
     BENCH_PROFILE=/tmp/prof python bench/sharded.py ...   # each worker writes a cProfile of its timed repeats
 
 On one GPU every trainer rank and engine rank shares the GPU: the receivers pull their boxes over CUDA
@@ -374,6 +375,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small")
     parser.add_argument("--model", default="", help="a real model instead of a preset's shapes: tiny, tiny-moe, a path")
+    parser.add_argument("--experts", type=int, default=0, help="with --model tiny-moe: this many experts (28: as many "
+                        "bytes as --model tiny, so that the two compare per byte with their fixed costs alike)")
     parser.add_argument("--layouts", default="tp", help="engine layouts to run, comma-separated: tp, ep (experts "
                         "whole on the rank that owns them)")
     parser.add_argument("--layout", default="tp", help=argparse.SUPPRESS)
@@ -391,6 +394,10 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    if args.experts:
+        from rlsync.models import TinyMoeRecipe, ensure_tiny_moe
+
+        args.model = str(ensure_tiny_moe(TinyMoeRecipe(num_experts=args.experts)))
     cases = []
     for layout in args.layouts.split(","):
         args.layout = layout

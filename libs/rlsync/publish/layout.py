@@ -183,6 +183,12 @@ class RankShards:
     def piece(self, p: Piece) -> torch.Tensor:
         """The piece's values from this rank's local shard, contiguous, in the engine's dtype (a view
         when nothing needs copying; else one copy, which casts and gathers at once)."""
+        values, dtype = self.piece_source(p)
+        return values.to(dtype, memory_format=torch.contiguous_format)
+
+    def piece_source(self, p: Piece) -> tuple[torch.Tensor, torch.dtype]:
+        """The piece's values as they lie in this rank's local shard (a view: any strides, the trainer's dtype),
+        and the dtype they travel in: a sender packing pieces copies them into its bucket, casting on the way."""
         found = self._found.get((p.tensor, p.box))
         if found is None:  # where a piece lies in this rank's parts is the same at every update
             entry = self.entries[p.tensor]
@@ -194,8 +200,7 @@ class RankShards:
             found = self._found[(p.tensor, p.box)] = (hit[1], tuple(slice(a, b) for a, b in region), entry.dtype)
         part, cut, dtype = found
         local = self._local(part)  # detached: no autograd in what follows
-        out = local[cut] if cut else local
-        return out.to(dtype, memory_format=torch.contiguous_format)
+        return (local[cut] if cut else local), dtype
 
     def refresh(self, ranks) -> None:
         """Nothing to bring up to date: pieces are cut from the shards as they are at the send."""

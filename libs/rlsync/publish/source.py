@@ -69,6 +69,7 @@ class ShardedModule:
     def sender(self, **kwargs) -> ShardedSender:
         sender = ShardedSender(self.shards.layout, self.specs, self.shards.rank, self.shards.piece,
                                device=self.device, held=self.shards.held_tensors, where=self.shards.where,
+                               source=getattr(self.shards, "piece_source", None),  # (none where pieces are made)
                                **kwargs)
         sender.format = self.format
         return sender

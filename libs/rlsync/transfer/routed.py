@@ -130,12 +130,15 @@ def _poll(work, deadline: Deadline) -> None:
 
 
 def send(pg, routes: Routes, rank: int, piece: Callable[[Piece], torch.Tensor], bucket_bytes: int,
-         deadline: Deadline, device: torch.device, profile: dict[str, float] | None = None) -> int:
+         deadline: Deadline, device: torch.device, profile: dict[str, float] | None = None,
+         source: Callable[[Piece], tuple[torch.Tensor, torch.dtype]] | None = None) -> int:
     """Trainer rank `rank`'s share: its pieces (made by `piece`, contiguous, in the engine's dtype)
     to every engine rank that loads them. Returns the payload bytes it sent (a bucket once per receiver);
-    `profile` gets the seconds spent waiting for operations to finish."""
+    `profile` gets the seconds spent waiting for operations to finish. `source`: a piece's values where they
+    lie and the dtype they travel in; the whole pieces of a packed bucket are then copied into it in one
+    launch, cast on the way (a mixture of experts' hundreds of small pieces: one launch, not one each)."""
     with _Window(deadline, device) as window:
-        sent = _send(pg, routes, rank, piece, bucket_bytes, window, device)
+        sent = _send(pg, routes, rank, piece, bucket_bytes, window, device, source)
         window.profile(profile)
         return sent
 
@@ -155,7 +158,7 @@ class _Slots:
         return slot[:nbytes]
 
 
-def _send(pg, routes, rank, piece, bucket_bytes, window, device) -> int:
+def _send(pg, routes, rank, piece, bucket_bytes, window, device, source) -> int:
     slots = _Slots(bucket_bytes, device)
     current: dict[int, tuple[int, torch.Tensor]] = {}  # transfer -> (piece index, its bytes): one piece each
     ops = schedule(routes, bucket_bytes)
@@ -181,10 +184,20 @@ def _send(pg, routes, rank, piece, bucket_bytes, window, device) -> int:
         if len(op.bucket.slices) == 1 and (s := op.bucket.slices[0]) and \
                 (view := bytes_of(s.tensor)[s.src:s.src + s.length]).device == device:
             pass  # one piece's bytes, contiguous: sent from where they are
-        else:  # packed slice by slice, so no two pieces are held at once
+        else:  # packed: whole pieces from where they lie in one launch, the others slice by slice, one at a time
             view = slots.next(op.bucket.nbytes)
+            into, values = [], []
             for s in op.bucket.slices:
+                p = transfer.pieces[s.tensor]
+                if source is not None and s.src == 0 and s.length == p.nbytes(routes.tensors):
+                    at, dtype = source(p)
+                    if (typed := _typed(view[s.dst:s.dst + s.length], dtype, at.shape)) is not None:
+                        into.append(typed)
+                        values.append(at)
+                        continue
                 view[s.dst:s.dst + s.length].copy_(bytes_of(s.tensor)[s.src:s.src + s.length], non_blocking=True)
+            if into:
+                torch._foreach_copy_(into, values, non_blocking=True)
             # no sync: a send waits for the caller's stream, and the slot's last send is done (reserve)
         works = [pg.send([view], routes.senders + dst, op.tag) for dst in transfer.dsts]
         window.add(works)
@@ -266,6 +279,15 @@ def _receive(pg, routes, first, writer, bucket_bytes, window, device) -> int:
     window.drain()
     sync(device)
     return writer.finish()
+
+
+def _typed(region: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor | None:
+    """A bucket's bytes `region` as a tensor of `dtype` and `shape`, or None where its offset does not align
+    with the dtype (the piece is then packed as bytes)."""
+    try:
+        return region.view(dtype).view(shape)
+    except RuntimeError:
+        return None
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -342,12 +342,16 @@ class ShardedSender:
                  bucket_bytes: int, host: str = "127.0.0.1", advertise: str | None = None,
                  device: torch.device | None = None,
                  held: Callable[[], Sequence[Sequence[torch.Tensor]]] | None = None,
-                 where: Callable[[], Hashable] | None = None):
+                 where: Callable[[], Hashable] | None = None,
+                 source: Callable[[Piece], tuple[torch.Tensor, torch.dtype]] | None = None):
         """held: the tensors of this rank's boxes (per tensor, in its layout's order), for receiver
         ranks on its GPU to pull from (pulls.py); without it every receiver gets its pieces over the group.
         where: a key of where held()'s tensors lie, equal only while none has moved, cheaper than held()
-        (RankShards.where); by default kept.where of held()'s tensors."""
+        (RankShards.where); by default kept.where of held()'s tensors.
+        source: a piece's values where they lie and the dtype they travel in (RankShards.piece_source), so that
+        the pieces of a bucket are packed into it in one launch (routed.send)."""
         self.layout, self.specs, self.rank, self.piece, self.held = layout, list(specs), rank, piece, held
+        self.source = source
         self.where = where or (lambda: kept.where(t for tensors in held() for t in tensors))
         self.world, self.bucket_bytes = layout.ranks, bucket_bytes
         self.device = device or torch.device("cpu")
@@ -425,7 +429,7 @@ class ShardedSender:
                 gid, pg = routed_groups.take(store, offer.transfer_id, self.rank, members, self.device, deadline)
                 profile["group"] = time.perf_counter() - start - profile["export"] - profile["meet"]
                 sent += routed.send(pg, pushed, self.rank, self.piece, _bucket(offer, answers), deadline, self.device,
-                                    profile)
+                                    profile, self.source)
             _delete(store, spent)  # while the receiver ranks pull (one round trip each)
             spent = []
             waited = time.perf_counter()
