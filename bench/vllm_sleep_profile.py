@@ -29,6 +29,15 @@ from gpu_cycle import VLLM_ARGS  # noqa: E402
 from rlsync.models import build_preset  # noqa: E402
 
 
+def ms(fn) -> float:
+    """Milliseconds `fn` takes, the GPU's work included."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return round((time.perf_counter() - start) * 1e3, 2)
+
+
 def top(profile: cProfile.Profile, n: int = 12) -> list[str]:
     out = io.StringIO()
     pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(n)
@@ -91,8 +100,7 @@ def pool_candidate(llm, cycles: int) -> dict:
                          ("copy_in", lambda: llm.collective_rpc(_restore)),
                          ("copy_in_again", lambda: llm.collective_rpc(_restore)),  # the same pages, mapped before
                          ("wake_kv", lambda: llm.wake_up(tags=["kv_cache"]))):
-            torch.cuda.synchronize(); t = time.perf_counter(); fn(); torch.cuda.synchronize()
-            parts[name].append(round((time.perf_counter() - t) * 1e3, 1))
+            parts[name].append(ms(fn))
     return {"ms": parts, "weights_equal": llm.collective_rpc(_digest)[0] == before,
             "pool_bytes": llm.collective_rpc(lambda w: w._pool.numel())[0]}
 
@@ -107,13 +115,12 @@ def main() -> None:
 
     root = Path(tempfile.mkdtemp())
     model = str(build_preset(root / args.preset, args.preset, device="cuda"))
-    llm = LLM(model=model, **{k: v for k, v in VLLM_ARGS.items()})
+    llm = LLM(model=model, **VLLM_ARGS)
     allocator = CuMemAllocator.get_instance()
     sizes = sorted((d.handle[1] for d in allocator.pointer_to_data.values() if d.tag == "weights"), reverse=True)
     result = {"weights_allocations": len(sizes), "weights_bytes": sum(sizes), "largest": sizes[:5],
               "under_64MiB": sum(1 for s in sizes if s < 64 << 20)}
-    t = time.perf_counter(); gc.collect(); result["gc_collect_ms"] = round((time.perf_counter() - t) * 1e3, 2)
-    t = time.perf_counter(); torch.cuda.empty_cache(); result["empty_cache_ms"] = round((time.perf_counter() - t) * 1e3, 2)
+    result["gc_collect_ms"], result["empty_cache_ms"] = ms(gc.collect), ms(torch.cuda.empty_cache)
     times: dict[str, list[float]] = {"sleep": [], "wake_weights": [], "wake_kv_cache": []}
     profiles: dict[str, list[str]] = {}
     for cycle in range(args.cycles):
@@ -136,8 +143,7 @@ def main() -> None:
     gc.freeze()
     frozen = []
     for _ in range(2):
-        torch.cuda.synchronize(); t = time.perf_counter(); llm.sleep(level=1); torch.cuda.synchronize()
-        frozen.append(round((time.perf_counter() - t) * 1e3, 1))
+        frozen.append(ms(lambda: llm.sleep(level=1)))
         llm.wake_up()
     result["sleep_gc_frozen_ms"] = frozen
     result["pool"] = pool_candidate(llm, args.cycles)
