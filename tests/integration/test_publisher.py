@@ -188,10 +188,10 @@ def test_renamed_and_cast_model_publishes_and_a_mismatch_is_refused_by_name(flee
 
 def test_a_rank_killed_mid_publish_fails_cleanly_and_the_old_version_stays(fleet, tmp_path):
     coordinator, replica = fleet("hf")
-    # Tiny model: 26 tensors, each sharded by rows: rank 1 sends a piece of each. It dies half way
-    # through sending step 2's pieces.
+    # Tiny model: 26 tensors, each sharded by rows: rank 1 sends a piece of each, 15 buckets of 64 kB a step.
+    # It dies half way through sending step 2's.
     procs = start_ranks(tmp_path, ["--coordinator", coordinator, "--steps", "2", "--bucket-bytes", "65536"],
-                        fault={1: "die_after_pieces:39"})
+                        fault={1: "die_after_buckets:22"})
     codes = [p.wait(240) for p in procs]
     log = (tmp_path / "rank0.log").read_text()
     assert codes[1] == 9 and codes[0] != 0, (codes, log[-3000:])
@@ -205,8 +205,8 @@ def test_a_rank_killed_mid_publish_fails_cleanly_and_the_old_version_stays(fleet
 
 def test_a_rank_hung_mid_publish_takes_the_trainer_out_within_the_lease_and_a_later_step_publishes(services,
                                                                                                     tmp_path):
-    """FSDP2 over 2 ranks; rank 1 stops (SIGSTOP) half way through cutting step 2's pieces (26 a step,
-    and 26 more for each verify's audit). Rank 0 still answers the coordinator, but once rank 1 is
+    """FSDP2 over 2 ranks; rank 1 stops (SIGSTOP) half way through sending step 2's buckets (15 a step).
+    Rank 0 still answers the coordinator, but once rank 1 is
     silent for the lease it takes the trainer out of the fleet: the sync under way is abandoned and the
     replica serves step 1 with nothing staged. After SIGCONT the trainer registers again, step 2 fails
     on both ranks (the loop goes on: --keep-going) and step 3 is published and verified."""
@@ -216,7 +216,7 @@ def test_a_rank_hung_mid_publish_takes_the_trainer_out_within_the_lease_and_a_la
     client = CoordinatorClient(co.address)
     client.wait_ready(1)
     procs = start_ranks(tmp_path, ["--coordinator", co.address, "--steps", "3", "--verify", "--keep-going",
-                                   "--bucket-bytes", "65536"], fault={1: "hang_after_pieces:65"})
+                                   "--bucket-bytes", "65536"], fault={1: "hang_after_buckets:22"})
     deadline = time.monotonic() + 120
     while _state(procs[1].pid) != "T":
         assert time.monotonic() < deadline and procs[1].poll() is None, (tmp_path / "rank1.log").read_text()[-2000:]
@@ -255,11 +255,11 @@ def test_every_dtensor_placement_is_cut_into_boxes_and_audited_without_a_gather(
 def test_the_trainer_killed_mid_transfer_leaves_the_old_version_and_a_new_trainer_syncs(fleet, tmp_path):
     coordinator, replica = fleet("hf")
     # One rank, so the process that dies is the one serving the transfer: half way through sending
-    # step 2's 26 tensors (a piece each, bucketed as they are cut), with buckets already on the replica.
+    # step 2's 26 tensors (29 buckets of 64 kB a step), with buckets already on the replica.
     dead = tmp_path / "dead"
     dead.mkdir()
     (proc,) = start_ranks(dead, ["--coordinator", coordinator, "--steps", "2", "--bucket-bytes", "65536"], world=1,
-                          fault={0: "die_after_pieces:39"})
+                          fault={0: "die_after_buckets:43"})
     assert proc.wait(240) == 9
     assert [s["version"] for s in _lines(dead / "rank0.log")] == [1]
     deadline = time.monotonic() + 30  # the replica hears of it from the broken channel, then the coordinator

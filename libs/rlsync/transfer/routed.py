@@ -131,20 +131,22 @@ def _poll(work, deadline: Deadline) -> None:
 
 def send(pg, routes: Routes, rank: int, piece: Callable[[Piece], torch.Tensor], bucket_bytes: int,
          deadline: Deadline, device: torch.device, profile: dict[str, float] | None = None,
-         source: Callable[[Piece], tuple[torch.Tensor, torch.dtype]] | None = None) -> int:
+         source: Callable[[Piece], tuple[torch.Tensor, torch.dtype]] | None = None,
+         packs: Packs | None = None) -> int:
     """Trainer rank `rank`'s share: its pieces (made by `piece`, contiguous, in the engine's dtype)
     to every engine rank that loads them. Returns the payload bytes it sent (a bucket once per receiver);
     `profile` gets the seconds spent waiting for operations to finish. `source`: a piece's values where they
     lie and the dtype they travel in; the whole pieces of a packed bucket are then copied into it in one
-    launch, cast on the way (a mixture of experts' hundreds of small pieces: one launch, not one each)."""
+    launch, cast on the way (a mixture of experts' hundreds of small pieces: one launch, not one each).
+    `packs`: what the last send of these routes from the same storages packed (Packs), kept and reused."""
     with _Window(deadline, device) as window:
-        sent = _send(pg, routes, rank, piece, bucket_bytes, window, device, source)
+        sent = _send(pg, routes, rank, piece, bucket_bytes, window, device, source, packs)
         window.profile(profile)
         return sent
 
 
 class _Slots:
-    """WINDOW staging buffers of a bucket each, allocated when first needed (a member that sends or
+    """WINDOW staging buffers of `bucket_bytes` each, allocated when first needed (a member that sends or
     lands every bucket in place never needs them)."""
 
     def __init__(self, bucket_bytes: int, device: torch.device):
@@ -158,10 +160,42 @@ class _Slots:
         return slot[:nbytes]
 
 
-def _send(pg, routes, rank, piece, bucket_bytes, window, device, source) -> int:
-    slots = _Slots(bucket_bytes, device)
-    current: dict[int, tuple[int, torch.Tensor]] = {}  # transfer -> (piece index, its bytes): one piece each
+class Packs:
+    """How a sender packs its buckets, kept for a repeat of the same routes from storages that stayed where they
+    were (its owner keys it by where they lie, and lets it go with them): the slots, and per bucket the slot's
+    view, the views the whole pieces are copied into and from, and the slices packed as bytes (parts of pieces
+    larger than what is left of a bucket). A repeat packs each bucket in one launch, with no Python per piece."""
+
+    def __init__(self):
+        self.slots: _Slots | None = None
+        self.buckets: dict[int, tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], list]] = {}
+
+
+def _pack_plan(op: Op, transfer, routes: Routes, slots: _Slots, source) -> tuple:
+    """A bucket's slot view, the typed views of it that whole pieces go into, the views of where those lie,
+    and the other slices (packed as bytes: a part of a piece, a piece with no source or not aligned in the slot)."""
+    view, into, values, rest = slots.next(op.bucket.nbytes), [], [], []
+    for s in op.bucket.slices:
+        p = transfer.pieces[s.tensor]
+        if source is not None and s.src == 0 and s.length == p.nbytes(routes.tensors):
+            at, dtype = source(p)
+            if (typed := _typed(view[s.dst:s.dst + s.length], dtype, at.shape)) is not None:
+                into.append(typed)
+                values.append(at)
+                continue
+        rest.append(s)
+    return view, into, values, rest
+
+
+def _send(pg, routes, rank, piece, bucket_bytes, window, device, source, packs) -> int:
     ops = schedule(routes, bucket_bytes)
+    slots = packs.slots if packs is not None else None
+    if slots is None:  # as large as this rank's largest bucket (a small model's: less than bucket_bytes)
+        slots = _Slots(max((op.bucket.nbytes for op in ops if routes.transfers[op.transfer].src == rank), default=0),
+                       device)
+        if packs is not None:
+            packs.slots = slots
+    current: dict[int, tuple[int, torch.Tensor]] = {}  # transfer -> (piece index, its bytes): one piece each
     last = {op.transfer: op.tag for op in ops}  # each transfer's last bucket: its piece goes after it
     sent = 0
     for op in ops:
@@ -185,16 +219,13 @@ def _send(pg, routes, rank, piece, bucket_bytes, window, device, source) -> int:
                 (view := bytes_of(s.tensor)[s.src:s.src + s.length]).device == device:
             pass  # one piece's bytes, contiguous: sent from where they are
         else:  # packed: whole pieces from where they lie in one launch, the others slice by slice, one at a time
-            view = slots.next(op.bucket.nbytes)
-            into, values = [], []
-            for s in op.bucket.slices:
-                p = transfer.pieces[s.tensor]
-                if source is not None and s.src == 0 and s.length == p.nbytes(routes.tensors):
-                    at, dtype = source(p)
-                    if (typed := _typed(view[s.dst:s.dst + s.length], dtype, at.shape)) is not None:
-                        into.append(typed)
-                        values.append(at)
-                        continue
+            packed = packs.buckets.get(op.tag) if packs is not None else None
+            if packed is None:
+                packed = _pack_plan(op, transfer, routes, slots, source)
+                if packs is not None:
+                    packs.buckets[op.tag] = packed
+            view, into, values, rest = packed
+            for s in rest:
                 view[s.dst:s.dst + s.length].copy_(bytes_of(s.tensor)[s.src:s.src + s.length], non_blocking=True)
             if into:
                 torch._foreach_copy_(into, values, non_blocking=True)

@@ -361,6 +361,7 @@ class ShardedSender:
         # storages that stayed exports nothing; one that moved (and keeps the old alive in _shares, so no
         # address repeats) is another key, and another digest for the receivers.
         self._exports = kept.Kept(2)
+        self._packs = kept.Kept(1)  # how it packed its last buckets (routed.Packs), by routes and where storages lie
         self._mapped = ""  # the digest of the mapped memory this rank last put in the store
         self._spent: list[str] = []  # rank 0: the store keys of the last transfer
         self._open: OrderedDict[str, pb.Offer] = OrderedDict()  # rank 0: offers neither sent nor refused yet
@@ -428,8 +429,11 @@ class ShardedSender:
                     self._group.decide(store, offer.transfer_id, self.world, answers, memories)
                 gid, pg = routed_groups.take(store, offer.transfer_id, self.rank, members, self.device, deadline)
                 profile["group"] = time.perf_counter() - start - profile["export"] - profile["meet"]
-                sent += routed.send(pg, pushed, self.rank, self.piece, _bucket(offer, answers), deadline, self.device,
-                                    profile, self.source)
+                bucket = _bucket(offer, answers)
+                packs = None if self.source is None else self._packs.get(
+                    (pushed, self.rank, bucket, self.where()), routed.Packs)
+                sent += routed.send(pg, pushed, self.rank, self.piece, bucket, deadline, self.device, profile,
+                                    self.source, packs)
             _delete(store, spent)  # while the receiver ranks pull (one round trip each)
             spent = []
             waited = time.perf_counter()
@@ -501,6 +505,7 @@ class ShardedSender:
         self._store = None
         self._shares = {}
         self._exports.clear()
+        self._packs.clear()  # its slots, and its views of the storages (an offload frees them)
         self._mapped = ""
 
 
