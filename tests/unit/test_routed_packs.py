@@ -1,8 +1,9 @@
 """A sender packs a bucket's whole pieces from where they lie in one launch, cast on the way, and a repeat
 from the same storages reuses how it packed (routed.Packs): the bytes sent are the pieces' bytes in the
 engine's dtype, the first time, after the values change in place, and (packed anew) after the storages
-move. Pure logic: a stand-in process group records what each send carries."""
+move or a send is cut short. Pure logic: a stand-in process group records what each send carries."""
 
+import pytest
 import torch
 
 from rlsync.publish.layout import RankShards
@@ -68,6 +69,17 @@ def test_a_repeat_packs_each_bucket_from_the_views_it_kept_and_sends_the_new_val
     again = _send(shards, routes, packs)
     assert again == _wire(shards, routes) != first, "the repeat sends the new values"
     assert all(packs.buckets[tag] is kept[tag] for tag in kept), "from the views it kept"
+
+    def failing(p):
+        raise RuntimeError("cut short")
+
+    cut_short = routed.Packs()
+    cut_short.buckets, cut_short.slots = dict(packs.buckets), packs.slots
+    with pytest.raises(RuntimeError, match="cut short"):
+        routed.send(RecordingGroup(), routes, 0, failing, 256, Deadline(5, "test"), torch.device("cpu"), None,
+                    None, cut_short)
+    assert not cut_short.buckets and cut_short.slots is None, \
+        "a send cut short leaves nothing to repeat (a slot it took for a bucket it kept no plan of)"
 
     where = shards.where()  # what a sender keys its Packs by
     moved = {n: p.clone() * 2 for n, p in params.items()}  # another optimizer's storages: other addresses

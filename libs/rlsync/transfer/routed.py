@@ -140,7 +140,12 @@ def send(pg, routes: Routes, rank: int, piece: Callable[[Piece], torch.Tensor], 
     launch, cast on the way (a mixture of experts' hundreds of small pieces: one launch, not one each).
     `packs`: what the last send of these routes from the same storages packed (Packs), kept and reused."""
     with _Window(deadline, device) as window:
-        sent = _send(pg, routes, rank, piece, bucket_bytes, window, device, source, packs)
+        try:
+            sent = _send(pg, routes, rank, piece, bucket_bytes, window, device, source, packs)
+        except BaseException:
+            if packs is not None:  # cut short, it may have taken a slot for a bucket it kept no plan of, which
+                packs.forget()     # would put two buckets in a row in one slot: the next send packs anew
+            raise
         window.profile(profile)
         return sent
 
@@ -169,6 +174,9 @@ class Packs:
     def __init__(self):
         self.slots: _Slots | None = None
         self.buckets: dict[int, tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], list]] = {}
+
+    def forget(self) -> None:
+        self.slots, self.buckets = None, {}
 
 
 def _pack_plan(op: Op, transfer, routes: Routes, slots: _Slots, source) -> tuple:
