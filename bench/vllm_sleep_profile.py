@@ -41,7 +41,7 @@ def ms(fn) -> float:
 def top(profile: cProfile.Profile, n: int = 12) -> list[str]:
     out = io.StringIO()
     pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(n)
-    return [line for line in out.getvalue().splitlines() if line.strip() and "/" in line or "{" in line][:n]
+    return [line for line in out.getvalue().splitlines() if "/" in line or "{" in line][:n]
 
 
 def _storages(worker) -> list[torch.Tensor]:

@@ -431,7 +431,7 @@ class ShardedSender:
                 profile["group"] = time.perf_counter() - start - profile["export"] - profile["meet"]
                 bucket = _bucket(offer, answers)
                 packs = None if self.source is None else self._packs.get(
-                    (pushed, self.rank, bucket, self.where()), routed.Packs)
+                    (pushed, bucket, self.where()), routed.Packs)
                 sent += routed.send(pg, pushed, self.rank, self.piece, bucket, deadline, self.device, profile,
                                     self.source, packs)
             _delete(store, spent)  # while the receiver ranks pull (one round trip each)
