@@ -12,6 +12,7 @@ object.
     python bench/gpu_cycle.py --only updates --mode inflight --interval 2
     python bench/gpu_cycle.py --only colocated --lora-rank 16   # the trainer syncs a LoRA adapter only
     python bench/gpu_cycle.py --engine vllm --only colocated      # vLLM replicas (its sleep mode, eager)
+    python bench/gpu_cycle.py --trainer-nproc 2 --only colocated   # an FSDP2 trainer of 2 ranks: routed pulls
 """
 
 from __future__ import annotations
@@ -415,6 +416,9 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="colocated only: the trainer trains a LoRA adapter of this rank and syncs only it")
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="the replicas' engine")
+    parser.add_argument("--trainer-nproc", type=int, default=1,
+                        help="the trainer's ranks (FSDP2; on one GPU they share it: each rank's shards are pulled "
+                             "by the replica, routed)")
     parser.add_argument("-E", "--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="one more engine argument of every replica (repeatable)")
     args = parser.parse_args()
@@ -429,9 +433,10 @@ def main() -> None:
     nbytes = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
     gpus = torch.cuda.device_count()
     lora = ["--lora-rank", str(args.lora_rank), "--lora-alpha", str(2 * args.lora_rank)] if args.lora_rank else []
+    lora += ["--nproc", str(args.trainer_nproc)] * (args.trainer_nproc > 1)
     result = {"gpu": torch.cuda.get_device_name(0), "gpus": gpus, "engine": ENGINE, "preset": args.preset,
               "checkpoint_bytes": nbytes,
-              "lora_rank": args.lora_rank, "doorbell": not args.no_doorbell, "hold": not args.no_hold,
+              "lora_rank": args.lora_rank, "trainer_nproc": args.trainer_nproc, "doorbell": not args.no_doorbell, "hold": not args.no_hold,
               "publish_buffer": args.publish_buffer, "peer_pulls": not args.no_peer, "engine_args": ENGINE_ARGS,
               "limits": {"d2d_copy_GB/s": round(d2d_limit(4 << 30, "cuda:0"), 1)}}
     replica_env = {"RLSYNC_PEER_PULLS": "0"} if args.no_peer else None
@@ -450,7 +455,8 @@ def main() -> None:
         limit = result["limits"].get("nccl_broadcast_GB/s") if gpus > 1 else result["limits"]["d2d_copy_GB/s"]
         if limit is None:
             limit = result["limits"]["nccl_broadcast_GB/s"] = round(nccl_limit(nbytes, 2), 1)
-        buffer = ["--publish-buffer"] * args.publish_buffer
+        buffer = ["--publish-buffer"] * args.publish_buffer + ["--nproc", str(args.trainer_nproc)] * (
+            args.trainer_nproc > 1)
         for mode in args.mode or ["inflight", "async"]:
             result[f"updates_{mode}"] = under_updates(model, root / f"logs-{mode}", mode, limit, args.seconds,
                                                       args.interval, trainer_args=buffer, replica_env=replica_env,

@@ -91,7 +91,8 @@ class TrainerConfig:
     coordinator: str = option("", "coordinator address (host:port) to register with; empty = standalone",
                               check=grpc_address)
     nproc: int = option(1, "ranks to train with: > 1 shards the model over that many processes with FSDP2 "
-                           "(gloo on CPU; NCCL with one GPU per rank)", minimum=1)
+                           "(gloo on CPU; NCCL with one GPU per rank; gloo where ranks share GPUs, a slow step)",
+                        minimum=1)
 
     def on_cuda(self) -> bool:
         """Whether the trainer trains on a GPU (auto: when one is visible)."""
@@ -110,6 +111,6 @@ class TrainerConfig:
         if self.nproc > 1 and self.device.startswith("cuda"):
             import torch
 
-            if self.nproc > torch.cuda.device_count():
-                raise StartupError(f"{flag('nproc')} {self.nproc} with {flag('device')} {self.device}: each rank "
-                                   f"takes a GPU of its own, and this host has {torch.cuda.device_count()}")
+            if not torch.cuda.device_count():
+                raise StartupError(f"{flag('nproc')} {self.nproc} with {flag('device')} {self.device}: this host "
+                                   "has no GPU")

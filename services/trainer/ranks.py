@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -20,11 +21,17 @@ from rlsync.config import ServerConfig
 from rlsync.trainer.config import TrainerConfig
 from rlsync.trainer.v1 import trainer_pb2 as pb
 
+log = logging.getLogger(__name__)
+
 STALE_POLICIES = {pb.STALE_POLICY_KEEP: "keep", pb.STALE_POLICY_DROP: "drop", pb.STALE_POLICY_DOWNWEIGHT: "downweight"}
 
 
 def backend(cfg: TrainerConfig) -> str:
-    return "nccl" if cfg.on_cuda() else "gloo"
+    """NCCL with a GPU per rank; gloo on the CPU, and where ranks share GPUs (NCCL takes no two ranks on one
+    GPU; gloo carries CUDA tensors through host memory: a slow step, but a sharded trainer on one GPU)."""
+    if not cfg.on_cuda():
+        return "gloo"
+    return "nccl" if torch.cuda.device_count() >= cfg.nproc else "cpu:gloo,cuda:gloo"
 
 
 def start_ranks(cfg: TrainerConfig) -> list[subprocess.Popen]:
@@ -38,13 +45,16 @@ def start_ranks(cfg: TrainerConfig) -> list[subprocess.Popen]:
                               env={**os.environ, **common, "RANK": str(r), "LOCAL_RANK": str(r)})
              for r in range(1, cfg.nproc)]  # their output goes where the service's goes: its log
     os.environ.update(common, RANK="0", LOCAL_RANK="0")
+    if backend(cfg) != "nccl" and cfg.on_cuda():
+        log.warning("%d ranks on %d GPU(s): gloo carries the gradients through host memory (a slow step; NCCL "
+                    "takes no two ranks on one GPU)", cfg.nproc, torch.cuda.device_count())
     _init(cfg)
     return procs
 
 
 def _init(cfg: TrainerConfig) -> None:
-    if backend(cfg) == "nccl":  # one GPU per rank, chosen before anything touches CUDA
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if cfg.on_cuda():  # rank r on GPU r (of as many as there are), chosen before anything touches CUDA
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
     # Ranks 1..N-1 wait in a broadcast between requests: rank 0 keeps them alive (KEEPALIVE_SECONDS).
     dist.init_process_group(backend(cfg))
 

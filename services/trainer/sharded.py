@@ -1,5 +1,6 @@
 """The policy sharded with FSDP2 over the trainer's ranks (`--nproc N`): one process per rank, each
-holding 1/N of the parameters, gradients and optimizer state (gloo on CPU, NCCL with a GPU each).
+holding 1/N of the parameters, gradients and optimizer state (gloo on CPU, NCCL with a GPU each, gloo
+where ranks share a GPU).
 
 The same surface as `Policy` for the trainer core: model, params, optimizer, offload/onload.
 Parameters are DTensors; every rank sends its own shards when the weights go out (rlsync.publish).
@@ -64,6 +65,7 @@ class ShardedPolicy:
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             self._move(torch.device("cpu"))
+            torch.cuda.ipc_collect()  # memory receivers mapped (CUDA IPC) is only freed once collected
             torch.cuda.empty_cache()
         self.offloaded = True
 

@@ -232,3 +232,32 @@ def test_same_gpu_lora_adapter_over_cuda_ipc(services, tmp_path, tiny_model):
         want = model.generate(input_ids=torch.tensor([prompt]).cuda(), max_new_tokens=10, min_new_tokens=10,
                               do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
     assert rollout.complete(prompt, max_tokens=10, temperature=0, ignore_eos=True)[0].token_ids == want
+
+
+def test_a_sharded_trainer_sharing_the_gpu_is_pulled_from_held_until_its_offload(services):
+    """rlsync's trainer with --nproc 2 on one GPU (FSDP2 over gloo: NCCL takes no two ranks on one GPU). A
+    replica on that GPU pulls each rank's shards (routed, cuda_ipc); rung with the offer, it keeps them mapped
+    from the first update (Routing.holder), and the trainer's Offload has it let go, so the trainer's memory
+    really leaves the GPU. Every update verified bit for bit; one prepared by gRPC (no holder) maps anew."""
+    trainer, rollout = _fleet(services, "0", "0", checksums=False, trainer_extra=["--nproc", "2"])
+    bell = rollout.info().doorbell
+    freed = trainer.offload().state.device_reserved_bytes  # what an offload leaves when nobody maps the weights
+    trainer.onload()
+    for seed in (4, 5, 6):
+        done = rollout.complete("3+4=", max_tokens=8, logprobs=True, ignore_eos=True, n=4, seed=seed)
+        trainer.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])
+        report = push_weights(trainer, [rollout], doorbells=[bell], hold=True)  # as async and inflight syncs
+        assert set(report.backends) == {"cuda_ipc"}, report.backends
+        assert differences(trainer.checksums(), rollout.checksums()) == []
+    off = trainer.offload()
+    assert off.released == 1, "the replica let go"
+    assert off.state.device_reserved_bytes <= freed, (off, freed)
+    assert rollout.release_weights("trainer").released == 0
+    trainer.onload()
+    push_weights(trainer, [rollout], doorbells=[bell], hold=True)
+    held = rollout.release_weights("trainer").released  # what the trainer's next Offload would have it close
+    assert held >= 2, f"every rank's storages stayed mapped after the update: {held}"
+    report = push_weights(trainer, [rollout])  # prepared by gRPC: mapped and closed within the update
+    assert set(report.backends) == {"cuda_ipc"}
+    assert differences(trainer.checksums(), rollout.checksums()) == []
+    assert rollout.release_weights("trainer").released == 0

@@ -125,6 +125,9 @@ def test_two_rank_trainer_trains_like_one_and_its_syncs_verify(services):
     sharded = TrainerClient(two.address)
     assert differences(one.checksums(), sharded.checksums()) == []
     assert sharded.state().parameters == one.state().parameters
+    assert sharded.offload().state.offloaded and not sharded.onload().state.offloaded
+    with CoordinatorClient(co.address) as fleet:  # every rank let go of its sender at the offload, and sends again
+        assert fleet.train(batch(3)).step == 3 and fleet.sync_weights(verify=True).verified
     with pytest.raises(RpcError) as e:
         sharded.save_checkpoint("/tmp/nope")
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "--nproc" in e.value.message

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlsync.publish.holders import Holders
+from rlsync.publish.holders import ROUTED, Holders
 from rlsync.rpc.doorbell import Lines
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
@@ -17,3 +17,12 @@ def test_only_replicas_holding_exactly_the_offers_storages_are_rung_and_never_fo
     assert holders.bells_for(offer) == {"a:1": "bell-a"}
     offer.manifest.adapter.rank = 8  # an adapter: no replica armed a copy of it
     assert holders.bells_for(offer) == {}
+
+
+def test_a_sharded_trainers_rung_replicas_are_recorded_as_holders_with_no_bell():
+    """A sharded trainer's offer, rung with a holder name (Routing.holder), has the replicas keep what their
+    ranks pull: each is recorded to be asked to let go at the release; none has a bell to write."""
+    holders = Holders("trainer", "", Lines())
+    holders.routed([pb.Doorbell(address="a:1"), pb.Doorbell(address="b:1")])
+    assert {a: held for a, (_, held) in holders.holding.items()} == {"a:1": ROUTED, "b:1": ROUTED}
+    assert holders.bells_for(pb.Offer(routing=pb.Routing(store="h:1", holder="trainer"))) == {}

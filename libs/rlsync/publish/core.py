@@ -324,7 +324,8 @@ class PublisherCore:
     def rank_handlers(self, ranks: Ranks) -> dict:
         """What this core's other ranks run for the requests rank 0 queues (see PublishPoints)."""
         self.ranks = ranks
-        return {ROUTED: self.send_routed, AUDIT: self.audit_shares}
+        return {ROUTED: self.send_routed, AUDIT: self.audit_shares, OFFLOAD: lambda _: self._offload_here(),
+                ONLOAD: lambda _: self._onload_here()}
 
     def send_routed(self, payload: bytes) -> Report | None:
         """Every rank of a sharded trainer: its part of a routed transfer (rank 0 is handed the same
@@ -369,27 +370,33 @@ class PublisherCore:
         return report
 
     async def offload(self) -> None:
-        def offload() -> None:
-            self.drop_sender()
-            if self.hooks[OFFLOAD] is not None:
-                self.hooks[OFFLOAD]()
-            self.offloaded = True
-        await self.run(offload, OFFLOAD, 0)
+        await self.run(self._offload_here, OFFLOAD, 0)
+
+    def _offload_here(self) -> None:
+        """This rank's part of an offload: its sender goes first (with the CUDA IPC exports that keep its
+        storages alive, on every rank of a sharded trainer), then the user's hook moves the weights."""
+        self.drop_sender()
+        if self.hooks[OFFLOAD] is not None:
+            self.hooks[OFFLOAD]()
+        self.offloaded = True
 
     async def onload(self, describe: bool = False) -> tuple[tpb.MappedTensors, tpb.Facts] | None:
         """describe: also return where the weights now lie on the GPU, and its facts, for replicas on
         it to keep mapped until the offload (None when they cannot be mapped). The sender is then
         built now, not at the first offer."""
         def onload() -> tuple[tpb.MappedTensors, tpb.Facts] | None:
-            if self.hooks[ONLOAD] is not None:
-                self.hooks[ONLOAD]()
-            self.offloaded = False
+            self._onload_here()
             if not describe:
                 return None
             sender = self._sender_now()
             regions = sender.regions()
             return None if regions is None else (regions, local_facts(sender.device))
         return await self.run(onload, ONLOAD, 0)
+
+    def _onload_here(self) -> None:
+        if self.hooks[ONLOAD] is not None:
+            self.hooks[ONLOAD]()
+        self.offloaded = False
 
     def close(self) -> None:
         self.drop_sender()

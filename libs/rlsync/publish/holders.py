@@ -24,6 +24,9 @@ from rlsync.transfer.copied import sender_device
 from rlsync.transfer.v1.transfer_pb2 import Doorbell
 
 
+ROUTED = (b"routed",)  # what a replica holds of a sharded trainer: what each of its ranks pulled (no list here)
+
+
 class Holders:
     def __init__(self, holder: str, token: str, lines: Lines):
         self.holder, self.token, self.lines = holder, token, lines  # the name replicas hold the weights under
@@ -49,6 +52,15 @@ class Holders:
             held = self._record(regions, await ring_hold(self.holder, *regions, todo, self.token, self.lines))
             self.cannot_hold.update(d.address for d in todo if d.address not in held)
         await self._settle_peers(peers)
+
+    def routed(self, ring: list[Doorbell]) -> None:
+        """Records the replicas of `ring` as holding what their ranks pull of a sharded trainer's memory (the
+        offer they are rung with names the holder: Routing.holder), so that they let go at the next release;
+        holders no longer in `ring` are forgotten, and asked to let go in the background, as in hold()."""
+        rung = {d.address for d in ring}
+        self._forget([address for address in self.holding if address not in rung])
+        for d in ring:
+            self.holding[d.address] = d, ROUTED
 
     def _record(self, regions: tuple, held: list) -> set[str]:
         """Records the replicas that hold the storages of `regions` (ring_hold's answers), and maps the bell each

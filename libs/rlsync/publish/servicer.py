@@ -18,6 +18,7 @@ from rlsync.rpc import unary
 from rlsync.rpc.doorbell import Lines
 from rlsync.trainer.v1 import trainer_pb2 as pb
 from rlsync.trainer.v1 import trainer_pb2_grpc
+from rlsync.transfer.v1 import transfer_pb2 as tpb
 
 
 class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
@@ -82,7 +83,8 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
                     await self.release_held()
                 if offer.one_copy and not offer.mapped.dtype:
                     offer.peer_readers.extend(self.holders.peer_readers(regions))
-            rang = asyncio.ensure_future(ring_prepare(offer, ring, self.token, request.force_backend,
+            rung_offer = self._held_routed(offer, ring) if request.hold and ring else offer
+            rang = asyncio.ensure_future(ring_prepare(rung_offer, ring, self.token, request.force_backend,
                                                       request.timeout, self.lines, self.holders.bells_for(offer)))
             if request.publish and ring:
                 # A trainer that sends as soon as the replicas it rang answered starts broadcasting while they
@@ -105,6 +107,19 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
             if not publishing:
                 self.publisher.cancel_ahead(offer.transfer_id)
         return pb.OfferWeightsResponse(offer=offer, rung=rung, ring_seconds=seconds, publishing=publishing)
+
+    def _held_routed(self, offer: tpb.Offer, ring: list) -> tpb.Offer:
+        """A sharded trainer's offer as the replicas it rings get it: naming the holder their ranks keep what they
+        pull under (Routing.holder), recorded here so that they let go before the trainer's memory leaves the
+        GPU. Replicas prepared otherwise (the coordinator's PrepareUpdate) get the offer without it: they map
+        and close at each update, as nothing here could ask them to let go."""
+        if not offer.HasField("routing"):
+            return offer
+        self.holders.routed(ring)
+        rung = tpb.Offer()
+        rung.CopyFrom(offer)
+        rung.routing.holder = self.holders.holder
+        return rung
 
     async def _send_ahead(self, transfer_id: str) -> None:
         await asyncio.sleep(0)  # the rings go out first

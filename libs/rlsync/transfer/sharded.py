@@ -538,12 +538,15 @@ class RoutedReceiver:
     """One receiver rank's end (the interface of transfer.Receiver: run(), close()). `dest` holds this
     rank's box of each tensor it loads, by name (`boxes[name]` says which box; whole by default).
     hold: what it pulls on the trainer's GPU, it keeps mapped under this holder name (pulls.pull):
-    the caller must `HELD.release(hold)` before the trainer's memory may leave the GPU."""
+    the caller must `HELD.release(hold)` before the trainer's memory may leave the GPU (a replica does when
+    the trainer asks: ReleaseWeights). keep_views: with a hold, the writer of what comes over the group,
+    laid out over `dest`, is kept with it for the next update into the same memory; False for a `dest`
+    that goes after this transfer (it would stay alive until the next update or the release)."""
 
     def __init__(self, offer: pb.Offer, answer: pb.Answer, dest: Mapping[str, torch.Tensor] | FlatStore, *,
                  rank: int = 0, device: torch.device | str | None = None, timeout: float = 300.0,
-                 boxes: Mapping[str, Box] | None = None, hold: str = ""):
-        self.offer, self.answer, self.rank, self.hold = offer, answer, rank, hold
+                 boxes: Mapping[str, Box] | None = None, hold: str = "", keep_views: bool = True):
+        self.offer, self.answer, self.rank, self.hold, self.keep_views = offer, answer, rank, hold, keep_views
         self.specs = from_proto(offer.manifest)
         self.device = resolved(torch.device(device)) if device is not None else torch.device("cpu")
         self.trainer: Layout | None = None  # read at run() (trainer_layout)
@@ -645,7 +648,7 @@ class RoutedReceiver:
     def _receive(self, store, routes: Routes, me: int, answers: Sequence[pb.Answer], profile: dict) -> int:
         """The pieces that come over the group (every member joins it, with or without pieces of its own)."""
         writer = kept.writer(routes.of_receiver(me), me, self.specs, self.staging, self.device,
-                             HELD.kept(self.hold) if self.hold else None,
+                             HELD.kept(self.hold) if self.hold and self.keep_views else None,
                              lambda: routed.destinations(routes, me, self.specs, self.staging))
         tid, senders = self.offer.transfer_id, self.trainer.ranks
         members = senders + routes.receivers

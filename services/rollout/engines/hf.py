@@ -421,7 +421,9 @@ class HFEngine(Engine):
             launched = None
 
         def receive(staging: FlatStore, post: bool = True) -> StagedUpdate:  # a pull is done (or queued) on return
-            return StagedUpdate(offer, ans, staging, 0, self.device, timeout, base=base, post=post)
+            # (a sharded trainer's offer may name the holder its pulls stay mapped under: released as any hold)
+            return StagedUpdate(offer, ans, staging, 0, self.device, timeout, base=base, post=post,
+                                hold=offer.routing.holder)
 
         def in_place() -> StagedUpdate | AdoptedUpdate | None:
             """Between two steps: a woken engine whose weights are not refilled yet receives right

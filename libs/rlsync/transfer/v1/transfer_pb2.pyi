@@ -211,12 +211,14 @@ class AuditShares(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., format: _Optional[_Union[WeightFormat, _Mapping]] = ...) -> None: ...
 
 class Routing(_message.Message):
-    __slots__ = ("store", "layout")
+    __slots__ = ("store", "layout", "holder")
     STORE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
     store: str
     layout: str
-    def __init__(self, store: _Optional[str] = ..., layout: _Optional[str] = ...) -> None: ...
+    holder: str
+    def __init__(self, store: _Optional[str] = ..., layout: _Optional[str] = ..., holder: _Optional[str] = ...) -> None: ...
 
 class TrainerLayout(_message.Message):
     __slots__ = ("ranks",)
