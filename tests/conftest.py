@@ -249,13 +249,16 @@ def rollout_args(engine: str, *extra: str, **engine_extra) -> list[str]:
     return ["--engine", engine, "--engine-args", engine_args(engine, **engine_extra), *extra]
 
 
+GREEDY_PROMPT = "the model reads"  # greedy_against_transformers' prompt (a test may serve it earlier, to cache it)
+
+
 def greedy_against_transformers(rollout, checkpoint: str, count: int = 12) -> tuple[list[int], list[int]]:
     """(the replica's greedy tokens, transformers' on the checkpoint) for one prompt, `count` tokens each."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    prompt = rollout.complete("the model reads", max_tokens=1)[0].prompt_token_ids
+    prompt = rollout.complete(GREEDY_PROMPT, max_tokens=1)[0].prompt_token_ids
     want = model.generate(torch.tensor([prompt]), max_new_tokens=count, min_new_tokens=count, do_sample=False,
                           pad_token_id=0)[0, len(prompt):].tolist()
     got = rollout.complete(prompt, max_tokens=count, temperature=0, ignore_eos=True)[0].token_ids

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from conftest import engines, greedy_against_transformers, rl_step, rollout_args
+from conftest import GREEDY_PROMPT, engines, greedy_against_transformers, rl_step, rollout_args
 from rlsync.client import CoordinatorClient, RolloutClient, TrainerClient
 from rlsync.models import ensure_tiny_moe
 from rlsync.publish import WeightPublisher
@@ -55,10 +55,13 @@ SGLANG_ASYNC = [pytest.param(*e.values, "async", marks=e.marks) for e in engines
 def test_five_trainer_steps_arrive_bit_for_bit_and_greedy_tokens_equal_transformers(services, moe_model, engine,
                                                                                mode, tmp_path):
     """Five refits in a row (NeMo-RL's failure was the second: vLLM laid the experts out anew at the first), each
-    verified; then the engine computes what transformers does on the trainer's weights. On vLLM's CPU build this
-    needs its experts padded and prepacked again at each reload (vllm_experts)."""
+    verified; then the engine computes what transformers does on the trainer's weights, on a prompt it served at
+    every version before (an engine's prefix cache may hold that prompt's KV from the old weights: SGLang's radix
+    cache did, the RL demo's prompts repeat). On vLLM's CPU build this needs its experts padded and prepacked again
+    at each reload (vllm_experts)."""
     client, replica, trainer = _fleet(services, moe_model, engine, with_trainer=True, mode=mode)
     for step in range(1, 6):  # five refits in a row (a second refit is where MoE reloads have failed elsewhere)
+        replica.complete(GREEDY_PROMPT, max_tokens=1)  # its prefix cached on version step - 1
         sync = rl_step(client, seed=step)
         assert sync.version == step and sync.verified and sync.replicas == 1
     names = {t.name for t in replica.checksums().tensors}

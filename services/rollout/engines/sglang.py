@@ -5,7 +5,8 @@ Updates are received in this process, over rlsync's own channels, into staging m
 process can map (memfd), while the engine serves the weights it has; the commit pauses the engine
 between two batches and hands the scheduler a request naming that memory (sglang_scheduler.py),
 which maps it and loads it with the model's own load_weights. No tensor is pickled: SGLang's call
-carries one empty tensor and a name.
+carries one empty tensor and a name. Each commit starts a new cache salt, so that no request admitted after it
+reuses prefix KV that the old weights computed.
 
 On CPU: SGLang's kernels (sgl_kernel) are built for CUDA and are called only on processors with AMX;
 the replica's environment has a placeholder sgl_kernel (deploy/sglang-cpu), which registers no torch
@@ -84,6 +85,11 @@ class SGLangEngine(Engine):
         self.engine = None
         self._rids: dict[str, list[str]] = {}  # request id -> its SGLang rids (one per completion)
         self._paused = False
+        # SGLang's radix cache keeps a prompt's KV across weight updates (a commit flushes nothing: SGLang refuses
+        # a flush while requests run), and would serve a repeated prompt's prefix as the old weights computed it.
+        # Requests name the commit they arrived after as their cache_salt (SGLang's namespace for prefixes), as a
+        # vllm replica's do; the old commits' entries are left to SGLang's LRU eviction.
+        self._salt = 0
         self._update: StagedUpdate | None = None
         self._applied: dict | None = None
         self._replies = tempfile.TemporaryDirectory(prefix="rlsync-sglang-")
@@ -119,7 +125,7 @@ class SGLangEngine(Engine):
         p = request.sampling
         params = {"max_new_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p,
                   "top_k": p.top_k if p.top_k > 0 else -1, "stop": list(p.stop) or None, "ignore_eos": p.ignore_eos}
-        prefix = uuid.uuid4().hex
+        prefix, salt = uuid.uuid4().hex, f"rlsync-{self._salt}"  # (one salt: the completions share the prompt's KV)
         self._rids[request.request_id] = [f"{prefix}-{i}" for i in range(p.n)]
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -128,7 +134,7 @@ class SGLangEngine(Engine):
             try:
                 stream = await self.engine.async_generate(
                     input_ids=list(request.prompt_token_ids), sampling_params=seeded, stream=True,
-                    return_logprob=p.logprobs, rid=f"{prefix}-{index}")
+                    return_logprob=p.logprobs, rid=f"{prefix}-{index}", cache_salt=salt)
                 async with contextlib.aclosing(stream):
                     async for chunk in stream:
                         await queue.put(self._delta(index, chunk, p.logprobs))
@@ -263,6 +269,9 @@ class SGLangEngine(Engine):
             from sglang.srt.managers.io_struct import PauseGenerationReqInput
 
             await manager.pause_generation(PauseGenerationReqInput(mode="retract" if recompute_kv else "in_place"))
+        # Nothing runs until the resume: requests from now on wait, then prefill on the new weights under a new salt.
+        # (Per attempt, not per version: a failed commit's version may come again, after requests ran on the old.)
+        self._salt += 1
         recomputed = len(self._rids) if recompute_kv else 0
         try:
             await _ok(manager.begin_weight_update(BeginWeightUpdateReqInput(selector="all"), None), "begin")
