@@ -436,7 +436,8 @@ def main() -> None:
     lora += ["--nproc", str(args.trainer_nproc)] * (args.trainer_nproc > 1)
     result = {"gpu": torch.cuda.get_device_name(0), "gpus": gpus, "engine": ENGINE, "preset": args.preset,
               "checkpoint_bytes": nbytes,
-              "lora_rank": args.lora_rank, "trainer_nproc": args.trainer_nproc, "doorbell": not args.no_doorbell, "hold": not args.no_hold,
+              "lora_rank": args.lora_rank, "trainer_nproc": args.trainer_nproc, "doorbell": not args.no_doorbell,
+              "hold": not args.no_hold,
               "publish_buffer": args.publish_buffer, "peer_pulls": not args.no_peer, "engine_args": ENGINE_ARGS,
               "limits": {"d2d_copy_GB/s": round(d2d_limit(4 << 30, "cuda:0"), 1)}}
     replica_env = {"RLSYNC_PEER_PULLS": "0"} if args.no_peer else None
