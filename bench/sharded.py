@@ -210,6 +210,7 @@ def engine(args, k: int, g: int, rank: int, store) -> dict:
     out = {}
     for path in paths(args.device):
         seconds, staging, profiler, layouts, profiles = [], None, _profiled(), None, []
+        keep: dict = {}  # what the receiver lays out over the staging, kept as long as the staging (a FlatStore's memo)
         for i in range(args.repeats + 1):
             if i == 1 and profiler is not None:
                 profiler.enable()
@@ -232,7 +233,7 @@ def engine(args, k: int, g: int, rank: int, store) -> dict:
                 ans = answer(offer, "replica", ranks=g, layout=layouts, device=args.device)
                 store.set(f"{path}/answer/{i}/{rank}", ans.SerializeToString())
                 report = RoutedReceiver(offer, ans, staging, rank=rank, boxes=boxes, device=args.device,
-                                        hold="bench" if args.hold else "").run()
+                                        hold="bench" if args.hold else "", keep=keep).run()
             if i:
                 seconds.append(report.seconds)
                 profiles.append(report.profile)

@@ -34,6 +34,9 @@ class FlatStore:
         self.layout = tuple((name, dtype, tuple(shape)) for name, (shape, dtype) in specs.items())
         self._matched: list = []  # the specs laid_out_as last found to match
         self._bytes: torch.Tensor | None = None  # the one buffer as bytes (whole_for), cut once
+        # What receivers lay out over these views (rlsync.transfer.kept: a routed receiver's writer), kept for
+        # the next update into them, and gone with the store.
+        self.memo: dict = {}
 
     def laid_out_as(self, specs) -> bool:
         """Whether `specs` (a manifest's) list this store's tensors, in its order, with their dtypes

@@ -79,12 +79,11 @@ class StagedUpdate:
     def __init__(self, offer: pb.Offer, answer: pb.Answer, staging: dict[str, torch.Tensor] | FlatStore, rank: int,
                  device: torch.device, timeout: float, expected=None,
                  base: dict[str, torch.Tensor] | FlatStore | None = None, boxes=None, post: bool = True,
-                 hold: str = "", keep_views: bool = True):
+                 hold: str = ""):
         self.version = offer.manifest.version
         self.staging = staging
         self.receiver = receiver_for(offer, answer, staging, rank=rank, device=device, timeout=timeout,
-                                     expected=expected, base=base, boxes=boxes, post=post, hold=hold,
-                                     keep_views=keep_views)
+                                     expected=expected, base=base, boxes=boxes, post=post, hold=hold)
         self.future: concurrent.futures.Future[Report] = concurrent.futures.Future()
         self.started = time.perf_counter()
         # The receiver's setup, timed (its layout, its connection to the sender), for the answer's stages.

@@ -14,7 +14,6 @@ from rlsync.errors import DataLoss
 from rlsync.publish.layout import RankShards
 from rlsync.publish.mapping import WeightMap
 from rlsync.transfer import kept, pulls
-from rlsync.transfer.held import HELD, HeldMappings
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.routed import destinations
 from rlsync.transfer.routes import TensorInfo, chunks, layout, plan_routes, whole
@@ -42,17 +41,16 @@ def _staging(g: int, rank: int):
     return out
 
 
-HOLDER = "test-kept"
+KEEP: dict = {}  # where the staging's owner keeps what is laid out over it (a FlatStore's memo)
 
 
-def _writer(routes, staging, rank=0, held=HELD):
+def _writer(routes, staging, rank=0, keep=KEEP):
     made = []
 
     def lay_out():
         made.append(1)
         return destinations(routes, rank, SPECS, staging)
-    return kept.writer(routes.of_receiver(rank), rank, SPECS, staging, torch.device("cpu"), held.kept(HOLDER),
-                       lay_out), len(made)
+    return kept.writer(routes.of_receiver(rank), rank, SPECS, staging, torch.device("cpu"), keep, lay_out), len(made)
 
 
 def test_a_repeat_with_the_same_values_makes_nothing_and_another_key_makes_it_anew():
@@ -77,7 +75,7 @@ def test_where_tensors_lie_changes_when_a_storage_moves_and_not_otherwise():
 
 
 def test_a_repeat_routed_update_reuses_its_writer_and_receives_into_it_anew():
-    HELD.release(HOLDER)
+    KEEP.clear()
     routes, staging = _routes(2, 2), _staging(2, 0)
     first, made = _writer(routes, staging)
     again, made_again = _writer(routes, dict(staging))  # the same tensors, in another dict: the same key
@@ -116,12 +114,11 @@ def test_a_writer_made_ready_again_completes_empty_tensors_as_a_new_one_does():
     assert writer.finish() == 8 and dest["x"].eq(2).all()
 
 
-def test_a_receiver_that_holds_nothing_or_let_go_keeps_no_view_of_its_staging():
-    routes, staging, held = _routes(2, 2), _staging(2, 0), HeldMappings()
-    first, _ = _writer(routes, staging, held=held)
-    assert _writer(routes, staging, held=held) == (first, 0)
-    held.release(HOLDER)  # the engine may free its staging now: nothing of it is kept
-    again, made = _writer(routes, staging, held=held)
+def test_a_receiver_keeps_no_view_of_staging_its_owner_keeps_nothing_for():
+    routes, staging, keep = _routes(2, 2), _staging(2, 0), {}
+    first, _ = _writer(routes, staging, keep=keep)
+    assert _writer(routes, staging, keep=keep) == (first, 0)
+    again, made = _writer(routes, staging, keep={})  # another owner's (a store made anew): nothing of the first
     assert made == 1 and again is not first
     lay_outs = []
     unheld = kept.writer(routes.of_receiver(0), 0, SPECS, staging, torch.device("cpu"), None,

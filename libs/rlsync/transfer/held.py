@@ -117,13 +117,6 @@ class HeldMappings:
                     return self._memos.setdefault(holder, {})
         return None
 
-    def kept(self, holder: str) -> dict:
-        """A dict that lives until `holder` is released or holds another list: what a receiver that holds
-        under that name keeps between updates beside its mappings (rlsync.transfer.kept), views of its own
-        staging included (kept no longer than its caller allows: until it releases the holder)."""
-        with self._lock:
-            return self._memos.setdefault(holder, {})
-
     def count(self) -> int:
         with self._lock:
             return sum(len(m) for m in self._held.values())

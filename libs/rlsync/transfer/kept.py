@@ -91,11 +91,11 @@ def writer(mine: Sequence[Transfer], rank: int, specs: Sequence[Spec],
            staging: Mapping[str, tuple[Box, torch.Tensor]], device: torch.device, keep: dict | None,
            lay_out: Callable[[], tuple[list[Spec], dict[str, torch.Tensor]]]) -> DestWriter:
     """The writer of engine rank `rank`'s pieces (`mine`: its transfers) into `staging`, laid out once
-    (`lay_out`: routed.destinations) and made ready for this transfer. `keep`: where it is kept (a held
-    receiver's HELD.kept, which goes with the hold); None: laid out each time (nothing may keep views of
-    staging its owner could free). The pieces' tuples are the plan's own (routes.cached_routes keeps
-    them), held by the kept entry, so their ids name them; the routes know sizes, not dtypes, so the key
-    has those too."""
+    (`lay_out`: routed.destinations) and made ready for this transfer. `keep`: where it is kept, a dict
+    that lives as long as the staging does (its owner's: a FlatStore's memo); None: laid out each time
+    (nothing may keep views of staging its owner could free). The pieces' tuples are the plan's own
+    (routes.cached_routes keeps them), held by the kept entry, so their ids name them; the routes know
+    sizes, not dtypes, so the key has those too."""
     if keep is None:
         return DestWriter(*lay_out(), device)
     writers = keep.setdefault(("writers", rank), Kept(1))  # the latest only: no older staging kept alive

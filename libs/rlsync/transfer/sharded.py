@@ -37,7 +37,6 @@ from rlsync.address import reachable_host
 from rlsync.errors import Aborted, DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from rlsync.transfer import kept, pulls, routed, routed_groups
 from rlsync.transfer.control import Deadline
-from rlsync.transfer.held import HELD
 from rlsync.transfer.handshake import NAMES, PROTOCOL_VERSION, local_facts
 from rlsync.transfer.manifest import Spec, from_proto, to_proto
 from rlsync.flat import FlatStore
@@ -539,14 +538,15 @@ class RoutedReceiver:
     rank's box of each tensor it loads, by name (`boxes[name]` says which box; whole by default).
     hold: what it pulls on the trainer's GPU, it keeps mapped under this holder name (pulls.pull):
     the caller must `HELD.release(hold)` before the trainer's memory may leave the GPU (a replica does when
-    the trainer asks: ReleaseWeights). keep_views: with a hold, the writer of what comes over the group,
-    laid out over `dest`, is kept with it for the next update into the same memory; False for a `dest`
-    that goes after this transfer (it would stay alive until the next update or the release)."""
+    the trainer asks: ReleaseWeights). keep: where the writer of what comes over the group, laid out over
+    `dest`, is kept for the next update into the same memory (kept.writer): a dict that lives as long as
+    `dest` does, by default a FlatStore's `memo`; None (a dict of tensors): laid out at each update."""
 
     def __init__(self, offer: pb.Offer, answer: pb.Answer, dest: Mapping[str, torch.Tensor] | FlatStore, *,
                  rank: int = 0, device: torch.device | str | None = None, timeout: float = 300.0,
-                 boxes: Mapping[str, Box] | None = None, hold: str = "", keep_views: bool = True):
-        self.offer, self.answer, self.rank, self.hold, self.keep_views = offer, answer, rank, hold, keep_views
+                 boxes: Mapping[str, Box] | None = None, hold: str = "", keep: dict | None = None):
+        self.offer, self.answer, self.rank, self.hold = offer, answer, rank, hold
+        self.keep = keep if keep is not None or not isinstance(dest, FlatStore) else dest.memo
         self.specs = from_proto(offer.manifest)
         self.device = resolved(torch.device(device)) if device is not None else torch.device("cpu")
         self.trainer: Layout | None = None  # read at run() (trainer_layout)
@@ -648,7 +648,7 @@ class RoutedReceiver:
     def _receive(self, store, routes: Routes, me: int, answers: Sequence[pb.Answer], profile: dict) -> int:
         """The pieces that come over the group (every member joins it, with or without pieces of its own)."""
         writer = kept.writer(routes.of_receiver(me), me, self.specs, self.staging, self.device,
-                             HELD.kept(self.hold) if self.hold and self.keep_views else None,
+                             self.keep,
                              lambda: routed.destinations(routes, me, self.specs, self.staging))
         tid, senders = self.offer.transfer_id, self.trainer.ranks
         members = senders + routes.receivers

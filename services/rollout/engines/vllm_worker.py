@@ -310,9 +310,9 @@ class RlsyncWorkerExtension:
         if o.HasField("routing"):
             boxes = self._rlsync_boxes(specs)
             staging = BoxStaging(specs, boxes, device)
-            # (the staging is this update's: the pulls' mappings stay under the offer's holder, no views of it)
+            # (the staging is this update's, so nothing keeps views of it; the pulls' mappings stay under the holder)
             self._rlsync_update = StagedUpdate(o, ans, staging.views(), self.rank, device, timeout,
-                                               boxes=staging.boxes, hold=o.routing.holder, keep_views=False)
+                                               boxes=staging.boxes, hold=o.routing.holder)
             self._rlsync_update.staging = staging
         else:
             self._rlsync_update = StagedUpdate(o, ans, flat_like(specs, device), self.rank, device, timeout)
