@@ -241,13 +241,21 @@ def test_a_sharded_trainer_sharing_the_gpu_is_pulled_from_held_until_its_offload
     really leaves the GPU. Every update verified bit for bit; one prepared by gRPC (no holder) maps anew."""
     trainer, rollout = _fleet(services, "0", "0", checksums=False, trainer_extra=["--nproc", "2"])
     bell = rollout.info().doorbell
+
+    def step(seed: int) -> None:
+        done = rollout.complete("3+4=", max_tokens=8, logprobs=True, ignore_eos=True, n=4, seed=seed)
+        trainer.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])
+
+    step(3)
+    report = push_weights(trainer, [rollout])  # prepared by gRPC: mapped and closed within the update
+    assert set(report.backends) == {"cuda_ipc"}, report.backends
+    assert differences(trainer.checksums(), rollout.checksums()) == []
+    assert rollout.release_weights("trainer").released == 0, "nothing held without the holder's name"
     freed = trainer.offload().state.device_reserved_bytes  # what an offload leaves when nobody maps the weights
     trainer.onload()
     for seed in (4, 5, 6):
-        done = rollout.complete("3+4=", max_tokens=8, logprobs=True, ignore_eos=True, n=4, seed=seed)
-        trainer.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])
-        report = push_weights(trainer, [rollout], doorbells=[bell], hold=True)  # as async and inflight syncs
-        assert set(report.backends) == {"cuda_ipc"}, report.backends
+        step(seed)
+        push_weights(trainer, [rollout], doorbells=[bell], hold=True)  # rung, as async and inflight syncs are
         assert differences(trainer.checksums(), rollout.checksums()) == []
     off = trainer.offload()
     assert off.released == 1, "the replica let go"
@@ -257,7 +265,3 @@ def test_a_sharded_trainer_sharing_the_gpu_is_pulled_from_held_until_its_offload
     push_weights(trainer, [rollout], doorbells=[bell], hold=True)
     held = rollout.release_weights("trainer").released  # what the trainer's next Offload would have it close
     assert held >= 2, f"every rank's storages stayed mapped after the update: {held}"
-    report = push_weights(trainer, [rollout])  # prepared by gRPC: mapped and closed within the update
-    assert set(report.backends) == {"cuda_ipc"}
-    assert differences(trainer.checksums(), rollout.checksums()) == []
-    assert rollout.release_weights("trainer").released == 0
