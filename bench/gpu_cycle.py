@@ -432,8 +432,8 @@ def main() -> None:
     model = str(build_preset(root / args.preset, args.preset, device="cuda"))
     nbytes = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
     gpus = torch.cuda.device_count()
+    ranks = ["--nproc", str(args.trainer_nproc)] * (args.trainer_nproc > 1)  # every cycle's trainer
     lora = ["--lora-rank", str(args.lora_rank), "--lora-alpha", str(2 * args.lora_rank)] if args.lora_rank else []
-    lora += ["--nproc", str(args.trainer_nproc)] * (args.trainer_nproc > 1)
     result = {"gpu": torch.cuda.get_device_name(0), "gpus": gpus, "engine": ENGINE, "preset": args.preset,
               "checkpoint_bytes": nbytes,
               "lora_rank": args.lora_rank, "trainer_nproc": args.trainer_nproc, "doorbell": not args.no_doorbell,
@@ -445,19 +445,18 @@ def main() -> None:
     if args.only in (None, "colocated"):
         flags = ["--no-doorbell"] * args.no_doorbell + ["--no-hold-weights"] * args.no_hold
         result["colocated"] = colocated(model, args.cycles, root / "logs-colocated", result["limits"]["d2d_copy_GB/s"],
-                                        lora, flags)
+                                        lora + ranks, flags)
     if args.only in (None, "disaggregated") and gpus >= 2:
         result["limits"]["nccl_broadcast_GB/s"] = round(nccl_limit(nbytes, 2), 1)
         result["disaggregated"] = disaggregated(model, args.cycles, root / "logs-disaggregated", gpus,
                                                 result["limits"]["nccl_broadcast_GB/s"], args.streams,
-                                                ["--publish-buffer"] * args.publish_buffer, replica_env)
+                                                ["--publish-buffer"] * args.publish_buffer + ranks, replica_env)
         result["disaggregated"]["streams"] = args.streams
     if args.only in (None, "updates"):
         limit = result["limits"].get("nccl_broadcast_GB/s") if gpus > 1 else result["limits"]["d2d_copy_GB/s"]
         if limit is None:
             limit = result["limits"]["nccl_broadcast_GB/s"] = round(nccl_limit(nbytes, 2), 1)
-        buffer = ["--publish-buffer"] * args.publish_buffer + ["--nproc", str(args.trainer_nproc)] * (
-            args.trainer_nproc > 1)
+        buffer = ["--publish-buffer"] * args.publish_buffer + ranks
         for mode in args.mode or ["inflight", "async"]:
             result[f"updates_{mode}"] = under_updates(model, root / f"logs-{mode}", mode, limit, args.seconds,
                                                       args.interval, trainer_args=buffer, replica_env=replica_env,

@@ -22,7 +22,7 @@ from rlsync.common import metrics as prometheus
 from rlsync.errors import FailedPrecondition, InvalidArgument
 from rlsync.models import resolve_model
 from rlsync.publish.core import PublisherCore, at_publish_points, in_thread
-from rlsync.publish.ranks import TRAIN, PublishPoints, Ranks, hooks
+from rlsync.publish.ranks import TRAIN, PublishPoints, Ranks
 from rlsync.publish.source import module_source
 from rlsync.address import advertise_host
 from rlsync.trainer import checkpoint
@@ -103,8 +103,7 @@ class TrainerCore:
         self.lock = asyncio.Lock()
         if self.sharded:  # every rank sends its own shards; every rank serves what rank 0 queues
             source = lambda: module_source(self.policy.model)[0]  # noqa: E731
-            handlers = {**hooks(self.policy.offload, self.policy.onload),
-                        TRAIN: lambda payload: self._train(*ranks.parse_train_payload(payload))}
+            handlers = {TRAIN: lambda payload: self._train(*ranks.parse_train_payload(payload))}
             rank = Ranks()
             self.points = PublishPoints(rank, lambda: self.publisher.pass_source(rank.rank), handlers)
             run = at_publish_points(self.points)

@@ -65,7 +65,6 @@ class ShardedPolicy:
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             self._move(torch.device("cpu"))
-            torch.cuda.ipc_collect()  # memory receivers mapped (CUDA IPC) is only freed once collected
             torch.cuda.empty_cache()
         self.offloaded = True
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlsync.publish.holders import ROUTED, Holders
+from rlsync.publish.holders import ROUTED_HOLD, Holders
 from rlsync.rpc.doorbell import Lines
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
@@ -24,5 +24,5 @@ def test_a_sharded_trainers_rung_replicas_are_recorded_as_holders_with_no_bell()
     ranks pull: each is recorded to be asked to let go at the release; none has a bell to write."""
     holders = Holders("trainer", "", Lines())
     holders.routed([pb.Doorbell(address="a:1"), pb.Doorbell(address="b:1")])
-    assert {a: held for a, (_, held) in holders.holding.items()} == {"a:1": ROUTED, "b:1": ROUTED}
+    assert {a: held for a, (_, held) in holders.holding.items()} == {"a:1": ROUTED_HOLD, "b:1": ROUTED_HOLD}
     assert holders.bells_for(pb.Offer(routing=pb.Routing(store="h:1", holder="trainer"))) == {}

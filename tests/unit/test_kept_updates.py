@@ -207,3 +207,22 @@ def test_an_fp8_ranks_where_names_its_boxes_from_the_first_send_on():
         assert torch.equal(q.held_tensors()[0][0].view(torch.uint8), q.piece(Piece(0, box)).view(torch.uint8))
     finally:
         dist.destroy_process_group()
+
+
+def test_a_writer_kept_in_a_flat_stores_memo_goes_with_the_store():
+    """RoutedReceiver keeps its writer in its FlatStore's memo: a repeat into the store lays nothing out, and
+    nothing else keeps views of it, so the store's memory goes when its owner drops it."""
+    import gc
+    import weakref
+
+    from rlsync.flat import FlatStore
+
+    routes = _routes(2, 1)
+    store = FlatStore({s.name: (s.shape, s.dtype) for s in SPECS})
+    staging = {s.name: (whole(s.shape), store.views[s.name]) for s in SPECS}
+    first, _ = _writer(routes, staging, keep=store.memo)
+    assert _writer(routes, staging, keep=store.memo) == (first, 0)
+    buffer = weakref.ref(store.buffers[torch.float32])
+    del store, staging, first
+    gc.collect()
+    assert buffer() is None, "the kept writer's views went with the store"

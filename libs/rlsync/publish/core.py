@@ -304,12 +304,15 @@ class PublisherCore:
         """Every rank of a sharded trainer: its share of each tensor's checksum; the ranks add them up
         (see RankShards.checksum_share). `payload`: an AuditShares (the dtype to cast to, the format rank 0
         publishes in): every rank audits the same tensors."""
-        self._require_on_device("GetWeightChecksums")
+        ranks = self.ranks or Ranks()
+        if ranks.agree(not self.offloaded):  # every rank refuses alike: none waits for the others' shares
+            if ranks.rank != 0:
+                return {}
+            self._require_on_device("GetWeightChecksums")
         request = tpb.AuditShares.FromString(payload)
         target = dtype_of(request.dtype) if request.dtype else None
         self.use_format(request.format if request.HasField("format") else None)
         module = self.source_kind()
-        ranks = self.ranks or Ranks()
         module.refresh(ranks)  # (every rank, in step: a quantized model's scales are exchanged)
         shares = module.shards.checksum_share(target)
         totals = ranks.add_up([v for pair in shares for v in pair])
@@ -369,16 +372,25 @@ class PublisherCore:
         report.wire_bytes, report.rank_bytes = sum(sent), sent
         return report
 
+    async def settle(self) -> None:
+        """Returns once what was queued before it ran (a send whose replicas keep what they pulled mapped)."""
+        await self.run(lambda: None)
+
     async def offload(self) -> None:
         await self.run(self._offload_here, OFFLOAD, 0)
 
     def _offload_here(self) -> None:
-        """This rank's part of an offload: its sender goes first (with the CUDA IPC exports that keep its
-        storages alive, on every rank of a sharded trainer), then the user's hook moves the weights."""
-        self.drop_sender()
-        if self.hooks[OFFLOAD] is not None:
-            self.hooks[OFFLOAD]()
-        self.offloaded = True
+        """Every rank's part of an offload, in step: its sender goes first (with the CUDA IPC exports that keep
+        its storages alive), then the user's hook moves the weights, then memory receivers mapped is collected.
+        Rank 0 answers once every rank has (a replica woken next must find the GPU free)."""
+        def offload() -> None:
+            self.drop_sender()
+            if self.hooks[OFFLOAD] is not None:
+                self.hooks[OFFLOAD]()
+            if torch.cuda.is_initialized():
+                torch.cuda.ipc_collect()  # memory receivers mapped (CUDA IPC) is freed only once collected
+            self.offloaded = True
+        self._in_step(offload, "offload")
 
     async def onload(self, describe: bool = False) -> tuple[tpb.MappedTensors, tpb.Facts] | None:
         """describe: also return where the weights now lie on the GPU, and its facts, for replicas on
@@ -394,9 +406,29 @@ class PublisherCore:
         return await self.run(onload, ONLOAD, 0)
 
     def _onload_here(self) -> None:
-        if self.hooks[ONLOAD] is not None:
-            self.hooks[ONLOAD]()
-        self.offloaded = False
+        def onload() -> None:
+            if self.hooks[ONLOAD] is not None:
+                self.hooks[ONLOAD]()
+            self.offloaded = False
+        self._in_step(onload, "onload")
+
+    def _in_step(self, work: Callable[[], None], what: str) -> None:
+        """Every rank: `work`, then the ranks agree; rank 0 raises if any failed (the others log it and follow on)."""
+        error = None
+        try:
+            work()
+        except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
+            error = e
+        ranks = self.ranks or Ranks()
+        failed = ranks.agree(error is None)
+        if ranks.rank != 0:
+            if error is not None:
+                log.warning("rank %d could not %s: %s", ranks.rank, what, error)
+            return
+        if error is not None:
+            raise error
+        if failed:
+            raise Unavailable(f"{failed} rank(s) of the trainer could not {what} (see their logs)")
 
     def close(self) -> None:
         self.drop_sender()

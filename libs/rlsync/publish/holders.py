@@ -8,6 +8,8 @@ offer (Offer.peer_readers), where the trainer publishes while it trains on (not 
 weights are mapped anew at each onload). Readers on several GPUs would share the trainer GPU's links, where a
 broadcast gives each the whole link: the largest group on one GPU keeps holding, the others let go and take the
 broadcast (NCCL takes no two members on one GPU: a group of readers there is better off pulling).
+A sharded trainer's ranks name no storages at an onload: the replicas it rings with an offer keep what their
+ranks pull mapped, under the holder the rung offer names (Routing.holder), and are recorded here (`routed`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from rlsync.transfer.copied import sender_device
 from rlsync.transfer.v1.transfer_pb2 import Doorbell
 
 
-ROUTED = (b"routed",)  # what a replica holds of a sharded trainer: what each of its ranks pulled (no list here)
+ROUTED_HOLD = (b"routed",)  # what a replica holds of a sharded trainer: what each of its ranks pulled (no list here)
 
 
 class Holders:
@@ -60,7 +62,7 @@ class Holders:
         rung = {d.address for d in ring}
         self._forget([address for address in self.holding if address not in rung])
         for d in ring:
-            self.holding[d.address] = d, ROUTED
+            self.holding[d.address] = d, ROUTED_HOLD
 
     def _record(self, regions: tuple, held: list) -> set[str]:
         """Records the replicas that hold the storages of `regions` (ring_hold's answers), and maps the bell each
@@ -117,7 +119,7 @@ class Holders:
         return [d.name for address, (d, held) in self.holding.items() if address in self.peer_gpus and held == handles]
 
     async def release(self) -> int:
-        """Has every replica that holds the weights let go -> how many storages they closed."""
+        """Has every replica that holds the weights let go -> how many answered."""
         holding = [d for d, _ in self.holding.values()]
         self.holding, self.bells, self.cannot_hold = {}, {}, set()
         return await ring_release(self.holder, holding, self.token, self.lines) if holding else 0

@@ -33,7 +33,7 @@ from rlsync.errors import FailedPrecondition, Unavailable
 from rlsync.publish.core import PublisherCore, at_publish_points
 from rlsync.publish.liveness import RankBeats
 from rlsync.publish.mapping import WeightMap
-from rlsync.publish.ranks import DONE, FAILED, PublishPoints, Ranks, hooks
+from rlsync.publish.ranks import DONE, FAILED, PublishPoints, Ranks
 from rlsync.publish.servicer import PublisherServicer
 from rlsync.publish.source import ShardedModule, module_source, module_tensors
 from rlsync.rpc.auth import TokenAuthInterceptor
@@ -82,7 +82,7 @@ class WeightPublisher:
                                   offload=offload, onload=onload, sharded=isinstance(first, ShardedModule),
                                   publish_buffer=publish_buffer)
         self.points = PublishPoints(self.ranks, lambda: self.core.pass_source(self.ranks.rank),
-                                    {**hooks(offload, onload), **self.core.rank_handlers(self.ranks)})
+                                    self.core.rank_handlers(self.ranks))
         self.core.run = at_publish_points(self.points)
         self.coordinator, self.beats, self.register_timeout, self._silent = None, None, register_timeout, ""
         if self.ranks.rank == 0:

@@ -105,11 +105,6 @@ class Ranks:
         return int(flag.item())
 
 
-def hooks(offload: Callable[[], None] | None, onload: Callable[[], None] | None) -> dict:
-    """Handlers for a trainer's colocation hooks (they take no payload)."""
-    return {op: (lambda _, fn=fn: fn()) if fn else None for op, fn in ((OFFLOAD, offload), (ONLOAD, onload))}
-
-
 class PublishPoints:
     """Rank 0 queues requests (`submit`, from any thread); every rank serves them inside `serve_until`.
 

@@ -48,6 +48,7 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
     @unary
     async def Offload(self, request, context) -> pb.OffloadResponse:
+        await self.publisher.settle()  # a send queued before: its replicas hold what they pull once it ran
         released = await self.release_held()
         await self.publisher.offload()
         return pb.OffloadResponse(state=self.state(), released=released)
@@ -83,7 +84,7 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
                     await self.release_held()
                 if offer.one_copy and not offer.mapped.dtype:
                     offer.peer_readers.extend(self.holders.peer_readers(regions))
-            rung_offer = self._held_routed(offer, ring) if request.hold and ring else offer
+            rung_offer = self._rung_offer(offer, ring) if request.hold and ring else offer
             rang = asyncio.ensure_future(ring_prepare(rung_offer, ring, self.token, request.force_backend,
                                                       request.timeout, self.lines, self.holders.bells_for(offer)))
             if request.publish and ring:
@@ -108,7 +109,7 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 self.publisher.cancel_ahead(offer.transfer_id)
         return pb.OfferWeightsResponse(offer=offer, rung=rung, ring_seconds=seconds, publishing=publishing)
 
-    def _held_routed(self, offer: tpb.Offer, ring: list) -> tpb.Offer:
+    def _rung_offer(self, offer: tpb.Offer, ring: list) -> tpb.Offer:
         """A sharded trainer's offer as the replicas it rings get it: naming the holder their ranks keep what they
         pull under (Routing.holder), recorded here so that they let go before the trainer's memory leaves the
         GPU. Replicas prepared otherwise (the coordinator's PrepareUpdate) get the offer without it: they map

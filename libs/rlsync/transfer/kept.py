@@ -101,4 +101,6 @@ def writer(mine: Sequence[Transfer], rank: int, specs: Sequence[Spec],
     writers = keep.setdefault(("writers", rank), Kept(1))  # the latest only: no older staging kept alive
     key = (rank, device, *(id(t.pieces) for t in mine), tuple(s.dtype for s in specs), staging_where(staging))
     _, laid = writers.get(key, lambda: ([t.pieces for t in mine], DestWriter(*lay_out(), device)))
+    if not all(laid.direct):  # it casts through buffers of its own: not kept between updates (memory, not time)
+        writers.clear()
     return laid.again()
