@@ -5,7 +5,8 @@ tensor-parallel ranks, which load the boxes such an engine loads and check them 
 the whole tensors. DEVICE=cuda puts every member on one GPU (receiver ranks then pull); DEVICE=cuda:i
 puts this member on GPU i (pairs on one GPU pull, the others go over NCCL). Trainer rank 0
 hosts a board (ROUTED_STORE) where the offer and the replica's answer are passed. TRANSFERS updates
-(2 by default) run one after the other in the same processes, as a trainer and a replica do (STEPS:
+(2 by default) run one after the other in the same processes, into the same staging, as a trainer and a
+replica do (the receiver keeps its writer and how it landed each bucket with the staging; STEPS:
 the trainer changes every value in place between them; HOLD: engine ranks keep its memory mapped; FP8: the
 replica holds embed, qk and o in block FP8, whose blocks the trainer's shards cut by rows, fused parts and
 columns, and checks them against the reference quantizer of the whole tensors). Every member prints one
@@ -145,6 +146,7 @@ def trainer(whole_model, entries, board):
 def engine(whole_model, entries, board):
     """One rank of a tensor-parallel replica: rank 0 answers for all of them, with every rank's boxes."""
     groups, held = [], []  # ... and the mappings this process keeps, after each transfer
+    staging, keep = {}, {}  # one staging for every transfer, and what the receiver keeps with it (a FlatStore's memo)
     for i in range(TRANSFERS):
         offer = pb.Offer.FromString(board.get(f"offer/{i}"))
         specs = from_proto(offer.manifest)  # laid out as the manifest lists them (in FP8 with the scales)
@@ -155,11 +157,13 @@ def engine(whole_model, entries, board):
             board.set(f"answer/{i}", answer(offer, "replica", device=DEVICE, ranks=G, layout=layouts)
                       .SerializeToString())
         ans = pb.Answer.FromString(board.get(f"answer/{i}"))
-        staging = {e.name: torch.full(tuple(b - a for a, b in boxes[0]), float("nan"), device=DEVICE).to(e.dtype)
-                   for e, boxes in zip(specs, mine) if boxes}
+        for e, boxes in zip(specs, mine):  # NaN before each transfer, in place: each must land every value again
+            if boxes:
+                nan = torch.full(tuple(b - a for a, b in boxes[0]), float("nan"), device=DEVICE).to(e.dtype)
+                staging.setdefault(e.name, torch.empty_like(nan)).copy_(nan)
         boxes = {e.name: boxes[0] for e, boxes in zip(specs, mine) if boxes}
         report = RoutedReceiver(offer, ans, staging, rank=RANK, device=DEVICE, timeout=60, boxes=boxes,
-                                hold=HOLD).run()
+                                hold=HOLD, keep=keep).run()
         groups.append(last_group())
         held.append(HELD.count())
     HELD.release(HOLD)

@@ -26,11 +26,13 @@ from math import prod
 import torch
 
 from rlsync.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from rlsync.transfer import batched
 from rlsync.transfer.backends.base import sync
 from rlsync.transfer.control import Deadline
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.plan import Bucket, cached_plan
 from rlsync.transfer.routes import Box, Piece, Routes, extent, relative
+from rlsync.transfer.spans import copy_all
 from rlsync.transfer.writer import DestWriter
 
 WINDOW = 2  # operations in flight per member
@@ -294,28 +296,56 @@ def receive(pg, routes: Routes, rank: int, writer: DestWriter, bucket_bytes: int
         return received
 
 
+class Landings:
+    """How a receiver lands its buckets, kept with its writer (DestWriter.memo) for a repeat into the same
+    staging: the slots, and per bucket the view it receives into (its destination when the bucket lands in
+    place, else a slot), the slices it then counts, and the copies out of the slot (with their table where
+    they went in one launch). A repeat lands each bucket with no Python per piece but the count."""
+
+    def __init__(self, bucket_bytes: int, device: torch.device):
+        self.slots = _Slots(bucket_bytes, device)
+        self.buckets: dict[int, tuple] = {}
+
+
+def _land_plan(op: Op, base: int, writer: DestWriter, slots: _Slots, device: torch.device) -> tuple:
+    marks = [(base + s.tensor, s.length) for s in op.bucket.slices]
+    view = writer.direct_span(op.bucket.slices, base)
+    if view is not None and view.device == device:
+        return view, marks, None
+    view = slots.next(op.bucket.nbytes)
+    copies = [(view[s.dst:s.dst + s.length], writer.targets[base + s.tensor][s.src:s.src + s.length])
+              for s in op.bucket.slices]
+    return view, marks, [copies, None]
+
+
 def _receive(pg, routes, first, writer, bucket_bytes, window, device) -> int:
-    slots = _Slots(bucket_bytes, device)
-    for op in schedule(routes, bucket_bytes):
-        if op.transfer not in first:
-            continue
-        transfer, base = routes.transfers[op.transfer], first[op.transfer]
-        window.reserve()
-        view = writer.direct_span(op.bucket.slices, base)
-        in_place = view is not None and view.device == device
-        if not in_place:
-            view = slots.next(op.bucket.nbytes)
+    ops = schedule(routes, bucket_bytes)
+    landings = writer.memo.get(("landings", bucket_bytes))
+    if landings is None:  # slots as large as this rank's largest bucket (a small model's: less than bucket_bytes)
+        largest = max((op.bucket.nbytes for op in ops if op.transfer in first), default=0)
+        landings = writer.memo[("landings", bucket_bytes)] = Landings(largest, device)
+    try:
+        for j, op in enumerate(ops):
+            if op.transfer not in first:
+                continue
+            window.reserve()
+            if j not in landings.buckets:  # (made in the schedule's order: each takes the slot it took the first time)
+                landings.buckets[j] = _land_plan(op, first[op.transfer], writer, landings.slots, device)
+            view, marks, copies = landings.buckets[j]
 
-        def land(op=op, base=base, view=view, in_place=in_place):
-            if in_place:
-                for s in op.bucket.slices:
-                    writer.mark(base + s.tensor, s.length)
-            else:
-                # no sync: the receive that reuses the slot two operations later waits for this stream
-                writer.write_many([(base + s.tensor, s.src, view[s.dst:s.dst + s.length]) for s in op.bucket.slices])
+            def land(marks=marks, copies=copies):
+                if copies is not None:  # no sync: the receive that reuses the slot two operations later waits
+                    if copies[1] is not None:
+                        batched.launch(copies[1])
+                    else:
+                        copies[1] = copy_all(copies[0], few=1)
+                writer.mark_many(marks)
 
-        window.add([pg.recv([view], transfer.src, op.tag)], land)
-    window.drain()
+            window.add([pg.recv([view], routes.transfers[op.transfer].src, op.tag)], land)
+        window.drain()
+    except BaseException:
+        writer.memo.pop(("landings", bucket_bytes), None)  # the next transfer plans its buckets anew
+        raise
     sync(device)
     return writer.finish()
 

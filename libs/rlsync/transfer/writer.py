@@ -50,6 +50,7 @@ class DestWriter:
         self.received = [0] * len(specs)
         self.landed = False  # every tensor's bytes are in (written in place in one go)
         self.table: batched.Table | None = None  # the one launch every tensor landed in place by, if one did
+        self.memo: dict = {}  # what a receiver derives from these views (routed.Landings), kept with the writer
         flat = dest if isinstance(dest, FlatStore) else None
         self.dest = flat.views if flat is not None else dest
         # All destinations back to back in one buffer (flat engine weights): one view of them all.
@@ -158,6 +159,11 @@ class DestWriter:
     def starts(self) -> list[int]:
         """Where each tensor's bytes start in `whole` (the manifest's tensors back to back)."""
         return list(accumulate((s.nbytes for s in self.specs), initial=0))
+
+    def mark_many(self, marks: list[tuple[int, int]]) -> None:
+        """mark() of every (tensor index, bytes)."""
+        for index, nbytes in marks:
+            self.mark(index, nbytes)
 
     def mark(self, index: int, nbytes: int) -> None:
         """Records bytes that arrived (written through write(), or straight into direct_view())."""
