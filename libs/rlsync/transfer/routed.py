@@ -32,7 +32,7 @@ from rlsync.transfer.control import Deadline
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.plan import Bucket, cached_plan
 from rlsync.transfer.routes import Box, Piece, Routes, extent, relative
-from rlsync.transfer.spans import copy_all
+from rlsync.transfer.spans import FEW, copy_all
 from rlsync.transfer.writer import DestWriter
 
 WINDOW = 2  # operations in flight per member
@@ -315,7 +315,7 @@ def _land_plan(op: Op, base: int, writer: DestWriter, slots: _Slots, device: tor
     view = slots.next(op.bucket.nbytes)
     copies = [(view[s.dst:s.dst + s.length], writer.targets[base + s.tensor][s.src:s.src + s.length])
               for s in op.bucket.slices]
-    return view, marks, [copies, None]
+    return view, marks, [copies, None, False]  # (the copies, their table once made, landed before)
 
 
 def _receive(pg, routes, first, writer, bucket_bytes, window, device) -> int:
@@ -337,8 +337,9 @@ def _receive(pg, routes, first, writer, bucket_bytes, window, device) -> int:
                 if copies is not None:  # no sync: the receive that reuses the slot two operations later waits
                     if copies[1] is not None:
                         batched.launch(copies[1])
-                    else:
-                        copies[1] = copy_all(copies[0], few=1)
+                    else:  # a repeat makes a table of even a few copies: it is launched again at every repeat
+                        copies[1] = copy_all(copies[0], few=1 if copies[2] else FEW)
+                        copies[2] = True
                 writer.mark_many(marks)
 
             window.add([pg.recv([view], routes.transfers[op.transfer].src, op.tag)], land)
