@@ -1,5 +1,5 @@
 """A sender packs a bucket's whole pieces from where they lie in one launch, cast on the way, and a repeat
-from the same storages reuses how it packed (routed.Packs): the bytes sent are the pieces' bytes in the
+from the same storages reuses how it packed (routed.Plans): the bytes sent are the pieces' bytes in the
 engine's dtype, the first time, after the values change in place, and (packed anew) after the storages
 move or a send is cut short. Pure logic: a stand-in process group records what each send carries."""
 
@@ -56,7 +56,7 @@ def test_a_repeat_packs_each_bucket_from_the_views_it_kept_and_sends_the_new_val
     # One engine rank loading columns 1..3 of each 2-D tensor (strided in the trainer's rows) and all of b.
     boxes = [[((0, 6), (1, 3))], [whole((5,))], [((0, 3), (1, 3))], [whole((40, 8))]]
     routes = cached_routes(shards.layout, layout(infos, [boxes]))
-    packs = routed.Packs()
+    packs = routed.Plans()
 
     first = _send(shards, routes, packs)
     assert first == _wire(shards, routes), "the pieces' bf16 bytes"
@@ -73,7 +73,7 @@ def test_a_repeat_packs_each_bucket_from_the_views_it_kept_and_sends_the_new_val
     def failing(p):
         raise RuntimeError("cut short")
 
-    cut_short = routed.Packs()
+    cut_short = routed.Plans()
     cut_short.buckets, cut_short.slots = dict(packs.buckets), packs.slots
     with pytest.raises(RuntimeError, match="cut short"):
         routed.send(RecordingGroup(), routes, 0, failing, 256, Deadline(5, "test"), torch.device("cpu"), None,
@@ -81,8 +81,8 @@ def test_a_repeat_packs_each_bucket_from_the_views_it_kept_and_sends_the_new_val
     assert not cut_short.buckets and cut_short.slots is None, \
         "a send cut short leaves nothing to repeat (a slot it took for a bucket it kept no plan of)"
 
-    where = shards.where()  # what a sender keys its Packs by
+    where = shards.where()  # what a sender keys its Plans by
     moved = {n: p.clone() * 2 for n, p in params.items()}  # another optimizer's storages: other addresses
     shards = RankShards(moved, entries, 0, 1)
     assert shards.where() != where, "storages that moved are another key: packed anew"
-    assert _send(shards, routes, routed.Packs()) == _wire(shards, routes)
+    assert _send(shards, routes, routed.Plans()) == _wire(shards, routes)

@@ -19,6 +19,7 @@ import datetime
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
@@ -134,20 +135,17 @@ def _poll(work, deadline: Deadline) -> None:
 def send(pg, routes: Routes, rank: int, piece: Callable[[Piece], torch.Tensor], bucket_bytes: int,
          deadline: Deadline, device: torch.device, profile: dict[str, float] | None = None,
          source: Callable[[Piece], tuple[torch.Tensor, torch.dtype]] | None = None,
-         packs: Packs | None = None) -> int:
+         plans: Plans | None = None) -> int:
     """Trainer rank `rank`'s share: its pieces (made by `piece`, contiguous, in the engine's dtype)
     to every engine rank that loads them. Returns the payload bytes it sent (a bucket once per receiver);
     `profile` gets the seconds spent waiting for operations to finish. `source`: a piece's values where they
     lie and the dtype they travel in; the whole pieces of a packed bucket are then copied into it in one
     launch, cast on the way (a mixture of experts' hundreds of small pieces: one launch, not one each).
-    `packs`: what the last send of these routes from the same storages packed (Packs), kept and reused."""
+    `plans`: how the last send of these routes from the same storages packed each bucket (Plans), kept and reused."""
+    plans = plans if plans is not None else Plans()
     with _Window(deadline, device) as window:
-        try:
-            sent = _send(pg, routes, rank, piece, bucket_bytes, window, device, source, packs)
-        except BaseException:
-            if packs is not None:  # cut short, it may have taken a slot for a bucket it kept no plan of, which
-                packs.forget()     # would put two buckets in a row in one slot: the next send packs anew
-            raise
+        with plans.kept_if_done():
+            sent = _send(pg, routes, rank, piece, bucket_bytes, window, device, source, plans)
         window.profile(profile)
         return sent
 
@@ -167,18 +165,31 @@ class _Slots:
         return slot[:nbytes]
 
 
-class Packs:
-    """How a sender packs its buckets, kept for a repeat of the same routes from storages that stayed where they
-    were (its owner keys it by where they lie, and lets it go with them): the slots, and per bucket the slot's
-    view, the views the whole pieces are copied into and from, and the slices packed as bytes (parts of pieces
-    larger than what is left of a bucket). A repeat packs each bucket in one launch, with no Python per piece."""
+class Plans:
+    """How a member moves its buckets, kept for a repeat of the same routes between the same memory (its owner
+    keys it by where that memory lies, and lets it go with it): its slots, and a plan per bucket. A sender's
+    (`_pack_plan`) packs the bucket's whole pieces in one launch; a receiver's (`_land_plan`) lands it in place,
+    or out of its slot in one launch. A repeat does no Python per piece."""
 
     def __init__(self):
         self.slots: _Slots | None = None
-        self.buckets: dict[int, tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], list]] = {}
+        self.buckets: dict[int, tuple] = {}
 
-    def forget(self) -> None:
-        self.slots, self.buckets = None, {}
+    def slots_for(self, ops: Sequence[Op], mine: Callable[[Op], bool], device: torch.device) -> _Slots:
+        """The slots, made as large as the largest of the buckets `mine` picks (a small model's: less than a bucket)."""
+        if self.slots is None:
+            self.slots = _Slots(max((op.bucket.nbytes for op in ops if mine(op)), default=0), device)
+        return self.slots
+
+    @contextmanager
+    def kept_if_done(self):
+        """Forgets every plan if the transfer is cut short: it may have taken a slot for a bucket it kept no plan of,
+        which would put two buckets in a row in one slot. The next transfer plans anew."""
+        try:
+            yield
+        except BaseException:
+            self.slots, self.buckets = None, {}
+            raise
 
 
 def _pack_plan(op: Op, transfer, routes: Routes, slots: _Slots, source) -> tuple:
@@ -197,14 +208,9 @@ def _pack_plan(op: Op, transfer, routes: Routes, slots: _Slots, source) -> tuple
     return view, into, values, rest
 
 
-def _send(pg, routes, rank, piece, bucket_bytes, window, device, source, packs) -> int:
+def _send(pg, routes, rank, piece, bucket_bytes, window, device, source, plans) -> int:
     ops = schedule(routes, bucket_bytes)
-    slots = packs.slots if packs is not None else None
-    if slots is None:  # as large as this rank's largest bucket (a small model's: less than bucket_bytes)
-        slots = _Slots(max((op.bucket.nbytes for op in ops if routes.transfers[op.transfer].src == rank), default=0),
-                       device)
-        if packs is not None:
-            packs.slots = slots
+    slots = plans.slots_for(ops, lambda op: routes.transfers[op.transfer].src == rank, device)
     current: dict[int, tuple[int, torch.Tensor]] = {}  # transfer -> (piece index, its bytes): one piece each
     last = {op.transfer: op.tag for op in ops}  # each transfer's last bucket: its piece goes after it
     sent = 0
@@ -229,12 +235,9 @@ def _send(pg, routes, rank, piece, bucket_bytes, window, device, source, packs) 
                 (view := bytes_of(s.tensor)[s.src:s.src + s.length]).device == device:
             pass  # one piece's bytes, contiguous: sent from where they are
         else:  # packed: whole pieces from where they lie in one launch, the others slice by slice, one at a time
-            packed = packs.buckets.get(op.tag) if packs is not None else None
-            if packed is None:
-                packed = _pack_plan(op, transfer, routes, slots, source)
-                if packs is not None:
-                    packs.buckets[op.tag] = packed
-            view, into, values, rest = packed
+            if op.tag not in plans.buckets:
+                plans.buckets[op.tag] = _pack_plan(op, transfer, routes, slots, source)
+            view, into, values, rest = plans.buckets[op.tag]
             for s in rest:
                 view[s.dst:s.dst + s.length].copy_(bytes_of(s.tensor)[s.src:s.src + s.length], non_blocking=True)
             if into:
@@ -296,18 +299,9 @@ def receive(pg, routes: Routes, rank: int, writer: DestWriter, bucket_bytes: int
         return received
 
 
-class Landings:
-    """How a receiver lands its buckets, kept with its writer (DestWriter.memo) for a repeat into the same
-    staging: the slots, and per bucket the view it receives into (its destination when the bucket lands in
-    place, else a slot), the slices it then counts, and the copies out of the slot (with their table where
-    they went in one launch). A repeat lands each bucket with no Python per piece but the count."""
-
-    def __init__(self, bucket_bytes: int, device: torch.device):
-        self.slots = _Slots(bucket_bytes, device)
-        self.buckets: dict[int, tuple] = {}
-
-
 def _land_plan(op: Op, base: int, writer: DestWriter, slots: _Slots, device: torch.device) -> tuple:
+    """The view a bucket is received into (its destination when it lands in place, else a slot), the slices it
+    then counts, and the copies out of the slot (their table once made, and whether it landed before)."""
     marks = [(base + s.tensor, s.length) for s in op.bucket.slices]
     view = writer.direct_span(op.bucket.slices, base)
     if view is not None and view.device == device:
@@ -320,18 +314,16 @@ def _land_plan(op: Op, base: int, writer: DestWriter, slots: _Slots, device: tor
 
 def _receive(pg, routes, first, writer, bucket_bytes, window, device) -> int:
     ops = schedule(routes, bucket_bytes)
-    landings = writer.memo.get(("landings", bucket_bytes))
-    if landings is None:  # slots as large as this rank's largest bucket (a small model's: less than bucket_bytes)
-        largest = max((op.bucket.nbytes for op in ops if op.transfer in first), default=0)
-        landings = writer.memo[("landings", bucket_bytes)] = Landings(largest, device)
-    try:
+    plans = writer.memo.setdefault(("plans", bucket_bytes), Plans())  # kept with the writer, as it is with its staging
+    slots = plans.slots_for(ops, lambda op: op.transfer in first, device)
+    with plans.kept_if_done():
         for j, op in enumerate(ops):
             if op.transfer not in first:
                 continue
             window.reserve()
-            if j not in landings.buckets:  # (made in the schedule's order: each takes the slot it took the first time)
-                landings.buckets[j] = _land_plan(op, first[op.transfer], writer, landings.slots, device)
-            view, marks, copies = landings.buckets[j]
+            if j not in plans.buckets:  # (made in the schedule's order: each takes the slot it took the first time)
+                plans.buckets[j] = _land_plan(op, first[op.transfer], writer, slots, device)
+            view, marks, copies = plans.buckets[j]
 
             def land(marks=marks, copies=copies):
                 if copies is not None:  # no sync: the receive that reuses the slot two operations later waits
@@ -344,9 +336,6 @@ def _receive(pg, routes, first, writer, bucket_bytes, window, device) -> int:
 
             window.add([pg.recv([view], routes.transfers[op.transfer].src, op.tag)], land)
         window.drain()
-    except BaseException:
-        writer.memo.pop(("landings", bucket_bytes), None)  # the next transfer plans its buckets anew
-        raise
     sync(device)
     return writer.finish()
 

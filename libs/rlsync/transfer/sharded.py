@@ -360,7 +360,7 @@ class ShardedSender:
         # storages that stayed exports nothing; one that moved (and keeps the old alive in _shares, so no
         # address repeats) is another key, and another digest for the receivers.
         self._exports = kept.Kept(2)
-        self._packs = kept.Kept(1)  # how it packed its last buckets (routed.Packs), by routes and where storages lie
+        self._packs = kept.Kept(1)  # how it packed its last buckets (routed.Plans), by routes and where storages lie
         self._mapped = ""  # the digest of the mapped memory this rank last put in the store
         self._spent: list[str] = []  # rank 0: the store keys of the last transfer
         self._open: OrderedDict[str, pb.Offer] = OrderedDict()  # rank 0: offers neither sent nor refused yet
@@ -430,7 +430,7 @@ class ShardedSender:
                 profile["group"] = time.perf_counter() - start - profile["export"] - profile["meet"]
                 bucket = _bucket(offer, answers)
                 packs = None if self.source is None else self._packs.get(
-                    (pushed, bucket, self.where()), routed.Packs)
+                    (pushed, bucket, self.where()), routed.Plans)
                 sent += routed.send(pg, pushed, self.rank, self.piece, bucket, deadline, self.device, profile,
                                     self.source, packs)
             _delete(store, spent)  # while the receiver ranks pull (one round trip each)

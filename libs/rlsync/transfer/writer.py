@@ -50,7 +50,7 @@ class DestWriter:
         self.received = [0] * len(specs)
         self.landed = False  # every tensor's bytes are in (written in place in one go)
         self.table: batched.Table | None = None  # the one launch every tensor landed in place by, if one did
-        self.memo: dict = {}  # what a receiver derives from these views (routed.Landings), kept with the writer
+        self.memo: dict = {}  # what a receiver derives from these views (routed.Plans), kept with the writer
         flat = dest if isinstance(dest, FlatStore) else None
         self.dest = flat.views if flat is not None else dest
         # All destinations back to back in one buffer (flat engine weights): one view of them all.
