@@ -148,3 +148,35 @@ def test_an_fsdp2_trainer_routes_each_tensor_parallel_worker_its_slice_of_every_
     prompt = hf.complete("the model reads", max_tokens=1)[0].prompt_token_ids
     greedy = [r.complete(prompt, max_tokens=12, temperature=0, ignore_eos=True)[0].token_ids for r in (tp2, hf)]
     assert greedy[0] == greedy[1], "vLLM TP = 2 computes what transformers does on the same weights"
+
+
+@pytest.mark.parametrize("engine", engines("sglang"))
+def test_an_fsdp2_trainer_refits_an_sglang_replica_bit_for_bit_and_its_greedy_tokens_equal_transformers(
+        services, moe_model, engine):
+    """--nproc 2 (FSDP2: each trainer rank holds whole experts) routes into an SGLang replica (TP = 1: SGLang's CPU
+    path refuses more) beside an hf replica: five refits in a row, each verified bit for bit, then SGLang's greedy
+    tokens equal the hf replica's (transformers') on the same weights, on a prompt SGLang served at every version
+    before (its radix cache kept that prompt's KV from the old weights until each commit started a new cache salt).
+    A sharded trainer writes no checkpoint (yet): the hf replica is the reference."""
+    co = services.start("coordinator", ["--sync-mode", "async"], name="co-moe-fsdp2-sglang")
+    on = ["--coordinator", co.address, "--model", str(moe_model)]
+    services.start("trainer", [*on, "--nproc", "2", "--lr", "0.01"], name="trainer-moe-fsdp2-sglang")
+    replica = services.start("rollout", [*rollout_args(engine, **ENGINE_EXTRA[engine]), *on],
+                             name="rollout-moe-fsdp2-sglang", wait=False)
+    hf = RolloutClient(services.start("rollout", [*rollout_args("hf"), *on], name="rollout-moe-hf-by-sglang").address)
+    replica.wait_ready(timeout=360)
+    sglang = RolloutClient(replica.address)
+    client = CoordinatorClient(co.address)
+    client.wait_ready(3)
+    syncs = []
+    for step in range(1, 6):
+        sglang.complete(GREEDY_PROMPT, max_tokens=1)  # its prefix cached on version step - 1
+        sync = rl_step(client, seed=step)
+        assert sync.version == step and sync.verified and sync.replicas == 2, sync
+        assert len(sync.trainer_rank_bytes) == 2 and min(sync.trainer_rank_bytes) > 0, "both ranks send (routed)"
+        syncs.append((round(sync.seconds, 3), {k: round(v, 3) for k, v in sync.phases.items()}))
+    print(f"\n[moe-fsdp2-sglang] five syncs (seconds, phases): {syncs}")
+    assert "model.layers.1.mlp.experts.7.up_proj.weight" in {t.name for t in sglang.checksums().tensors}
+    prompt = sglang.complete(GREEDY_PROMPT, max_tokens=1)[0].prompt_token_ids
+    greedy = [r.complete(prompt, max_tokens=12, temperature=0, ignore_eos=True)[0].token_ids for r in (sglang, hf)]
+    assert greedy[0] == greedy[1], "SGLang computes what transformers does on the trainer's weights"
