@@ -17,7 +17,9 @@ import json
 import statistics
 from pathlib import Path
 
-ORDER = ["ring", "written", "read", "parsed", "launched", "replied", "answered", "copied"]
+ORDER = ["ring", "written", "read", "parsed", "launched", "replied", "answered", "copied",
+         # a sharded trainer's routed send (rlsync.publish.core, .ranks; rlsync.transfer.sharded)
+         "queued", "job", "checked", "agreed", "rostered", "roster", "pulled", "sent", "added", "published", "asked"]
 
 
 def rings(folder: Path) -> list[dict[str, float]]:

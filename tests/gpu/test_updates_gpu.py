@@ -237,8 +237,9 @@ def test_same_gpu_lora_adapter_over_cuda_ipc(services, tmp_path, tiny_model):
 def test_a_sharded_trainer_sharing_the_gpu_is_pulled_from_held_until_its_offload(services):
     """rlsync's trainer with --nproc 2 on one GPU (FSDP2 over gloo: NCCL takes no two ranks on one GPU). A
     replica on that GPU pulls each rank's shards (routed, cuda_ipc); rung with the offer, it keeps them mapped
-    from the first update (Routing.holder), and the trainer's Offload has it let go, so the trainer's memory
-    really leaves the GPU. Every update verified bit for bit; one prepared by gRPC (no holder) maps anew."""
+    from the first update (Routing.holder), or from the trainer's onload when rung then, and the trainer's
+    Offload has it let go, so the trainer's memory really leaves the GPU. Every update verified bit for bit;
+    one prepared by gRPC (no holder) maps anew."""
     trainer, rollout = _fleet(services, "0", "0", checksums=False, trainer_extra=["--nproc", "2"])
     bell = rollout.info().doorbell
 
@@ -261,7 +262,10 @@ def test_a_sharded_trainer_sharing_the_gpu_is_pulled_from_held_until_its_offload
     assert off.released == 1, "the replica let go"
     assert off.state.device_reserved_bytes <= freed, (off, freed)
     assert rollout.release_weights("trainer").released == 0
-    trainer.onload()
-    push_weights(trainer, [rollout], doorbells=[bell], hold=True)
+    onloaded = trainer.onload(ring=[bell])  # rank 0 gathers every rank's storages: the replica maps them now
+    assert onloaded.held == 1, onloaded
+    step(7)
+    push_weights(trainer, [rollout], doorbells=[bell], hold=True)  # its pull finds them mapped
+    assert differences(trainer.checksums(), rollout.checksums()) == []
     held = rollout.release_weights("trainer").released  # what the trainer's next Offload would have it close
     assert held >= 2, f"every rank's storages stayed mapped after the update: {held}"

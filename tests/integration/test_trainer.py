@@ -10,7 +10,7 @@ import grpc
 import psutil
 import pytest
 
-from rlsync.client import RpcError, TrainerClient
+from rlsync.client import RolloutClient, RpcError, TrainerClient
 from rlsync.common.audit import differences
 from rlsync.trainer.v1 import trainer_pb2 as pb
 
@@ -113,7 +113,7 @@ def test_two_rank_trainer_trains_like_one_and_its_syncs_verify(services):
     co = services.start("coordinator", ["--sync-mode", "async"], name="co-nproc")
     two = services.start("trainer", ["--nproc", "2", "--max-grad-norm", "0", "--coordinator", co.address],
                          name="trainer-nproc2")
-    services.start("rollout", rollout_args("hf", "--coordinator", co.address), name="rollout-nproc")
+    replica = services.start("rollout", rollout_args("hf", "--coordinator", co.address), name="rollout-nproc")
     one = TrainerClient(services.start("trainer", ["--max-grad-norm", "0"], name="trainer-nproc1").address)
     with CoordinatorClient(co.address) as fleet:
         fleet.wait_ready(2)
@@ -125,7 +125,10 @@ def test_two_rank_trainer_trains_like_one_and_its_syncs_verify(services):
     sharded = TrainerClient(two.address)
     assert differences(one.checksums(), sharded.checksums()) == []
     assert sharded.state().parameters == one.state().parameters
-    assert sharded.offload().state.offloaded and not sharded.onload().state.offloaded
+    assert sharded.offload().state.offloaded
+    with RolloutClient(replica.address) as rollout:  # rung: every rank exports its shards, rank 0 gathers what
+        onloaded = sharded.onload(ring=[rollout.info().doorbell])  # a replica could map (on CPU: nothing)
+    assert not onloaded.state.offloaded and onloaded.held == 0
     with CoordinatorClient(co.address) as fleet:  # every rank let go of its sender at the offload, and sends again
         assert fleet.train(batch(3)).step == 3 and fleet.sync_weights(verify=True).verified
     with pytest.raises(RpcError) as e:

@@ -74,6 +74,19 @@ def test_where_tensors_lie_changes_when_a_storage_moves_and_not_otherwise():
     assert kept.where([params[0].to(torch.float64), params[1]]) != before
 
 
+def test_a_staging_laid_out_alike_elsewhere_has_its_layout_and_other_addresses():
+    """staging_layout: what a held pull's tables depend on (each view's place in its storage), apart from where
+    the storages lie (a staging woken anew at another address gets the same tables, rebased)."""
+    def staging(flat: torch.Tensor) -> dict:
+        return {"a": (((0, 4),), flat[:4]), "b": (((0, 2), (0, 3)), flat[8:14].view(2, 3))}
+    one, two = torch.zeros(16), torch.zeros(16)
+    (laid, bases), (laid2, bases2) = kept.staging_layout(staging(one)), kept.staging_layout(staging(two))
+    assert laid == laid2 and bases.tolist() == [one.data_ptr()] and bases2.tolist() == [two.data_ptr()]
+    assert kept.staging_layout(staging(torch.zeros(20)))[0] != laid, "a larger storage: not rebased into"
+    moved = {"a": (((0, 4),), one[1:5]), "b": staging(one)["b"]}
+    assert kept.staging_layout(moved)[0] != laid
+
+
 def test_a_repeat_routed_update_reuses_its_writer_and_receives_into_it_anew():
     KEEP.clear()
     routes, staging = _routes(2, 2), _staging(2, 0)

@@ -45,7 +45,7 @@ def test_members_read_summaries_and_a_puller_the_whole_memory_of_its_sources(sto
     offer = pb.Offer(transfer_id="t1")
     memories = [_memory(0, "gpu-0"), _memory(1, "gpu-1"), pb.RankMemory(facts=pb.Facts(host_id="h"))]
     exports = [_export(memory) for memory in memories]
-    for rank, (summary, mapped) in enumerate(exports):  # (a summary of a memory with groups has them)
+    for rank, (summary, mapped, _) in enumerate(exports):  # (a summary of a memory with groups has them)
         _put_memory(store, offer, rank, summary, mapped)
 
     summaries = _memories(store, offer, 3, Deadline(5, "test"))
@@ -64,7 +64,8 @@ def test_members_read_summaries_and_a_puller_the_whole_memory_of_its_sources(sto
 
 
 def test_a_receiver_parses_a_mapped_memory_once_per_digest_and_refuses_one_that_does_not_match(store):
-    summary, mapped = _export(_memory(0, "gpu-0"))
+    summary, mapped, ipc = _export(_memory(0, "gpu-0"))
+    assert ipc == tuple(_memory(0, "gpu-0").ipc)
     offer = pb.Offer(transfer_id="t2")
     _put_memory(store, offer, 0, summary, mapped)
     first = _held_memories(store, [summary], [0], Deadline(5, "test"))[0]
@@ -72,7 +73,7 @@ def test_a_receiver_parses_a_mapped_memory_once_per_digest_and_refuses_one_that_
     assert _held_memories(store, [summary], [0], Deadline(5, "test"))[0] is first
     moved = _memory(0, "gpu-0")
     moved.held[0].offset = 7  # a storage that moved: another digest, read and parsed anew
-    other, raw = _export(moved)
+    other, raw, _ = _export(moved)
     assert other.digest != summary.digest
     _put_memory(store, offer, 0, other, raw)
     assert _held_memories(store, [other], [0], Deadline(5, "test"))[0].held[0].offset == 7

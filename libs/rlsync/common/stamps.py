@@ -6,7 +6,11 @@ for every process of a host. Unset (always, outside a profile), a point costs a 
 The points, in the order a ring passes them (T: the ringing side, R: the rung):
 T ring (ring_prepare begins), T written (its frame on the socket), R read (the doorbell has the
 frame), R parsed (the request), R launched (a pull's copy queued), R replied (the answer on the
-socket), T answered (the answer read), T copied (the copy's event passed)."""
+socket), T answered (the answer read), T copied (the copy's event passed). A sharded trainer's routed
+send then: T queued (rank 0 queues it for its ranks), job (rank 0's ranks take it), checked (a rank can
+send), agreed (every rank can), rostered (rank 0 put the roster), R roster (a receiver rank read it), R
+pulled (its pulls are done), sent (a rank's send returned), added (the ranks added up what they sent),
+published (rank 0's send is over), asked (the caller's PublishWeights arrived)."""
 
 from __future__ import annotations
 

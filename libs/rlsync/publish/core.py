@@ -14,9 +14,10 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
+from rlsync.common.stamps import stamp
 from rlsync.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from rlsync.publish.buffer import PublishBuffer
-from rlsync.publish.ranks import AUDIT, OFFLOAD, ONLOAD, PASSES, ROUTED, PublishPoints, Ranks
+from rlsync.publish.ranks import AUDIT, DESCRIBE, OFFLOAD, ONLOAD, PASSES, ROUTED, PublishPoints, Ranks
 from rlsync.publish.quantized import QuantizedBuffer, quantized
 from rlsync.publish.source import ShardedModule
 from rlsync.quant.fp8_format import same_format
@@ -24,6 +25,7 @@ from rlsync.transfer import Report, WeightSender, audit_entry
 from rlsync.transfer.checksum import from_sums
 from rlsync.transfer.dtypes import dtype_name, dtype_of
 from rlsync.transfer.handshake import local_facts
+from rlsync.transfer.pulls import same_gpu
 from rlsync.transfer.manifest import from_proto
 from rlsync.transfer.sharded import ShardedSender
 from rlsync.transfer.source import ResidentSource, StreamedSource
@@ -262,6 +264,7 @@ class PublisherCore:
         if offer.HasField("routing"):  # every rank sends its own shards (the others get the same request)
             timeout = timeout or self.transfer_timeout
             payload = tpb.RoutedSend(offer=offer, answers=answers, timeout_seconds=timeout).SerializeToString()
+            stamp("queued")
             report = await self.run(lambda: self.send_routed(payload), ROUTED, 0, payload)
         else:  # a streamed source makes one pass per channel (receivers that pulled need none)
             pushed = {a.backend for a in answers if not a.pull}
@@ -272,6 +275,7 @@ class PublisherCore:
                 raise
         self._offers.pop(transfer_id, None)
         self.published = offer.manifest.version
+        stamp("published")
         return offer.manifest.version, report
 
     async def checksums(self, dtype: str = "") -> Audit:
@@ -328,7 +332,7 @@ class PublisherCore:
         """What this core's other ranks run for the requests rank 0 queues (see PublishPoints)."""
         self.ranks = ranks
         return {ROUTED: self.send_routed, AUDIT: self.audit_shares, OFFLOAD: lambda _: self._offload_here(),
-                ONLOAD: lambda _: self._onload_here()}
+                ONLOAD: lambda payload: self._onload_here(payload == DESCRIBE)}
 
     def send_routed(self, payload: bytes) -> Report | None:
         """Every rank of a sharded trainer: its part of a routed transfer (rank 0 is handed the same
@@ -344,6 +348,7 @@ class PublisherCore:
             sender = self._sender_now()
         except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
             error = e
+        stamp("checked")
         if ranks.agree(error is None):
             if ranks.rank != 0:
                 return None
@@ -353,12 +358,15 @@ class PublisherCore:
             raise why
         try:  # every rank, in step: what it sends made from the weights as they are now (a quantized model's scales)
             self._source.refresh(ranks)
+            stamp("agreed")
             report = sender.send(request.offer, list(request.answers), request.timeout_seconds)
+            stamp("sent")
         except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
             error = e
         sent = [0] * ranks.world
         sent[ranks.rank] = report.wire_bytes if report is not None else 0
         failed, *sent = ranks.add_up([int(error is not None), *sent])
+        stamp("added")
         if ranks.rank != 0:
             if error is not None:  # rank 0 answers for every rank; this one follows on to the next request
                 log.warning("rank %d could not send its shards: %s", ranks.rank, error)
@@ -396,24 +404,35 @@ class PublisherCore:
         """describe: also return where the weights now lie on the GPU, and its facts, for replicas on
         it to keep mapped until the offload (None when they cannot be mapped). The sender is then
         built now, not at the first offer."""
-        def onload() -> tuple[tpb.MappedTensors, tpb.Facts] | None:
-            self._onload_here()
-            if not describe:
-                return None
-            sender = self._sender_now()
-            regions = sender.regions()
-            return None if regions is None else (regions, local_facts(sender.device))
-        return await self.run(onload, ONLOAD, 0)
+        return await self.run(lambda: self._onload_here(describe), ONLOAD, 0, DESCRIBE if describe else b"")
 
-    def _onload_here(self) -> None:
+    def _onload_here(self, describe: bool = False) -> tuple[tpb.MappedTensors, tpb.Facts] | None:
+        """Every rank's part of an onload, in step (see _offload_here). describe: its sender is made now, and
+        where the weights lie is returned on rank 0 (onload's). A sharded model's ranks each export their own
+        storages, and rank 0 gathers those on its GPU, in rank order (ShardedSender.regions)."""
+        found: list[tuple[tpb.MappedTensors | None, tpb.Facts]] = []
+
         def onload() -> None:
             if self.hooks[ONLOAD] is not None:
                 self.hooks[ONLOAD]()
             self.offloaded = False
-        self._in_step(onload, "onload")
+            if describe:
+                sender = self._sender_now()
+                found.append((sender.regions(), local_facts(sender.device)))
+        ranks = self.ranks or Ranks()
+        if self._in_step(onload, "onload") or not describe:
+            return None
+        regions, facts = found[0]
+        if isinstance(self._sender, ShardedSender):
+            mine = tpb.RankMemory(facts=facts, ipc=regions.ipc if regions is not None else ())
+            every = [tpb.RankMemory.FromString(m) for m in ranks.gather(mine.SerializeToString())]
+            ipc = [h for m in every if same_gpu(m.facts, facts) for h in m.ipc]
+            regions = tpb.MappedTensors(ipc=ipc) if ipc and ranks.rank == 0 else None
+        return None if regions is None else (regions, facts)
 
-    def _in_step(self, work: Callable[[], None], what: str) -> None:
-        """Every rank: `work`, then the ranks agree; rank 0 raises if any failed (the others log it and follow on)."""
+    def _in_step(self, work: Callable[[], None], what: str) -> int:
+        """Every rank: `work`, then the ranks agree; rank 0 raises if any failed (the others log it, and
+        return how many did: they follow on)."""
         error = None
         try:
             work()
@@ -424,11 +443,12 @@ class PublisherCore:
         if ranks.rank != 0:
             if error is not None:
                 log.warning("rank %d could not %s: %s", ranks.rank, what, error)
-            return
+            return failed
         if error is not None:
             raise error
         if failed:
             raise Unavailable(f"{failed} rank(s) of the trainer could not {what} (see their logs)")
+        return 0
 
     def close(self) -> None:
         self.drop_sender()

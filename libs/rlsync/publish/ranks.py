@@ -21,12 +21,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rlsync.common.stamps import stamp
 from rlsync.errors import Unavailable
 from rlsync.transfer.source import StreamedSource, run_pass
 
 log = logging.getLogger(__name__)
 
 PASSES, OFFLOAD, ONLOAD, DONE, FAILED, TRAIN, KEEPALIVE, ROUTED, AUDIT = range(9)
+DESCRIBE = b"describe"  # ONLOAD's payload when rank 0 is to say where the weights lie (every rank exports)
 _MASK = (1 << 64) - 1
 # Idle ranks wait in a broadcast, which times out with the process group (gloo: 30 min by
 # default): rank 0 says "still here" well before that.
@@ -68,6 +70,23 @@ class Ranks:
             else torch.empty(size, dtype=torch.uint8, device=self.device)
         dist.broadcast(body, self.src, group=self.group)
         return op, count, body.cpu().numpy().tobytes()
+
+    def gather(self, payload: bytes) -> list[bytes]:
+        """Every rank's `payload`, in rank order (every rank calls it; each gets them all)."""
+        if self.world == 1:
+            return [payload]
+        sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world)]
+        try:
+            dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.int64, device=self.device),
+                            group=self.group)
+            longest = max(int(s.item()) for s in sizes)
+            mine = torch.zeros(longest, dtype=torch.uint8, device=self.device)
+            mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else 0
+            every = [torch.empty(longest, dtype=torch.uint8, device=self.device) for _ in range(self.world)]
+            dist.all_gather(every, mine, group=self.group)
+        except RuntimeError as e:
+            raise Unavailable(f"a rank of the trainer is gone (did it die?): {e}") from e
+        return [t[:int(n.item())].cpu().numpy().tobytes() for t, n in zip(every, sizes)]
 
     def add_up(self, values: list[int]) -> list[int]:
         """Every rank's `values` added up, modulo 2^64 (checksum sums; every rank calls it)."""
@@ -160,6 +179,7 @@ class PublishPoints:
         source, started, passes = None, 0, 0
         try:
             passes = job.passes() if callable(job.passes) else job.passes
+            stamp("job")
             self.ranks.broadcast(job.op, passes, job.payload)
             if passes:  # only a job that walks the source needs it (an offload would build it for nothing)
                 source = self.source()

@@ -10,6 +10,7 @@ import asyncio
 
 from rlsync.client.weights import ring_prepare
 from rlsync.common.audit import LIVE, to_proto as checksums_to_proto
+from rlsync.common.stamps import stamp
 from rlsync.common.v1 import weights_pb2
 from rlsync.errors import FailedPrecondition
 from rlsync.publish.core import PublisherCore
@@ -128,6 +129,7 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
     @unary
     async def PublishWeights(self, request: pb.PublishWeightsRequest, context) -> pb.PublishWeightsResponse:
+        stamp("asked")
         version, report = await self.publisher.publish(request.transfer_id, list(request.answers), request.timeout)
         return pb.PublishWeightsResponse(version=version, bytes=report.nbytes, seconds=report.seconds,
                                          data_seconds=report.data_seconds, backends=report.backends,

@@ -14,6 +14,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from rlsync.transfer.manifest import Spec
@@ -33,6 +34,22 @@ def staging_where(staging: Mapping[str, tuple[Box, torch.Tensor]]) -> tuple:
     return tuple(zip(staging, (b for b, _ in staging.values()), where(t for _, t in staging.values())))
 
 
+def staging_layout(staging: Mapping[str, tuple[Box, torch.Tensor]]) -> tuple[tuple, np.ndarray]:
+    """An engine rank's staging as what is copied into it depends on it, not where it lies: by name, box and
+    each tensor's place in its storage (which of them, the offset, dtype, shape, strides), with those
+    storages' sizes; and their addresses (equal layouts at other addresses take the same copies, rebased)."""
+    bases: dict[int, int] = {}
+    places, sizes = [], []
+    for name, (box, t) in staging.items():
+        storage = t.untyped_storage()
+        base = storage.data_ptr()
+        if base not in bases:
+            bases[base] = len(bases)
+            sizes.append(storage.nbytes())
+        places.append((name, box, bases[base], t.data_ptr() - base, t.dtype, t.shape, t.stride(), t.device))
+    return (*places, tuple(sizes)), np.array(list(bases), dtype=np.int64)
+
+
 class Kept:
     """The latest few values by key, made on a miss (`get`). Thread-safe; `hits` and `misses` say which."""
 
@@ -50,10 +67,15 @@ class Kept:
         value = make()
         with self._lock:
             self.misses += 1
+        self.put(key, value)
+        return value
+
+    def put(self, key: Hashable, value: object) -> None:
+        with self._lock:
             self._values[key] = value
+            self._values.move_to_end(key)
             while len(self._values) > self.size:
                 self._values.popitem(last=False)
-        return value
 
     def clear(self) -> None:
         with self._lock:

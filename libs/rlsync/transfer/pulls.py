@@ -11,17 +11,19 @@ takes no two members on one GPU, so this is also what makes colocated sharded tr
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 from rlsync.transfer import batched
 from rlsync.transfer.dtypes import dtype_name, dtype_of, itemsize
 from rlsync.transfer.held import HELD
-from rlsync.transfer.kept import Kept, staging_where
+from rlsync.transfer.kept import Kept, staging_layout
 from rlsync.transfer.memory import open_cuda, share_cuda
 from rlsync.transfer.routed import destinations, piece_name
 from rlsync.transfer.routes import Box, Layout, Routes, contains, extent, relative
@@ -100,8 +102,10 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.R
 
     hold: the trainer ranks' storages stay mapped afterwards under this holder name (rlsync.transfer.held):
     the next pull from memory still in place maps and closes nothing, and one into the same staging
-    launches the table it kept (making no view of a piece). The caller must `HELD.release(hold)` before
-    the trainer's memory may leave the GPU (memory another process maps is not freed)."""
+    launches the table it kept (making no view of a piece); one from the same layout mapped anew (after the
+    trainer's onload) or into a staging laid out alike elsewhere launches that table rebased. The caller
+    must `HELD.release(hold)` before the trainer's memory may leave the GPU (memory another process maps
+    is not freed)."""
     start = time.perf_counter()
     mine = routes.of_receiver(rank)
     sources = sorted({t.src for t in mine})
@@ -111,15 +115,17 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.R
     found = HELD.get_many(handles)
     mapped = [open_cuda(h, device) if t is None else t for h, t in zip(handles, found)]  # what no holder keeps
     mapping = time.perf_counter() - start
-    memo = HELD.memo(tuple(handles)) if all(t is not None for t in found) else None
     kept = key = None
-    if memo is not None:  # held: a launch kept for the same pieces (their tuples, shared by every Routes
-        # derived from one plan: kept alive below, so no other tuple takes their ids), the same places
-        # in the trainer's memory and the same staging (so the same views of it)
-        memo = memo.setdefault("routed", {})
+    if all(t is not None for t in found):  # held: the launch kept for the same pieces (their tuples, shared by
+        # every Routes derived from one plan: kept alive by the entry, so no other tuple takes their ids), the same
+        # layout of the trainer's memory and of the staging, at the same addresses; or, at others (the trainer's
+        # memory mapped anew after its onload, a staging woken anew), the latest such launch moved there
         pieces = [t.pieces for t in mine]
-        key = (rank, *map(id, pieces), *(_digest(memories[k]) for k in sources), staging_where(staging))
-        kept = memo.get(key)
+        laid, dst = staging_layout(staging)
+        src = np.array([t.data_ptr() for t in mapped], dtype=np.int64)
+        layout = (rank, *map(id, pieces), *(_shape(memories[k]) for k in sources), laid)
+        key = (layout, src.tobytes(), dst.tobytes())
+        kept = _TABLES.get(key, lambda: _moved(layout, src, dst))
     if kept is not None:
         for table in kept[1]:
             batched.launch(table)
@@ -127,11 +133,11 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.R
     else:
         _, views = destinations(routes, rank, specs, staging)
         tables, nbytes = _copy(mine, trainer, memories, specs, views, dict(zip(
-            ((k, r) for k in sources for r in range(len(memories[k].ipc))), mapped)), kept=memo is not None)
-        if memo is not None and tables is not None:
-            if len(memo) >= 8:  # destinations come and go: keep the latest few
-                memo.clear()
-            memo[key] = pieces, tables, nbytes
+            ((k, r) for k in sources for r in range(len(memories[k].ipc))), mapped)), kept=key is not None)
+        if key is not None and tables is not None:
+            entry = pieces, tables, nbytes
+            _TABLES.put(key, entry)
+            _LATEST.put(layout, (src, dst, entry))
     if handles:
         torch.cuda.current_stream(device).synchronize()  # the copies are done before the trainer rank moves on
     copied = time.perf_counter()
@@ -141,10 +147,33 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.R
     return nbytes
 
 
-def _digest(memory: pb.RankMemory) -> str:
+_TABLES = Kept(8)  # a held pull's (pieces, tables, bytes) by its layout and addresses (see pull)
+_LATEST = Kept(4)  # by its layout alone: the addresses of the regions it read and wrote, and that pull's entry
+
+
+def _moved(layout: tuple, src: np.ndarray, dst: np.ndarray) -> tuple | None:
+    """The latest held pull of `layout` at other addresses, its tables moved to these regions (read at `src`,
+    written at `dst`); None if none was kept."""
+    latest = _LATEST.get(layout, lambda: None)
+    if latest is None:
+        return None
+    old_src, old_dst, (pieces, tables, nbytes) = latest
+    return pieces, [batched.rebased(batched.rebased(t, old_src, src), old_dst, dst, column=1) for t in tables], nbytes
+_SHAPES = Kept(16)  # a trainer rank's memory digest -> its layout's (_shape)
+
+
+def _shape(memory: pb.RankMemory) -> str:
+    """A trainer rank's memory as a pull's tables depend on it, not where it lies: the places of its boxes in
+    its regions, and the regions' sizes (equal again after its onload, at other addresses: the tables are
+    then rebased, not made anew). Found once per memory digest."""
     if not memory.digest:
         raise ValueError("a held pull keys what it keeps by each trainer rank's memory digest: this one has none")
-    return memory.digest
+
+    def shape() -> str:
+        sizes = [pb.CudaIpcHandle.FromString(h).storage_size_bytes for h in memory.ipc]
+        raw = pb.RankMemory(held=memory.held, regions=memory.regions).SerializeToString()
+        return hashlib.sha256(raw + np.array(sizes, dtype=np.int64).tobytes()).hexdigest()
+    return _SHAPES.get(memory.digest, shape)
 
 
 def _copy(transfers: Sequence, trainer: Layout, memories: Mapping[int, pb.RankMemory], specs: Sequence,

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from rlsync.address import reachable_host
+from rlsync.common.stamps import stamp
 from rlsync.errors import Aborted, DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from rlsync.transfer import kept, pulls, routed, routed_groups
 from rlsync.transfer.control import Deadline
@@ -202,16 +203,16 @@ def _pulled_key(offer: pb.Offer, rank: int) -> str:
 
 
 
-def _export(memory: pb.RankMemory) -> tuple[pb.RankMemory, bytes]:
+def _export(memory: pb.RankMemory) -> tuple[pb.RankMemory, bytes, tuple[bytes, ...]]:
     """A trainer rank's memory as the store holds it: its summary without the groups (facts, regions and
-    the digest of its mapped part) and that part's bytes (b"" when nothing of it can be mapped). Made
-    once while its storages stay (ShardedSender)."""
+    the digest of its mapped part), that part's bytes (b"" when nothing of it can be mapped) and its
+    handles. Made once while its storages stay (ShardedSender)."""
     summary = pulls.summary(memory)
     if not memory.regions:
-        return summary, b""
+        return summary, b"", ()
     mapped = pb.RankMemory(ipc=memory.ipc, held=memory.held, regions=memory.regions).SerializeToString()
     summary.digest = hashlib.sha256(mapped).hexdigest()
-    return summary, mapped
+    return summary, mapped, tuple(memory.ipc)
 
 
 def _put_memory(store, offer: pb.Offer, rank: int, summary: pb.RankMemory, mapped: bytes = b"") -> None:
@@ -400,9 +401,7 @@ class ShardedSender:
         routes = cached_routes(self.layout, engine)
         facts, receivers = local_facts(self.device), engine_facts(answers)
         near = self.held is not None and any(pulls.same_gpu(facts, f) for f in receivers)
-        key = (facts.SerializeToString(), near and self.where())  # a repeat calls no held()
-        summary, mapped = self._exports.get(key, lambda: _export(
-            pulls.memory(self.held() if near else None, facts, self._shares)))
+        summary, mapped, _ = self._exported(facts, near)
         mine = pb.RankMemory(facts=summary.facts, regions=summary.regions, digest=summary.digest,
                              groups=routed_groups.held())
         fresh = self._mapped != summary.digest  # the mapped part is in the store from the last put till it changes
@@ -416,6 +415,7 @@ class ShardedSender:
             self._spent += [*(_memory_key(offer, k) for k in range(self.world)),
                             *(_pulled_key(offer, e) for e in range(engine.ranks)), routed_groups.key(offer.transfer_id),
                             *_set_roster(store, offer, make_roster(answers).SerializeToString())]
+            stamp("rostered")
         profile = {"export": time.perf_counter() - start}
         gid, pg, members = "", None, self.world + engine.ranks
         try:
@@ -454,6 +454,13 @@ class ShardedSender:
         return Report(sent, seconds, _channels(pulled, pushed, self.backends[-1], sender=self.rank), seconds,
                       {"data": seconds, **profile}, sent)
 
+    def _exported(self, facts: pb.Facts, near: bool) -> tuple[pb.RankMemory, bytes, tuple[bytes, ...]]:
+        """This rank's memory as the store holds it (_export's), and its handles: `near`, with what receiver
+        ranks on its GPU map. Kept while its storages stay: a repeat calls no held()."""
+        key = (facts.SerializeToString(), near and self.where())
+        return self._exports.get(key, lambda: _export(pulls.memory(self.held() if near else None, facts,
+                                                                   self._shares)))
+
     def _unmap(self, store, digest: str) -> None:
         """This rank put its mapped memory of `digest`: the one it put before goes (the transfers that could
         read it are over)."""
@@ -489,10 +496,15 @@ class ShardedSender:
         spent, self._spent = self._spent, []
         _delete(store, spent)
 
-    def regions(self) -> None:
-        """No HoldWeights for a sharded trainer's memory (each rank's handles would have to reach rank
-        0): a receiver keeps what it pulled mapped only when its caller asks (RoutedReceiver's hold)."""
-        return None
+    def regions(self) -> pb.MappedTensors | None:
+        """This rank's storages as receiver ranks on its GPU map them to pull (its export, which its sends
+        then reuse while the storages stay), or None when they cannot be mapped. The trainer's rank 0 gathers
+        every rank's at an onload, and the replicas on the GPU hold them all (HoldWeights): each rank's, in
+        rank order, is the list a receiver rank's pull holds (pulls.pull), so the pull maps nothing."""
+        if self.held is None or self.device.type != "cuda":
+            return None
+        ipc = self._exported(local_facts(self.device), True)[2]
+        return pb.MappedTensors(ipc=ipc) if ipc else None
 
     def close(self) -> None:
         if self._store is not None:
@@ -619,6 +631,7 @@ class RoutedReceiver:
                 raise
             store = _store(address, False, self.deadline.remaining("joining the store"))
             roster, me = self._roster(store)
+        stamp("roster")
         answers = roster.answers
         nbytes, profile = 0, {"roster": time.perf_counter() - self.start}
         try:
@@ -636,6 +649,7 @@ class RoutedReceiver:
             _say(store, _pulled_key(self.offer, me), (str(e) or type(e).__name__).encode())
             raise
         _say(store, _pulled_key(self.offer, me), b"")
+        stamp("pulled")
         if any(t.dsts for t in pushed.transfers):
             received = time.perf_counter()
             nbytes += self._receive(store, pushed, me, answers, profile)
