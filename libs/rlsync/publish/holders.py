@@ -8,8 +8,9 @@ offer (Offer.peer_readers), where the trainer publishes while it trains on (not 
 weights are mapped anew at each onload). Readers on several GPUs would share the trainer GPU's links, where a
 broadcast gives each the whole link: the largest group on one GPU keeps holding, the others let go and take the
 broadcast (NCCL takes no two members on one GPU: a group of readers there is better off pulling).
-A sharded trainer's ranks name no storages at an onload: the replicas it rings with an offer keep what their
-ranks pull mapped, under the holder the rung offer names (Routing.holder), and are recorded here (`routed`).
+A sharded trainer's rank 0 names every rank's storages on its GPU at an onload (gathered from the ranks, in
+rank order: what a receiver rank's pull holds), and the replicas it rings with an offer keep what their ranks
+pull mapped, under the holder the rung offer names (Routing.holder), and are recorded here (`routed`).
 """
 
 from __future__ import annotations
