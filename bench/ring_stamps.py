@@ -6,8 +6,11 @@ the processes wrote with RLSYNC_STAMP_DIR set (rlsync.common.stamps):
 
 Every process's points go on one clock (perf_counter: CLOCK_MONOTONIC). A ring is what lies from one
 `ring` point to the next; for each step between two points a ring passes one after the other, in
-its order (ring, written, read, parsed, launched, replied, answered, copied), the median, least and
-most over the rings, in ms. Prints JSON.
+its order (ring, written, read, parsed, launched, replied, answered, copied, then a sharded trainer's
+routed send: queued, job, checked, agreed, rostered, roster, pulled, sent, added, published, asked;
+see rlsync.common.stamps), the median, least and most over the rings, in ms. `asked` (the caller's
+PublishWeights) comes last where the trainer sent as soon as its ring was answered (the coordinator's
+syncs): the step into it is then negative. Prints JSON.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """One rank of a 2-rank check (started by a test with RANK/WORLD_SIZE set): a module whose parameters
 are DTensors of every placement a trainer may use is published as a sharded source; each rank checks
 the boxes it holds against the whole tensors they were sharded from, and the checksums the ranks'
-shares add up to against the whole tensors'. Each rank prints one JSON line."""
+shares add up to against the whole tensors', and what Ranks.gather brings every rank. Each rank prints
+one JSON line."""
 
 import json
 import os
@@ -42,7 +43,13 @@ for index, entry in enumerate(shards.entries):
 totals = Ranks().add_up([v for pair in shards.checksum_share() for v in pair])
 audit = {s.name: from_sums(s.nbytes, totals[2 * i], totals[2 * i + 1]) for i, s in enumerate(source.specs)}
 wrong += [n for n, t in whole.items() if audit[n] != checksum_tensor(t.to(torch.bfloat16))]
-print(json.dumps({"checked": sorted(audit), "wrong": wrong}), flush=True)
+# What rank 0 gathers at an onload (each rank's storages): every rank's bytes, whatever their lengths.
+payloads = [b"", b"abc", bytes(range(256)) * 20]
+for mine in payloads:
+    got = Ranks().gather(mine if rank == 0 else mine[::-1] + b"!")
+    if got != [mine, mine[::-1] + b"!"]:
+        wrong.append(f"gather of {len(mine)} bytes on rank {rank}")
+print(json.dumps({"checked": [*sorted(audit), "gather"], "wrong": wrong}), flush=True)
 dist.barrier()  # leave together: a rank tearing gloo down while its peer still talks can abort
 dist.destroy_process_group()
 # Skip interpreter finalization: gloo's worker threads can still hold work objects whose teardown

@@ -155,3 +155,30 @@ def test_a_roster_carries_each_distinct_layout_once_and_gives_the_answers_layout
     roster.layout_of[3] = 2
     with pytest.raises(InvalidArgument, match="do not match its answers"):
         roster_layout(specs, roster)
+
+
+def test_a_pulls_tables_are_keyed_by_the_memorys_layout_and_sizes_not_its_handles():
+    """pulls._shape: the same boxes in storages of the same sizes, exported anew (other handles, after an
+    onload), key the same tables (rebased); another offset, storage size or region count does not."""
+    from rlsync.transfer.pulls import _shape
+
+    def exported(memory: pb.RankMemory, tag: bytes = b"") -> pb.RankMemory:
+        memory.ipc[:] = [h + tag for h in memory.ipc]  # (a handle with trailing bytes: another export)
+        memory.digest = _export(memory)[0].digest
+        return memory
+
+    def sized(memory: pb.RankMemory, size: int) -> pb.RankMemory:
+        handle = pb.CudaIpcHandle.FromString(memory.ipc[0])
+        handle.storage_size_bytes = size
+        memory.ipc[0] = handle.SerializeToString()
+        return exported(memory)
+
+    first, again = exported(_memory(0, "gpu-0")), sized(_memory(0, "gpu-0"), 1 << 24)
+    again.ipc[1] = pb.CudaIpcHandle(device=0, handle=b"\x01" * 64, storage_size_bytes=1 << 24).SerializeToString()
+    again = exported(again)
+    assert again.digest != first.digest and _shape(again) == _shape(first)
+    assert _shape(exported(_memory(1, "gpu-0"))) != _shape(first), "another offset of a box"
+    assert _shape(sized(_memory(0, "gpu-0"), 1 << 25)) != _shape(first), "a storage of another size"
+    fewer = _memory(0, "gpu-0")
+    fewer.regions -= 1
+    assert _shape(exported(fewer)) != _shape(first)

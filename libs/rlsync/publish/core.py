@@ -407,23 +407,27 @@ class PublisherCore:
         return await self.run(lambda: self._onload_here(describe), ONLOAD, 0, DESCRIBE if describe else b"")
 
     def _onload_here(self, describe: bool = False) -> tuple[tpb.MappedTensors, tpb.Facts] | None:
-        """Every rank's part of an onload, in step (see _offload_here). describe: its sender is made now, and
-        where the weights lie is returned on rank 0 (onload's). A sharded model's ranks each export their own
-        storages, and rank 0 gathers those on its GPU, in rank order (ShardedSender.regions)."""
+        """Every rank's part of an onload, in step (see _offload_here). describe: rank 0 makes its sender now and
+        returns where the weights lie (onload's); a sharded model's ranks each export their own storages, and
+        rank 0 gathers those on its GPU, in rank order (ShardedSender.regions). Describing only saves the
+        replicas time: a rank that cannot says why in its log, and the onload stands."""
+        ranks = self.ranks or Ranks()
         found: list[tuple[tpb.MappedTensors | None, tpb.Facts]] = []
 
         def onload() -> None:
             if self.hooks[ONLOAD] is not None:
                 self.hooks[ONLOAD]()
             self.offloaded = False
-            if describe:
-                sender = self._sender_now()
-                found.append((sender.regions(), local_facts(sender.device)))
-        ranks = self.ranks or Ranks()
+            if describe and (self.sharded or ranks.rank == 0):
+                try:
+                    sender = self._sender_now()
+                    found.append((sender.regions(), local_facts(sender.device)))
+                except Exception as e:  # noqa: BLE001 - the weights are back: the replicas map them at the update
+                    log.warning("rank %d cannot say where its weights lie for the replicas to hold: %s", ranks.rank, e)
         if self._in_step(onload, "onload") or not describe:
             return None
-        regions, facts = found[0]
-        if isinstance(self._sender, ShardedSender):
+        regions, facts = found[0] if found else (None, tpb.Facts())
+        if self.sharded:  # (the same on every rank: each takes part in the gather)
             mine = tpb.RankMemory(facts=facts, ipc=regions.ipc if regions is not None else ())
             every = [tpb.RankMemory.FromString(m) for m in ranks.gather(mine.SerializeToString())]
             ipc = [h for m in every if same_gpu(m.facts, facts) for h in m.ipc]

@@ -113,8 +113,9 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
     def _rung_offer(self, offer: tpb.Offer, ring: list) -> tpb.Offer:
         """A sharded trainer's offer as the replicas it rings get it: naming the holder their ranks keep what they
         pull under (Routing.holder), recorded here so that they let go before the trainer's memory leaves the
-        GPU. Replicas prepared otherwise (the coordinator's PrepareUpdate) get the offer without it: they map
-        and close at each update, as nothing here could ask them to let go."""
+        GPU. Replicas prepared otherwise (the coordinator's PrepareUpdate) get the offer without it: what they
+        pull they map and close at each update (unless they hold it from the trainer's onload), as nothing
+        here could ask them to let go."""
         if not offer.HasField("routing"):
             return offer
         self.holders.routed(ring)

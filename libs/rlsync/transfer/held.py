@@ -7,8 +7,9 @@ asks the replicas on its GPU to map them while it trains (`hold`), and to let go
 offloads (`release`): torch keeps a storage that another process maps alive, so memory still
 held after the offload would not go back to the GPU. A pull then finds the regions already open
 (`lookup`: the holder's list, when the pull lists exactly its storages; else `get_all`) and the update
-neither maps nor closes anything; what it derives from them lives in the holder's `memo` until the
-holder holds another list.
+neither maps nor closes anything; what a one-copy pull derives from them lives in the holder's `memo`
+until the holder holds another list (a routed pull keeps its tables by layout and address instead,
+rlsync.transfer.pulls).
 
 Holds are per holder (a trainer's name): a hold replaces what that holder held, so a restarted
 trainer's first onload lets go of what its predecessor left. A handle is the serialized
@@ -24,6 +25,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from rlsync.transfer.memory import open_cuda
+from rlsync.transfer.streams import resolved
 
 Opener = Callable[[bytes, torch.device], torch.Tensor]
 
@@ -45,7 +47,7 @@ class HeldMappings:
         """Keeps exactly `handles` mapped for `holder` (those already mapped stay as they are, the
         holder's others are closed). Returns how many were newly mapped. A handle that does not
         open raises, and the holder's set is left as it was."""
-        given = (device, list(handles))
+        given = (resolved(device), list(handles))  # (a pull names its device with the index: `cuda:0`)
         with self._lock:  # a trainer holds the same storages at every step: nothing to look at then
             if given[1] and self._given.get(holder) == given:
                 return 0

@@ -70,6 +70,15 @@ class Kept:
         self.put(key, value)
         return value
 
+    def peek(self, key: Hashable):
+        """The value kept under `key`, or None; a miss keeps nothing."""
+        with self._lock:
+            if key not in self._values:
+                return None
+            self.hits += 1
+            self._values.move_to_end(key)
+            return self._values[key]
+
     def put(self, key: Hashable, value: object) -> None:
         with self._lock:
             self._values[key] = value

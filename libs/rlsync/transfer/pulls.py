@@ -125,7 +125,9 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.R
         src = np.array([t.data_ptr() for t in mapped], dtype=np.int64)
         layout = (rank, *map(id, pieces), *(_shape(memories[k]) for k in sources), laid)
         key = (layout, src.tobytes(), dst.tobytes())
-        kept = _TABLES.get(key, lambda: _moved(layout, src, dst))
+        kept = _TABLES.peek(key)
+        if kept is None and (kept := _moved(layout, src, dst)) is not None:
+            _TABLES.put(key, kept)
     if kept is not None:
         for table in kept[1]:
             batched.launch(table)
@@ -153,12 +155,18 @@ _LATEST = Kept(4)  # by its layout alone: the addresses of the regions it read a
 
 def _moved(layout: tuple, src: np.ndarray, dst: np.ndarray) -> tuple | None:
     """The latest held pull of `layout` at other addresses, its tables moved to these regions (read at `src`,
-    written at `dst`); None if none was kept."""
-    latest = _LATEST.get(layout, lambda: None)
+    written at `dst`); None if none was kept, or if a region moved by other than a multiple of the
+    alignment the kernels take (batched.ALIGN: checked at the tables' making; allocations are aligned far
+    more, so this is a guard)."""
+    latest = _LATEST.peek(layout)
     if latest is None:
         return None
     old_src, old_dst, (pieces, tables, nbytes) = latest
+    if ((src - old_src) % batched.ALIGN).any() or ((dst - old_dst) % batched.ALIGN).any():
+        return None
     return pieces, [batched.rebased(batched.rebased(t, old_src, src), old_dst, dst, column=1) for t in tables], nbytes
+
+
 _SHAPES = Kept(16)  # a trainer rank's memory digest -> its layout's (_shape)
 
 
