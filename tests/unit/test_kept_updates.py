@@ -61,7 +61,7 @@ def test_a_repeat_with_the_same_values_makes_nothing_and_another_key_makes_it_an
     assert (len(made), cache.hits, cache.misses) == (2, 1, 2)
     cache.get(("layout", 3), lambda: "third")  # the oldest of more than two goes
     assert cache.get(("layout", 1), lambda: "made again") == "made again"
-    assert cache.peek(("layout", 4)) is None and cache.peek(("layout", 3)) == "third", "a peek that misses keeps nothing"
+    assert cache.peek(("layout", 4)) is None and cache.peek(("layout", 3)) == "third", "a missed peek keeps nothing"
     cache.put(("layout", 5), "fifth")
     assert cache.peek(("layout", 1)) is None and cache.peek(("layout", 3)) == "third"
 
