@@ -43,3 +43,28 @@ def _copy_and_check(sizes: list[int], src_packed: bool, dst_packed: bool) -> Non
 def test_nothing_to_copy_is_nothing_done():
     assert list(coalesce(iter([]))) == []
     copy_all(iter([]))
+
+
+@settings(max_examples=80, deadline=None)
+@given(experts=st.integers(1, 9), rows=st.integers(1, 5), cols=st.integers(1, 6), data=st.data())
+def test_pieces_stepping_through_memory_alike_copy_as_one_and_land_as_each_would(experts, rows, cols, data):
+    """stacked(): the per-expert rows of a fused [E, 2R, C] tensor (each expert's first R rows, as a tensor-
+    parallel rank takes them) into per-expert places of a flat staging, in any order, with pieces that step
+    otherwise among them (a cast one, one out of order in its slot), land byte for byte as a copy_ each; the
+    alike ones become one pair."""
+    fused = torch.randn(experts, 2 * rows, cols)
+    staging = torch.full((experts * 3 * rows * cols,), float("nan"), dtype=torch.bfloat16)
+    places = [staging[(3 * e) * rows * cols:(3 * e + 1) * rows * cols].view(rows, cols) for e in range(experts)]
+    pairs = [(fused[e, :rows], places[e]) for e in range(experts)]
+    odd = torch.randn(rows, cols)  # another storage: stays a pair of its own
+    pairs.insert(data.draw(st.integers(0, len(pairs))), (odd, staging[rows * cols:2 * rows * cols].view(rows, cols)))
+    order = data.draw(st.permutations(range(len(pairs))))
+    pairs = [pairs[i] for i in order]
+    expected = staging.clone()
+    for src, dst in pairs:  # what a copy_ each lands
+        expected[dst.data_ptr() // 2 - staging.data_ptr() // 2:][:dst.numel()].copy_(src.reshape(-1))
+    out = spans.stacked(pairs)
+    for src, dst in out:
+        dst.copy_(src)
+    assert torch.equal(staging.view(torch.int16), expected.view(torch.int16))
+    assert len(out) == 2, [tuple(s.shape) for s, _ in out]  # the experts' pieces as one, the odd one apart

@@ -33,7 +33,7 @@ from rlsync.transfer.control import Deadline
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.plan import Bucket, cached_plan
 from rlsync.transfer.routes import Box, Piece, Routes, extent, relative
-from rlsync.transfer.spans import FEW, copy_all
+from rlsync.transfer.spans import FEW, copy_all, stacked
 from rlsync.transfer.writer import DestWriter
 
 WINDOW = 2  # operations in flight per member
@@ -205,6 +205,8 @@ def _pack_plan(op: Op, transfer, routes: Routes, slots: _Slots, source) -> tuple
                 values.append(at)
                 continue
         rest.append(s)
+    if view.device.type == "cpu" and values:  # (no kernel takes them all at once there: alike ones go as one)
+        values, into = (list(side) for side in zip(*stacked(list(zip(values, into)))))
     return view, into, values, rest
 
 
@@ -309,6 +311,8 @@ def _land_plan(op: Op, base: int, writer: DestWriter, slots: _Slots, device: tor
     view = slots.next(op.bucket.nbytes)
     copies = [(view[s.dst:s.dst + s.length], writer.targets[base + s.tensor][s.src:s.src + s.length])
               for s in op.bucket.slices]
+    if view.device.type == "cpu":  # (no kernel takes them all at once there: alike ones go as one)
+        copies = stacked(copies)
     return view, marks, [copies, None, False]  # (the copies, their table once made, landed before)
 
 

@@ -64,6 +64,48 @@ def _merged(run: list[View]) -> tuple[torch.Tensor, torch.Tensor]:
             byte_view(dst.untyped_storage(), dst.data_ptr() - dbase, nbytes, dst.device))
 
 
+def stacked(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`pairs` (src, dst), those that step through memory alike as one pair each: contiguous views of one
+    storage on each side, of one shape, dtype and strides, whose starts make an arithmetic progression on
+    both sides with no overlap (a mixture of experts' per-expert pieces of a fused tensor, and the places
+    they fill) become one pair of views with a leading dimension, copied in one copy_ instead of one each.
+    For copies made again and again where no kernel launch takes them all at once (off the GPU): made once
+    per plan. The others stay as they are, in their order."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (src, dst) in enumerate(pairs):
+        if src.numel() and src.is_contiguous() and dst.is_contiguous():
+            groups.setdefault((_kind(src), _kind(dst)), []).append(i)
+    first: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    rest: set[int] = set()
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        members.sort(key=lambda i: pairs[i][0].data_ptr())
+        src, dst = pairs[members[0]]
+        steps = [_steps([pairs[i][k].data_ptr() for i in members], t) for k, t in ((0, src), (1, dst))]
+        if None in steps:
+            continue
+        n = len(members)
+        first[members[0]] = tuple(t.as_strided((n, *t.shape), (step, *t.stride()))
+                                  for t, step in zip((src, dst), steps))
+        rest.update(members[1:])
+    return [first.get(i, pair) for i, pair in enumerate(pairs) if i not in rest]
+
+
+def _kind(t: torch.Tensor) -> tuple:
+    return t.untyped_storage().data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device
+
+
+def _steps(starts: list[int], t: torch.Tensor) -> int | None:
+    """The step between `starts` in elements of `t`, when they make a progression of views like `t` that do not
+    overlap; else None."""
+    step = starts[1] - starts[0]
+    nbytes = t.numel() * t.element_size()
+    if step < nbytes or step % t.element_size() or any(b - a != step for a, b in zip(starts, starts[1:])):
+        return None
+    return step // t.element_size()
+
+
 SMALL = 1 << 20  # bytes: below it, a copy costs its launch more than its bytes
 # Pairs below which a copy_ each costs less CPU than a table's making and its Triton launch (a bucket's
 # few slices, at every bucket: bench/sharded.py over NCCL, where landing them was most of the time).
