@@ -474,10 +474,11 @@ class HFEngine(Engine):
                     clock.add(update.stages)  # laid out, connected to the sender, its thread started
                 return staging, update
 
-            # One thread hop, not two (a busy replica's GIL); none for a pull on the GPU into the spare
-            # store, where nothing is allocated and nothing connects: the copy is queued (or waits for
-            # the trainer's bell), and each hop waits for the GIL decoding holds.
-            inline = not need and ans.pull and self.device.type == "cuda"
+            # One thread hop, not two (a busy replica's GIL); none into the spare store, where nothing is
+            # allocated, for what connects to nothing here: a pull on the GPU (the copy is queued, or waits for
+            # the trainer's bell) and a routed receiver (it meets the trainer's ranks on a worker of its own).
+            # Each hop waits for the GIL decoding holds.
+            inline = not need and (ans.pull and self.device.type == "cuda" or offer.HasField("routing"))
             staging, update = stage() if inline else await asyncio.to_thread(stage)
         try:
             pulled(ans, [update.poll()])
