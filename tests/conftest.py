@@ -272,14 +272,21 @@ def two_gloo_ranks(script: Path, results: int) -> None:
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, str(script)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                   "RANK": str(r), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}) for r in range(2)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
+    for attempt in range(3):  # a free port can be taken by another process before rank 0 listens on it
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = [subprocess.Popen([sys.executable, str(script)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True,
+                                  env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                       "RANK": str(r), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}) for r in range(2)]
+        outs = [procs[0].communicate(timeout=120)[0]]
+        if procs[0].returncode != 0 and "EADDRINUSE" in outs[0] and attempt < 2:
+            procs[1].kill()  # (it waits for rank 0's store)
+            procs[1].wait()
+            continue
+        outs.append(procs[1].communicate(timeout=120)[0])
+        break
     assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     for out in outs:
         (result,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]

@@ -31,7 +31,20 @@ def run_routed(senders: int, receivers: int, bucket: int, device: str = "cpu", g
     of `receivers` tensor-parallel ranks; every member's JSON line, trainer ranks first. On `gpus` GPUs
     (device cuda), trainer rank r and engine rank e run on GPUs r and e modulo `gpus`, as a trainer and
     an engine colocated over the same GPUs are laid out. `settings`: more of routed_worker.py's
-    environment (HOLD, STEPS, ...)."""
+    environment (HOLD, STEPS, ...). A free port can be taken by another process (CI's parallel lanes)
+    before a member listens on it: the whole run is then made again on other ports."""
+    for attempt in range(3):
+        outcomes = _run_routed_once(senders, receivers, bucket, device, gpus, settings)
+        failed = [stderr for code, _, stderr in outcomes if code != 0]
+        if not any("EADDRINUSE" in stderr for stderr in failed) or attempt == 2:
+            break
+    for code, _, stderr in outcomes:
+        assert code == 0, stderr[-3000:]
+    return [json.loads(stdout.strip().splitlines()[-1]) for _, stdout, _ in outcomes]
+
+
+def _run_routed_once(senders: int, receivers: int, bucket: int, device: str, gpus: int,
+                     settings: dict) -> list[tuple[int, str, str]]:
     store, master = free_port(), free_port()
     procs = []
     for role, count in (("trainer", senders), ("engine", receivers)):
@@ -43,12 +56,20 @@ def run_routed(senders: int, receivers: int, bucket: int, device: str = "cpu", g
             procs.append(subprocess.Popen([sys.executable, str(TESTS / "routed_worker.py")], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                           stdin=subprocess.DEVNULL))
-    out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=120)
-        assert p.returncode == 0, stderr[-3000:]
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
-    return out
+    outcomes = []
+    for i, p in enumerate(procs):
+        try:
+            stdout, stderr = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            stdout, stderr = p.communicate()
+        outcomes.append((p.returncode, stdout, stderr))
+        if p.returncode != 0:  # the others may wait for it (or for a port another process holds): none is left
+            for q in procs[i + 1:]:
+                q.kill()
+                outcomes.append((q.wait(), "", ""))
+            break
+    return outcomes
 
 
 class Peer:
