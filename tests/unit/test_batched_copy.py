@@ -43,7 +43,7 @@ def test_a_rebased_table_reads_the_same_offsets_of_the_regions_mapped_anew(sizes
     moved = batched.rebased(table, old, new)
     assert moved.host.tolist() == [[int(new[r] + o), (1 << 40) + 64 * i, n] for i, (r, o, n) in enumerate(reads)]
     assert moved.rows.tolist() == moved.host.tolist() and table.host.tolist() == rows.tolist()
-    woken = batched.rebased(moved, np.array([1 << 40]), np.array([1 << 41]), column=1)  # the destination moved too
+    woken = batched.rebased(moved, new, new, dst=(np.array([1 << 40]), np.array([1 << 41])))  # the destination moved
     assert woken.host.tolist() == [[int(new[r] + o), (1 << 41) + 64 * i, n] for i, (r, o, n) in enumerate(reads)]
 
 

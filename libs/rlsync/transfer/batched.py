@@ -96,18 +96,23 @@ class Table(NamedTuple):
     host: np.ndarray  # the same rows, in host memory (rebased)
 
 
-def rebased(table: Table, old: np.ndarray, new: np.ndarray, column: int = 0) -> Table:
+def rebased(table: Table, old: np.ndarray, new: np.ndarray,
+            dst: tuple[np.ndarray, np.ndarray] | None = None) -> Table:
     """`table` with every source moved from the region it read (starting at one of the addresses `old`) to
     the same offset of the region now at the address in `new` of the same index: the same copies out of
-    the same layout mapped anew (a trainer's storages after its next onload); column 1: the destinations
-    moved so. The regions must be as large as before and disjoint. Its upload does not wait for the
-    stream (a copy armed behind a bell may hold it up: rlsync.transfer.armed)."""
-    if np.array_equal(old, new):
+    the same layout mapped anew (a trainer's storages after its next onload); `dst`: (old, new) of the
+    regions written, moved so too, in the same upload. The regions must be as large as before and
+    disjoint. Its upload does not wait for the stream (a copy armed behind a bell may hold it up:
+    rlsync.transfer.armed)."""
+    moves = [(column, a, b) for column, (a, b) in enumerate([(old, new), dst or (old, old)])
+             if not np.array_equal(a, b)]
+    if not moves:
         return table
-    order = np.argsort(old, kind="stable")
-    region = order[np.searchsorted(old[order], table.host[:, column], side="right") - 1]
     host = table.host.copy()
-    host[:, column] += (new - old)[region]
+    for column, a, b in moves:
+        order = np.argsort(a, kind="stable")
+        region = order[np.searchsorted(a[order], host[:, column], side="right") - 1]
+        host[:, column] += (b - a)[region]
     rows = torch.from_numpy(host)
     if table.rows.device.type == "cuda":  # (pinned: the caching host allocator keeps it until the copy is done)
         rows = rows.pin_memory().to(table.rows.device, non_blocking=True)

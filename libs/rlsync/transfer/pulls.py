@@ -164,7 +164,7 @@ def _moved(layout: tuple, src: np.ndarray, dst: np.ndarray) -> tuple | None:
     old_src, old_dst, (pieces, tables, nbytes) = latest
     if ((src - old_src) % batched.ALIGN).any() or ((dst - old_dst) % batched.ALIGN).any():
         return None
-    return pieces, [batched.rebased(batched.rebased(t, old_src, src), old_dst, dst, column=1) for t in tables], nbytes
+    return pieces, [batched.rebased(t, old_src, src, dst=(old_dst, dst)) for t in tables], nbytes
 
 
 _SHAPES = Kept(16)  # a trainer rank's memory digest -> its layout's (_shape)

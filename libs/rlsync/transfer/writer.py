@@ -163,19 +163,16 @@ class DestWriter:
     def mark_many(self, marks: list[tuple[int, int]]) -> None:
         """mark() of every (tensor index, bytes), in one loop (a bucket of a mixture of experts lands hundreds
         of pieces: a call each was most of a repeat's Python per piece)."""
-        PROGRESS.advance(len(marks))
-        received, specs, direct = self.received, self.specs, self.direct
+        PROGRESS.advance(len(marks))  # bytes landing are progress, whatever the event loop does meanwhile
+        received, specs = self.received, self.specs
         for index, nbytes in marks:
             received[index] += nbytes
-            if received[index] == specs[index].nbytes and not direct[index]:
+            if received[index] == specs[index].nbytes:
                 self._complete(index)
 
     def mark(self, index: int, nbytes: int) -> None:
         """Records bytes that arrived (written through write(), or straight into direct_view())."""
-        PROGRESS.advance()  # bytes landing are progress, whatever the event loop does meanwhile
-        self.received[index] += nbytes
-        if self.received[index] == self.specs[index].nbytes:
-            self._complete(index)
+        self.mark_many([(index, nbytes)])
 
     def write_whole(self, data: torch.Tensor) -> None:
         """All tensors at once, when both sides lay them out back to back (see `whole`)."""
