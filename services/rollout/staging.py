@@ -79,11 +79,13 @@ class StagedUpdate:
     def __init__(self, offer: pb.Offer, answer: pb.Answer, staging: dict[str, torch.Tensor] | FlatStore, rank: int,
                  device: torch.device, timeout: float, expected=None,
                  base: dict[str, torch.Tensor] | FlatStore | None = None, boxes=None, post: bool = True,
-                 hold: str = ""):
+                 hold: str = "", at_once: bool = False):
+        """at_once: a routed repeat from held storages may be copied at once and answered as a pull
+        (RoutedReceiver's; only where `answer` is the one the caller returns)."""
         self.version = offer.manifest.version
         self.staging = staging
         self.receiver = receiver_for(offer, answer, staging, rank=rank, device=device, timeout=timeout,
-                                     expected=expected, base=base, boxes=boxes, post=post, hold=hold)
+                                     expected=expected, base=base, boxes=boxes, post=post, hold=hold, at_once=at_once)
         self.future: concurrent.futures.Future[Report] = concurrent.futures.Future()
         self.started = time.perf_counter()
         # The receiver's setup, timed (its layout, its connection to the sender), for the answer's stages.

@@ -238,8 +238,9 @@ def test_a_sharded_trainer_sharing_the_gpu_is_pulled_from_held_until_its_offload
     """rlsync's trainer with --nproc 2 on one GPU (FSDP2 over gloo: NCCL takes no two ranks on one GPU). A
     replica on that GPU pulls each rank's shards (routed, cuda_ipc); rung with the offer, it keeps them mapped
     from the first update (Routing.holder), or from the trainer's onload when rung then, and the trainer's
-    Offload has it let go, so the trainer's memory really leaves the GPU. Every update verified bit for bit;
-    one prepared by gRPC (no holder) maps anew."""
+    Offload has it let go, so the trainer's memory really leaves the GPU. Holding them, it copies a rung offer
+    as it prepares (the offer names every rank's memory: Routing.memories), and nothing is published. Every
+    update verified bit for bit; one prepared by gRPC (no holder) maps anew."""
     trainer, rollout = _fleet(services, "0", "0", checksums=False, trainer_extra=["--nproc", "2"])
     bell = rollout.info().doorbell
 
@@ -256,8 +257,11 @@ def test_a_sharded_trainer_sharing_the_gpu_is_pulled_from_held_until_its_offload
     trainer.onload()
     for seed in (4, 5, 6):
         step(seed)
-        push_weights(trainer, [rollout], doorbells=[bell], hold=True)  # rung, as async and inflight syncs are
+        report = push_weights(trainer, [rollout], doorbells=[bell], hold=True)  # rung, as async and inflight are
         assert differences(trainer.checksums(), rollout.checksums()) == []
+        # once it holds every rank's storages, the offer names their memories and it copies as it prepares:
+        # answered as a pull, with no publish (no rank sends anything)
+        assert (report.rank_bytes == []) == (seed > 4), (seed, report.rank_bytes, report.profile)
     off = trainer.offload()
     assert off.released == 1, "the replica let go"
     assert off.state.device_reserved_bytes <= freed, (off, freed)
@@ -265,7 +269,8 @@ def test_a_sharded_trainer_sharing_the_gpu_is_pulled_from_held_until_its_offload
     onloaded = trainer.onload(ring=[bell])  # rank 0 gathers every rank's storages: the replica maps them now
     assert onloaded.held == 1, onloaded
     step(7)
-    push_weights(trainer, [rollout], doorbells=[bell], hold=True)  # its pull finds them mapped
+    report = push_weights(trainer, [rollout], doorbells=[bell], hold=True)  # it copies from what it mapped then
     assert differences(trainer.checksums(), rollout.checksums()) == []
+    assert report.rank_bytes == [], report.profile
     held = rollout.release_weights("trainer").released  # what the trainer's next Offload would have it close
     assert held >= 2, f"every rank's storages stayed mapped after the update: {held}"

@@ -5,6 +5,7 @@ RankMemory (handles and boxes) only of the ranks it pulls from, the trainer's la
 split the routes exactly as the whole memories do, and the roster gives the layout the answers do."""
 
 import datetime
+import hashlib
 
 import pytest
 import torch
@@ -182,3 +183,28 @@ def test_a_pulls_tables_are_keyed_by_the_memorys_layout_and_sizes_not_its_handle
     fewer = _memory(0, "gpu-0")
     fewer.regions -= 1
     assert _shape(exported(fewer)) != _shape(first)
+
+
+def test_rank_zero_puts_each_ranks_described_memory_the_store_lacks_and_names_every_digest():
+    """An offer for replicas that hold the trainer's storages names every rank's memory (Routing.memories): rank 0
+    puts the mapped memory of each rank that is new (the one it replaces goes), and names none when a rank's
+    storages cannot be mapped (its replicas then meet the ranks at the send)."""
+    sender = _sender(2)
+    try:
+        client = dist.TCPStore("127.0.0.1", sender._store.port, is_master=False)
+        mapped = [pb.RankMemory(ipc=[bytes([r])], regions=1).SerializeToString() for r in range(2)]
+        digests = [hashlib.sha256(m).hexdigest() for m in mapped]
+        client.set(_mapped_key(1, "old"), b"x")
+        every = [pb.RankDigest(digest=digests[0], mapped=mapped[0]),
+                 pb.RankDigest(digest=digests[1], mapped=mapped[1], replaces="old")]
+        assert sender.described(every) == digests
+        assert [client.get(_mapped_key(r, d)) for r, d in enumerate(digests)] == mapped
+        assert not client.check([_mapped_key(1, "old")]), "the memory it replaces leaves the store"
+        again = [pb.RankDigest(digest=d) for d in digests]  # in the store already: only named
+        assert sender.described(again) == digests
+        assert sender.described([again[0], pb.RankDigest()]) == [], "a rank that cannot be mapped: none named"
+        with pytest.raises(DataLoss, match="does not match its digest"):
+            sender.described([pb.RankDigest(digest=digests[0], mapped=mapped[1]), again[1]])
+        assert sender.describe() == pb.RankDigest(), "storages off a GPU are described by nothing"
+    finally:
+        sender.close()

@@ -17,7 +17,7 @@ import torch
 from rlsync.common.stamps import stamp
 from rlsync.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from rlsync.publish.buffer import PublishBuffer
-from rlsync.publish.ranks import AUDIT, DESCRIBE, OFFLOAD, ONLOAD, PASSES, ROUTED, PublishPoints, Ranks
+from rlsync.publish.ranks import AUDIT, DESCRIBE, MEMORY, OFFLOAD, ONLOAD, PASSES, ROUTED, PublishPoints, Ranks
 from rlsync.publish.quantized import QuantizedBuffer, quantized
 from rlsync.publish.source import ShardedModule
 from rlsync.quant.fp8_format import same_format
@@ -167,7 +167,13 @@ class PublisherCore:
         else, with a publish buffer, the weights are copied into it and the offer is a pull of the
         buffer, which receivers copy while training goes on. describe: also where the weights (or
         the buffer) lie on the GPU, for replicas on it to keep mapped (see onload); None when they
-        cannot be mapped. fmt: the format the replicas hold (quantized on the way out; None: as it trains)."""
+        cannot be mapped. fmt: the format the replicas hold (quantized on the way out; None: as it trains).
+        A sharded model's offer with describe names every rank's memory as it is now (Routing.memories): replicas
+        that hold it copy at once."""
+        if describe and self.sharded and (self._sender is None or self._sender.device.type == "cuda"):
+            payload = fmt.SerializeToString() if fmt is not None else b""
+            return await self.run(lambda: self._offer_described(version, payload), MEMORY, 0, payload), None
+
         def offer() -> tuple[tpb.Offer, tuple[tpb.MappedTensors, tpb.Facts] | None]:
             self._require_on_device("publishing weights")
             self.use_format(fmt)
@@ -191,6 +197,51 @@ class PublisherCore:
             return offer, None if regions is None else (regions, local_facts(made.device))
 
         return await self.run(offer, PASSES, lambda: self._passes(1 if self.checksums_in_manifest else 0))
+
+    def _offer_described(self, version: int, payload: bytes) -> tpb.Offer:
+        """Rank 0: a sharded model's offer naming every rank's memory (describe_memory), when each can say."""
+        memories = self.describe_memory(payload)
+        sender = self._sender_now()
+        offer = sender.offer(version)
+        offer.routing.memories.extend(memories)
+        self._remember(offer, sender)
+        return offer
+
+    def describe_memory(self, payload: bytes) -> list[str]:
+        """Every rank of a sharded model, in step, as rank 0 makes an offer for replicas that may hold the weights:
+        the weights as they are now (a quantized model's scales), then where this rank's storages lie
+        (ShardedSender.describe), gathered on rank 0 -> (rank 0) every rank's digest, [] when one cannot say (the
+        replicas then meet the ranks at the send). `payload`: the format rank 0 offers in (WeightFormat). A rank
+        that cannot send fails rank 0's offer, as a send would."""
+        ranks = self.ranks or Ranks()
+        sender, error = None, None
+        try:
+            self._require_on_device("publishing weights")
+            self.use_format(tpb.WeightFormat.FromString(payload))
+            sender = self._sender_now()
+        except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
+            error = e
+        if ranks.agree(error is None):
+            if ranks.rank != 0:
+                log.warning("rank %d cannot send its shards: %s", ranks.rank, error)
+                return []
+            raise error or Unavailable("another rank of the trainer cannot send its shards (see its log)")
+        mine = tpb.RankDigest()
+        try:
+            self._source.refresh(ranks)  # (every rank, in step: a quantized model's scales are exchanged)
+            mine = sender.describe()
+        except Exception as e:  # noqa: BLE001 - the replicas meet this rank at the send instead
+            log.warning("rank %d cannot say where its weights lie: %s", ranks.rank, e)
+        every = ranks.gather(mine.SerializeToString())
+        return sender.described([tpb.RankDigest.FromString(d) for d in every]) if ranks.rank == 0 else []
+
+    def settled(self, transfer_id: str) -> None:
+        """Every replica rung with a sharded model's offer copied it as it prepared (answered as pulls): published
+        to them (a replica prepared otherwise may still be sent it)."""
+        offer, sender = self._offers.get(transfer_id, (None, None))
+        if isinstance(sender, ShardedSender):
+            self.published = offer.manifest.version
+            sender.settled(offer)
 
     async def send_ahead(self, transfer_id: str) -> bool:
         """Starts broadcasting an offer before its receivers answered, for a caller that publishes it
@@ -331,7 +382,8 @@ class PublisherCore:
     def rank_handlers(self, ranks: Ranks) -> dict:
         """What this core's other ranks run for the requests rank 0 queues (see PublishPoints)."""
         self.ranks = ranks
-        return {ROUTED: self.send_routed, AUDIT: self.audit_shares, OFFLOAD: lambda _: self._offload_here(),
+        return {ROUTED: self.send_routed, AUDIT: self.audit_shares, MEMORY: self.describe_memory,
+                OFFLOAD: lambda _: self._offload_here(),
                 ONLOAD: lambda payload: self._onload_here(payload == DESCRIBE)}
 
     def send_routed(self, payload: bytes) -> Report | None:

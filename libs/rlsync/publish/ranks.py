@@ -27,7 +27,7 @@ from rlsync.transfer.source import StreamedSource, run_pass
 
 log = logging.getLogger(__name__)
 
-PASSES, OFFLOAD, ONLOAD, DONE, FAILED, TRAIN, KEEPALIVE, ROUTED, AUDIT = range(9)
+PASSES, OFFLOAD, ONLOAD, DONE, FAILED, TRAIN, KEEPALIVE, ROUTED, AUDIT, MEMORY = range(10)
 DESCRIBE = b"describe"  # ONLOAD's payload when rank 0 is to say where the weights lie (every rank exports)
 _MASK = (1 << 64) - 1
 # Idle ranks wait in a broadcast, which times out with the process group (gloo: 30 min by

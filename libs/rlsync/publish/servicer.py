@@ -102,6 +102,8 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
                     raise
             rung, seconds = await rang
             pushed = [r.answer for r in rung if not r.answer.pull]
+            if offer.HasField("routing") and rung and all(r.rung for r in rung) and not pushed:
+                self.publisher.settled(offer.transfer_id)  # each copied as it prepared (Routing.memories)
             publishing = request.publish and all(r.rung for r in rung) and bool(pushed)
             if publishing:  # every replica prepared here: send now, rather than at PublishWeights
                 self.publisher.publish_now(offer.transfer_id, pushed, request.timeout)
@@ -122,6 +124,7 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
         rung = tpb.Offer()
         rung.CopyFrom(offer)
         rung.routing.holder = self.holders.holder
+        offer.routing.ClearField("memories")  # (only a replica that may hold them copies at once)
         return rung
 
     async def _send_ahead(self, transfer_id: str) -> None:

@@ -48,7 +48,10 @@ def _opened(device: int, handle: bytes) -> torch.cuda.Event:
 
 
 def sender_device(mapped: pb.MappedTensors) -> int:
-    """The sender's index of the GPU its mapped memory (and so every puller's event) is on."""
+    """The sender's index of the GPU its mapped memory (and so every puller's event) is on; with none named (a
+    routed offer's pulls, Routing.memories), this process's current one."""
+    if not mapped.ipc:
+        return torch.cuda.current_device()
     return pb.CudaIpcHandle.FromString(mapped.ipc[0]).device
 
 

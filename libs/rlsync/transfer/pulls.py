@@ -90,7 +90,7 @@ def _split(routes: Routes, trainer: Sequence[pb.RankMemory], engine: Sequence[pb
 
 def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.RankMemory], specs: Sequence,
          staging: Mapping[str, tuple[Box, torch.Tensor]], device: torch.device,
-         profile: dict[str, float] | None = None, hold: str = "") -> int:
+         profile: dict[str, float] | None = None, hold: str = "", wait: bool = True) -> int:
     """Receiver rank `rank`: copies every piece it pulls (`routes`, as split() gives them) from the
     trainer ranks' memory (`memories`: the whole RankMemory of each rank it pulls from, by trainer
     rank, each with its digest) into its view of `staging` (`routed.destinations`), and waits for the copies.
@@ -105,7 +105,7 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.R
     launches the table it kept (making no view of a piece); one from the same layout mapped anew (after the
     trainer's onload) or into a staging laid out alike elsewhere launches that table rebased. The caller
     must `HELD.release(hold)` before the trainer's memory may leave the GPU (memory another process maps
-    is not freed)."""
+    is not freed). wait=False (every storage held): returns once the copies are queued, on the current stream."""
     start = time.perf_counter()
     mine = routes.of_receiver(rank)
     sources = sorted({t.src for t in mine})
@@ -140,7 +140,7 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.R
             entry = pieces, tables, nbytes
             _TABLES.put(key, entry)
             _LATEST.put(layout, (src, dst, entry))
-    if handles:
+    if handles and wait:
         torch.cuda.current_stream(device).synchronize()  # the copies are done before the trainer rank moves on
     copied = time.perf_counter()
     del mapped, found  # mappings no holder keeps close here

@@ -61,7 +61,7 @@ def receiver_for(offer: pb.Offer, answer: pb.Answer, dest: Destination, **kwargs
     if offer.HasField("routing"):
         kwargs.pop("expected", None), kwargs.pop("base", None), kwargs.pop("post", None)
         return RoutedReceiver(offer, answer, dest, **kwargs)
-    kwargs.pop("boxes", None)
+    kwargs.pop("boxes", None), kwargs.pop("at_once", None)
     return Receiver(offer, answer, dest, **kwargs)
 
 

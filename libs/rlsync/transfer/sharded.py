@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import logging
 import math
 import secrets
 import threading
@@ -35,7 +36,8 @@ import torch.distributed as dist
 
 from rlsync.address import reachable_host
 from rlsync.common.stamps import stamp
-from rlsync.errors import Aborted, DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from rlsync.errors import (Aborted, DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument, RlsyncError,
+                           Unavailable)
 from rlsync.transfer import kept, pulls, routed, routed_groups
 from rlsync.transfer.control import Deadline
 from rlsync.transfer.handshake import NAMES, PROTOCOL_VERSION, local_facts
@@ -43,8 +45,12 @@ from rlsync.transfer.manifest import Spec, from_proto, to_proto
 from rlsync.flat import FlatStore
 from rlsync.transfer.routes import Box, Layout, Piece, Routes, TensorInfo, cached_routes, layout, whole
 from rlsync.transfer.sender import Report
-from rlsync.transfer.streams import handed_over, on_transfer_stream, resolved
+from rlsync.transfer.copied import record_copied
+from rlsync.transfer.held import HELD
+from rlsync.transfer.streams import handed_over, on_transfer_stream, resolved, transfer_stream
 from rlsync.transfer.v1 import transfer_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 
 def to_layout_proto(held: Sequence[Sequence[Box]], facts: pb.Facts | None = None) -> pb.RankLayout:
@@ -502,6 +508,39 @@ class ShardedSender:
         spent, self._spent = self._spent, []
         _delete(store, spent)
 
+    def describe(self) -> pb.RankDigest:
+        """Every rank, as rank 0 makes an offer for replicas that hold the trainer's storages (Routing.memories):
+        this rank's mapped memory by its digest, with the memory itself when the store does not hold it yet
+        (rank 0 puts it there: `described`). Empty when its storages cannot be mapped."""
+        if self.held is None or self.device.type != "cuda":
+            return pb.RankDigest()
+        summary, mapped, _ = self._exported(local_facts(self.device), True)
+        out = pb.RankDigest(digest=summary.digest)
+        if summary.digest and self._mapped != summary.digest:  # (in the store from now on: its sends put it no more)
+            out.mapped, out.replaces, self._mapped = mapped, self._mapped, summary.digest
+        return out
+
+    def described(self, every: Sequence[pb.RankDigest]) -> list[str]:
+        """Rank 0, with every rank's `describe()` in rank order: puts each mapped memory the store lacks (the one
+        it replaces goes) -> every rank's digest, or [] when one rank's storages cannot be mapped."""
+        keys, values, gone = [], [], []
+        for rank, d in enumerate(every):
+            if d.mapped:
+                if hashlib.sha256(d.mapped).hexdigest() != d.digest:
+                    raise DataLoss(f"trainer rank {rank}'s mapped memory does not match its digest")
+                keys.append(_mapped_key(rank, d.digest))
+                values.append(d.mapped)
+                gone += [_mapped_key(rank, d.replaces)] if d.replaces else []
+        if keys:
+            self._store.multi_set(keys, values)
+            _delete(self._store, gone)
+        return [d.digest for d in every] if all(d.digest for d in every) else []
+
+    def settled(self, offer: pb.Offer) -> None:
+        """Rank 0: every replica rung with `offer` copied it as it prepared (Routing.memories): none waits for its
+        roster, so it is not closed later (a send to replicas prepared otherwise may still come)."""
+        self._open.pop(offer.transfer_id, None)
+
     def regions(self) -> pb.MappedTensors | None:
         """This rank's storages as receiver ranks on its GPU map them to pull (its export, which its sends
         then reuse while the storages stay), or None when they cannot be mapped. The trainer's rank 0 gathers
@@ -524,6 +563,23 @@ class ShardedSender:
         self._exports.clear()
         self._packs.clear()  # its slots, and its views of the storages (an offload frees them)
         self._mapped = ""
+
+
+class _Lazy:
+    """The trainer's store, joined at its first use (a kept connection, given back after): a repeat that finds
+    all it needs kept joins nothing."""
+
+    def __init__(self, address: str, deadline: Deadline):
+        self.address, self.deadline, self._store = address, deadline, None
+
+    def __getattr__(self, name: str):
+        if self._store is None:
+            self._store = _connect(self.address, self.deadline.remaining("joining the store"))[0]
+        return getattr(self._store, name)
+
+    def give_back(self) -> None:
+        if self._store is not None:
+            kept.CONNECTIONS.give(self.address, self._store)
 
 
 def _delete(store, keys: Sequence[str]) -> None:
@@ -558,11 +614,16 @@ class RoutedReceiver:
     the caller must `HELD.release(hold)` before the trainer's memory may leave the GPU (a replica does when
     the trainer asks: ReleaseWeights). keep: where the writer of what comes over the group, laid out over
     `dest`, is kept for the next update into the same memory (kept.writer): a dict that lives as long as
-    `dest` does, by default a FlatStore's `memo`; None (a dict of tensors): laid out at each update."""
+    `dest` does, by default a FlatStore's `memo`; None (a dict of tensors): laid out at each update.
+    at_once: a caller that runs a pull before it answers (answer.pull), as transfer.Receiver's: when the offer
+    names the trainer ranks' memories (Routing.memories) and this process holds every storage this rank pulls
+    from under `hold`, it sets answer.pull, and run() queues the copy at once (no roster, no exchange with
+    the trainer's ranks) and reports the event after it (Report.copied), which the trainer waits for."""
 
     def __init__(self, offer: pb.Offer, answer: pb.Answer, dest: Mapping[str, torch.Tensor] | FlatStore, *,
                  rank: int = 0, device: torch.device | str | None = None, timeout: float = 300.0,
-                 boxes: Mapping[str, Box] | None = None, hold: str = "", keep: dict | None = None):
+                 boxes: Mapping[str, Box] | None = None, hold: str = "", keep: dict | None = None,
+                 at_once: bool = False):
         self.offer, self.answer, self.rank, self.hold = offer, answer, rank, hold
         self.keep = keep if keep is not None or not isinstance(dest, FlatStore) else dest.memo
         self.specs = from_proto(offer.manifest)
@@ -582,6 +643,38 @@ class RoutedReceiver:
         self._waiting = False  # run() waits on its key `_wake` for the roster: close() sets it
         self._wake = _wake_key(offer)
         self.handed = handed_over(self.device)  # as transfer.Receiver: on a stream of its own
+        # A repeat from storages this process holds (Routing.memories), for a caller that answers it as a pull
+        # (at_once): run() copies at once. answer.pull is set here: the caller runs it before it answers.
+        self.armed = None
+        if at_once and hold and self.device.type == "cuda" and offer.routing.memories:
+            try:
+                self.armed = self._arm()
+            except (RlsyncError, dist.DistError) as e:  # (what the offer names was put before it left)
+                log.warning("%s: meeting the trainer's ranks instead of copying at once: %s", self.deadline.what, e)
+        self._queued = False  # run() queued an armed copy that close() must let end first
+        if self.armed is not None:
+            answer.pull = True
+
+    def _arm(self) -> tuple[Routes, dict[int, pb.RankMemory]] | None:
+        """What this rank pulls from the trainer's ranks, when the offer names their memories and this process
+        holds every storage it pulls from: (its routes, those ranks' memories), else None (run() meets the
+        trainer's ranks). Their layouts and memories were read when first met: a repeat reads nothing."""
+        store = _Lazy(self.offer.routing.store, self.deadline)
+        try:
+            trainer = trainer_layout(store, self.offer, self.specs)
+            digests = list(self.offer.routing.memories)
+            if len(digests) != trainer.ranks or not all(digests):
+                return None
+            routes = cached_routes(trainer, layout_of(self.specs, self.answer.layout))
+            sources = sorted({t.src for t in routes.of_receiver(self.rank)})
+            held = _held_memories(store, [pb.RankMemory(digest=d) for d in digests], sources, self.deadline)
+        finally:
+            store.give_back()
+        handles = [h for k in sources for h in held[k].ipc]
+        if not handles or any(t is None for t in HELD.get_many(handles)):
+            return None
+        self.trainer = trainer
+        return routes, held
 
     def _roster(self, store) -> tuple[pb.Roster, int]:
         """The replicas taking part (as the trainer's rank 0 put them), and this rank's place among
@@ -628,6 +721,8 @@ class RoutedReceiver:
             return self._run()
 
     def _run(self) -> Report:
+        if self.armed is not None:
+            return self._pull_armed()
         address = self.offer.routing.store
         store, reused = _connect(address, self.deadline.remaining("joining the store"))
         try:
@@ -665,6 +760,18 @@ class RoutedReceiver:
         return Report(nbytes, time.perf_counter() - self.start, _channels(pulled, pushed, backend, receiver=me),
                       profile=profile)
 
+    def _pull_armed(self) -> Report:
+        """Queues the copy of every piece from the held storages (one launch of a kept table) and returns: the
+        report names the event after it (Report.copied), which the trainer waits for."""
+        routes, held = self.armed
+        profile = {"plan": time.perf_counter() - self.start}
+        nbytes = pulls.pull(routes, self.rank, self.trainer, held, self.specs, self.staging, self.device, profile,
+                            self.hold, wait=False)
+        self._queued = True
+        stamp("pulled")
+        return Report(nbytes, time.perf_counter() - self.start, {"cuda_ipc": len(held)}, profile=profile,
+                      copied=record_copied(self.device))
+
     def _receive(self, store, routes: Routes, me: int, answers: Sequence[pb.Answer], profile: dict) -> int:
         """The pieces that come over the group (every member joins it, with or without pieces of its own)."""
         writer = kept.writer(routes.of_receiver(me), me, self.specs, self.staging, self.device,
@@ -700,6 +807,8 @@ class RoutedReceiver:
             self._closed, waiting = True, self._waiting
         if waiting:  # on a connection of its own (run()'s is blocked in its wait), off this thread
             threading.Thread(target=self._wake_run, daemon=True, name="rlsync-roster-wake").start()
+        if self._queued:  # an armed copy reads the trainer's memory and writes the staging until it ends
+            transfer_stream(self.device).synchronize()
         self.staging = {}
         pg = self._pg
         if pg is not None:

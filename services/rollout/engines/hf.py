@@ -423,7 +423,7 @@ class HFEngine(Engine):
         def receive(staging: FlatStore, post: bool = True) -> StagedUpdate:  # a pull is done (or queued) on return
             # (a sharded trainer's offer may name the holder its pulls stay mapped under: released as any hold)
             return StagedUpdate(offer, ans, staging, 0, self.device, timeout, base=base, post=post,
-                                hold=offer.routing.holder)
+                                hold=offer.routing.holder, at_once=True)
 
         def in_place() -> StagedUpdate | AdoptedUpdate | None:
             """Between two steps: a woken engine whose weights are not refilled yet receives right
@@ -485,8 +485,10 @@ class HFEngine(Engine):
         except BaseException:
             await self._call(self._stop_in_place)
             raise
-        if ans.copied and not lora and isinstance(update, StagedUpdate):  # a pull from held storages, for a
-            self._arming.learn(from_proto(offer.manifest), offer.mapped)  # waiting sender: the next may repeat it
+        # A pull from held storages for a waiting sender: the next may repeat it (Arming: one run of one storage;
+        # a sharded trainer's routed pull repeats through its kept tables instead)
+        if ans.copied and offer.mapped.ipc and not lora and isinstance(update, StagedUpdate):
+            self._arming.learn(from_proto(offer.manifest), offer.mapped)
         ans.stages.update(clock.stages)  # (the hop back from the worker thread is left to the caller's)
         self._update = (update, staging, offer.manifest.adapter if lora else None)
         return ans

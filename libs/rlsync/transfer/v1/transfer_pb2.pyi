@@ -211,14 +211,26 @@ class AuditShares(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., format: _Optional[_Union[WeightFormat, _Mapping]] = ...) -> None: ...
 
 class Routing(_message.Message):
-    __slots__ = ("store", "layout", "holder")
+    __slots__ = ("store", "layout", "holder", "memories")
     STORE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     HOLDER_FIELD_NUMBER: _ClassVar[int]
+    MEMORIES_FIELD_NUMBER: _ClassVar[int]
     store: str
     layout: str
     holder: str
-    def __init__(self, store: _Optional[str] = ..., layout: _Optional[str] = ..., holder: _Optional[str] = ...) -> None: ...
+    memories: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, store: _Optional[str] = ..., layout: _Optional[str] = ..., holder: _Optional[str] = ..., memories: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RankDigest(_message.Message):
+    __slots__ = ("digest", "mapped", "replaces")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MAPPED_FIELD_NUMBER: _ClassVar[int]
+    REPLACES_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    mapped: bytes
+    replaces: str
+    def __init__(self, digest: _Optional[str] = ..., mapped: _Optional[bytes] = ..., replaces: _Optional[str] = ...) -> None: ...
 
 class TrainerLayout(_message.Message):
     __slots__ = ("ranks",)
