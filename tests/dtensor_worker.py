@@ -44,7 +44,7 @@ totals = Ranks().add_up([v for pair in shards.checksum_share() for v in pair])
 audit = {s.name: from_sums(s.nbytes, totals[2 * i], totals[2 * i + 1]) for i, s in enumerate(source.specs)}
 wrong += [n for n, t in whole.items() if audit[n] != checksum_tensor(t.to(torch.bfloat16))]
 # What rank 0 gathers at an onload (each rank's storages): every rank's bytes, whatever their lengths.
-payloads = [b"", b"abc", bytes(range(256)) * 20]
+payloads = [b"", b"abc", bytes(range(8)) * 127, bytes(range(256)) * 20]  # (1016 bytes: one all-gather on rank 0)
 for mine in payloads:
     got = Ranks().gather(mine if rank == 0 else mine[::-1] + b"!")
     if got != [mine, mine[::-1] + b"!"]:

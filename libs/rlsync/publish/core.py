@@ -221,7 +221,7 @@ class PublisherCore:
             sender = self._sender_now()
         except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
             error = e
-        if ranks.agree(error is None):
+        if ranks.agree(error is None):  # (before the refresh: a quantized model's is a collective)
             if ranks.rank != 0:
                 log.warning("rank %d cannot send its shards: %s", ranks.rank, error)
                 return []

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -33,6 +34,7 @@ _MASK = (1 << 64) - 1
 # Idle ranks wait in a broadcast, which times out with the process group (gloo: 30 min by
 # default): rank 0 says "still here" well before that.
 KEEPALIVE_SECONDS = 60.0
+GATHER_FIRST = 1024  # bytes a rank sends in a gather's one all-gather (a longer payload's rest: in a second)
 
 
 @dataclass
@@ -72,21 +74,34 @@ class Ranks:
         return op, count, body.cpu().numpy().tobytes()
 
     def gather(self, payload: bytes) -> list[bytes]:
-        """Every rank's `payload`, in rank order (every rank calls it; each gets them all)."""
+        """Every rank's `payload`, in rank order (every rank calls it; each gets them all). One all-gather of
+        GATHER_FIRST bytes a rank (its length, then its first bytes); a second, of the longest rest, only when a
+        payload is longer."""
         if self.world == 1:
             return [payload]
-        sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world)]
+        first = np.zeros(GATHER_FIRST, dtype=np.uint8)
+        first[:8] = np.frombuffer(len(payload).to_bytes(8, "little"), dtype=np.uint8)
+        head = payload[:GATHER_FIRST - 8]
+        first[8:8 + len(head)] = np.frombuffer(head, dtype=np.uint8)
         try:
-            dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.int64, device=self.device),
-                            group=self.group)
-            longest = max(int(s.item()) for s in sizes)
-            mine = torch.zeros(longest, dtype=torch.uint8, device=self.device)
-            mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else 0
-            every = [torch.empty(longest, dtype=torch.uint8, device=self.device) for _ in range(self.world)]
-            dist.all_gather(every, mine, group=self.group)
+            every = self._all_gather(torch.from_numpy(first))
+            sizes = [int.from_bytes(t[:8].numpy().tobytes(), "little") for t in every]
+            out = [t[8:8 + min(n, GATHER_FIRST - 8)].numpy().tobytes() for t, n in zip(every, sizes)]
+            longest = max(sizes) - (GATHER_FIRST - 8)
+            if longest > 0:
+                rest = np.zeros(longest, dtype=np.uint8)
+                tail = payload[GATHER_FIRST - 8:]
+                rest[:len(tail)] = np.frombuffer(tail, dtype=np.uint8)
+                for i, (t, n) in enumerate(zip(self._all_gather(torch.from_numpy(rest)), sizes)):
+                    out[i] += t[:max(n - (GATHER_FIRST - 8), 0)].numpy().tobytes()
         except RuntimeError as e:
             raise Unavailable(f"a rank of the trainer is gone (did it die?): {e}") from e
-        return [t[:int(n.item())].cpu().numpy().tobytes() for t, n in zip(every, sizes)]
+        return out
+
+    def _all_gather(self, mine: torch.Tensor) -> list[torch.Tensor]:
+        every = [torch.empty_like(mine, device=self.device) for _ in range(self.world)]
+        dist.all_gather(every, mine.to(self.device), group=self.group)
+        return [t.cpu() for t in every]
 
     def add_up(self, values: list[int]) -> list[int]:
         """Every rank's `values` added up, modulo 2^64 (checksum sums; every rank calls it)."""
