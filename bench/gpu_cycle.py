@@ -129,6 +129,8 @@ def steady(cycles: list[dict], vs: str) -> dict:
     out["transfer_profile_ms"] = {k: round(statistics.median(c["transfer_profile_ms"].get(k, 0.0) for c in rest), 3)
                                   for k in sorted(stages)}
     out["transfer_ms"] = round(statistics.median(moving(c["phases_s"]) * 1e3 for c in rest), 3)
+    # making the offer precedes the transfer phase (a sharded trainer's ranks describe their memory in it)
+    out["offer_ms"] = round(statistics.median(c["phases_s"]["offer"] * 1e3 for c in rest), 3)
     return out
 
 

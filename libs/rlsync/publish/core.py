@@ -226,14 +226,11 @@ class PublisherCore:
                 log.warning("rank %d cannot send its shards: %s", ranks.rank, error)
                 return []
             raise error or Unavailable("another rank of the trainer cannot send its shards (see its log)")
-        mine = tpb.RankDigest()
         try:
             self._source.refresh(ranks)  # (every rank, in step: a quantized model's scales are exchanged)
-            mine = sender.describe()
         except Exception as e:  # noqa: BLE001 - the replicas meet this rank at the send instead
-            log.warning("rank %d cannot say where its weights lie: %s", ranks.rank, e)
-        every = ranks.gather(mine.SerializeToString())
-        return sender.described([tpb.RankDigest.FromString(d) for d in every]) if ranks.rank == 0 else []
+            log.warning("rank %d cannot bring what it sends up to date: %s", ranks.rank, e)
+        return self._describe_here(ranks, sender)
 
     def settled(self, transfer_id: str) -> None:
         """Every replica rung with a sharded model's offer copied it as it prepared (answered as pulls): published
@@ -479,12 +476,32 @@ class PublisherCore:
         if self._in_step(onload, "onload") or not describe:
             return None
         regions, facts = found[0] if found else (None, tpb.Facts())
-        if self.sharded:  # (the same on every rank: each takes part in the gather)
+        if self.sharded:  # (the same on every rank: each takes part in the gathers)
             mine = tpb.RankMemory(facts=facts, ipc=regions.ipc if regions is not None else ())
             every = [tpb.RankMemory.FromString(m) for m in ranks.gather(mine.SerializeToString())]
             ipc = [h for m in every if same_gpu(m.facts, facts) for h in m.ipc]
             regions = tpb.MappedTensors(ipc=ipc) if ipc and ranks.rank == 0 else None
+            # every rank's mapped memory goes into the store now: the next offer's description moves only digests
+            self._describe_here(ranks, self._sender)
         return None if regions is None else (regions, facts)
+
+    @staticmethod
+    def _describe_here(ranks: Ranks, sender: ShardedSender | None) -> list[str]:
+        """Every rank of a sharded model, in step: where its storages lie (ShardedSender.describe), gathered on
+        rank 0, which puts what its store lacks -> (rank 0) every rank's digest, [] when one cannot say."""
+        mine = tpb.RankDigest()
+        try:
+            mine = sender.describe() if sender is not None else mine
+        except Exception as e:  # noqa: BLE001 - the replicas meet this rank at the send instead
+            log.warning("rank %d cannot say where its weights lie: %s", ranks.rank, e)
+        every = [tpb.RankDigest.FromString(d) for d in ranks.gather(mine.SerializeToString())]
+        if ranks.rank != 0 or sender is None:
+            return []
+        try:
+            return sender.described(every)
+        except Exception as e:  # noqa: BLE001 - the ranks' next sends put it; the replicas meet them there
+            log.warning("cannot keep the ranks' memory in the store: %s", e)
+            return []
 
     def _in_step(self, work: Callable[[], None], what: str) -> int:
         """Every rank: `work`, then the ranks agree; rank 0 raises if any failed (the others log it, and

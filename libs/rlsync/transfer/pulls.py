@@ -94,8 +94,8 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.R
     """Receiver rank `rank`: copies every piece it pulls (`routes`, as split() gives them) from the
     trainer ranks' memory (`memories`: the whole RankMemory of each rank it pulls from, by trainer
     rank, each with its digest) into its view of `staging` (`routed.destinations`), and waits for the copies.
-    Returns the bytes it received; `profile` gets the seconds spent mapping, copying (queued and done)
-    and unmapping.
+    Returns the bytes it received; `profile` gets the seconds spent mapping, copying (queued and done;
+    only queued without `wait`: "queue") and unmapping.
 
     The pieces that are contiguous at both ends go in one kernel launch over a table of them, casting
     fp32 to bf16 on the way where asked (rlsync.transfer.batched); the rest are a copy_ each.
@@ -145,7 +145,8 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.R
     copied = time.perf_counter()
     del mapped, found  # mappings no holder keeps close here
     if profile is not None:
-        profile.update(map=mapping, copy=copied - start - mapping, unmap=time.perf_counter() - copied)
+        profile.update({"map": mapping, "copy" if wait else "queue": copied - start - mapping,
+                        "unmap": time.perf_counter() - copied})
     return nbytes
 
 
