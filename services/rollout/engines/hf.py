@@ -448,7 +448,9 @@ class HFEngine(Engine):
         # this one while it idles); otherwise a new store is allocated off the engine thread, so
         # generation goes on.
         try:
-            run = self._soon if ans.pull else self._call  # a pushed receive connects first, which may wait
+            # A pushed receive connects first, which may wait; a routed one meets the trainer's ranks in its run
+            # (on a worker), or copies at once from storages held here
+            run = self._soon if ans.pull or offer.HasField("routing") else self._call
             update = await run(in_place) if launched is None and self.weights.pending_restore and not lora else None
         except BaseException:  # cancelled too: the engine thread may still receive in place, then this runs
             self._call(self._stop_in_place)
