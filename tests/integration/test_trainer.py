@@ -126,8 +126,13 @@ def test_two_rank_trainer_trains_like_one_and_its_syncs_verify(services):
     assert differences(one.checksums(), sharded.checksums()) == []
     assert sharded.state().parameters == one.state().parameters
     assert sharded.offload().state.offloaded
-    with RolloutClient(replica.address) as rollout:  # rung: every rank exports its shards, rank 0 gathers what
-        onloaded = sharded.onload(ring=[rollout.info().doorbell])  # a replica could map (on CPU: nothing)
+    with RolloutClient(replica.address) as rollout:
+        bell = rollout.info().doorbell
+        with pytest.raises(RpcError) as e:  # every rank refuses alike as the offer describes their memory
+            sharded.offer_weights(ring=[bell], hold=True)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "Onload" in e.value.message, e.value
+        # rung: every rank exports its shards, rank 0 gathers what a replica could map (on CPU: nothing)
+        onloaded = sharded.onload(ring=[bell])
     assert not onloaded.state.offloaded and onloaded.held == 0
     with CoordinatorClient(co.address) as fleet:  # every rank let go of its sender at the offload, and sends again
         assert fleet.train(batch(3)).step == 3 and fleet.sync_weights(verify=True).verified

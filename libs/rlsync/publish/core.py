@@ -209,28 +209,58 @@ class PublisherCore:
 
     def describe_memory(self, payload: bytes) -> list[str]:
         """Every rank of a sharded model, in step, as rank 0 makes an offer for replicas that may hold the weights:
-        the weights as they are now (a quantized model's scales), then where this rank's storages lie
-        (ShardedSender.describe), gathered on rank 0 -> (rank 0) every rank's digest, [] when one cannot say (the
-        replicas then meet the ranks at the send). `payload`: the format rank 0 offers in (WeightFormat). A rank
-        that cannot send fails rank 0's offer, as a send would."""
+        where this rank's storages lie (ShardedSender.describe), gathered on rank 0, then the weights as they are
+        now in them (a quantized model's values and scales) -> (rank 0) every rank's digest, [] when one cannot
+        say (the replicas then meet the ranks at the send). `payload`: the format rank 0 offers in
+        (WeightFormat). A rank that cannot send fails rank 0's offer, as a send would."""
         ranks = self.ranks or Ranks()
         sender, error = None, None
         try:
             self._require_on_device("publishing weights")
             self.use_format(tpb.WeightFormat.FromString(payload))
             sender = self._sender_now()
-        except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
+        except Exception as e:  # noqa: BLE001 - every rank must reach the gather below (it is the agreement too)
             error = e
-        if ranks.agree(error is None):  # (before the refresh: a quantized model's is a collective)
+        every = self._gather_memory(ranks, sender, error)
+        # into the store whatever follows: a rank that described its memory counts on it being there
+        digests = self._put_memory(ranks, sender, every)
+        failed = next(((r, d.error) for r, d in enumerate(every) if d.error), None)
+        if failed is not None:
             if ranks.rank != 0:
-                log.warning("rank %d cannot send its shards: %s", ranks.rank, error)
                 return []
-            raise error or Unavailable("another rank of the trainer cannot send its shards (see its log)")
+            raise error or Unavailable(f"trainer rank {failed[0]} cannot send its shards: {failed[1]}")
         try:
             self._source.refresh(ranks)  # (every rank, in step: a quantized model's scales are exchanged)
-        except Exception as e:  # noqa: BLE001 - the replicas meet this rank at the send instead
+        except Exception as e:  # noqa: BLE001 - every rank fails alike (its own agreement); the send refreshes again
             log.warning("rank %d cannot bring what it sends up to date: %s", ranks.rank, e)
-        return self._describe_here(ranks, sender)
+            return []
+        return digests
+
+    @staticmethod
+    def _gather_memory(ranks: Ranks, sender: ShardedSender | None, error: Exception | None) -> list[tpb.RankDigest]:
+        """Every rank of a sharded model, in step: where its storages lie (ShardedSender.describe), or why it cannot
+        send (`error`), gathered on every rank in rank order."""
+        mine = tpb.RankDigest(error=str(error) or type(error).__name__) if error is not None else tpb.RankDigest()
+        if error is not None:
+            log.warning("rank %d cannot send its shards: %s", ranks.rank, error)
+        elif sender is not None:
+            try:
+                mine = sender.describe()
+            except Exception as e:  # noqa: BLE001 - the replicas meet this rank at the send instead
+                log.warning("rank %d cannot say where its weights lie: %s", ranks.rank, e)
+        return [tpb.RankDigest.FromString(d) for d in ranks.gather(mine.SerializeToString())]
+
+    @staticmethod
+    def _put_memory(ranks: Ranks, sender: ShardedSender | None, every: list[tpb.RankDigest]) -> list[str]:
+        """Rank 0: what the store lacks of `every` rank's memory goes in (ShardedSender.described) -> every rank's
+        digest, [] when one cannot say."""
+        if ranks.rank != 0 or sender is None:
+            return []
+        try:
+            return sender.described(every)
+        except Exception as e:  # noqa: BLE001 - the ranks' next sends put it; the replicas meet them there
+            log.warning("cannot keep the ranks' memory in the store: %s", e)
+            return []
 
     def settled(self, transfer_id: str) -> None:
         """Every replica rung with a sharded model's offer copied it as it prepared (answered as pulls): published
@@ -482,26 +512,8 @@ class PublisherCore:
             ipc = [h for m in every if same_gpu(m.facts, facts) for h in m.ipc]
             regions = tpb.MappedTensors(ipc=ipc) if ipc and ranks.rank == 0 else None
             # every rank's mapped memory goes into the store now: the next offer's description moves only digests
-            self._describe_here(ranks, self._sender)
+            self._put_memory(ranks, self._sender, self._gather_memory(ranks, self._sender, None))
         return None if regions is None else (regions, facts)
-
-    @staticmethod
-    def _describe_here(ranks: Ranks, sender: ShardedSender | None) -> list[str]:
-        """Every rank of a sharded model, in step: where its storages lie (ShardedSender.describe), gathered on
-        rank 0, which puts what its store lacks -> (rank 0) every rank's digest, [] when one cannot say."""
-        mine = tpb.RankDigest()
-        try:
-            mine = sender.describe() if sender is not None else mine
-        except Exception as e:  # noqa: BLE001 - the replicas meet this rank at the send instead
-            log.warning("rank %d cannot say where its weights lie: %s", ranks.rank, e)
-        every = [tpb.RankDigest.FromString(d) for d in ranks.gather(mine.SerializeToString())]
-        if ranks.rank != 0 or sender is None:
-            return []
-        try:
-            return sender.described(every)
-        except Exception as e:  # noqa: BLE001 - the ranks' next sends put it; the replicas meet them there
-            log.warning("cannot keep the ranks' memory in the store: %s", e)
-            return []
 
     def _in_step(self, work: Callable[[], None], what: str) -> int:
         """Every rank: `work`, then the ranks agree; rank 0 raises if any failed (the others log it, and

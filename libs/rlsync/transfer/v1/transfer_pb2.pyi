@@ -223,14 +223,16 @@ class Routing(_message.Message):
     def __init__(self, store: _Optional[str] = ..., layout: _Optional[str] = ..., holder: _Optional[str] = ..., memories: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RankDigest(_message.Message):
-    __slots__ = ("digest", "mapped", "replaces")
+    __slots__ = ("digest", "mapped", "replaces", "error")
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     MAPPED_FIELD_NUMBER: _ClassVar[int]
     REPLACES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     digest: str
     mapped: bytes
     replaces: str
-    def __init__(self, digest: _Optional[str] = ..., mapped: _Optional[bytes] = ..., replaces: _Optional[str] = ...) -> None: ...
+    error: str
+    def __init__(self, digest: _Optional[str] = ..., mapped: _Optional[bytes] = ..., replaces: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class TrainerLayout(_message.Message):
     __slots__ = ("ranks",)
