@@ -44,11 +44,21 @@ totals = Ranks().add_up([v for pair in shards.checksum_share() for v in pair])
 audit = {s.name: from_sums(s.nbytes, totals[2 * i], totals[2 * i + 1]) for i, s in enumerate(source.specs)}
 wrong += [n for n, t in whole.items() if audit[n] != checksum_tensor(t.to(torch.bfloat16))]
 # What rank 0 gathers at an onload (each rank's storages): every rank's bytes, whatever their lengths.
-payloads = [b"", b"abc", bytes(range(8)) * 127, bytes(range(256)) * 20]  # (1016 bytes: one all-gather on rank 0)
-for mine in payloads:
-    got = Ranks().gather(mine if rank == 0 else mine[::-1] + b"!")
-    if got != [mine, mine[::-1] + b"!"]:
-        wrong.append(f"gather of {len(mine)} bytes on rank {rank}")
+class Counted(Ranks):
+    rounds = 0
+
+    def _all_gather(self, mine):
+        self.rounds += 1
+        return super()._all_gather(mine)
+
+
+at_most = bytes(range(8)) * 127  # 1016 bytes: what fits the first all-gather beside its length
+for pair, rounds in [((b"", b"!"), 1), ((b"abc", b"cba!"), 1), ((at_most, at_most[::-1]), 1),
+                     ((at_most, at_most + b"!"), 2), ((bytes(range(256)) * 20, b"x"), 2)]:
+    ranks = Counted()
+    got = ranks.gather(pair[rank])
+    if got != list(pair) or ranks.rounds != rounds:
+        wrong.append(f"gather of {[len(p) for p in pair]} bytes on rank {rank}: {ranks.rounds} all-gathers")
 print(json.dumps({"checked": [*sorted(audit), "gather"], "wrong": wrong}), flush=True)
 dist.barrier()  # leave together: a rank tearing gloo down while its peer still talks can abort
 dist.destroy_process_group()

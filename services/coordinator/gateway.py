@@ -50,6 +50,12 @@ class Gateway:
         ready = [m for m in self.registry.rollouts("ready") if not m.suspect]
         return [m for m in ready if m.id not in avoid] or ready
 
+    def _why_none(self) -> str:
+        """What the replicas the registry knows are doing, for a request that found none ready."""
+        members = self.registry.rollouts(None)
+        return "; ".join(f"{m.name}: {m.suspect and 'suspect, ' + m.suspect or m.state}" for m in members) or \
+            "none registered"
+
     async def _wait_for_replica(self, session: str, timeout: float, avoid: frozenset[str]) -> Member:
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
@@ -67,7 +73,8 @@ class Gateway:
                 return member
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
-                raise Unavailable("no rollout replica is ready: start one (with --coordinator) or wait for it")
+                raise Unavailable(f"no rollout replica is ready within {timeout:.0f}s ({self._why_none()}): start one "
+                                  "(with --coordinator) or wait for it")
             self.registry.changed.clear()
             try:
                 await asyncio.wait_for(self.registry.changed.wait(), min(left, 1.0))

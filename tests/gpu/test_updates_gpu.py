@@ -8,9 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import peft_policy
-from rlsync.client import RolloutClient, TrainerClient, push_weights, trajectory
+from conftest import peft_policy, rl_step
+from rlsync.client import CoordinatorClient, RolloutClient, TrainerClient, push_weights, trajectory
 from rlsync.common.audit import differences
+from rlsync.models import ensure_tiny_fp8
 
 pytestmark = pytest.mark.gpu
 GPU_ENGINE = json.dumps({"device": "cuda", "dtype": "float32"})
@@ -274,3 +275,26 @@ def test_a_sharded_trainer_sharing_the_gpu_is_pulled_from_held_until_its_offload
     assert report.rank_bytes == [], report.profile
     held = rollout.release_weights("trainer").released  # what the trainer's next Offload would have it close
     assert held >= 2, f"every rank's storages stayed mapped after the update: {held}"
+
+
+def test_a_sharded_fp8_trainer_colocated_on_the_gpu_is_copied_as_the_replica_prepares_each_cycle(services):
+    """The coordinator's colocated cycle with rlsync's trainer at --nproc 2 publishing block-FP8 to an hf
+    replica on its GPU. Every offload drops the ranks' quantized stage, so each cycle's first offer describes
+    FP8 boxes no refresh has filled yet: they are made empty for it, and filled before the offer leaves. The
+    replica, rung at each onload, holds them and copies as it prepares (no rank sends anything: no rank bytes),
+    and every sync verifies (the trainer's audit of what it quantized equals what the replica serves)."""
+    model = ensure_tiny_fp8()
+    co = services.start("coordinator", ["--sync-mode", "colocated"], name="co-gpu-fp8")
+    on = ["--coordinator", co.address, "--model", str(model)]
+    services.start("trainer", [*on, "--device", "cuda", "--nproc", "2", "--dtype", "bfloat16", "--lr", "0.01"],
+                   name="gpu-trainer-fp8")
+    services.start("rollout", ["--engine", "hf", "--engine-args", json.dumps({"device": "cuda", "dtype": "bfloat16"}),
+                               *on], name="gpu-rollout-fp8")
+    client = CoordinatorClient(co.address)
+    client.wait_ready(2)
+    rank_bytes = []
+    for step in (1, 2, 3):
+        sync = rl_step(client, seed=step)
+        assert sync.version == step and sync.verified, sync
+        rank_bytes.append(list(sync.trainer_rank_bytes))
+    assert rank_bytes[1:] == [[], []], f"held from each onload, copied as it prepared: {rank_bytes}"

@@ -193,8 +193,8 @@ def test_a_ranks_where_stays_through_an_in_place_step_and_changes_when_a_shard_m
 
 def test_an_fp8_ranks_where_names_its_boxes_from_the_first_send_on():
     """QuantizedShards: the sender keys a repeat's export by where(), asked before held_tensors(); the FP8
-    boxes held_tensors() hands out are made by where() the first time, so the second send's key is the
-    first's (before, the second missed the export and made another) and names what held_tensors() cuts."""
+    boxes held_tensors() hands out are made by where() the first time, before the first refresh too (an offer
+    describes them first), so the next send's key is the first's and names what held_tensors() cuts."""
     from types import SimpleNamespace
 
     from rlsync.publish.quantized import stage
@@ -211,9 +211,10 @@ def test_an_fp8_ranks_where_names_its_boxes_from_the_first_send_on():
         specs, plan = stage([Spec(n, torch.float32, (256, 4), 4096) for n in params], fmt)
         q = QuantizedShards(shards, specs, plan, fmt, torch.device("cpu"))
         ranks = SimpleNamespace(agree=lambda ok: not ok, max_of=lambda t: t)  # (one rank's view: nothing to combine)
-        q.refresh(ranks)
-        first = q.where()
+        first = q.where()  # an offer describes the storages before its refresh: the boxes are made, then filled
         held = [t.data_ptr() for tensors in q.held_tensors() for t in tensors]
+        q.refresh(ranks)
+        assert q.where() == first and [t.data_ptr() for tensors in q.held_tensors() for t in tensors] == held
         with torch.no_grad():
             params["w1"].to_local().mul_(-2.0)  # a training step, in place
         q.refresh(ranks)

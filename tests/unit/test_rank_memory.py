@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 from rlsync.errors import DataLoss, FailedPrecondition, InvalidArgument
+from rlsync.publish.core import PublisherCore
+from rlsync.publish.ranks import Ranks
 from rlsync.transfer import pulls
 from rlsync.transfer.control import Deadline
 from rlsync.transfer.manifest import Spec
@@ -206,5 +208,22 @@ def test_rank_zero_puts_each_ranks_described_memory_the_store_lacks_and_names_ev
         with pytest.raises(DataLoss, match="does not match its digest"):
             sender.described([pb.RankDigest(digest=digests[0], mapped=mapped[1]), again[1]])
         assert sender.describe() == pb.RankDigest(), "storages off a GPU are described by nothing"
+    finally:
+        sender.close()
+
+
+def test_a_rank_counts_on_its_described_memory_being_in_the_store_only_once_rank_zero_put_it():
+    """A rank whose described memory rank 0 did not put (it failed) is not told it is there: its next send puts
+    it, rather than leave the receiver ranks waiting for a key nobody writes."""
+    sender = _sender(2)
+    try:
+        mapped = pb.RankMemory(ipc=[b"\x00"], regions=1).SerializeToString()
+        digest = hashlib.sha256(mapped).hexdigest()
+        bad = [pb.RankDigest(digest=digest, mapped=b"not it"), pb.RankDigest(digest=digest)]
+        assert PublisherCore._keep_memory(Ranks(), sender, bad) == []
+        assert sender._mapped == "", "the put failed: its sends still put it"
+        good = [pb.RankDigest(digest=digest, mapped=mapped), pb.RankDigest(digest=digest)]
+        assert PublisherCore._keep_memory(Ranks(), sender, good) == [digest, digest]
+        assert sender._mapped == digest, "in the store from now on"
     finally:
         sender.close()

@@ -102,7 +102,7 @@ async def ring_prepare(offer: Offer, doorbells: list[Doorbell], token: str, forc
                               rollout_pb2.PrepareUpdateResponse.FromString, (timeout or 300) + 30, who, lines)
         if response is not None and response.answer.copied:  # a pull answered once its copy was queued
             response.answer.stages["copied"] = await wait_copied(
-                response.answer.copied, sender_device(offer.mapped), timeout or 300, who)
+                response.answer.copied, sender_device(offer.mapped, offer.facts), timeout or 300, who)
             stamp("copied")
         return response
 

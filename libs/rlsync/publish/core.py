@@ -222,8 +222,7 @@ class PublisherCore:
         except Exception as e:  # noqa: BLE001 - every rank must reach the gather below (it is the agreement too)
             error = e
         every = self._gather_memory(ranks, sender, error)
-        # into the store whatever follows: a rank that described its memory counts on it being there
-        digests = self._put_memory(ranks, sender, every)
+        digests = self._keep_memory(ranks, sender, every)  # (whatever follows: the store keeps what ranks described)
         failed = next(((r, d.error) for r, d in enumerate(every) if d.error), None)
         if failed is not None:
             if ranks.rank != 0:
@@ -251,16 +250,21 @@ class PublisherCore:
         return [tpb.RankDigest.FromString(d) for d in ranks.gather(mine.SerializeToString())]
 
     @staticmethod
-    def _put_memory(ranks: Ranks, sender: ShardedSender | None, every: list[tpb.RankDigest]) -> list[str]:
-        """Rank 0: what the store lacks of `every` rank's memory goes in (ShardedSender.described) -> every rank's
-        digest, [] when one cannot say."""
-        if ranks.rank != 0 or sender is None:
-            return []
-        try:
-            return sender.described(every)
-        except Exception as e:  # noqa: BLE001 - the ranks' next sends put it; the replicas meet them there
-            log.warning("cannot keep the ranks' memory in the store: %s", e)
-            return []
+    def _keep_memory(ranks: Ranks, sender: ShardedSender | None, every: list[tpb.RankDigest]) -> list[str]:
+        """Every rank of a sharded model, in step, with `every` rank's memory gathered: rank 0 puts what the store
+        lacks of it (ShardedSender.described), and when some rank described new memory, the ranks agree that it
+        is there before each counts on it (ShardedSender.stored: its sends put it no more; one that cannot count
+        on it puts it at its next send) -> (rank 0) every rank's digest, [] when one cannot say or the put
+        failed."""
+        digests, put = [], ranks.rank != 0
+        if ranks.rank == 0 and sender is not None:
+            try:
+                digests, put = sender.described(every), True
+            except Exception as e:  # noqa: BLE001 - the ranks' next sends put it; the replicas meet them there
+                log.warning("cannot keep the ranks' memory in the store: %s", e)
+        if any(d.mapped for d in every) and ranks.agree(put) == 0 and sender is not None:  # (alike on every rank)
+            sender.stored(every)
+        return digests
 
     def settled(self, transfer_id: str) -> None:
         """Every replica rung with a sharded model's offer copied it as it prepared (answered as pulls): published
@@ -460,7 +464,9 @@ class PublisherCore:
         return report
 
     async def settle(self) -> None:
-        """Returns once what was queued before it ran (a send whose replicas keep what they pulled mapped)."""
+        """Returns once what was queued before it ran (a send whose replicas keep what they pulled mapped). A copy a
+        replica queued as it prepared (an armed routed pull) is waited for by the ring that prepared it
+        (Answer.copied), and the replicas let go of the mappings, after their copies, before an offload."""
         await self.run(lambda: None)
 
     async def offload(self) -> None:
@@ -512,7 +518,7 @@ class PublisherCore:
             ipc = [h for m in every if same_gpu(m.facts, facts) for h in m.ipc]
             regions = tpb.MappedTensors(ipc=ipc) if ipc and ranks.rank == 0 else None
             # every rank's mapped memory goes into the store now: the next offer's description moves only digests
-            self._put_memory(ranks, self._sender, self._gather_memory(ranks, self._sender, None))
+            self._keep_memory(ranks, self._sender, self._gather_memory(ranks, self._sender, None))
         return None if regions is None else (regions, facts)
 
     def _in_step(self, work: Callable[[], None], what: str) -> int:

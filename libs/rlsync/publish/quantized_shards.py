@@ -83,13 +83,13 @@ class QuantizedShards:
 
     def where(self) -> tuple:
         """Where held_tensors()' tensors lie (ShardedSender keys a repeat's export by it, then asks for them):
-        the FP8 boxes, made here the first time (so that the second send finds the first's export), and the
-        scales stay where they were made, and refresh() brings them up to date; the rest is the base's."""
-        if self._fresh:
-            for j, boxes in enumerate(self.layout.held[self.rank]):
-                i, part = self.plan[j]
-                for box in boxes if part == WEIGHT else ():
-                    self._quantized_box(i, box)
+        the FP8 boxes, made here the first time (so that the second send finds the first's export; before the
+        first refresh() too, which then fills them: an offer describes them before it refreshes), and the scales
+        stay where they were made, and refresh() brings them up to date; the rest is the base's."""
+        for j, boxes in enumerate(self.layout.held[self.rank]):
+            i, part = self.plan[j]
+            for box in boxes if part == WEIGHT else ():
+                self._quantized_box(i, box)
         return self.base.where(), kept.where([*self._values.values(), *self.scales.values()])
 
     def _check_fresh(self) -> None:
@@ -113,8 +113,8 @@ class QuantizedShards:
     def held_tensors(self) -> list[list[torch.Tensor]]:
         """This rank's boxes as tensors, per stage tensor in its layout's order (rlsync.transfer.pulls):
         the base's for tensors sent as they are; a weight's FP8 boxes in buffers kept from one update to
-        the next (filled by refresh(), made at their first use), and views of its scales."""
-        self._check_fresh()
+        the next (filled by refresh(), made at their first use), and views of its scales. Before the first
+        refresh() their values are not made yet: receivers read them only once an offer is made, after it."""
         base = self.base.held_tensors()
         out = []
         with torch.no_grad():
@@ -131,11 +131,13 @@ class QuantizedShards:
         return out
 
     def _quantized_box(self, i: int, box: Box) -> torch.Tensor:
-        """The box's FP8 buffer, made and filled at its first use; refresh() fills it again at every send."""
+        """The box's FP8 buffer, made at its first use (and filled, once the scales are made); refresh() fills it
+        at every send."""
         q = self._values.get((i, box))
         if q is None:
             q = self._values[i, box] = torch.empty([b - a for a, b in box], dtype=FP8, device=self.device)
-            q.copy_(self._quantize(i, box))
+            if self._fresh:
+                q.copy_(self._quantize(i, box))
         return q
 
     def _quantize(self, i: int, box: Box, values: torch.Tensor | None = None) -> torch.Tensor:

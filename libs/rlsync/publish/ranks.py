@@ -5,8 +5,8 @@ own shards and add their share to an audit, so every rank must take part. So ran
 request, and while the loop sits in `publish()` every rank serves them in step: rank 0 broadcasts
 what comes next (an op and a count as an int64 tensor, then any payload as bytes, protobuf or text:
 no pickle), then all ranks run it. A request is a handler every rank runs with the payload (a routed
-send, an audit, offload, onload, a training step of a sharded trainer), or a number of passes over a
-streamed source (see rlsync.transfer.source).
+send, an audit, offload, onload, the memory an offer names, a training step of a sharded trainer), or a
+number of passes over a streamed source (see rlsync.transfer.source).
 """
 
 from __future__ import annotations

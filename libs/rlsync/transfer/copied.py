@@ -47,12 +47,24 @@ def _opened(device: int, handle: bytes) -> torch.cuda.Event:
     return torch.cuda.Event.from_ipc_handle(device, handle)
 
 
-def sender_device(mapped: pb.MappedTensors) -> int:
+def sender_device(mapped: pb.MappedTensors, facts: pb.Facts | None = None) -> int:
     """The sender's index of the GPU its mapped memory (and so every puller's event) is on; with none named (a
-    routed offer's pulls, Routing.memories), this process's current one."""
-    if not mapped.ipc:
-        return torch.cuda.current_device()
-    return pb.CudaIpcHandle.FromString(mapped.ipc[0]).device
+    routed offer's pulls, Routing.memories), the one of its `facts` (the offer's), else this process's current
+    one."""
+    if mapped.ipc:
+        return pb.CudaIpcHandle.FromString(mapped.ipc[0]).device
+    if facts is not None and facts.gpu_uuids:
+        return _index_of(facts.gpu_uuids[0])
+    return torch.cuda.current_device()
+
+
+@cache
+def _index_of(uuid: str) -> int:
+    """This process's index of the GPU of `uuid` (its current one when it sees no such GPU)."""
+    from rlsync.transfer.handshake import gpu_uuid
+
+    return next((i for i in range(torch.cuda.device_count()) if gpu_uuid(torch.device("cuda", i)) == uuid),
+                torch.cuda.current_device())
 
 
 async def wait_copied(handles: Iterable[bytes], device: int, timeout: float, who: str) -> float:

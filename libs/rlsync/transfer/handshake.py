@@ -70,13 +70,14 @@ def local_facts(device: torch.device | str = "cpu") -> pb.Facts:
     device = torch.device(device)
     if device.type != "cuda":
         return pb.Facts(host_id=host_id(), device_type=device.type, hostname=socket.gethostname())
-    uuid = _gpu_uuid(device)
+    uuid = gpu_uuid(device)
     return pb.Facts(host_id=host_id(), device_type="cuda", gpu_uuids=[uuid], hostname=socket.gethostname(),
                     peer_uuids=_peer_uuids(uuid))
 
 
 @cache
-def _gpu_uuid(device: torch.device) -> str:
+def gpu_uuid(device: torch.device) -> str:
+    """The UUID of `device`, as Facts.gpu_uuids name it."""
     import torch
 
     return str(torch.cuda.get_device_properties(device).uuid)

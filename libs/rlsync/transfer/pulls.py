@@ -91,9 +91,10 @@ def _split(routes: Routes, trainer: Sequence[pb.RankMemory], engine: Sequence[pb
 def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.RankMemory], specs: Sequence,
          staging: Mapping[str, tuple[Box, torch.Tensor]], device: torch.device,
          profile: dict[str, float] | None = None, hold: str = "", wait: bool = True) -> int:
-    """Receiver rank `rank`: copies every piece it pulls (`routes`, as split() gives them) from the
-    trainer ranks' memory (`memories`: the whole RankMemory of each rank it pulls from, by trainer
-    rank, each with its digest) into its view of `staging` (`routed.destinations`), and waits for the copies.
+    """Receiver rank `rank`: copies every piece it pulls (`routes`: as split() gives them, or all of them for a
+    rank that holds every storage it pulls from, RoutedReceiver's armed repeat) from the trainer ranks' memory
+    (`memories`: the whole RankMemory of each rank it pulls from, by trainer rank, each with its digest) into its
+    view of `staging` (`routed.destinations`), and with `wait` waits for the copies.
     Returns the bytes it received; `profile` gets the seconds spent mapping, copying (queued and done;
     only queued without `wait`: "queue") and unmapping.
 

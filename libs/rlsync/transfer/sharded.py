@@ -36,8 +36,7 @@ import torch.distributed as dist
 
 from rlsync.address import reachable_host
 from rlsync.common.stamps import stamp
-from rlsync.errors import (Aborted, DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument, RlsyncError,
-                           Unavailable)
+from rlsync.errors import (Aborted, DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable)
 from rlsync.transfer import kept, pulls, routed, routed_groups
 from rlsync.transfer.control import Deadline
 from rlsync.transfer.handshake import NAMES, PROTOCOL_VERSION, local_facts
@@ -170,6 +169,7 @@ def _refused_key(offer: pb.Offer) -> str:
 
 
 WAKE_SECONDS = 10.0  # close() waking a receiver rank: connecting to the trainer's store, one write
+ARM_SECONDS = 2.0  # a receiver rank arming (RoutedReceiver._arm): reading what the offer names, which is there
 OPEN_OFFERS = 16  # rank 0: offers kept open (neither sent nor refused); an older one is closed
 
 
@@ -516,13 +516,20 @@ class ShardedSender:
             return pb.RankDigest()
         summary, mapped, _ = self._exported(local_facts(self.device), True)
         out = pb.RankDigest(digest=summary.digest)
-        if summary.digest and self._mapped != summary.digest:  # (in the store from now on: its sends put it no more)
-            out.mapped, out.replaces, self._mapped = mapped, self._mapped, summary.digest
+        if summary.digest and self._mapped != summary.digest:
+            out.mapped, out.replaces = mapped, self._mapped
         return out
+
+    def stored(self, every: Sequence[pb.RankDigest]) -> None:
+        """Every rank, once the ranks agreed that rank 0 put what `every` rank described (`described`): this rank's
+        mapped memory is in the store from now on, and its sends put it no more."""
+        if every[self.rank].mapped:
+            self._mapped = every[self.rank].digest
 
     def described(self, every: Sequence[pb.RankDigest]) -> list[str]:
         """Rank 0, with every rank's `describe()` in rank order: puts each mapped memory the store lacks (the one
-        it replaces goes) -> every rank's digest, or [] when one rank's storages cannot be mapped."""
+        it replaces goes; each rank learns it is there from `stored`) -> every rank's digest, or [] when one rank's
+        storages cannot be mapped."""
         keys, values, gone = [], [], []
         for rank, d in enumerate(every):
             if d.mapped:
@@ -628,7 +635,7 @@ class RoutedReceiver:
         self.keep = keep if keep is not None or not isinstance(dest, FlatStore) else dest.memo
         self.specs = from_proto(offer.manifest)
         self.device = resolved(torch.device(device)) if device is not None else torch.device("cpu")
-        self.trainer: Layout | None = None  # read at run() (trainer_layout)
+        self.trainer: Layout | None = None  # read when armed, else at run() (trainer_layout)
         layout_of(self.specs, answer.layout)  # a layout that does not fit the manifest is refused now
         dest = dest.views if isinstance(dest, FlatStore) else dest
         boxes = boxes or {}
@@ -649,7 +656,7 @@ class RoutedReceiver:
         if at_once and hold and self.device.type == "cuda" and offer.routing.memories:
             try:
                 self.armed = self._arm()
-            except (RlsyncError, dist.DistError) as e:  # (what the offer names was put before it left)
+            except Exception as e:  # noqa: BLE001 - (what the offer names was put before it left): run() meets them
                 log.warning("%s: meeting the trainer's ranks instead of copying at once: %s", self.deadline.what, e)
         self._queued = False  # run() queued an armed copy that close() must let end first
         if self.armed is not None:
@@ -658,18 +665,20 @@ class RoutedReceiver:
     def _arm(self) -> tuple[Routes, dict[int, pb.RankMemory]] | None:
         """What this rank pulls from the trainer's ranks, when the offer names their memories and this process
         holds every storage it pulls from: (its routes, those ranks' memories), else None (run() meets the
-        trainer's ranks). Their layouts and memories were read when first met: a repeat reads nothing."""
-        store = _Lazy(self.offer.routing.store, self.deadline)
-        try:
-            trainer = trainer_layout(store, self.offer, self.specs)
-            digests = list(self.offer.routing.memories)
-            if len(digests) != trainer.ranks or not all(digests):
-                return None
-            routes = cached_routes(trainer, layout_of(self.specs, self.answer.layout))
-            sources = sorted({t.src for t in routes.of_receiver(self.rank)})
-            held = _held_memories(store, [pb.RankMemory(digest=d) for d in digests], sources, self.deadline)
-        finally:
+        trainer's ranks). Their layouts and memories were read when first met: a repeat reads nothing. What it
+        reads (it may run on a caller's event loop) waits ARM_SECONDS at most: the offer's keys were put before
+        it left, so one missing is a trainer that failed to put it, not one that is slow."""
+        deadline = Deadline(min(ARM_SECONDS, self.deadline.remaining("arming")), f"arming {self.deadline.what}")
+        store = _Lazy(self.offer.routing.store, deadline)
+        trainer = trainer_layout(store, self.offer, self.specs)
+        digests = list(self.offer.routing.memories)
+        if len(digests) != trainer.ranks or not all(digests):
             store.give_back()
+            return None
+        routes = cached_routes(trainer, layout_of(self.specs, self.answer.layout))
+        sources = sorted({t.src for t in routes.of_receiver(self.rank)})
+        held = _held_memories(store, [pb.RankMemory(digest=d) for d in digests], sources, deadline)
+        store.give_back()  # (only after a success: one that failed may be in any state)
         handles = [h for k in sources for h in held[k].ipc]
         if not handles or any(t is None for t in HELD.get_many(handles)):
             return None
@@ -765,9 +774,9 @@ class RoutedReceiver:
         report names the event after it (Report.copied), which the trainer waits for."""
         routes, held = self.armed
         profile = {"plan": time.perf_counter() - self.start}
+        self._queued = True  # (before the launch: a close() meanwhile lets what it queued end)
         nbytes = pulls.pull(routes, self.rank, self.trainer, held, self.specs, self.staging, self.device, profile,
                             self.hold, wait=False)
-        self._queued = True
         stamp("pulled")
         return Report(nbytes, time.perf_counter() - self.start, {"cuda_ipc": len(held)}, profile=profile,
                       copied=record_copied(self.device))
