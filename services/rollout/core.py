@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlsync.common import metrics
+from rlsync.common.stamps import profiled
+from rlsync.common.timing import total
 from rlsync.errors import (AlreadyExists, EngineDead, FailedPrecondition, InvalidArgument, NotFound, RlsyncError,
                            Unavailable)
 from rlsync.flat import layout
@@ -21,7 +23,7 @@ from rlsync.rollout.types import (ALL_TAGS, Chunk, FinishReason, GenerationReque
 from rlsync import lora
 from rlsync.quant.fp8_format import describe, same_format
 from rlsync.transfer import check_against, from_proto
-from rlsync.transfer.v1.transfer_pb2 import Answer, Offer
+from rlsync.transfer.v1.transfer_pb2 import Answer, Offer, Routing
 
 log = logging.getLogger(__name__)
 
@@ -246,6 +248,7 @@ class RolloutCore:
                     tuple(e.received_bytes), e.weight_format)
 
     # ---- weight updates -------------------------------------------------------------------------
+    @profiled("prepare")
     async def prepare_update(self, offer: Offer, force_backend: str = "", timeout: float = 0,
                              force: bool = False) -> Answer:
         """Checks the manifest (nothing is written for a bad one), then starts receiving into staging."""
@@ -288,18 +291,26 @@ class RolloutCore:
             answer.stages["check"] = checked - start
             # What the prepare took inside this process beyond its named stages: the control lock,
             # hops between threads, bookkeeping (the caller's prepare_rpc is then gRPC alone).
-            answer.stages["hops"] = max(time.perf_counter() - entered - sum(answer.stages.values()), 0.0)
+            answer.stages["hops"] = max(time.perf_counter() - entered - total(answer.stages), 0.0)
             self.pending, self._pending_full = version, adapter is None
             return answer
 
-    async def hold_weights(self, holder: str, handles: list[bytes], facts) -> tuple[int, int, bytes, str]:
+    async def hold_weights(self, holder: str, handles: list[bytes], facts, routing: Routing | None = None
+                           ) -> tuple[int, int, bytes, str]:
         """Keeps a process's storages on this GPU (or one it reads by P2P) mapped for the pulls to come ->
-        (newly mapped, held, the handle of the engine's bell: HoldWeightsResponse.bell, and .peer_gpu)."""
+        (newly mapped, held, the handle of the engine's bell: HoldWeightsResponse.bell, and .peer_gpu).
+        routing: a sharded trainer's memories, for the engine to read ahead of its offers (only saves time:
+        a failure is logged)."""
         if not holder:
             raise InvalidArgument("HoldWeights needs a holder (who releases them later)")
         if not handles:
             raise InvalidArgument("HoldWeights needs the storages to map (mapped.ipc): ReleaseWeights lets go")
         mapped, bell, peer_gpu = await self.engine.hold_weights(holder, handles, facts)
+        if routing is not None and routing.memories:
+            try:
+                await self.engine.read_ahead(routing)
+            except Exception as e:  # noqa: BLE001 - its offers read what they need then
+                log.warning("could not read the trainer's memories ahead of its offers: %s", e)
         return mapped, len(set(handles)), bell, peer_gpu
 
     async def release_weights(self, holder: str) -> int:

@@ -132,8 +132,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def hold(self, request: pb.HoldWeightsRequest) -> pb.HoldWeightsResponse:
         """HoldWeights, by gRPC or rung at the doorbell (a trainer on this GPU, at its onload)."""
         start = time.perf_counter()
-        mapped, held, bell, peer_gpu = await self.core.hold_weights(request.holder, list(request.mapped.ipc),
-                                                                    request.facts)
+        mapped, held, bell, peer_gpu = await self.core.hold_weights(
+            request.holder, list(request.mapped.ipc), request.facts,
+            request.routing if request.HasField("routing") else None)
         return pb.HoldWeightsResponse(mapped=mapped, held=held, seconds=time.perf_counter() - start, bell=bell,
                                       peer_gpu=peer_gpu)
 

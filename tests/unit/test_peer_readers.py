@@ -27,7 +27,7 @@ def rings(monkeypatch):
     """Every replica holds when asked, answering with its GPU; what each ring asked is recorded."""
     asked = {"hold": [], "release": []}
 
-    async def hold(holder, mapped, facts, doorbells, token, lines=None):
+    async def hold(holder, mapped, facts, doorbells, token, lines=None, routing=None):
         asked["hold"] += [d.name for d in doorbells]
         return [(d, rollout_pb2.HoldWeightsResponse(peer_gpu=GPUS[d.name])) for d in doorbells]
 

@@ -18,7 +18,7 @@ from rlsync.transfer import pulls
 from rlsync.transfer.control import Deadline
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.routes import TensorInfo, chunks, layout, plan_routes
-from rlsync.transfer.sharded import (ShardedSender, _export, _held_memories, _layout_key, _mapped_key, _memories,
+from rlsync.transfer.sharded import (ShardedSender, _export, _held_memories, learn, _layout_key, _mapped_key, _memories,
                                     _memory_key, _put_memory, engine_facts, engine_layout, make_roster, roster_layout,
                                     to_layout_proto, trainer_layout)
 from rlsync.transfer.v1 import transfer_pb2 as pb
@@ -161,9 +161,9 @@ def test_a_roster_carries_each_distinct_layout_once_and_gives_the_answers_layout
 
 
 def test_a_pulls_tables_are_keyed_by_the_memorys_layout_and_sizes_not_its_handles():
-    """pulls._shape: the same boxes in storages of the same sizes, exported anew (other handles, after an
+    """pulls.held_shape: the same boxes in storages of the same sizes, exported anew (other handles, after an
     onload), key the same tables (rebased); another offset, storage size or region count does not."""
-    from rlsync.transfer.pulls import _shape
+    from rlsync.transfer.pulls import held_shape as _shape
 
     def exported(memory: pb.RankMemory, tag: bytes = b"") -> pb.RankMemory:
         memory.ipc[:] = [h + tag for h in memory.ipc]  # (a handle with trailing bytes: another export)
@@ -225,5 +225,22 @@ def test_a_rank_counts_on_its_described_memory_being_in_the_store_only_once_rank
         good = [pb.RankDigest(digest=digest, mapped=mapped), pb.RankDigest(digest=digest)]
         assert PublisherCore._keep_memory(Ranks(), sender, good) == [digest, digest]
         assert sender._mapped == digest, "in the store from now on"
+    finally:
+        sender.close()
+
+
+def test_a_receiver_reads_the_ranks_memories_named_at_the_onload_ahead_of_the_offers_that_name_them():
+    """HoldWeightsRequest.routing: what the trainer's onload put in its store, by digest, is read and kept as
+    the replica holds the storages; the offer that names those digests then reads nothing (a store that is not
+    there would fail it)."""
+    sender = _sender(2)
+    try:
+        mapped = [_export(_memory(r + 40, "gpu-0"))[1] for r in range(2)]  # (memories no other test reads)
+        digests = sender.described([pb.RankDigest(digest=hashlib.sha256(m).hexdigest(), mapped=m) for m in mapped])
+        routing = sender.routing(digests)
+        assert list(routing.memories) == digests and routing.store == sender.store_address
+        assert learn(routing) == 2 and learn(routing) == 0, "read once"
+        held = _held_memories(_Gone(), [pb.RankMemory(digest=d) for d in digests], [0, 1], Deadline(1, "t"))
+        assert [m.digest for m in held.values()] == digests
     finally:
         sender.close()

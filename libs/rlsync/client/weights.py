@@ -24,12 +24,12 @@ from rlsync.client.rollout import AsyncRolloutClient, RolloutClient
 from rlsync.client.trainer import AsyncTrainerClient, TrainerClient
 from rlsync.common.aio import settle
 from rlsync.common.stamps import stamp
-from rlsync.common.timing import Stopwatch
+from rlsync.common.timing import Stopwatch, total
 from rlsync.errors import Relayed, RlsyncError
 from rlsync.rollout.v1 import rollout_pb2
 from rlsync.rpc.doorbell import Lines, Unreachable, ring
 from rlsync.transfer.handshake import host_id
-from rlsync.transfer.v1.transfer_pb2 import Backend, Doorbell, Facts, MappedTensors, Offer, WeightFormat
+from rlsync.transfer.v1.transfer_pb2 import Backend, Doorbell, Facts, MappedTensors, Offer, Routing, WeightFormat
 
 if TYPE_CHECKING:  # the trainer's own process rings bells and waits on copies: the coordinator never loads torch
     import torch
@@ -150,12 +150,13 @@ async def _ring_or_none(d: Doorbell, token: str, method: str, request, parse, ot
 
 
 async def ring_hold(holder: str, mapped: MappedTensors, facts: Facts, doorbells: list[Doorbell],
-                    token: str, lines: Lines | None = None) -> list[tuple[Doorbell, rollout_pb2.HoldWeightsResponse]]:
+                    token: str, lines: Lines | None = None, routing: Routing | None = None
+                    ) -> list[tuple[Doorbell, rollout_pb2.HoldWeightsResponse]]:
     """The trainer's side of OnloadRequest.ring: asks every replica on this host to keep its
     weights mapped until ring_release. -> (doorbell, its answer) of those that hold them.
     A replica that cannot (another GPU, an engine that receives elsewhere) or does not answer is
     left to map at each update: holding only saves time, so nothing fails here."""
-    request = rollout_pb2.HoldWeightsRequest(holder=holder, mapped=mapped, facts=facts)
+    request = rollout_pb2.HoldWeightsRequest(holder=holder, mapped=mapped, facts=facts, routing=routing)
     held = await _ring_here(doorbells, lambda d: _ring_or_none(
         d, token, "HoldWeights", request, rollout_pb2.HoldWeightsResponse.FromString,
         "it maps the weights at each update instead", (grpc.StatusCode.FAILED_PRECONDITION,), lines))
@@ -197,7 +198,7 @@ def _report(offer, pub, phases: dict[str, float], answers: list, rung: list[bool
             profile[f"receiver_{stage}"] = max(profile.get(f"receiver_{stage}", 0.0), seconds)
 
     def slowest(by_ring: bool) -> float:
-        return max((sum(a.stages.values()) for a, r in zip(answers, rung) if r == by_ring), default=0.0)
+        return max((total(a.stages) for a, r in zip(answers, rung) if r == by_ring), default=0.0)
 
     if any(rung):
         profile["prepare_ring"] = max(ring_seconds - slowest(True), 0.0)

@@ -23,3 +23,8 @@ class Stopwatch:
         take up the time since the previous lap."""
         self.stages.update(timed_elsewhere)
         self._t = time.perf_counter()
+
+
+def total(stages: dict[str, float]) -> float:
+    """The seconds of `stages` in all: a part of a stage, named "stage.part", is within that stage already."""
+    return sum(seconds for name, seconds in stages.items() if "." not in name)

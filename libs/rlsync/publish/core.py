@@ -485,13 +485,14 @@ class PublisherCore:
             self.offloaded = True
         self._in_step(offload, "offload")
 
-    async def onload(self, describe: bool = False) -> tuple[tpb.MappedTensors, tpb.Facts] | None:
+    async def onload(self, describe: bool = False) -> tuple[tpb.MappedTensors, tpb.Facts, tpb.Routing | None] | None:
         """describe: also return where the weights now lie on the GPU, and its facts, for replicas on
-        it to keep mapped until the offload (None when they cannot be mapped). The sender is then
-        built now, not at the first offer."""
+        it to keep mapped until the offload (None when they cannot be mapped), and a sharded model's every
+        rank's memory by digest (ShardedSender.routing: what its next offer names, for replicas to read
+        ahead). The sender is then built now, not at the first offer."""
         return await self.run(lambda: self._onload_here(describe), ONLOAD, 0, DESCRIBE if describe else b"")
 
-    def _onload_here(self, describe: bool = False) -> tuple[tpb.MappedTensors, tpb.Facts] | None:
+    def _onload_here(self, describe: bool = False) -> tuple[tpb.MappedTensors, tpb.Facts, tpb.Routing | None] | None:
         """Every rank's part of an onload, in step (see _offload_here). describe: rank 0 makes its sender now and
         returns where the weights lie (onload's); a sharded model's ranks each export their own storages, and
         rank 0 gathers those on its GPU, in rank order (ShardedSender.regions). Describing only saves the
@@ -512,14 +513,16 @@ class PublisherCore:
         if self._in_step(onload, "onload") or not describe:
             return None
         regions, facts = found[0] if found else (None, tpb.Facts())
+        routing = None
         if self.sharded:  # (the same on every rank: each takes part in the gathers)
             mine = tpb.RankMemory(facts=facts, ipc=regions.ipc if regions is not None else ())
             every = [tpb.RankMemory.FromString(m) for m in ranks.gather(mine.SerializeToString())]
             ipc = [h for m in every if same_gpu(m.facts, facts) for h in m.ipc]
             regions = tpb.MappedTensors(ipc=ipc) if ipc and ranks.rank == 0 else None
             # every rank's mapped memory goes into the store now: the next offer's description moves only digests
-            self._keep_memory(ranks, self._sender, self._gather_memory(ranks, self._sender, None))
-        return None if regions is None else (regions, facts)
+            digests = self._keep_memory(ranks, self._sender, self._gather_memory(ranks, self._sender, None))
+            routing = self._sender.routing(digests) if digests else None
+        return None if regions is None else (regions, facts, routing)
 
     def _in_step(self, work: Callable[[], None], what: str) -> int:
         """Every rank: `work`, then the ranks agree; rank 0 raises if any failed (the others log it, and

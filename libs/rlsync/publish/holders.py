@@ -24,7 +24,7 @@ from rlsync.client.weights import ring_hold, ring_release
 from rlsync.rpc.doorbell import Lines
 from rlsync.transfer.armed import open_bell
 from rlsync.transfer.copied import sender_device
-from rlsync.transfer.v1.transfer_pb2 import Doorbell
+from rlsync.transfer.v1.transfer_pb2 import Doorbell, Routing
 
 
 ROUTED_HOLD = (b"routed",)  # what a replica holds of a sharded trainer: what each of its ranks pulled (no list here)
@@ -40,19 +40,20 @@ class Holders:
         self.peer_gpus: dict[str, str] = {}  # address -> GPU of a replica found on another GPU (kept for good)
         self._letting_go: set[asyncio.Task] = set()
 
-    async def hold(self, regions: tuple, ring: list[Doorbell], peers: bool) -> None:
+    async def hold(self, regions: tuple, ring: list[Doorbell], peers: bool, routing: Routing | None = None) -> None:
         """Asks the replicas of `ring` that do not hold the storages of `regions` (MappedTensors, Facts) to hold
         them, once per set of storages; one that cannot (another host, another engine) is not asked again.
         peers: replicas on other GPUs may hold them and pull; else those known to be on one are not asked,
         and those found to be let go at once. Holders no longer in `ring` (gone, or out of the rotation) are
-        forgotten, and asked to let go in the background."""
+        forgotten, and asked to let go in the background. routing: a sharded trainer's (HoldWeightsRequest's)."""
         rung = {d.address for d in ring}
         self._forget([address for address in self.holding if address not in rung])
         handles = tuple(regions[0].ipc)
         todo = [d for d in ring if d.address not in self.cannot_hold and (peers or d.address not in self.peer_gpus)
                 and self.holding.get(d.address, (None, ()))[1] != handles]
         if todo:
-            held = self._record(regions, await ring_hold(self.holder, *regions, todo, self.token, self.lines))
+            held = self._record(regions, await ring_hold(self.holder, *regions, todo, self.token, self.lines,
+                                                         routing=routing))
             self.cannot_hold.update(d.address for d in todo if d.address not in held)
         await self._settle_peers(peers)
 

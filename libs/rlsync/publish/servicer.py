@@ -56,9 +56,10 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
     @unary
     async def Onload(self, request: pb.OnloadRequest, context) -> pb.OnloadResponse:
-        regions = await self.publisher.onload(describe=len(request.ring) > 0)
-        if regions is not None:  # replicas on this GPU map the weights while training runs
-            await self.holders.hold(regions, list(request.ring), peers=False)  # (mapped anew at each onload)
+        onloaded = await self.publisher.onload(describe=len(request.ring) > 0)
+        if onloaded is not None:  # replicas on this GPU map the weights while training runs
+            # (mapped anew at each onload; a sharded trainer's memories read ahead of its offers)
+            await self.holders.hold(onloaded[:2], list(request.ring), peers=False, routing=onloaded[2])
             if self.publisher.offloaded:  # an Offload ran while they mapped: they let go now
                 await self.release_held()
         return pb.OnloadResponse(state=self.state(), held=len(self.holders.holding))

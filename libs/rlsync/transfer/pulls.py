@@ -90,7 +90,8 @@ def _split(routes: Routes, trainer: Sequence[pb.RankMemory], engine: Sequence[pb
 
 def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.RankMemory], specs: Sequence,
          staging: Mapping[str, tuple[Box, torch.Tensor]], device: torch.device,
-         profile: dict[str, float] | None = None, hold: str = "", wait: bool = True) -> int:
+         profile: dict[str, float] | None = None, hold: str = "", wait: bool = True,
+         laid: tuple[tuple, np.ndarray] | None = None) -> int:
     """Receiver rank `rank`: copies every piece it pulls (`routes`: as split() gives them, or all of them for a
     rank that holds every storage it pulls from, RoutedReceiver's armed repeat) from the trainer ranks' memory
     (`memories`: the whole RankMemory of each rank it pulls from, by trainer rank, each with its digest) into its
@@ -106,7 +107,8 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.R
     launches the table it kept (making no view of a piece); one from the same layout mapped anew (after the
     trainer's onload) or into a staging laid out alike elsewhere launches that table rebased. The caller
     must `HELD.release(hold)` before the trainer's memory may leave the GPU (memory another process maps
-    is not freed). wait=False (every storage held): returns once the copies are queued, on the current stream."""
+    is not freed). wait=False (every storage held): returns once the copies are queued, on the current stream.
+    laid: kept.staging_layout(staging), when the caller kept it."""
     start = time.perf_counter()
     mine = routes.of_receiver(rank)
     sources = sorted({t.src for t in mine})
@@ -117,18 +119,21 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.R
     mapped = [open_cuda(h, device) if t is None else t for h, t in zip(handles, found)]  # what no holder keeps
     mapping = time.perf_counter() - start
     kept = key = None
+    laid_out = rebased = start
     if all(t is not None for t in found):  # held: the launch kept for the same pieces (their tuples, shared by
         # every Routes derived from one plan: kept alive by the entry, so no other tuple takes their ids), the same
         # layout of the trainer's memory and of the staging, at the same addresses; or, at others (the trainer's
         # memory mapped anew after its onload, a staging woken anew), the latest such launch moved there
         pieces = [t.pieces for t in mine]
-        laid, dst = staging_layout(staging)
+        laid, dst = laid or staging_layout(staging)
         src = np.array([t.data_ptr() for t in mapped], dtype=np.int64)
-        layout = (rank, *map(id, pieces), *(_shape(memories[k]) for k in sources), laid)
+        layout = (rank, *map(id, pieces), *(held_shape(memories[k]) for k in sources), laid)
         key = (layout, src.tobytes(), dst.tobytes())
         kept = _TABLES.peek(key)
+        laid_out = time.perf_counter()
         if kept is None and (kept := _moved(layout, src, dst)) is not None:
             _TABLES.put(key, kept)
+        rebased = time.perf_counter()
     if kept is not None:
         for table in kept[1]:
             batched.launch(table)
@@ -148,6 +153,9 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.R
     if profile is not None:
         profile.update({"map": mapping, "copy" if wait else "queue": copied - start - mapping,
                         "unmap": time.perf_counter() - copied})
+        if kept is not None:  # parts of the copy or queue: the held launch's key, and its table moved
+            stage = "copy" if wait else "queue"
+            profile.update({f"{stage}.key": laid_out - start - mapping, f"{stage}.rebase": rebased - laid_out})
     return nbytes
 
 
@@ -169,10 +177,10 @@ def _moved(layout: tuple, src: np.ndarray, dst: np.ndarray) -> tuple | None:
     return pieces, [batched.rebased(t, old_src, src, dst=(old_dst, dst)) for t in tables], nbytes
 
 
-_SHAPES = Kept(16)  # a trainer rank's memory digest -> its layout's (_shape)
+_SHAPES = Kept(16)  # a trainer rank's memory digest -> its layout's (held_shape)
 
 
-def _shape(memory: pb.RankMemory) -> str:
+def held_shape(memory: pb.RankMemory) -> str:
     """A trainer rank's memory as a pull's tables depend on it, not where it lies: the places of its boxes in
     its regions, and the regions' sizes (equal again after its onload, at other addresses: the tables are
     then rebased, not made anew). Found once per memory digest."""

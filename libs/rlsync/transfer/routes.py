@@ -29,6 +29,12 @@ Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension; () is a 0-dim 
 
 
 def whole(shape: Sequence[int]) -> Box:
+    """The box of all of a tensor of `shape` (kept: a receiver cuts one per tensor at every update)."""
+    return _whole(tuple(shape))
+
+
+@lru_cache(maxsize=4096)
+def _whole(shape: tuple[int, ...]) -> Box:
     return tuple((0, int(d)) for d in shape)
 
 

@@ -31,6 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from functools import lru_cache
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -262,6 +263,22 @@ def _held_memories(store, summaries: Sequence[pb.RankMemory], ranks: Sequence[in
     return {k: _MAPPED.get(summaries[k].digest, lambda k=k: fetch(k, summaries[k].digest)) for k in ranks}
 
 
+def learn(routing: pb.Routing) -> int:
+    """A receiver process told of a sharded trainer's memories ahead of its offers (HoldWeightsRequest.routing,
+    at the trainer's onload): reads each rank's mapped memory the digests name, and what a held pull derives from
+    it (pulls.held_shape), so that an armed pull of an offer naming them reads nothing. -> how many it read (0:
+    all known). Waits ARM_SECONDS at most."""
+    deadline = Deadline(ARM_SECONDS, "reading the trainer's memories ahead of its offers")
+    misses = _MAPPED.misses
+    store = _Lazy(routing.store, deadline)
+    held = _held_memories(store, [pb.RankMemory(digest=d) for d in routing.memories], range(len(routing.memories)),
+                          deadline)
+    store.give_back()
+    for memory in held.values():
+        pulls.held_shape(memory)
+    return _MAPPED.misses - misses
+
+
 def _read(store, keys: list[str], deadline: Deadline, parse: bool = True) -> list:
     try:
         _timeout(store, min(routed_groups.JOIN_SECONDS, deadline.remaining("meeting the trainer")))
@@ -392,12 +409,16 @@ class ShardedSender:
         offer = pb.Offer(
             protocol_version=PROTOCOL_VERSION, manifest=to_proto(self.specs, version, self.format),
             facts=local_facts(self.device), backends=self.backends, token=secrets.token_hex(16),
-            bucket_bytes=self.bucket_bytes, transfer_id=uuid.uuid4().hex,
-            routing=pb.Routing(store=self.store_address, layout=self._layout))
+            bucket_bytes=self.bucket_bytes, transfer_id=uuid.uuid4().hex, routing=self.routing())
         self._open[offer.transfer_id] = offer
         while len(self._open) > OPEN_OFFERS and self._store is not None:
             self._close_offer(self._store, self._open.popitem(last=False)[1], "too many newer offers were made")
         return offer
+
+    def routing(self, memories: Sequence[str] = ()) -> pb.Routing:
+        """Rank 0: where receivers meet this trainer (its store, its layout's digest), and `memories`: every rank's
+        mapped memory by its digest (`described`)."""
+        return pb.Routing(store=self.store_address, layout=self._layout, memories=memories)
 
     def send(self, offer: pb.Offer, answers: Sequence[pb.Answer], timeout: float = 300.0) -> Report:
         """This rank's pieces to every answering replica's ranks; returns what it sent."""
@@ -638,6 +659,7 @@ class RoutedReceiver:
         self.trainer: Layout | None = None  # read when armed, else at run() (trainer_layout)
         layout_of(self.specs, answer.layout)  # a layout that does not fit the manifest is refused now
         dest = dest.views if isinstance(dest, FlatStore) else dest
+        self._boxes = boxes  # (its staging's boxes: whole tensors when None)
         boxes = boxes or {}
         self.staging = {s.name: (boxes.get(s.name) or whole(s.shape), dest[s.name]) for s in self.specs
                         if s.name in dest}
@@ -652,10 +674,12 @@ class RoutedReceiver:
         self.handed = handed_over(self.device)  # as transfer.Receiver: on a stream of its own
         # A repeat from storages this process holds (Routing.memories), for a caller that answers it as a pull
         # (at_once): run() copies at once. answer.pull is set here: the caller runs it before it answers.
-        self.armed = None
+        self.armed, self._arming = None, 0.0
         if at_once and hold and self.device.type == "cuda" and offer.routing.memories:
             try:
+                arming = time.perf_counter()
                 self.armed = self._arm()
+                self._arming = time.perf_counter() - arming
             except Exception as e:  # noqa: BLE001 - (what the offer names was put before it left): run() meets them
                 log.warning("%s: meeting the trainer's ranks instead of copying at once: %s", self.deadline.what, e)
         self._queued = False  # run() queued an armed copy that close() must let end first
@@ -773,13 +797,24 @@ class RoutedReceiver:
         """Queues the copy of every piece from the held storages (one launch of a kept table) and returns: the
         report names the event after it (Report.copied), which the trainer waits for."""
         routes, held = self.armed
-        profile = {"plan": time.perf_counter() - self.start}
+        profile = {"plan": time.perf_counter() - self.start, "plan.arm": self._arming}
         self._queued = True  # (before the launch: a close() meanwhile lets what it queued end)
         nbytes = pulls.pull(routes, self.rank, self.trainer, held, self.specs, self.staging, self.device, profile,
-                            self.hold, wait=False)
+                            self.hold, wait=False, laid=self._staging_layout())
         stamp("pulled")
         return Report(nbytes, time.perf_counter() - self.start, {"cuda_ipc": len(held)}, profile=profile,
                       copied=record_copied(self.device))
+
+    def _staging_layout(self) -> tuple[tuple, np.ndarray] | None:
+        """kept.staging_layout of this rank's staging, kept in `keep` (a FlatStore's memo: its views stay where
+        they are for as long as it lives) by the tensors' names and boxes; None without one."""
+        if self.keep is None:
+            return None
+        key = ("staging_layout", self.rank, tuple(self.staging))
+        found = self.keep.get(key)
+        if found is None or found[0] is not self._boxes:
+            found = self.keep[key] = self._boxes, kept.staging_layout(self.staging)
+        return found[1]
 
     def _receive(self, store, routes: Routes, me: int, answers: Sequence[pb.Answer], profile: dict) -> int:
         """The pieces that come over the group (every member joins it, with or without pieces of its own)."""

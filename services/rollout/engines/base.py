@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from rlsync.rollout.types import Delta, GenerationRequest, MemoryUsage, PauseMode, WakeTag
 from rlsync.errors import FailedPrecondition
-from rlsync.transfer.v1.transfer_pb2 import Answer, Facts, Offer
+from rlsync.transfer.v1.transfer_pb2 import Answer, Facts, Offer, Routing
 
 
 class Engine(abc.ABC):
@@ -119,6 +119,11 @@ class Engine(abc.ABC):
         vLLM in its worker (one worker per replica)."""
         raise FailedPrecondition(f"the {self.kind} engine receives updates outside the rollout process: it maps "
                                  "the trainer's memory at each update and holds nothing between them")
+
+    async def read_ahead(self, routing: Routing) -> None:
+        """A sharded trainer's memories by digest, named as it onloads (HoldWeightsRequest.routing): an engine
+        that copies the offers naming them at once (hf) reads them now; the others have nothing to read."""
+        return None
 
     async def release_weights(self, holder: str) -> int:
         """Closes what hold_weights kept for `holder`; returns how many."""

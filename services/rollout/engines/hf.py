@@ -37,6 +37,7 @@ from rlsync.transfer import answer
 from rlsync.transfer.handshake import local_facts, peer_gpu, same_gpu
 from rlsync.transfer.held import HELD
 from rlsync.transfer.manifest import check_against, from_proto
+from rlsync.transfer.sharded import learn
 from rlsync.rollout.types import (Delta, FinishReason, GenerationRequest, MemoryUsage, PauseMode,
                                   WakeTag)
 
@@ -509,6 +510,11 @@ class HFEngine(Engine):
             return mapped, self._arming.hold(holder, handles), ""
 
         return await self._call(hold)
+
+    async def read_ahead(self, routing) -> None:
+        """Its routed receives copy an offer naming the ranks' memories at once (RoutedReceiver's at_once): what
+        they would read first is read now, off the event loop."""
+        await asyncio.to_thread(learn, routing)
 
     async def release_weights(self, holder: str) -> int:
         def release() -> int:

@@ -97,14 +97,16 @@ class CommitUpdateResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., switch_seconds: _Optional[float] = ..., changed: _Optional[bool] = ..., recomputed: _Optional[int] = ..., stages: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class HoldWeightsRequest(_message.Message):
-    __slots__ = ("holder", "mapped", "facts")
+    __slots__ = ("holder", "mapped", "facts", "routing")
     HOLDER_FIELD_NUMBER: _ClassVar[int]
     MAPPED_FIELD_NUMBER: _ClassVar[int]
     FACTS_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_FIELD_NUMBER: _ClassVar[int]
     holder: str
     mapped: _transfer_pb2.MappedTensors
     facts: _transfer_pb2.Facts
-    def __init__(self, holder: _Optional[str] = ..., mapped: _Optional[_Union[_transfer_pb2.MappedTensors, _Mapping]] = ..., facts: _Optional[_Union[_transfer_pb2.Facts, _Mapping]] = ...) -> None: ...
+    routing: _transfer_pb2.Routing
+    def __init__(self, holder: _Optional[str] = ..., mapped: _Optional[_Union[_transfer_pb2.MappedTensors, _Mapping]] = ..., facts: _Optional[_Union[_transfer_pb2.Facts, _Mapping]] = ..., routing: _Optional[_Union[_transfer_pb2.Routing, _Mapping]] = ...) -> None: ...
 
 class HoldWeightsResponse(_message.Message):
     __slots__ = ("mapped", "held", "seconds", "bell", "peer_gpu")
