@@ -654,6 +654,7 @@ class RoutedReceiver:
                  at_once: bool = False):
         self.offer, self.answer, self.rank, self.hold = offer, answer, rank, hold
         self.keep = keep if keep is not None or not isinstance(dest, FlatStore) else dest.memo
+        self._memo = dest.memo if isinstance(dest, FlatStore) else None  # (its views stay where they are)
         self.specs = from_proto(offer.manifest)
         self.device = resolved(torch.device(device)) if device is not None else torch.device("cpu")
         self.trainer: Layout | None = None  # read when armed, else at run() (trainer_layout)
@@ -806,14 +807,14 @@ class RoutedReceiver:
                       copied=record_copied(self.device))
 
     def _staging_layout(self) -> tuple[tuple, np.ndarray] | None:
-        """kept.staging_layout of this rank's staging, kept in `keep` (a FlatStore's memo: its views stay where
-        they are for as long as it lives) by the tensors' names and boxes; None without one."""
-        if self.keep is None:
+        """kept.staging_layout of this rank's staging into a FlatStore, kept in its memo (its views stay where they
+        are for as long as it lives) by the tensors' names and boxes; None into anything else."""
+        if self._memo is None:
             return None
         key = ("staging_layout", self.rank, tuple(self.staging))
-        found = self.keep.get(key)
+        found = self._memo.get(key)
         if found is None or found[0] is not self._boxes:
-            found = self.keep[key] = self._boxes, kept.staging_layout(self.staging)
+            found = self._memo[key] = self._boxes, kept.staging_layout(self.staging)
         return found[1]
 
     def _receive(self, store, routes: Routes, me: int, answers: Sequence[pb.Answer], profile: dict) -> int:
