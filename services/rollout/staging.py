@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from rlsync.common.aio import resolve
 from rlsync.flat import FlatStore
 from rlsync.errors import Aborted, DeadlineExceeded, ResourceExhausted, RlsyncError
 from rlsync.transfer import Report
@@ -97,10 +98,7 @@ class StagedUpdate:
             self.stages["spawn"] = time.perf_counter() - self.started
 
     def _run(self) -> None:
-        try:
-            self.future.set_result(self.receiver.run())
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
-            self.future.set_exception(e)
+        resolve(self.future, self.receiver.run)
 
     def poll(self) -> dict:
         """Plain data for callers across a process boundary (vLLM workers)."""

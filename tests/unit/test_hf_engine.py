@@ -118,3 +118,28 @@ def test_an_idle_engine_lends_its_turn_and_a_busy_one_runs_the_command_between_s
     idle, steps, busy = asyncio.run(main())
     assert idle == threading.main_thread().name and steps == ["command", "queued"]
     assert busy == "hf-engine"
+
+
+def test_a_caller_that_gives_up_while_its_command_waits_leaves_the_engine_serving(tiny_model):
+    """A gRPC call the coordinator abandons (a member it dropped) cancels the engine command it awaits: the
+    command still runs on the engine thread, whose hand-over of the result then finds nobody waiting. The
+    engine thread goes on (it died of InvalidStateError, and every later call hung) and serves the next
+    request."""
+    async def main():
+        engine = HFEngine(str(tiny_model), {})
+        await engine.start()
+        try:
+            started, release = threading.Event(), threading.Event()
+            blocker = asyncio.ensure_future(engine._call(lambda: (started.set(), release.wait(10))))
+            await asyncio.to_thread(started.wait, 10)
+            waiting = asyncio.ensure_future(engine._call(lambda: "nobody reads this"))
+            await asyncio.sleep(0)
+            waiting.cancel()  # queued behind the blocker, cancelled before it runs
+            blocker.cancel()  # cancelled while it runs
+            release.set()
+            sampling = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+            return await asyncio.wait_for(_run(engine, GenerationRequest("after", (5, 6, 7), sampling)), 60)
+        finally:
+            await engine.shutdown()
+
+    assert len(asyncio.run(main())[0]) == 4

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import gc
 import logging
 import sys
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from rlsync.common.aio import resolve
 from rlsync.common.audit import LIVE
 from rlsync.common.timing import Stopwatch
 from rlsync.errors import EngineDead, FailedPrecondition, InvalidArgument
@@ -142,11 +144,8 @@ class HFEngine(Engine):
         """Runs fn on the engine thread between steps; the returned future holds its result."""
         future: concurrent.futures.Future = concurrent.futures.Future()
 
-        def command() -> None:
-            try:
-                future.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                future.set_exception(e)
+        def command() -> None:  # (a caller that gave up leaves the thread running: resolve)
+            resolve(future, fn)
 
         with self._cv:
             if self._dead is not None:
@@ -234,7 +233,7 @@ class HFEngine(Engine):
             self.batch.remove(done)
         if not self.batch and self._drained:
             for future in self._drained:
-                future.set_result(None)
+                resolve(future, lambda: None)
             self._drained.clear()
 
     def _admit(self, request: GenerationRequest, sink: _Request, prompt: int, logits: torch.Tensor) -> None:
@@ -297,7 +296,8 @@ class HFEngine(Engine):
         for sink in sinks.values():
             sink.put(exc)
         for future in self._drained:
-            future.set_exception(exc)
+            with contextlib.suppress(concurrent.futures.InvalidStateError):  # its caller may have given up
+                future.set_exception(exc)
 
     # ---- requests -------------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
