@@ -52,9 +52,9 @@ class Gateway:
 
     def _why_none(self) -> str:
         """What the replicas the registry knows are doing, for a request that found none ready."""
-        members = self.registry.rollouts(None)
-        return "; ".join(f"{m.name}: {m.suspect and 'suspect, ' + m.suspect or m.state}" for m in members) or \
-            "none registered"
+        doing = [f"{m.name}: suspect, {m.suspect}" if m.suspect else f"{m.name}: {m.state}"
+                 for m in self.registry.rollouts(None)]
+        return "; ".join(doing) or "none registered"
 
     async def _wait_for_replica(self, session: str, timeout: float, avoid: frozenset[str]) -> Member:
         deadline = asyncio.get_running_loop().time() + timeout

@@ -163,7 +163,7 @@ def test_a_roster_carries_each_distinct_layout_once_and_gives_the_answers_layout
 def test_a_pulls_tables_are_keyed_by_the_memorys_layout_and_sizes_not_its_handles():
     """pulls.held_shape: the same boxes in storages of the same sizes, exported anew (other handles, after an
     onload), key the same tables (rebased); another offset, storage size or region count does not."""
-    from rlsync.transfer.pulls import held_shape as _shape
+    from rlsync.transfer.pulls import held_shape
 
     def exported(memory: pb.RankMemory, tag: bytes = b"") -> pb.RankMemory:
         memory.ipc[:] = [h + tag for h in memory.ipc]  # (a handle with trailing bytes: another export)
@@ -179,12 +179,12 @@ def test_a_pulls_tables_are_keyed_by_the_memorys_layout_and_sizes_not_its_handle
     first, again = exported(_memory(0, "gpu-0")), sized(_memory(0, "gpu-0"), 1 << 24)
     again.ipc[1] = pb.CudaIpcHandle(device=0, handle=b"\x01" * 64, storage_size_bytes=1 << 24).SerializeToString()
     again = exported(again)
-    assert again.digest != first.digest and _shape(again) == _shape(first)
-    assert _shape(exported(_memory(1, "gpu-0"))) != _shape(first), "another offset of a box"
-    assert _shape(sized(_memory(0, "gpu-0"), 1 << 25)) != _shape(first), "a storage of another size"
+    assert again.digest != first.digest and held_shape(again) == held_shape(first)
+    assert held_shape(exported(_memory(1, "gpu-0"))) != held_shape(first), "another offset of a box"
+    assert held_shape(sized(_memory(0, "gpu-0"), 1 << 25)) != held_shape(first), "a storage of another size"
     fewer = _memory(0, "gpu-0")
     fewer.regions -= 1
-    assert _shape(exported(fewer)) != _shape(first)
+    assert held_shape(exported(fewer)) != held_shape(first)
 
 
 def test_rank_zero_puts_each_ranks_described_memory_the_store_lacks_and_names_every_digest():

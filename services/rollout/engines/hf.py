@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import gc
 import logging
 import sys
@@ -143,15 +144,11 @@ class HFEngine(Engine):
     def _call(self, fn: Callable[[], Any]) -> asyncio.Future:
         """Runs fn on the engine thread between steps; the returned future holds its result."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def command() -> None:  # (a caller that gave up leaves the thread running: resolve)
-            resolve(future, fn)
-
         with self._cv:
             if self._dead is not None:
                 future.set_exception(EngineDead(self.dead()))
-            else:
-                self._commands.append(command)
+            else:  # (a caller that gave up leaves the thread running: resolve)
+                self._commands.append(functools.partial(resolve, future, fn))
                 self._cv.notify()
         return asyncio.wrap_future(future)
 
