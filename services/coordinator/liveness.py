@@ -3,15 +3,19 @@ I/O, no clock of its own).
 
 Liveness is progress, not punctuality. Evidence of progress is anything the member gets done that the
 coordinator sees: a heartbeat whose progress counter moved (its event loop turned, transfer bytes
-landed), a chunk it streamed, any answer to a call. A member that shows none for half its lease is
-suspect (no new work goes to it; it is probed); one that shows none for its whole lease leaves, as a
-hung or dead one always has."""
+landed) or whose CPU time grew by a twentieth of a core or more (it computes, its event loop held up by
+a step that keeps the GIL), a chunk it streamed, any answer to a call. A member that shows none for half
+its lease is suspect (no new work goes to it; it is probed); one that shows none for its whole lease
+leaves, as a hung or dead one always has. What CPU time cannot tell from work: a process that spins
+without getting anywhere; the deadline of whatever it was asked catches that one."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 SUSPECT_AFTER = 0.5  # of the lease without evidence of progress
+BUSY_SHARE = 0.05  # of a core: CPU time that grew at least so fast since the last evidence is evidence
+BUSY_AT_LEAST = 0.02  # CPU-s, two clock ticks: a process's CPU time moves in steps of 10 ms
 
 
 @dataclass
@@ -21,19 +25,26 @@ class Evidence:
     progress_at: float  # the last evidence of progress, of any kind
     heartbeat_at: float  # the last heartbeat, whether it showed progress or not
     counter: int = 0  # the member's progress counter at its last heartbeat (0: it reports none)
-    kind: str = "registered"  # what the last evidence was: heartbeat, tokens, answer
+    kind: str = "registered"  # what the last evidence was: heartbeat, cpu, tokens, answer
+    cpu: float = 0.0  # the member's CPU seconds at its last heartbeat (0: it reports none)
+    cpu_at_progress: float = 0.0  # ... when its last evidence of progress came
 
-    def heartbeat(self, now: float, counter: int) -> bool:
+    def heartbeat(self, now: float, counter: int, cpu: float = 0.0) -> bool:
         """Records a heartbeat; True when it is evidence of progress: the counter moved since the last
-        one, or the member reports none (every heartbeat of such a member counts, as it always did)."""
+        one, or the member reports none (every heartbeat of such a member counts, as it always did), or
+        its CPU time grew by BUSY_SHARE of the time since its last evidence (kind "cpu")."""
         moved = counter == 0 or counter != self.counter
-        self.heartbeat_at, self.counter = now, counter
-        if moved:
-            self.saw(now, "heartbeat")
-        return moved
+        worked = cpu - self.cpu_at_progress if cpu and self.cpu_at_progress else 0.0
+        busy = worked >= max(BUSY_SHARE * (now - self.progress_at), BUSY_AT_LEAST)
+        self.heartbeat_at, self.counter, self.cpu = now, counter, cpu
+        if moved or busy:
+            self.saw(now, "heartbeat" if moved else "cpu")
+        elif not self.cpu_at_progress:
+            self.cpu_at_progress = cpu  # its first report: the baseline
+        return moved or busy
 
     def saw(self, now: float, kind: str) -> None:
-        self.progress_at, self.kind = max(self.progress_at, now), kind
+        self.progress_at, self.kind, self.cpu_at_progress = max(self.progress_at, now), kind, self.cpu
 
     def credit(self, seconds: float, now: float) -> None:
         """Time the coordinator itself stood still (stopped, starved, swapped) is not the member's silence:
@@ -59,7 +70,8 @@ def judge(evidence: Evidence, now: float, lease: float) -> Verdict:
         return ALIVE
     action = "drop" if silent > lease else "suspect"
     if now - evidence.heartbeat_at <= lease * SUSPECT_AFTER:  # its heartbeats come, but show nothing done
-        return Verdict(action, "stalled", f"heartbeats arrive but show no progress for {silent:.1f}s")
+        return Verdict(action, "stalled", f"heartbeats arrive but show no progress for {silent:.1f}s (its event loop "
+                                          f"has not turned, nor has it used {BUSY_SHARE:.0%} of a core)")
     return Verdict(action, "silent", f"no heartbeat nor any other sign of progress for {silent:.1f}s")
 
 

@@ -84,12 +84,12 @@ class Registry:
             self.spawn(self.on_join(member))
         return member
 
-    def heartbeat(self, member_id: str, progress: int = 0) -> bool:
+    def heartbeat(self, member_id: str, progress: int = 0, cpu_seconds: float = 0.0) -> bool:
         member = self.members.get(member_id)
         if member is None:
             return False
-        if member.evidence.heartbeat(time.monotonic(), progress):
-            self._cleared(member, "heartbeat")
+        if member.evidence.heartbeat(time.monotonic(), progress, cpu_seconds):
+            self._cleared(member, member.evidence.kind)
         return True
 
     def saw(self, member: Member, kind: str) -> None:

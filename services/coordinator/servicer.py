@@ -48,7 +48,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     @unary
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
-        return pb.HeartbeatResponse(known=self.core.registry.heartbeat(request.member_id, request.progress))
+        return pb.HeartbeatResponse(known=self.core.registry.heartbeat(request.member_id, request.progress,
+                                                                      request.cpu_seconds))
 
     @unary
     async def Deregister(self, request: pb.DeregisterRequest, context) -> pb.DeregisterResponse:

@@ -2,13 +2,15 @@
 another factor) while two replicas stream through the gateway and an in-flight sync lands under them.
 Every member stays in the fleet and nothing is resubmitted: tokens streamed, answers and heartbeats
 whose progress moves keep each one's lease, however late they come. Under the same starvation, a
-replica that hangs (SIGSTOP) still leaves within its lease and its streams finish on the other. Real
-processes and gRPC throughout."""
+replica that hangs (SIGSTOP) still leaves within its lease and its streams finish on the other. A
+member that keeps its GIL for several leases stays while it computes and leaves while it does nothing;
+one that dies leaves at once. Real processes and gRPC throughout."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -89,3 +91,50 @@ def liveness(co) -> str:
         if found:
             parts.append(f"{name}: {', '.join(found)}")
     return "; ".join(parts)
+
+
+def test_a_member_that_keeps_its_gil_stays_while_it_computes_and_leaves_when_it_does_nothing_or_dies(services):
+    """Its heartbeats leave from its beacon, a process of its own (rlsync.rpc.beacon), with its CPU time."""
+    co = services.start("coordinator", ["--sync-mode", "async", *FAST, "--metrics-port", "0"], name="coordinator")
+    client = CoordinatorClient(co.address)
+    member = subprocess.Popen([sys.executable, str(Path(__file__).parents[1] / "gil_member.py"), co.address],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert member.stdout.readline() == "registered\n"
+        assert trainers(client) == ["gil"]
+
+        held = ask(member, "busy", 3 * LEASE)  # no heartbeat thread of its own could run meanwhile
+        assert trainers(client) == ["gil"] and "dropped" not in liveness(co), (held, liveness(co))
+
+        ask(member, "idle", 2 * LEASE)  # its GIL kept, nothing done: its beacon's heartbeats show no progress
+        assert "dropped: trainer stalled: 1" in liveness(co), liveness(co)
+        wait_for(lambda: trainers(client) == ["gil"], "it registers again once it works again")
+
+        os.kill(member.pid, signal.SIGKILL)  # the member alone: its beacon sees it go
+        killed = time.monotonic()
+        wait_for(lambda: trainers(client) == [], "the dead member leaves")
+        print(f"\n[busy] a member holding its GIL for {held} stayed; killed, it left in "
+              f"{time.monotonic() - killed:.2f}s (lease {LEASE}s); {liveness(co)}")
+        assert "trainer left: 1" in liveness(co), "its beacon deregistered it: it did not wait for the lease"
+    finally:
+        os.killpg(member.pid, signal.SIGKILL)
+        member.wait()
+
+
+def ask(member: subprocess.Popen, what: str, seconds: float) -> str:
+    member.stdin.write(f"{what} {seconds}\n")
+    member.stdin.flush()
+    answer = member.stdout.readline().split()
+    assert answer[:1] == ["done"], answer
+    return f"{answer[1]}s"
+
+
+def trainers(client: CoordinatorClient) -> list[str]:
+    return sorted(m.name for m in client.status().members if m.role == pb.ROLE_TRAINER)
+
+
+def wait_for(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)

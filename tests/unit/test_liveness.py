@@ -41,6 +41,30 @@ def test_heartbeats_that_show_no_progress_do_not_keep_a_member():
     assert e.heartbeat(3.7, 9) and judge(e, 3.7, LEASE) == ALIVE
 
 
+def test_a_member_that_computes_with_its_event_loop_held_up_is_alive():
+    """Its counter stands still (a step keeps the GIL) but its CPU time grows: a third of a core here."""
+    e = Evidence(progress_at=0.0, heartbeat_at=0.0, counter=7)
+    assert e.heartbeat(0.3, 8, cpu=5.0)  # the counter moved: the CPU baseline
+    for t in (0.6, 0.9, 1.2, 2.0, 3.0, 4.0):
+        assert e.heartbeat(t, 8, cpu=5.0 + 0.33 * (t - 0.3)), t
+        assert e.kind == "cpu" and judge(e, t, LEASE) == ALIVE
+
+
+def test_a_trickle_of_cpu_is_not_progress_and_other_evidence_moves_the_baseline():
+    """Background threads of a stuck process use a little CPU: under BUSY_SHARE of the time since the last
+    evidence, it is dropped at the lease, stalled. Tokens seen reset what CPU time counts from."""
+    e = Evidence(progress_at=0.0, heartbeat_at=0.0, counter=8)
+    e.heartbeat(0.1, 8, cpu=5.0)  # the baseline
+    for t in (0.4, 1.0, 2.0, 3.0, 3.2):
+        assert not e.heartbeat(t, 8, cpu=5.0 + 0.01 * t), t  # 1 % of a core
+    assert (judge(e, 3.2, LEASE).action, judge(e, 3.2, LEASE).reason) == ("drop", "stalled")
+    e = Evidence(progress_at=0.0, heartbeat_at=0.0, counter=8)
+    e.heartbeat(0.1, 8, cpu=5.0)
+    assert e.heartbeat(1.0, 8, cpu=6.0)  # busy ...
+    e.saw(1.1, "tokens")  # ... then tokens, then it hangs: the second of CPU it used before does not keep it
+    assert not e.heartbeat(4.0, 8, cpu=6.02) and judge(e, 4.2, LEASE).action == "drop"
+
+
 def test_a_member_that_reports_no_counter_is_kept_by_its_heartbeats_as_before():
     e = Evidence(progress_at=0.0, heartbeat_at=0.0)
     assert all(e.heartbeat(t, 0) for t in (1.0, 2.0, 3.0))

@@ -167,12 +167,14 @@ class RegisterResponse(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., heartbeat_interval: _Optional[float] = ..., lease: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("member_id", "progress")
+    __slots__ = ("member_id", "progress", "cpu_seconds")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     progress: int
-    def __init__(self, member_id: _Optional[str] = ..., progress: _Optional[int] = ...) -> None: ...
+    cpu_seconds: float
+    def __init__(self, member_id: _Optional[str] = ..., progress: _Optional[int] = ..., cpu_seconds: _Optional[float] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("known",)
