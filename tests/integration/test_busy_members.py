@@ -110,6 +110,13 @@ def test_a_member_that_keeps_its_gil_stays_while_it_computes_and_leaves_when_it_
         assert "dropped: trainer stalled: 1" in liveness(co), liveness(co)
         wait_for(lambda: trainers(client) == ["gil"], "it registers again once it works again")
 
+        before, dropped = members(client), liveness(co)
+        beacon = children(member.pid)
+        os.kill(beacon[0], signal.SIGKILL)  # its beacon dies: the member starts another, which goes on as it
+        wait_for(lambda: children(member.pid) not in ([], beacon), "the member starts another beacon")
+        time.sleep(LEASE)
+        assert members(client) == before and liveness(co) == dropped, "the same member, never dropped"
+
         os.kill(member.pid, signal.SIGKILL)  # the member alone: its beacon sees it go
         killed = time.monotonic()
         wait_for(lambda: trainers(client) == [], "the dead member leaves")
@@ -127,6 +134,14 @@ def ask(member: subprocess.Popen, what: str, seconds: float) -> str:
     answer = member.stdout.readline().split()
     assert answer[:1] == ["done"], answer
     return f"{answer[1]}s"
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def members(client: CoordinatorClient) -> list[str]:
+    return sorted(m.id for m in client.status().members)
 
 
 def trainers(client: CoordinatorClient) -> list[str]:

@@ -139,7 +139,7 @@ def test_two_rank_trainer_trains_like_one_and_its_syncs_verify(services):
     with pytest.raises(RpcError) as e:
         sharded.save_checkpoint("/tmp/nope")
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "--nproc" in e.value.message
-    (rank1,) = psutil.Process(two.proc.pid).children()
+    (rank1,) = [p for p in psutil.Process(two.proc.pid).children() if "rlsync.rpc.beacon" not in p.cmdline()]
     rank1.kill()
     deadline = time.monotonic() + 10
     while "NOT_SERVING" not in (two.why_down() or ""):

@@ -75,13 +75,15 @@ class Shared:
 
 
 def state_of(pid: int) -> tuple[str, float]:
-    """A process's state letter (R, S, D, T, Z, ...; "" once it is gone) and its CPU seconds so far, every
-    thread's user and system time (0 where /proc cannot say)."""
+    """A process's state letter (R, S, D, T, Z, ...; "" once it is gone, "?" where /proc cannot say) and its
+    CPU seconds so far, every thread's user and system time (0 where /proc cannot say)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
-    except OSError:
+    except FileNotFoundError:
         return ("" if os.path.isdir("/proc/self") else "?"), 0.0
+    except OSError:  # (not ours to read: what it does is unknown, not over)
+        return "?", 0.0
     return fields[0].decode(), (int(fields[11]) + int(fields[12])) / _TICK
 
 
@@ -114,7 +116,7 @@ class Beacon:
         try:
             while not self.stopped.is_set():
                 state, cpu = state_of(self.member)
-                if not state or state == "Z" or os.getppid() != self.member:
+                if not state or state in "ZX" or os.getppid() != self.member:
                     self.leave("its process exited (its heartbeat process saw it go)")
                     break
                 try:

@@ -22,6 +22,7 @@ from rlsync.rpc.beacon import TOKEN_ENV, Shared
 
 log = logging.getLogger(__name__)
 TICK = 0.1  # seconds between two turns of the event loop that count as its progress
+_RESPAWN_SECONDS = 5.0  # at most one beacon started again in this time (one that cannot start would spin)
 _DISMISS_SECONDS = 15.0  # a leaving beacon's last call (10 s at most) and its Deregister
 
 
@@ -32,6 +33,7 @@ class Registrar:
         self._beacon: subprocess.Popen | None = None
         self._ticker: asyncio.Task | None = None
         self._since = time.monotonic()  # when it started: silent since then until the coordinator answers
+        self._spawned = 0.0  # when its beacon last started
 
     @property
     def member_id(self) -> str:
@@ -52,12 +54,12 @@ class Registrar:
         """Registers and heartbeats until `leave()`; call it on the event loop whose turns count as progress."""
         if self._beacon is None:
             self._since = time.monotonic()
-            self._shared = Shared()
+            self._shared = self._shared or Shared()  # (a beacon that left in order cleared its member id)
             self._beacon = self._spawn()
             self._ticker = asyncio.create_task(self._tick())
 
     def _spawn(self) -> subprocess.Popen:
-        progress = PROGRESS.shared()
+        progress, self._spawned = PROGRESS.shared(), time.monotonic()
         return subprocess.Popen(
             [sys.executable, "-m", "rlsync.rpc.beacon", "--coordinator", self.coordinator, "--role", str(self.role),
              "--address", self.address, "--name", self.name, "--member", str(os.getpid()),
@@ -68,7 +70,8 @@ class Registrar:
         while True:
             await asyncio.sleep(TICK)
             PROGRESS.advance()
-            if self._beacon is not None and (code := self._beacon.poll()) is not None:
+            if (self._beacon is not None and (code := self._beacon.poll()) is not None
+                    and time.monotonic() - self._spawned > _RESPAWN_SECONDS):
                 log.warning("the heartbeat process exited unasked (status %s): starting another", code)
                 self._beacon = self._spawn()  # it goes on as the same member (the id is in the shared page)
 
