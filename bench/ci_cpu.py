@@ -23,7 +23,8 @@ TICK = os.sysconf("SC_CLK_TCK")
 KINDS = (
     ("vllm engine core", "VLLM::EngineCore"), ("vllm worker", "VLLM::Worker"),
     ("sglang scheduler", "sglang::scheduler"), ("sglang detokenizer", "sglang::detokenizer"),
-    ("beacon", "rlsync.rpc.beacon"), ("preloaded image", "rlsync.preload"), ("demo", "rlsync.demo"),  # (the demo is told its replicas' --engine)
+    ("beacon", "rlsync.rpc.beacon"),  # (a member's heartbeats)
+    ("preloaded image", "rlsync.preload"), ("demo", "rlsync.demo"),  # (the demo is told its replicas' --engine)
     ("rollout vllm", "--engine vllm"), ("rollout sglang", "--engine sglang"), ("rollout hf", "--engine hf"),
     ("rollout", "rlsync.rollout"), ("trainer", "rlsync.trainer"), ("coordinator", "rlsync.coordinator"),
     ("fleet cli", "rlsync.cli"), ("pytest", "pytest"),
