@@ -6,16 +6,15 @@ coordinator sees: a heartbeat whose progress counter moved (its event loop turne
 landed) or whose CPU time grew by a twentieth of a core or more (it computes, its event loop held up by
 a step that keeps the GIL), a chunk it streamed, any answer to a call. A member that shows none for half
 its lease is suspect (no new work goes to it; it is probed); one that shows none for its whole lease
-leaves, as a hung or dead one always has. What CPU time cannot tell from work: a process that spins
-without getting anywhere; the deadline of whatever it was asked catches that one."""
+leaves, as a hung or dead one always has (the CPU rule: rlsync.common.progress.computing)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlsync.common.progress import BUSY_SHARE, computing
+
 SUSPECT_AFTER = 0.5  # of the lease without evidence of progress
-BUSY_SHARE = 0.05  # of a core: CPU time that grew at least so fast since the last evidence is evidence
-BUSY_AT_LEAST = 0.02  # CPU-s, two clock ticks: a process's CPU time moves in steps of 10 ms
 
 
 @dataclass
@@ -32,10 +31,10 @@ class Evidence:
     def heartbeat(self, now: float, counter: int, cpu: float = 0.0) -> bool:
         """Records a heartbeat; True when it is evidence of progress: the counter moved since the last
         one, or the member reports none (every heartbeat of such a member counts, as it always did), or
-        its CPU time grew by BUSY_SHARE of the time since its last evidence (kind "cpu")."""
+        its CPU time grew as `computing` says work does (kind "cpu")."""
         moved = counter == 0 or counter != self.counter
         worked = cpu - self.cpu_at_progress if cpu and self.cpu_at_progress else 0.0
-        busy = worked >= max(BUSY_SHARE * (now - self.progress_at), BUSY_AT_LEAST)
+        busy = computing(worked, now - self.progress_at)
         self.heartbeat_at, self.counter, self.cpu = now, counter, cpu
         if moved or busy:
             self.saw(now, "heartbeat" if moved else "cpu")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import mmap
 import os
 
-from rlsync.common.progress import Progress
-from rlsync.rpc.beacon import Shared, state_of
+from rlsync.common.progress import Progress, state_of
+from rlsync.rpc.beacon import Shared
 
 
 def test_a_shared_counter_is_read_through_its_memory_file_and_a_forked_child_counts_its_own():

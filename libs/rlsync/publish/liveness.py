@@ -7,19 +7,26 @@ TCPStore that rank 0 hosts, from a thread of its own, every BEAT seconds. Rank 0
 often; once one has not moved for `lease()` seconds it calls `silent(rank, seconds)` (the publisher
 deregisters with that reason, and the coordinator fails the sync under way at once), and once every
 silent rank beats again, `back()` (the publisher registers again). A thread, not the loop's own
-progress, so that a long training step is not silence; what it cannot see is a rank whose process
-runs but whose work is stuck (a hung NCCL kernel): that one the transfer's deadline catches.
+progress, so that a long training step is not silence. A step that keeps the GIL keeps that thread from
+beating too: a rank on rank 0's host (it says its pid) shows its work in its CPU time, which rank 0
+reads from /proc (rlsync.common.progress.computing), and is busy, not silent; a stopped one (SIGSTOP)
+is silent whatever it used before. What it cannot see is a rank whose process runs but whose work is
+stuck (a hung NCCL kernel): that one the transfer's deadline catches.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
 
 import torch.distributed as dist
+
+from rlsync.common.progress import computing, state_of
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +36,10 @@ _STORE_TIMEOUT = datetime.timedelta(seconds=10)
 
 def _key(rank: int) -> str:
     return f"rlsync/beat/{rank}"
+
+
+def _where(rank: int) -> str:
+    return f"rlsync/beat/{rank}/where"  # "<host name> <pid>"
 
 
 class RankBeats:
@@ -66,6 +77,10 @@ class RankBeats:
         self._thread.join(2 * BEAT + _STORE_TIMEOUT.total_seconds())
 
     def _beat(self, rank: int) -> None:
+        try:
+            self.store.set(_where(rank), f"{socket.gethostname()} {os.getpid()}")
+        except Exception as e:  # noqa: BLE001 - rank 0 sees its beats only
+            log.debug("rank %d could not say where it runs: %s", rank, e)
         while not self._stop.wait(BEAT):
             try:
                 self.store.add(_key(rank), 1)
@@ -76,6 +91,8 @@ class RankBeats:
                back: Callable[[], None]) -> None:
         now = time.monotonic()
         counts, moved, out = dict.fromkeys(range(1, world), -1), dict.fromkeys(range(1, world), now), set()
+        pids: dict[int, int | None] = {}  # a rank on this host: its pid (None: elsewhere)
+        cpu_at: dict[int, float] = {}  # its CPU seconds at its last evidence
         last = now
         while not self._stop.wait(BEAT):
             now = time.monotonic()
@@ -88,14 +105,35 @@ class RankBeats:
                 except Exception:  # noqa: BLE001 - its own store, in this process: not expected, not fatal
                     log.warning("reading rank %d's beat failed", rank, exc_info=True)
                     continue
-                if count != counts[rank]:
+                cpu = self._cpu(rank, pids)
+                if cpu is not None:
+                    cpu_at.setdefault(rank, cpu)
+                if count != counts[rank] or (cpu is not None and computing(cpu - cpu_at[rank], now - moved[rank])):
                     counts[rank], moved[rank] = count, now
+                    if cpu is not None:
+                        cpu_at[rank] = cpu
                     if rank in out:
                         out.discard(rank)
-                        log.warning("rank %d of the trainer beats again", rank)
+                        log.warning("rank %d of the trainer shows progress again", rank)
                         if not out:
                             back()
                 elif rank not in out and now - moved[rank] > lease():
                     out.add(rank)
                     log.warning("rank %d of the trainer is silent for %.1fs", rank, now - moved[rank])
                     silent(rank, now - moved[rank])
+
+    def _cpu(self, rank: int, pids: dict[int, int | None]) -> float | None:
+        """A rank's CPU seconds, where rank 0 can read them and the rank runs (None: another host, not said
+        yet, stopped, gone)."""
+        if rank not in pids:
+            try:
+                if not self.store.check([_where(rank)]):
+                    return None
+                host, pid = self.store.get(_where(rank)).decode().split()
+            except Exception:  # noqa: BLE001 - its beats still count
+                return None
+            pids[rank] = int(pid) if host == socket.gethostname() else None
+        if pids[rank] is None:
+            return None
+        state, cpu = state_of(pids[rank])
+        return cpu if state and state not in "?TtZX" else None

@@ -35,13 +35,13 @@ import time
 
 import grpc
 
+from rlsync.common.progress import state_of
 from rlsync.coordinator.v1 import coordinator_pb2 as pb
 from rlsync.coordinator.v1.coordinator_pb2_grpc import CoordinatorServiceStub
 from rlsync.rpc.channel import sync_channel
 
 log = logging.getLogger("rlsync.rpc.beacon")
 TOKEN_ENV = "RLSYNC_BEACON_TOKEN"  # the token travels in the environment, not on the command line
-_TICK = os.sysconf("SC_CLK_TCK")
 
 
 class Shared:
@@ -72,19 +72,6 @@ class Shared:
                 break
             time.sleep(0)
         return member_id.rstrip(b"\0").decode(errors="replace"), lease, heard
-
-
-def state_of(pid: int) -> tuple[str, float]:
-    """A process's state letter (R, S, D, T, Z, ...; "" once it is gone, "?" where /proc cannot say) and its
-    CPU seconds so far, every thread's user and system time (0 where /proc cannot say)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except FileNotFoundError:
-        return ("" if os.path.isdir("/proc/self") else "?"), 0.0
-    except OSError:  # (not ours to read: what it does is unknown, not over)
-        return "?", 0.0
-    return fields[0].decode(), (int(fields[11]) + int(fields[12])) / _TICK
 
 
 class Beacon:
