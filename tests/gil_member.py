@@ -3,9 +3,10 @@
 It registers as a trainer (the coordinator calls a trainer only for a sync or a step, which the test
 never asks for) through rlsync's Registrar, prints "registered", then reads commands from stdin, one a
 line, and answers each with "done <seconds>":
-  busy S  computes for S seconds in one C call that never lets the GIL go (sum over a range);
+  busy S  computes for about S seconds in C calls of about 3 s each that never let the GIL go (sums
+          over ranges; between two, its event loop may turn);
   idle S  sleeps S seconds in one C call that keeps the GIL (usleep through ctypes.PyDLL).
-Its event loop cannot turn meanwhile, nor could a heartbeat thread of its own."""
+Its event loop cannot turn during a call, nor could a heartbeat thread of its own."""
 
 from __future__ import annotations
 
@@ -13,17 +14,24 @@ import asyncio
 import ctypes
 import sys
 import time
+from collections.abc import Iterator
 
 from rlsync.coordinator.v1.coordinator_pb2 import ROLE_TRAINER
 from rlsync.rpc.registrar import Registrar
 
 
-def busy(seconds: float) -> None:
+CALL = 3.0  # seconds a busy call is sized for: longer than the tests' lease
+
+
+def busy(seconds: float) -> Iterator[None]:
+    """Yields after each call; calls sized by the rate the last one ran at (a loaded machine runs them
+    slower than any calibration said)."""
     started, n = time.perf_counter(), 1 << 16
-    while time.perf_counter() - started < seconds / 8:  # calibrate on an eighth of it, then one call
+    while (left := seconds - (time.perf_counter() - started)) > 0:
+        at = time.perf_counter()
         sum(range(n))
-        n *= 2
-    sum(range(int(n * seconds / max(time.perf_counter() - started, 1e-3))))
+        n = max(1 << 16, int(n / max(time.perf_counter() - at, 1e-6) * min(CALL, left)))
+        yield
 
 
 def idle(seconds: float) -> None:
@@ -40,7 +48,11 @@ async def main(coordinator: str) -> None:
     while line := await loop.run_in_executor(None, sys.stdin.readline):
         what, seconds = line.split()
         started = time.monotonic()
-        {"busy": busy, "idle": idle}[what](float(seconds))
+        if what == "busy":
+            for _ in busy(float(seconds)):
+                await asyncio.sleep(0)  # its event loop turns between two calls
+        else:
+            idle(float(seconds))
         await asyncio.sleep(0.5)  # its event loop turns again before it answers
         print(f"done {time.monotonic() - started:.2f}", flush=True)
     await registrar.stop()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlsync.common.progress import BUSY_SHARE, computing
+from rlsync.common.progress import BUSY_SHARE, CPU_ALONE, computing
 
 SUSPECT_AFTER = 0.5  # of the lease without evidence of progress
 
@@ -27,6 +27,11 @@ class Evidence:
     kind: str = "registered"  # what the last evidence was: heartbeat, cpu, tokens, answer
     cpu: float = 0.0  # the member's CPU seconds at its last heartbeat (0: it reports none)
     cpu_at_progress: float = 0.0  # ... when its last evidence of progress came
+    turned_at: float = -1.0  # the last evidence other than CPU time (its event loop turned); -1: progress_at
+
+    def __post_init__(self) -> None:
+        if self.turned_at < 0:
+            self.turned_at = self.progress_at
 
     def heartbeat(self, now: float, counter: int, cpu: float = 0.0) -> bool:
         """Records a heartbeat; True when it is evidence of progress: the counter moved since the last
@@ -44,12 +49,15 @@ class Evidence:
 
     def saw(self, now: float, kind: str) -> None:
         self.progress_at, self.kind, self.cpu_at_progress = max(self.progress_at, now), kind, self.cpu
+        if kind != "cpu":
+            self.turned_at = max(self.turned_at, now)
 
     def credit(self, seconds: float, now: float) -> None:
         """Time the coordinator itself stood still (stopped, starved, swapped) is not the member's silence:
         whatever it sent meanwhile waits unread."""
         self.progress_at = min(now, self.progress_at + seconds)
         self.heartbeat_at = min(now, self.heartbeat_at + seconds)
+        self.turned_at = min(now, self.turned_at + seconds)
 
 
 @dataclass(frozen=True)
@@ -63,8 +71,16 @@ ALIVE = Verdict("")
 
 
 def judge(evidence: Evidence, now: float, lease: float) -> Verdict:
-    """What to do with a member, given its evidence: nothing, suspect it, or drop it."""
-    silent = now - evidence.progress_at
+    """What to do with a member, given its evidence: nothing, suspect it, or drop it. CPU time alone keeps
+    it for CPU_ALONE leases at most: a process whose event loop stays stuck while another of its threads
+    spins is no less stuck."""
+    silent, stuck = now - evidence.progress_at, now - evidence.turned_at
+    if stuck / CPU_ALONE > silent:
+        silent = stuck / CPU_ALONE
+        if silent > lease * SUSPECT_AFTER:
+            return Verdict("drop" if silent > lease else "suspect", "stalled",
+                           f"it computes, but its event loop has not turned for {stuck:.1f}s (CPU time alone keeps a "
+                           f"member {CPU_ALONE} leases)")
     if silent <= lease * SUSPECT_AFTER:
         return ALIVE
     action = "drop" if silent > lease else "suspect"

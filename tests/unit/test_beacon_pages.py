@@ -6,7 +6,7 @@ from __future__ import annotations
 import mmap
 import os
 
-from rlsync.common.progress import Progress, state_of
+from rlsync.common.progress import Progress, identity, state_of
 from rlsync.rpc.beacon import Shared
 
 
@@ -40,3 +40,7 @@ def test_a_process_state_and_cpu_time_come_from_proc():
     state, cpu = state_of(os.getpid())
     assert state == "R" and cpu > 0
     assert state_of(2 ** 22 + 12345) == ("", 0.0)  # no such process
+    boot, namespace, pid, started = identity().split()
+    assert pid == str(os.getpid()) and namespace.startswith("pid:") and len(boot) == 36
+    assert state_of(os.getpid(), started)[0] == "R"
+    assert state_of(os.getpid(), str(int(started) + 1)) == ("", 0.0)  # another process under that pid: gone

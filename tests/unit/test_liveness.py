@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from rlsync.common.progress import CPU_ALONE
 from rlsync.coordinator.liveness import ALIVE, Evidence, judge, lateness
 from rlsync.coordinator.registry import Registry
 from rlsync.coordinator.v1 import coordinator_pb2 as pb
@@ -45,9 +46,16 @@ def test_a_member_that_computes_with_its_event_loop_held_up_is_alive():
     """Its counter stands still (a step keeps the GIL) but its CPU time grows: a third of a core here."""
     e = Evidence(progress_at=0.0, heartbeat_at=0.0, counter=7)
     assert e.heartbeat(0.3, 8, cpu=5.0)  # the counter moved: the CPU baseline
-    for t in (0.6, 0.9, 1.2, 2.0, 3.0, 4.0):
+    for t in (0.6, 0.9, 1.2, 2.0, 3.0, 4.0, 15.0):
         assert e.heartbeat(t, 8, cpu=5.0 + 0.33 * (t - 0.3)), t
         assert e.kind == "cpu" and judge(e, t, LEASE) == ALIVE
+    # CPU time alone keeps it CPU_ALONE leases at most: one thread that spins while the loop is stuck
+    e.heartbeat(16.0, 8, cpu=5.0 + 0.33 * 15.7)
+    suspect = judge(e, 16.0, LEASE)
+    assert (suspect.action, suspect.reason) == ("suspect", "stalled") and "not turned for 15.7s" in suspect.why
+    e.heartbeat(30.5, 8, cpu=5.0 + 0.33 * 30.2)
+    assert judge(e, 30.5, LEASE).action == "drop" and CPU_ALONE * LEASE < 30.5 - 0.3
+    assert e.heartbeat(30.6, 9, cpu=15.0) and judge(e, 30.6, LEASE) == ALIVE  # its loop turned
 
 
 def test_a_trickle_of_cpu_is_not_progress_and_other_evidence_moves_the_baseline():

@@ -22,7 +22,8 @@ from gil_member import busy
 beats = RankBeats.beat(1, sys.argv[1])
 time.sleep(4 * 0.25)
 print("holding", flush=True)
-busy(float(sys.argv[2]))
+for _ in busy(float(sys.argv[2])):
+    pass
 print("done", flush=True)
 time.sleep(600)
 """

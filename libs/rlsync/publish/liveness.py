@@ -8,25 +8,24 @@ often; once one has not moved for `lease()` seconds it calls `silent(rank, secon
 deregisters with that reason, and the coordinator fails the sync under way at once), and once every
 silent rank beats again, `back()` (the publisher registers again). A thread, not the loop's own
 progress, so that a long training step is not silence. A step that keeps the GIL keeps that thread from
-beating too: a rank on rank 0's host (it says its pid) shows its work in its CPU time, which rank 0
-reads from /proc (rlsync.common.progress.computing), and is busy, not silent; a stopped one (SIGSTOP)
-is silent whatever it used before. What it cannot see is a rank whose process runs but whose work is
-stuck (a hung NCCL kernel): that one the transfer's deadline catches.
+beating too: a rank that rank 0 can see in its own /proc (the same host and pid namespace, by the
+identity the rank puts in the store) shows its work in its CPU time (rlsync.common.progress.computing)
+and is busy, not silent, for CPU_ALONE leases at most; a stopped one (SIGSTOP) is silent whatever it
+used before. What it cannot see is a rank whose process runs but whose work is stuck (a hung NCCL
+kernel): that one the transfer's deadline catches.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable
 
 import torch.distributed as dist
 
-from rlsync.common.progress import computing, state_of
+from rlsync.common.progress import CPU_ALONE, computing, identity, state_of
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +38,7 @@ def _key(rank: int) -> str:
 
 
 def _where(rank: int) -> str:
-    return f"rlsync/beat/{rank}/where"  # "<host name> <pid>"
+    return f"rlsync/beat/{rank}/where"  # its identity (rlsync.common.progress.identity)
 
 
 class RankBeats:
@@ -78,7 +77,7 @@ class RankBeats:
 
     def _beat(self, rank: int) -> None:
         try:
-            self.store.set(_where(rank), f"{socket.gethostname()} {os.getpid()}")
+            self.store.set(_where(rank), identity())
         except Exception as e:  # noqa: BLE001 - rank 0 sees its beats only
             log.debug("rank %d could not say where it runs: %s", rank, e)
         while not self._stop.wait(BEAT):
@@ -91,13 +90,14 @@ class RankBeats:
                back: Callable[[], None]) -> None:
         now = time.monotonic()
         counts, moved, out = dict.fromkeys(range(1, world), -1), dict.fromkeys(range(1, world), now), set()
-        pids: dict[int, int | None] = {}  # a rank on this host: its pid (None: elsewhere)
+        pids: dict[int, tuple[int, str] | None] = {}  # a rank rank 0 can see: its pid, its start (None: it cannot)
         cpu_at: dict[int, float] = {}  # its CPU seconds at its last evidence
+        beat_at = dict(moved)  # its last beat: CPU time alone keeps it CPU_ALONE leases at most
         last = now
         while not self._stop.wait(BEAT):
             now = time.monotonic()
             if now - last > BEAT + lease() / 2:  # rank 0 stood still itself: silence it could not hear
-                moved = dict.fromkeys(moved, now)
+                moved, beat_at = dict.fromkeys(moved, now), dict.fromkeys(beat_at, now)
             last = now
             for rank in counts:
                 try:
@@ -108,7 +108,11 @@ class RankBeats:
                 cpu = self._cpu(rank, pids)
                 if cpu is not None:
                     cpu_at.setdefault(rank, cpu)
-                if count != counts[rank] or (cpu is not None and computing(cpu - cpu_at[rank], now - moved[rank])):
+                busy = (cpu is not None and computing(cpu - cpu_at[rank], now - moved[rank])
+                        and now - beat_at[rank] <= CPU_ALONE * lease())
+                if count != counts[rank] or busy:
+                    if count != counts[rank]:
+                        beat_at[rank] = now
                     counts[rank], moved[rank] = count, now
                     if cpu is not None:
                         cpu_at[rank] = cpu
@@ -122,18 +126,20 @@ class RankBeats:
                     log.warning("rank %d of the trainer is silent for %.1fs", rank, now - moved[rank])
                     silent(rank, now - moved[rank])
 
-    def _cpu(self, rank: int, pids: dict[int, int | None]) -> float | None:
-        """A rank's CPU seconds, where rank 0 can read them and the rank runs (None: another host, not said
-        yet, stopped, gone)."""
+    def _cpu(self, rank: int, pids: dict[int, tuple[int, str] | None]) -> float | None:
+        """A rank's CPU seconds, where rank 0 can read them and the rank runs (None: another host or pid
+        namespace, not said yet, stopped, gone)."""
         if rank not in pids:
             try:
                 if not self.store.check([_where(rank)]):
                     return None
-                host, pid = self.store.get(_where(rank)).decode().split()
+                said = self.store.get(_where(rank)).decode()
             except Exception:  # noqa: BLE001 - its beats still count
                 return None
-            pids[rank] = int(pid) if host == socket.gethostname() else None
+            boot, space, pid, start = said.split()
+            mine = identity().split()
+            pids[rank] = (int(pid), start) if [boot, space] == mine[:2] else None
         if pids[rank] is None:
             return None
-        state, cpu = state_of(pids[rank])
+        state, cpu = state_of(*pids[rank])
         return cpu if state and state not in "?TtZX" else None

@@ -28,6 +28,7 @@ import argparse
 import logging
 import mmap
 import os
+import signal
 import struct
 import sys
 import threading
@@ -58,8 +59,13 @@ class Shared:
         self.fd = fd
         self._page = mmap.mmap(fd, mmap.PAGESIZE)
 
+    def close(self) -> None:
+        self._page.close()
+        os.close(self.fd)
+
     def write(self, member_id: str, lease: float, heard: float) -> None:
         seq = self._LAYOUT.unpack_from(self._page)[0]
+        seq += seq & 1  # (a writer killed in the middle of a write left it odd)
         struct.pack_into("<I", self._page, 0, seq + 1)
         self._LAYOUT.pack_into(self._page, 0, seq + 1, lease, heard, member_id.encode())
         struct.pack_into("<I", self._page, 0, seq + 2)
@@ -77,13 +83,17 @@ class Shared:
 class Beacon:
     def __init__(self, coordinator: str, token: str, role: int, address: str, name: str, member: int,
                  progress_fd: int, shared: Shared):
-        self.coordinator, self.token, self.role, self.address, self.name = coordinator, token, role, address, name
+        self.coordinator, self.role, self.address, self.name = coordinator, role, address, name
         self.member, self.shared = member, shared
+        self.channel = sync_channel(coordinator, token)  # (thread-safe: the leaving thread calls on it too)
+        self.stub = CoordinatorServiceStub(self.channel)
         self.progress = memoryview(mmap.mmap(progress_fd, mmap.PAGESIZE)).cast("Q")
         self.member_id, self.lease, heard = shared.read()  # a beacon started again goes on as its member
         self.heard = heard
+        self.lock = threading.Lock()  # the leaving thread against a registration in flight, and the page's writes
         self.stopped = threading.Event()
-        self.reason: str | None = None  # why it leaves: the member's line, or that its process exited
+        self.quiet = threading.Event()  # no registration in flight
+        self.quiet.set()
         self.forgotten: int | None = None  # the member's counter when the coordinator last forgot it
 
     def listen(self) -> None:
@@ -92,65 +102,77 @@ class Beacon:
         self.leave(line.rstrip("\n") if line else "its process exited (its heartbeat process saw it go)")
 
     def leave(self, reason: str) -> None:
-        if self.reason is None:
-            self.reason = reason
-        self.stopped.set()
+        """Deregisters now, whatever call the heartbeat loop waits on (a registration in flight first
+        lands, to be withdrawn too), and exits the process."""
+        with self.lock:
+            if self.stopped.is_set():
+                return
+            self.stopped.set()
+        self.quiet.wait(15)
+        if self.member_id:
+            try:
+                self.stub.Deregister(pb.DeregisterRequest(member_id=self.member_id, reason=reason), timeout=3)
+            except grpc.RpcError:
+                pass  # leaving anyway; the lease expires it
+            self._forget()
+        logging.shutdown()
+        os._exit(0)
 
     def run(self) -> None:
-        channel = sync_channel(self.coordinator, self.token)
-        stub = CoordinatorServiceStub(channel)
         interval, warned = 1.0, False
-        try:
-            while not self.stopped.is_set():
-                state, cpu = state_of(self.member)
-                if not state or state in "ZX" or os.getppid() != self.member:
-                    self.leave("its process exited (its heartbeat process saw it go)")
-                    break
-                try:
-                    if not self.member_id and self.forgotten != self.progress[0]:  # (dropped stuck: not while it is)
-                        interval = self._register(stub) or interval
-                        warned = False
-                    if self.member_id and state not in "Tt" and not self._beat(stub, cpu):
-                        continue  # the coordinator does not know it (restarted, or dropped it): register again now
-                except grpc.RpcError as e:  # the coordinator may be down or not up yet: keep trying
-                    if not warned:
-                        log.warning("coordinator at %s unreachable (%s); retrying", self.coordinator, e.code().name)
-                        warned = True
-                    self._forget()
-                self.stopped.wait(interval)
-            if self.member_id:
-                try:
-                    stub.Deregister(pb.DeregisterRequest(member_id=self.member_id, reason=self.reason or ""), timeout=3)
-                except grpc.RpcError:
-                    pass  # leaving anyway; the lease expires it
+        while not self.stopped.is_set():
+            state, cpu = state_of(self.member)
+            if not state or state in "ZX" or os.getppid() != self.member:
+                self.leave("its process exited (its heartbeat process saw it go)")
+            try:
+                if not self.member_id and self.forgotten != self.progress[0]:  # (dropped stuck: not while it is)
+                    interval = self._register() or interval
+                    warned = False
+                if self.member_id and state not in "Tt" and not self._beat(cpu):
+                    continue  # the coordinator does not know it (restarted, or dropped it): register again
+            except grpc.RpcError as e:  # the coordinator may be down or not up yet: keep trying
+                if not warned:
+                    log.warning("coordinator at %s unreachable (%s); retrying", self.coordinator, e.code().name)
+                    warned = True
                 self._forget()
-        finally:
-            channel.close()
+            self.stopped.wait(interval)
+        self.stopped.wait()  # the leaving thread exits the process
 
-    def _register(self, stub: CoordinatorServiceStub) -> float:
-        """Registers; returns the coordinator's heartbeat interval."""
-        r = stub.Register(pb.RegisterRequest(role=self.role, address=self.address, name=self.name), timeout=10)
-        self.member_id, self.lease = r.member_id, r.lease
-        self._heard()
+    def _register(self) -> float:
+        """Registers; returns the coordinator's heartbeat interval (0: it is leaving)."""
+        with self.lock:
+            if self.stopped.is_set():
+                return 0.0
+            self.quiet.clear()
+        try:
+            r = self.stub.Register(pb.RegisterRequest(role=self.role, address=self.address, name=self.name),
+                                   timeout=10)
+            self.member_id, self.lease = r.member_id, r.lease
+            self._heard()
+        finally:
+            self.quiet.set()
         log.info("registered with the coordinator at %s as %s", self.coordinator, r.member_id)
         return r.heartbeat_interval
 
-    def _beat(self, stub: CoordinatorServiceStub, cpu: float) -> bool:
+    def _beat(self, cpu: float) -> bool:
         """One heartbeat; False when the coordinator does not know this member."""
-        beat = stub.Heartbeat(pb.HeartbeatRequest(member_id=self.member_id, progress=self.progress[0],
-                                                  cpu_seconds=cpu), timeout=10)
+        beat = self.stub.Heartbeat(pb.HeartbeatRequest(member_id=self.member_id, progress=self.progress[0],
+                                                       cpu_seconds=cpu), timeout=10)
         self._heard()
         if not beat.known:
             self._forget()
         return beat.known
 
     def _heard(self) -> None:
-        self.heard = time.monotonic()
-        self.shared.write(self.member_id, self.lease, self.heard)
+        with self.lock:  # (the page has one writer at a time; once leaving, only the leaving thread)
+            if not self.stopped.is_set():
+                self.heard = time.monotonic()
+                self.shared.write(self.member_id, self.lease, self.heard)
 
     def _forget(self) -> None:
-        self.member_id, self.forgotten = "", self.progress[0]
-        self.shared.write("", self.lease, self.heard)
+        with self.lock:
+            self.member_id, self.forgotten = "", self.progress[0]
+            self.shared.write("", self.lease, self.heard)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -165,6 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # (a group's signal: its member says when to go)
+        signal.signal(sig, signal.SIG_IGN)
     beacon = Beacon(a.coordinator, os.environ.pop(TOKEN_ENV, ""), a.role, a.address, a.name, a.member,
                     a.progress_fd, Shared(a.shared_fd))
     threading.Thread(target=beacon.listen, name="rlsync-beacon-stdin", daemon=True).start()

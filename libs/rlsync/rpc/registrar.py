@@ -73,7 +73,10 @@ class Registrar:
             if (self._beacon is not None and (code := self._beacon.poll()) is not None
                     and time.monotonic() - self._spawned > _RESPAWN_SECONDS):
                 log.warning("the heartbeat process exited unasked (status %s): starting another", code)
-                self._beacon = self._spawn()  # it goes on as the same member (the id is in the shared page)
+                try:
+                    self._beacon = self._spawn()  # it goes on as the same member (the id is in the shared page)
+                except OSError:
+                    log.exception("could not start another heartbeat process; trying again in %.0fs", _RESPAWN_SECONDS)
 
     async def leave(self, reason: str = "") -> None:
         """Leaves the fleet until `start()` again. With a reason (this member cannot serve what it is
@@ -89,6 +92,9 @@ class Registrar:
     async def stop(self) -> None:
         """Leaves the fleet for good; safe to call twice."""
         await self.leave()
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
 
 
 def _dismiss(beacon: subprocess.Popen, reason: str) -> None:
