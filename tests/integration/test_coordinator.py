@@ -3,9 +3,12 @@ transparent resume through updates and dead replicas, aborts, bad input, stalene
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import grpc
+import psutil
 import pytest
 
 from conftest import rl_step, rollout_args
@@ -43,6 +46,29 @@ def test_registry_late_joiner_caught_up_and_dead_replica_leaves(services):
     client.wait_ready(2, timeout=10)
     assert time.monotonic() - start < 5, "a replica that stops heartbeating leaves within the lease"
     assert client.complete("still", max_tokens=4, ignore_eos=True)[0].finish_reason == "length"
+
+
+def test_a_replica_whose_process_group_gets_sigterm_deregisters_first_and_leaves_no_process(services):
+    """Ctrl-C in a terminal, systemd's stop, `docker stop` of a shell: the whole group gets the signal. The
+    replica's beacon waits for the replica to say it leaves, so it leaves in order, not at the lease."""
+    from test_busy_members import liveness, rollouts
+
+    co = services.start("coordinator", ["--sync-mode", "async", "--lease", "1.5", "--heartbeat-interval", "0.3",
+                                        "--metrics-port", "0"], name="coordinator")
+    ro = services.start("rollout", [*rollout_args("hf"), "--coordinator", co.address, "--replica-id", "r0"],
+                        name="r0")
+    client = CoordinatorClient(co.address)
+    deadline = time.monotonic() + 60
+    while rollouts(client) != ["r0"]:
+        assert time.monotonic() < deadline, "the replica never joined"
+        time.sleep(0.05)
+    family = psutil.Process(ro.proc.pid).children(recursive=True)
+    assert any("rlsync.rpc.beacon" in p.cmdline() for p in family)
+    os.killpg(ro.proc.pid, signal.SIGTERM)
+    ro.proc.wait(60)
+    assert rollouts(client) == [] and liveness(co) == "dropped: rollout deregistered: 1", liveness(co)
+    gone, alive = psutil.wait_procs(family, timeout=10)
+    assert alive == [], alive
 
 
 def test_gateway_resumes_through_updates_and_a_dead_replica(services):
