@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import ray
@@ -59,10 +60,7 @@ class ServiceHost:
             finally:
                 started.set()
             self.proc.proc.wait()
-            try:  # what it started and left behind (engine workers) goes with it
-                os.killpg(self.proc.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _reap(self.proc.proc.pid)
 
         threading.Thread(target=own, name=f"owner-{name}", daemon=True).start()
         started.wait()
@@ -96,3 +94,17 @@ class ServiceHost:
         """SIGTERM (a replica drains: out of rotation, in-flight requests finish or move), then SIGKILL."""
         self.proc.stop(timeout)
         return exit_status(self.proc.proc.returncode)
+
+
+def _reap(group: int, grace: float = 3.0) -> None:
+    """What a member started and left behind (engine workers) goes with it: SIGKILL to its process group,
+    once its beacon has had `grace` seconds to deregister it (a member that crashed leaves the fleet at
+    once, not at the lease)."""
+    deadline = time.monotonic() + grace
+    try:
+        while time.monotonic() < deadline:
+            os.killpg(group, 0)
+            time.sleep(0.05)
+        os.killpg(group, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # every one of them has ended
