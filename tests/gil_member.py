@@ -23,14 +23,14 @@ from rlsync.rpc.registrar import Registrar
 CALL = 3.0  # seconds a busy call is sized for: longer than the tests' lease
 
 
-def busy(seconds: float) -> Iterator[None]:
+def busy(seconds: float, call: float = CALL) -> Iterator[None]:
     """Yields after each call; calls sized by the rate the last one ran at (a loaded machine runs them
-    slower than any calibration said)."""
+    slower than any calibration said), growing 8 times at most from one to the next."""
     started, n = time.perf_counter(), 1 << 16
     while (left := seconds - (time.perf_counter() - started)) > 0:
         at = time.perf_counter()
         sum(range(n))
-        n = max(1 << 16, int(n / max(time.perf_counter() - at, 1e-6) * min(CALL, left)))
+        n = max(1 << 16, min(8 * n, int(n / max(time.perf_counter() - at, 1e-6) * min(call, left))))
         yield
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import mmap
 import os
 
-from rlsync.common.progress import Progress, identity, state_of
+from rlsync.common.progress import Progress, Watched, identity, state_of
 from rlsync.rpc.beacon import Shared
 
 
@@ -44,3 +44,12 @@ def test_a_process_state_and_cpu_time_come_from_proc():
     assert pid == str(os.getpid()) and namespace.startswith("pid:") and len(boot) == 36
     assert state_of(os.getpid(), started)[0] == "R"
     assert state_of(os.getpid(), str(int(started) + 1)) == ("", 0.0)  # another process under that pid: gone
+
+
+def test_a_watched_process_wants_what_it_ran_and_what_its_working_threads_waited():
+    watched = Watched(os.getpid())
+    state, first = watched.sample()
+    sum(range(3_000_000))  # runs: its CPU time grows, its run-queue wait never goes down
+    state, second = watched.sample()
+    assert state == "R" and second - first >= 0.01
+    assert Watched(2 ** 22 + 12345).sample() == ("", 0.0)

@@ -3,8 +3,8 @@ loop turns, transfer bytes land), and heartbeats carry it, so the coordinator te
 hung one. Heartbeats leave from a process of their own (rlsync.rpc.beacon), which runs on while this one
 is stuck or busy: once `shared()`, the counter lives in a page of memory that process reads. A process
 whose counter stands still while it computes (a step that keeps its GIL) shows its work in its CPU time,
-and one starved of CPU in the time it waited for one (`state_of`, `computing`): the coordinator's lease
-and rank 0's watch over the other ranks count both."""
+and one starved of CPU in the time its working threads waited for one (`Watched`, `computing`): the
+coordinator's lease and rank 0's watch over the other ranks count both."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 
 def computing(cpu_grown: float, seconds: float) -> bool:
-    """Whether CPU time (run or waited for, `state_of`) that grew by `cpu_grown` over the `seconds` since the
+    """Whether CPU time (run or waited for, `Watched`) that grew by `cpu_grown` over the `seconds` since the
     last evidence of progress is evidence itself: work, not the trickle of a stuck process's background
     threads. What it cannot tell
     from work: a thread that spins while the rest is stuck; so CPU time alone counts for CPU_ALONE
@@ -33,10 +33,9 @@ def _stat(pid: int | str) -> list[bytes]:
 
 
 def state_of(pid: int, started: str = "") -> tuple[str, float]:
-    """A process's state letter (R, S, D, T, Z, ...; "" once it is gone, "?" where /proc cannot say) and the
-    seconds its threads wanted a CPU so far: the time they ran (user and system) and the time they waited
-    in a run queue for one (0 where /proc cannot say). A starved process waits: it is busy, not hung.
-    started: its start time as `identity` says it; another process now under that pid is "" (gone)."""
+    """A process's state letter (R, S, D, T, Z, ...; "" once it is gone, "?" where /proc cannot say) and its
+    CPU seconds so far, every thread's user and system time, those that ended too (0 where /proc cannot
+    say). started: its start time as `identity` says it; another process now under that pid is "" (gone)."""
     try:
         fields = _stat(pid)
     except FileNotFoundError:
@@ -45,23 +44,47 @@ def state_of(pid: int, started: str = "") -> tuple[str, float]:
         return "?", 0.0
     if started and fields[19].decode() != started:
         return "", 0.0
-    return fields[0].decode(), (int(fields[11]) + int(fields[12])) / _TICK + _waited(pid)
+    return fields[0].decode(), (int(fields[11]) + int(fields[12])) / _TICK
 
 
-def _waited(pid: int) -> float:
-    """Seconds the process's live threads waited in a run queue (their schedstat; 0 without it)."""
-    waited = 0
-    try:
-        threads = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return 0.0
-    for tid in threads:
+class Watched:
+    """Another process, as a beacon watches its member and rank 0 another rank: `sample()` gives its state
+    and the seconds it wanted a CPU so far, its CPU time plus the time its working threads waited in a
+    run queue for one (a starved process wants to run: busy, not hung). A working thread is one that ran
+    RAN seconds or more since the last sample: the helpers of a stuck process, which wake for a moment,
+    wait in run queues on a loaded host too, and that is not work."""
+
+    RAN = 0.005
+
+    def __init__(self, pid: int, started: str = ""):
+        self.pid, self.started = pid, started
+        self._threads: dict[str, tuple[int, int]] = {}  # tid: (ns run, ns waited), at the last sample
+        self._waited = 0.0  # seconds its working threads waited, summed over samples (never decreases)
+
+    def sample(self) -> tuple[str, float]:
+        state, cpu = state_of(self.pid, self.started)
+        if state and state != "?":
+            self._waited += self._working_wait()
+        return state, (cpu + self._waited) if cpu else 0.0
+
+    def _working_wait(self) -> float:
+        threads, waited = {}, 0
         try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
-                waited += int(f.read().split()[1])
-        except (OSError, IndexError, ValueError):
-            pass  # (a thread that just ended; a kernel without schedstat)
-    return waited / 1e9
+            tids = os.listdir(f"/proc/{self.pid}/task")
+        except OSError:
+            return 0.0
+        for tid in tids:
+            try:
+                with open(f"/proc/{self.pid}/task/{tid}/schedstat", "rb") as f:
+                    ran, wait = (int(x) for x in f.read().split()[:2])
+            except (OSError, ValueError):
+                continue  # (a thread that just ended; a kernel without schedstat)
+            threads[tid] = ran, wait
+            before = self._threads.get(tid)
+            if before is not None and ran - before[0] >= self.RAN * 1e9:
+                waited += max(0, wait - before[1])
+        self._threads = threads
+        return waited / 1e9
 
 
 def identity() -> str:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from rlsync.common.progress import CPU_ALONE, computing, identity, state_of
+from rlsync.common.progress import CPU_ALONE, Watched, computing, identity
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class RankBeats:
                back: Callable[[], None]) -> None:
         now = time.monotonic()
         counts, moved, out = dict.fromkeys(range(1, world), -1), dict.fromkeys(range(1, world), now), set()
-        pids: dict[int, tuple[int, str] | None] = {}  # a rank rank 0 can see: its pid, its start (None: it cannot)
+        pids: dict[int, Watched | None] = {}  # a rank rank 0 can see in its /proc (None: it cannot)
         cpu_at: dict[int, float] = {}  # its CPU seconds at its last evidence
         beat_at = dict(moved)  # its last beat: CPU time alone keeps it CPU_ALONE leases at most
         last = now
@@ -126,7 +126,7 @@ class RankBeats:
                     log.warning("rank %d of the trainer is silent for %.1fs", rank, now - moved[rank])
                     silent(rank, now - moved[rank])
 
-    def _cpu(self, rank: int, pids: dict[int, tuple[int, str] | None]) -> float | None:
+    def _cpu(self, rank: int, pids: dict[int, Watched | None]) -> float | None:
         """A rank's CPU seconds, where rank 0 can read them and the rank runs (None: another host or pid
         namespace, not said yet, stopped, gone)."""
         if rank not in pids:
@@ -138,8 +138,8 @@ class RankBeats:
                 return None
             boot, space, pid, start = said.split()
             mine = identity().split()
-            pids[rank] = (int(pid), start) if [boot, space] == mine[:2] else None
+            pids[rank] = Watched(int(pid), start) if [boot, space] == mine[:2] else None
         if pids[rank] is None:
             return None
-        state, cpu = state_of(*pids[rank])
+        state, cpu = pids[rank].sample()
         return cpu if state and state not in "?TtZX" else None

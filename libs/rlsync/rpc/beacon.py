@@ -36,7 +36,7 @@ import time
 
 import grpc
 
-from rlsync.common.progress import state_of
+from rlsync.common.progress import Watched
 from rlsync.coordinator.v1 import coordinator_pb2 as pb
 from rlsync.coordinator.v1.coordinator_pb2_grpc import CoordinatorServiceStub
 from rlsync.rpc.channel import sync_channel
@@ -59,10 +59,6 @@ class Shared:
         self.fd = fd
         self._page = mmap.mmap(fd, mmap.PAGESIZE)
 
-    def close(self) -> None:
-        self._page.close()
-        os.close(self.fd)
-
     def write(self, member_id: str, lease: float, heard: float) -> None:
         seq = self._LAYOUT.unpack_from(self._page)[0]
         seq += seq & 1  # (a writer killed in the middle of a write left it odd)
@@ -84,7 +80,7 @@ class Beacon:
     def __init__(self, coordinator: str, token: str, role: int, address: str, name: str, member: int,
                  progress_fd: int, shared: Shared):
         self.coordinator, self.role, self.address, self.name = coordinator, role, address, name
-        self.member, self.shared = member, shared
+        self.member, self.shared, self.watched = member, shared, Watched(member)
         self.channel = sync_channel(coordinator, token)  # (thread-safe: the leaving thread calls on it too)
         self.stub = CoordinatorServiceStub(self.channel)
         self.progress = memoryview(mmap.mmap(progress_fd, mmap.PAGESIZE)).cast("Q")
@@ -121,9 +117,10 @@ class Beacon:
     def run(self) -> None:
         interval, warned = 1.0, False
         while not self.stopped.is_set():
-            state, cpu = state_of(self.member)
+            state, cpu = self.watched.sample()
             if not state or state in "ZX" or os.getppid() != self.member:
                 self.leave("its process exited (its heartbeat process saw it go)")
+                break  # (another thread is leaving)
             try:
                 if not self.member_id and self.forgotten != self.progress[0]:  # (dropped stuck: not while it is)
                     interval = self._register() or interval
@@ -136,7 +133,8 @@ class Beacon:
                     warned = True
                 self._forget()
             self.stopped.wait(interval)
-        self.stopped.wait()  # the leaving thread exits the process
+        while True:  # the leaving thread ends the process (os._exit) once the coordinator has heard it
+            time.sleep(3600)
 
     def _register(self) -> float:
         """Registers; returns the coordinator's heartbeat interval (0: it is leaving)."""
@@ -176,6 +174,8 @@ class Beacon:
 
 
 def main(argv: list[str] | None = None) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # (a group's signal: its member says when to go)
+        signal.signal(sig, signal.SIG_IGN)
     p = argparse.ArgumentParser(prog="python -m rlsync.rpc.beacon", description=__doc__.split("\n\n")[0])
     p.add_argument("--coordinator", required=True)
     p.add_argument("--role", type=int, required=True)
@@ -187,8 +187,6 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # (a group's signal: its member says when to go)
-        signal.signal(sig, signal.SIG_IGN)
     beacon = Beacon(a.coordinator, os.environ.pop(TOKEN_ENV, ""), a.role, a.address, a.name, a.member,
                     a.progress_fd, Shared(a.shared_fd))
     threading.Thread(target=beacon.listen, name="rlsync-beacon-stdin", daemon=True).start()

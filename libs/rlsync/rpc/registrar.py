@@ -54,7 +54,8 @@ class Registrar:
         """Registers and heartbeats until `leave()`; call it on the event loop whose turns count as progress."""
         if self._beacon is None:
             self._since = time.monotonic()
-            self._shared = self._shared or Shared()  # (a beacon that left in order cleared its member id)
+            self._shared = self._shared or Shared()
+            self._shared.write("", 0.0, 0.0)  # left: it registers anew (only a beacon started again goes on)
             self._beacon = self._spawn()
             self._ticker = asyncio.create_task(self._tick())
 
@@ -92,9 +93,6 @@ class Registrar:
     async def stop(self) -> None:
         """Leaves the fleet for good; safe to call twice."""
         await self.leave()
-        if self._shared is not None:
-            self._shared.close()
-            self._shared = None
 
 
 def _dismiss(beacon: subprocess.Popen, reason: str) -> None:
