@@ -23,7 +23,7 @@ from rlsync.rpc.beacon import TOKEN_ENV, Shared
 log = logging.getLogger(__name__)
 TICK = 0.1  # seconds between two turns of the event loop that count as its progress
 _RESPAWN_SECONDS = 5.0  # at most one beacon started again in this time (one that cannot start would spin)
-_DISMISS_SECONDS = 15.0  # a leaving beacon's last call (10 s at most) and its Deregister
+_DISMISS_SECONDS = 15.0  # a leaving beacon waits for a registration in flight (10 s at most), then deregisters (3 s)
 
 
 class Registrar:
