@@ -110,12 +110,12 @@ def test_a_member_that_keeps_its_gil_stays_while_it_computes_and_leaves_when_it_
         assert "dropped: trainer stalled: 1" in liveness(co), liveness(co)
         wait_for(lambda: trainers(client) == ["gil"], "it registers again once it works again")
 
-        before, dropped = members(client), liveness(co)
+        before, dropped = members(client), drops(co)
         beacon = children(member.pid)
         os.kill(beacon[0], signal.SIGKILL)  # its beacon dies: the member starts another, which goes on as it
         wait_for(lambda: children(member.pid) not in ([], beacon), "the member starts another beacon")
         time.sleep(LEASE)
-        assert members(client) == before and liveness(co) == dropped, "the same member, never dropped"
+        assert members(client) == before and drops(co) == dropped, "the same member, never dropped"
 
         os.kill(member.pid, signal.SIGKILL)  # the member alone: its beacon sees it go
         killed = time.monotonic()
@@ -134,6 +134,11 @@ def ask(member: subprocess.Popen, what: str, seconds: float) -> str:
     answer = member.stdout.readline().split()
     assert answer[:1] == ["done"], answer
     return f"{answer[1]}s"
+
+
+def drops(co) -> str:
+    """The drop counters alone (a new beacon starting under load may be late enough to be suspected)."""
+    return liveness(co).partition("dropped: ")[2]
 
 
 def children(pid: int) -> list[int]:
