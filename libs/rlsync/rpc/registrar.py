@@ -54,8 +54,7 @@ class Registrar:
         """Registers and heartbeats until `leave()`; call it on the event loop whose turns count as progress."""
         if self._beacon is None:
             self._since = time.monotonic()
-            self._shared = self._shared or Shared()
-            self._shared.write("", 0.0, 0.0)  # left: it registers anew (only a beacon started again goes on)
+            self._shared = Shared()  # its own page: a beacon still leaving writes to the last one
             self._beacon = self._spawn()
             self._ticker = asyncio.create_task(self._tick())
 
@@ -83,12 +82,12 @@ class Registrar:
         """Leaves the fleet until `start()` again. With a reason (this member cannot serve what it is
         asked), the coordinator abandons every call to it at once and says why; without, the calls in
         flight end on their own. Safe to call twice."""
-        beacon, self._beacon = self._beacon, None
-        if self._ticker is not None:
-            self._ticker.cancel()
-            self._ticker = None
+        beacon, self._beacon = self._beacon, None  # (the ticker no longer starts it again)
+        ticker, self._ticker = self._ticker, None  # (a start() meanwhile has its own)
         if beacon is not None:
             await asyncio.to_thread(_dismiss, beacon, reason)
+        if ticker is not None:  # only now: until it has deregistered, its heartbeats show progress
+            ticker.cancel()
 
     async def stop(self) -> None:
         """Leaves the fleet for good; safe to call twice."""
