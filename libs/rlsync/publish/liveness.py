@@ -133,10 +133,9 @@ class RankBeats:
             try:
                 if not self.store.check([_where(rank)]):
                     return None
-                said = self.store.get(_where(rank)).decode()
+                boot, space, pid, start = self.store.get(_where(rank)).decode().split()
             except Exception:  # noqa: BLE001 - its beats still count
                 return None
-            boot, space, pid, start = said.split()
             mine = identity().split()
             pids[rank] = Watched(int(pid), start) if [boot, space] == mine[:2] else None
         if pids[rank] is None:
