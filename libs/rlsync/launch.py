@@ -181,18 +181,12 @@ class ServiceProcess:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.kill()
-        self._reap_group()
+        reap_group(self.proc.pid)
         return self.proc.wait()
 
     def kill(self) -> None:
-        self._reap_group(signal.SIGKILL)
+        reap_group(self.proc.pid)
         self.proc.wait()
-
-    def _reap_group(self, sig: int = signal.SIGKILL) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
 
     def __enter__(self) -> ServiceProcess:
         self.wait_ready()
@@ -200,3 +194,16 @@ class ServiceProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def reap_group(group: int, grace: float = 0.0) -> None:
+    """SIGKILL to a process group: what a service started and left behind (engine workers) goes with it.
+    grace: seconds its members get to end first (a dead member's beacon deregisters it meanwhile)."""
+    deadline = time.monotonic() + grace
+    try:
+        while time.monotonic() < deadline:
+            os.killpg(group, 0)
+            time.sleep(0.05)
+        os.killpg(group, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # every one of them has ended

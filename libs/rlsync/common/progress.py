@@ -20,9 +20,8 @@ _TICK = os.sysconf("SC_CLK_TCK")
 def computing(cpu_grown: float, seconds: float) -> bool:
     """Whether CPU time (run or waited for, `Watched`) that grew by `cpu_grown` over the `seconds` since the
     last evidence of progress is evidence itself: work, not the trickle of a stuck process's background
-    threads. What it cannot tell
-    from work: a thread that spins while the rest is stuck; so CPU time alone counts for CPU_ALONE
-    leases at most."""
+    threads. What it cannot tell from work: a thread that spins while the rest is stuck; so CPU time
+    alone counts for CPU_ALONE leases at most."""
     return cpu_grown >= max(BUSY_SHARE * seconds, BUSY_AT_LEAST)
 
 

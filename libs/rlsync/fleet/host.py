@@ -20,12 +20,11 @@ import os
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 
 import ray
 
-from rlsync.launch import ServiceProcess, exit_status
+from rlsync.launch import ServiceProcess, exit_status, reap_group
 
 
 @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)
@@ -60,7 +59,7 @@ class ServiceHost:
             finally:
                 started.set()
             self.proc.proc.wait()
-            _reap(self.proc.proc.pid)
+            reap_group(self.proc.proc.pid, grace=3.0)  # (a crashed member leaves at once, not at the lease)
 
         threading.Thread(target=own, name=f"owner-{name}", daemon=True).start()
         started.wait()
@@ -95,16 +94,3 @@ class ServiceHost:
         self.proc.stop(timeout)
         return exit_status(self.proc.proc.returncode)
 
-
-def _reap(group: int, grace: float = 3.0) -> None:
-    """What a member started and left behind (engine workers) goes with it: SIGKILL to its process group,
-    once its beacon has had `grace` seconds to deregister it (a member that crashed leaves the fleet at
-    once, not at the lease)."""
-    deadline = time.monotonic() + grace
-    try:
-        while time.monotonic() < deadline:
-            os.killpg(group, 0)
-            time.sleep(0.05)
-        os.killpg(group, signal.SIGKILL)
-    except ProcessLookupError:
-        pass  # every one of them has ended
