@@ -62,7 +62,12 @@ from rlsync.transfer.manifest import Spec, from_proto  # noqa: E402
 from rlsync.transfer.routes import chunks, whole  # noqa: E402
 from rlsync.transfer.handshake import local_facts  # noqa: E402
 from rlsync.transfer.held import HELD  # noqa: E402
+from rlsync.publish.core import PublisherCore  # noqa: E402
+from rlsync.publish.ranks import Ranks  # noqa: E402
+from rlsync.transfer.relaunch import relaunch  # noqa: E402
+from rlsync.transfer.sender import Report  # noqa: E402
 from rlsync.transfer.sharded import RoutedReceiver, to_layout_proto  # noqa: E402
+from rlsync.transfer.streams import transfer_stream  # noqa: E402
 from rlsync.transfer.source import StreamedSource, run_pass  # noqa: E402
 from rlsync.transfer.v1 import transfer_pb2 as pb  # noqa: E402
 
@@ -143,8 +148,13 @@ def _median(profiles: list[dict]) -> dict:
     return {k: round(statistics.median(p.get(k, 0.0) for p in profiles), 5) for k in stages}
 
 
-def paths(device: str) -> tuple[str, ...]:
-    return ("rank0", "routed") if device == "cpu" else ("routed",)
+def paths(args) -> tuple[str, ...]:
+    """rank0 and routed on CPU; routed on GPUs; with --hold on one GPU, then `armed`: the repeat a replica holding
+    every trainer rank's storages makes of an offer that names their memories (Routing.memories): it copies as it
+    prepares (the launch it kept, rlsync.transfer.relaunch) and no rank sends."""
+    if args.device == "cpu":
+        return "rank0", "routed"
+    return ("routed", "armed") if args.hold and args.gpus == 1 else ("routed",)
 
 
 def trainer(args, shapes, bucket, k: int, g: int, rank: int, store) -> dict:
@@ -167,11 +177,12 @@ def trainer(args, shapes, bucket, k: int, g: int, rank: int, store) -> dict:
     baseline = rank0_source(model, WeightMap(dtype=torch.bfloat16)) if args.device == "cpu" else None
     largest = max(s.nbytes for s in module.specs)
     out = {}
-    for path in paths(args.device):
+    for path in paths(args):
         dist.barrier()
         peak, seconds, profiler, profiles = Peak(args.device), [], _profiled(), []
-        sender = WeightSender(baseline, bucket_bytes=bucket, backends=["gloo"]) if path == "rank0" and rank == 0 \
-            else module.sender(bucket_bytes=bucket) if path == "routed" else None
+        if path != "armed":  # (armed: the routed path's sender, whose storages the engine ranks hold)
+            sender = WeightSender(baseline, bucket_bytes=bucket, backends=["gloo"]) if path == "rank0" and rank == 0 \
+                else module.sender(bucket_bytes=bucket) if path == "routed" else None
         for i in range(args.repeats + 1):
             dist.barrier()
             if i == 1 and profiler is not None:
@@ -185,6 +196,16 @@ def trainer(args, shapes, bucket, k: int, g: int, rank: int, store) -> dict:
                     sender.send(offer, answers, timeout=600)
                 else:
                     run_pass(baseline)  # takes part in the gathers
+            elif path == "armed":  # every rank says where its storages lie (one all-gather), as an offer's job does
+                ranks = Ranks()
+                digests = PublisherCore._keep_memory(ranks, sender, PublisherCore._gather_memory(ranks, sender, None))
+                described = time.perf_counter()
+                if rank == 0:
+                    offer = sender.offer(version=i)
+                    offer.routing.memories.extend(digests)
+                    offer.routing.holder = "bench"
+                    store.set(f"{path}/offer/{i}", offer.SerializeToString())
+                profile = {"describe": described - start, "offer": time.perf_counter() - described}
             else:
                 if rank == 0:
                     offer = sender.offer(version=i)
@@ -196,19 +217,21 @@ def trainer(args, shapes, bucket, k: int, g: int, rank: int, store) -> dict:
             _get(store, f"{path}/done/{i}")  # every engine rank confirmed
             if i:
                 seconds.append(time.perf_counter() - start)
-                profiles += [report.profile] if path == "routed" else []
+                profiles += [report.profile] if path == "routed" else [profile] if path == "armed" else []
+            if path == "armed" and rank == 0:
+                sender.settled(offer)
         _dump(profiler, "trainer", path, k, g, rank)
-        if rank == 0 or path == "routed":
+        if (rank == 0 or path != "rank0") and not (path == "routed" and "armed" in paths(args)):
             sender.close()
         out[path] = {"seconds": statistics.median(seconds), "peak_extra_bytes": peak.extra(),
                      "bound_bytes": 2 * bucket + largest,
-                     **({"profile": profile, "profile_median": _median(profiles)} if path == "routed" else {})}
+                     **({"profile": profile, "profile_median": _median(profiles)} if path != "rank0" else {})}
     return out
 
 
 def engine(args, k: int, g: int, rank: int, store) -> dict:
     out = {}
-    for path in paths(args.device):
+    for path in paths(args):
         seconds, staging, profiler, layouts, profiles = [], None, _profiled(), None, []
         keep: dict = {}  # what the receiver lays out over the staging, kept as long as the staging (a FlatStore's memo)
         for i in range(args.repeats + 1):
@@ -232,8 +255,9 @@ def engine(args, k: int, g: int, rank: int, store) -> dict:
                                       for r in range(g)]  # where each rank runs: pairs on one GPU pull
                 ans = answer(offer, "replica", ranks=g, layout=layouts, device=args.device)
                 store.set(f"{path}/answer/{i}/{rank}", ans.SerializeToString())
-                report = RoutedReceiver(offer, ans, staging, rank=rank, boxes=boxes, device=args.device,
-                                        hold="bench" if args.hold else "", keep=keep).run()
+                report = armed(args, offer, ans, staging, rank, boxes, keep) if path == "armed" else \
+                    RoutedReceiver(offer, ans, staging, rank=rank, boxes=boxes, device=args.device,
+                                   hold="bench" if args.hold else "", keep=keep).run()
             if i:
                 seconds.append(report.seconds)
                 profiles.append(report.profile)
@@ -241,7 +265,6 @@ def engine(args, k: int, g: int, rank: int, store) -> dict:
             if done == g:
                 store.set(f"{path}/done/{i}", b"1")
         _dump(profiler, "engine", path, k, g, rank)
-        HELD.release("bench")  # before the trainer's memory goes
         shard = sum(t.numel() * t.element_size() for t in staging.values())
         loads = sum(math.prod(e - a for a, e in b[0]) * s.dtype.itemsize for s, b in zip(specs, mine) if b)
         experts = sum(math.prod(e - a for a, e in b[0]) * s.dtype.itemsize for s, b in zip(specs, mine)
@@ -251,7 +274,29 @@ def engine(args, k: int, g: int, rank: int, store) -> dict:
                      "receive_seconds": statistics.median(seconds), "channels": report.backends,
                      "profile": {k: round(v, 4) for k, v in report.profile.items()},
                      "profile_median": _median(profiles)}
+    HELD.release("bench")  # before the trainer's memory goes
     return out
+
+
+def armed(args, offer: pb.Offer, ans: pb.Answer, staging: dict, rank: int, boxes: dict, keep: dict) -> Report:
+    """An engine rank holding every storage it pulls from, as a replica's prepare takes an offer naming the ranks'
+    memories: the launch it kept for this staging, queued at once (rlsync.transfer.relaunch); else it arms
+    (RoutedReceiver's at_once), which keeps that launch. Its time: from the offer read to the bytes in place."""
+    start, device = time.perf_counter(), torch.device(args.device)
+    stream = transfer_stream(device)
+    with torch.cuda.stream(stream):
+        nbytes = relaunch(keep, offer.routing, from_proto(offer.manifest), rank)
+    if nbytes is None:
+        report = RoutedReceiver(offer, ans, staging, rank=rank, boxes=boxes, device=args.device, hold="bench",
+                                keep=keep, at_once=True).run()
+        if not report.copied:
+            raise RuntimeError(f"engine rank {rank} did not copy the offer as it prepared: {report.profile}")
+        nbytes, profile = report.nbytes, {"relaunched": 0.0, **report.profile}
+    else:
+        profile = {"relaunched": 1.0, "launch": time.perf_counter() - start}
+    stream.synchronize()
+    seconds = time.perf_counter() - start
+    return Report(nbytes, seconds, {"cuda_ipc": 1}, profile=profile)
 
 
 def gpu_of(args, role: str, rank: int) -> int:
@@ -308,7 +353,7 @@ def run_case(args, k: int, g: int) -> dict:
     trainers = [r for r in results if r["role"] == "trainer"]
     engines = [r for r in results if r["role"] == "engine"]
     case = {"trainer_ranks": k, "engine_ranks": g, "layout": args.layout}
-    for path in paths(args.device):
+    for path in paths(args):
         case[path] = {
             "seconds": round(trainers[0][path]["seconds"], 4),
             "peak_extra_bytes": [t[path]["peak_extra_bytes"] for t in trainers],
@@ -321,7 +366,7 @@ def run_case(args, k: int, g: int) -> dict:
             "channels": [e[path]["channels"] for e in engines],
             "profile": [e[path]["profile"] for e in engines],
             "profile_median": [e[path]["profile_median"] for e in engines]}
-        if path == "routed":
+        if path != "rank0":
             case[path]["trainer_profile"] = [t[path]["profile"] for t in trainers]
             case[path]["trainer_profile_median"] = [t[path]["profile_median"] for t in trainers]
             case[path]["MBps"] = round(sum(e[path]["received_bytes"] for e in engines) / case[path]["seconds"] / 1e6, 1)
@@ -331,15 +376,21 @@ def run_case(args, k: int, g: int) -> dict:
         case["routed_over_rank0_seconds"] = round(case["routed"]["seconds"] / case["rank0"]["seconds"], 3)
     if args.device != "cpu":  # the limit: a device copy of the bytes every engine rank received, plain and cast
         received = sum(e["routed"]["received_bytes"] for e in engines)
-        rate = received / case["routed"]["seconds"] / GB
         limits = {}
         if args.gpus == 1 or args.placement == "colocated":
             limits |= {"copy": d2d_limit(received, "cuda:0"), "cast_copy": cast_copy_limit(received, "cuda:0")}
         if args.gpus > 1:
             limits["nccl"] = nccl_limit(received, 2)
-        case["routed"]["GBps"] = round(rate, 2)
-        for name, limit in limits.items():
-            case["routed"] |= {f"{name}_limit_GBps": round(limit, 2), f"ratio_to_{name}": round(rate / limit, 3)}
+        for path in paths(args):  # the sync as the trainer saw it, and (armed) the engine ranks' part alone
+            seconds = {"": case[path]["seconds"]}
+            if path == "armed":
+                seconds["engine_"] = max(case[path]["receive_seconds"])
+            for at, took in seconds.items():
+                rate = received / took / GB
+                case[path][f"{at}GBps"] = round(rate, 2)
+                for name, limit in limits.items():
+                    case[path] |= {f"{name}_limit_GBps": round(limit, 2),
+                                   f"{at}ratio_to_{name}": round(rate / limit, 3)}
     return case
 
 

@@ -240,8 +240,9 @@ def test_a_sharded_trainer_sharing_the_gpu_is_pulled_from_held_until_its_offload
     replica on that GPU pulls each rank's shards (routed, cuda_ipc); rung with the offer, it keeps them mapped
     from the first update (Routing.holder), or from the trainer's onload when rung then, and the trainer's
     Offload has it let go, so the trainer's memory really leaves the GPU. Holding them, it copies a rung offer
-    as it prepares (the offer names every rank's memory: Routing.memories), and nothing is published. Every
-    update verified bit for bit; one prepared by gRPC (no holder) maps anew."""
+    as it prepares (the offer names every rank's memory: Routing.memories), and nothing is published; into a
+    spare store that took such a copy of the same memories before, it launches that copy again before it answers
+    (rlsync.transfer.relaunch). Every update verified bit for bit; one prepared by gRPC (no holder) maps anew."""
     trainer, rollout = _fleet(services, "0", "0", checksums=False, trainer_extra=["--nproc", "2"])
     bell = rollout.info().doorbell
 
@@ -256,20 +257,22 @@ def test_a_sharded_trainer_sharing_the_gpu_is_pulled_from_held_until_its_offload
     assert rollout.release_weights("trainer").released == 0, "nothing held without the holder's name"
     freed = trainer.offload().state.device_reserved_bytes  # what an offload leaves when nobody maps the weights
     trainer.onload()
-    for seed in (4, 5, 6):
+    for seed in (4, 5, 6, 7):
         step(seed)
         report = push_weights(trainer, [rollout], doorbells=[bell], hold=True)  # rung, as async and inflight are
         assert differences(trainer.checksums(), rollout.checksums()) == []
         # once it holds every rank's storages, the offer names their memories and it copies as it prepares:
         # answered as a pull, with no publish (no rank sends anything)
         assert (report.rank_bytes == []) == (seed > 4), (seed, report.rank_bytes, report.profile)
+        if seed == 7:  # into the spare store that took seed 5's copy: its launch again, before the answer
+            assert "receiver_launch" in report.profile, report.profile
     off = trainer.offload()
     assert off.released == 1, "the replica let go"
     assert off.state.device_reserved_bytes <= freed, (off, freed)
     assert rollout.release_weights("trainer").released == 0
     onloaded = trainer.onload(ring=[bell])  # rank 0 gathers every rank's storages: the replica maps them now
     assert onloaded.held == 1, onloaded
-    step(7)
+    step(8)
     report = push_weights(trainer, [rollout], doorbells=[bell], hold=True)  # it copies from what it mapped then
     assert differences(trainer.checksums(), rollout.checksums()) == []
     assert report.rank_bytes == [], report.profile

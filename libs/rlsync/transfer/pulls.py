@@ -91,7 +91,7 @@ def _split(routes: Routes, trainer: Sequence[pb.RankMemory], engine: Sequence[pb
 def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.RankMemory], specs: Sequence,
          staging: Mapping[str, tuple[Box, torch.Tensor]], device: torch.device,
          profile: dict[str, float] | None = None, hold: str = "", wait: bool = True,
-         laid: tuple[tuple, np.ndarray] | None = None) -> int:
+         laid: tuple[tuple, np.ndarray] | None = None, launched: dict | None = None) -> int:
     """Receiver rank `rank`: copies every piece it pulls (`routes`: as split() gives them, or all of them for a
     rank that holds every storage it pulls from, RoutedReceiver's armed repeat) from the trainer ranks' memory
     (`memories`: the whole RankMemory of each rank it pulls from, by trainer rank, each with its digest) into its
@@ -108,7 +108,9 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.R
     trainer's onload) or into a staging laid out alike elsewhere launches that table rebased. The caller
     must `HELD.release(hold)` before the trainer's memory may leave the GPU (memory another process maps
     is not freed). wait=False (every storage held): returns once the copies are queued, on the current stream.
-    laid: kept.staging_layout(staging), when the caller kept it."""
+    laid: kept.staging_layout(staging), when the caller kept it.
+    launched: where a held pull that went in whole tables says what it launched ("tables", "handles": the
+    storages they read, in order), for a caller that queues it again as it is (rlsync.transfer.relaunch)."""
     start = time.perf_counter()
     mine = routes.of_receiver(rank)
     sources = sorted({t.src for t in mine})
@@ -134,6 +136,7 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.R
         if kept is None and (kept := _moved(layout, src, dst)) is not None:
             _TABLES.put(key, kept)
         rebased = time.perf_counter()
+    entry = kept  # what was launched, when it went in whole tables
     if kept is not None:
         for table in kept[1]:
             batched.launch(table)
@@ -146,6 +149,8 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.R
             entry = pieces, tables, nbytes
             _TABLES.put(key, entry)
             _LATEST.put(layout, (src, dst, entry))
+    if entry is not None and launched is not None:
+        launched.update(tables=tuple(entry[1]), handles=tuple(handles))
     if handles and wait:
         torch.cuda.current_stream(device).synchronize()  # the copies are done before the trainer rank moves on
     copied = time.perf_counter()

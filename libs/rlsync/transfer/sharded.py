@@ -38,7 +38,7 @@ import torch.distributed as dist
 from rlsync.address import reachable_host
 from rlsync.common.stamps import stamp
 from rlsync.errors import (Aborted, DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable)
-from rlsync.transfer import kept, pulls, routed, routed_groups
+from rlsync.transfer import kept, pulls, relaunch, routed, routed_groups
 from rlsync.transfer.control import Deadline
 from rlsync.transfer.handshake import NAMES, PROTOCOL_VERSION, local_facts
 from rlsync.transfer.manifest import Spec, from_proto, to_proto
@@ -800,8 +800,11 @@ class RoutedReceiver:
         routes, held = self.armed
         profile = {"plan": time.perf_counter() - self.start, "plan.arm": self._arming}
         self._queued = True  # (before the launch: a close() meanwhile lets what it queued end)
+        launched = {}
         nbytes = pulls.pull(routes, self.rank, self.trainer, held, self.specs, self.staging, self.device, profile,
-                            self.hold, wait=False, laid=self._staging_layout())
+                            self.hold, wait=False, laid=self._staging_layout(), launched=launched)
+        if self.keep is not None and launched:  # the next offer naming the same memories launches it at once
+            relaunch.remember(self.keep, self.offer.routing, self.specs, self.rank, launched, nbytes)
         stamp("pulled")
         return Report(nbytes, time.perf_counter() - self.start, {"cuda_ipc": len(held)}, profile=profile,
                       copied=record_copied(self.device))

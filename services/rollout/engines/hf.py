@@ -399,11 +399,14 @@ class HFEngine(Engine):
         lora = offer.manifest.HasField("adapter")  # an adapter for the resident base: it never lands in place
         # The last pull again, into the spare store, before anything else: its copy runs while the
         # answer is made. Not beside a woken engine's pending refill or an armed copy (those go first).
-        launched = None
+        launched, routed = None, offer.HasField("routing")
         if not lora and self.device.type == "cuda" and not self.weights.pending_restore \
                 and self.weights.armed is None:
-            launched = self._arming.launch(self.weights, from_proto(offer.manifest), offer.mapped,
-                                           offer.manifest.version)
+            specs, version = from_proto(offer.manifest), offer.manifest.version
+            if not routed:
+                launched = self._arming.launch(self.weights, specs, offer.mapped, version)
+            elif not force_backend:  # a sharded trainer's repeat from storages held here
+                launched = self._arming.launch_routed(self.weights, specs, offer.routing, version)
             if launched is not None:
                 clock.lap("launch")
         try:
@@ -414,7 +417,9 @@ class HFEngine(Engine):
             self._drop_launch(launched)
             raise
         clock.lap("answer")
-        if launched is not None and not ans.pull:  # (a backend forced otherwise)
+        if launched is not None and routed:  # (a routed receiver sets it as it arms: copied as it prepares)
+            ans.pull = True
+        elif launched is not None and not ans.pull:  # (a backend forced otherwise)
             self._drop_launch(launched)
             launched = None
 

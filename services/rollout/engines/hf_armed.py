@@ -7,7 +7,8 @@ wait for the trainer too), so it launches that same copy as soon as a prepare ha
 and found it the last pull's (`launch`), before laying out a receiver: the layout was checked when
 the pull was learnt, and two calls into the driver that keep the GIL start the copy (0.26–0.30 ms
 beside decoding on an H200, the checks included; 0.38–0.44 ms through torch; laying out a receiver
-and queueing it, 0.72 ms)."""
+and queueing it, 0.72 ms). A sharded trainer's repeat from storages held here is launched so too
+(`launch_routed`): the tables its last armed pull into the spare store launched (rlsync.transfer.relaunch)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from rlsync.transfer.armed import Armed, Bell, key_of
 from rlsync.transfer.backends.slots import contiguous
 from rlsync.transfer.copied import copy_event
 from rlsync.transfer.held import HELD
+from rlsync.transfer.relaunch import relaunch
 from rlsync.transfer.streams import resolved, transfer_stream
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
@@ -98,21 +100,47 @@ class Arming:
         cut = memo.get("launch")  # the source's bytes, cut once for as long as the holder's mappings stay
         if cut is None or cut[0] != (index, start, nbytes):
             cut = memo["launch"] = (index, start, nbytes), mappings[index][start:start + nbytes]
-        # Two calls into the driver holding the GIL (rlsync.transfer.driver): through torch each lets go of it
-        # and waits to take it back from the decode loop. No event handed over (the spare has been idle since the
-        # commit that retired it, after a synchronize) and no wait of the engine's stream for the copy: nothing
-        # reads the store before the commit, which synchronizes the device, and an abort waits for the copy
-        # before it lets the store go.
-        queued = False
+
+        def queue(stream: torch.cuda.Stream) -> int:
+            # Two calls into the driver holding the GIL (rlsync.transfer.driver, the copy and its event): through
+            # torch each lets go of it and waits to take it back from the decode loop.
+            driver.copy(dst, cut[1], stream)
+            return nbytes
+        return self._queued(weights, staging, version, queue)
+
+    def launch_routed(self, weights, specs: list, routing: pb.Routing, version: int):
+        """As `launch`, for a sharded trainer's offer naming its ranks' memories (Routing.memories): the last
+        armed routed pull into the spare store again, when this offer names the same memories
+        (rlsync.transfer.relaunch) -> (the store, its AdoptedUpdate), else None."""
+        if not self.enabled or not routing.memories or not routing.holder:
+            return None
+        staging = weights.take_spare()
+        if staging is None:
+            return None
+
+        def queue(stream: torch.cuda.Stream) -> int | None:
+            with torch.cuda.stream(stream):
+                return relaunch(staging.memo, routing, specs)
+        return self._queued(weights, staging, version, queue)
+
+    def _queued(self, weights, staging, version: int, queue):
+        """`queue(stream)` queues a copy into the spare store `staging` on the transfer stream -> its bytes, or None
+        when it queued nothing; then the copy's event -> (the store, its AdoptedUpdate), else None (the store goes
+        back). No event handed over (the spare has been idle since the commit that retired it, after a
+        synchronize) and no wait of the engine's stream for the copy: nothing reads the store before the commit,
+        which synchronizes the device, and an abort waits for the copy before it lets the store go."""
+        nbytes = None
         try:
             stream = transfer_stream(self.device)
-            event, copied = copy_event(self.device)
-            driver.copy(dst, cut[1], stream)
+            nbytes = queue(stream)
+            if nbytes is None:
+                weights.give_back_spare(staging)
+                return None
             stamp("launched")
-            queued = True
+            event, copied = copy_event(self.device)
             driver.record(event, stream)
         except BaseException:
-            if queued:  # the store goes back once nothing writes it
+            if nbytes is not None:  # the store goes back once nothing writes it
                 stream.synchronize()
             weights.give_back_spare(staging)
             raise
