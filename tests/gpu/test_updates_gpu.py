@@ -276,6 +276,8 @@ def test_a_sharded_trainer_sharing_the_gpu_is_pulled_from_held_until_its_offload
     report = push_weights(trainer, [rollout], doorbells=[bell], hold=True)  # it copies from what it mapped then
     assert differences(trainer.checksums(), rollout.checksums()) == []
     assert report.rank_bytes == [], report.profile
+    # made in its spare store as the onload named the new memories (Arming.rearm): launched before the answer
+    assert "receiver_launch" in report.profile, report.profile
     held = rollout.release_weights("trainer").released  # what the trainer's next Offload would have it close
     assert held >= 2, f"every rank's storages stayed mapped after the update: {held}"
 
@@ -285,7 +287,7 @@ def test_a_sharded_fp8_trainer_colocated_on_the_gpu_is_copied_as_the_replica_pre
     replica on its GPU. Every offload drops the ranks' quantized stage, so each cycle's first offer describes
     FP8 boxes no refresh has filled yet: they are made empty for it, and filled before the offer leaves. The
     replica, rung at each onload, holds them and copies as it prepares (no rank sends anything: no rank bytes),
-    and every sync verifies (the trainer's audit of what it quantized equals what the replica serves)."""
+    from the third cycle on a copy made ahead, at its wake; and every sync verifies (the trainer's audit of what it quantized equals what the replica serves)."""
     model = ensure_tiny_fp8()
     co = services.start("coordinator", ["--sync-mode", "colocated"], name="co-gpu-fp8")
     on = ["--coordinator", co.address, "--model", str(model)]
@@ -295,9 +297,13 @@ def test_a_sharded_fp8_trainer_colocated_on_the_gpu_is_copied_as_the_replica_pre
                                *on], name="gpu-rollout-fp8")
     client = CoordinatorClient(co.address)
     client.wait_ready(2)
-    rank_bytes = []
+    rank_bytes, launched = [], []
     for step in (1, 2, 3):
         sync = rl_step(client, seed=step)
         assert sync.version == step and sync.verified, sync
         rank_bytes.append(list(sync.trainer_rank_bytes))
+        launched.append("receiver_launch" in sync.transfer_profile)
     assert rank_bytes[1:] == [[], []], f"held from each onload, copied as it prepared: {rank_bytes}"
+    # from the second such copy on, made in the woken weights at the wake (Arming.rearm, the memories the onload
+    # named): launched as the prepare began, before the answer
+    assert launched == [False, False, True], (launched, sync.transfer_profile)

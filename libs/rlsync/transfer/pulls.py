@@ -91,7 +91,7 @@ def _split(routes: Routes, trainer: Sequence[pb.RankMemory], engine: Sequence[pb
 def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.RankMemory], specs: Sequence,
          staging: Mapping[str, tuple[Box, torch.Tensor]], device: torch.device,
          profile: dict[str, float] | None = None, hold: str = "", wait: bool = True,
-         laid: tuple[tuple, np.ndarray] | None = None, launched: dict | None = None) -> int:
+         laid: tuple[tuple, np.ndarray] | None = None, launched: dict | None = None, dry: bool = False) -> int:
     """Receiver rank `rank`: copies every piece it pulls (`routes`: as split() gives them, or all of them for a
     rank that holds every storage it pulls from, RoutedReceiver's armed repeat) from the trainer ranks' memory
     (`memories`: the whole RankMemory of each rank it pulls from, by trainer rank, each with its digest) into its
@@ -110,7 +110,9 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.R
     is not freed). wait=False (every storage held): returns once the copies are queued, on the current stream.
     laid: kept.staging_layout(staging), when the caller kept it.
     launched: where a held pull that went in whole tables says what it launched ("tables", "handles": the
-    storages they read, in order), for a caller that queues it again as it is (rlsync.transfer.relaunch)."""
+    storages they read, in order), for a caller that queues it again as it is (rlsync.transfer.relaunch).
+    dry (every storage held): copies nothing; the tables a held pull would launch, when they can be had without
+    one (kept, or moved from the latest of the layout), are made and said in `launched` (else it stays empty)."""
     start = time.perf_counter()
     mine = routes.of_receiver(rank)
     sources = sorted({t.src for t in mine})
@@ -138,9 +140,11 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.R
         rebased = time.perf_counter()
     entry = kept  # what was launched, when it went in whole tables
     if kept is not None:
-        for table in kept[1]:
+        for table in kept[1] if not dry else ():
             batched.launch(table)
         nbytes = kept[2]
+    elif dry:
+        nbytes = 0
     else:
         _, views = destinations(routes, rank, specs, staging)
         tables, nbytes = _copy(mine, trainer, memories, specs, views, dict(zip(

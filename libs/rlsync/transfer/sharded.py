@@ -809,6 +809,22 @@ class RoutedReceiver:
         return Report(nbytes, time.perf_counter() - self.start, {"cuda_ipc": len(held)}, profile=profile,
                       copied=record_copied(self.device))
 
+    def keep_ahead(self) -> bool:
+        """Armed, before its offer is due: makes what its pull would launch into this staging (the latest launch of
+        its layout moved to these storages and this staging: pulls.pull's dry run, on the transfer stream that
+        later launches it), copies nothing, and keeps it (rlsync.transfer.relaunch) -> whether it did. For a
+        replica told of the trainer's memories (its onload) or woken into a new store before the offer comes."""
+        if self.armed is None or self.keep is None:
+            return False
+        routes, held = self.armed
+        launched = {}
+        with on_transfer_stream(self.device, self.handed):
+            nbytes = pulls.pull(routes, self.rank, self.trainer, held, self.specs, self.staging, self.device,
+                                hold=self.hold, wait=False, laid=self._staging_layout(), launched=launched, dry=True)
+        if launched:
+            relaunch.remember(self.keep, self.offer.routing, self.specs, self.rank, launched, nbytes)
+        return bool(launched)
+
     def _staging_layout(self) -> tuple[tuple, np.ndarray] | None:
         """kept.staging_layout of this rank's staging into a FlatStore, kept in its memo (its views stay where they
         are for as long as it lives) by the tensors' names and boxes; None into anything else."""

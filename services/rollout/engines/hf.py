@@ -366,6 +366,8 @@ class HFEngine(Engine):
 
         if WakeTag.WEIGHTS in tags:
             await self._call(wake)
+            if self.device.type == "cuda":  # made while the offer they woke for is on its way, not waited for
+                self._call(self._rearm).add_done_callback(_retrieved)
 
     def not_ready(self) -> str | None:
         return self.weights.not_ready
@@ -441,6 +443,11 @@ class HFEngine(Engine):
                                                                offer.manifest.version)) is not None:
                     clock.lap("adopt")
                     return adopted
+                if routed and not force_backend and (adopted := self._arming.launch_in_place(
+                        self.weights, specs, offer.routing, offer.manifest.version)) is not None:
+                    clock.lap("launch")
+                    ans.pull = True  # (as a routed receiver sets it as it arms)
+                    return adopted
                 self.weights.disarm()
                 return receive(self.weights.store, post=False)  # live if this update is abandoned
             except BaseException:
@@ -494,6 +501,8 @@ class HFEngine(Engine):
         # a sharded trainer's routed pull repeats through its kept tables instead)
         if ans.copied and offer.mapped.ipc and not lora and isinstance(update, StagedUpdate):
             self._arming.learn(from_proto(offer.manifest), offer.mapped)
+        elif ans.copied and routed and not lora:  # a sharded trainer's: the next copies are made ahead (rearm)
+            self._arming.learn_routed(offer, ans)
         ans.stages.update(clock.stages)  # (the hop back from the worker thread is left to the caller's)
         self._update = (update, staging, offer.manifest.adapter if lora else None)
         return ans
@@ -515,8 +524,16 @@ class HFEngine(Engine):
 
     async def read_ahead(self, routing) -> None:
         """Its routed receives copy an offer naming the ranks' memories at once (RoutedReceiver's at_once): what
-        they would read first is read now, off the event loop."""
+        they would read first is read now, off the event loop, and the copy into the store the next offer lands in
+        is made (none while asleep: at the wake)."""
         await asyncio.to_thread(learn, routing)
+        self._call(lambda: self._rearm(routing.memories)).add_done_callback(_retrieved)  # (between two steps)
+
+    def _rearm(self, memories=()) -> bool:
+        """(The engine thread.) The launch the next routed offer relaunches, made in the store it will land in: the
+        woken weights, else the spare (Arming.rearm)."""
+        weights = self.weights
+        return self._arming.rearm(weights.store if weights.pending_restore else weights.spare, memories)
 
     async def release_weights(self, holder: str) -> int:
         def release() -> int:
@@ -595,3 +612,10 @@ class HFEngine(Engine):
 
     async def checksums(self):
         return await self._call(lambda: {**self.weights.checksums(), **self.adapter.checksums()}), LIVE
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """A call left to run on the engine thread unawaited: its failure retrieved (a dead engine's: its next call
+    says so), for asyncio, which would warn of one nobody asked for."""
+    if not future.cancelled():
+        future.exception()

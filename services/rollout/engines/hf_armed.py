@@ -12,9 +12,13 @@ and queueing it, 0.72 ms). A sharded trainer's repeat from storages held here is
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
+
 import torch
 
 from rlsync.common.stamps import stamp
+from rlsync.flat import FlatStore
 from rlsync.rollout.staging import AdoptedUpdate
 from rlsync.transfer import driver
 from rlsync.transfer.armed import Armed, Bell, key_of
@@ -22,8 +26,12 @@ from rlsync.transfer.backends.slots import contiguous
 from rlsync.transfer.copied import copy_event
 from rlsync.transfer.held import HELD
 from rlsync.transfer.relaunch import relaunch
+from rlsync.transfer.sharded import RoutedReceiver
 from rlsync.transfer.streams import resolved, transfer_stream
 from rlsync.transfer.v1 import transfer_pb2 as pb
+
+
+log = logging.getLogger(__name__)
 
 
 class Arming:
@@ -32,6 +40,8 @@ class Arming:
         self.bell: Bell | None = None
         self.held: tuple[str, tuple[bytes, ...]] | None = None  # the last hold: holder, storages in its order
         self.plan: tuple | None = None  # (specs, mapped locations, the one run they copy) of the last held pull
+        self.routed: tuple[pb.Offer, pb.Answer] | None = None  # the last sharded offer copied as prepared, answered
+        self.memories: tuple[str, ...] = ()  # its trainer ranks' memories as last named (an onload names new ones)
 
     def hold(self, holder: str, handles: list[bytes]) -> bytes:
         """Records a hold -> the bell's handle, for the holder to ring."""
@@ -106,42 +116,88 @@ class Arming:
             # torch each lets go of it and waits to take it back from the decode loop.
             driver.copy(dst, cut[1], stream)
             return nbytes
-        return self._queued(weights, staging, version, queue)
+        return self._into_spare(weights, staging, version, queue)
 
     def launch_routed(self, weights, specs: list, routing: pb.Routing, version: int):
-        """As `launch`, for a sharded trainer's offer naming its ranks' memories (Routing.memories): the last
-        armed routed pull into the spare store again, when this offer names the same memories
+        """As `launch`, for a sharded trainer's offer naming its ranks' memories (Routing.memories): the launch the
+        spare store kept of the last armed routed pull into it, again, when this offer names the same memories
         (rlsync.transfer.relaunch) -> (the store, its AdoptedUpdate), else None."""
         if not self.enabled or not routing.memories or not routing.holder:
             return None
         staging = weights.take_spare()
         if staging is None:
             return None
+        return self._into_spare(weights, staging, version, lambda stream: _relaunch(staging, specs, routing, stream))
 
-        def queue(stream: torch.cuda.Stream) -> int | None:
-            with torch.cuda.stream(stream):
-                return relaunch(staging.memo, routing, specs)
-        return self._queued(weights, staging, version, queue)
+    def launch_in_place(self, weights, specs: list, routing: pb.Routing, version: int) -> AdoptedUpdate | None:
+        """As `launch_routed`, into woken weights that no refill will touch meanwhile (the caller receives in
+        place): what they kept since `rearm`, else None."""
+        store = weights.store
+        if not self.enabled or store is None or not routing.memories or not routing.holder:
+            return None
+        return self._queued(version, lambda stream: _relaunch(store, specs, routing, stream))
 
-    def _queued(self, weights, staging, version: int, queue):
-        """`queue(stream)` queues a copy into the spare store `staging` on the transfer stream -> its bytes, or None
-        when it queued nothing; then the copy's event -> (the store, its AdoptedUpdate), else None (the store goes
+    def learn_routed(self, offer: pb.Offer, answer: pb.Answer) -> None:
+        """A sharded trainer's offer this replica copied as it prepared (armed), and its answer: what the next
+        ones will be like, for `rearm`."""
+        self.routed = (offer, answer)
+
+    def rearm(self, store: FlatStore | None, memories: Sequence[str] = ()) -> bool:
+        """Before a sharded trainer's next offer: makes in `store` (weights woken for it, or the spare) the launch
+        its copy will be (RoutedReceiver.keep_ahead), for the last armed offer naming `memories` (the trainer's
+        onload names new ones; by default those it named last) -> whether it did. Only saves time: a failure is
+        logged, and the offer arms as before."""
+        if memories:
+            self.memories = tuple(memories)
+        if not self.enabled or self.routed is None or store is None or not self.memories:
+            return False
+        template, answer = self.routed
+        offer, ans = pb.Offer(), pb.Answer()
+        offer.CopyFrom(template)
+        ans.CopyFrom(answer)
+        del offer.routing.memories[:]
+        offer.routing.memories.extend(self.memories)
+        try:
+            return RoutedReceiver(offer, ans, store, device=self.device, hold=offer.routing.holder,
+                                  at_once=True).keep_ahead()
+        except Exception as e:  # noqa: BLE001 - the offer arms as it would have
+            log.warning("could not make a sharded trainer's next copy ahead of its offer: %s", e)
+            return False
+
+    def _into_spare(self, weights, staging, version: int, queue):
+        """_queued into the spare store `staging` -> (the store, its AdoptedUpdate), else None (the store goes
         back). No event handed over (the spare has been idle since the commit that retired it, after a
         synchronize) and no wait of the engine's stream for the copy: nothing reads the store before the commit,
         which synchronizes the device, and an abort waits for the copy before it lets the store go."""
-        nbytes = None
         try:
-            stream = transfer_stream(self.device)
+            update = self._queued(version, queue)
+        except BaseException:
+            weights.give_back_spare(staging)
+            raise
+        if update is None:
+            weights.give_back_spare(staging)
+            return None
+        return staging, update
+
+    def _queued(self, version: int, queue) -> AdoptedUpdate | None:
+        """`queue(stream)` queues a copy on the transfer stream -> its bytes, or None when it queued nothing; then
+        the copy's event -> its AdoptedUpdate, else None."""
+        nbytes = None
+        stream = transfer_stream(self.device)
+        try:
             nbytes = queue(stream)
             if nbytes is None:
-                weights.give_back_spare(staging)
                 return None
             stamp("launched")
             event, copied = copy_event(self.device)
             driver.record(event, stream)
         except BaseException:
-            if nbytes is not None:  # the store goes back once nothing writes it
+            if nbytes is not None:  # what was queued ends before its store goes
                 stream.synchronize()
-            weights.give_back_spare(staging)
             raise
-        return staging, AdoptedUpdate(nbytes, copied, stream.synchronize, version)
+        return AdoptedUpdate(nbytes, copied, stream.synchronize, version)
+
+
+def _relaunch(store: FlatStore, specs: list, routing: pb.Routing, stream: torch.cuda.Stream) -> int | None:
+    with torch.cuda.stream(stream):
+        return relaunch(store.memo, routing, specs)
