@@ -5,7 +5,8 @@ engine rank receives only the boxes it loads), for K trainer ranks (FSDP2 over g
 
     python bench/sharded.py                 # CPU, K in {1, 2, 4} x g in {1, 2}, preset "small"
     python bench/sharded.py --device cuda --preset qwen3-1.7b   # every process on one GPU: pulls
-    python bench/sharded.py --device cuda --preset qwen3-1.7b --hold   # ... receivers keep the mappings
+    python bench/sharded.py --device cuda --preset qwen3-1.7b --hold   # ... receivers keep the mappings; then
+                                        # path armed: the repeat as a replica takes it (rlsync.transfer.relaunch)
     python bench/sharded.py --device cuda --gpus 2 --placement apart       # trainer on GPU 0, engine on 1: NCCL
     python bench/sharded.py --device cuda --gpus 2 --placement colocated   # rank r on GPU r % 2: both
     python bench/sharded.py --model tiny-moe --layouts tp,ep   # a real MoE (fused experts, per expert on the wire)

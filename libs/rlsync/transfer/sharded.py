@@ -818,7 +818,7 @@ class RoutedReceiver:
             return False
         routes, held = self.armed
         launched = {}
-        with on_transfer_stream(self.device, self.handed):
+        with torch.cuda.stream(transfer_stream(self.device)):  # (what it uploads: before the copies queued there)
             nbytes = pulls.pull(routes, self.rank, self.trainer, held, self.specs, self.staging, self.device,
                                 hold=self.hold, wait=False, laid=self._staging_layout(), launched=launched, dry=True)
         if launched:

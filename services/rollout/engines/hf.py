@@ -443,12 +443,12 @@ class HFEngine(Engine):
                                                                offer.manifest.version)) is not None:
                     clock.lap("adopt")
                     return adopted
+                self.weights.disarm()
                 if routed and not force_backend and (adopted := self._arming.launch_in_place(
                         self.weights, specs, offer.routing, offer.manifest.version)) is not None:
                     clock.lap("launch")
                     ans.pull = True  # (as a routed receiver sets it as it arms)
                     return adopted
-                self.weights.disarm()
                 return receive(self.weights.store, post=False)  # live if this update is abandoned
             except BaseException:
                 self.weights.receiving_in_place = False
@@ -533,6 +533,8 @@ class HFEngine(Engine):
         """(The engine thread.) The launch the next routed offer relaunches, made in the store it will land in: the
         woken weights, else the spare (Arming.rearm)."""
         weights = self.weights
+        if weights.armed is not None:  # a copy armed for a one-process trainer's pull: its next offer is that
+            return self._arming.rearm(None, memories)
         return self._arming.rearm(weights.store if weights.pending_restore else weights.spare, memories)
 
     async def release_weights(self, holder: str) -> int:
