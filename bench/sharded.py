@@ -202,6 +202,8 @@ def trainer(args, shapes, bucket, k: int, g: int, rank: int, store) -> dict:
                 digests = PublisherCore._keep_memory(ranks, sender, PublisherCore._gather_memory(ranks, sender, None))
                 described = time.perf_counter()
                 if rank == 0:
+                    if not digests:
+                        raise RuntimeError("a trainer rank could not say where its storages lie: nothing to arm")
                     offer = sender.offer(version=i)
                     offer.routing.memories.extend(digests)
                     offer.routing.holder = "bench"
@@ -282,19 +284,19 @@ def engine(args, k: int, g: int, rank: int, store) -> dict:
 def armed(args, offer: pb.Offer, ans: pb.Answer, staging: dict, rank: int, boxes: dict, keep: dict) -> Report:
     """An engine rank holding every storage it pulls from, as a replica's prepare takes an offer naming the ranks'
     memories: the launch it kept for this staging, queued at once (rlsync.transfer.relaunch); else it arms
-    (RoutedReceiver's at_once), which keeps that launch. Its time: from the offer read to the bytes in place."""
+    (RoutedReceiver's at_once), which keeps that launch. Its time: from its answer, put, to the bytes in place."""
     start, device = time.perf_counter(), torch.device(args.device)
     stream = transfer_stream(device)
     with torch.cuda.stream(stream):
-        nbytes = relaunch(keep, offer.routing, from_proto(offer.manifest), rank)
-    if nbytes is None:
+        relaunched = relaunch(keep, offer.routing, from_proto(offer.manifest), rank)
+    if relaunched is None:
         report = RoutedReceiver(offer, ans, staging, rank=rank, boxes=boxes, device=args.device, hold="bench",
-                                keep=keep, at_once=True).run()
+                                keep=keep, at_once=True, timeout=30).run()
         if not report.copied:
             raise RuntimeError(f"engine rank {rank} did not copy the offer as it prepared: {report.profile}")
         nbytes, profile = report.nbytes, {"relaunched": 0.0, **report.profile}
     else:
-        profile = {"relaunched": 1.0, "launch": time.perf_counter() - start}
+        nbytes, profile = relaunched[0], {"relaunched": 1.0, "launch": time.perf_counter() - start}
     stream.synchronize()
     seconds = time.perf_counter() - start
     return Report(nbytes, seconds, {"cuda_ipc": 1}, profile=profile)

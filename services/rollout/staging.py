@@ -131,11 +131,13 @@ class StagedUpdate:
 class AdoptedUpdate:
     """An update whose bytes one copy already queued moves: a copy armed at the weights' wake, which
     the trainer started on the GPU before its ring arrived (rlsync.transfer.armed), or the last
-    pull again, launched as the prepare began (Arming.launch). The trainer waits for it on `copied`,
-    its CUDA event; `stop` lets it end before its memory goes elsewhere."""
+    pull again, launched as the prepare began (Arming.launch; a sharded trainer's, Arming.launch_routed and
+    launch_in_place). The trainer waits for it on `copied`, its CUDA event; `stop` lets it end before its
+    memory goes elsewhere; `reads`: what it reads, kept open until the update is dropped (the commit
+    synchronizes the device first)."""
 
-    def __init__(self, nbytes: int, copied: bytes, stop: Callable[[], None], version: int):
-        self.stop, self.version = stop, version
+    def __init__(self, nbytes: int, copied: bytes, stop: Callable[[], None], version: int, reads=None):
+        self.stop, self.version, self.reads = stop, version, reads
         self.report = Report(nbytes, 0.0, {"cuda_ipc": 1}, copied=copied)
 
     def poll(self) -> dict:

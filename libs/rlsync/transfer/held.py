@@ -9,7 +9,8 @@ held after the offload would not go back to the GPU. A pull then finds the regio
 (`lookup`: the holder's list, when the pull lists exactly its storages; else `get_all`) and the update
 neither maps nor closes anything; what a one-copy pull derives from them lives in the holder's `memo`
 until the holder holds another list (a routed pull keeps its tables by layout and address instead,
-rlsync.transfer.pulls).
+rlsync.transfer.pulls, and its relaunch a token here that says the mappings it read are still these:
+rlsync.transfer.relaunch).
 
 Holds are per holder (a trainer's name): a hold replaces what that holder held, so a restarted
 trainer's first onload lets go of what its predecessor left. A handle is the serialized

@@ -111,15 +111,18 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.R
     laid: kept.staging_layout(staging), when the caller kept it.
     launched: where a held pull that went in whole tables says what it launched ("tables", "handles": the
     storages they read, in order), for a caller that queues it again as it is (rlsync.transfer.relaunch).
-    dry (every storage held): copies nothing; the tables a held pull would launch, when they can be had without
-    one (kept, or moved from the latest of the layout), are made and said in `launched` (else it stays empty)."""
+    dry: copies, holds and maps nothing; when every storage is held, the tables a held pull would launch, if they
+    can be had without one (kept, or moved from the latest of the layout), are made and said in `launched` (else
+    it stays empty)."""
     start = time.perf_counter()
     mine = routes.of_receiver(rank)
     sources = sorted({t.src for t in mine})
     handles = [h for k in sources for h in memories[k].ipc]
-    if hold:
+    if hold and not dry:
         HELD.hold(hold, handles, device)
     found = HELD.get_many(handles)
+    if dry and any(t is None for t in found):
+        return 0
     mapped = [open_cuda(h, device) if t is None else t for h, t in zip(handles, found)]  # what no holder keeps
     mapping = time.perf_counter() - start
     kept = key = None

@@ -4,18 +4,22 @@ the same memories, as soon as a replica has checked the offer.
 
 An armed pull still arms (the trainer's layout, the routes, the memories by digest, the held mappings) and keys
 its kept tables (the staging's layout, every mapping's address) at every update: 0.9-1.3 ms of Python on an
-H200 before the copy starts, with the answer, thread hops and bookkeeping after it. What it launched depends only
-on what the offer names (the trainer's layout, each rank's memory digest, the holder) and on where the staging
-lies, so it is kept with the staging (`remember`, in a dict that lives as long as the staging: a FlatStore's
-memo) and launched again (`relaunch`) while the mappings it read stay held, unchanged: a token in the holder's
-memo (rlsync.transfer.held), which goes when the holder holds another list or lets go, says so. A staging laid
-out anew, another trainer memory (its onload) or another manifest finds nothing: the caller arms as before.
+H200 before the copy starts, with the answer, thread hops and bookkeeping after it. For one receiver rank into
+one staging, what it launched depends only on what the offer names (the trainer's layout, each rank's memory
+digest, the holder) and the manifest, so it is kept with the staging (`remember`, in a dict that lives with
+that staging and that rank's layout: a FlatStore's memo) and launched again (`relaunch`) while the mappings it
+read stay held, unchanged: a token in the holder's memo (rlsync.transfer.held), which goes when the holder holds
+another list or lets go, says so. A staging laid out anew, another trainer memory (its onload) or another
+manifest finds nothing: the caller arms as before. What is kept may also be made before the offer comes, with
+no copy (RoutedReceiver.keep_ahead).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import NamedTuple
+
+import torch
 
 from rlsync.transfer import batched
 from rlsync.transfer.held import HELD, HeldMappings
@@ -40,8 +44,9 @@ def _names(routing: pb.Routing, rank: int) -> tuple:
 
 def remember(kept: dict, routing: pb.Routing, specs: Sequence[Spec], rank: int, launched: dict, nbytes: int,
              held: HeldMappings = HELD) -> None:
-    """After an armed pull of `routing`'s offer into the staging `kept` lives with: what it launched
-    (pulls.pull's `launched`), for `relaunch`. Nothing when its storages are no longer held."""
+    """What a held pull of `routing`'s offer by receiver rank `rank` launched, or would launch (pulls.pull's
+    `launched`), into the staging `kept` lives with, for `relaunch`. Nothing when its storages are no longer held
+    or the offer names no memories."""
     memo = held.memo(launched["handles"])
     if memo is None or not routing.memories:
         kept.pop(_KEY, None)
@@ -51,16 +56,18 @@ def remember(kept: dict, routing: pb.Routing, specs: Sequence[Spec], rank: int, 
 
 
 def relaunch(kept: dict, routing: pb.Routing, specs: Sequence[Spec], rank: int = 0,
-             held: HeldMappings = HELD) -> int | None:
+             held: HeldMappings = HELD) -> tuple[int, list[torch.Tensor]] | None:
     """Queues on the current stream the copy `remember` kept with this staging, when the offer names the same
-    memories and manifest and the storages it reads are still held as they were -> its bytes, else None (nothing
-    queued)."""
+    memories and manifest and the storages it reads are still held as they were -> (its bytes, the mappings it
+    reads: the caller keeps them until the copy is done, for a release meanwhile closes only what nobody keeps),
+    else None (nothing queued)."""
     found: Launch | None = kept.get(_KEY)
     if found is None or found.names != _names(routing, rank) or found.specs != specs:
         return None
+    mappings = held.get_all(list(found.handles))  # taken first: a release or hold after the memo's check keeps them
     memo = held.memo(found.handles)
-    if memo is None or memo.get(_KEY) is not found.token:
+    if mappings is None or memo is None or memo.get(_KEY) is not found.token:
         return None
     for table in found.tables:
         batched.launch(table)
-    return found.nbytes
+    return found.nbytes, mappings

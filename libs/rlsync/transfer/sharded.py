@@ -279,6 +279,12 @@ def learn(routing: pb.Routing) -> int:
     return _MAPPED.misses - misses
 
 
+def known(memories: Sequence[str]) -> bool:
+    """Whether this process has read every one of these trainer ranks' mapped memories (`learn`, or a pull): an
+    armed receiver then reads nothing of the store."""
+    return bool(memories) and all(_MAPPED.peek(d) is not None for d in memories)
+
+
 def _read(store, keys: list[str], deadline: Deadline, parse: bool = True) -> list:
     try:
         _timeout(store, min(routed_groups.JOIN_SECONDS, deadline.remaining("meeting the trainer")))
@@ -641,8 +647,9 @@ class RoutedReceiver:
     hold: what it pulls on the trainer's GPU, it keeps mapped under this holder name (pulls.pull):
     the caller must `HELD.release(hold)` before the trainer's memory may leave the GPU (a replica does when
     the trainer asks: ReleaseWeights). keep: where the writer of what comes over the group, laid out over
-    `dest`, is kept for the next update into the same memory (kept.writer): a dict that lives as long as
-    `dest` does, by default a FlatStore's `memo`; None (a dict of tensors): laid out at each update.
+    `dest`, is kept for the next update into the same memory (kept.writer), and so is an armed pull's launch
+    (rlsync.transfer.relaunch): a dict that lives as long as `dest` does, for this rank and its boxes alone, by
+    default a FlatStore's `memo`; None (a dict of tensors): laid out at each update.
     at_once: a caller that runs a pull before it answers (answer.pull), as transfer.Receiver's: when the offer
     names the trainer ranks' memories (Routing.memories) and this process holds every storage this rank pulls
     from under `hold`, it sets answer.pull, and run() queues the copy at once (no roster, no exchange with

@@ -41,6 +41,7 @@ from rlsync.transfer.handshake import local_facts, peer_gpu, same_gpu
 from rlsync.transfer.held import HELD
 from rlsync.transfer.manifest import check_against, from_proto
 from rlsync.transfer.sharded import learn
+from rlsync.transfer.streams import transfer_stream
 from rlsync.rollout.types import (Delta, FinishReason, GenerationRequest, MemoryUsage, PauseMode,
                                   WakeTag)
 
@@ -408,7 +409,10 @@ class HFEngine(Engine):
             if not routed:
                 launched = self._arming.launch(self.weights, specs, offer.mapped, version)
             elif not force_backend:  # a sharded trainer's repeat from storages held here
-                launched = self._arming.launch_routed(self.weights, specs, offer.routing, version)
+                try:
+                    launched = self._arming.launch_routed(self.weights, specs, offer.routing, version)
+                except Exception as e:  # noqa: BLE001 - (it only saves time) the offer is received as it would be
+                    log.warning("could not launch version %d's copy at once: %s", version, e)
             if launched is not None:
                 clock.lap("launch")
         try:
@@ -433,7 +437,8 @@ class HFEngine(Engine):
         def in_place() -> StagedUpdate | AdoptedUpdate | None:
             """Between two steps: a woken engine whose weights are not refilled yet receives right
             into them (the backup still holds the current version): the copy armed at its wake when
-            this offer started it, else a pull or a receive."""
+            this offer started it, a sharded trainer's copy made ahead at the wake (launch_in_place), else a
+            pull or a receive."""
             if not self.weights.pending_restore:
                 return None
             self.weights.receiving_in_place = True
@@ -524,10 +529,11 @@ class HFEngine(Engine):
 
     async def read_ahead(self, routing) -> None:
         """Its routed receives copy an offer naming the ranks' memories at once (RoutedReceiver's at_once): what
-        they would read first is read now, off the event loop, and the copy into the store the next offer lands in
-        is made (none while asleep: at the wake)."""
+        they would read first is read now, off the event loop; then what the copy into the store the next offer
+        lands in will launch is made, between two steps, not waited for (none while asleep: at the wake)."""
+        memories = tuple(routing.memories)
         await asyncio.to_thread(learn, routing)
-        self._call(lambda: self._rearm(routing.memories)).add_done_callback(_retrieved)  # (between two steps)
+        self._call(lambda: self._rearm(memories)).add_done_callback(_retrieved)
 
     def _rearm(self, memories=()) -> bool:
         """(The engine thread.) The launch the next routed offer relaunches, made in the store it will land in: the
@@ -568,6 +574,8 @@ class HFEngine(Engine):
             self.weights.give_back_spare(staging)
 
     def _stop_in_place(self) -> None:
+        if self.device.type == "cuda":  # a copy queued into the weights (a prepare given up) ends before a refill
+            transfer_stream(self.device).synchronize()
         self.weights.receiving_in_place = False
 
     async def finish_update(self, timeout: float) -> float:

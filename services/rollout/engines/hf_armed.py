@@ -7,8 +7,10 @@ wait for the trainer too), so it launches that same copy as soon as a prepare ha
 and found it the last pull's (`launch`), before laying out a receiver: the layout was checked when
 the pull was learnt, and two calls into the driver that keep the GIL start the copy (0.26–0.30 ms
 beside decoding on an H200, the checks included; 0.38–0.44 ms through torch; laying out a receiver
-and queueing it, 0.72 ms). A sharded trainer's repeat from storages held here is launched so too
-(`launch_routed`): the tables its last armed pull into the spare store launched (rlsync.transfer.relaunch)."""
+and queueing it, 0.72 ms). A sharded trainer's repeat from storages held here is launched so too, into the
+spare store (`launch_routed`) or, colocated, into the woken weights it lands in (`launch_in_place`): the
+tables the store keeps (rlsync.transfer.relaunch), of the last armed pull into it or made ahead, at the wake or
+as the trainer's onload names new memories (`rearm`)."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from rlsync.transfer.backends.slots import contiguous
 from rlsync.transfer.copied import copy_event
 from rlsync.transfer.held import HELD
 from rlsync.transfer.relaunch import relaunch
-from rlsync.transfer.sharded import RoutedReceiver
+from rlsync.transfer.sharded import RoutedReceiver, known
 from rlsync.transfer.streams import resolved, transfer_stream
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
@@ -111,17 +113,17 @@ class Arming:
         if cut is None or cut[0] != (index, start, nbytes):
             cut = memo["launch"] = (index, start, nbytes), mappings[index][start:start + nbytes]
 
-        def queue(stream: torch.cuda.Stream) -> int:
+        def queue(stream: torch.cuda.Stream) -> tuple[int, None]:
             # Two calls into the driver holding the GIL (rlsync.transfer.driver, the copy and its event): through
             # torch each lets go of it and waits to take it back from the decode loop.
             driver.copy(dst, cut[1], stream)
-            return nbytes
+            return nbytes, None  # (what it reads stays open in the holder's memo)
         return self._into_spare(weights, staging, version, queue)
 
     def launch_routed(self, weights, specs: list, routing: pb.Routing, version: int):
         """As `launch`, for a sharded trainer's offer naming its ranks' memories (Routing.memories): the launch the
-        spare store kept of the last armed routed pull into it, again, when this offer names the same memories
-        (rlsync.transfer.relaunch) -> (the store, its AdoptedUpdate), else None."""
+        spare store keeps (rlsync.transfer.relaunch: of the last armed routed pull into it, or made ahead by
+        `rearm`), again, when this offer names the same memories -> (the store, its AdoptedUpdate), else None."""
         if not self.enabled or not routing.memories or not routing.holder:
             return None
         staging = weights.take_spare()
@@ -140,7 +142,7 @@ class Arming:
     def learn_routed(self, offer: pb.Offer, answer: pb.Answer) -> None:
         """A sharded trainer's offer this replica copied as it prepared (armed), and its answer: what the next
         ones will be like, for `rearm`."""
-        self.routed = (offer, answer)
+        self.routed, self.memories = (offer, answer), tuple(offer.routing.memories)
 
     def rearm(self, store: FlatStore | None, memories: Sequence[str] = ()) -> bool:
         """Before a sharded trainer's next offer: makes in `store` (weights woken for it, or the spare) the launch
@@ -149,8 +151,8 @@ class Arming:
         logged, and the offer arms as before."""
         if memories:
             self.memories = tuple(memories)
-        if not self.enabled or self.routed is None or store is None or not self.memories:
-            return False
+        if not self.enabled or self.routed is None or store is None or not known(self.memories):
+            return False  # (nothing read here: on the engine's thread, arming reads only what is known)
         template, answer = self.routed
         offer, ans = pb.Offer(), pb.Answer()
         offer.CopyFrom(template)
@@ -180,24 +182,22 @@ class Arming:
         return staging, update
 
     def _queued(self, version: int, queue) -> AdoptedUpdate | None:
-        """`queue(stream)` queues a copy on the transfer stream -> its bytes, or None when it queued nothing; then
-        the copy's event -> its AdoptedUpdate, else None."""
-        nbytes = None
+        """`queue(stream)` queues a copy on the transfer stream -> (its bytes, what it reads), or None when it
+        queued nothing; then the copy's event -> its AdoptedUpdate, else None."""
         stream = transfer_stream(self.device)
         try:
-            nbytes = queue(stream)
-            if nbytes is None:
+            queued = queue(stream)
+            if queued is None:
                 return None
             stamp("launched")
             event, copied = copy_event(self.device)
             driver.record(event, stream)
         except BaseException:
-            if nbytes is not None:  # what was queued ends before its store goes
-                stream.synchronize()
+            stream.synchronize()  # whatever was queued ends before its store goes
             raise
-        return AdoptedUpdate(nbytes, copied, stream.synchronize, version)
+        return AdoptedUpdate(queued[0], copied, stream.synchronize, version, reads=queued[1])
 
 
-def _relaunch(store: FlatStore, specs: list, routing: pb.Routing, stream: torch.cuda.Stream) -> int | None:
+def _relaunch(store: FlatStore, specs: list, routing: pb.Routing, stream: torch.cuda.Stream):
     with torch.cuda.stream(stream):
         return relaunch(store.memo, routing, specs)
