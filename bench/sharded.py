@@ -224,7 +224,7 @@ def trainer(args, shapes, bucket, k: int, g: int, rank: int, store) -> dict:
             if path == "armed" and rank == 0:
                 sender.settled(offer)
         _dump(profiler, "trainer", path, k, g, rank)
-        if (rank == 0 or path != "rank0") and not (path == "routed" and "armed" in paths(args)):
+        if sender is not None and not (path == "routed" and "armed" in paths(args)):  # (armed sends with it next)
             sender.close()
         out[path] = {"seconds": statistics.median(seconds), "peak_extra_bytes": peak.extra(),
                      "bound_bytes": 2 * bucket + largest,

@@ -143,8 +143,9 @@ def pull(routes: Routes, rank: int, trainer: Layout, memories: Mapping[int, pb.R
         rebased = time.perf_counter()
     entry = kept  # what was launched, when it went in whole tables
     if kept is not None:
-        for table in kept[1] if not dry else ():
-            batched.launch(table)
+        if not dry:
+            for table in kept[1]:
+                batched.launch(table)
         nbytes = kept[2]
     elif dry:
         nbytes = 0

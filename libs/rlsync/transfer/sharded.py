@@ -804,16 +804,11 @@ class RoutedReceiver:
     def _pull_armed(self) -> Report:
         """Queues the copy of every piece from the held storages (one launch of a kept table) and returns: the
         report names the event after it (Report.copied), which the trainer waits for."""
-        routes, held = self.armed
         profile = {"plan": time.perf_counter() - self.start, "plan.arm": self._arming}
         self._queued = True  # (before the launch: a close() meanwhile lets what it queued end)
-        launched = {}
-        nbytes = pulls.pull(routes, self.rank, self.trainer, held, self.specs, self.staging, self.device, profile,
-                            self.hold, wait=False, laid=self._staging_layout(), launched=launched)
-        if self.keep is not None and launched:  # the next offer naming the same memories launches it at once
-            relaunch.remember(self.keep, self.offer.routing, self.specs, self.rank, launched, nbytes)
+        nbytes, _ = self._armed_pull(profile)
         stamp("pulled")
-        return Report(nbytes, time.perf_counter() - self.start, {"cuda_ipc": len(held)}, profile=profile,
+        return Report(nbytes, time.perf_counter() - self.start, {"cuda_ipc": len(self.armed[1])}, profile=profile,
                       copied=record_copied(self.device))
 
     def keep_ahead(self) -> bool:
@@ -823,14 +818,20 @@ class RoutedReceiver:
         replica told of the trainer's memories (its onload) or woken into a new store before the offer comes."""
         if self.armed is None or self.keep is None:
             return False
+        with torch.cuda.stream(transfer_stream(self.device)):  # (what it uploads: before the copies queued there)
+            return self._armed_pull(None, dry=True)[1]
+
+    def _armed_pull(self, profile: dict | None, dry: bool = False) -> tuple[int, bool]:
+        """pulls.pull of the armed routes, queued on the current stream (`dry`: made, not queued); what it launched
+        is kept for the next offer naming the same memories (rlsync.transfer.relaunch) -> (its bytes, whether it
+        was kept)."""
         routes, held = self.armed
         launched = {}
-        with torch.cuda.stream(transfer_stream(self.device)):  # (what it uploads: before the copies queued there)
-            nbytes = pulls.pull(routes, self.rank, self.trainer, held, self.specs, self.staging, self.device,
-                                hold=self.hold, wait=False, laid=self._staging_layout(), launched=launched, dry=True)
-        if launched:
+        nbytes = pulls.pull(routes, self.rank, self.trainer, held, self.specs, self.staging, self.device, profile,
+                            self.hold, wait=False, laid=self._staging_layout(), launched=launched, dry=dry)
+        if self.keep is not None and launched:
             relaunch.remember(self.keep, self.offer.routing, self.specs, self.rank, launched, nbytes)
-        return bool(launched)
+        return nbytes, bool(launched) and self.keep is not None
 
     def _staging_layout(self) -> tuple[tuple, np.ndarray] | None:
         """kept.staging_layout of this rank's staging into a FlatStore, kept in its memo (its views stay where they
