@@ -11,6 +11,8 @@ engine rank receives only the boxes it loads), for K trainer ranks (FSDP2 over g
     python bench/sharded.py --device cuda --gpus 2 --placement colocated   # rank r on GPU r % 2: both
     python bench/sharded.py --model tiny-moe --layouts tp,ep   # a real MoE (fused experts, per expert on the wire)
     python bench/sharded.py --model tiny-moe --experts 28   # the tiny MoE as many bytes as the dense tiny (0.93 MB)
+    python bench/sharded.py --model tiny-moe --experts 28 --against tiny --rounds 7 --trainer-ranks 2 --engine-ranks 2
+                                        # ... and the dense tiny, case by case in turn: seconds per byte, MoE / dense
     BENCH_PROFILE=/tmp/prof python bench/sharded.py ...   # each worker writes a cProfile of its timed repeats
 
 On one GPU every trainer rank and engine rank shares the GPU: the receivers pull their boxes over CUDA
@@ -56,6 +58,7 @@ from models import preset_shapes  # noqa: E402
 from publish import Peak, build_module  # noqa: E402
 from transfer import _timed, d2d_limit, nccl_limit  # noqa: E402
 
+from rlsync.flat import FlatStore  # noqa: E402
 from rlsync.publish import WeightMap  # noqa: E402
 from rlsync.publish.source import module_source  # noqa: E402
 from rlsync.transfer import Receiver, WeightSender, answer  # noqa: E402
@@ -235,8 +238,7 @@ def trainer(args, shapes, bucket, k: int, g: int, rank: int, store) -> dict:
 def engine(args, k: int, g: int, rank: int, store) -> dict:
     out = {}
     for path in paths(args):
-        seconds, staging, profiler, layouts, profiles = [], None, _profiled(), None, []
-        keep: dict = {}  # what the receiver lays out over the staging, kept as long as the staging (a FlatStore's memo)
+        seconds, staging, profiler, layouts, profiles, boxes = [], None, _profiled(), None, [], None
         for i in range(args.repeats + 1):
             if i == 1 and profiler is not None:
                 profiler.enable()
@@ -250,9 +252,11 @@ def engine(args, k: int, g: int, rank: int, store) -> dict:
                 store.set(f"{path}/answer/{i}/{rank}", ans.SerializeToString())
                 report = Receiver(offer, ans, staging).run()
             else:
-                boxes = {s.name: b[0] for s, b in zip(specs, mine) if b}
-                staging = staging or {s.name: torch.empty(tuple(e - a for a, e in boxes[s.name]), dtype=s.dtype,
-                                                          device=args.device) for s in specs if s.name in boxes}
+                boxes = boxes or {s.name: b[0] for s, b in zip(specs, mine) if b}
+                # (as an hf replica stages: one flat store, what receivers lay out over it kept in its memo)
+                staging = staging or FlatStore({s.name: (tuple(e - a for a, e in boxes[s.name]), s.dtype)
+                                                for s in specs if s.name in boxes}, device=args.device)
+                keep = staging.memo
                 layouts = layouts or [to_layout_proto(engine_boxes(specs, g, r, args.layout == "ep"),
                                                       local_facts(engine_device(args, r)))
                                       for r in range(g)]  # where each rank runs: pairs on one GPU pull
@@ -268,7 +272,7 @@ def engine(args, k: int, g: int, rank: int, store) -> dict:
             if done == g:
                 store.set(f"{path}/done/{i}", b"1")
         _dump(profiler, "engine", path, k, g, rank)
-        shard = sum(t.numel() * t.element_size() for t in staging.values())
+        shard = sum(t.numel() * t.element_size() for t in getattr(staging, "views", staging).values())
         loads = sum(math.prod(e - a for a, e in b[0]) * s.dtype.itemsize for s, b in zip(specs, mine) if b)
         experts = sum(math.prod(e - a for a, e in b[0]) * s.dtype.itemsize for s, b in zip(specs, mine)
                       if b and EXPERT.search(s.name))
@@ -281,7 +285,7 @@ def engine(args, k: int, g: int, rank: int, store) -> dict:
     return out
 
 
-def armed(args, offer: pb.Offer, ans: pb.Answer, staging: dict, rank: int, boxes: dict, keep: dict) -> Report:
+def armed(args, offer: pb.Offer, ans: pb.Answer, staging: FlatStore, rank: int, boxes: dict, keep: dict) -> Report:
     """An engine rank holding every storage it pulls from, as a replica's prepare takes an offer naming the ranks'
     memories: the launch it kept for this staging, queued at once (rlsync.transfer.relaunch); else it arms
     (RoutedReceiver's at_once), which keeps that launch. Its time: from its answer, put, to the bytes in place."""
@@ -397,6 +401,26 @@ def run_case(args, k: int, g: int) -> dict:
     return case
 
 
+def against(args, k: int, g: int) -> dict:
+    """--model and --against, case by case in turn for --rounds (so a host's load falls on both alike): the routed
+    sync's seconds per byte received of the one over the other's, per round, and the median."""
+    first, rounds = args.model, []
+    try:
+        for _ in range(args.rounds):
+            per_byte = []
+            for model in (first, args.against):
+                args.model = model
+                routed = run_case(args, k, g)["routed"]
+                per_byte.append((routed["seconds"], sum(routed["received_bytes"])))
+            (a, a_bytes), (b, b_bytes) = per_byte
+            rounds.append({"seconds": [a, b], "bytes": [a_bytes, b_bytes], "ratio": round(a / a_bytes / (b / b_bytes), 3)})
+    finally:
+        args.model = first
+    return {"trainer_ranks": k, "engine_ranks": g, "layout": args.layout, "rounds": rounds,
+            "ratio_median": statistics.median(r["ratio"] for r in rounds),
+            "seconds_median": [statistics.median(r["seconds"][i] for r in rounds) for i in (0, 1)]}
+
+
 def cast_copy_limit(nbytes: int, device: str) -> float:
     """GB/s (of bf16 written) of casting fp32 values into bf16 on the device: what a pull of the
     trainer's fp32 masters into the engine's bf16 does."""
@@ -444,6 +468,9 @@ def main() -> None:
     parser.add_argument("--placement", default="apart", choices=("apart", "colocated"), help="with --gpus 2")
     parser.add_argument("--hold", action="store_true", help="engine ranks keep the trainer's storages mapped "
                         "across repeats (RoutedReceiver's hold), as ranks whose trainer stays on the GPU may")
+    parser.add_argument("--against", default="", help="a second model (tiny) run case by case in turn with --model: "
+                        "the routed sync's seconds per byte of --model over this one's, per round and their median")
+    parser.add_argument("--rounds", type=int, default=1, help="with --against: how many turns of each")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -453,14 +480,21 @@ def main() -> None:
         from rlsync.models import TinyMoeRecipe, ensure_tiny_moe
 
         args.model = str(ensure_tiny_moe(TinyMoeRecipe(num_experts=args.experts)))
-    cases = []
+    cases, compared = [], []
     for layout in args.layouts.split(","):
         args.layout = layout
         for k in map(int, args.trainer_ranks.split(",")):
             for g in map(int, args.engine_ranks.split(",")):
+                if args.against:
+                    compared.append(against(args, k, g))
+                    print(json.dumps(compared[-1]), flush=True)
+                    continue
                 case = run_case(args, k, g)
                 print(json.dumps(case), flush=True)
                 cases.append(case)
+    if compared:
+        print(json.dumps({"model": args.model, "against": args.against, "device": args.device, "compared": compared}))
+        return
     plan = plan_seconds()
     print(json.dumps({"plan": plan}), flush=True)
     device = torch.cuda.get_device_name(args.device) if args.device != "cpu" else "cpu"

@@ -135,7 +135,9 @@ def trainer(whole_model, entries, board):
         report = sender.send(offer, [ans], timeout=60)
         groups.append(last_group())
     routes = plan_routes(module.shards.layout, engine_layout(module.specs))
+    pairs = [sum(p.nbytes(routes.tensors) for p in t.pieces) for t in routes.of_sender(RANK)]
     print(json.dumps({"role": ROLE, "rank": RANK, "sent": report.wire_bytes, "planned": routes.sent_bytes()[RANK],
+                      "largest_pair": max(pairs, default=0),
                       "held": module.shards.layout.nbytes(RANK), "channels": report.backends,
                       "layout_as_expected": FP8 or module.shards.layout == trainer_layout(entries),
                       "seconds": time.perf_counter() - start, "groups": groups}), flush=True)

@@ -74,13 +74,15 @@ def test_every_engine_byte_comes_once_from_a_rank_that_holds_it(case):
                 assert any(contains(n, a) for n in need)
                 for b in got[i + 1:]:  # disjoint: no element arrives twice
                     assert any(a0 >= b1 or b0 >= a1 for (a0, a1), (b0, b1) in zip(a, b))
+    pairs = [(tr.src, d) for tr in routes.transfers for d in tr.dsts]
+    assert len(pairs) == len(set(pairs)), "a pair of ranks moves its bytes in one transfer"
     for tr in routes.transfers:
         assert tr.pieces and tr.dsts
         for p in tr.pieces:
             assert any(contains(b, p.box) for b in trainer.held[tr.src][p.tensor]), "sent by a rank that holds it"
+        assert sum(p.nbytes(tensors) for p in tr.pieces) <= trainer.nbytes(tr.src), "a byte to a receiver once"
     assert routes.received_bytes() == [engine.nbytes(e) for e in range(engine.ranks)]
-    for r, sent in enumerate(routes.sent_bytes()):  # a byte a rank holds goes out at most once
-        assert sent <= trainer.nbytes(r)
+    assert sum(routes.sent_bytes()) == sum(routes.received_bytes())
 
 
 @settings(max_examples=100, deadline=None)
@@ -90,8 +92,8 @@ def test_replicated_tensors_are_spread_over_the_ranks_that_hold_them(sizes, k, r
     trainer = layout(tensors, [[[whole(t.shape)] for t in tensors] for _ in range(k)])
     engine = layout(tensors, [[[whole(t.shape)] for t in tensors] for _ in range(replicas)])
     sent = plan_routes(trainer, engine).sent_bytes()
-    assert sum(sent) == sum(n * 2 for n in sizes), "each byte once: every replica gets it in one broadcast"
-    assert max(sent) - min(sent) <= max(sizes) * 2
+    assert sum(sent) == sum(n * 2 for n in sizes) * replicas, "each byte once to every replica"
+    assert max(sent) - min(sent) <= max(sizes) * 2 * replicas
 
 
 def test_fsdp_rows_to_tensor_parallel_columns():
@@ -105,6 +107,20 @@ def test_fsdp_rows_to_tensor_parallel_columns():
         (0, (0,), ((0, 2), (0, 3))), (0, (1,), ((0, 2), (3, 6))),
         (1, (0,), ((2, 4), (0, 3))), (1, (1,), ((2, 4), (3, 6)))}
     assert routes.sent_bytes() == [24, 24] and routes.received_bytes() == [24, 24]
+
+
+def test_a_receiver_takes_one_transfer_from_each_sender_and_alike_receivers_share_it():
+    """FSDP2 over 2 ranks into 2 replicas of TP = 2: an expert's rows split among a replica's ranks beside a norm every
+    rank loads. Each engine rank takes one transfer from each trainer rank (its rows and the norm together, not a
+    message each), and the same TP rank of both replicas takes the same one (packed once, sent to both)."""
+    t = [TensorInfo("experts.0.gate", (4, 6), 2), TensorInfo("norm", (6,), 2)]
+    trainer = layout(t, [[[((0, 4), (0, 6))], [((0, 3),)]], [[], [((3, 6),)]]])
+    tp = [[[((0, 2), (0, 6))], [((0, 6),)]], [[((2, 4), (0, 6))], [((0, 6),)]]]
+    routes = plan_routes(trainer, layout(t, tp + tp))
+    assert {(tr.src, tr.dsts) for tr in routes.transfers} == {(0, (0, 2)), (0, (1, 3)), (1, (0, 1, 2, 3))}
+    rows_and_norm = next(tr for tr in routes.transfers if tr.dsts == (0, 2)).pieces
+    assert [(p.tensor, p.box) for p in rows_and_norm] == [(0, ((0, 2), (0, 6))), (1, ((0, 3),))], "in tensor order"
+    assert routes.received_bytes() == [36, 36, 36, 36]
 
 
 def test_pieces_of_one_sender_and_receivers_merge_into_one_box():

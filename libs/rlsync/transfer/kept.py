@@ -120,17 +120,20 @@ CONNECTIONS = Connections()
 
 def writer(mine: Sequence[Transfer], rank: int, specs: Sequence[Spec],
            staging: Mapping[str, tuple[Box, torch.Tensor]], device: torch.device, keep: dict | None,
-           lay_out: Callable[[], tuple[list[Spec], dict[str, torch.Tensor]]]) -> DestWriter:
+           lay_out: Callable[[], tuple[list[Spec], dict[str, torch.Tensor]]], placed: Hashable | None = None) \
+        -> DestWriter:
     """The writer of engine rank `rank`'s pieces (`mine`: its transfers) into `staging`, laid out once
     (`lay_out`: routed.destinations) and made ready for this transfer. `keep`: where it is kept, a dict
     that lives as long as the staging does (its owner's: a FlatStore's memo); None: laid out each time
     (nothing may keep views of staging its owner could free). The pieces' tuples are the plan's own
     (routes.cached_routes keeps them), held by the kept entry, so their ids name them; the routes know
-    sizes, not dtypes, so the key has those too."""
+    sizes, not dtypes, so the key has those too. `placed`: a token its owner keeps for as long as `staging` (of
+    `specs`) cannot move (a FlatStore's), which then stands for the dtypes and where every tensor lies."""
     if keep is None:
         return DestWriter(*lay_out(), device)
     writers = keep.setdefault(("writers", rank), Kept(1))  # the latest only: no older staging kept alive
-    key = (rank, device, *(id(t.pieces) for t in mine), tuple(s.dtype for s in specs), staging_where(staging))
+    where_ = (placed,) if placed is not None else (tuple(s.dtype for s in specs), staging_where(staging))
+    key = (rank, device, *(id(t.pieces) for t in mine), *where_)
     _, laid = writers.get(key, lambda: ([t.pieces for t in mine], DestWriter(*lay_out(), device)))
     if not all(laid.direct):  # it casts through buffers of its own: not kept between updates (memory, not time)
         writers.clear()

@@ -31,7 +31,7 @@ _KEY = "rlsync.transfer.relaunch"  # in the staging's dict and in the holder's m
 
 class Launch(NamedTuple):
     names: tuple  # what the offer named: its trainer layout's digest, its holder, every rank's memory digest; the rank
-    specs: Sequence[Spec]
+    specs: tuple[Spec, ...]
     handles: tuple[bytes, ...]  # the storages its tables read
     token: object  # in the holder's memo of those storages while they stay mapped as they were
     tables: tuple  # batched.Table, launched in order
@@ -52,7 +52,7 @@ def remember(kept: dict, routing: pb.Routing, specs: Sequence[Spec], rank: int, 
         kept.pop(_KEY, None)
         return
     token = memo.setdefault(_KEY, object())
-    kept[_KEY] = Launch(_names(routing, rank), specs, launched["handles"], token, launched["tables"], nbytes)
+    kept[_KEY] = Launch(_names(routing, rank), tuple(specs), launched["handles"], token, launched["tables"], nbytes)
 
 
 def relaunch(kept: dict, routing: pb.Routing, specs: Sequence[Spec], rank: int = 0,
@@ -62,7 +62,7 @@ def relaunch(kept: dict, routing: pb.Routing, specs: Sequence[Spec], rank: int =
     reads: the caller keeps them until the copy is done, for a release meanwhile closes only what nobody keeps),
     else None (nothing queued)."""
     found: Launch | None = kept.get(_KEY)
-    if found is None or found.names != _names(routing, rank) or found.specs != specs:
+    if found is None or found.names != _names(routing, rank) or found.specs != tuple(specs):
         return None
     mappings = held.get_all(list(found.handles))  # taken first: a release or hold after the memo's check keeps them
     memo = held.memo(found.handles)

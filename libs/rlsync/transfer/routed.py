@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from math import prod
 
 import torch
@@ -33,7 +33,7 @@ from rlsync.transfer.control import Deadline
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.plan import Bucket, cached_plan
 from rlsync.transfer.routes import Box, Piece, Routes, extent, relative
-from rlsync.transfer.spans import FEW, copy_all, stacked
+from rlsync.transfer.spans import FEW, EachCopy, coalesce, copy_all, stacked
 from rlsync.transfer.writer import DestWriter
 
 WINDOW = 2  # operations in flight per member
@@ -311,9 +311,12 @@ def _land_plan(op: Op, base: int, writer: DestWriter, slots: _Slots, device: tor
     view = slots.next(op.bucket.nbytes)
     copies = [(view[s.dst:s.dst + s.length], writer.targets[base + s.tensor][s.src:s.src + s.length])
               for s in op.bucket.slices]
-    if view.device.type == "cpu":  # (no kernel takes them all at once there: alike ones go as one)
-        copies = stacked(copies)
-    return view, marks, [copies, None, False]  # (the copies, their table once made, landed before)
+    if view.device.type == "cpu":  # no kernel takes them all at once there: slices that continue each other on both
+        # sides go as one, and so do alike ones (a bucket of 105 expert slices: 10 copies); laid out once
+        runs = coalesce((src, src.untyped_storage().data_ptr(), dst, dst.untyped_storage().data_ptr())
+                        for src, dst in copies)
+        return view, marks, [copies, EachCopy(stacked(list(runs))), True]
+    return view, marks, [copies, None, False]  # (the copies, what queues them again once made, landed before)
 
 
 def _receive(pg, routes, first, writer, bucket_bytes, window, device) -> int:
@@ -332,9 +335,10 @@ def _receive(pg, routes, first, writer, bucket_bytes, window, device) -> int:
             def land(marks=marks, copies=copies):
                 if copies is not None:  # no sync: the receive that reuses the slot two operations later waits
                     if copies[1] is not None:
-                        batched.launch(copies[1])
+                        copies[1]()
                     else:  # a repeat makes a table of even a few copies: it is launched again at every repeat
-                        copies[1] = copy_all(copies[0], few=1 if copies[2] else FEW)
+                        table = copy_all(copies[0], few=1 if copies[2] else FEW)
+                        copies[1] = partial(batched.launch, table) if table is not None else None
                         copies[2] = True
                 writer.mark_many(marks)
 

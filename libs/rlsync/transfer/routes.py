@@ -5,12 +5,16 @@ its shard, or the whole tensor when replicated) or loads (an engine rank: its te
 or the whole tensor). A box is a [start, stop) range per dimension of the whole tensor. The plan cuts
 each tensor along every box edge of both sides; each cell goes from one trainer rank that holds it
 (the least loaded so far, so replicated tensors are spread) to every engine rank that loads it. Cells
-with the same sender and the same receivers are merged back into boxes and sent together: a transfer
-is one sender, a set of receivers (a broadcast; one receiver is point to point) and its pieces.
+with the same sender and the same receiver are merged back into boxes: every pair of ranks moves its
+bytes in one stream of buckets. A transfer is one sender, its pieces, and the receivers that take
+exactly those pieces from it (the same tensor-parallel rank of several replicas: packed once, sent to
+each). Grouping cells by their set of receivers instead gave an engine rank two streams from one
+sender wherever a part of a tensor it loads alone sat beside one others load too (an expert split
+by tensor parallelism beside a replicated norm), each bucket a message more.
 
 Every byte an engine rank loads comes from exactly one trainer rank, once; a trainer rank sends a
-byte it alone holds at most once. Like bucket planning, the plan is computed once per pair of
-layouts (`cached_routes`) and never travels: both sides compute it.
+byte it alone holds at most once to each engine rank that loads it. Like bucket planning, the plan is
+computed once per pair of layouts (`cached_routes`) and never travels: both sides compute it.
 """
 
 from __future__ import annotations
@@ -18,10 +22,10 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from itertools import product
+from itertools import chain, product
 
 from rlsync.errors import InvalidArgument
 
@@ -133,7 +137,7 @@ class Piece:
 @dataclass(frozen=True)
 class Transfer:
     src: int  # trainer rank
-    dsts: tuple[int, ...]  # engine ranks that each receive every piece
+    dsts: tuple[int, ...]  # the engine ranks that each receive every piece, and nothing else from src
     pieces: tuple[Piece, ...]  # in tensor order, then box order
 
 
@@ -153,11 +157,10 @@ class Routes:
         return h
 
     def sent_bytes(self) -> list[int]:
-        """Per trainer rank: the payload it sends (a broadcast's bytes once)."""
+        """Per trainer rank: the payload it sends (a byte several engine ranks load, once to each)."""
         out = [0] * self.senders
         for t in self.transfers:
-            if t.dsts:
-                out[t.src] += sum(p.nbytes(self.tensors) for p in t.pieces)
+            out[t.src] += sum(p.nbytes(self.tensors) for p in t.pieces) * len(t.dsts)
         return out
 
     def received_bytes(self) -> list[int]:
@@ -212,8 +215,28 @@ def plan_routes(trainer: Layout, engine: Layout) -> Routes:
             cells[(src, dsts, held)].append(cell)
         for (src, dsts, _), boxes in sorted(cells.items()):
             groups[(src, dsts)].extend(Piece(index, b) for b in _merge(boxes))
-    transfers = tuple(Transfer(src, dsts, tuple(pieces)) for (src, dsts), pieces in sorted(groups.items()))
-    return Routes(trainer.tensors, transfers, trainer.ranks, engine.ranks)
+    return Routes(trainer.tensors, _per_receiver(groups), trainer.ranks, engine.ranks)
+
+
+def _per_receiver(groups: Mapping[tuple[int, tuple[int, ...]], list[Piece]]) -> tuple[Transfer, ...]:
+    """Pieces grouped by (sender, set of receivers) regrouped as transfers: a receiver takes every group of the
+    sender that names it in one transfer, shared by the receivers that take the same groups."""
+    taken: dict[tuple[int, int], list[tuple[int, ...]]] = defaultdict(list)  # (sender, receiver) -> its groups
+    for src, dsts in sorted(groups):
+        for dst in dsts:
+            taken[(src, dst)].append(dsts)
+    sharing: dict[tuple[int, tuple], list[int]] = defaultdict(list)
+    for (src, dst), sets in sorted(taken.items()):
+        sharing[(src, tuple(sets))].append(dst)
+    transfers = []
+    for (src, sets), dsts in sorted(sharing.items()):
+        pieces = chain.from_iterable(groups[(src, s)] for s in sets)
+        transfers.append(Transfer(src, tuple(dsts), tuple(sorted(pieces, key=_piece_order) if len(sets) > 1 else pieces)))
+    return tuple(transfers)
+
+
+def _piece_order(p: Piece) -> tuple:
+    return p.tensor, p.box
 
 
 @lru_cache(maxsize=16)

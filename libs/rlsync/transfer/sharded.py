@@ -68,8 +68,20 @@ def layout_of(specs: Sequence[Spec], ranks: Sequence[pb.RankLayout]) -> Layout:
 
 
 def _tensors(specs: Sequence[Spec]) -> tuple[tuple, ...]:
-    """The manifest's tensors as a layout knows them, (name, dtype, shape, nbytes) each: a cache key."""
-    return tuple(s[:4] for s in specs)
+    """The manifest's tensors as a layout knows them, (name, dtype, shape, nbytes) each: a cache key. The last
+    tuple of specs asked about is kept with its key (a receiver asks about its own several times per update;
+    a tuple cannot change, and held here, no other object takes its id)."""
+    global _LAST_TENSORS
+    last = _LAST_TENSORS
+    if last[0] is specs:
+        return last[1]
+    key = tuple(s[:4] for s in specs)
+    if type(specs) is tuple:
+        _LAST_TENSORS = specs, key
+    return key
+
+
+_LAST_TENSORS: tuple = (None, None)
 
 
 @lru_cache(maxsize=8)
@@ -360,6 +372,13 @@ def roster_layout(specs: Sequence[Spec], roster: pb.Roster) -> Layout:
                               "wrong")
     distinct = [r.SerializeToString() for r in roster.layouts]
     return _layout_of(_tensors(specs), tuple(distinct[i] for i in roster.layout_of))
+
+
+def _staging(specs: Sequence[Spec], dest: Mapping[str, torch.Tensor],
+             boxes: Mapping[str, Box] | None) -> dict[str, tuple[Box, torch.Tensor]]:
+    """Each manifest tensor `dest` has: the box of the whole tensor it holds (`boxes`; whole by default), and it."""
+    boxes = boxes or {}
+    return {s.name: (boxes.get(s.name) or whole(s.shape), dest[s.name]) for s in specs if s.name in dest}
 
 
 def _bucket(offer: pb.Offer, answers: Sequence[pb.Answer]) -> int:
@@ -662,15 +681,14 @@ class RoutedReceiver:
         self.offer, self.answer, self.rank, self.hold = offer, answer, rank, hold
         self.keep = keep if keep is not None or not isinstance(dest, FlatStore) else dest.memo
         self._memo = dest.memo if isinstance(dest, FlatStore) else None  # (its views stay where they are)
-        self.specs = from_proto(offer.manifest)
+        self.specs = tuple(from_proto(offer.manifest))
         self.device = resolved(torch.device(device)) if device is not None else torch.device("cpu")
         self.trainer: Layout | None = None  # read when armed, else at run() (trainer_layout)
         layout_of(self.specs, answer.layout)  # a layout that does not fit the manifest is refused now
-        dest = dest.views if isinstance(dest, FlatStore) else dest
         self._boxes = boxes  # (its staging's boxes: whole tensors when None)
-        boxes = boxes or {}
-        self.staging = {s.name: (boxes.get(s.name) or whole(s.shape), dest[s.name]) for s in self.specs
-                        if s.name in dest}
+        # (the staging, and what names where it lies for kept.writer: into a FlatStore, kept in its memo)
+        self.staging, self._placed = self._flat_staging(dest) if self._memo is not None else (_staging(
+            self.specs, dest, boxes), None)
         self.deadline = Deadline(timeout, f"receiving routed transfer {offer.transfer_id[:8]} "
                                           f"(version {offer.manifest.version})")
         self.start = time.perf_counter()
@@ -833,6 +851,16 @@ class RoutedReceiver:
             relaunch.remember(self.keep, self.offer.routing, self.specs, self.rank, launched, nbytes)
         return nbytes, bool(launched) and self.keep is not None
 
+    def _flat_staging(self, dest: FlatStore) -> tuple[dict[str, tuple[Box, torch.Tensor]], object]:
+        """This rank's staging in `dest`, kept in its memo by the manifest's tensors and the boxes (a repeat makes
+        no tuple per tensor), and a token of it: a FlatStore's views stay where they are for as long as it lives,
+        so the token names where the staging lies (kept.writer) without reading every tensor's address."""
+        key = ("staging", self.rank, _tensors(self.specs))
+        found = self._memo.get(key)
+        if found is None or found[0] is not self._boxes:
+            found = self._memo[key] = self._boxes, _staging(self.specs, dest.views, self._boxes), object()
+        return found[1], found[2]
+
     def _staging_layout(self) -> tuple[tuple, np.ndarray] | None:
         """kept.staging_layout of this rank's staging into a FlatStore, kept in its memo (its views stay where they
         are for as long as it lives) by the tensors' names and boxes; None into anything else."""
@@ -848,7 +876,7 @@ class RoutedReceiver:
         """The pieces that come over the group (every member joins it, with or without pieces of its own)."""
         writer = kept.writer(routes.of_receiver(me), me, self.specs, self.staging, self.device,
                              self.keep,
-                             lambda: routed.destinations(routes, me, self.specs, self.staging))
+                             lambda: routed.destinations(routes, me, self.specs, self.staging), self._placed)
         tid, senders = self.offer.transfer_id, self.trainer.ranks
         members = senders + routes.receivers
         gid, pg = routed_groups.take(store, tid, senders + me, members, self.device, self.deadline)

@@ -167,13 +167,24 @@ def _one_launch(pairs: list[tuple[torch.Tensor, torch.Tensor]], device: torch.de
 
 
 def _copy_each(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    small = []
-    for src, dst in pairs:
-        if src.numel() < SMALL:
-            small.append((src, dst))
-        else:
+    EachCopy(pairs)()
+
+
+class EachCopy:
+    """dst.copy_(src) of every pair without a batched kernel (a CPU's), laid out once and queued again at each
+    call: a large one a copy_ each, the small ones in one torch._foreach_copy_. A repeat of a hundred small
+    copies (a bucket of experts landing out of its slot) then does no Python per pair."""
+
+    def __init__(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]):
+        self.large, small = [], []
+        for src, dst in pairs:
+            (small if src.numel() < SMALL else self.large).append((src, dst))
+        self.dsts, self.srcs = [d for _, d in small], [s for s, _ in small]
+
+    def __call__(self) -> None:
+        for src, dst in self.large:
             dst.copy_(src, non_blocking=True)
-    if len(small) > 1:
-        torch._foreach_copy_([d for _, d in small], [s for s, _ in small], non_blocking=True)
-    elif small:
-        small[0][1].copy_(small[0][0], non_blocking=True)
+        if len(self.dsts) > 1:
+            torch._foreach_copy_(self.dsts, self.srcs, non_blocking=True)
+        elif self.dsts:
+            self.dsts[0].copy_(self.srcs[0], non_blocking=True)
