@@ -413,7 +413,8 @@ def against(args, k: int, g: int) -> dict:
                 routed = run_case(args, k, g)["routed"]
                 per_byte.append((routed["seconds"], sum(routed["received_bytes"])))
             (a, a_bytes), (b, b_bytes) = per_byte
-            rounds.append({"seconds": [a, b], "bytes": [a_bytes, b_bytes], "ratio": round(a / a_bytes / (b / b_bytes), 3)})
+            rounds.append({"seconds": [a, b], "bytes": [a_bytes, b_bytes],
+                           "ratio": round(a / a_bytes / (b / b_bytes), 3)})
     finally:
         args.model = first
     return {"trainer_ranks": k, "engine_ranks": g, "layout": args.layout, "rounds": rounds,

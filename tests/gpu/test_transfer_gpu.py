@@ -157,6 +157,35 @@ def test_copy_all_lands_every_byte_of_a_scattered_layout_in_one_launch():
     assert all(not d[:16].any() and not d[16 + s.numel():].any() for s, d in zip(srcs, dsts))
 
 
+def test_a_table_launched_again_goes_through_the_driver_and_copies_and_casts_every_byte():
+    """batched.launch: the first launch of each kernel through Triton, the next straight through the driver
+    (cuLaunchKernel holding the GIL), on a stream of its own: every copy and every cast lands, each launch."""
+    g = torch.Generator().manual_seed(1)
+    sizes = [16 * int(n) for n in torch.randint(1, 40000, (40,), generator=g)]
+    srcs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).cuda() for n in sizes]
+    dsts = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in sizes]
+    masters = [torch.randn(4 * int(n), generator=g).cuda() for n in torch.randint(1, 30000, (20,), generator=g)]
+    halves = [torch.empty(t.numel(), dtype=torch.bfloat16, device="cuda") for t in masters]
+    copies = batched.table(batched.split(list(zip(srcs, dsts)))[0], torch.device("cuda"))
+    casts = batched.table(batched.split(list(zip(masters, halves)), cast=True)[0], torch.device("cuda"), cast=True)
+    stream = torch.cuda.Stream()
+    for step in range(3):
+        for d in dsts + halves:
+            d.zero_()
+        for s in srcs + masters:
+            s.add_(1)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            batched.launch(copies)
+            batched.launch(casts)
+        stream.synchronize()
+        assert all(torch.equal(s, d) for s, d in zip(srcs, dsts)), step
+        assert all(torch.equal(m.to(torch.bfloat16), h) for m, h in zip(masters, halves)), step
+    here = torch.cuda.current_device()
+    assert batched._LAUNCHERS.get((False, here)) and batched._LAUNCHERS.get((True, here)), \
+        f"the driver launches both kernels: {batched._LAUNCHERS}"
+
+
 def test_a_held_scattered_pull_copies_each_steps_new_values_from_the_plan_it_keeps():
     """A receiver that holds a scattered sender's storages keeps, after its first pull, the table of
     copies it launched; later pulls (the sender's tensors changed in place, as a training step does)

@@ -14,6 +14,7 @@ batched. TRITON_INTERPRET=1 runs the kernels on the CPU (tests/unit/test_batched
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import threading
 from collections import OrderedDict
@@ -120,17 +121,62 @@ def rebased(table: Table, old: np.ndarray, new: np.ndarray,
 
 
 def launch(table: Table) -> None:
-    """Queues every copy (or cast) of `table` on the current stream of its device, in one launch."""
+    """Queues every copy (or cast) of `table` on the current stream of its device, in one launch. The first
+    launch of a kernel on a device goes through Triton (which compiles and loads it); the others straight
+    through the driver, holding the GIL (`Launcher`)."""
     rows = table.rows
+    if rows.device.type == "cuda":
+        stream = torch.cuda.current_stream(rows.device)
+        rows.record_stream(stream)  # read there, whoever made it
+        launcher = _LAUNCHERS.get(key := (table.cast, rows.device.index))
+        if launcher is not None:
+            launcher(rows, stream)
+            return
     kernel, block, warps = (_kernel().cast_chunks, CAST_BLOCK, CAST_WARPS) if table.cast else \
         (_kernel().copy_chunks, BLOCK, WARPS)
     run = kernel[(rows.shape[0],)]
     if rows.device.type == "cuda":
         with torch.cuda.device(rows.device):
-            rows.record_stream(torch.cuda.current_stream(rows.device))  # read there, whoever made it
-            run(rows, BLOCK=block, num_warps=warps)
+            compiled = run(rows, BLOCK=block, num_warps=warps)
+        if key not in _LAUNCHERS:  # (None: Triton launches it, every time)
+            _LAUNCHERS[key] = Launcher.of(compiled)
     else:  # only under TRITON_INTERPRET=1
         run(rows, BLOCK=block)
+
+
+class Launcher(NamedTuple):
+    """A compiled table kernel as the driver launches it: its CUfunction, threads a block, dynamic shared memory,
+    and its parameters after the table (Triton's scratch pointers, null where its kernel asks for no scratch)."""
+    function: int
+    threads: int
+    shared: int
+    rest: int  # parameters after the table's address
+
+    @staticmethod
+    def of(compiled) -> Launcher | None:
+        """The launcher of Triton's compiled kernel, or None where it needs more than a table's address and null
+        pointers (scratch memory, clusters, cooperative or programmatic launches): Triton launches it."""
+        from rlsync.transfer import driver
+
+        meta = compiled.metadata
+        if any(getattr(meta, name, 0) for name in ("global_scratch_size", "profile_scratch_size",
+                                                   "launch_cooperative_grid", "launch_pdl")) \
+                or getattr(meta, "num_ctas", 1) != 1 or not getattr(compiled, "function", None):
+            return None
+        sizes = driver.param_sizes(compiled.function)
+        if not sizes or any(size != 8 for size in sizes):
+            return None
+        return Launcher(compiled.function, 32 * meta.num_warps, meta.shared, len(sizes) - 1)
+
+    def __call__(self, rows: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        from rlsync.transfer import driver
+
+        values = (ctypes.c_uint64 * (1 + self.rest))(rows.data_ptr())  # (the rest: zero, null pointers)
+        params = (ctypes.c_void_p * (1 + self.rest))(*(ctypes.addressof(values) + 8 * i for i in range(1 + self.rest)))
+        driver.launch(self.function, rows.shape[0], self.threads, self.shared, params, stream)
+
+
+_LAUNCHERS: dict[tuple[bool, int], Launcher | None] = {}  # (cast, device index) -> how the driver launches it
 
 
 def _indexed(device: torch.device) -> torch.device:

@@ -93,3 +93,41 @@ def write_value(stream: torch.cuda.Stream, address: int, value: int) -> None:
     wrote before is visible (cuStreamWriteValue32). On the legacy default stream the driver takes
     this thread's current context."""
     _call("cuStreamWriteValue32", _P, _U64, _U32, ctypes.c_uint)(stream.cuda_stream, address, value, _WRITE_FENCED)
+
+
+def param_sizes(function: int) -> list[int] | None:
+    """The byte size of each parameter of the kernel `function` (a CUfunction), in order, or None where the
+    driver cannot say (cuFuncGetParamInfo: CUDA 12.4 on)."""
+    try:
+        info = _call("cuFuncGetParamInfo", _P, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t),
+                     ctypes.POINTER(ctypes.c_size_t))
+    except AttributeError:  # an older driver
+        return None
+    sizes, offset, size = [], ctypes.c_size_t(), ctypes.c_size_t()
+    while len(sizes) < 64:
+        try:
+            info(function, len(sizes), ctypes.byref(offset), ctypes.byref(size))
+        except RuntimeError:  # CUDA_ERROR_INVALID_VALUE past the last one
+            return sizes
+        sizes.append(size.value)
+    return None
+
+
+def launch(function: int, grid: int, threads: int, shared: int, params: ctypes.Array, stream: torch.cuda.Stream) \
+        -> None:
+    """Queues the kernel `function` (a CUfunction loaded in the primary context of the stream's device) on
+    `stream`: `grid` blocks of `threads`, `shared` bytes of dynamic shared memory, `params` a pointer to each
+    argument's value (cuLaunchKernel). Holding the GIL: ~10 us, where a launch through Triton's Python beside
+    a busy engine waited for the GIL at each of its CUDA calls."""
+    context, wanted = _P(), _primary(stream.device.index)
+    _call("cuCtxGetCurrent", ctypes.POINTER(_P))(ctypes.byref(context))
+    switched = context.value != wanted
+    if switched:
+        _call("cuCtxSetCurrent", _P)(wanted)
+    try:
+        _call("cuLaunchKernel", _P, *(ctypes.c_uint,) * 7, _P, _P, _P)(
+            function, grid, 1, 1, threads, 1, 1, shared, stream.cuda_stream, ctypes.cast(params, _P), None)
+    finally:
+        if switched:
+            _call("cuCtxSetCurrent", _P)(context)
+

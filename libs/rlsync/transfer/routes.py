@@ -230,8 +230,9 @@ def _per_receiver(groups: Mapping[tuple[int, tuple[int, ...]], list[Piece]]) -> 
         sharing[(src, tuple(sets))].append(dst)
     transfers = []
     for (src, sets), dsts in sorted(sharing.items()):
-        pieces = chain.from_iterable(groups[(src, s)] for s in sets)
-        transfers.append(Transfer(src, tuple(dsts), tuple(sorted(pieces, key=_piece_order) if len(sets) > 1 else pieces)))
+        pieces = chain.from_iterable(groups[(src, s)] for s in sets)  # (each group in tensor order already)
+        ordered = sorted(pieces, key=_piece_order) if len(sets) > 1 else pieces
+        transfers.append(Transfer(src, tuple(dsts), tuple(ordered)))
     return tuple(transfers)
 
 
