@@ -82,3 +82,18 @@ def test_a_pull_of_exactly_a_holders_list_finds_its_mappings_and_memo_in_one_com
     assert held.get_all([b"a", b"z"]) is None
     held.release("trainer")
     assert held.lookup([b"a", b"b", b"a"]) is None and opener.opened == [b"a", b"b"]
+
+
+def test_mapped_answers_a_repeat_of_the_same_handles_at_once_until_a_hold_or_release_comes_between():
+    held = HeldMappings(Opener())
+    held.hold("trainer", [b"a", b"b"], torch.device("cpu"))
+    handles = (b"b", b"a")
+    mappings, memo = held.mapped(handles)
+    assert mappings == [held.get(b"b"), held.get(b"a")] and memo is held.memo(handles)
+    assert held.mapped(handles)[0] is mappings, "the same tuple again: the kept answer"
+    assert held.mapped((b"a", b"z")) is None, "one not held: no answer"
+    held.hold("other", [b"c"], torch.device("cpu"))
+    again = held.mapped(handles)
+    assert again is not None and again[0] is not mappings and again[0] == mappings, "a hold between: looked up anew"
+    held.release("trainer")
+    assert held.mapped(handles) is None, "released: nothing mapped to answer with"

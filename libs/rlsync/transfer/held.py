@@ -43,6 +43,7 @@ class HeldMappings:
         self._index: dict[bytes, torch.Tensor] = {}  # every holder's mappings by handle (get_many)
         self._lists: dict[str, list[torch.Tensor]] = {}  # holder -> its mappings in the order it gave (lookup)
         self._memos: dict[str, dict] = {}  # holder -> what pulls derived from its mappings (see memo)
+        self._last: tuple | None = None  # (handles, the index then, mapped()'s answer): its last answer
 
     def hold(self, holder: str, handles: Iterable[bytes], device: torch.device) -> int:
         """Keeps exactly `handles` mapped for `holder` (those already mapped stay as they are, the
@@ -107,6 +108,28 @@ class HeldMappings:
 
     def _reindex(self) -> None:
         self._index = {h: t for mine in reversed(self._held.values()) for h, t in mine.items()}
+
+    def mapped(self, handles: tuple[bytes, ...]) -> tuple[list[torch.Tensor], dict] | None:
+        """get_all() and memo() of `handles` at once, under one lock: (the mappings, the memo of a holder that keeps
+        them all), else None. The last answer is kept: asked again with the very same tuple while no hold or
+        release came between (each makes a new index), it looks nothing up (a relaunch of 600 storages: one
+        comparison). The list is shared: not to be changed."""
+        with self._lock:
+            last = self._last
+            if last is not None and last[0] is handles and last[1] is self._index:
+                return last[2]
+            index = self._index
+            try:
+                mappings = [index[h] for h in handles]
+            except KeyError:
+                return None
+            wanted = set(handles)
+            holder = next((h for h, mine in self._held.items() if wanted and mine.keys() >= wanted), None)
+            if holder is None:
+                return None
+            found = mappings, self._memos.setdefault(holder, {})
+            self._last = handles, index, found  # (holding the tuple: no other object takes its id meanwhile)
+            return found
 
     def memo(self, handles: tuple[bytes, ...]) -> dict | None:
         """A dict that lives as long as one holder keeps every one of `handles` mapped, unchanged: a pull

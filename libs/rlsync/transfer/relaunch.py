@@ -64,10 +64,10 @@ def relaunch(kept: dict, routing: pb.Routing, specs: Sequence[Spec], rank: int =
     found: Launch | None = kept.get(_KEY)
     if found is None or found.names != _names(routing, rank) or found.specs != tuple(specs):
         return None
-    mappings = held.get_all(list(found.handles))  # taken first: a release or hold after the memo's check keeps them
-    memo = held.memo(found.handles)
-    if mappings is None or memo is None or memo.get(_KEY) is not found.token:
+    both = held.mapped(found.handles)  # (the mappings taken with the memo: a release after the check keeps them)
+    if both is None or both[1].get(_KEY) is not found.token:
         return None
+    mappings = both[0]
     for table in found.tables:
         batched.launch(table)
     return found.nbytes, mappings
