@@ -95,5 +95,9 @@ def test_mapped_answers_a_repeat_of_the_same_handles_at_once_until_a_hold_or_rel
     held.hold("other", [b"c"], torch.device("cpu"))
     again = held.mapped(handles)
     assert again is not None and again[0] is not mappings and again[0] == mappings, "a hold between: looked up anew"
+    import weakref
+    gone = weakref.ref(again[0][0])
     held.release("trainer")
+    del again, mappings, memo
+    assert gone() is None, "released: mapped() keeps no mapping open"
     assert held.mapped(handles) is None, "released: nothing mapped to answer with"

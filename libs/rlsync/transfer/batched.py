@@ -151,6 +151,7 @@ class Launcher(NamedTuple):
     threads: int
     shared: int
     rest: int  # parameters after the table's address
+    compiled: object  # Triton's kernel, kept: it unloads its module when it goes
 
     @staticmethod
     def of(compiled) -> Launcher | None:
@@ -164,13 +165,15 @@ class Launcher(NamedTuple):
                 or getattr(meta, "num_ctas", 1) != 1 or not getattr(compiled, "function", None):
             return None
         sizes = driver.param_sizes(compiled.function)
-        if not sizes or any(size != 8 for size in sizes):
+        if not sizes or len(sizes) > 3 or any(size != 8 for size in sizes):  # (the table, Triton's two scratches)
             return None
-        return Launcher(compiled.function, 32 * meta.num_warps, meta.shared, len(sizes) - 1)
+        return Launcher(compiled.function, 32 * meta.num_warps, meta.shared, len(sizes) - 1, compiled)
 
     def __call__(self, rows: torch.Tensor, stream: torch.cuda.Stream) -> None:
         from rlsync.transfer import driver
 
+        if not rows.shape[0]:  # (nothing to copy: Triton launches no empty grid either)
+            return
         values = (ctypes.c_uint64 * (1 + self.rest))(rows.data_ptr())  # (the rest: zero, null pointers)
         params = (ctypes.c_void_p * (1 + self.rest))(*(ctypes.addressof(values) + 8 * i for i in range(1 + self.rest)))
         driver.launch(self.function, rows.shape[0], self.threads, self.shared, params, stream)

@@ -43,7 +43,7 @@ class HeldMappings:
         self._index: dict[bytes, torch.Tensor] = {}  # every holder's mappings by handle (get_many)
         self._lists: dict[str, list[torch.Tensor]] = {}  # holder -> its mappings in the order it gave (lookup)
         self._memos: dict[str, dict] = {}  # holder -> what pulls derived from its mappings (see memo)
-        self._last: tuple | None = None  # (handles, the index then, mapped()'s answer): its last answer
+        self._last: tuple | None = None  # (handles, mapped()'s answer) since the last hold or release
 
     def hold(self, holder: str, handles: Iterable[bytes], device: torch.device) -> int:
         """Keeps exactly `handles` mapped for `holder` (those already mapped stay as they are, the
@@ -108,6 +108,7 @@ class HeldMappings:
 
     def _reindex(self) -> None:
         self._index = {h: t for mine in reversed(self._held.values()) for h, t in mine.items()}
+        self._last = None  # (what mapped() kept must not keep a released mapping open)
 
     def mapped(self, handles: tuple[bytes, ...]) -> tuple[list[torch.Tensor], dict] | None:
         """get_all() and memo() of `handles` at once, under one lock: (the mappings, the memo of a holder that keeps
@@ -116,8 +117,8 @@ class HeldMappings:
         comparison). The list is shared: not to be changed."""
         with self._lock:
             last = self._last
-            if last is not None and last[0] is handles and last[1] is self._index:
-                return last[2]
+            if last is not None and last[0] is handles:
+                return last[1]
             index = self._index
             try:
                 mappings = [index[h] for h in handles]
@@ -128,7 +129,7 @@ class HeldMappings:
             if holder is None:
                 return None
             found = mappings, self._memos.setdefault(holder, {})
-            self._last = handles, index, found  # (holding the tuple: no other object takes its id meanwhile)
+            self._last = handles, found  # (holding the tuple: no other object takes its id meanwhile)
             return found
 
     def memo(self, handles: tuple[bytes, ...]) -> dict | None:

@@ -321,7 +321,12 @@ def _land_plan(op: Op, base: int, writer: DestWriter, slots: _Slots, device: tor
 
 def _receive(pg, routes, first, writer, bucket_bytes, window, device) -> int:
     ops = schedule(routes, bucket_bytes)
-    plans = writer.memo.setdefault(("plans", bucket_bytes), Plans())  # kept with the writer, as it is with its staging
+    # Kept with the writer, as it is with its staging, for this very schedule: other receivers' pairs in or out of
+    # the group (a replica that pulls now) shift every operation's place in it, which the plans are keyed by.
+    kept = writer.memo.get(("plans", bucket_bytes))
+    if kept is None or kept[0] is not ops:
+        kept = writer.memo[("plans", bucket_bytes)] = ops, Plans()
+    plans = kept[1]
     slots = plans.slots_for(ops, lambda op: op.transfer in first, device)
     with plans.kept_if_done():
         for j, op in enumerate(ops):

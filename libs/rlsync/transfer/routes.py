@@ -5,10 +5,11 @@ its shard, or the whole tensor when replicated) or loads (an engine rank: its te
 or the whole tensor). A box is a [start, stop) range per dimension of the whole tensor. The plan cuts
 each tensor along every box edge of both sides; each cell goes from one trainer rank that holds it
 (the least loaded so far, so replicated tensors are spread) to every engine rank that loads it. Cells
-with the same sender and the same receiver are merged back into boxes: every pair of ranks moves its
-bytes in one stream of buckets. A transfer is one sender, its pieces, and the receivers that take
-exactly those pieces from it (the same tensor-parallel rank of several replicas: packed once, sent to
-each). Grouping cells by their set of receivers instead gave an engine rank two streams from one
+with the same sender, the same receivers and from the same box of the sender are merged back into
+boxes (pieces); a receiver then takes every piece one sender sends it in one transfer, so every pair
+of ranks moves its bytes in one stream of buckets. A transfer is one sender, its pieces (in tensor
+order), and the receivers that take exactly those pieces from it (the same tensor-parallel rank of
+several replicas: packed once, sent to each). Grouping cells by their set of receivers instead gave an engine rank two streams from one
 sender wherever a part of a tensor it loads alone sat beside one others load too (an expert split
 by tensor parallelism beside a replicated norm), each bucket a message more.
 
@@ -138,7 +139,7 @@ class Piece:
 class Transfer:
     src: int  # trainer rank
     dsts: tuple[int, ...]  # the engine ranks that each receive every piece, and nothing else from src
-    pieces: tuple[Piece, ...]  # in tensor order, then box order
+    pieces: tuple[Piece, ...]  # in tensor order (both ends derive the same order)
 
 
 @dataclass(frozen=True)

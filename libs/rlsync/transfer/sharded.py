@@ -852,9 +852,10 @@ class RoutedReceiver:
         return nbytes, bool(launched) and self.keep is not None
 
     def _flat_staging(self, dest: FlatStore) -> tuple[dict[str, tuple[Box, torch.Tensor]], object]:
-        """This rank's staging in `dest`, kept in its memo by the manifest's tensors and the boxes (a repeat makes
-        no tuple per tensor), and a token of it: a FlatStore's views stay where they are for as long as it lives,
-        so the token names where the staging lies (kept.writer) without reading every tensor's address."""
+        """This rank's staging in `dest`, kept in its memo by the manifest's tensors and the boxes (by identity: a
+        caller passes the same mapping, unchanged, at each update), and a token of it: a FlatStore's views stay where
+        they are for as long as it lives, so the token names where the staging lies (kept.writer) without reading
+        every tensor's address."""
         key = ("staging", self.rank, _tensors(self.specs))
         found = self._memo.get(key)
         if found is None or found[0] is not self._boxes:
@@ -909,7 +910,7 @@ class RoutedReceiver:
             threading.Thread(target=self._wake_run, daemon=True, name="rlsync-roster-wake").start()
         if self._queued:  # an armed copy reads the trainer's memory and writes the staging until it ends
             transfer_stream(self.device).synchronize()
-        self.staging = {}
+        self.staging, self._placed = {}, None  # (no kept writer of the staging is found after this)
         pg = self._pg
         if pg is not None:
             try:

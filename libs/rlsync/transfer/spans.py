@@ -167,13 +167,22 @@ def _one_launch(pairs: list[tuple[torch.Tensor, torch.Tensor]], device: torch.de
 
 
 def _copy_each(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    EachCopy(pairs)()
+    small = []
+    for src, dst in pairs:  # (a large one at once: the GPU starts while the rest are still being made)
+        if src.numel() < SMALL:
+            small.append((src, dst))
+        else:
+            dst.copy_(src, non_blocking=True)
+    if len(small) > 1:
+        torch._foreach_copy_([d for _, d in small], [s for s, _ in small], non_blocking=True)
+    elif small:
+        small[0][1].copy_(small[0][0], non_blocking=True)
 
 
 class EachCopy:
-    """dst.copy_(src) of every pair without a batched kernel (a CPU's), laid out once and queued again at each
-    call: a large one a copy_ each, the small ones in one torch._foreach_copy_. A repeat of a hundred small
-    copies (a bucket of experts landing out of its slot) then does no Python per pair."""
+    """_copy_each of the same pairs again and again (a CPU's, without a batched kernel), laid out once: a large one
+    a copy_ each, the small ones in one torch._foreach_copy_. A repeat of a hundred small copies (a bucket of
+    experts landing out of its slot) then does no Python per pair."""
 
     def __init__(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]):
         self.large, small = [], []
