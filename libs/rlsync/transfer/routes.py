@@ -10,8 +10,9 @@ boxes (pieces); a receiver then takes every piece one sender sends it in one tra
 of ranks moves its bytes in one stream of buckets. A transfer is one sender, its pieces (in tensor
 order), and the receivers that take exactly those pieces from it (the same tensor-parallel rank of
 several replicas: packed once, sent to each). Grouping cells by their set of receivers instead gave
-an engine rank two streams from one sender wherever a part of a tensor it loads alone sat beside one others load too (an expert split
-by tensor parallelism beside a replicated norm), each bucket a message more.
+an engine rank two streams from one sender wherever a part of a tensor it loads alone sat beside one
+others load too (an expert split by tensor parallelism beside a replicated norm), each bucket a
+message more.
 
 Every byte an engine rank loads comes from exactly one trainer rank, once; a trainer rank sends a
 byte it alone holds at most once to each engine rank that loads it. Like bucket planning, the plan is
