@@ -14,6 +14,7 @@ here can deadlock with a thread that waits for the GIL.
 from __future__ import annotations
 
 import ctypes
+from contextlib import contextmanager
 from functools import cache
 
 import torch
@@ -45,20 +46,26 @@ def _primary(index: int) -> int:
     return context.value
 
 
-def _queue_on(stream: torch.cuda.Stream, name: str, argtypes: tuple, *args) -> None:
-    """Calls `name` (it queues work on `stream`, passed last) in the primary context of the
-    stream's device, current for the call only: a thread that has not called into CUDA has none,
-    and one may have another device's current, which it keeps."""
-    context, wanted = _P(), _primary(stream.device.index)
+@contextmanager
+def _primary_current(index: int):
+    """Device `index`'s primary context current for the block only: a thread that has not called into CUDA
+    has none, and one may have another device's current, which it keeps."""
+    context, wanted = _P(), _primary(index)
     _call("cuCtxGetCurrent", ctypes.POINTER(_P))(ctypes.byref(context))
     switched = context.value != wanted
     if switched:
         _call("cuCtxSetCurrent", _P)(wanted)
     try:
-        _call(name, *argtypes, _P)(*args, stream.cuda_stream)
+        yield
     finally:
         if switched:
             _call("cuCtxSetCurrent", _P)(context)
+
+
+def _queue_on(stream: torch.cuda.Stream, name: str, argtypes: tuple, *args) -> None:
+    """Calls `name` (it queues work on `stream`, passed last) in the primary context of the stream's device."""
+    with _primary_current(stream.device.index):
+        _call(name, *argtypes, _P)(*args, stream.cuda_stream)
 
 
 def copy(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
@@ -119,15 +126,7 @@ def launch(function: int, grid: int, threads: int, shared: int, params: ctypes.A
     `stream`: `grid` blocks of `threads`, `shared` bytes of dynamic shared memory, `params` a pointer to each
     argument's value (cuLaunchKernel). Holding the GIL: ~10 us, where a launch through Triton's Python beside
     a busy engine waited for the GIL at each of its CUDA calls."""
-    context, wanted = _P(), _primary(stream.device.index)
-    _call("cuCtxGetCurrent", ctypes.POINTER(_P))(ctypes.byref(context))
-    switched = context.value != wanted
-    if switched:
-        _call("cuCtxSetCurrent", _P)(wanted)
-    try:
+    with _primary_current(stream.device.index):
         _call("cuLaunchKernel", _P, *(ctypes.c_uint,) * 7, _P, _P, _P)(
             function, grid, 1, 1, threads, 1, 1, shared, stream.cuda_stream, ctypes.cast(params, _P), None)
-    finally:
-        if switched:
-            _call("cuCtxSetCurrent", _P)(context)
 
