@@ -100,11 +100,14 @@ class HeldMappings:
     def get_all(self, handles: list[bytes]) -> list[torch.Tensor] | None:
         """get() of each handle when each is held (by any holder), else None."""
         with self._lock:
-            index = self._index
-            try:
-                return [index[h] for h in handles]
-            except KeyError:
-                return None
+            return self._get_all(handles)
+
+    def _get_all(self, handles) -> list[torch.Tensor] | None:
+        index = self._index
+        try:
+            return [index[h] for h in handles]
+        except KeyError:
+            return None
 
     def _reindex(self) -> None:
         self._index = {h: t for mine in reversed(self._held.values()) for h, t in mine.items()}
@@ -119,29 +122,26 @@ class HeldMappings:
             last = self._last
             if last is not None and last[0] is handles:
                 return last[1]
-            index = self._index
-            try:
-                mappings = [index[h] for h in handles]
-            except KeyError:
+            mappings = self._get_all(handles)
+            memo = self._memo(handles) if mappings is not None else None
+            if memo is None:
                 return None
-            wanted = set(handles)
-            holder = next((h for h, mine in self._held.items() if wanted and mine.keys() >= wanted), None)
-            if holder is None:
-                return None
-            found = mappings, self._memos.setdefault(holder, {})
-            self._last = handles, found  # (holding the tuple: no other object takes its id meanwhile)
-            return found
+            self._last = handles, (mappings, memo)  # (holding the tuple: no other object takes its id meanwhile)
+            return self._last[1]
 
     def memo(self, handles: tuple[bytes, ...]) -> dict | None:
         """A dict that lives as long as one holder keeps every one of `handles` mapped, unchanged: a pull
         keeps there the views it cuts from them (slicing 399 storages costs as much CPU as copying them
         takes the GPU), so a pull from the same memory into the same layout cuts none. None when no
         holder keeps them all."""
-        wanted = set(handles)
         with self._lock:
-            for holder, mine in self._held.items():
-                if wanted and mine.keys() >= wanted:
-                    return self._memos.setdefault(holder, {})
+            return self._memo(handles)
+
+    def _memo(self, handles) -> dict | None:
+        wanted = set(handles)
+        for holder, mine in self._held.items():
+            if wanted and mine.keys() >= wanted:
+                return self._memos.setdefault(holder, {})
         return None
 
     def count(self) -> int:

@@ -686,6 +686,7 @@ class RoutedReceiver:
         self.trainer: Layout | None = None  # read when armed, else at run() (trainer_layout)
         layout_of(self.specs, answer.layout)  # a layout that does not fit the manifest is refused now
         self._boxes = boxes  # (its staging's boxes: whole tensors when None)
+        self._flat: list | None = None  # into a FlatStore: its memo's entry of this staging (_flat_staging)
         # (the staging, and what names where it lies for kept.writer: into a FlatStore, kept in its memo)
         self.staging, self._placed = self._flat_staging(dest) if self._memo is not None else (_staging(
             self.specs, dest, boxes), None)
@@ -858,20 +859,19 @@ class RoutedReceiver:
         every tensor's address."""
         key = ("staging", self.rank, _tensors(self.specs))
         found = self._memo.get(key)
-        if found is None or found[0] is not self._boxes:
-            found = self._memo[key] = self._boxes, _staging(self.specs, dest.views, self._boxes), object()
+        if found is None or found[0] is not self._boxes:  # (boxes, staging, token, its staging_layout once asked)
+            found = self._memo[key] = [self._boxes, _staging(self.specs, dest.views, self._boxes), object(), None]
+        self._flat = found
         return found[1], found[2]
 
     def _staging_layout(self) -> tuple[tuple, np.ndarray] | None:
-        """kept.staging_layout of this rank's staging into a FlatStore, kept in its memo (its views stay where they
-        are for as long as it lives) by the tensors' names and boxes; None into anything else."""
-        if self._memo is None:
+        """kept.staging_layout of this rank's staging into a FlatStore, kept with it in the store's memo
+        (_flat_staging); None into anything else."""
+        if self._flat is None:
             return None
-        key = ("staging_layout", self.rank, tuple(self.staging))
-        found = self._memo.get(key)
-        if found is None or found[0] is not self._boxes:
-            found = self._memo[key] = self._boxes, kept.staging_layout(self.staging)
-        return found[1]
+        if self._flat[3] is None:
+            self._flat[3] = kept.staging_layout(self._flat[1])
+        return self._flat[3]
 
     def _receive(self, store, routes: Routes, me: int, answers: Sequence[pb.Answer], profile: dict) -> int:
         """The pieces that come over the group (every member joins it, with or without pieces of its own)."""

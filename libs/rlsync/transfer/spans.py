@@ -173,10 +173,14 @@ def _copy_each(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
             small.append((src, dst))
         else:
             dst.copy_(src, non_blocking=True)
-    if len(small) > 1:
-        torch._foreach_copy_([d for _, d in small], [s for s, _ in small], non_blocking=True)
-    elif small:
-        small[0][1].copy_(small[0][0], non_blocking=True)
+    _copy_small([d for _, d in small], [s for s, _ in small])
+
+
+def _copy_small(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    if len(dsts) > 1:
+        torch._foreach_copy_(dsts, srcs, non_blocking=True)
+    elif dsts:
+        dsts[0].copy_(srcs[0], non_blocking=True)
 
 
 class EachCopy:
@@ -193,7 +197,4 @@ class EachCopy:
     def __call__(self) -> None:
         for src, dst in self.large:
             dst.copy_(src, non_blocking=True)
-        if len(self.dsts) > 1:
-            torch._foreach_copy_(self.dsts, self.srcs, non_blocking=True)
-        elif self.dsts:
-            self.dsts[0].copy_(self.srcs[0], non_blocking=True)
+        _copy_small(self.dsts, self.srcs)
