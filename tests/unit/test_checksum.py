@@ -61,6 +61,29 @@ def test_the_sums_of_any_cut_of_a_tensor_add_up_to_its_checksum(shape, dtype, pa
     assert from_sums(t.numel() * t.element_size(), s1, s2) == checksum_tensor(t)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 7), min_size=1, max_size=3), st.sampled_from([torch.bfloat16, torch.float32, torch.int8]),
+       st.integers(1, 3), st.integers(1, 4), st.data())
+def test_alike_boxes_of_many_tensors_summed_together_add_up_to_each_ones_checksum(shape, dtype, tensors, parts, data):
+    """box_sums_many: the same cut of several tensors of one shape (one expert's slice of each expert), its boxes
+    summed together, stacked, and in batches smaller than the boxes: each tensor's boxes add up to its checksum."""
+    from rlsync.transfer import checksum
+    from rlsync.transfer.routes import chunks, whole
+
+    dim = data.draw(st.integers(0, len(shape) - 1))
+    boxes = [tuple((a, b) if d == dim else w for d, w in enumerate(whole(shape)))
+             for a, b in chunks(shape[dim], parts) if b > a]
+    ts = [(torch.randn(shape) * 100).to(dtype) for _ in range(tensors)]
+    items = [(k, box) for box in boxes for k in range(tensors)]
+    for held in (checksum.BATCH_BYTES, data.draw(st.integers(1, 64))):  # (a batch a box or a few: flushed as it goes)
+        sums = checksum.box_sums_many(((ts[k][tuple(slice(x, y) for x, y in box)], box, tuple(shape))
+                                       for k, box in items), held_bytes=held)
+        for k, t in enumerate(ts):
+            mine = [s for (j, _), s in zip(items, sums) if j == k]
+            s1, s2 = sum(a for a, _ in mine), sum(b for _, b in mine)
+            assert checksum.from_sums(t.numel() * t.element_size(), s1, s2) == checksum_tensor(t)
+
+
 def test_many_tensors_at_once_equal_one_at_a_time():
     """checksum_tensors / audit (off a GPU: one Checksums, read once) give each tensor's own checksum:
     odd sizes, unaligned and non-contiguous views, an empty tensor, mixed dtypes."""

@@ -22,7 +22,7 @@ from rlsync.errors import InvalidArgument
 from rlsync.checkpoint_names import View
 from rlsync.publish.mapping import Entry
 from rlsync.transfer import kept
-from rlsync.transfer.checksum import box_sums
+from rlsync.transfer.checksum import box_sums_many
 from rlsync.transfer.routes import Box, Layout, Piece, TensorInfo, chunk, contains, layout, relative, share, whole
 
 try:
@@ -253,12 +253,13 @@ def checksum_shares(layout, rank: int, piece: Callable[[Piece], torch.Tensor], s
                     cast_to: Callable[[Piece], torch.dtype | None]) -> list[tuple[int, int]]:
     """Rank `rank`'s share of each tensor's checksum sums over the pieces `share` gives it, each piece's
     floating values cast to `cast_to(piece)` when that is not None (RankShards, QuantizedShards)."""
-    sums = [(0, 0)] * len(shapes)
-    for p in share(layout, rank):
+    def cast(p: Piece) -> torch.Tensor:
         values, dtype = piece(p), cast_to(p)
-        if dtype is not None and values.is_floating_point():
-            values = values.to(dtype)
-        s1, s2 = box_sums(values, p.box, shapes[p.tensor])
+        return values.to(dtype) if dtype is not None and values.is_floating_point() else values
+
+    sums = [(0, 0)] * len(shapes)
+    pieces = list(share(layout, rank))
+    for p, (s1, s2) in zip(pieces, box_sums_many((cast(p), p.box, shapes[p.tensor]) for p in pieces)):
         sums[p.tensor] = (sums[p.tensor][0] + s1, sums[p.tensor][1] + s2)
     return sums
 

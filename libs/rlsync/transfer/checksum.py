@@ -11,7 +11,7 @@ H200, every decode step of an engine sharing the process held up behind it).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -172,34 +172,76 @@ def box_sums(values: torch.Tensor, box: tuple[tuple[int, int], ...], shape: tupl
     """What a box of a tensor adds to the tensor's checksum sums (s1, s2), its bytes counted at their
     places in the whole tensor: since a word is the sum of its bytes times 256^(place mod 8), the sums
     of a tensor cut into parts are the sums of its parts, modulo 2^64, however it is cut. `values`:
-    the box's elements (its shape). Rows of the box go a few at a time (positions take 8 bytes a byte)."""
-    values = values.detach().contiguous()
-    if not values.numel():
-        return 0, 0
-    itemsize = values.element_size()
-    strides = [1] * len(shape)
+    the box's elements (its shape)."""
+    return box_sums_many([(values, box, shape)])[0]
+
+
+BATCH_BYTES = 64 << 20  # values box_sums_many holds at once (a caller's pieces may be copies: cast on the way)
+
+
+def box_sums_many(boxes: Iterable[tuple[torch.Tensor, tuple[tuple[int, int], ...], tuple[int, ...]]],
+                  held_bytes: int = BATCH_BYTES) -> list[tuple[int, int]]:
+    """box_sums of each (values, box, shape), taken from `boxes` as it goes (`held_bytes` of values at most held
+    at once). Boxes alike (the same box of tensors of one shape and dtype: one expert's slice of each expert) are
+    summed together, stacked: a few operations for all of them, where a mixture of experts has hundreds of boxes
+    to sum at every verified update."""
+    out, batch, held = [], [], 0
+    for item in boxes:
+        batch.append(item)
+        held += item[0].numel() * item[0].element_size()
+        if held >= held_bytes:
+            out += _alike_sums(batch)
+            batch, held = [], 0
+    return out + _alike_sums(batch)
+
+
+def _alike_sums(boxes: Sequence[tuple[torch.Tensor, tuple[tuple[int, int], ...], tuple[int, ...]]]) \
+        -> list[tuple[int, int]]:
+    alike: dict[tuple, list[int]] = {}
+    for k, (values, box, shape) in enumerate(boxes):
+        if values.numel():
+            alike.setdefault((values.dtype, values.device, tuple(box), tuple(shape)), []).append(k)
+    out = [(0, 0)] * len(boxes)
+    for (_, _, box, shape), ks in alike.items():
+        stacked = torch.stack([boxes[k][0].detach() for k in ks]) if len(ks) > 1 else \
+            boxes[ks[0]][0].detach().contiguous().unsqueeze(0)  # (one: no copy of it)
+        for k, (s1, s2) in zip(ks, _stacked_sums(stacked, box, shape)):
+            out[k] = s1 & _MASK, s2 & _MASK
+    return out
+
+
+def _stacked_sums(stacked: torch.Tensor, box: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> list[list[int]]:
+    """[s1, s2] of each of the P boxes `stacked` holds ([P, *the box's shape]), all at the same `box` of a tensor
+    of `shape`. Each row of a box (its last dimension) is one run of bytes in the whole tensor: runs that start
+    at the same place in a word are read as words at once, as _sums reads a tensor. One read back."""
+    itemsize, device, count = stacked.element_size(), stacked.device, stacked.shape[0]
+    box = box or ((0, 1),)  # (a 0-d tensor: one run of one element)
+    strides = [1] * len(box)
     for d in range(len(shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * shape[d + 1]
-    device = values.device
-    within = torch.arange(itemsize, device=device, dtype=torch.int64)
-    s1 = s2 = 0
-    rows = values.shape[0] if values.dim() else 1
-    per_row = max(values[0].numel() if values.dim() else 1, 1)
-    step = max(1, (1 << 20) // (per_row * itemsize))
-    for r0 in range(0, rows, step):
-        part = values[r0:r0 + step] if values.dim() else values
-        index = torch.zeros((), dtype=torch.int64, device=device)
-        for d, ((start, stop), stride) in enumerate(zip(box, strides)):
-            lo = start + (r0 if d == 0 else 0)
-            hi = min(stop, lo + step) if d == 0 else stop
-            axis = torch.arange(lo, hi, device=device, dtype=torch.int64) * stride
-            index = index.unsqueeze(-1) + axis if d else axis  # the element's place in the whole tensor
-        pos = (index.reshape(-1, 1) * itemsize + within).reshape(-1)
-        data = part.reshape(-1).view(torch.uint8).to(torch.int64)
-        weighted = data * torch.bitwise_left_shift(torch.ones_like(pos), (pos % 8) * 8)  # wraps: arithmetic mod 2^64
-        s1 += int(weighted.sum())
-        s2 += int((weighted * (pos // 8 + 1)).sum())
-    return s1 & _MASK, s2 & _MASK
+    start = torch.zeros((), dtype=torch.int64, device=device)  # each run's first element in the whole tensor
+    for (a, b), stride in zip(box[:-1], strides):
+        start = start.unsqueeze(-1) + torch.arange(a, b, device=device, dtype=torch.int64) * stride
+    start = (start.reshape(-1) + box[-1][0]) * itemsize
+    width = (box[-1][1] - box[-1][0]) * itemsize
+    rows = stacked.reshape(count, -1, width // itemsize).view(torch.uint8)
+    shifts = start % 8
+    sums = torch.zeros(2, count, dtype=torch.int64, device=device)  # int64 arithmetic wraps: modulo 2^64
+    for shift in (shifts.unique().tolist() if len(shifts) > 1 else [int(shifts)]):
+        at = slice(None) if len(shifts) == 1 else (shifts == shift).nonzero().reshape(-1)
+        part, first = rows[:, at], (start[at] - shift) // 8  # each run's first word
+        words = -(-(shift + width) // 8)
+        if shift == 0 and width % 8 == 0 and part.data_ptr() % 8 == 0 and part.is_contiguous():
+            padded = part
+        else:  # the runs' bytes at their places in their words, zeros around them
+            padded = torch.zeros(count, part.shape[1], words * 8, dtype=torch.uint8, device=device)
+            padded[:, :, shift:shift + width] = part
+        w = padded.view(torch.int64)
+        row_sums, col_sums = w.sum(dim=2), w.sum(dim=1)
+        places = torch.arange(1, words + 1, device=device, dtype=torch.int64)
+        sums[0] += row_sums.sum(dim=1)
+        sums[1] += (row_sums * first).sum(dim=1) + (col_sums * places).sum(dim=1)
+    return sums.t().tolist()
 
 
 def from_sums(nbytes: int, s1: int, s2: int) -> str:

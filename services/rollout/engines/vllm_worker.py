@@ -30,7 +30,7 @@ from rlsync.rollout.engines.vllm_versions import TokenCounts
 from rlsync.rollout.staging import StagedUpdate, ensure_room
 from rlsync.transfer import answer, audit, from_proto
 from rlsync.transfer.armed import Bell
-from rlsync.transfer.checksum import box_sums
+from rlsync.transfer.checksum import box_sums_many
 from rlsync.transfer.dtypes import dtype_name
 from rlsync.transfer.handshake import NAMES, local_facts, same_gpu
 from rlsync.transfer.receiver import Receiver
@@ -418,13 +418,16 @@ class RlsyncWorkerExtension:
         specs = from_proto(update.receiver.offer.manifest)
         views = staging.views()
         out = {s.name: [dtype_name(s.dtype), list(s.shape), s.nbytes, 0, 0] for s in specs}
-        for p in share(layout_of(specs, update.receiver.answer.layout), self.rank):
-            s = specs[p.tensor]
-            region = relative(p.box, staging.boxes[s.name])
-            values = views[s.name][tuple(slice(a, b) for a, b in region)] if region else views[s.name]
-            s1, s2 = box_sums(values, p.box, s.shape)
-            out[s.name][3] += s1
-            out[s.name][4] += s2
+        pieces = share(layout_of(specs, update.receiver.answer.layout), self.rank)
+
+        def values(p):
+            name = specs[p.tensor].name
+            region = relative(p.box, staging.boxes[name])
+            return views[name][tuple(slice(a, b) for a, b in region)] if region else views[name]
+
+        for p, (s1, s2) in zip(pieces, box_sums_many((values(p), p.box, specs[p.tensor].shape) for p in pieces)):
+            out[specs[p.tensor].name][3] += s1
+            out[specs[p.tensor].name][4] += s2
         return out
 
     def rlsync_abort(self) -> None:
