@@ -62,8 +62,8 @@ def test_the_sums_of_any_cut_of_a_tensor_add_up_to_its_checksum(shape, dtype, pa
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.integers(1, 7), min_size=1, max_size=3), st.sampled_from([torch.bfloat16, torch.float32, torch.int8]),
-       st.integers(1, 3), st.integers(1, 4), st.data())
+@given(st.lists(st.integers(1, 7), min_size=1, max_size=3),
+       st.sampled_from([torch.bfloat16, torch.float32, torch.int8]), st.integers(1, 3), st.integers(1, 4), st.data())
 def test_alike_boxes_of_many_tensors_summed_together_add_up_to_each_ones_checksum(shape, dtype, tensors, parts, data):
     """box_sums_many: the same cut of several tensors of one shape (one expert's slice of each expert), its boxes
     summed together, stacked, and in batches smaller than the boxes: each tensor's boxes add up to its checksum."""
