@@ -13,6 +13,8 @@ engine rank receives only the boxes it loads), for K trainer ranks (FSDP2 over g
     python bench/sharded.py --model tiny-moe --experts 28   # the tiny MoE as many bytes as the dense tiny (0.93 MB)
     python bench/sharded.py --model tiny-moe --experts 28 --against tiny --rounds 7 --trainer-ranks 2 --engine-ranks 2
                                         # ... and the dense tiny, case by case in turn: seconds per byte, MoE / dense
+    python bench/sharded.py --model tiny-moe --experts 128 --layers 48 --trainer-ranks 2 --engine-ranks 2
+                                        # Qwen3-30B-A3B's count of tensors (18 867, each tiny): the work per tensor
     BENCH_PROFILE=/tmp/prof python bench/sharded.py ...   # each worker writes a cProfile of its timed repeats
 
 On one GPU every trainer rank and engine rank shares the GPU: the receivers pull their boxes over CUDA
@@ -457,6 +459,8 @@ def main() -> None:
     parser.add_argument("--model", default="", help="a real model instead of a preset's shapes: tiny, tiny-moe, a path")
     parser.add_argument("--experts", type=int, default=0, help="with --model tiny-moe: this many experts (28: as many "
                         "bytes as --model tiny, so that the two compare per byte with their fixed costs alike)")
+    parser.add_argument("--layers", type=int, default=0, help="with --model tiny-moe: this many layers (48 layers of "
+                        "128 experts: Qwen3-30B-A3B's 18 867 tensors, each tiny)")
     parser.add_argument("--layouts", default="tp", help="engine layouts to run, comma-separated: tp, ep (experts "
                         "whole on the rank that owns them)")
     parser.add_argument("--layout", default="tp", help=argparse.SUPPRESS)
@@ -477,10 +481,12 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    if args.experts:
+    if args.experts or args.layers:
         from rlsync.models import TinyMoeRecipe, ensure_tiny_moe
 
-        args.model = str(ensure_tiny_moe(TinyMoeRecipe(num_experts=args.experts)))
+        shape = {"num_experts": args.experts or TinyMoeRecipe.num_experts,
+                 "num_hidden_layers": args.layers or TinyMoeRecipe.num_hidden_layers}
+        args.model = str(ensure_tiny_moe(TinyMoeRecipe(**shape)))
     cases, compared = [], []
     for layout in args.layouts.split(","):
         args.layout = layout

@@ -22,6 +22,17 @@ from rlsync.transfer.routes import Box, Transfer
 from rlsync.transfer.writer import DestWriter
 
 
+class HashedKey(tuple):
+    """A tuple that hashes its items once: a cache key of thousands of them (a mixture of experts' tensors), looked
+    up several times an update, where a tuple hashes every item at every lookup."""
+
+    def __init__(self, items: Iterable = ()):
+        self._hash = tuple.__hash__(self)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
 def where(tensors: Iterable[torch.Tensor]) -> tuple:
     """Where each tensor lies (address, dtype, shape, strides, device): equal only while none has moved.
     A caller keeps the storages alive meanwhile (a trainer's exported handles, an engine's staging), so
@@ -135,6 +146,6 @@ def writer(mine: Sequence[Transfer], rank: int, specs: Sequence[Spec],
     where_ = (placed,) if placed is not None else (tuple(s.dtype for s in specs), staging_where(staging))
     key = (rank, device, *(id(t.pieces) for t in mine), *where_)
     _, laid = writers.get(key, lambda: ([t.pieces for t in mine], DestWriter(*lay_out(), device)))
-    if not all(laid.direct):  # it casts through buffers of its own: not kept between updates (memory, not time)
+    if not laid.in_place:  # it casts through buffers of its own: not kept between updates (memory, not time)
         writers.clear()
     return laid.again()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -32,17 +32,22 @@ def build_manifest(tensors: Mapping[str, torch.Tensor], version: int, checksums:
     return to_proto([Spec.of(n, t, checksums) for n, t in tensors.items()], version)
 
 
-def to_proto(specs: list[Spec], version: int, fmt: pb.WeightFormat | None = None) -> pb.Manifest:
+def to_proto(specs: Sequence[Spec], version: int, fmt: pb.WeightFormat | None = None) -> pb.Manifest:
     """fmt: the format the sender quantized to (Manifest.format), if any."""
-    manifest = pb.Manifest.FromString(_tensor_list(tuple(specs)))
+    global _LAST_LIST
+    last = _LAST_LIST
+    if last[0] is not specs:  # (a sender offers its own tuple at every step: not even hashed again)
+        last = _LAST_LIST = (specs if type(specs) is tuple else None), _tensor_list(tuple(specs))
+    manifest = pb.Manifest.FromString(last[1])
     manifest.version = version
     if fmt is not None and fmt.HasField("fp8"):
         manifest.format.CopyFrom(fmt)
     return manifest
 
 
-def from_proto(manifest: pb.Manifest) -> list[Spec]:
-    """Specs of a received manifest; refuses one that is inconsistent with itself."""
+def from_proto(manifest: pb.Manifest) -> tuple[Spec, ...]:
+    """Specs of a received manifest; refuses one that is inconsistent with itself. The same tensors give the same
+    tuple (kept by their bytes): what is keyed by them is found by identity at the next update."""
     raw = manifest.SerializeToString()
     rest = pb.Manifest(version=manifest.version)  # what follows the tensors when serialized
     if manifest.HasField("adapter"):
@@ -50,7 +55,10 @@ def from_proto(manifest: pb.Manifest) -> list[Spec]:
     if manifest.HasField("format"):
         rest.format.CopyFrom(manifest.format)
     tail = rest.SerializeToString()
-    return list(_parsed(raw[:len(raw) - len(tail)] if raw.endswith(tail) else raw))
+    return _parsed(raw[:len(raw) - len(tail)] if raw.endswith(tail) else raw)
+
+
+_LAST_LIST: tuple = (None, b"")  # the last tuple of specs to_proto listed, and its tensor list
 
 
 # A trainer offers the same tensors at every step, and a replica parses each offer more than once:

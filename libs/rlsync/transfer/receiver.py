@@ -119,7 +119,7 @@ class Receiver:
         self.writer = DestWriter(self.specs, dest, self.device)
         self._held_pull = 0  # bytes of the pull run() made from held storages: what arm() may queue again
         self.handed = handed_over(self.device)  # dest as the caller's stream leaves it (rlsync.transfer.streams)
-        if answer.delta and not all(self.writer.direct):
+        if answer.delta and not self.writer.in_place:
             raise InvalidArgument("delta updates land bytes as sent: every destination must be contiguous, in the "
                                   "manifest's dtype (answer without base_version to have them cast)")
         self.channel = channel(answer.backend)

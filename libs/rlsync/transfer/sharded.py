@@ -41,6 +41,7 @@ from rlsync.errors import (Aborted, DataLoss, DeadlineExceeded, FailedPreconditi
 from rlsync.transfer import kept, pulls, relaunch, routed, routed_groups
 from rlsync.transfer.control import Deadline
 from rlsync.transfer.handshake import NAMES, PROTOCOL_VERSION, local_facts
+from rlsync.transfer.kept import HashedKey
 from rlsync.transfer.manifest import Spec, from_proto, to_proto
 from rlsync.flat import FlatStore
 from rlsync.transfer.routes import Box, Layout, Piece, Routes, TensorInfo, cached_routes, layout, whole
@@ -67,15 +68,17 @@ def layout_of(specs: Sequence[Spec], ranks: Sequence[pb.RankLayout]) -> Layout:
     return _layout_of(_tensors(specs), tuple(r.SerializeToString() for r in ranks))
 
 
-def _tensors(specs: Sequence[Spec]) -> tuple[tuple, ...]:
-    """The manifest's tensors as a layout knows them, (name, dtype, shape, nbytes) each: a cache key. The last
-    tuple of specs asked about is kept with its key (a receiver asks about its own several times per update;
-    a tuple cannot change, and held here, no other object takes its id)."""
+def _tensors(specs: Sequence[Spec]) -> HashedKey:
+    """The manifest's tensors as a layout knows them, (name, dtype, shape, nbytes) each: a cache key, hashed once
+    (a mixture of experts lists tens of thousands: hashed at each lookup, it cost milliseconds each). The last tuple
+    of specs asked about is kept with its key (a receiver asks about its own several times per update, and
+    from_proto gives the same tuple for the same tensors at the next; a tuple cannot change, and held here, no other
+    object takes its id)."""
     global _LAST_TENSORS
     last = _LAST_TENSORS
     if last[0] is specs:
         return last[1]
-    key = tuple(s[:4] for s in specs)
+    key = HashedKey(s[:4] for s in specs)
     if type(specs) is tuple:
         _LAST_TENSORS = specs, key
     return key
@@ -404,7 +407,7 @@ class ShardedSender:
         (RankShards.where); by default kept.where of held()'s tensors.
         source: a piece's values where they lie and the dtype they travel in (RankShards.piece_source), so that
         the pieces of a bucket are packed into it in one launch (routed.send)."""
-        self.layout, self.specs, self.rank, self.piece, self.held = layout, list(specs), rank, piece, held
+        self.layout, self.specs, self.rank, self.piece, self.held = layout, tuple(specs), rank, piece, held
         self.source = source
         self.where = where or (lambda: kept.where(t for tensors in held() for t in tensors))
         self.world, self.bucket_bytes = layout.ranks, bucket_bytes

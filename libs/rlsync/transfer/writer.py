@@ -56,14 +56,15 @@ class DestWriter:
         # All destinations back to back in one buffer (flat engine weights): one view of them all.
         self.whole = flat.whole_for(specs) if flat is not None else None
         if self.whole is not None:
-            self.direct = [True] * len(specs)
+            self.direct, self.in_place = [True] * len(specs), True
             return
         self.tensors  # noqa: B018 - every destination is checked now, before any byte moves
         self.direct = [t is not None and t.dtype == spec.dtype and t.is_contiguous()
                        for t, spec in zip(self.tensors, specs)]  # its bytes land in place
-        if not all(self.direct):
+        self.in_place = all(self.direct)  # every tensor's bytes land in place: none is copied once complete
+        if not self.in_place:
             self.targets  # noqa: B018 - buffers to cast from are allocated now, before any byte moves
-        self.whole = self._whole() if all(self.direct) else None
+        self.whole = self._whole() if self.in_place else None
         self._empty()
 
     def again(self) -> DestWriter:
@@ -75,10 +76,15 @@ class DestWriter:
 
     def _empty(self) -> None:
         """Empty tensors are complete before any byte moves."""
-        if self.whole is None and 0 in map(_nbytes, self.specs):
-            for i, spec in enumerate(self.specs):
-                if spec.nbytes == 0:
-                    self._complete(i)
+        if self.whole is None:
+            for i in self._sizes[1]:
+                self._complete(i)
+
+    @cached_property
+    def _sizes(self) -> tuple[list[int], list[int], bool]:
+        """(each tensor's bytes, the empty tensors, whether any has a checksum): what every update checks again."""
+        sizes = list(map(_nbytes, self.specs))
+        return sizes, [i for i, n in enumerate(sizes) if n == 0], any(map(_checksum, self.specs))
 
     @cached_property
     def tensors(self) -> list[torch.Tensor | None]:
@@ -164,10 +170,15 @@ class DestWriter:
         """mark() of every (tensor index, bytes), in one loop (a bucket of a mixture of experts lands hundreds
         of pieces: a call each was most of a repeat's Python per piece)."""
         PROGRESS.advance(len(marks))  # bytes landing are progress, whatever the event loop does meanwhile
-        received, specs = self.received, self.specs
+        received = self.received
+        if self.in_place:  # (a tensor complete has nothing more to do)
+            for index, nbytes in marks:
+                received[index] += nbytes
+            return
+        sizes = self._sizes[0]
         for index, nbytes in marks:
             received[index] += nbytes
-            if received[index] == specs[index].nbytes:
+            if received[index] == sizes[index]:
                 self._complete(index)
 
     def mark(self, index: int, nbytes: int) -> None:
@@ -233,7 +244,7 @@ class DestWriter:
 
     def _plan_key(self, plans: dict | None, kind: str) -> tuple | None:
         """Where a kept launch may serve (every destination in place): the destinations' addresses."""
-        if plans is None or not all(self.direct):
+        if plans is None or not self.in_place:
             return None
         whole = self.whole  # laid out as the manifest (whose sizes `plans` is kept for): its address says all
         return (kind, whole.data_ptr()) if whole is not None else (kind, *self.pointers)
@@ -298,18 +309,19 @@ class DestWriter:
     def finish(self) -> int:
         """Checks that every byte arrived (and per-tensor checksums, when the manifest has them);
         returns the bytes received."""
-        if not self.landed and self.received != [s.nbytes for s in self.specs]:
+        sizes, _, checked = self._sizes
+        if not self.landed and self.received != sizes:
             short = [(s.name, got, s.nbytes) for s, got in zip(self.specs, self.received) if got != s.nbytes]
             name, got, want = short[0]
             raise DataLoss(f"transfer truncated: {len(short)} tensor(s) incomplete, e.g. {name!r} got "
                            f"{got} of {want} bytes; the destination must not be used")
-        for i, spec in enumerate(self.specs if any(map(_checksum, self.specs)) else ()):
+        for i, spec in enumerate(self.specs if checked else ()):
             if spec.checksum:
                 got = checksum_bytes(self.targets[i])
                 if got != spec.checksum:
                     raise DataLoss(f"checksum mismatch for {spec.name!r} (sent {spec.checksum}, received {got}): "
                                    "the bytes were corrupted on the way; the destination must not be used")
-        return sum(map(_nbytes, self.specs)) if self.landed else sum(self.received)
+        return sum(sizes) if self.landed else sum(self.received)
 
 
 _nbytes, _checksum = attrgetter("nbytes"), attrgetter("checksum")
