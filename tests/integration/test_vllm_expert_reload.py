@@ -1,7 +1,8 @@
 """vLLM's in-place reload of a mixture of experts on its CPU build (0.32), in this process: on its own it leaves
 the experts as loaded where its kernel reads them prepacked, which the replica's read-back of the live experts
-names; through rlsync's commit path (vllm_experts: processed as at first load) the live experts are exactly
-vLLM's processing of the new weights, and it computes what transformers does on them."""
+names; through rlsync's commit path (vllm_experts.reload: the experts loaded apart, processed by vLLM's experts and
+handed over in kernel format; or everything through vLLM's reload, processed as at first load) the live experts
+are exactly vLLM's processing of the new weights, and it computes what transformers does on them."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from rlsync.models import ensure_tiny_moe
-from rlsync.rollout.engines.vllm_experts import first_load_processing, live_mismatches
+from rlsync.rollout.engines.vllm_experts import expert_layers, first_load_processing, live_mismatches, reload
+from rlsync.rollout.engines.vllm_layout import probe_loads
+from rlsync.transfer.manifest import Spec
 
 pytestmark = pytest.mark.usefixtures("keeps_environ")  # vLLM in this process (conftest)
 
@@ -50,6 +53,32 @@ def _reload(llm, weights: dict[str, torch.Tensor], ours: bool) -> list[str]:
     return llm.llm_engine.collective_rpc(run)[0]
 
 
+def _reload_apart(llm, weights: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """Reloads `weights` through vllm_experts.reload with the expert tensors the probe finds -> (those tensors,
+    the live expert parameters that then differ from vLLM's processing of them)."""
+    def run(worker):
+        model = worker.model_runner.get_model()
+        experts = probe_loads(model, [Spec.of(n, t) for n, t in weights.items()], expert_layers(model)).into_layers
+        wrong = reload(worker.reload_weights, model, lambda: iter(weights.items()), experts)
+        return sorted(experts or ()), wrong + live_mismatches(model, iter(weights.items()))
+
+    return llm.llm_engine.collective_rpc(run)[0]
+
+
+def _greedy_against_transformers(llm, weights: dict[str, torch.Tensor], folder) -> tuple[list[int], list[int]]:
+    reference = AutoModelForCausalLM.from_pretrained(ensure_tiny_moe(), dtype=torch.float32)
+    reference.save_pretrained(folder)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    want = reference.generate(torch.tensor([PROMPT]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                              pad_token_id=0)[0, len(PROMPT):].tolist()
+    from vllm import SamplingParams
+
+    got = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    return list(got), want
+
+
 def test_vllms_own_reload_leaves_experts_its_kernel_misreads_and_the_read_back_names_them(llm):
     wrong = _reload(llm, _new_weights(1), ours=False)
     assert wrong == [f"model.layers.{i}.mlp.experts.routed_experts.{p}" for i in (0, 1)
@@ -60,14 +89,18 @@ def test_reloads_through_rlsync_leave_the_experts_vllm_computes_with_as_it_proce
     for seed in (2, 3):  # (the second: a reload after one of ours)
         weights = _new_weights(seed)
         assert _reload(llm, weights, ours=True) == []
-    reference = AutoModelForCausalLM.from_pretrained(ensure_tiny_moe(), dtype=torch.float32)
-    reference.save_pretrained(tmp_path)
-    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    want = reference.generate(torch.tensor([PROMPT]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                              pad_token_id=0)[0, len(PROMPT):].tolist()
-    from vllm import SamplingParams
+    got, want = _greedy_against_transformers(llm, weights, tmp_path)
+    assert got == want
 
-    got = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0].token_ids
-    assert list(got) == want
+
+def test_experts_loaded_apart_and_handed_in_kernel_format_are_vllms_processing_and_compute_as_transformers(
+        llm, tmp_path):
+    """The commit's own path: the probe finds every expert tensor (and only those) filling the expert layers; they
+    are loaded and processed apart and handed to vLLM's reload in kernel format, the rest through its reload path.
+    Twice in a row (the second after one of its own), then greedy tokens equal transformers' on the weights."""
+    names = sorted(n for n in _new_weights(0) if ".mlp.experts." in n)
+    for seed in (4, 5):
+        weights = _new_weights(seed)
+        assert _reload_apart(llm, weights) == (names, [])
+    got, want = _greedy_against_transformers(llm, weights, tmp_path)
+    assert got == want

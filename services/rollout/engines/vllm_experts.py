@@ -1,4 +1,4 @@
-"""Fused-expert layers reloaded the way vLLM loads them the first time, so that a refit computes what it verifies.
+"""Fused-expert layers reloaded so that a refit computes what it verifies, at a cost close to a dense layer's.
 
 vLLM 0.32's unquantized MoE method (`UnquantizedFusedMoEMethod._setup_kernel`) takes any processing after a
 kernel was built for a weight update, and then skips its experts' own processing of the layer
@@ -6,20 +6,24 @@ kernel was built for a weight update, and then skips its experts' own processing
 intermediate size to the kernel's alignment and prepacks w13 / w2 into `cpu_fused_moe`'s grouped-gemm layout:
 a reload hands the kernel plain row-major experts it reads as packed (wrong tokens, though every byte it was
 given is right), and where the padding changes a shape (TP = 2 of the tiny MoE: 16 -> 32 rows) the layerwise
-copy-back fails on a size mismatch. Forgetting the built kernel before the reload sends vLLM down its own
-first-load path (pad, prepack, a kernel built anew over the same weights), whose results the reload copies
-back into the parameters the engine runs with.
+copy-back fails on a size mismatch.
 
-`live_mismatches` then reads what the engine computes with: it loads the tensors handed to the reload again
-into scratch copies of the expert layers' parameters, by vLLM's own loaders, has the experts process them
-(pad, prepack), and compares the result with the live parameters, bit for bit.
+`reload` therefore loads the experts apart from vLLM's reload path: `processed` loads the tensors handed for the
+expert layers by vLLM's own loaders into scratch copies of their parameters as first loaded, has the layers'
+experts process them (pad, prepack), and vLLM's reload takes the result in kernel format, copied into the
+parameters the engine runs with; every other tensor goes through vLLM's reload path. Where the tensors handed
+would not fill the expert layers (vllm_layout.probe_loads says), everything goes through vLLM's reload with the
+built kernels forgotten first (`first_load_processing`: vLLM's own first-load path, pad, prepack, a kernel built
+anew over the same weights), and `live_mismatches` reads back what the engine computes with against `processed`
+of the same tensors, bit for bit.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterable, Iterator
+import logging
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -62,13 +66,19 @@ def first_load_processing(model: torch.nn.Module) -> Iterator[int]:
                 m.moe_kernel = kernel
 
 
-def live_mismatches(model: torch.nn.Module, handed: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-    """The live parameters of expert layers (`module.param`) that differ from what their experts' processing makes
-    of the tensors `handed` to the reload; [] when every one is equal (or no layer's experts process it)."""
-    layers = {id(mod): mod for mod in model.modules()
-              if (m := getattr(mod, "quant_method", None)) is not None and _processes_layer(m)}
+def expert_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers of `model` whose experts process their parameters (pad, prepack) after loading."""
+    return list({id(mod): mod for mod in model.modules()
+                 if (m := getattr(mod, "quant_method", None)) is not None and _processes_layer(m)}.values())
+
+
+def processed(model: torch.nn.Module, handed: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The parameters of the expert layers as vLLM makes them of the tensors `handed`, by live name
+    (`module.param`): loaded by vLLM's own loaders into scratch copies of the parameters as first loaded, then
+    processed by the layer's experts (pad, prepack). The kernel format vLLM's reload takes as it is."""
+    layers = {id(mod): mod for mod in expert_layers(model)}
     if not layers:
-        return []
+        return {}
     scratch: dict[int, dict[str, torch.Tensor]] = {}
 
     def make(template, module, name):
@@ -82,7 +92,7 @@ def live_mismatches(model: torch.nn.Module, handed: Iterable[tuple[str, torch.Te
     with shadowed(model, make):
         model.load_weights(iter(handed))
     names = {id(mod): name for name, mod in model.named_modules()}
-    wrong = []
+    out = {}
     for key, params in scratch.items():
         layer, standin = layers[key], torch.nn.Module()
         for attr in ("moe_config", "activation"):  # (what the experts read of a layer to choose their kernel)
@@ -92,8 +102,63 @@ def live_mismatches(model: torch.nn.Module, handed: Iterable[tuple[str, torch.Te
             standin.register_parameter(name, torch.nn.Parameter(t.data, requires_grad=False))
         experts = copy.copy(layer.quant_method.moe_kernel.fused_experts)  # (its own state stays the live one's)
         experts.process_weights_after_loading(standin)
-        for name, want in standin.named_parameters():
-            live = layer._parameters.get(name)
-            if live is None or live.shape != want.shape or not torch.equal(live.data, want.data):
-                wrong.append(f"{names[key]}.{name}")
+        out.update((f"{names[key]}.{name}", want.data) for name, want in standin.named_parameters())
+    return out
+
+
+def live_mismatches(model: torch.nn.Module, handed: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """The live parameters of expert layers (`module.param`) that differ from what their experts' processing makes
+    of the tensors `handed` to the reload; [] when every one is equal (or no layer's experts process it)."""
+    wrong = []
+    for name, want in processed(model, handed).items():
+        module, _, param = name.rpartition(".")
+        live = model.get_submodule(module)._parameters.get(param)
+        if live is None or live.shape != want.shape or not torch.equal(live.data, want.data):
+            wrong.append(name)
     return wrong
+
+
+def reload(reload_weights: Callable[..., None], model: torch.nn.Module,
+           handed: Callable[[], Iterable[tuple[str, torch.Tensor]]], experts: frozenset[str] | None) -> list[str]:
+    """Makes the tensors `handed()` gives live through vLLM's reload (`reload_weights`, a worker's) -> the live
+    expert parameters that differ from vLLM's processing of what was handed ([]: none).
+
+    experts: the names of the tensors that load into expert layers and fill them (vllm_layout.probe_loads). The
+    other tensors go through vLLM's reload path; the experts' are loaded and processed as `processed` makes them
+    and handed to vLLM's reload in kernel format (copied into the live parameters as they are): vLLM's reload path
+    costs a weight loader call through its layerwise bookkeeping per expert and per shard (~0.2 ms each on a CPU:
+    a tiny MoE of 28 experts reloaded in 40-60 ms, in 15-22 this way). The live experts are then vLLM's own
+    processing of the tensors handed to it, as the read-back below finds them. Without `experts` (None: a layer
+    they would not fill), everything goes through vLLM's reload, processed as at its first load, and is read back.
+    """
+    if experts:
+        with _quiet(expert_layers(model)):
+            reload_weights(weights_iterator=(item for item in handed() if item[0] not in experts))
+        own = processed(model, (item for item in handed() if item[0] in experts))
+        reload_weights(weights_iterator=iter(own.items()), is_checkpoint_format=False)
+        return []
+    with first_load_processing(model):  # (vLLM skips its experts' processing otherwise)
+        reload_weights(weights_iterator=handed())
+    return live_mismatches(model, handed())
+
+
+@contextlib.contextmanager
+def _quiet(layers: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Within it, vLLM's reload does not warn that `layers` loaded no weights (they are loaded apart)."""
+    names = {type(layer).__name__ for layer in layers}
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    quiet = _NotLoaded(names)
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
+class _NotLoaded(logging.Filter):
+    def __init__(self, names: set[str]):
+        super().__init__()
+        self.names = names
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] in self.names)

@@ -1,7 +1,7 @@
 """Which box of each checkpoint tensor a vLLM worker loads, found by vLLM's own weight loaders, and
 staging that holds only those boxes yet hands the loaders full-shape tensors.
 
-`loaded_boxes` runs the model's `load_weights` once on probes (each element's value is its unique id)
+`probe_loads` runs the model's `load_weights` once on probes (each element's value is its unique id)
 into float64 shadow parameters swapped in for the live ones (which are put back untouched), and reads
 back which elements each rank's loaders kept: column and row parallel linears, merged qkv and gate_up,
 key/value heads replicated over ranks, padded vocabularies, for every model vLLM loads, with no table
@@ -17,8 +17,10 @@ cover each other's out-of-box range, so the buffer is the boxes and little more.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -50,7 +52,8 @@ def shadow_param(template: torch.Tensor, module: torch.nn.Module, device: str = 
 
 def _shadow(template: torch.Tensor, module: torch.nn.Module, record) -> torch.Tensor:
     """A float64 meta tensor with the template's class and attributes (its weight_loader bound to
-    `module`), whose loader runs the original one on a real scratch copy and records what landed."""
+    `module`), whose loader runs the original one on a real scratch copy and records what landed
+    (`record(scratch)`)."""
     from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
@@ -107,21 +110,38 @@ def shadowed(model: torch.nn.Module, make) -> Iterator[dict[int, tuple[torch.nn.
             module._parameters.update(params)
 
 
-def loaded_boxes(model: torch.nn.Module, specs: Sequence[Spec]) -> list[Box | None]:
+class Loads(NamedTuple):
+    """What this rank's loaders do with a checkpoint's tensors (probe_loads)."""
+
+    boxes: list[Box | None]  # per tensor, the box this rank loads, or None
+    # the names of the tensors that load into `layers` (and nowhere else), when they fill every element of those
+    # layers' parameters; else None
+    into_layers: frozenset[str] | None
+
+
+def probe_loads(model: torch.nn.Module, specs: Sequence[Spec], layers: Collection[torch.nn.Module] = ()) -> Loads:
     """Per tensor of `specs` (the checkpoint's), the box this rank loads (the bounding box when its
-    loaders keep an irregular set, as for a pre-merged qkv), or None when it loads nothing of it."""
+    loaders keep an irregular set, as for a pre-merged qkv), or None when it loads nothing of it; and which
+    tensors load into `layers` (vllm_experts: expert layers a replica loads without vLLM's reload path)."""
     numels = [math.prod(s.shape) for s in specs]
     bases = np.concatenate([[0], np.cumsum(numels)]).astype(np.int64)
     if bases[-1] >= 2 ** 53:
         raise ValueError("the checkpoint has too many elements for float64 probe ids")
     low = [None] * len(specs)
     high = [None] * len(specs)
+    into = [set() for _ in specs]  # per tensor, whether it landed in `layers` (True) or elsewhere (False)
+    ids_of = {id(layer) for layer in layers}
+    filled: dict[tuple[int, str], torch.Tensor] = {}  # per parameter of `layers`, which elements were loaded
 
-    def record(scratch: torch.Tensor) -> None:
+    def record(scratch: torch.Tensor, module: torch.nn.Module, name: str) -> None:
         values = scratch.detach().reshape(-1)
+        if id(module) in ids_of:
+            key = (id(module), name)
+            filled[key] = filled[key] | (values != 0) if key in filled else values != 0
         ids = values[values != 0].to(torch.int64).numpy() - 1
         which = np.searchsorted(bases, ids, side="right") - 1
         for t in np.unique(which):
+            into[t].add(id(module) in ids_of)
             flat = ids[which == t] - bases[t]
             coords = np.stack(np.unravel_index(flat, specs[t].shape), 1) if specs[t].shape else \
                 np.zeros((len(flat), 0), np.int64)
@@ -133,9 +153,19 @@ def loaded_boxes(model: torch.nn.Module, specs: Sequence[Spec]) -> list[Box | No
         for i, s in enumerate(specs):
             yield s.name, (torch.arange(numels[i], dtype=torch.float64) + float(bases[i] + 1)).reshape(s.shape)
 
-    with shadowed(model, lambda template, module, name: _shadow(template, module, record)):
+    expected = set()  # the parameters of `layers`
+
+    def make(template, module, name):
+        if id(module) in ids_of:
+            expected.add((id(module), name))
+        return _shadow(template, module, functools.partial(record, module=module, name=name))
+
+    with shadowed(model, make):
         model.load_weights(probes())
-    return [None if lo is None else tuple((int(a), int(b)) for a, b in zip(lo, hi)) for lo, hi in zip(low, high)]
+    boxes = [None if lo is None else tuple((int(a), int(b)) for a, b in zip(lo, hi)) for lo, hi in zip(low, high)]
+    whole = all(key in filled and bool(filled[key].all()) for key in expected) and all(len(i) < 2 for i in into)
+    names = frozenset(s.name for s, i in zip(specs, into) if i == {True})
+    return Loads(boxes, names if expected and whole else None)
 
 
 def _strides(shape: Sequence[int]) -> list[int]:

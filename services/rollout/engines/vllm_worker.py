@@ -24,8 +24,8 @@ from rlsync.flat import flat_like
 from rlsync.rollout.engines.process import prepare_engine_process
 from rlsync.errors import ResourceExhausted, Unmappable
 from rlsync.rollout.engines.vllm_direct import direct_views
-from rlsync.rollout.engines.vllm_experts import first_load_processing, live_mismatches
-from rlsync.rollout.engines.vllm_layout import BoxStaging, loaded_boxes
+from rlsync.rollout.engines.vllm_experts import expert_layers, reload
+from rlsync.rollout.engines.vllm_layout import BoxStaging, Loads, probe_loads
 from rlsync.rollout.engines.vllm_versions import TokenCounts
 from rlsync.rollout.staging import StagedUpdate, ensure_room
 from rlsync.transfer import answer, audit, from_proto
@@ -155,14 +155,16 @@ class RlsyncWorkerExtension:
         """The boxes of each tensor of a routed offer this worker's loaders keep (a RankLayout),
         found once per tensor list by running vLLM's own loaders on probes."""
         specs = from_proto(pb.Offer.FromString(offer).manifest)
-        return to_layout_proto([[b] if b is not None else [] for b in self._rlsync_boxes(specs)],
+        return to_layout_proto([[b] if b is not None else [] for b in self._rlsync_loads(specs).boxes],
                                local_facts(self._rlsync_device())).SerializeToString()
 
-    def _rlsync_boxes(self, specs) -> list:
+    def _rlsync_loads(self, specs) -> Loads:
+        """What this worker's loaders do with the tensors of `specs` (probe_loads): found once per tensor list."""
         key = tuple((s.name, s.shape) for s in specs)
         cached = getattr(self, "_rlsync_layout", None)
         if cached is None or cached[0] != key:
-            self._rlsync_layout = cached = (key, loaded_boxes(self.model_runner.get_model(), specs))
+            model = self.model_runner.get_model()
+            self._rlsync_layout = cached = (key, probe_loads(model, specs, expert_layers(model)))
         return cached[1]
 
     def rlsync_hold(self, holder: str, handles: list[bytes], facts: bytes) -> dict:
@@ -308,7 +310,7 @@ class RlsyncWorkerExtension:
         except ResourceExhausted as e:
             return {"state": "failed", "code": "ResourceExhausted", "error": str(e), "refused": True}
         if o.HasField("routing"):
-            boxes = self._rlsync_boxes(specs)
+            boxes = self._rlsync_loads(specs).boxes
             staging = BoxStaging(specs, boxes, device)
             # (the staging is this update's, so nothing keeps views of it; the pulls' mappings stay under the holder)
             self._rlsync_update = StagedUpdate(o, ans, staging.views(), self.rank, device, timeout,
@@ -372,9 +374,11 @@ class RlsyncWorkerExtension:
         as one run of a parameter (on the GPU: vllm_direct), by one batched copy from staging into those runs
         (nothing at all for an update that landed in them already); else through vLLM's reload path. Remembers
         their checksums: of the live weights where they were copied into place, else as handed to the loaders
-        (vLLM's CPU build prepacks linear weights, so the live ones cannot be read back); prepacked experts are
-        read back against vLLM's own processing of the tensors handed to it (vllm_experts), and a difference
-        fails the commit. Boxes are handed to the loaders as full-shape views (BoxStaging.full), audited per box."""
+        (vLLM's CPU build prepacks linear weights, so the live ones cannot be read back). Expert layers whose
+        experts process them (pad, prepack) are loaded apart, processed by vLLM's experts and handed to its reload
+        in kernel format (vllm_experts.reload); where the update would not fill them, they go through vLLM's reload
+        and are read back against its own processing of the tensors handed to it, and a difference fails the
+        commit. Boxes are handed to the loaders as full-shape views (BoxStaging.full), audited per box."""
         self.rlsync_settle()  # (the last commit's audit reads the weights this one changes)
         update = self._rlsync_update
         self._rlsync_update = None
@@ -399,9 +403,9 @@ class RlsyncWorkerExtension:
         def handed():
             return staging.full() if isinstance(staging, BoxStaging) else iter(staging.items())
 
-        with first_load_processing(model):  # (vLLM skips its experts' processing otherwise)
-            self.reload_weights(weights_iterator=handed())
-        if wrong := live_mismatches(model, handed()):  # what the experts compute with, read back
+        experts = self._rlsync_loads(from_proto(update.receiver.offer.manifest)).into_layers \
+            if expert_layers(model) else None
+        if wrong := reload(self.reload_weights, model, handed, experts):  # what the experts compute with, read back
             raise RuntimeError(f"vLLM's live expert weights differ from its own processing of the tensors this "
                                f"update handed it ({', '.join(wrong[:4])}{', ...' if len(wrong) > 4 else ''}): it "
                                "would compute with weights other than the ones verified")
