@@ -34,6 +34,7 @@ _MASK = (1 << 64) - 1
 # Idle ranks wait in a broadcast, which times out with the process group (gloo: 30 min by
 # default): rank 0 says "still here" well before that.
 KEEPALIVE_SECONDS = 60.0
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (its name before torch 2.12)
 GATHER_FIRST = 1024  # bytes a rank sends in a gather's one all-gather (a longer payload's rest: in a second)
 
 
@@ -99,9 +100,11 @@ class Ranks:
         return out
 
     def _all_gather(self, mine: torch.Tensor) -> list[torch.Tensor]:
-        every = [torch.empty_like(mine, device=self.device) for _ in range(self.world)]
-        dist.all_gather(every, mine.to(self.device), group=self.group)
-        return [t.cpu() for t in every]
+        """Every rank's `mine`, in rank order, on the CPU: one collective into one tensor, read back once (a read back
+        per rank waited for the device once per rank: a describe at every update of a sharded trainer)."""
+        every = torch.empty(self.world * mine.numel(), dtype=mine.dtype, device=self.device)
+        _ALL_GATHER(every, mine.to(self.device), group=self.group)
+        return list(every.cpu().view(self.world, -1))
 
     def add_up(self, values: list[int]) -> list[int]:
         """Every rank's `values` added up, modulo 2^64 (checksum sums; every rank calls it)."""
