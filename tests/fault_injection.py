@@ -34,13 +34,11 @@ if fault == "bad_checksum":
 
 elif fault.startswith("die_after:"):
     _limit = int(fault.split(":")[1])
-    _done = {"n": 0}
-    _real_complete = writer.DestWriter._complete
+    _real_mark_many = writer.DestWriter.mark_many
 
-    def _complete_then_maybe_die(self, index):
-        _real_complete(self, index)
-        _done["n"] += 1
-        if _done["n"] >= _limit:
+    def _mark_then_maybe_die(self, marks):
+        _real_mark_many(self, marks)
+        if sum(got == spec.nbytes for got, spec in zip(self.received, self.specs)) >= _limit:
             os._exit(9)
 
-    writer.DestWriter._complete = _complete_then_maybe_die
+    writer.DestWriter.mark_many = _mark_then_maybe_die

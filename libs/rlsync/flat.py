@@ -32,7 +32,7 @@ class FlatStore:
         # (name, dtype, shape) in buffer order: a receiver whose manifest lists exactly this lands the
         # whole update in the one buffer without looking at any tensor (see whole_for)
         self.layout = tuple((name, dtype, tuple(shape)) for name, (shape, dtype) in specs.items())
-        self._matched: list = []  # the specs laid_out_as last found to match
+        self._matched: tuple = ()  # the specs laid_out_as last found to match
         self._bytes: torch.Tensor | None = None  # the one buffer as bytes (whole_for), cut once
         # What receivers lay out over these views (rlsync.transfer.kept: a routed receiver's writer), kept for
         # the next update into them, and gone with the store.
@@ -42,10 +42,10 @@ class FlatStore:
         """Whether `specs` (a manifest's) list this store's tensors, in its order, with their dtypes
         and shapes. The specs that matched last are kept: a manifest's cached specs, at every update,
         then compare by identity (no per-tensor work)."""
-        if specs != self._matched:
+        if specs is not self._matched and tuple(specs) != self._matched:
             if layout(specs) != self.layout:
                 return False
-            self._matched = list(specs)
+            self._matched = tuple(specs)
         return True
 
     def whole_for(self, specs) -> torch.Tensor | None:

@@ -53,13 +53,13 @@ def _reload(llm, weights: dict[str, torch.Tensor], ours: bool) -> list[str]:
     return llm.llm_engine.collective_rpc(run)[0]
 
 
-def _reload_apart(llm, weights: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
-    """Reloads `weights` through vllm_experts.reload with the expert tensors the probe finds -> (those tensors,
-    the live expert parameters that then differ from vLLM's processing of them)."""
+def _reload_apart(llm, weights: dict[str, torch.Tensor], apart: bool) -> tuple[list[str], list[str]]:
+    """Reloads `weights` through vllm_experts.reload with the expert tensors the probe finds (`apart`: loaded apart,
+    else read back) -> (those tensors, the live expert parameters that then differ from vLLM's processing of them)."""
     def run(worker):
         model = worker.model_runner.get_model()
         experts = probe_loads(model, [Spec.of(n, t) for n, t in weights.items()], expert_layers(model)).into_layers
-        wrong = reload(worker.reload_weights, model, lambda: iter(weights.items()), experts)
+        wrong = reload(worker.reload_weights, model, lambda: iter(weights.items()), experts, apart)
         return sorted(experts or ()), wrong + live_mismatches(model, iter(weights.items()))
 
     return llm.llm_engine.collective_rpc(run)[0]
@@ -95,12 +95,13 @@ def test_reloads_through_rlsync_leave_the_experts_vllm_computes_with_as_it_proce
 
 def test_experts_loaded_apart_and_handed_in_kernel_format_are_vllms_processing_and_compute_as_transformers(
         llm, tmp_path):
-    """The commit's own path: the probe finds every expert tensor (and only those) filling the expert layers; they
-    are loaded and processed apart and handed to vLLM's reload in kernel format, the rest through its reload path.
-    Twice in a row (the second after one of its own), then greedy tokens equal transformers' on the weights."""
+    """The commit's path: the probe finds every expert tensor (and only those) filling the expert layers; a first
+    reload through vLLM's reload path reads them back equal to their processing apart; the next are loaded and
+    processed apart and handed to vLLM's reload in kernel format, the rest through its reload path. Twice in a row
+    (the second after one of its own), then greedy tokens equal transformers' on the weights."""
     names = sorted(n for n in _new_weights(0) if ".mlp.experts." in n)
-    for seed in (4, 5):
+    for seed, apart in ((4, False), (5, True), (6, True)):
         weights = _new_weights(seed)
-        assert _reload_apart(llm, weights) == (names, [])
+        assert _reload_apart(llm, weights, apart) == (names, [])
     got, want = _greedy_against_transformers(llm, weights, tmp_path)
     assert got == want

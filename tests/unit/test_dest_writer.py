@@ -40,8 +40,8 @@ def test_a_store_laid_out_as_the_manifest_is_one_buffer():
 def test_a_store_matches_its_layout_and_nothing_else_and_keeps_the_specs_it_matched():
     store = _store(SHAPES)
     specs = _specs(store, SHAPES)
-    assert store.laid_out_as(specs) and store._matched == specs
-    assert store.laid_out_as(list(specs))  # the same specs again: compared by identity
+    assert store.laid_out_as(specs) and store._matched == tuple(specs)
+    assert store.laid_out_as(list(specs))  # the same specs again (a tuple of them: by identity)
     assert not store.laid_out_as(_specs(store, ["c", "a", "empty", "b"]))
     assert not store.laid_out_as(specs[:-1])
     other = [Spec.of(s.name, torch.zeros(s.shape, dtype=torch.float32)) for s in specs]

@@ -210,37 +210,55 @@ def _alike_sums(boxes: Sequence[tuple[torch.Tensor, tuple[tuple[int, int], ...],
     return out
 
 
-def _stacked_sums(stacked: torch.Tensor, box: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> list[list[int]]:
-    """[s1, s2] of each of the P boxes `stacked` holds ([P, *the box's shape]), all at the same `box` of a tensor
-    of `shape`. Each row of a box (its last dimension) is one run of bytes in the whole tensor: runs that start
-    at the same place in a word are read as words at once, as _sums reads a tensor. One read back."""
-    itemsize, device, count = stacked.element_size(), stacked.device, stacked.shape[0]
-    box = box or ((0, 1),)  # (a 0-d tensor: one run of one element)
-    strides = [1] * len(box)
+RUN_WORDS = 1 << 22  # words of runs summed at once (32 MiB, and as many padded where runs start inside a word)
+
+
+def _runs(box: tuple[tuple[int, int], ...], shape: tuple[int, ...], itemsize: int) -> tuple[np.ndarray, int]:
+    """The box as runs of bytes of the whole tensor: where each starts (bytes, in the box's row-major order) and
+    their one length. The trailing dimensions the box spans whole continue its last partial one in one run."""
+    box = tuple(box) or ((0, 1),)  # (a 0-d tensor: one run of one element)
+    shape = tuple(shape) or (1,)
+    strides = [1] * len(shape)
     for d in range(len(shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * shape[d + 1]
-    start = torch.zeros((), dtype=torch.int64, device=device)  # each run's first element in the whole tensor
-    for (a, b), stride in zip(box[:-1], strides):
-        start = start.unsqueeze(-1) + torch.arange(a, b, device=device, dtype=torch.int64) * stride
-    start = (start.reshape(-1) + box[-1][0]) * itemsize
-    width = (box[-1][1] - box[-1][0]) * itemsize
-    rows = stacked.reshape(count, -1, width // itemsize).view(torch.uint8)
-    shifts = start % 8
+    k = len(box)
+    while k > 1 and box[k - 1] == (0, shape[k - 1]):
+        k -= 1  # dims k.. are whole: a run reaches over them
+    length = (box[k - 1][1] - box[k - 1][0]) * strides[k - 1]
+    start = np.zeros((), dtype=np.int64)
+    for (a, b), stride in zip(box[:k - 1], strides):
+        start = start[..., None] + np.arange(a, b, dtype=np.int64) * stride
+    return (start.reshape(-1) + box[k - 1][0] * strides[k - 1]) * itemsize, length * itemsize
+
+
+def _stacked_sums(stacked: torch.Tensor, box: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> list[list[int]]:
+    """[s1, s2] of each of the P boxes `stacked` holds ([P, *the box's shape]), all at the same `box` of a tensor
+    of `shape`. The box is runs of bytes of the whole tensor (_runs); runs that start at the same place in a word
+    are read as words at once, as _sums reads a tensor, RUN_WORDS at a time. One read back."""
+    itemsize, device, count = stacked.element_size(), stacked.device, stacked.shape[0]
+    start, width = _runs(box, shape, itemsize)
+    rows = stacked.reshape(count, -1).view(torch.uint8).view(count, len(start), width)
     sums = torch.zeros(2, count, dtype=torch.int64, device=device)  # int64 arithmetic wraps: modulo 2^64
-    for shift in (shifts.unique().tolist() if len(shifts) > 1 else [int(shifts)]):
-        at = slice(None) if len(shifts) == 1 else (shifts == shift).nonzero().reshape(-1)
-        part, first = rows[:, at], (start[at] - shift) // 8  # each run's first word
-        words = -(-(shift + width) // 8)
-        if shift == 0 and width % 8 == 0 and part.data_ptr() % 8 == 0 and part.is_contiguous():
-            padded = part
-        else:  # the runs' bytes at their places in their words, zeros around them
-            padded = torch.zeros(count, part.shape[1], words * 8, dtype=torch.uint8, device=device)
-            padded[:, :, shift:shift + width] = part
-        w = padded.view(torch.int64)
-        row_sums, col_sums = w.sum(dim=2), w.sum(dim=1)
-        places = torch.arange(1, words + 1, device=device, dtype=torch.int64)
-        sums[0] += row_sums.sum(dim=1)
-        sums[1] += (row_sums * first).sum(dim=1) + (col_sums * places).sum(dim=1)
+    step = max(1, RUN_WORDS // (width // 8 + 2))
+    for r0 in range(0, len(start), step):
+        starts = start[r0:r0 + step]
+        shifts = starts % 8
+        for shift in np.unique(shifts).tolist():
+            at = np.flatnonzero(shifts == shift)
+            whole = len(at) == len(starts)  # (every run of the chunk starts there: no gather)
+            part = rows[:, r0:r0 + len(starts)] if whole else rows[:, r0 + torch.from_numpy(at).to(device)]
+            first = torch.from_numpy((starts[at] - shift) // 8).to(device)  # each run's first word
+            words = -(-(shift + width) // 8)
+            if shift == 0 and width % 8 == 0 and part.data_ptr() % 8 == 0 and part.is_contiguous():
+                padded = part
+            else:  # the runs' bytes at their places in their words, zeros around them
+                padded = torch.zeros(count, part.shape[1], words * 8, dtype=torch.uint8, device=device)
+                padded[:, :, shift:shift + width] = part
+            w = padded.view(torch.int64)
+            row_sums, col_sums = w.sum(dim=2), w.sum(dim=1)
+            places = torch.arange(1, words + 1, device=device, dtype=torch.int64)
+            sums[0] += row_sums.sum(dim=1)
+            sums[1] += (row_sums * first).sum(dim=1) + (col_sums * places).sum(dim=1)
     return sums.t().tolist()
 
 

@@ -8,14 +8,15 @@ a reload hands the kernel plain row-major experts it reads as packed (wrong toke
 given is right), and where the padding changes a shape (TP = 2 of the tiny MoE: 16 -> 32 rows) the layerwise
 copy-back fails on a size mismatch.
 
-`reload` therefore loads the experts apart from vLLM's reload path: `processed` loads the tensors handed for the
-expert layers by vLLM's own loaders into scratch copies of their parameters as first loaded, has the layers'
-experts process them (pad, prepack), and vLLM's reload takes the result in kernel format, copied into the
-parameters the engine runs with; every other tensor goes through vLLM's reload path. Where the tensors handed
-would not fill the expert layers (vllm_layout.probe_loads says), everything goes through vLLM's reload with the
-built kernels forgotten first (`first_load_processing`: vLLM's own first-load path, pad, prepack, a kernel built
-anew over the same weights), and `live_mismatches` reads back what the engine computes with against `processed`
-of the same tensors, bit for bit.
+`reload` makes an update live through vLLM's reload with the built kernels forgotten first (`first_load_processing`:
+vLLM's own first-load path, pad, prepack, a kernel built anew over the same weights), and `live_mismatches` reads
+back what the engine computes with against `processed` of the same tensors, bit for bit: `processed` loads the
+tensors handed for the expert layers by vLLM's own loaders into scratch copies of their parameters as first loaded
+and has the layers' experts process them (pad, prepack). Once that read-back found them equal for a list of
+tensors that fill the expert layers (vllm_layout.probe_loads says which), `processed` is vLLM's own processing on
+this backend, and the next updates of those tensors load the experts apart: vLLM's reload takes `processed`'s
+result in kernel format, copied into the parameters the engine runs with, and every other tensor goes through its
+reload path (without its bookkeeping per expert: a commit in half the time).
 """
 
 from __future__ import annotations
@@ -119,19 +120,21 @@ def live_mismatches(model: torch.nn.Module, handed: Iterable[tuple[str, torch.Te
 
 
 def reload(reload_weights: Callable[..., None], model: torch.nn.Module,
-           handed: Callable[[], Iterable[tuple[str, torch.Tensor]]], experts: frozenset[str] | None) -> list[str]:
+           handed: Callable[[], Iterable[tuple[str, torch.Tensor]]], experts: frozenset[str] | None,
+           apart: bool) -> list[str]:
     """Makes the tensors `handed()` gives live through vLLM's reload (`reload_weights`, a worker's) -> the live
     expert parameters that differ from vLLM's processing of what was handed ([]: none).
 
-    experts: the names of the tensors that load into expert layers and fill them (vllm_layout.probe_loads). The
-    other tensors go through vLLM's reload path; the experts' are loaded and processed as `processed` makes them
-    and handed to vLLM's reload in kernel format (copied into the live parameters as they are): vLLM's reload path
-    costs a weight loader call through its layerwise bookkeeping per expert and per shard (~0.2 ms each on a CPU:
-    a tiny MoE of 28 experts reloaded in 40-60 ms, in 15-22 this way). The live experts are then vLLM's own
-    processing of the tensors handed to it, as the read-back below finds them. Without `experts` (None: a layer
-    they would not fill), everything goes through vLLM's reload, processed as at its first load, and is read back.
-    """
-    if experts:
+    experts: the names of the tensors that load into expert layers and fill them (vllm_layout.probe_loads).
+    `apart` (once a commit of the same tensors found `processed` of them equal to vLLM's own processing, below): the
+    other tensors go through vLLM's reload path; the experts' are loaded and processed as `processed` makes them and
+    handed to vLLM's reload in kernel format (copied into the live parameters as they are). vLLM's reload path costs
+    a weight loader call through its layerwise bookkeeping per expert and per shard (~0.2 ms each on a CPU: a tiny
+    MoE of 28 experts at TP = 2 commits in 55 ms, in 25 this way). Else everything goes through vLLM's reload,
+    processed as at its first load, and the live experts are read back against `processed` of the tensors handed
+    for them (`experts`, or all), bit for bit: where they agree, `processed` is vLLM's own processing on this
+    backend, and the caller may load those tensors apart from then on."""
+    if experts and apart:
         with _quiet(expert_layers(model)):
             reload_weights(weights_iterator=(item for item in handed() if item[0] not in experts))
         own = processed(model, (item for item in handed() if item[0] in experts))
@@ -139,7 +142,7 @@ def reload(reload_weights: Callable[..., None], model: torch.nn.Module,
         return []
     with first_load_processing(model):  # (vLLM skips its experts' processing otherwise)
         reload_weights(weights_iterator=handed())
-    return live_mismatches(model, handed())
+    return live_mismatches(model, (item for item in handed() if not experts or item[0] in experts))
 
 
 @contextlib.contextmanager

@@ -131,13 +131,12 @@ def probe_loads(model: torch.nn.Module, specs: Sequence[Spec], layers: Collectio
     high = [None] * len(specs)
     into = [set() for _ in specs]  # per tensor, whether it landed in `layers` (True) or elsewhere (False)
     ids_of = {id(layer) for layer in layers}
-    filled: dict[tuple[int, str], torch.Tensor] = {}  # per parameter of `layers`, which elements were loaded
+    filled: dict[tuple[int, str], int] = {}  # per parameter of `layers`, how many elements were loaded
 
     def record(scratch: torch.Tensor, module: torch.nn.Module, name: str) -> None:
         values = scratch.detach().reshape(-1)
         if id(module) in ids_of:
-            key = (id(module), name)
-            filled[key] = filled[key] | (values != 0) if key in filled else values != 0
+            filled[(id(module), name)] = filled.get((id(module), name), 0) + int((values != 0).sum())
         ids = values[values != 0].to(torch.int64).numpy() - 1
         which = np.searchsorted(bases, ids, side="right") - 1
         for t in np.unique(which):
@@ -153,17 +152,17 @@ def probe_loads(model: torch.nn.Module, specs: Sequence[Spec], layers: Collectio
         for i, s in enumerate(specs):
             yield s.name, (torch.arange(numels[i], dtype=torch.float64) + float(bases[i] + 1)).reshape(s.shape)
 
-    expected = set()  # the parameters of `layers`
+    expected: dict[tuple[int, str], int] = {}  # the parameters of `layers`: their elements
 
     def make(template, module, name):
         if id(module) in ids_of:
-            expected.add((id(module), name))
+            expected[(id(module), name)] = template.numel()
         return _shadow(template, module, functools.partial(record, module=module, name=name))
 
     with shadowed(model, make):
         model.load_weights(probes())
     boxes = [None if lo is None else tuple((int(a), int(b)) for a, b in zip(lo, hi)) for lo, hi in zip(low, high)]
-    whole = all(key in filled and bool(filled[key].all()) for key in expected) and all(len(i) < 2 for i in into)
+    whole = all(filled.get(key) == n for key, n in expected.items()) and all(len(i) < 2 for i in into)
     names = frozenset(s.name for s, i in zip(specs, into) if i == {True})
     return Loads(boxes, names if expected and whole else None)
 

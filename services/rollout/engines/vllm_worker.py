@@ -375,10 +375,11 @@ class RlsyncWorkerExtension:
         (nothing at all for an update that landed in them already); else through vLLM's reload path. Remembers
         their checksums: of the live weights where they were copied into place, else as handed to the loaders
         (vLLM's CPU build prepacks linear weights, so the live ones cannot be read back). Expert layers whose
-        experts process them (pad, prepack) are loaded apart, processed by vLLM's experts and handed to its reload
-        in kernel format (vllm_experts.reload); where the update would not fill them, they go through vLLM's reload
-        and are read back against its own processing of the tensors handed to it, and a difference fails the
-        commit. Boxes are handed to the loaders as full-shape views (BoxStaging.full), audited per box."""
+        experts process them (pad, prepack) go through vLLM's reload and are read back against its own processing
+        of the tensors handed to it, and a difference fails the commit; once that read-back agreed for a list of
+        tensors that fill them, the next updates of that list load them apart, processed by vLLM's experts and
+        handed to its reload in kernel format (vllm_experts.reload). Boxes are handed to the loaders as full-shape
+        views (BoxStaging.full), audited per box."""
         self.rlsync_settle()  # (the last commit's audit reads the weights this one changes)
         update = self._rlsync_update
         self._rlsync_update = None
@@ -403,12 +404,16 @@ class RlsyncWorkerExtension:
         def handed():
             return staging.full() if isinstance(staging, BoxStaging) else iter(staging.items())
 
-        experts = self._rlsync_loads(from_proto(update.receiver.offer.manifest)).into_layers \
-            if expert_layers(model) else None
-        if wrong := reload(self.reload_weights, model, handed, experts):  # what the experts compute with, read back
+        loads = self._rlsync_loads(from_proto(update.receiver.offer.manifest)) if expert_layers(model) else None
+        experts = loads.into_layers if loads is not None else None
+        # (the experts loaded apart once a commit of the same tensors read them back equal to vLLM's processing)
+        apart = experts is not None and getattr(self, "_rlsync_apart", None) is loads
+        if wrong := reload(self.reload_weights, model, handed, experts, apart):  # what the experts compute with
             raise RuntimeError(f"vLLM's live expert weights differ from its own processing of the tensors this "
                                f"update handed it ({', '.join(wrong[:4])}{', ...' if len(wrong) > 4 else ''}): it "
                                "would compute with weights other than the ones verified")
+        if experts:
+            self._rlsync_apart = loads
         if isinstance(staging, BoxStaging):
             self._rlsync_applied = {"parts": self._rlsync_parts(update, staging)}
         else:
