@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from rlsync.models import ensure_tiny_moe
-from rlsync.rollout.engines.vllm_experts import expert_layers, first_load_processing, live_mismatches, reload
+from rlsync.rollout.engines.vllm_experts import (apart_copies, expert_layers, first_load_processing, live_mismatches,
+                                                  reload)
 from rlsync.rollout.engines.vllm_layout import probe_loads
 from rlsync.transfer.manifest import Spec
 
@@ -53,14 +54,16 @@ def _reload(llm, weights: dict[str, torch.Tensor], ours: bool) -> list[str]:
     return llm.llm_engine.collective_rpc(run)[0]
 
 
-def _reload_apart(llm, weights: dict[str, torch.Tensor], apart: bool) -> tuple[list[str], list[str]]:
+def _reload_apart(llm, weights: dict[str, torch.Tensor], apart: bool, copies) -> tuple[list[str], list[str], object]:
     """Reloads `weights` through vllm_experts.reload with the expert tensors the probe finds (`apart`: loaded apart,
-    else read back) -> (those tensors, the live expert parameters that then differ from vLLM's processing of them)."""
+    by `copies` where given, else read back) -> (those tensors, the live expert parameters that then differ from
+    vLLM's processing of them, and after a read back the copies vLLM's loaders amount to: apart_copies)."""
     def run(worker):
         model = worker.model_runner.get_model()
         experts = probe_loads(model, [Spec.of(n, t) for n, t in weights.items()], expert_layers(model)).into_layers
-        wrong = reload(worker.reload_weights, model, lambda: iter(weights.items()), experts, apart)
-        return sorted(experts or ()), wrong + live_mismatches(model, iter(weights.items()))
+        wrong = reload(worker.reload_weights, model, lambda: iter(weights.items()), experts, apart, copies)
+        learnt = None if apart else apart_copies(model, [(n, t) for n, t in weights.items() if n in experts])
+        return sorted(experts or ()), wrong + live_mismatches(model, iter(weights.items())), learnt
 
     return llm.llm_engine.collective_rpc(run)[0]
 
@@ -96,12 +99,15 @@ def test_reloads_through_rlsync_leave_the_experts_vllm_computes_with_as_it_proce
 def test_experts_loaded_apart_and_handed_in_kernel_format_are_vllms_processing_and_compute_as_transformers(
         llm, tmp_path):
     """The commit's path: the probe finds every expert tensor (and only those) filling the expert layers; a first
-    reload through vLLM's reload path reads them back equal to their processing apart; the next are loaded and
-    processed apart and handed to vLLM's reload in kernel format, the rest through its reload path. Twice in a row
-    (the second after one of its own), then greedy tokens equal transformers' on the weights."""
+    reload through vLLM's reload path reads them back equal to their processing apart, and the copies vLLM's loaders
+    amount to (learnt then) make the same live experts; the next are loaded (by vLLM's loaders, then by those
+    copies) and processed apart and handed to vLLM's reload in kernel format, the rest through its reload path;
+    then greedy tokens equal transformers' on the weights."""
     names = sorted(n for n in _new_weights(0) if ".mlp.experts." in n)
-    for seed, apart in ((4, False), (5, True), (6, True)):
+    experts, wrong, copies = _reload_apart(llm, _new_weights(4), apart=False, copies=None)
+    assert (experts, wrong) == (names, []) and copies, "the expert tensors fill the layers by plain copies of boxes"
+    for seed, by in ((5, None), (6, copies), (7, copies)):
         weights = _new_weights(seed)
-        assert _reload_apart(llm, weights, apart) == (names, [])
+        assert _reload_apart(llm, weights, apart=True, copies=by) == (names, [], None)
     got, want = _greedy_against_transformers(llm, weights, tmp_path)
     assert got == want

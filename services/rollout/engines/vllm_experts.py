@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
+import numpy as np
 import torch
 
-from rlsync.rollout.engines.vllm_layout import shadow_param, shadowed
+from rlsync.rollout.engines.vllm_layout import recording_shadow, shadow_param, shadowed
 
 
 def _processes_layer(method) -> bool:
@@ -73,10 +76,15 @@ def expert_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
                  if (m := getattr(mod, "quant_method", None)) is not None and _processes_layer(m)}.values())
 
 
-def processed(model: torch.nn.Module, handed: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+Copies = dict[tuple[int, str], list[tuple[str, tuple[slice, ...], tuple[slice, ...]]]]
+
+
+def processed(model: torch.nn.Module, handed: Iterable[tuple[str, torch.Tensor]],
+              copies: Copies | None = None) -> dict[str, torch.Tensor]:
     """The parameters of the expert layers as vLLM makes them of the tensors `handed`, by live name
-    (`module.param`): loaded by vLLM's own loaders into scratch copies of the parameters as first loaded, then
-    processed by the layer's experts (pad, prepack). The kernel format vLLM's reload takes as it is."""
+    (`module.param`): loaded into scratch copies of the parameters as first loaded, then processed by the layer's
+    experts (pad, prepack). The kernel format vLLM's reload takes as it is. Loaded by vLLM's own loaders, or by the
+    `copies` they amount to (learn_copies: one launch, no loader call per expert and shard)."""
     layers = {id(mod): mod for mod in expert_layers(model)}
     if not layers:
         return {}
@@ -91,7 +99,16 @@ def processed(model: torch.nn.Module, handed: Iterable[tuple[str, torch.Tensor]]
         return t
 
     with shadowed(model, make):
-        model.load_weights(iter(handed))
+        if copies is None:
+            model.load_weights(iter(handed))
+    if copies is not None:
+        tensors, into, values = dict(handed), [], []
+        for (key, param), boxes in copies.items():
+            for name, into_box, from_box in boxes:
+                into.append(scratch[key][param][into_box])
+                values.append(tensors[name][from_box].reshape(into[-1].shape))
+        if into:
+            torch._foreach_copy_(into, values)
     names = {id(mod): name for name, mod in model.named_modules()}
     out = {}
     for key, params in scratch.items():
@@ -105,6 +122,62 @@ def processed(model: torch.nn.Module, handed: Iterable[tuple[str, torch.Tensor]]
         experts.process_weights_after_loading(standin)
         out.update((f"{names[key]}.{name}", want.data) for name, want in standin.named_parameters())
     return out
+
+
+def learn_copies(model: torch.nn.Module, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> Copies | None:
+    """What vLLM's loaders do with tensors of these names and shapes in the expert layers, as copies: per parameter,
+    (tensor, a box of the parameter, a box of the tensor) in the loaders' order, found by running them once on probes
+    (each element's value its id, vllm_layout.recording_shadow). None where one loader call does more than copy a
+    box of one tensor into a box of the parameter, element for element in row-major order (the copies could not
+    stand for it)."""
+    layers = {id(mod) for mod in expert_layers(model)}
+    numels = [math.prod(shape) for _, shape in shapes]
+    bases = np.concatenate([[0], np.cumsum(numels)]).astype(np.int64)
+    found: Copies = {}
+    plain = [True]
+
+    def record(scratch: torch.Tensor, module: torch.nn.Module, name: str) -> None:
+        if id(module) not in layers:
+            return
+        values = scratch.detach().reshape(-1)
+        where = torch.nonzero(values).reshape(-1).numpy()  # (row-major)
+        ids = values[where].to(torch.int64).numpy() - 1
+        if not len(ids):
+            return
+        t = int(np.searchsorted(bases, ids[0], side="right") - 1)
+        offsets = ids - bases[t]
+        into, source = _box_of(where, tuple(scratch.shape)), _box_of(offsets, shapes[t][1])
+        if into is None or source is None:
+            plain[0] = False
+            return
+        found.setdefault((id(module), name), []).append((shapes[t][0], into, source))
+
+    def make(template, module, name):
+        return recording_shadow(template, module, functools.partial(record, module=module, name=name))
+
+    def probes() -> Iterator[tuple[str, torch.Tensor]]:
+        for i, (name, shape) in enumerate(shapes):
+            yield name, (torch.arange(numels[i], dtype=torch.float64) + float(bases[i] + 1)).reshape(shape)
+
+    with shadowed(model, make):
+        model.load_weights(probes())
+    return found if plain[0] else None
+
+
+def _box_of(offsets: np.ndarray, shape: tuple[int, ...]) -> tuple[slice, ...] | None:
+    """The box of a tensor of `shape` whose elements' row-major offsets are exactly `offsets`, in that order; None
+    where they are not one."""
+    if not shape:
+        return () if np.array_equal(offsets, [0]) else None
+    if (offsets < 0).any() or (offsets >= math.prod(shape)).any():
+        return None
+    coords = np.unravel_index(offsets, shape)
+    box = tuple(slice(int(c.min()), int(c.max()) + 1) for c in coords)
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    expect = np.zeros((), dtype=np.int64)
+    for b, stride in zip(box, strides):
+        expect = expect[..., None] + np.arange(b.start, b.stop, dtype=np.int64) * stride
+    return box if np.array_equal(expect.reshape(-1), offsets) else None
 
 
 def live_mismatches(model: torch.nn.Module, handed: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
@@ -121,28 +194,43 @@ def live_mismatches(model: torch.nn.Module, handed: Iterable[tuple[str, torch.Te
 
 def reload(reload_weights: Callable[..., None], model: torch.nn.Module,
            handed: Callable[[], Iterable[tuple[str, torch.Tensor]]], experts: frozenset[str] | None,
-           apart: bool) -> list[str]:
+           apart: bool, copies: Copies | None = None) -> list[str]:
     """Makes the tensors `handed()` gives live through vLLM's reload (`reload_weights`, a worker's) -> the live
     expert parameters that differ from vLLM's processing of what was handed ([]: none).
 
     experts: the names of the tensors that load into expert layers and fill them (vllm_layout.probe_loads).
     `apart` (once a commit of the same tensors found `processed` of them equal to vLLM's own processing, below): the
-    other tensors go through vLLM's reload path; the experts' are loaded and processed as `processed` makes them and
-    handed to vLLM's reload in kernel format (copied into the live parameters as they are). vLLM's reload path costs
-    a weight loader call through its layerwise bookkeeping per expert and per shard (~0.2 ms each on a CPU: a tiny
-    MoE of 28 experts at TP = 2 commits in 55 ms, in 25 this way). Else everything goes through vLLM's reload,
-    processed as at its first load, and the live experts are read back against `processed` of the tensors handed
-    for them (`experts`, or all), bit for bit: where they agree, `processed` is vLLM's own processing on this
-    backend, and the caller may load those tensors apart from then on."""
+    other tensors go through vLLM's reload path; the experts' are loaded and processed as `processed` makes them (by
+    `copies`, when given: apart_copies) and handed to vLLM's reload in kernel format (copied into the live parameters
+    as they are). vLLM's reload path costs a weight loader call through its layerwise bookkeeping per expert and per
+    shard (~0.2 ms each on a CPU: a tiny MoE of 28 experts at TP = 2 commits in 55 ms, in 25 this way). Else
+    everything goes through vLLM's reload, processed as at its first load, and the live experts are read back
+    against `processed` of the tensors handed for them (`experts`, or all), bit for bit: where they agree,
+    `processed` is vLLM's own processing on this backend, and the caller may load those tensors apart from then on."""
     if experts and apart:
         with _quiet(expert_layers(model)):
             reload_weights(weights_iterator=(item for item in handed() if item[0] not in experts))
-        own = processed(model, (item for item in handed() if item[0] in experts))
+        own = processed(model, (item for item in handed() if item[0] in experts), copies)
         reload_weights(weights_iterator=iter(own.items()), is_checkpoint_format=False)
         return []
     with first_load_processing(model):  # (vLLM skips its experts' processing otherwise)
         reload_weights(weights_iterator=handed())
     return live_mismatches(model, (item for item in handed() if not experts or item[0] in experts))
+
+
+def apart_copies(model: torch.nn.Module, handed: Sequence[tuple[str, torch.Tensor]]) -> Copies | None:
+    """Right after a commit of `handed` (the expert layers' tensors) whose live experts were read back equal to
+    `processed` of them: the copies vLLM's loaders amount to for tensors of these names and shapes (learn_copies),
+    when `processed` by them makes exactly the live experts; else None (they are loaded by vLLM's loaders)."""
+    copies = learn_copies(model, [(name, tuple(t.shape)) for name, t in handed])
+    if copies is None:
+        return None
+    for name, want in processed(model, handed, copies).items():
+        module, _, param = name.rpartition(".")
+        live = model.get_submodule(module)._parameters.get(param)
+        if live is None or live.shape != want.shape or not torch.equal(live.data, want.data):
+            return None
+    return copies
 
 
 @contextlib.contextmanager

@@ -50,7 +50,7 @@ def shadow_param(template: torch.Tensor, module: torch.nn.Module, device: str = 
     return t
 
 
-def _shadow(template: torch.Tensor, module: torch.nn.Module, record) -> torch.Tensor:
+def recording_shadow(template: torch.Tensor, module: torch.nn.Module, record) -> torch.Tensor:
     """A float64 meta tensor with the template's class and attributes (its weight_loader bound to
     `module`), whose loader runs the original one on a real scratch copy and records what landed
     (`record(scratch)`)."""
@@ -157,7 +157,7 @@ def probe_loads(model: torch.nn.Module, specs: Sequence[Spec], layers: Collectio
     def make(template, module, name):
         if id(module) in ids_of:
             expected[(id(module), name)] = template.numel()
-        return _shadow(template, module, functools.partial(record, module=module, name=name))
+        return recording_shadow(template, module, functools.partial(record, module=module, name=name))
 
     with shadowed(model, make):
         model.load_weights(probes())

@@ -24,7 +24,7 @@ from rlsync.flat import flat_like
 from rlsync.rollout.engines.process import prepare_engine_process
 from rlsync.errors import ResourceExhausted, Unmappable
 from rlsync.rollout.engines.vllm_direct import direct_views
-from rlsync.rollout.engines.vllm_experts import expert_layers, reload
+from rlsync.rollout.engines.vllm_experts import apart_copies, expert_layers, reload
 from rlsync.rollout.engines.vllm_layout import BoxStaging, Loads, probe_loads
 from rlsync.rollout.engines.vllm_versions import TokenCounts
 from rlsync.rollout.staging import StagedUpdate, ensure_room
@@ -407,13 +407,14 @@ class RlsyncWorkerExtension:
         loads = self._rlsync_loads(from_proto(update.receiver.offer.manifest)) if expert_layers(model) else None
         experts = loads.into_layers if loads is not None else None
         # (the experts loaded apart once a commit of the same tensors read them back equal to vLLM's processing)
-        apart = experts is not None and getattr(self, "_rlsync_apart", None) is loads
-        if wrong := reload(self.reload_weights, model, handed, experts, apart):  # what the experts compute with
+        known, copies = getattr(self, "_rlsync_apart", (None, None))
+        apart = experts is not None and known is loads
+        if wrong := reload(self.reload_weights, model, handed, experts, apart, copies):  # what they compute with
             raise RuntimeError(f"vLLM's live expert weights differ from its own processing of the tensors this "
                                f"update handed it ({', '.join(wrong[:4])}{', ...' if len(wrong) > 4 else ''}): it "
                                "would compute with weights other than the ones verified")
-        if experts:
-            self._rlsync_apart = loads
+        if experts and not apart:
+            self._rlsync_apart = loads, apart_copies(model, [item for item in handed() if item[0] in experts])
         if isinstance(staging, BoxStaging):
             self._rlsync_applied = {"parts": self._rlsync_parts(update, staging)}
         else:
