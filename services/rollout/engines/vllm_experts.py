@@ -16,7 +16,9 @@ and has the layers' experts process them (pad, prepack). Once that read-back fou
 tensors that fill the expert layers (vllm_layout.probe_loads says which), `processed` is vLLM's own processing on
 this backend, and the next updates of those tensors load the experts apart: vLLM's reload takes `processed`'s
 result in kernel format, copied into the parameters the engine runs with, and every other tensor goes through its
-reload path (without its bookkeeping per expert: a commit in half the time).
+reload path (without its bookkeeping per expert: a commit in half the time). The scratch copies are then filled by
+the copies of boxes vLLM's loaders amount to (`apart_copies`: learnt on id probes right after the read-back, kept
+only where they make exactly the live experts), in one launch instead of a loader call per expert and shard.
 """
 
 from __future__ import annotations
