@@ -147,6 +147,9 @@ def learn_copies(model: torch.nn.Module, shapes: Sequence[tuple[str, tuple[int, 
         if not len(ids):
             return
         t = int(np.searchsorted(bases, ids[0], side="right") - 1)
+        if not 0 <= t < len(shapes):  # (a value no probe holds: the loader computed it)
+            plain[0] = False
+            return
         offsets = ids - bases[t]
         into, source = _box_of(where, tuple(scratch.shape)), _box_of(offsets, shapes[t][1])
         if into is None or source is None:

@@ -24,7 +24,7 @@ from rlsync.flat import flat_like
 from rlsync.rollout.engines.process import prepare_engine_process
 from rlsync.errors import ResourceExhausted, Unmappable
 from rlsync.rollout.engines.vllm_direct import direct_views
-from rlsync.rollout.engines.vllm_experts import apart_copies, expert_layers, reload
+from rlsync.rollout.engines.vllm_experts import Copies, apart_copies, expert_layers, reload
 from rlsync.rollout.engines.vllm_layout import BoxStaging, Loads, probe_loads
 from rlsync.rollout.engines.vllm_versions import TokenCounts
 from rlsync.rollout.staging import StagedUpdate, ensure_room
@@ -414,12 +414,22 @@ class RlsyncWorkerExtension:
                                f"update handed it ({', '.join(wrong[:4])}{', ...' if len(wrong) > 4 else ''}): it "
                                "would compute with weights other than the ones verified")
         if experts and not apart:
-            self._rlsync_apart = loads, apart_copies(model, [item for item in handed() if item[0] in experts])
+            self._rlsync_apart = loads, self._rlsync_copies(model, [item for item in handed() if item[0] in experts])
         if isinstance(staging, BoxStaging):
             self._rlsync_applied = {"parts": self._rlsync_parts(update, staging)}
         else:
             self._rlsync_applied = audit(staging)
         refresh_tied(model)
+
+    @staticmethod
+    def _rlsync_copies(model: torch.nn.Module, handed: list) -> Copies | None:
+        """apart_copies, after a commit that made the weights live: a failure to learn them must not fail it (the
+        experts are then loaded apart by vLLM's loaders)."""
+        try:
+            return apart_copies(model, handed)
+        except Exception:  # noqa: BLE001 - the weights are live and verified: only the shortcut is lost
+            log.warning("could not learn the copies vLLM's loaders amount to for the expert layers", exc_info=True)
+            return None
 
     def _rlsync_parts(self, update: StagedUpdate, staging: BoxStaging) -> dict:
         """This worker's share of each tensor's checksum: the replica's workers split every tensor
