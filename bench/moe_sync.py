@@ -60,11 +60,18 @@ class Fleet:
             raise RuntimeError(f"{self.name}: sync {sync.version} was not verified")
         received = list(self.replica.info().received_bytes)  # (by its last update)
         return {"seconds": round(sync.seconds, 4), "bytes": sum(received), "worker_bytes": received,
-                "phases": {k: round(v, 4) for k, v in sync.phases.items()}}
+                "phases": {k: round(v, 4) for k, v in sync.phases.items()},
+                "profile": {k: round(v, 4) for k, v in sync.transfer_profile.items()}}
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
             proc.stop()
+
+
+def _medians(rounds: list[dict], part: str) -> dict:
+    """Each fleet's median of each figure in `part` ("phases", "profile") over the rounds."""
+    return {name: {k: round(statistics.median(r[name][part].get(k, 0.0) for r in rounds), 4)
+                   for k in rounds[0][name][part]} for name in rounds[0] if name != "ratio"}
 
 
 def main() -> None:
@@ -93,12 +100,11 @@ def main() -> None:
     finally:
         for fleet in fleets.values():
             fleet.stop()
-    phases = {name: {k: round(statistics.median(r[name]["phases"].get(k, 0.0) for r in rounds), 4)
-                     for k in rounds[0][name]["phases"]} for name in models}
     print(json.dumps({"models": {k: str(v) for k, v in models.items()}, "trainer_ranks": 2, "engine": "vllm",
                       "tensor_parallel_size": 2, "rounds": rounds,
                       "seconds_median": {n: statistics.median(r[n]["seconds"] for r in rounds) for n in models},
-                      "bytes": {n: rounds[0][n]["bytes"] for n in models}, "phases_median": phases,
+                      "bytes": {n: rounds[0][n]["bytes"] for n in models}, "phases_median": _medians(rounds, "phases"),
+                      "profile_median": _medians(rounds, "profile"),
                       "ratio_median": statistics.median(r["ratio"] for r in rounds)}))
 
 

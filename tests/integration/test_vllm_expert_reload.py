@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from rlsync.models import ensure_tiny_moe
 from rlsync.rollout.engines.vllm_experts import (apart_copies, expert_layers, first_load_processing, live_mismatches,
-                                                  reload)
-from rlsync.rollout.engines.vllm_layout import probe_loads
+                                                  placement, reload)
+from rlsync.rollout.engines.vllm_layout import BoxStaging, probe_loads
 from rlsync.transfer.manifest import Spec
 
 pytestmark = pytest.mark.usefixtures("keeps_environ")  # vLLM in this process (conftest)
@@ -54,14 +54,27 @@ def _reload(llm, weights: dict[str, torch.Tensor], ours: bool) -> list[str]:
     return llm.llm_engine.collective_rpc(run)[0]
 
 
-def _reload_apart(llm, weights: dict[str, torch.Tensor], apart: bool, copies) -> tuple[list[str], list[str], object]:
+def _reload_apart(llm, weights: dict[str, torch.Tensor], apart: bool, copies, placed: bool = False
+                  ) -> tuple[list[str], list[str], object]:
     """Reloads `weights` through vllm_experts.reload with the expert tensors the probe finds (`apart`: loaded apart,
-    by `copies` where given, else read back) -> (those tensors, the live expert parameters that then differ from
-    vLLM's processing of them, and after a read back the copies vLLM's loaders amount to: apart_copies)."""
+    by `copies` where given, else read back; `placed`: the experts staged in the blocks the copies place them in, as
+    a transfer loads them, the rest handed from the same staging) -> (those tensors, the live expert parameters that
+    then differ from vLLM's processing of them, and after a read back the copies vLLM's loaders amount to:
+    apart_copies)."""
     def run(worker):
         model = worker.model_runner.get_model()
-        experts = probe_loads(model, [Spec.of(n, t) for n, t in weights.items()], expert_layers(model)).into_layers
-        wrong = reload(worker.reload_weights, model, lambda: iter(weights.items()), experts, apart, copies)
+        specs = [Spec.of(n, t) for n, t in weights.items()]
+        loads = probe_loads(model, specs, expert_layers(model))
+        experts, handed, blocks = loads.into_layers, lambda: iter(weights.items()), None
+        if placed:
+            where = placement(copies, specs, loads.boxes)
+            assert where is not None and {name for name, _, _ in where.at} == experts
+            staging = BoxStaging(specs, loads.boxes, torch.device("cpu"), where)
+            for name, view in staging.views().items():  # (what the transfer writes: each staged box)
+                view.copy_(weights[name][tuple(slice(a, b) for a, b in staging.boxes[name])])
+            handed, blocks = staging.full, staging.blocks()
+            assert experts.isdisjoint(dict(staging.full())) and len(blocks) == 4
+        wrong = reload(worker.reload_weights, model, handed, experts, apart, copies, blocks)
         learnt = None if apart else apart_copies(model, [(n, t) for n, t in weights.items() if n in experts])
         return sorted(experts or ()), wrong + live_mismatches(model, iter(weights.items())), learnt
 
@@ -109,5 +122,20 @@ def test_experts_loaded_apart_and_handed_in_kernel_format_are_vllms_processing_a
     for seed, by in ((5, None), (6, copies), (7, copies)):
         weights = _new_weights(seed)
         assert _reload_apart(llm, weights, apart=True, copies=by) == (names, [], None)
+    got, want = _greedy_against_transformers(llm, weights, tmp_path)
+    assert got == want
+
+
+def test_experts_the_transfer_loads_into_their_place_are_vllms_processing_and_compute_as_transformers(llm, tmp_path):
+    """Once the copies are learnt, a staging lays each expert tensor's box out where vLLM's loaders copy it, in blocks
+    shaped as the expert parameters as first loaded (placement): what the transfer writes there is processed as it
+    lies, with no loader call and no copy, and the live experts are vLLM's processing of the weights; the rest are
+    handed from the same staging; greedy tokens equal transformers' on them."""
+    names = sorted(n for n in _new_weights(0) if ".mlp.experts." in n)
+    experts, wrong, copies = _reload_apart(llm, _new_weights(8), apart=False, copies=None)
+    assert (experts, wrong) == (names, []) and copies
+    for seed in (9, 10):
+        weights = _new_weights(seed)
+        assert _reload_apart(llm, weights, apart=True, copies=copies, placed=True) == (names, [], None)
     got, want = _greedy_against_transformers(llm, weights, tmp_path)
     assert got == want

@@ -28,12 +28,15 @@ import copy
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from rlsync.rollout.engines.vllm_layout import recording_shadow, shadow_param, shadowed
+from rlsync.transfer.manifest import Spec
+from rlsync.transfer.routes import Box
 
 
 def _processes_layer(method) -> bool:
@@ -78,7 +81,23 @@ def expert_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
                  if (m := getattr(mod, "quant_method", None)) is not None and _processes_layer(m)}.values())
 
 
-Copies = dict[tuple[int, str], list[tuple[str, tuple[slice, ...], tuple[slice, ...]]]]
+Param = tuple[int, str]  # an expert layer's parameter: (id of the layer, the parameter's name)
+
+
+class Copies(NamedTuple):
+    """What vLLM's loaders do with the expert layers' tensors, as copies (learn_copies)."""
+
+    # per parameter, in the loaders' order: (tensor, a box of the parameter, a box of the tensor)
+    boxes: dict[Param, list[tuple[str, tuple[slice, ...], tuple[slice, ...]]]]
+    params: dict[Param, tuple[tuple[int, ...], torch.dtype]]  # per parameter, its shape and dtype as first loaded
+
+
+class Placement(NamedTuple):
+    """Where a staging lays the expert layers' tensors out so that the transfer loads them (placement): blocks shaped
+    as the parameters as first loaded, each tensor's staged box the run of its block vLLM's loaders copy it to."""
+
+    blocks: tuple[tuple[Param, tuple[int, ...], torch.dtype], ...]  # per parameter: which, its shape and dtype
+    at: tuple[tuple[str, int, int], ...]  # per tensor: its name, its block, where its run starts there (elements)
 
 
 def processed(model: torch.nn.Module, handed: Iterable[tuple[str, torch.Tensor]],
@@ -87,17 +106,17 @@ def processed(model: torch.nn.Module, handed: Iterable[tuple[str, torch.Tensor]]
     (`module.param`): loaded into scratch copies of the parameters as first loaded, then processed by the layer's
     experts (pad, prepack). The kernel format vLLM's reload takes as it is. Loaded by vLLM's own loaders, or by the
     `copies` they amount to (learn_copies: one launch, no loader call per expert and shard)."""
-    layers = {id(mod): mod for mod in expert_layers(model)}
+    layers = {id(mod) for mod in expert_layers(model)}
     if not layers:
         return {}
-    scratch: dict[int, dict[str, torch.Tensor]] = {}
+    scratch: dict[Param, torch.Tensor] = {}
 
     def make(template, module, name):
         if id(module) not in layers:
             return shadow_param(template, module)  # (the other layers' loaders write nothing real)
         t = shadow_param(template, module, device=str(module._parameters[name].device)
                          if module._parameters.get(name) is not None else "cpu")
-        scratch.setdefault(id(module), {})[name] = t
+        scratch[(id(module), name)] = t
         return t
 
     with shadowed(model, make):
@@ -105,25 +124,80 @@ def processed(model: torch.nn.Module, handed: Iterable[tuple[str, torch.Tensor]]
             model.load_weights(iter(handed))
     if copies is not None:
         tensors, into, values = dict(handed), [], []
-        for (key, param), boxes in copies.items():
+        for key, boxes in copies.boxes.items():
             for name, into_box, from_box in boxes:
-                into.append(scratch[key][param][into_box])
+                into.append(scratch[key][into_box])
                 values.append(tensors[name][from_box].reshape(into[-1].shape))
         if into:
             torch._foreach_copy_(into, values)
-    names = {id(mod): name for name, mod in model.named_modules()}
+    return processed_blocks(model, scratch)
+
+
+def processed_blocks(model: torch.nn.Module, blocks: Mapping[Param, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The expert layers' parameters as their experts process (pad, prepack) `blocks`, the parameters as first
+    loaded (processed's scratch, or a staging's blocks that the transfer loaded: placement), by live name. The
+    blocks are read, not changed."""
+    layers = {id(mod): mod for mod in expert_layers(model)}
+    names = {id(mod): name for name, mod in model.named_modules() if id(mod) in layers}
+    standins: dict[int, torch.nn.Module] = {}
+    for (key, name), t in blocks.items():
+        if (standin := standins.get(key)) is None:
+            layer = layers[key]
+            standin = standins[key] = torch.nn.Module()
+            for attr in ("moe_config", "activation"):  # (what the experts read of a layer to choose their kernel)
+                if hasattr(layer, attr):
+                    setattr(standin, attr, getattr(layer, attr))
+        standin.register_parameter(name, torch.nn.Parameter(t.data, requires_grad=False))
     out = {}
-    for key, params in scratch.items():
-        layer, standin = layers[key], torch.nn.Module()
-        for attr in ("moe_config", "activation"):  # (what the experts read of a layer to choose their kernel)
-            if hasattr(layer, attr):
-                setattr(standin, attr, getattr(layer, attr))
-        for name, t in params.items():
-            standin.register_parameter(name, torch.nn.Parameter(t.data, requires_grad=False))
-        experts = copy.copy(layer.quant_method.moe_kernel.fused_experts)  # (its own state stays the live one's)
+    for key, standin in standins.items():
+        experts = copy.copy(layers[key].quant_method.moe_kernel.fused_experts)  # (its own state stays the live one's)
         experts.process_weights_after_loading(standin)
         out.update((f"{names[key]}.{name}", want.data) for name, want in standin.named_parameters())
     return out
+
+
+def placement(copies: Copies, specs: Sequence[Spec], boxes: Sequence[Box | None]) -> Placement | None:
+    """Where a staging of `boxes` of the tensors `specs` (vllm_layout.Loads') may lay the expert layers' tensors out
+    so that the transfer
+    loads them: each tensor's box at the place vLLM's loaders copy it to (`copies`), in blocks shaped as the
+    parameters as first loaded -> None unless every copy is a whole staged box (of the parameter's dtype) into a run
+    of a parameter, each tensor copied once, and the runs tile every parameter (nothing else is in a block)."""
+    staged = {s.name: (b, s.dtype) for s, b in zip(specs, boxes) if b is not None}
+    blocks, at, runs, seen = [], [], [], set()
+    for i, (key, (shape, dtype)) in enumerate(copies.params.items()):
+        blocks.append((key, tuple(shape), dtype))
+        for name, into_box, from_box in copies.boxes.get(key, ()):
+            box, of = staged.get(name, (None, None))
+            start = _run_start(into_box, shape)
+            if name in seen or box is None or of != dtype or tuple((s.start, s.stop) for s in from_box) != box \
+                    or start is None or math.prod(b - a for a, b in box) != _numel(into_box):
+                return None
+            seen.add(name)
+            at.append((name, i, start))
+            runs.append((i, start, start + _numel(into_box)))
+    runs.sort()
+    for i, (_, shape, _) in enumerate(blocks):  # the runs of each block, in order, end to end from 0 to its end
+        ends = [(a, b) for j, a, b in runs if j == i]
+        if not ends or [a for a, _ in ends] != [0, *(b for _, b in ends[:-1])] or ends[-1][1] != math.prod(shape):
+            return None
+    return Placement(tuple(blocks), tuple(at))
+
+
+def _numel(box: tuple[slice, ...]) -> int:
+    return math.prod(b.stop - b.start for b in box)
+
+
+def _run_start(box: tuple[slice, ...], shape: tuple[int, ...]) -> int | None:
+    """The row-major offset where `box` of a tensor of `shape` starts, when its elements are one run there; else
+    None."""
+    if len(box) != len(shape):
+        return None
+    extents = [b.stop - b.start for b in box]
+    wide = next((d for d, n in enumerate(extents) if n > 1), len(extents))  # (those before: one element wide)
+    if any(extents[d] != shape[d] for d in range(wide + 1, len(shape))):
+        return None
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    return sum(b.start * st for b, st in zip(box, strides))
 
 
 def learn_copies(model: torch.nn.Module, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> Copies | None:
@@ -135,7 +209,7 @@ def learn_copies(model: torch.nn.Module, shapes: Sequence[tuple[str, tuple[int, 
     layers = {id(mod) for mod in expert_layers(model)}
     numels = [math.prod(shape) for _, shape in shapes]
     bases = np.concatenate([[0], np.cumsum(numels)]).astype(np.int64)
-    found: Copies = {}
+    found = Copies({}, {})
     plain = [True]
 
     def record(scratch: torch.Tensor, module: torch.nn.Module, name: str) -> None:
@@ -155,9 +229,11 @@ def learn_copies(model: torch.nn.Module, shapes: Sequence[tuple[str, tuple[int, 
         if into is None or source is None:
             plain[0] = False
             return
-        found.setdefault((id(module), name), []).append((shapes[t][0], into, source))
+        found.boxes.setdefault((id(module), name), []).append((shapes[t][0], into, source))
 
     def make(template, module, name):
+        if id(module) in layers:
+            found.params[(id(module), name)] = (tuple(template.shape), template.dtype)
         return recording_shadow(template, module, functools.partial(record, module=module, name=name))
 
     def probes() -> Iterator[tuple[str, torch.Tensor]]:
@@ -199,24 +275,26 @@ def live_mismatches(model: torch.nn.Module, handed: Iterable[tuple[str, torch.Te
 
 def reload(reload_weights: Callable[..., None], model: torch.nn.Module,
            handed: Callable[[], Iterable[tuple[str, torch.Tensor]]], experts: frozenset[str] | None,
-           apart: bool, copies: Copies | None = None) -> list[str]:
+           apart: bool, copies: Copies | None = None, blocks: Mapping[Param, torch.Tensor] | None = None) -> list[str]:
     """Makes the tensors `handed()` gives live through vLLM's reload (`reload_weights`, a worker's) -> the live
     expert parameters that differ from vLLM's processing of what was handed ([]: none).
 
     experts: the names of the tensors that load into expert layers and fill them (vllm_layout.probe_loads).
     `apart` (once a commit of the same tensors found `processed` of them equal to vLLM's own processing, below): the
     other tensors go through vLLM's reload path; the experts' are loaded and processed as `processed` makes them (by
-    `copies`, when given: apart_copies) and handed to vLLM's reload in kernel format (copied into the live parameters
-    as they are). vLLM's reload path costs a weight loader call through its layerwise bookkeeping per expert and per
-    shard (~0.2 ms each on a CPU: a tiny MoE of 28 experts at TP = 2 commits in 55 ms, in 25 this way). Else
+    `copies`, when given: apart_copies; or, where the transfer loaded them into a staging's `blocks`, processed from
+    there: placement) and handed to vLLM's reload in kernel format (copied into the live parameters as they are).
+    vLLM's reload path costs a weight loader call through its layerwise bookkeeping per expert and per shard (~0.2 ms
+    each on a CPU: a tiny MoE of 28 experts at TP = 2 commits in 55 ms, in 25 this way). Else
     everything goes through vLLM's reload, processed as at its first load, and the live experts are read back
     against `processed` of the tensors handed for them (`experts`, or all), bit for bit: where they agree,
     `processed` is vLLM's own processing on this backend, and the caller may load those tensors apart from then on."""
     if experts and apart:
         with _quiet(expert_layers(model)):
             reload_weights(weights_iterator=(item for item in handed() if item[0] not in experts))
-        own = processed(model, (item for item in handed() if item[0] in experts), copies)
-        reload_weights(weights_iterator=iter(own.items()), is_checkpoint_format=False)
+            own = processed_blocks(model, blocks) if blocks else \
+                processed(model, (item for item in handed() if item[0] in experts), copies)
+            reload_weights(weights_iterator=iter(own.items()), is_checkpoint_format=False)
         return []
     with first_load_processing(model):  # (vLLM skips its experts' processing otherwise)
         reload_weights(weights_iterator=handed())
@@ -240,21 +318,29 @@ def apart_copies(model: torch.nn.Module, handed: Sequence[tuple[str, torch.Tenso
 
 @contextlib.contextmanager
 def _quiet(layers: Sequence[torch.nn.Module]) -> Iterator[None]:
-    """Within it, vLLM's reload does not warn that `layers` loaded no weights (they are loaded apart)."""
-    names = {type(layer).__name__ for layer in layers}
-    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    quiet = _NotLoaded(names)
-    logger.addFilter(quiet)
+    """Within it, vLLM's reload does not warn that `layers` loaded no weights, nor which parameters a reload did not
+    load: the two reloads of an update loaded apart load the experts and the rest, each without the other."""
+    filters = ((logging.getLogger("vllm.model_executor.model_loader.reload.layerwise"),
+                _Quiet("%s: Failed to load weights", {type(layer).__name__ for layer in layers})),
+               (logging.getLogger("vllm.model_executor.model_loader.reload.inplace"),
+                _Quiet("Following weights were not loaded from checkpoint: %s")))
+    for logger, quiet in filters:
+        logger.addFilter(quiet)
     try:
         yield
     finally:
-        logger.removeFilter(quiet)
+        for logger, quiet in filters:
+            logger.removeFilter(quiet)
 
 
-class _NotLoaded(logging.Filter):
-    def __init__(self, names: set[str]):
+class _Quiet(logging.Filter):
+    """Drops the records of `message` (with its first argument in `first`, where given)."""
+
+    def __init__(self, message: str, first: set[str] | None = None):
         super().__init__()
-        self.names = names
+        self.message, self.first = message, first
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] in self.names)
+        if record.msg != self.message:
+            return True
+        return self.first is not None and not (record.args and record.args[0] in self.first)

@@ -20,13 +20,16 @@ import contextlib
 import functools
 import math
 from collections.abc import Collection, Iterator, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.routes import Box
+
+if TYPE_CHECKING:
+    from rlsync.rollout.engines.vllm_experts import Placement
 
 
 def original_loader(fn):
@@ -209,11 +212,16 @@ def _strides(shape: Sequence[int]) -> list[int]:
 
 class BoxStaging:
     """This rank's boxes of the tensors of `specs`, packed per dtype (see the module's doc). How they pack is the
-    same at every update of the same tensors and boxes: laid out once (_packing), a buffer allocated each time."""
+    same at every update of the same tensors and boxes: laid out once (_packing), a buffer allocated each time.
+    `placed` (vllm_experts.placement): the expert layers' tensors are laid out in blocks, the parameters as vLLM's
+    loaders would have filled them (`blocks`); the transfer loads them, and they are not handed to the loaders
+    (`full`)."""
 
-    def __init__(self, specs: Sequence[Spec], boxes: Sequence[Box | None], device: torch.device):
+    def __init__(self, specs: Sequence[Spec], boxes: Sequence[Box | None], device: torch.device,
+                 placed: Placement | None = None):
         # (shared by every staging of these tensors and boxes: read, never changed)
-        self.specs, self.boxes, self.place, sizes = _packing(tuple(specs), tuple(boxes))
+        self.specs, self.boxes, self.place, sizes, (self._blocks, self.in_blocks) = \
+            _packing(tuple(specs), tuple(boxes), placed)
         self.buffers = {dtype: torch.empty(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
 
     def nbytes(self) -> int:
@@ -229,8 +237,63 @@ class BoxStaging:
         return out
 
     def full(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, a full-shape view whose box holds the staged values), for the loaders."""
+        """(name, a full-shape view whose box holds the staged values), for the loaders: the tensors not in blocks."""
         for s in self.specs:
+            if s.name in self.in_blocks:
+                continue
             dtype, offset, strides = self.place[s.name]
             before = sum(a * st for (a, _), st in zip(self.boxes[s.name], strides))
             yield s.name, self.buffers[dtype].as_strided(s.shape, strides, offset - before)
+
+    def blocks(self) -> dict:
+        """The blocks the expert layers' tensors were laid out in, by parameter (vllm_experts.Param): {} without."""
+        return {key: self.buffers[dtype][offset:offset + math.prod(shape)].view(shape)
+                for key, shape, dtype, offset in self._blocks}
+
+
+@functools.lru_cache(maxsize=4)
+def _packing(specs: tuple[Spec, ...], boxes: tuple[Box | None, ...], placed: Placement | None):
+    """BoxStaging's layout of these boxes: the tensors it holds, their boxes by name, where each lies (name ->
+    dtype, offset, box strides), each dtype's buffer's elements, and the blocks (parameter, shape, dtype, offset)
+    with the names of the tensors laid out in them."""
+    in_blocks = frozenset(name for name, _, _ in placed.at) if placed is not None else frozenset()
+    held = [s for s, b in zip(specs, boxes) if b is not None]
+    by_name = {s.name: b for s, b in zip(specs, boxes) if b is not None}
+    place: dict[str, tuple[torch.dtype, int, list[int]]] = {}
+    sizes: dict[torch.dtype, int] = {}
+    for dtype in dict.fromkeys(s.dtype for s in held if s.name not in in_blocks):
+        items = []
+        for s in (s for s in held if s.dtype == dtype and s.name not in in_blocks):
+            box = by_name[s.name]
+            extent = [b - a for a, b in box]
+            strides = _strides(extent)
+            before = sum(a * st for (a, _), st in zip(box, strides))  # elements the full view reaches back
+            reach = sum((d - 1) * st for d, st in zip(s.shape, strides)) + 1 if s.shape else 1
+            items.append((s.name, strides, before, reach, math.prod(extent)))
+        items.sort(key=lambda it: it[2] - (it[3] - it[2] - it[4]))  # room before late, room after early
+        start = filled = 0
+        for _, _, before, _, numel in items:
+            start = max(start, before - filled)
+            filled += numel
+        offset = end = start
+        for name, strides, before, reach, numel in items:
+            place[name] = (dtype, offset, strides)
+            end = max(end, offset - before + reach, offset + numel)
+            offset += numel
+        sizes[dtype] = max(end, offset)
+    blocks = []
+    for key, shape, dtype in placed.blocks if placed is not None else ():  # after the loose tensors of their dtype
+        blocks.append((key, shape, dtype, sizes.get(dtype, 0)))
+        sizes[dtype] = sizes.get(dtype, 0) + math.prod(shape)
+    for name, block, start in placed.at if placed is not None else ():
+        _, _, dtype, offset = blocks[block]
+        place[name] = (dtype, offset + start, _strides([b - a for a, b in by_name[name]]))
+    return held, by_name, place, sizes, (tuple(blocks), in_blocks)
+
+
+def _strides(shape: Sequence[int]) -> list[int]:
+    out, step = [], 1
+    for d in reversed(shape):
+        out.append(step)
+        step *= d
+    return out[::-1]

@@ -24,7 +24,7 @@ from rlsync.flat import flat_like
 from rlsync.rollout.engines.process import prepare_engine_process
 from rlsync.errors import ResourceExhausted, Unmappable
 from rlsync.rollout.engines.vllm_direct import direct_views
-from rlsync.rollout.engines.vllm_experts import Copies, apart_copies, expert_layers, reload
+from rlsync.rollout.engines.vllm_experts import Copies, Placement, apart_copies, expert_layers, placement, reload
 from rlsync.rollout.engines.vllm_layout import BoxStaging, Loads, probe_loads
 from rlsync.rollout.engines.vllm_versions import TokenCounts
 from rlsync.rollout.staging import StagedUpdate, ensure_room
@@ -310,8 +310,8 @@ class RlsyncWorkerExtension:
         except ResourceExhausted as e:
             return {"state": "failed", "code": "ResourceExhausted", "error": str(e), "refused": True}
         if o.HasField("routing"):
-            boxes = self._rlsync_loads(specs).boxes
-            staging = BoxStaging(specs, boxes, device)
+            loads = self._rlsync_loads(specs)
+            staging = BoxStaging(specs, loads.boxes, device, self._rlsync_placement(specs, loads))
             # (the staging is this update's, so nothing keeps views of it; the pulls' mappings stay under the holder)
             self._rlsync_update = StagedUpdate(o, ans, staging.views(), self.rank, device, timeout,
                                                boxes=staging.boxes, hold=o.routing.holder)
@@ -319,6 +319,17 @@ class RlsyncWorkerExtension:
         else:
             self._rlsync_update = StagedUpdate(o, ans, flat_like(specs, device), self.rank, device, timeout)
         return self._rlsync_update.poll()
+
+    def _rlsync_placement(self, specs, loads: Loads) -> Placement | None:
+        """Where the staging lays out the expert layers' tensors so that the transfer loads them (placement), once
+        the copies vLLM's loaders amount to for these tensors were learnt (_rlsync_copies); else None."""
+        known, copies = getattr(self, "_rlsync_apart", (None, None))
+        if known is not loads or copies is None:
+            return None
+        cached = getattr(self, "_rlsync_placed", None)
+        if cached is None or cached[0] is not copies or cached[1] is not specs:
+            self._rlsync_placed = cached = (copies, specs, placement(copies, specs, loads.boxes))
+        return cached[2]
 
     def rlsync_poll(self) -> dict:
         """The update's state; once it is no longer running, with this worker's memory figures then (the
@@ -408,8 +419,9 @@ class RlsyncWorkerExtension:
         experts = loads.into_layers if loads is not None else None
         # (the experts loaded apart once a commit of the same tensors read them back equal to vLLM's processing)
         known, copies = getattr(self, "_rlsync_apart", (None, None))
+        blocks = staging.blocks() if isinstance(staging, BoxStaging) else None  # (the transfer loaded: placement)
         apart = experts is not None and known is loads
-        if wrong := reload(self.reload_weights, model, handed, experts, apart, copies):  # what they compute with
+        if wrong := reload(self.reload_weights, model, handed, experts, apart, copies, blocks):  # (what it runs)
             raise RuntimeError(f"vLLM's live expert weights differ from its own processing of the tensors this "
                                f"update handed it ({', '.join(wrong[:4])}{', ...' if len(wrong) > 4 else ''}): it "
                                "would compute with weights other than the ones verified")
