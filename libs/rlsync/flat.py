@@ -7,11 +7,20 @@ and goes live by re-pointing the parameters).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import torch
 
 Allocator = Callable[[int, torch.dtype], torch.Tensor]  # (numel, dtype) -> 1-D tensor
+
+
+class Store(Protocol):
+    """Staging whose views stay where they are for as long as it lives (a FlatStore, a vLLM worker's BoxStaging):
+    what a receiver lays out over them is kept in its `memo` for the next update into it."""
+
+    views: Mapping[str, torch.Tensor]
+    memo: dict
 
 
 class FlatStore:

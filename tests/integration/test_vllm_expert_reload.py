@@ -70,7 +70,7 @@ def _reload_apart(llm, weights: dict[str, torch.Tensor], apart: bool, copies, pl
             where = placement(copies, specs, loads.boxes)
             assert where is not None and {name for name, _, _ in where.at} == experts
             staging = BoxStaging(specs, loads.boxes, torch.device("cpu"), where)
-            for name, view in staging.views().items():  # (what the transfer writes: each staged box)
+            for name, view in staging.views.items():  # (what the transfer writes: each staged box)
                 view.copy_(weights[name][tuple(slice(a, b) for a, b in staging.boxes[name])])
             handed, blocks = staging.full, staging.blocks()
             assert experts.isdisjoint(dict(staging.full())) and len(blocks) == 4

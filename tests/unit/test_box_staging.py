@@ -33,7 +33,7 @@ def _tensors(draw):
 def test_each_full_view_shows_the_staged_box_where_it_lies(case):
     specs, boxes = case
     staging = BoxStaging(specs, boxes, torch.device("cpu"))
-    views = staging.views()
+    views = staging.views
     for i, view in enumerate(views.values()):
         view.copy_(torch.arange(view.numel(), dtype=torch.float32).reshape(view.shape) + 1000 * i)
     full = dict(staging.full())
@@ -73,7 +73,7 @@ def test_expert_tensors_placed_in_blocks_are_staged_where_vllms_loaders_copy_the
     placed = placement(copies, specs, boxes)
     assert placed is not None
     staging = BoxStaging(specs, boxes, torch.device("cpu"), placed)
-    views = staging.views()
+    views = staging.views
     for i, view in enumerate(views.values()):
         view.copy_(torch.randn(view.shape, generator=torch.Generator().manual_seed(i)))
     blocks = staging.blocks()

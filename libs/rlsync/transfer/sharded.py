@@ -43,7 +43,7 @@ from rlsync.transfer.control import Deadline
 from rlsync.transfer.handshake import NAMES, PROTOCOL_VERSION, local_facts
 from rlsync.transfer.kept import HashedKey
 from rlsync.transfer.manifest import Spec, from_proto, to_proto
-from rlsync.flat import FlatStore
+from rlsync.flat import Store
 from rlsync.transfer.routes import Box, Layout, Piece, Routes, TensorInfo, cached_routes, layout, whole
 from rlsync.transfer.sender import Report
 from rlsync.transfer.copied import record_copied
@@ -671,26 +671,28 @@ class RoutedReceiver:
     the trainer asks: ReleaseWeights). keep: where the writer of what comes over the group, laid out over
     `dest`, is kept for the next update into the same memory (kept.writer), and so is an armed pull's launch
     (rlsync.transfer.relaunch): a dict that lives as long as `dest` does, for this rank and its boxes alone, by
-    default a FlatStore's `memo`; None (a dict of tensors): laid out at each update.
+    default the `memo` of a store whose `views` stay where they are while it lives (a FlatStore, a vLLM worker's
+    BoxStaging); None (a dict of tensors): laid out at each update.
     at_once: a caller that runs a pull before it answers (answer.pull), as transfer.Receiver's: when the offer
     names the trainer ranks' memories (Routing.memories) and this process holds every storage this rank pulls
     from under `hold`, it sets answer.pull, and run() queues the copy at once (no roster, no exchange with
     the trainer's ranks) and reports the event after it (Report.copied), which the trainer waits for."""
 
-    def __init__(self, offer: pb.Offer, answer: pb.Answer, dest: Mapping[str, torch.Tensor] | FlatStore, *,
+    def __init__(self, offer: pb.Offer, answer: pb.Answer, dest: Mapping[str, torch.Tensor] | Store, *,
                  rank: int = 0, device: torch.device | str | None = None, timeout: float = 300.0,
                  boxes: Mapping[str, Box] | None = None, hold: str = "", keep: dict | None = None,
                  at_once: bool = False):
         self.offer, self.answer, self.rank, self.hold = offer, answer, rank, hold
-        self.keep = keep if keep is not None or not isinstance(dest, FlatStore) else dest.memo
-        self._memo = dest.memo if isinstance(dest, FlatStore) else None  # (its views stay where they are)
+        # (a store: its views stay where they are, and its memo keeps what is laid out over them)
+        self._memo = None if isinstance(dest, Mapping) else dest.memo
+        self.keep = keep if keep is not None else self._memo
         self.specs = tuple(from_proto(offer.manifest))
         self.device = resolved(torch.device(device)) if device is not None else torch.device("cpu")
         self.trainer: Layout | None = None  # read when armed, else at run() (trainer_layout)
         layout_of(self.specs, answer.layout)  # a layout that does not fit the manifest is refused now
         self._boxes = boxes  # (its staging's boxes: whole tensors when None)
-        self._flat: list | None = None  # into a FlatStore: its memo's entry of this staging (_flat_staging)
-        # (the staging, and what names where it lies for kept.writer: into a FlatStore, kept in its memo)
+        self._flat: list | None = None  # into a store: its memo's entry of this staging (_flat_staging)
+        # (the staging, and what names where it lies for kept.writer: into a store, kept in its memo)
         self.staging, self._placed = self._flat_staging(dest) if self._memo is not None else (_staging(
             self.specs, dest, boxes), None)
         self.deadline = Deadline(timeout, f"receiving routed transfer {offer.transfer_id[:8]} "
@@ -855,9 +857,9 @@ class RoutedReceiver:
             relaunch.remember(self.keep, self.offer.routing, self.specs, self.rank, launched, nbytes)
         return nbytes, bool(launched) and self.keep is not None
 
-    def _flat_staging(self, dest: FlatStore) -> tuple[dict[str, tuple[Box, torch.Tensor]], object]:
+    def _flat_staging(self, dest: Store) -> tuple[dict[str, tuple[Box, torch.Tensor]], object]:
         """This rank's staging in `dest`, kept in its memo by the manifest's tensors and the boxes (by identity: a
-        caller passes the same mapping, unchanged, at each update), and a token of it: a FlatStore's views stay where
+        caller passes the same mapping, unchanged, at each update), and a token of it: a store's views stay where
         they are for as long as it lives, so the token names where the staging lies (kept.writer) without reading
         every tensor's address."""
         key = ("staging", self.rank, _tensors(self.specs))
@@ -868,7 +870,7 @@ class RoutedReceiver:
         return found[1], found[2]
 
     def _staging_layout(self) -> tuple[tuple, np.ndarray] | None:
-        """kept.staging_layout of this rank's staging into a FlatStore, kept with it in the store's memo
+        """kept.staging_layout of this rank's staging into a store, kept with it in the store's memo
         (_flat_staging); None into anything else."""
         if self._flat is None:
             return None

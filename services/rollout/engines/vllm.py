@@ -218,7 +218,8 @@ class VLLMEngine(Engine):
         if self._pending:  # its receive may write into memory the sleep unmaps: it ends first
             await self.abort_update()
         await self._disarm()  # (a sleep frees memory, which waits for the whole device)
-        await self.llm.collective_rpc("rlsync_settle")  # (the last commit's audit may still read the weights)
+        # (the last commit's audit may still read the weights; the staging kept for the next update is given back)
+        await self.llm.collective_rpc("rlsync_before_sleep")
         await self.llm.sleep(level)
         self._kv_asleep = True
         await self._read_memory()
@@ -307,7 +308,8 @@ class VLLMEngine(Engine):
             return
         device = per_worker[0]["device"]
         self._memory = MemoryUsage(device, *(sum(w[k] for w in per_worker) for k in
-                                             ("weights_bytes", "kv_cache_bytes", "reserved_bytes", "staging_bytes")))
+                                             ("weights_bytes", "kv_cache_bytes", "reserved_bytes", "staging_bytes",
+                                              "spare_bytes")))
 
     # ---- weight updates -------------------------------------------------------------------------
     def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], None]]:

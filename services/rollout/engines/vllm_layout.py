@@ -215,20 +215,28 @@ class BoxStaging:
     same at every update of the same tensors and boxes: laid out once (_packing), a buffer allocated each time.
     `placed` (vllm_experts.placement): the expert layers' tensors are laid out in blocks, the parameters as vLLM's
     loaders would have filled them (`blocks`); the transfer loads them, and they are not handed to the loaders
-    (`full`)."""
+    (`full`). A rlsync.flat.Store: its views stay where they are, so a worker keeps it to receive the next update
+    of the same tensors and boxes into (`fits`), and what the receiver laid out over it is kept in its `memo`."""
 
     def __init__(self, specs: Sequence[Spec], boxes: Sequence[Box | None], device: torch.device,
                  placed: Placement | None = None):
         # (shared by every staging of these tensors and boxes: read, never changed)
-        self.specs, self.boxes, self.place, sizes, (self._blocks, self.in_blocks) = \
-            _packing(tuple(specs), tuple(boxes), placed)
+        self.layout = _packing(tuple(specs), tuple(boxes), placed)
+        self.specs, self.boxes, self.place, sizes, (self._blocks, self.in_blocks) = self.layout
+        self.device = device
         self.buffers = {dtype: torch.empty(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
+        self.views = self._views()  # (each tensor's box, contiguous: where the transfer lands it)
+        self.memo: dict = {}
+
+    def fits(self, specs: Sequence[Spec], boxes: Sequence[Box | None], device: torch.device,
+             placed: Placement | None = None) -> bool:
+        """Whether it is laid out as a new BoxStaging of these would be."""
+        return self.device == device and self.layout is _packing(tuple(specs), tuple(boxes), placed)
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
-    def views(self) -> dict[str, torch.Tensor]:
-        """Each tensor's box, contiguous: where the transfer lands it."""
+    def _views(self) -> dict[str, torch.Tensor]:
         out = {}
         for s in self.specs:
             dtype, offset, strides = self.place[s.name]

@@ -145,8 +145,9 @@ class RlsyncWorkerExtension:
         staging = 0 if update is None or getattr(update, "direct", False) else update.staging.nbytes() \
             if isinstance(update.staging, BoxStaging) \
             else sum(t.numel() * t.element_size() for t in update.staging.values())
+        kept = getattr(self, "_rlsync_kept", None)
         return {"device": str(device), "weights_bytes": weights, "kv_cache_bytes": kv, "reserved_bytes": reserved,
-                "staging_bytes": staging}
+                "staging_bytes": staging, "spare_bytes": kept.nbytes() if kept is not None else 0}
 
     def _rlsync_device(self) -> torch.device:
         return next(self.model_runner.get_model().parameters()).device
@@ -296,6 +297,7 @@ class RlsyncWorkerExtension:
     def _rlsync_begin(self, o: pb.Offer, ans: pb.Answer, device: torch.device, timeout: float, direct: bool,
                       staging_bytes: int) -> dict:
         specs = from_proto(o.manifest)
+        kept, self._rlsync_kept = getattr(self, "_rlsync_kept", None), None  # (this update's, where it fits)
         views = self._rlsync_direct_views(specs) if direct and not o.HasField("routing") else None
         if views is not None:
             self.rlsync_settle()  # (the last audit reads them)
@@ -305,16 +307,21 @@ class RlsyncWorkerExtension:
             if "stages" in state:  # (a mark: the transfer's profile says where the bytes went)
                 state["stages"] = {**state["stages"], "in_place": 0.0}
             return {**state, "direct": True}
-        try:
-            ensure_room(staging_bytes, device, o.manifest.version)
-        except ResourceExhausted as e:
-            return {"state": "failed", "code": "ResourceExhausted", "error": str(e), "refused": True}
-        if o.HasField("routing"):
+        staging = None
+        if o.HasField("routing"):  # into the last update's staging where it is laid out alike (its memory is held)
             loads = self._rlsync_loads(specs)
-            staging = BoxStaging(specs, loads.boxes, device, self._rlsync_placement(specs, loads))
-            # (the staging is this update's, so nothing keeps views of it; the pulls' mappings stay under the holder)
-            self._rlsync_update = StagedUpdate(o, ans, staging.views(), self.rank, device, timeout,
-                                               boxes=staging.boxes, hold=o.routing.holder)
+            placed = self._rlsync_placement(specs, loads)
+            staging = kept if kept is not None and kept.fits(specs, loads.boxes, device, placed) else None
+        del kept  # (one laid out otherwise is freed before a new one is allocated)
+        if staging is None:
+            try:
+                ensure_room(staging_bytes, device, o.manifest.version)
+            except ResourceExhausted as e:
+                return {"state": "failed", "code": "ResourceExhausted", "error": str(e), "refused": True}
+        if o.HasField("routing"):
+            staging = staging or BoxStaging(specs, loads.boxes, device, placed)
+            self._rlsync_update = StagedUpdate(o, ans, staging, self.rank, device, timeout, boxes=staging.boxes,
+                                               hold=o.routing.holder)
             self._rlsync_update.staging = staging
         else:
             self._rlsync_update = StagedUpdate(o, ans, flat_like(specs, device), self.rank, device, timeout)
@@ -429,6 +436,7 @@ class RlsyncWorkerExtension:
             self._rlsync_apart = loads, self._rlsync_copies(model, [item for item in handed() if item[0] in experts])
         if isinstance(staging, BoxStaging):
             self._rlsync_applied = {"parts": self._rlsync_parts(update, staging)}
+            self._rlsync_kept = staging  # (the next update of these tensors is received into it: rlsync_memory's spare)
         else:
             self._rlsync_applied = audit(staging)
         refresh_tied(model)
@@ -448,7 +456,7 @@ class RlsyncWorkerExtension:
         among them (routes from their boxes to one whole copy, so a box two workers hold counts once)
         and each adds up the sums of its part (checksum.box_sums); the replica adds the shares."""
         specs = from_proto(update.receiver.offer.manifest)
-        views = staging.views()
+        views = staging.views
         out = {s.name: [dtype_name(s.dtype), list(s.shape), s.nbytes, 0, 0] for s in specs}
         pieces = share(layout_of(specs, update.receiver.answer.layout), self.rank)
 
@@ -479,6 +487,12 @@ class RlsyncWorkerExtension:
             return {"pending": True}
         # ("live" tells the audit to compare in the engine's dtype)
         return {"live": applied.future.result()}
+
+    def rlsync_before_sleep(self) -> None:
+        """Before vLLM's sleep: the last commit's audit read (rlsync_settle), and the staging kept for the next
+        update given back (a sleep frees the engine's memory for the trainer)."""
+        self.rlsync_settle()
+        self._rlsync_kept = None
 
     def rlsync_settle(self) -> None:
         """Waits for the last commit's audit to be read from the live weights, before anything changes them
