@@ -87,6 +87,7 @@ class VLLMEngine(Engine):
         self._worker_armed = False  # the worker may hold an armed copy: from before rlsync_arm to a disarm's answer
         self._arming = asyncio.Lock()  # arming, withdrawing, holding and releasing, one at a time
         self._rung = 0  # the prepared update is the armed copy, adopted for the offer rung with this bell value
+        self._layouts: tuple = (None, None)  # (a routed offer's tensors, each worker's boxes of them: rlsync_layout)
 
     async def start(self) -> None:
         try:
@@ -378,7 +379,7 @@ class VLLMEngine(Engine):
     async def _agree(self, offer, raw: bytes, receiver_id: str, force_backend: str) -> tuple:
         """(the answer every worker of a tensor-parallel replica receives by, the staging bytes each needs)."""
         tp = self.tensor_parallel_size
-        layouts = await self.llm.collective_rpc("rlsync_layout", args=(raw,)) if offer.HasField("routing") else None
+        layouts = await self._worker_layouts(offer, raw) if offer.HasField("routing") else None
         answers = [transfer_pb2.Answer.FromString(a) for a in await self.llm.collective_rpc(
             "rlsync_answer", args=(raw, receiver_id, tp, force_backend, layouts))]
         if len({a.backend for a in answers}) > 1:  # workers on different GPUs: one channel that suits all
@@ -392,6 +393,14 @@ class VLLMEngine(Engine):
             held = layout_of(from_proto(offer.manifest), ans.layout)
             return ans, max(held.nbytes(r) for r in range(held.ranks))
         return ans, sum(t.nbytes for t in offer.manifest.tensors)
+
+    async def _worker_layouts(self, offer, raw: bytes) -> list[bytes]:
+        """Each worker's boxes of a routed offer's tensors (rlsync_layout: what its loaders keep, the same for the
+        same tensors at every update), asked once per tensor list: a call less into the workers per update."""
+        specs = from_proto(offer.manifest)  # (the same tuple for the same tensors)
+        if self._layouts[0] is not specs:
+            self._layouts = (specs, await self.llm.collective_rpc("rlsync_layout", args=(raw,)))
+        return self._layouts[1]
 
     async def hold_weights(self, holder: str, handles: list[bytes], facts) -> tuple[int, bytes, str]:
         """The worker keeps a trainer's storages on its GPU mapped between updates (a replica of one worker:

@@ -454,20 +454,18 @@ class RlsyncWorkerExtension:
     def _rlsync_parts(self, update: StagedUpdate, staging: BoxStaging) -> dict:
         """This worker's share of each tensor's checksum: the replica's workers split every tensor
         among them (routes from their boxes to one whole copy, so a box two workers hold counts once)
-        and each adds up the sums of its part (checksum.box_sums); the replica adds the shares."""
+        and each adds up the sums of its part (checksum.box_sums); the replica adds the shares. Which
+        pieces, and their views of the staging, are found once per layout and kept with the staging."""
         specs = from_proto(update.receiver.offer.manifest)
-        views = staging.views
+        held = layout_of(specs, update.receiver.answer.layout)  # (the same Layout for the same ranks' layouts)
+        kept = staging.memo.get(("parts", self.rank))
+        if kept is None or kept[0] is not held:
+            kept = staging.memo[("parts", self.rank)] = (held, _parts(specs, held, self.rank, staging))
+        names, pieces = kept[1]
         out = {s.name: [dtype_name(s.dtype), list(s.shape), s.nbytes, 0, 0] for s in specs}
-        pieces = share(layout_of(specs, update.receiver.answer.layout), self.rank)
-
-        def values(p):
-            name = specs[p.tensor].name
-            region = relative(p.box, staging.boxes[name])
-            return views[name][tuple(slice(a, b) for a, b in region)] if region else views[name]
-
-        for p, (s1, s2) in zip(pieces, box_sums_many((values(p), p.box, specs[p.tensor].shape) for p in pieces)):
-            out[specs[p.tensor].name][3] += s1
-            out[specs[p.tensor].name][4] += s2
+        for name, (s1, s2) in zip(names, box_sums_many(pieces)):
+            out[name][3] += s1
+            out[name][4] += s2
         return out
 
     def rlsync_abort(self) -> None:
@@ -501,3 +499,16 @@ class RlsyncWorkerExtension:
         applied = getattr(self, "_rlsync_applied", None)
         if isinstance(applied, LiveAudit):
             applied.settle()
+
+
+def _parts(specs, held, rank: int, staging: BoxStaging) -> tuple[list[str], list[tuple[torch.Tensor, tuple, tuple]]]:
+    """The pieces of worker `rank`'s share of the checksums (routes.share): each one's tensor, and its values in
+    `staging` with its box and its tensor's shape (for checksum.box_sums_many)."""
+    names, pieces = [], []
+    for p in share(held, rank):
+        name = specs[p.tensor].name
+        region = relative(p.box, staging.boxes[name])
+        view = staging.views[name]
+        names.append(name)
+        pieces.append((view[tuple(slice(a, b) for a, b in region)] if region else view, p.box, specs[p.tensor].shape))
+    return names, pieces
