@@ -161,11 +161,14 @@ class RlsyncWorkerExtension:
 
     def _rlsync_loads(self, specs) -> Loads:
         """What this worker's loaders do with the tensors of `specs` (probe_loads): found once per tensor list."""
-        key = tuple((s.name, s.shape) for s in specs)
         cached = getattr(self, "_rlsync_layout", None)
+        if cached is not None and cached[2] is specs:  # (from_proto's tuple for the same tensors)
+            return cached[1]
+        key = tuple((s.name, s.shape) for s in specs)
         if cached is None or cached[0] != key:
             model = self.model_runner.get_model()
-            self._rlsync_layout = cached = (key, probe_loads(model, specs, expert_layers(model)))
+            cached = (key, probe_loads(model, specs, expert_layers(model)))
+        self._rlsync_layout = cached = (*cached[:2], specs)
         return cached[1]
 
     def rlsync_hold(self, holder: str, handles: list[bytes], facts: bytes) -> dict:
