@@ -18,7 +18,10 @@ this backend, and the next updates of those tensors load the experts apart: vLLM
 result in kernel format, copied into the parameters the engine runs with, and every other tensor goes through its
 reload path (without its bookkeeping per expert: a commit in half the time). The scratch copies are then filled by
 the copies of boxes vLLM's loaders amount to (`apart_copies`: learnt on id probes right after the read-back, kept
-only where they make exactly the live experts), in one launch instead of a loader call per expert and shard.
+only where they make exactly the live experts), in one launch instead of a loader call per expert and shard; or,
+where those copies are whole staged boxes that tile the parameters (`placement`), the worker's staging lays the
+experts out in blocks shaped as the parameters, each box where its copy puts it, and the transfer itself loads them
+(`processed_blocks`: no loader call, no copy).
 """
 
 from __future__ import annotations
@@ -158,10 +161,10 @@ def processed_blocks(model: torch.nn.Module, blocks: Mapping[Param, torch.Tensor
 
 def placement(copies: Copies, specs: Sequence[Spec], boxes: Sequence[Box | None]) -> Placement | None:
     """Where a staging of `boxes` of the tensors `specs` (vllm_layout.Loads') may lay the expert layers' tensors out
-    so that the transfer
-    loads them: each tensor's box at the place vLLM's loaders copy it to (`copies`), in blocks shaped as the
-    parameters as first loaded -> None unless every copy is a whole staged box (of the parameter's dtype) into a run
-    of a parameter, each tensor copied once, and the runs tile every parameter (nothing else is in a block)."""
+    so that the transfer loads them: each tensor's box at the place vLLM's loaders copy it to (`copies`), in blocks
+    shaped as the parameters as first loaded -> None unless every copy is a whole staged box (of the parameter's
+    dtype) into a run of a parameter, each tensor copied once, and the runs tile every parameter (nothing else is
+    in a block)."""
     staged = {s.name: (b, s.dtype) for s, b in zip(specs, boxes) if b is not None}
     blocks, at, runs, seen = [], [], [], set()
     for i, (key, (shape, dtype)) in enumerate(copies.params.items()):
