@@ -170,46 +170,6 @@ def probe_loads(model: torch.nn.Module, specs: Sequence[Spec], layers: Collectio
     return Loads(boxes, names if expected and whole else None)
 
 
-@functools.lru_cache(maxsize=4)
-def _packing(specs: tuple[Spec, ...], boxes: tuple[Box | None, ...]) \
-        -> tuple[list[Spec], dict[str, Box], dict[str, tuple[torch.dtype, int, list[int]]], dict[torch.dtype, int]]:
-    """BoxStaging's layout of these boxes: the tensors it holds, their boxes by name, where each lies (name ->
-    dtype, offset, box strides) and each dtype's buffer's elements."""
-    held = [s for s, b in zip(specs, boxes) if b is not None]
-    by_name = {s.name: b for s, b in zip(specs, boxes) if b is not None}
-    place: dict[str, tuple[torch.dtype, int, list[int]]] = {}
-    sizes: dict[torch.dtype, int] = {}
-    for dtype in dict.fromkeys(s.dtype for s in held):
-        items = []
-        for s in (s for s in held if s.dtype == dtype):
-            box = by_name[s.name]
-            extent = [b - a for a, b in box]
-            strides = _strides(extent)
-            before = sum(a * st for (a, _), st in zip(box, strides))  # elements the full view reaches back
-            reach = sum((d - 1) * st for d, st in zip(s.shape, strides)) + 1 if s.shape else 1
-            items.append((s.name, strides, before, reach, math.prod(extent)))
-        items.sort(key=lambda it: it[2] - (it[3] - it[2] - it[4]))  # room before late, room after early
-        start = filled = 0
-        for _, _, before, _, numel in items:
-            start = max(start, before - filled)
-            filled += numel
-        offset = end = start
-        for name, strides, before, reach, numel in items:
-            place[name] = (dtype, offset, strides)
-            end = max(end, offset - before + reach, offset + numel)
-            offset += numel
-        sizes[dtype] = max(end, offset)
-    return held, by_name, place, sizes
-
-
-def _strides(shape: Sequence[int]) -> list[int]:
-    out, step = [], 1
-    for d in reversed(shape):
-        out.append(step)
-        step *= d
-    return out[::-1]
-
-
 class BoxStaging:
     """This rank's boxes of the tensors of `specs`, packed per dtype (see the module's doc). How they pack is the
     same at every update of the same tensors and boxes: laid out once (_packing), a buffer allocated each time.
