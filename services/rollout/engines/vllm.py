@@ -343,8 +343,9 @@ class VLLMEngine(Engine):
                             "complete; the next update restores them")
         self._pending = True
         # Few calls into the workers: vLLM's engine core serves them only between two steps. One worker
-        # answers for itself and begins in the same call; several first agree on one channel (and, from a
-        # sharded trainer, each receives only the boxes its loaders keep, found by vLLM's own loaders).
+        # answers for itself and begins in the same call, and so do several from a sharded trainer once their boxes
+        # are known (each receives only the boxes its loaders keep, found by vLLM's own loaders): where they answer
+        # alike; else (and the first time) they agree on one channel first.
         # Each checks the staging's room before it allocates; the memory figures are read once the bytes are in.
         try:
             if tp == 1 and not offer.HasField("routing"):
@@ -356,9 +357,11 @@ class VLLMEngine(Engine):
                 # (the engine core's round trip: the call's time beyond what the worker spent on it)
                 ans.stages["rpc"] = max(time.perf_counter() - called - states[0]["in_worker"], 0.0)
             else:
-                ans, needed = await self._agree(offer, raw, receiver_id, force_backend)
-                states = await self.llm.collective_rpc("rlsync_begin", args=(raw, ans.SerializeToString(), timeout,
-                                                                             direct, needed))
+                ans, states = await self._begin_at_once(offer, raw, receiver_id, force_backend, timeout, direct)
+                if ans is None:
+                    ans, needed = await self._agree(offer, raw, receiver_id, force_backend)
+                    states = await self.llm.collective_rpc("rlsync_begin", args=(
+                        raw, ans.SerializeToString(), timeout, direct, needed))
         except BaseException:  # refused before any byte moved (a receive's own failure comes back in its state)
             self._broken = broken
             await self.abort_update()
@@ -375,6 +378,25 @@ class VLLMEngine(Engine):
         except BaseException:
             await self.abort_update()
             raise
+
+    async def _begin_at_once(self, offer, raw: bytes, receiver_id: str, force_backend: str, timeout: float,
+                             direct: bool) -> tuple:
+        """A routed update whose tensors' boxes the workers gave before (_worker_layouts): each worker answers and
+        begins in one call -> (the replica's answer, the workers' states), where they answered alike (one channel,
+        one bucket size: the routed groups every worker holds); else the workers' receives are dropped and
+        (None, None): the caller agrees on one answer first (_agree)."""
+        if not offer.HasField("routing") or self._layouts[0] is not from_proto(offer.manifest):
+            return None, None
+        states = await self.llm.collective_rpc("rlsync_begin", args=(
+            raw, b"", timeout, direct, 0, receiver_id, force_backend, self.tensor_parallel_size, self._layouts[1]))
+        answers = [transfer_pb2.Answer.FromString(s.pop("answer")) for s in states]
+        if len({(a.backend, a.bucket_bytes, a.pull) for a in answers}) > 1:
+            await self.llm.collective_rpc("rlsync_abort")
+            return None, None
+        ans = answers[0]
+        held = set.intersection(*(set(a.groups) for a in answers))  # a routed group only every worker holds
+        ans.groups[:] = [g for g in ans.groups if g in held]
+        return ans, states
 
     async def _agree(self, offer, raw: bytes, receiver_id: str, force_backend: str) -> tuple:
         """(the answer every worker of a tensor-parallel replica receives by, the staging bytes each needs)."""

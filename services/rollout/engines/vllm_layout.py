@@ -200,6 +200,12 @@ class BoxStaging:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
+    @staticmethod
+    def nbytes_of(specs: Sequence[Spec], boxes: Sequence[Box | None], placed: Placement | None = None) -> int:
+        """The bytes a BoxStaging of these takes, before it is allocated."""
+        sizes = _packing(tuple(specs), tuple(boxes), placed)[3]
+        return sum(n * torch.empty((), dtype=dtype).element_size() for dtype, n in sizes.items())
+
     def _views(self) -> dict[str, torch.Tensor]:
         out = {}
         for s in self.specs:

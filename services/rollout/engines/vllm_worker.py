@@ -267,27 +267,34 @@ class RlsyncWorkerExtension:
         return cached[1]
 
     def rlsync_begin(self, offer: bytes, answer_bytes: bytes, timeout: float, direct: bool = False,
-                     staging_bytes: int = 0, receiver_id: str = "", force: str = "") -> dict:
+                     staging_bytes: int = 0, receiver_id: str = "", force: str = "", ranks: int = 1,
+                     layouts: list[bytes] | None = None) -> dict:
         """Starts receiving, in the background (a pull is done when this returns): straight into the live
         weights where `direct` allows (the engine is asleep and its loaders place every tensor as one run
         of a parameter), else into staging memory (`staging_bytes` of it, refused first when they do not
-        fit: "refused"): the whole checkpoint, or from a routed offer only this worker's boxes. Without an
-        answer (a replica of one worker), it answers for itself first, and the state carries the answer;
-        where the trainer's memory then does not map here, it answers again with another channel (said in
-        the log; a replica of several workers leaves cuda_ipc out from its next answer on).
+        fit: "refused"; from a routed offer, 0: what its boxes take): the whole checkpoint, or from a routed offer
+        only this worker's boxes. Without an answer, it answers for itself first (rlsync_answer's, for a replica of
+        `ranks` workers whose boxes are `layouts`), and the state carries the answer; where the trainer's memory then
+        does not map here, it answers again with another channel (said in the log; a replica of several workers
+        leaves cuda_ipc out from its next answer on).
         Returns its state, as rlsync_poll (with the memory figures once it is not running: a pull's final
         state), with whether it landed directly and the seconds spent here."""
         entered = time.perf_counter()
         self.rlsync_disarm()  # (its copy would write the live weights under this update)
         o = pb.Offer.FromString(offer)
         device = self._rlsync_device()
-        ans = pb.Answer.FromString(answer_bytes) if answer_bytes else \
-            answer(o, receiver_id, device=device, force=force or None, unusable=self._rlsync_unusable(o))
+        layout = [pb.RankLayout.FromString(b) for b in layouts] if layouts else None
+
+        def answered(force: str | None) -> pb.Answer:
+            return answer(o, receiver_id, device=device, ranks=ranks, force=force, layout=layout,
+                          unusable=self._rlsync_unusable(o))
+
+        ans = pb.Answer.FromString(answer_bytes) if answer_bytes else answered(force or None)
         state = self._rlsync_begin(o, ans, device, timeout, direct, staging_bytes)
         if ans.pull and state.get("code") == "Unmappable":  # nothing was read: another channel may do
             self._rlsync_unmappable().add(o.facts.SerializeToString())
             if not answer_bytes and not force:
-                ans = answer(o, receiver_id, device=device, unusable=self._rlsync_unusable(o))
+                ans = answered(None)
                 log.warning("%s: version %d comes over %s instead, and so do the next from this trainer",
                             state["error"], o.manifest.version, NAMES[ans.backend])
                 state = self._rlsync_begin(o, ans, device, timeout, direct, staging_bytes)
@@ -317,6 +324,8 @@ class RlsyncWorkerExtension:
             staging = kept if kept is not None and kept.fits(specs, loads.boxes, device, placed) else None
         del kept  # (one laid out otherwise is freed before a new one is allocated)
         if staging is None:
+            if o.HasField("routing") and not staging_bytes:  # (unsaid: what this worker's boxes take)
+                staging_bytes = BoxStaging.nbytes_of(specs, loads.boxes, placed)
             try:
                 ensure_room(staging_bytes, device, o.manifest.version)
             except ResourceExhausted as e:
