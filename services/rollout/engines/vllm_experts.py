@@ -37,7 +37,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from rlsync.rollout.engines.vllm_layout import recording_shadow, shadow_param, shadowed
+from rlsync.rollout.engines.vllm_layout import recording_shadow, row_major_strides, shadow_param, shadowed
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.routes import Box
 
@@ -199,7 +199,7 @@ def _run_start(box: tuple[slice, ...], shape: tuple[int, ...]) -> int | None:
     wide = next((d for d, n in enumerate(extents) if n > 1), len(extents))  # (those before: one element wide)
     if any(extents[d] != shape[d] for d in range(wide + 1, len(shape))):
         return None
-    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    strides = row_major_strides(shape)
     return sum(b.start * st for b, st in zip(box, strides))
 
 
@@ -257,7 +257,7 @@ def _box_of(offsets: np.ndarray, shape: tuple[int, ...]) -> tuple[slice, ...] | 
         return None
     coords = np.unravel_index(offsets, shape)
     box = tuple(slice(int(c.min()), int(c.max()) + 1) for c in coords)
-    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    strides = row_major_strides(shape)
     expect = np.zeros((), dtype=np.int64)
     for b, stride in zip(box, strides):
         expect = expect[..., None] + np.arange(b.start, b.stop, dtype=np.int64) * stride

@@ -204,7 +204,7 @@ class BoxStaging:
     def nbytes_of(specs: Sequence[Spec], boxes: Sequence[Box | None], placed: Placement | None = None) -> int:
         """The bytes a BoxStaging of these takes, before it is allocated."""
         sizes = _packing(tuple(specs), tuple(boxes), placed)[3]
-        return sum(n * torch.empty((), dtype=dtype).element_size() for dtype, n in sizes.items())
+        return sum(n * dtype.itemsize for dtype, n in sizes.items())
 
     def _views(self) -> dict[str, torch.Tensor]:
         out = {}
@@ -244,7 +244,7 @@ def _packing(specs: tuple[Spec, ...], boxes: tuple[Box | None, ...], placed: Pla
         for s in (s for s in held if s.dtype == dtype and s.name not in in_blocks):
             box = by_name[s.name]
             extent = [b - a for a, b in box]
-            strides = _strides(extent)
+            strides = row_major_strides(extent)
             before = sum(a * st for (a, _), st in zip(box, strides))  # elements the full view reaches back
             reach = sum((d - 1) * st for d, st in zip(s.shape, strides)) + 1 if s.shape else 1
             items.append((s.name, strides, before, reach, math.prod(extent)))
@@ -265,11 +265,12 @@ def _packing(specs: tuple[Spec, ...], boxes: tuple[Box | None, ...], placed: Pla
         sizes[dtype] = sizes.get(dtype, 0) + math.prod(shape)
     for name, block, start in placed.at if placed is not None else ():
         _, _, dtype, offset = blocks[block]
-        place[name] = (dtype, offset + start, _strides([b - a for a, b in by_name[name]]))
+        place[name] = (dtype, offset + start, row_major_strides([b - a for a, b in by_name[name]]))
     return held, by_name, place, sizes, (tuple(blocks), in_blocks)
 
 
-def _strides(shape: Sequence[int]) -> list[int]:
+def row_major_strides(shape: Sequence[int]) -> list[int]:
+    """The elements each dimension steps over in a contiguous tensor of `shape`."""
     out, step = [], 1
     for d in reversed(shape):
         out.append(step)
