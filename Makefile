@@ -180,13 +180,20 @@ gpu-setup:
 	python3 -m pip install -q --no-index --find-links wheels checkpoint-engine==0.4.2
 	python3 -m pip install -q --no-deps --no-build-isolation -e .
 
-# More than one device call's 10 minutes on one H200: GPU_PART=vllm runs vLLM's tests, GPU_PART=rest the others
-# (empty: all). Each test's line lands in $(GPU_LOG) as it finishes (a call cut short still brings back what ran),
-# and a test that hangs fails after $(GPU_TEST_TIMEOUT) s where pytest-timeout is installed (the GPU image has it).
+# More than one device call's 10 minutes on one H200: GPU_PART=rest runs all but vLLM's tests; vLLM's alone take
+# ~11 min, GPU_PART=vllm-a and vllm-b run them in two calls (vllm: all of them; empty: the whole suite). Each test's
+# line lands in $(GPU_LOG) as it finishes (a call cut short still brings back what ran), and a test that hangs fails
+# after $(GPU_TEST_TIMEOUT) s where pytest-timeout is installed (the GPU image has it).
 GPU_PART ?=
 GPU_LOG ?= $(if $(OUT),$(OUT),.cache)/gpu-test.log
 GPU_TEST_TIMEOUT ?= 300
-GPU_SELECT := $(if $(filter vllm,$(GPU_PART)),tests/gpu/test_vllm_gpu.py,$(if $(filter rest,$(GPU_PART)),tests --ignore=tests/gpu/test_vllm_gpu.py,tests))
+GPU_VLLM_B := streams or lora or dies
+GPU_SELECT_ := tests
+GPU_SELECT_rest := tests --ignore=tests/gpu/test_vllm_gpu.py
+GPU_SELECT_vllm := tests/gpu/test_vllm_gpu.py
+GPU_SELECT_vllm-a := tests/gpu/test_vllm_gpu.py -k 'not ($(GPU_VLLM_B))'
+GPU_SELECT_vllm-b := tests/gpu/test_vllm_gpu.py -k '$(GPU_VLLM_B)'
+GPU_SELECT = $(or $(GPU_SELECT_$(GPU_PART)),$(error GPU_PART=$(GPU_PART): one of vllm, vllm-a, vllm-b, rest, or empty))
 gpu-test:
 	@mkdir -p $(dir $(GPU_LOG))
 	PYTHONUNBUFFERED=1 python3 -m pytest -m gpu -rfE --durations=15 \
