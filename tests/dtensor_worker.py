@@ -43,6 +43,18 @@ for index, entry in enumerate(shards.entries):
 totals = Ranks().add_up([v for pair in shards.checksum_share() for v in pair])
 audit = {s.name: from_sums(s.nbytes, totals[2 * i], totals[2 * i + 1]) for i, s in enumerate(source.specs)}
 wrong += [n for n, t in whole.items() if audit[n] != checksum_tensor(t.to(torch.bfloat16))]
+# Audited again after a step in place, then after a parameter moved (its storage replaced): what the first audit
+# kept of where the pieces lie serves the first, and is found anew for the second.
+with torch.no_grad():
+    whole = {n: t.clone() + 1 for n, t in whole.items()}  # (a plain or replicated parameter shares its storage)
+    for name in whole:
+        model.get_parameter(name).add_(1)
+    moved = model.get_parameter("plain")  # (a DTensor's .data set leaves its local tensor as it was)
+    moved.data = moved.data * 2
+    whole["plain"] = whole["plain"] * 2
+totals = Ranks().add_up([v for pair in shards.checksum_share() for v in pair])
+again = {s.name: from_sums(s.nbytes, totals[2 * i], totals[2 * i + 1]) for i, s in enumerate(source.specs)}
+wrong += [f"{n} after a step" for n, t in whole.items() if again[n] != checksum_tensor(t.to(torch.bfloat16))]
 # What rank 0 gathers at an onload (each rank's storages): every rank's bytes, whatever their lengths.
 class Counted(Ranks):
     rounds = 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -138,6 +138,9 @@ class RankShards:
         self._meshes = Meshes()
         self._cuts: dict[tuple[str, View], tuple[slice, ...]] = {}  # an expert view's slice of this rank's shard
         self._found: dict[tuple, tuple] = {}  # (tensor, box) -> (its part, its cut of the part, dtype): piece()
+        # (share's pieces, where(), each one's piece_source): checksum_share(); its views live as long as this object,
+        # which goes with its source at an offload (PublisherCore.drop_sender), as the sender's exports do
+        self._summed: tuple | None = None
         parts = self._parts()
         # Every rank's boxes of every entry: entries of the same parts' shapes and placements share them.
         by_kind: dict[tuple, Callable[[int], tuple[Box, ...]]] = {}
@@ -245,21 +248,28 @@ class RankShards:
         """This rank's share of each engine tensor's checksum sums (checksum.box_sums), cast to `dtype`
         when given: routes from every rank's boxes to one whole copy split each tensor among the ranks
         (a replicated box counts once), so the ranks' shares add up to the whole tensor's sums."""
-        return checksum_shares(self.layout, self.rank, self.piece, [e.shape for e in self.entries],
-                               lambda p: dtype)
+        pieces, where = share(self.layout, self.rank), self.where()
+        if self._summed is None or self._summed[0] is not pieces or self._summed[1] != where:
+            # where each piece lies in this rank's shards, found again only when a parameter moved
+            self._summed = pieces, where, [self.piece_source(p) for p in pieces]
+
+        def values(_: Sequence[Piece]) -> Iterator[torch.Tensor]:
+            for v, engine_dtype in self._summed[2]:  # (what piece() makes of it: a copy only where one is needed)
+                if v.dtype != engine_dtype or not v.is_contiguous():
+                    v = v.to(engine_dtype, memory_format=torch.contiguous_format)
+                yield v.to(dtype) if dtype is not None and v.dtype != dtype and v.is_floating_point() else v
+
+        return checksum_shares(self.layout, self.rank, values, [e.shape for e in self.entries])
 
 
-def checksum_shares(layout, rank: int, piece: Callable[[Piece], torch.Tensor], shapes: Sequence[tuple[int, ...]],
-                    cast_to: Callable[[Piece], torch.dtype | None]) -> list[tuple[int, int]]:
-    """Rank `rank`'s share of each tensor's checksum sums over the pieces `share` gives it, each piece's
-    floating values cast to `cast_to(piece)` when that is not None (RankShards, QuantizedShards)."""
-    def cast(p: Piece) -> torch.Tensor:
-        values, dtype = piece(p), cast_to(p)
-        return values.to(dtype) if dtype is not None and values.is_floating_point() else values
-
+def checksum_shares(layout, rank: int, values: Callable[[Sequence[Piece]], Iterable[torch.Tensor]],
+                    shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, int]]:
+    """Rank `rank`'s share of each tensor's checksum sums over the pieces `share` gives it, `values(pieces)` giving
+    each piece's values as summed, in order, as they are needed (RankShards, QuantizedShards)."""
     sums = [(0, 0)] * len(shapes)
-    pieces = list(share(layout, rank))
-    for p, (s1, s2) in zip(pieces, box_sums_many((cast(p), p.box, shapes[p.tensor]) for p in pieces)):
+    pieces = share(layout, rank)
+    boxes = ((v, p.box, shapes[p.tensor]) for v, p in zip(values(pieces), pieces))
+    for p, (s1, s2) in zip(pieces, box_sums_many(boxes)):
         sums[p.tensor] = (sums[p.tensor][0] + s1, sums[p.tensor][1] + s2)
     return sums
 

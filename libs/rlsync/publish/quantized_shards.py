@@ -5,7 +5,7 @@ all-reduce MAX per update for every weight). The routed plan sends each byte onc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -147,5 +147,9 @@ class QuantizedShards:
 
     def checksum_share(self, dtype: torch.dtype | None = None) -> list[tuple[int, int]]:
         """As RankShards.checksum_share, over the stage's tensors: FP8 values and scales as sent, never cast."""
-        return checksum_shares(self.layout, self.rank, self.piece, [s.shape for s in self.specs],
-                               lambda p: dtype if self.plan[p.tensor][1] == 0 else None)
+        def values(pieces: Sequence[Piece]) -> Iterator[torch.Tensor]:
+            for p in pieces:
+                v = self.piece(p)
+                yield v.to(dtype) if dtype is not None and self.plan[p.tensor][1] == 0 and v.is_floating_point() else v
+
+        return checksum_shares(self.layout, self.rank, values, [s.shape for s in self.specs])

@@ -12,6 +12,7 @@ H200, every decode step of an engine sharing the process held up behind it).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -231,34 +232,47 @@ def _runs(box: tuple[tuple[int, int], ...], shape: tuple[int, ...], itemsize: in
     return (start.reshape(-1) + box[k - 1][0] * strides[k - 1]) * itemsize, length * itemsize
 
 
-def _stacked_sums(stacked: torch.Tensor, box: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> list[list[int]]:
-    """[s1, s2] of each of the P boxes `stacked` holds ([P, *the box's shape]), all at the same `box` of a tensor
-    of `shape`. The box is runs of bytes of the whole tensor (_runs); runs that start at the same place in a word
-    are read as words at once, as _sums reads a tensor, RUN_WORDS at a time. One read back."""
-    itemsize, device, count = stacked.element_size(), stacked.device, stacked.shape[0]
+@lru_cache(maxsize=4096)
+def _run_plan(box: tuple[tuple[int, int], ...], shape: tuple[int, ...], itemsize: int) \
+        -> tuple[int, tuple[tuple[int, int, int, np.ndarray | None, np.ndarray], ...]]:
+    """How _stacked_sums reads a box, the same at every update of the same tensors: its runs' width, and per
+    chunk of RUN_WORDS and start within a word, (first run, count, shift, which runs of the chunk or None for
+    all of them, each run's first word). Kept per (box, shape, itemsize): a verified update of a mixture of
+    experts sums hundreds of boxes, of a few kinds."""
     start, width = _runs(box, shape, itemsize)
-    rows = stacked.reshape(count, -1).view(torch.uint8).view(count, len(start), width)
-    sums = torch.zeros(2, count, dtype=torch.int64, device=device)  # int64 arithmetic wraps: modulo 2^64
-    step = max(1, RUN_WORDS // (width // 8 + 2))
+    step, out = max(1, RUN_WORDS // (width // 8 + 2)), []
     for r0 in range(0, len(start), step):
         starts = start[r0:r0 + step]
         shifts = starts % 8
         for shift in np.unique(shifts).tolist():
             at = np.flatnonzero(shifts == shift)
-            whole = len(at) == len(starts)  # (every run of the chunk starts there: no gather)
-            part = rows[:, r0:r0 + len(starts)] if whole else rows[:, r0 + torch.from_numpy(at).to(device)]
-            first = torch.from_numpy((starts[at] - shift) // 8).to(device)  # each run's first word
-            words = -(-(shift + width) // 8)
-            if shift == 0 and width % 8 == 0 and part.data_ptr() % 8 == 0 and part.is_contiguous():
-                padded = part
-            else:  # the runs' bytes at their places in their words, zeros around them
-                padded = torch.zeros(count, part.shape[1], words * 8, dtype=torch.uint8, device=device)
-                padded[:, :, shift:shift + width] = part
-            w = padded.view(torch.int64)
-            row_sums, col_sums = w.sum(dim=2), w.sum(dim=1)
-            places = torch.arange(1, words + 1, device=device, dtype=torch.int64)
-            sums[0] += row_sums.sum(dim=1)
-            sums[1] += (row_sums * first).sum(dim=1) + (col_sums * places).sum(dim=1)
+            out.append((r0, len(starts), shift, None if len(at) == len(starts) else at, (starts[at] - shift) // 8))
+    return width, tuple(out)
+
+
+def _stacked_sums(stacked: torch.Tensor, box: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> list[list[int]]:
+    """[s1, s2] of each of the P boxes `stacked` holds ([P, *the box's shape]), all at the same `box` of a tensor
+    of `shape`. The box is runs of bytes of the whole tensor (_runs); runs that start at the same place in a word
+    are read as words at once, as _sums reads a tensor, RUN_WORDS at a time (_run_plan). One read back."""
+    itemsize, device, count = stacked.element_size(), stacked.device, stacked.shape[0]
+    width, chunks = _run_plan(tuple(box), tuple(shape), itemsize)
+    rows = stacked.reshape(count, -1).view(torch.uint8).view(count, -1, width)
+    sums = torch.zeros(2, count, dtype=torch.int64, device=device)  # int64 arithmetic wraps: modulo 2^64
+    for r0, n, shift, at, first_words in chunks:
+        # (every run of the chunk starting at this place in a word: no gather)
+        part = rows[:, r0:r0 + n] if at is None else rows[:, r0 + torch.from_numpy(at).to(device)]
+        first = torch.from_numpy(first_words).to(device)  # each run's first word
+        words = -(-(shift + width) // 8)
+        if shift == 0 and width % 8 == 0 and part.data_ptr() % 8 == 0 and part.is_contiguous():
+            padded = part
+        else:  # the runs' bytes at their places in their words, zeros around them
+            padded = torch.zeros(count, part.shape[1], words * 8, dtype=torch.uint8, device=device)
+            padded[:, :, shift:shift + width] = part
+        w = padded.view(torch.int64)
+        row_sums, col_sums = w.sum(dim=2), w.sum(dim=1)
+        places = torch.arange(1, words + 1, device=device, dtype=torch.int64)
+        sums[0] += row_sums.sum(dim=1)
+        sums[1] += (row_sums * first).sum(dim=1) + (col_sums * places).sum(dim=1)
     return sums.t().tolist()
 
 
