@@ -14,9 +14,13 @@ def trainer_dtype(served: pb.WeightChecksums) -> str:
 
 
 def to_proto(version: int, sums: dict[str, tuple[str, tuple[int, ...], str]], source: str) -> pb.WeightChecksums:
-    """sums: {name: (dtype, shape, checksum)}."""
-    return pb.WeightChecksums(version=version, source=source, tensors=[
-        pb.TensorChecksum(name=n, dtype=d, shape=list(s), checksum=c) for n, (d, s, c) in sums.items()])
+    """sums: {name: (dtype, shape, checksum)}. (Each tensor added in place: a mixture of experts audits hundreds,
+    at every verified update, and a message made apart and copied in costs twice as much.)"""
+    out = pb.WeightChecksums(version=version, source=source)
+    add = out.tensors.add
+    for n, (d, s, c) in sums.items():
+        add(name=n, dtype=d, shape=s, checksum=c)
+    return out
 
 
 def differences(expected: pb.WeightChecksums, actual: pb.WeightChecksums) -> list[str]:
