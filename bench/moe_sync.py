@@ -4,7 +4,8 @@ row: the MoE no slower per byte than the dense model in the same run.
 
 The two fleets run side by side and take turns: a round is one RL step of each (4 completions, a train step, a
 verified sync), so that the host's load falls on both alike. Reported per round: each sync's seconds, its phases and
-the bytes each replica received, and the ratio of the MoE's seconds per byte to the dense model's; then the median.
+the bytes each replica received, and the ratio of the MoE's seconds per byte to the dense model's; then the median,
+with a 95% interval of it (a bootstrap over the rounds).
 
     python bench/moe_sync.py [--experts 28] [--rounds 8]
 
@@ -20,6 +21,8 @@ import json
 import statistics
 import sys
 from pathlib import Path
+
+import numpy as np
 
 from rlsync.client import CoordinatorClient, RolloutClient, trajectory
 from rlsync.launch import ServiceProcess
@@ -105,7 +108,16 @@ def main() -> None:
                       "seconds_median": {n: statistics.median(r[n]["seconds"] for r in rounds) for n in models},
                       "bytes": {n: rounds[0][n]["bytes"] for n in models}, "phases_median": _medians(rounds, "phases"),
                       "profile_median": _medians(rounds, "profile"),
-                      "ratio_median": statistics.median(r["ratio"] for r in rounds)}))
+                      "ratio_median": statistics.median(r["ratio"] for r in rounds),
+                      "ratio_median_ci95": _median_ci([r["ratio"] for r in rounds])}))
+
+
+def _median_ci(values: list[float], resamples: int = 2000) -> list[float]:
+    """A 95% interval of the median (a bootstrap over the rounds, seeded): whether a run's median is below a target
+    by more than the run's own spread."""
+    rng = np.random.default_rng(0)
+    medians = np.median(rng.choice(np.asarray(values), size=(resamples, len(values))), axis=1)
+    return [round(float(q), 3) for q in np.quantile(medians, [0.025, 0.975])]
 
 
 if __name__ == "__main__":
