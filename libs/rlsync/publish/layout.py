@@ -253,22 +253,21 @@ class RankShards:
             # where each piece lies in this rank's shards, found again only when a parameter moved
             self._summed = pieces, where, [self.piece_source(p) for p in pieces]
 
-        def values(_: Sequence[Piece]) -> Iterator[torch.Tensor]:
+        def values() -> Iterator[torch.Tensor]:
             for v, engine_dtype in self._summed[2]:  # (what piece() makes of it: a copy only where one is needed)
                 if v.dtype != engine_dtype or not v.is_contiguous():
                     v = v.to(engine_dtype, memory_format=torch.contiguous_format)
                 yield v.to(dtype) if dtype is not None and v.dtype != dtype and v.is_floating_point() else v
 
-        return checksum_shares(self.layout, self.rank, values, [e.shape for e in self.entries])
+        return checksum_shares(pieces, values(), [e.shape for e in self.entries])
 
 
-def checksum_shares(layout, rank: int, values: Callable[[Sequence[Piece]], Iterable[torch.Tensor]],
+def checksum_shares(pieces: Sequence[Piece], values: Iterable[torch.Tensor],
                     shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, int]]:
-    """Rank `rank`'s share of each tensor's checksum sums over the pieces `share` gives it, `values(pieces)` giving
-    each piece's values as summed, in order, as they are needed (RankShards, QuantizedShards)."""
+    """A rank's share of each tensor's checksum sums over its `pieces` (routes.share), `values` giving each piece's
+    values as summed, in order, as they are needed (RankShards, QuantizedShards)."""
     sums = [(0, 0)] * len(shapes)
-    pieces = share(layout, rank)
-    boxes = ((v, p.box, shapes[p.tensor]) for v, p in zip(values(pieces), pieces))
+    boxes = ((v, p.box, shapes[p.tensor]) for v, p in zip(values, pieces))
     for p, (s1, s2) in zip(pieces, box_sums_many(boxes)):
         sums[p.tensor] = (sums[p.tensor][0] + s1, sums[p.tensor][1] + s2)
     return sums

@@ -5,7 +5,7 @@ all-reduce MAX per update for every weight). The routed plan sends each byte onc
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -16,7 +16,7 @@ from rlsync.quant.fp8_box_kernel import box_amax, box_values
 from rlsync.quant.fp8_shards import BlockPlan, block_plan, checked, exchange, quantize_box
 from rlsync.transfer import kept
 from rlsync.transfer.manifest import Spec
-from rlsync.transfer.routes import Box, Piece, TensorInfo, layout
+from rlsync.transfer.routes import Box, Piece, TensorInfo, layout, share
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 WEIGHT, SCALE = 1, 2  # what a tensor of the stage is of its base tensor (0: the base tensor as it is)
@@ -147,9 +147,9 @@ class QuantizedShards:
 
     def checksum_share(self, dtype: torch.dtype | None = None) -> list[tuple[int, int]]:
         """As RankShards.checksum_share, over the stage's tensors: FP8 values and scales as sent, never cast."""
-        def values(pieces: Sequence[Piece]) -> Iterator[torch.Tensor]:
-            for p in pieces:
-                v = self.piece(p)
-                yield v.to(dtype) if dtype is not None and self.plan[p.tensor][1] == 0 and v.is_floating_point() else v
+        def summed(p: Piece) -> torch.Tensor:
+            v = self.piece(p)
+            return v.to(dtype) if dtype is not None and self.plan[p.tensor][1] == 0 and v.is_floating_point() else v
 
-        return checksum_shares(self.layout, self.rank, values, [s.shape for s in self.specs])
+        pieces = share(self.layout, self.rank)
+        return checksum_shares(pieces, map(summed, pieces), [s.shape for s in self.specs])

@@ -248,22 +248,13 @@ def cached_routes(trainer: Layout, engine: Layout) -> Routes:
     return plan_routes(trainer, engine)
 
 
-_SHARES: dict[tuple[int, int], tuple[Layout, tuple[Piece, ...]]] = {}  # (id of the layout, rank) -> it, its share
-
-
+@lru_cache(maxsize=16)
 def share(held: Layout, rank: int) -> tuple[Piece, ...]:
     """The pieces `rank` covers when each tensor is split once among the ranks that hold it (routes to
     one whole copy; a box several ranks hold counts once): what its share of a checksum is summed over.
-    Remembered for the same Layout object (a verified update asks again for the layout it kept)."""
-    hit = _SHARES.get((id(held), rank))
-    if hit is not None and hit[0] is held:
-        return hit[1]
+    Remembered, as cached_routes is: a verified update asks again for the layout it kept."""
     one = layout(held.tensors, [[[whole(t.shape)] if volume(whole(t.shape)) else [] for t in held.tensors]])
-    pieces = tuple(p for transfer in cached_routes(held, one).of_sender(rank) for p in transfer.pieces)
-    if len(_SHARES) >= 16:
-        _SHARES.pop(next(iter(_SHARES)), None)
-    _SHARES[(id(held), rank)] = (held, pieces)
-    return pieces
+    return tuple(p for transfer in cached_routes(held, one).of_sender(rank) for p in transfer.pieces)
 
 
 def _check_same_tensors(a: Sequence[TensorInfo], b: Sequence[TensorInfo]) -> None:
