@@ -84,6 +84,29 @@ def test_alike_boxes_of_many_tensors_summed_together_add_up_to_each_ones_checksu
             assert checksum.from_sums(t.numel() * t.element_size(), s1, s2) == checksum_tensor(t)
 
 
+def test_a_kept_plan_sums_new_values_of_the_same_boxes_and_refuses_another_dtype():
+    """BoxSums: the plan made at the first call (which boxes are alike, where batches end) sums the next call's values
+    of the same boxes as box_sums_many does; values of another dtype are refused, not read as the planned one."""
+    from rlsync.transfer.checksum import BoxSums, box_sums_many
+
+    g = torch.Generator().manual_seed(5)
+    shape = (6, 4)
+    boxes = [(((0, 3), (0, 4)), shape), (((3, 6), (0, 4)), shape), (((0, 6), (1, 3)), shape)] * 3
+    cut = [tuple(slice(a, b) for a, b in box) for box, _ in boxes]
+
+    def values():
+        ts = [torch.randn(shape, generator=g) for _ in range(3)]
+        return [ts[k // 3][c] for k, c in enumerate(cut)]
+
+    for held in (1 << 20, 100):  # one batch; a batch every box or two
+        sums = BoxSums(boxes, held_bytes=held)
+        for _ in range(3):
+            now = values()
+            assert sums(iter(now)) == box_sums_many((v, b, s) for v, (b, s) in zip(now, boxes))
+        with pytest.raises(ValueError, match="planned as torch.float32"):
+            sums([v.double() for v in values()])
+
+
 def test_many_tensors_at_once_equal_one_at_a_time():
     """checksum_tensors / audit (off a GPU: one Checksums, read once) give each tensor's own checksum:
     odd sizes, unaligned and non-contiguous views, an empty tensor, mixed dtypes."""

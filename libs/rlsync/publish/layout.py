@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from rlsync.errors import InvalidArgument
 from rlsync.checkpoint_names import View
 from rlsync.publish.mapping import Entry
 from rlsync.transfer import kept
-from rlsync.transfer.checksum import box_sums_many
+from rlsync.transfer.checksum import BoxSums, share_sums, tensor_sums
 from rlsync.transfer.routes import Box, Layout, Piece, TensorInfo, chunk, contains, layout, relative, share, whole
 
 try:
@@ -138,9 +139,9 @@ class RankShards:
         self._meshes = Meshes()
         self._cuts: dict[tuple[str, View], tuple[slice, ...]] = {}  # an expert view's slice of this rank's shard
         self._found: dict[tuple, tuple] = {}  # (tensor, box) -> (its part, its cut of the part, dtype): piece()
-        # (share's pieces, where(), each one's piece_source): checksum_share(); its views live as long as this object,
+        # checksum_share()'s plan (_Summed); its views live as long as this object,
         # which goes with its source at an offload (PublisherCore.drop_sender), as the sender's exports do
-        self._summed: tuple | None = None
+        self._summed: _Summed | None = None
         parts = self._parts()
         # Every rank's boxes of every entry: entries of the same parts' shapes and placements share them.
         by_kind: dict[tuple, Callable[[int], tuple[Box, ...]]] = {}
@@ -249,28 +250,39 @@ class RankShards:
         when given: routes from every rank's boxes to one whole copy split each tensor among the ranks
         (a replicated box counts once), so the ranks' shares add up to the whole tensor's sums."""
         pieces, where = share(self.layout, self.rank), self.where()
-        if self._summed is None or self._summed[0] is not pieces or self._summed[1] != where:
+        kept = self._summed
+        if kept is None or kept.pieces is not pieces or kept.where != where or kept.dtype != dtype:
             # where each piece lies in this rank's shards, found again only when a parameter moved
-            self._summed = pieces, where, [self.piece_source(p) for p in pieces]
+            kept = self._summed = _Summed(pieces, where, dtype, [self._summed_source(p, dtype) for p in pieces],
+                                          share_sums(pieces, [e.shape for e in self.entries]))
+        values = (v if ready else _cast(v, engine_dtype, dtype) for v, engine_dtype, ready in kept.sources)
+        return tensor_sums(pieces, kept.sums(values), len(self.entries))
 
-        def values() -> Iterator[torch.Tensor]:
-            for v, engine_dtype in self._summed[2]:  # (what piece() makes of it: a copy only where one is needed)
-                if v.dtype != engine_dtype or not v.is_contiguous():
-                    v = v.to(engine_dtype, memory_format=torch.contiguous_format)
-                yield v.to(dtype) if dtype is not None and v.dtype != dtype and v.is_floating_point() else v
+    def _summed_source(self, p: Piece, dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.dtype, bool]:
+        """piece_source(p), and whether it is summed as it is (no cast, no copy: what most pieces are)."""
+        v, engine_dtype = self.piece_source(p)
+        ready = v.dtype == engine_dtype and v.is_contiguous() and (dtype is None or v.dtype == dtype
+                                                                   or not v.is_floating_point())
+        return v, engine_dtype, ready
 
-        return checksum_shares(pieces, values(), [e.shape for e in self.entries])
+
+class _Summed(NamedTuple):
+    """What RankShards.checksum_share keeps while its layout and its shards stay: share's pieces, where(), the dtype
+    summed in, each piece's values with what they need first, and the sums' plan."""
+
+    pieces: tuple[Piece, ...]
+    where: tuple
+    dtype: torch.dtype | None
+    sources: list[tuple[torch.Tensor, torch.dtype, bool]]
+    sums: BoxSums
 
 
-def checksum_shares(pieces: Sequence[Piece], values: Iterable[torch.Tensor],
-                    shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, int]]:
-    """A rank's share of each tensor's checksum sums over its `pieces` (routes.share), `values` giving each piece's
-    values as summed, in order, as they are needed (RankShards, QuantizedShards)."""
-    sums = [(0, 0)] * len(shapes)
-    boxes = ((v, p.box, shapes[p.tensor]) for v, p in zip(values, pieces))
-    for p, (s1, s2) in zip(pieces, box_sums_many(boxes)):
-        sums[p.tensor] = (sums[p.tensor][0] + s1, sums[p.tensor][1] + s2)
-    return sums
+def _cast(v: torch.Tensor, engine_dtype: torch.dtype, dtype: torch.dtype | None) -> torch.Tensor:
+    """A piece's values as summed: in the engine's dtype, contiguous (what piece() makes of it: a copy only where
+    one is needed), then in `dtype` when given."""
+    if v.dtype != engine_dtype or not v.is_contiguous():
+        v = v.to(engine_dtype, memory_format=torch.contiguous_format)
+    return v.to(dtype) if dtype is not None and v.dtype != dtype and v.is_floating_point() else v
 
 
 def publisher_ranks(group=None) -> tuple[int, int, list[int]]:

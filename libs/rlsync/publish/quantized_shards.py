@@ -10,10 +10,11 @@ from collections.abc import Sequence
 import torch
 
 from rlsync.errors import InvalidArgument, Unavailable
-from rlsync.publish.layout import RankShards, checksum_shares
+from rlsync.publish.layout import RankShards
 from rlsync.quant.fp8_blocks import FP8, scales_of
 from rlsync.quant.fp8_box_kernel import box_amax, box_values
 from rlsync.quant.fp8_shards import BlockPlan, block_plan, checked, exchange, quantize_box
+from rlsync.transfer.checksum import BoxSums, share_sums, tensor_sums
 from rlsync.transfer import kept
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.routes import Box, Piece, TensorInfo, layout, share
@@ -55,6 +56,7 @@ class QuantizedShards:
         self.scales = {i: g.view(p.grid) for (i, p), g in zip(self.blocks.items(), self._grids.split(sizes))}
         self._values: dict[tuple[int, Box], torch.Tensor] = {}  # FP8 boxes for pulls, made when first asked
         self._fresh = False
+        self._sums: dict[torch.dtype | None, BoxSums] = {}  # checksum_share's, by the dtype it sums in
 
     def refresh(self, ranks) -> None:
         """Every rank, in step: the scales of the blocks its boxes touch, from the weights as they are now
@@ -152,4 +154,7 @@ class QuantizedShards:
             return v.to(dtype) if dtype is not None and self.plan[p.tensor][1] == 0 and v.is_floating_point() else v
 
         pieces = share(self.layout, self.rank)
-        return checksum_shares(pieces, map(summed, pieces), [s.shape for s in self.specs])
+        sums = self._sums.get(dtype)
+        if sums is None:
+            sums = self._sums[dtype] = share_sums(pieces, [s.shape for s in self.specs])
+        return tensor_sums(pieces, sums(map(summed, pieces)), len(self.specs))

@@ -11,8 +11,10 @@ H200, every decode step of an engine sharing the process held up behind it).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -177,35 +179,98 @@ def box_sums(values: torch.Tensor, box: tuple[tuple[int, int], ...], shape: tupl
     return box_sums_many([(values, box, shape)])[0]
 
 
-BATCH_BYTES = 64 << 20  # values box_sums_many holds at once (a caller's pieces may be copies: cast on the way)
+BATCH_BYTES = 64 << 20  # values a BoxSums holds at once (a caller's values may be copies: cast on the way)
+
+Box = tuple[tuple[int, int], ...]
 
 
-def box_sums_many(boxes: Iterable[tuple[torch.Tensor, tuple[tuple[int, int], ...], tuple[int, ...]]],
+def box_sums_many(boxes: Iterable[tuple[torch.Tensor, Box, tuple[int, ...]]],
                   held_bytes: int = BATCH_BYTES) -> list[tuple[int, int]]:
-    """box_sums of each (values, box, shape), taken from `boxes` as it goes (`held_bytes` of values at most held
-    at once). Boxes alike (the same box of tensors of one shape and dtype: one expert's slice of each expert) are
-    summed together, stacked: a few operations for all of them, where a mixture of experts has hundreds of boxes
-    to sum at every verified update."""
-    out, batch, held = [], [], 0
-    for item in boxes:
-        batch.append(item)
-        held += item[0].numel() * item[0].element_size()
-        if held >= held_bytes:
-            out += _alike_sums(batch)
-            batch, held = [], 0
-    return out + _alike_sums(batch)
+    """box_sums of each (values, box, shape). Boxes alike (the same box of tensors of one shape and dtype: one
+    expert's slice of each expert) are summed together, stacked: a few operations for all of them, where a mixture
+    of experts has hundreds of boxes to sum at every verified update. (BoxSums: the same, planned once for boxes
+    summed again and again, their values taken as they come.)"""
+    boxes = list(boxes)
+    return BoxSums([(box, shape) for _, box, shape in boxes], held_bytes)(values for values, _, _ in boxes)
 
 
-def _alike_sums(boxes: Sequence[tuple[torch.Tensor, tuple[tuple[int, int], ...], tuple[int, ...]]]) \
-        -> list[tuple[int, int]]:
+class BoxSums:
+    """box_sums of each of a fixed list of (box, the tensor's shape), for their values at each call (a rank's share
+    of a verified update's checksums, the same boxes while its layout stays). The values are taken from the
+    iterable as they come, `held_bytes` of them at most held at once (a caller's values may be copies: cast on the
+    way). Which boxes are alike, and where a batch of them ends, are found at the first call and kept: a later
+    call only stacks each group's values and sums them. Values that stack to another dtype than at the first call
+    are refused (ValueError)."""
+
+    def __init__(self, boxes: Sequence[tuple[Box, tuple[int, ...]]], held_bytes: int = BATCH_BYTES):
+        self.boxes, self.held_bytes = boxes, held_bytes
+        self._batches: list[tuple[int, list[_Group]]] | None = None  # per batch: how many boxes, its groups
+
+    def __call__(self, values: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
+        with torch.no_grad():  # (a trainer's values may be its parameters: no autograd for the stacks)
+            if self._batches is None:
+                return self._plan(values)
+            out, values = [], iter(values)
+            for count, groups in self._batches:
+                out += _group_sums(list(itertools.islice(values, count)), groups)
+            return out
+
+    def _plan(self, values: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
+        batches, out, start, batch, held = [], [], 0, [], 0
+        for k, v in enumerate(itertools.chain(values, [None])):
+            if v is not None:
+                batch.append(v)
+                held += v.numel() * v.element_size()
+            if batch and (v is None or held >= self.held_bytes):
+                groups = _alike(batch, self.boxes[start:start + len(batch)])
+                batches.append((len(batch), groups))
+                out += _group_sums(batch, groups)
+                start, batch, held = k + 1, [], 0
+        self._batches = batches
+        return out
+
+
+def share_sums(pieces: Sequence, shapes: Sequence[tuple[int, ...]]) -> BoxSums:
+    """The sums of a rank's share of the checksums (routes.share: its pieces, each a box of tensor `p.tensor` of
+    those `shapes`), to keep with the pieces."""
+    return BoxSums([(p.box, shapes[p.tensor]) for p in pieces])
+
+
+def tensor_sums(pieces: Sequence, sums: Iterable[tuple[int, int]], tensors: int) -> list[tuple[int, int]]:
+    """A rank's share of each of `tensors` tensors' checksum sums: its `pieces`' `sums` (share_sums) added up per
+    tensor; the ranks' shares add up to each tensor's sums."""
+    out = [(0, 0)] * tensors
+    for p, (s1, s2) in zip(pieces, sums):
+        out[p.tensor] = (out[p.tensor][0] + s1, out[p.tensor][1] + s2)
+    return out
+
+
+class _Group(NamedTuple):
+    """Boxes of a batch summed together: the same box of tensors of one shape, values of one dtype and device."""
+
+    box: Box
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    which: list[int]  # their places in the batch
+
+
+def _alike(values: Sequence[torch.Tensor], boxes: Sequence[tuple[Box, tuple[int, ...]]]) -> list[_Group]:
     alike: dict[tuple, list[int]] = {}
-    for k, (values, box, shape) in enumerate(boxes):
-        if values.numel():
-            alike.setdefault((values.dtype, values.device, tuple(box), tuple(shape)), []).append(k)
-    out = [(0, 0)] * len(boxes)
-    for (_, _, box, shape), ks in alike.items():
-        stacked = torch.stack([boxes[k][0].detach() for k in ks]) if len(ks) > 1 else \
-            boxes[ks[0]][0].detach().contiguous().unsqueeze(0)  # (one: no copy of it)
+    for k, (v, (box, shape)) in enumerate(zip(values, boxes)):
+        if v.numel():
+            alike.setdefault((v.dtype, v.device, tuple(box), tuple(shape)), []).append(k)
+    return [_Group(box, shape, dtype, ks) for (dtype, _, box, shape), ks in alike.items()]
+
+
+def _group_sums(values: Sequence[torch.Tensor], groups: Sequence[_Group]) -> list[tuple[int, int]]:
+    """box_sums of each of a batch's `values` (an empty box: (0, 0)), group by group."""
+    out = [(0, 0)] * len(values)
+    for box, shape, dtype, ks in groups:
+        stacked = torch.stack([values[k] for k in ks]) if len(ks) > 1 else \
+            values[ks[0]].detach().contiguous().unsqueeze(0)  # (one: no copy of it)
+        if stacked.dtype != dtype:
+            raise ValueError(f"boxes planned as {dtype} came as {stacked.dtype}: a BoxSums sums the boxes it was "
+                             "made for")
         for k, (s1, s2) in zip(ks, _stacked_sums(stacked, box, shape)):
             out[k] = s1 & _MASK, s2 & _MASK
     return out

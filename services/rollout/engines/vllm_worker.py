@@ -30,7 +30,7 @@ from rlsync.rollout.engines.vllm_versions import TokenCounts
 from rlsync.rollout.staging import StagedUpdate, ensure_room
 from rlsync.transfer import answer, audit, from_proto
 from rlsync.transfer.armed import Bell
-from rlsync.transfer.checksum import box_sums_many
+from rlsync.transfer.checksum import share_sums, tensor_sums
 from rlsync.transfer.dtypes import dtype_name
 from rlsync.transfer.handshake import NAMES, local_facts, same_gpu
 from rlsync.transfer.receiver import Receiver
@@ -472,13 +472,8 @@ class RlsyncWorkerExtension:
         held = layout_of(specs, update.receiver.answer.layout)  # (the same Layout for the same ranks' layouts)
         kept = staging.memo.get(("parts", self.rank))
         if kept is None or kept[0] is not held:
-            kept = staging.memo[("parts", self.rank)] = (held, _parts(specs, held, self.rank, staging))
-        names, pieces = kept[1]
-        out = {s.name: [dtype_name(s.dtype), list(s.shape), s.nbytes, 0, 0] for s in specs}
-        for name, (s1, s2) in zip(names, box_sums_many(pieces)):
-            out[name][3] += s1
-            out[name][4] += s2
-        return out
+            kept = staging.memo[("parts", self.rank)] = (held, _Parts(specs, held, self.rank, staging))
+        return kept[1]()
 
     def rlsync_abort(self) -> None:
         self.rlsync_disarm()
@@ -513,14 +508,21 @@ class RlsyncWorkerExtension:
             applied.settle()
 
 
-def _parts(specs, held, rank: int, staging: BoxStaging) -> tuple[list[str], list[tuple[torch.Tensor, tuple, tuple]]]:
-    """The pieces of worker `rank`'s share of the checksums (routes.share): each one's tensor, and its values in
-    `staging` with its box and its tensor's shape (for checksum.box_sums_many)."""
-    names, pieces = [], []
-    for p in share(held, rank):
-        name = specs[p.tensor].name
-        region = relative(p.box, staging.boxes[name])
-        view = staging.views[name]
-        names.append(name)
-        pieces.append((view[tuple(slice(a, b) for a, b in region)] if region else view, p.box, specs[p.tensor].shape))
-    return names, pieces
+class _Parts:
+    """Worker `rank`'s share of the checksums (routes.share) in `staging`: its pieces' views, and their sums' plan
+    (checksum.BoxSums), made once per layout."""
+
+    def __init__(self, specs, held, rank: int, staging: BoxStaging):
+        self.pieces = share(held, rank)
+        self.values = []
+        for p in self.pieces:
+            name = specs[p.tensor].name
+            region, view = relative(p.box, staging.boxes[name]), staging.views[name]
+            self.values.append(view[tuple(slice(a, b) for a, b in region)] if region else view)
+        self.sums = share_sums(self.pieces, [s.shape for s in specs])
+        self.rows = [(s.name, dtype_name(s.dtype), list(s.shape), s.nbytes) for s in specs]
+
+    def __call__(self) -> dict:
+        """{tensor: [dtype, shape, nbytes, s1, s2]}: this worker's share of every tensor's sums."""
+        sums = tensor_sums(self.pieces, self.sums(self.values), len(self.rows))
+        return {name: [d, shape, nbytes, s1, s2] for (name, d, shape, nbytes), (s1, s2) in zip(self.rows, sums)}
