@@ -199,13 +199,26 @@ def shared_services_up():
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A failed test's report says which services were down and why (exit signal, log path)."""
+    """A failed test's report says which services were down and why (exit signal, log path), and what each said
+    last at WARNING or above (a flake under CI's load leaves its cause there: a member dropped, and why)."""
     outcome = yield
     report = outcome.get_result()
     if report.failed and Services.live:
         problems = [why for s in Services.live for why in s.down()]
         if problems:
             report.sections.append(("rlsync services down", "\n".join(problems)))
+        for proc in (p for s in Services.live for p in s.started):
+            said = _warnings(proc.log_path)
+            if said:
+                report.sections.append((f"{proc.name} warned ({proc.log_path})", "\n".join(said)))
+
+
+def _warnings(log: Path, last: int = 15) -> list[str]:
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return [line for line in lines if any(f" {level} " in line for level in ("WARNING", "ERROR", "CRITICAL"))][-last:]
 
 
 @pytest.fixture(scope="session")
