@@ -63,6 +63,10 @@ class Counted(Ranks):
         self.rounds += 1
         return super()._all_gather(mine)
 
+    def _broadcast(self, t):
+        self.rounds += 1
+        return super()._broadcast(t)
+
 
 at_most = bytes(range(8)) * 127  # 1016 bytes: what fits the first all-gather beside its length
 for pair, rounds in [((b"", b"!"), 1), ((b"abc", b"cba!"), 1), ((at_most, at_most[::-1]), 1),
@@ -71,7 +75,15 @@ for pair, rounds in [((b"", b"!"), 1), ((b"abc", b"cba!"), 1), ((at_most, at_mos
     got = ranks.gather(pair[rank])
     if got != list(pair) or ranks.rounds != rounds:
         wrong.append(f"gather of {[len(p) for p in pair]} bytes on rank {rank}: {ranks.rounds} all-gathers")
-print(json.dumps({"checked": [*sorted(audit), "gather"], "wrong": wrong}), flush=True)
+# What rank 0 tells the others at each request (rlsync.publish.ranks.PublishPoints): its op, count and payload,
+# in one broadcast when the payload fits beside them (1000 bytes), whatever the others pass.
+for payload, rounds in [(b"", 1), (b"describe", 1), (at_most[:1000], 1), (at_most[:1001], 2),
+                        (bytes(range(256)) * 40, 2)]:
+    ranks = Counted()
+    got = ranks.broadcast(7, -3, payload if rank == 0 else b"ignored")
+    if got != (7, -3, payload) or ranks.rounds != rounds:
+        wrong.append(f"broadcast of {len(payload)} bytes on rank {rank}: {ranks.rounds} broadcasts")
+print(json.dumps({"checked": [*sorted(audit), "gather", "broadcast"], "wrong": wrong}), flush=True)
 dist.barrier()  # leave together: a rank tearing gloo down while its peer still talks can abort
 dist.destroy_process_group()
 # Skip interpreter finalization: gloo's worker threads can still hold work objects whose teardown

@@ -249,8 +249,9 @@ def test_every_dtensor_placement_is_cut_into_boxes_and_audited_without_a_gather(
     """Dim-0 shards (uneven, empty, fewer rows than ranks), dim-1 shards (tensor parallel),
     replicated and plain tensors, over 2 gloo ranks: each rank's boxes are the whole tensors' cast to
     bf16, and the checksum shares of the ranks add up to the whole tensors' checksums. (Ranks.gather, what a
-    sharded trainer's onload gathers the ranks' storages with, is checked there too.)"""
-    two_gloo_ranks(WORKER.parent / "dtensor_worker.py", results=7)
+    sharded trainer's onload gathers the ranks' storages with, and Ranks.broadcast, what rank 0 tells the others
+    each request with, are checked there too.)"""
+    two_gloo_ranks(WORKER.parent / "dtensor_worker.py", results=8)
 
 
 def test_the_trainer_killed_mid_transfer_leaves_the_old_version_and_a_new_trainer_syncs(fleet, tmp_path):
