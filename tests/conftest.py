@@ -208,17 +208,10 @@ def pytest_runtest_makereport(item, call):
         if problems:
             report.sections.append(("rlsync services down", "\n".join(problems)))
         for proc in (p for s in Services.live for p in s.started):
-            said = _warnings(proc.log_path)
+            said = [line for line in proc.log_text().splitlines()
+                    if any(f" {level} " in line for level in ("WARNING", "ERROR", "CRITICAL"))][-15:]
             if said:
                 report.sections.append((f"{proc.name} warned ({proc.log_path})", "\n".join(said)))
-
-
-def _warnings(log: Path, last: int = 15) -> list[str]:
-    try:
-        lines = log.read_text(errors="replace").splitlines()
-    except OSError:
-        return []
-    return [line for line in lines if any(f" {level} " in line for level in ("WARNING", "ERROR", "CRITICAL"))][-last:]
 
 
 @pytest.fixture(scope="session")

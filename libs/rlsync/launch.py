@@ -112,6 +112,15 @@ class ServiceProcess:
                                              preexec_fn=_in_child(parent_death_signal, niceness))
         self.address: str | None = None
 
+    def log_text(self) -> str:
+        """What this process wrote to its log (an earlier process's lines at the same path left out)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
     def _find_address(self, event: str = "listening") -> str | None:
         with open(self.log_path, "rb") as f:
             f.seek(self._log_start)

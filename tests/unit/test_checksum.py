@@ -105,6 +105,10 @@ def test_a_kept_plan_sums_new_values_of_the_same_boxes_and_refuses_another_dtype
             assert sums(iter(now)) == box_sums_many((v, b, s) for v, (b, s) in zip(now, boxes))
         with pytest.raises(ValueError, match="planned as torch.float32"):
             sums([v.double() for v in values()])
+        mixed = values()
+        mixed[3] = mixed[3].half()  # (a stack of it and float32 boxes is float32: each box is looked at)
+        with pytest.raises(ValueError, match="float16"):
+            sums(mixed)
 
 
 def test_many_tensors_at_once_equal_one_at_a_time():

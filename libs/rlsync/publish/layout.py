@@ -251,30 +251,33 @@ class RankShards:
         (a replicated box counts once), so the ranks' shares add up to the whole tensor's sums."""
         pieces, where = share(self.layout, self.rank), self.where()
         kept = self._summed
-        if kept is None or kept.pieces is not pieces or kept.where != where or kept.dtype != dtype:
+        if kept is None or kept.pieces is not pieces or kept.where != where:
             # where each piece lies in this rank's shards, found again only when a parameter moved
-            kept = self._summed = _Summed(pieces, where, dtype, [self._summed_source(p, dtype) for p in pieces],
-                                          share_sums(pieces, [e.shape for e in self.entries]))
-        values = (v if ready else _cast(v, engine_dtype, dtype) for v, engine_dtype, ready in kept.sources)
-        return tensor_sums(pieces, kept.sums(values), len(self.entries))
-
-    def _summed_source(self, p: Piece, dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.dtype, bool]:
-        """piece_source(p), and whether it is summed as it is (no cast, no copy: what most pieces are)."""
-        v, engine_dtype = self.piece_source(p)
-        ready = v.dtype == engine_dtype and v.is_contiguous() and (dtype is None or v.dtype == dtype
-                                                                   or not v.is_floating_point())
-        return v, engine_dtype, ready
+            kept = self._summed = _Summed(pieces, where, [self.piece_source(p) for p in pieces], {})
+        planned = kept.by_dtype.get(dtype)
+        if planned is None:  # which pieces are summed as they lie (no cast, no copy: most), and the sums' plan
+            ready = [_summed_as_is(v, e, dtype) for v, e in kept.sources]
+            planned = kept.by_dtype[dtype] = ready, share_sums(pieces, [e.shape for e in self.entries])
+        ready, sums = planned
+        values = (v if as_is else _cast(v, e, dtype) for (v, e), as_is in zip(kept.sources, ready))
+        return tensor_sums(pieces, sums(values), len(self.entries))
 
 
 class _Summed(NamedTuple):
-    """What RankShards.checksum_share keeps while its layout and its shards stay: share's pieces, where(), the dtype
-    summed in, each piece's values with what they need first, and the sums' plan."""
+    """What RankShards.checksum_share keeps while its layout and its shards stay: share's pieces, where(), each
+    piece's values and the engine's dtype (piece_source), and per dtype summed in, which pieces are summed as they
+    lie and the sums' plan."""
 
     pieces: tuple[Piece, ...]
     where: tuple
-    dtype: torch.dtype | None
-    sources: list[tuple[torch.Tensor, torch.dtype, bool]]
-    sums: BoxSums
+    sources: list[tuple[torch.Tensor, torch.dtype]]
+    by_dtype: dict[torch.dtype | None, tuple[list[bool], BoxSums]]
+
+
+def _summed_as_is(v: torch.Tensor, engine_dtype: torch.dtype, dtype: torch.dtype | None) -> bool:
+    """Whether _cast leaves `v` as it is."""
+    return v.dtype == engine_dtype and v.is_contiguous() and (dtype is None or v.dtype == dtype
+                                                              or not v.is_floating_point())
 
 
 def _cast(v: torch.Tensor, engine_dtype: torch.dtype, dtype: torch.dtype | None) -> torch.Tensor:

@@ -3,8 +3,8 @@
 Requests reach rank 0 (the one that serves gRPC) at any time; a sharded model's ranks each send their
 own shards and add their share to an audit, so every rank must take part. So rank 0 queues each
 request, and while the loop sits in `publish()` every rank serves them in step: rank 0 broadcasts
-what comes next (an op and a count as an int64 tensor, then any payload as bytes, protobuf or text:
-no pickle), then all ranks run it. A request is a handler every rank runs with the payload (a routed
+what comes next (an op, a count and a payload as bytes, protobuf or text: no pickle; one collective
+when the payload is short), then all ranks run it. A request is a handler every rank runs with the payload (a routed
 send, an audit, offload, onload, the memory an offer names, a training step of a sharded trainer), or a
 number of passes over a streamed source (see rlsync.transfer.source).
 """

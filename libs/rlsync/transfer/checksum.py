@@ -186,10 +186,10 @@ Box = tuple[tuple[int, int], ...]
 
 def box_sums_many(boxes: Iterable[tuple[torch.Tensor, Box, tuple[int, ...]]],
                   held_bytes: int = BATCH_BYTES) -> list[tuple[int, int]]:
-    """box_sums of each (values, box, shape). Boxes alike (the same box of tensors of one shape and dtype: one
-    expert's slice of each expert) are summed together, stacked: a few operations for all of them, where a mixture
-    of experts has hundreds of boxes to sum at every verified update. (BoxSums: the same, planned once for boxes
-    summed again and again, their values taken as they come.)"""
+    """box_sums of each (values, box, shape), all of them held at once. Boxes alike (the same box of tensors of one
+    shape and dtype: one expert's slice of each expert) are summed together, stacked: a few operations for all of
+    them, where a mixture of experts has hundreds of boxes to sum at every verified update. (BoxSums: the same,
+    planned once for boxes summed again and again, their values taken as they come, a batch at a time.)"""
     boxes = list(boxes)
     return BoxSums([(box, shape) for _, box, shape in boxes], held_bytes)(values for values, _, _ in boxes)
 
@@ -199,8 +199,8 @@ class BoxSums:
     of a verified update's checksums, the same boxes while its layout stays). The values are taken from the
     iterable as they come, `held_bytes` of them at most held at once (a caller's values may be copies: cast on the
     way). Which boxes are alike, and where a batch of them ends, are found at the first call and kept: a later
-    call only stacks each group's values and sums them. Values that stack to another dtype than at the first call
-    are refused (ValueError)."""
+    call only stacks each group's values and sums them. Values of another dtype than at the first call are refused
+    (ValueError)."""
 
     def __init__(self, boxes: Sequence[tuple[Box, tuple[int, ...]]], held_bytes: int = BATCH_BYTES):
         self.boxes, self.held_bytes = boxes, held_bytes
@@ -268,9 +268,9 @@ def _group_sums(values: Sequence[torch.Tensor], groups: Sequence[_Group]) -> lis
     for box, shape, dtype, ks in groups:
         stacked = torch.stack([values[k] for k in ks]) if len(ks) > 1 else \
             values[ks[0]].detach().contiguous().unsqueeze(0)  # (one: no copy of it)
-        if stacked.dtype != dtype:
-            raise ValueError(f"boxes planned as {dtype} came as {stacked.dtype}: a BoxSums sums the boxes it was "
-                             "made for")
+        if stacked.dtype != dtype or any(values[k].dtype != dtype for k in ks):  # (a stack promotes mixed dtypes)
+            raise ValueError(f"boxes planned as {dtype} came as {sorted({str(values[k].dtype) for k in ks})}: a "
+                             "BoxSums sums the boxes it was made for")
         for k, (s1, s2) in zip(ks, _stacked_sums(stacked, box, shape)):
             out[k] = s1 & _MASK, s2 & _MASK
     return out
