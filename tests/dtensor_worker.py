@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from rlsync.publish import WeightMap
-from rlsync.publish.ranks import Ranks
+from rlsync.publish.ranks import BROADCAST_FIRST, Ranks
 from rlsync.publish.source import ShardedModule, module_source
 from rlsync.transfer.checksum import checksum_tensor, from_sums
 from rlsync.transfer.routes import Piece
@@ -76,9 +76,10 @@ for pair, rounds in [((b"", b"!"), 1), ((b"abc", b"cba!"), 1), ((at_most, at_mos
     if got != list(pair) or ranks.rounds != rounds:
         wrong.append(f"gather of {[len(p) for p in pair]} bytes on rank {rank}: {ranks.rounds} all-gathers")
 # What rank 0 tells the others at each request (rlsync.publish.ranks.PublishPoints): its op, count and payload,
-# in one broadcast when the payload fits beside them (1000 bytes), whatever the others pass.
-for payload, rounds in [(b"", 1), (b"describe", 1), (at_most[:1000], 1), (at_most[:1001], 2),
-                        (bytes(range(256)) * 40, 2)]:
+# in one broadcast when the payload fits beside them, whatever the others pass.
+fits = bytes(range(256)) * (BROADCAST_FIRST // 256)
+fits = fits[:BROADCAST_FIRST - 24]
+for payload, rounds in [(b"", 1), (b"describe", 1), (fits, 1), (fits + b"!", 2), (fits * 3, 2)]:
     ranks = Counted()
     got = ranks.broadcast(7, -3, payload if rank == 0 else b"ignored")
     if got != (7, -3, payload) or ranks.rounds != rounds:
