@@ -10,7 +10,7 @@ LOCK_VENV ?= .lock-venv
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-sglang venv venv-sglang lock protos protos-check lint wheels gpu-parts gpu-land base-image image-wheels gpu-setup gpu-test clean
+.PHONY: demo test test-sglang venv venv-sglang lock protos protos-check lint wheels gpu-parts gpu-land base-image image-wheels gpu-setup gpu-test gpu-ab-parts gpu-ab clean
 
 venv: $(STAMP)
 
@@ -199,6 +199,26 @@ gpu-test:
 	PYTHONUNBUFFERED=1 python3 -m pytest -m gpu -rfE --durations=15 \
 	    $$(python3 -c 'import pytest_timeout' 2>/dev/null && echo --timeout=$(GPU_TEST_TIMEOUT)) \
 	    $(PYTEST_ARGS) $(GPU_SELECT) > $(GPU_LOG) 2>&1; rc=$$?; cat $(GPU_LOG); exit $$rc
+
+# A GPU benchmark, an older revision against this tree, on one machine, in turns (a figure that moved between two
+# machines is compared on one). Here: `make gpu-ab-parts AB_OLD=<rev>` packs that revision's code (0.4 MB) into
+# .gpu-parts/ab-old.tar.gz, to carry. There, after gpu-setup: `make gpu-ab [AB_ARGS=...] [AB_RUNS=2]` installs each tree
+# in turn and runs bench/gpu_cycle.py with AB_ARGS; each run's JSON and log under $$OUT (ab-old-1.json, ab-new-1.json, ...).
+AB_OLD ?= 6bb6b32
+AB_RUNS ?= 2
+AB_ARGS ?= --engine vllm --only updates --mode inflight --seconds 16 --rounds 4 --trace
+gpu-ab-parts:
+	mkdir -p .gpu-parts && git archive --format=tar $(AB_OLD) libs services setup.py pyproject.toml ':(glob)bench/*.py' \
+	    | gzip > .gpu-parts/ab-old.tar.gz && ls -l .gpu-parts/ab-old.tar.gz
+
+gpu-ab:
+	rm -rf /tmp/ab-old && mkdir -p /tmp/ab-old $${OUT:-runs} && tar -xzf .gpu-parts/ab-old.tar.gz -C /tmp/ab-old
+	for i in $$(seq $(AB_RUNS)); do for side in old new; do \
+	    tree=$$([ $$side = old ] && echo /tmp/ab-old || pwd); \
+	    python3 -m pip install -q --no-deps --no-build-isolation -e $$tree && (cd $$tree && PYTHONUNBUFFERED=1 \
+	        python3 bench/gpu_cycle.py $(AB_ARGS) > $${OUT:-$(CURDIR)/runs}/ab-$$side-$$i.json \
+	        2> $${OUT:-$(CURDIR)/runs}/ab-$$side-$$i.log) || echo "$$side run $$i failed: see ab-$$side-$$i.log"; \
+	done; done; python3 -m pip install -q --no-deps --no-build-isolation -e .
 
 protos: $(STAMP)
 	$(BIN)/python -m rlsync.protogen
