@@ -8,6 +8,8 @@ the bytes each replica received, and the ratio of the MoE's seconds per byte to 
 with a 95% interval of it (a bootstrap over the rounds).
 
     python bench/moe_sync.py [--experts 28] [--rounds 8]
+    python bench/moe_sync.py --experts 128 --layers 48 --rounds 5   # Qwen3-30B-A3B's count of tensors (18 867):
+                                        # the work per tensor through the services (its ratio compares unequal sizes)
 
 `--experts 28` builds the tiny MoE with as many bytes as the dense tiny model (0.93 MB bf16): the sync of a model this
 small is mostly fixed cost per update, which a per-byte ratio at unequal sizes would charge to the smaller one.
@@ -80,13 +82,15 @@ def _medians(rounds: list[dict], part: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--experts", type=int, default=28)
+    parser.add_argument("--layers", type=int, default=2, help="the MoE's decoder layers (the dense keeps its own)")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2, help="rounds run first and not counted")
     parser.add_argument("--logs", default="runs/moe_sync")
     args = parser.parse_args()
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
-    models = {"moe": ensure_tiny_moe(TinyMoeRecipe(num_experts=args.experts)), "dense": ensure_tiny_model()}
+    moe = TinyMoeRecipe(num_experts=args.experts, num_hidden_layers=args.layers)
+    models = {"moe": ensure_tiny_moe(moe), "dense": ensure_tiny_model()}
     fleets = {}
     try:
         for name, model in models.items():
