@@ -84,21 +84,23 @@ def test_alike_boxes_of_many_tensors_summed_together_add_up_to_each_ones_checksu
             assert checksum.from_sums(t.numel() * t.element_size(), s1, s2) == checksum_tensor(t)
 
 
-def test_a_kept_plan_sums_new_values_of_the_same_boxes_and_refuses_another_dtype():
+@pytest.mark.parametrize("shape", [(6, 4), (128, 1024)])  # (the second: stacked into kept buffers, numpy's sums)
+def test_a_kept_plan_sums_new_values_of_the_same_boxes_and_refuses_another_dtype(shape):
     """BoxSums: the plan made at the first call (which boxes are alike, where batches end) sums the next call's values
     of the same boxes as box_sums_many does; values of another dtype are refused, not read as the planned one."""
     from rlsync.transfer.checksum import BoxSums, box_sums_many
 
     g = torch.Generator().manual_seed(5)
-    shape = (6, 4)
-    boxes = [(((0, 3), (0, 4)), shape), (((3, 6), (0, 4)), shape), (((0, 6), (1, 3)), shape)] * 3
+    rows, cols = shape
+    boxes = [(((0, rows // 2), (0, cols)), shape), (((rows // 2, rows), (0, cols)), shape),
+             (((0, rows), (1, 3)), shape)] * 3
     cut = [tuple(slice(a, b) for a, b in box) for box, _ in boxes]
 
     def values():
         ts = [torch.randn(shape, generator=g) for _ in range(3)]
         return [ts[k // 3][c] for k, c in enumerate(cut)]
 
-    for held in (1 << 20, 100):  # one batch; a batch every box or two
+    for held in (1 << 22, 100):  # one batch; a batch every box or two
         sums = BoxSums(boxes, held_bytes=held)
         for _ in range(3):
             now = values()
