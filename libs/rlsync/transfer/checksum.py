@@ -200,8 +200,8 @@ class BoxSums:
     of a verified update's checksums, the same boxes while its layout stays). The values are taken from the
     iterable as they come, `held_bytes` of them at most held at once (a caller's values may be copies: cast on the
     way). Which boxes are alike, and where a batch of them ends, are found at the first call and kept: a later
-    call only stacks each group's values and sums them. Values of another dtype than at the first call are refused
-    (ValueError)."""
+    call only stacks each group's values and sums them (on the CPU, a large group into a buffer kept with the plan).
+    Values of another dtype than at the first call are refused (ValueError)."""
 
     def __init__(self, boxes: Sequence[tuple[Box, tuple[int, ...]]], held_bytes: int = BATCH_BYTES):
         self.boxes, self.held_bytes = boxes, held_bytes
