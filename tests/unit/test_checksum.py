@@ -87,28 +87,34 @@ def test_alike_boxes_of_many_tensors_summed_together_add_up_to_each_ones_checksu
 @pytest.mark.parametrize("shape", [(6, 4), (128, 1024)])  # (the second: stacked into kept buffers, numpy's sums)
 def test_a_kept_plan_sums_new_values_of_the_same_boxes_and_refuses_another_dtype(shape):
     """BoxSums: the plan made at the first call (which boxes are alike, where batches end) sums the next call's values
-    of the same boxes as box_sums_many does; values of another dtype are refused, not read as the planned one."""
-    from rlsync.transfer.checksum import BoxSums, box_sums_many
+    of the same boxes: each tensor's row halves, and its three column blocks (runs that start inside a word), add up
+    to its checksum (Checksums' own sums of the whole), at every call; values of another dtype are refused."""
+    from rlsync.transfer.checksum import BoxSums, from_sums
 
     g = torch.Generator().manual_seed(5)
     rows, cols = shape
-    boxes = [(((0, rows // 2), (0, cols)), shape), (((rows // 2, rows), (0, cols)), shape),
-             (((0, rows), (1, 3)), shape)] * 3
+    halves = [((0, rows // 2), (0, cols)), ((rows // 2, rows), (0, cols))]
+    blocks = [((0, rows), (0, 1)), ((0, rows), (1, cols // 2 + 1)), ((0, rows), (cols // 2 + 1, cols))]
+    boxes = [(box, shape) for box in halves + blocks] * 3
     cut = [tuple(slice(a, b) for a, b in box) for box, _ in boxes]
 
     def values():
         ts = [torch.randn(shape, generator=g) for _ in range(3)]
-        return [ts[k // 3][c] for k, c in enumerate(cut)]
+        return ts, [ts[k // 5][c] for k, c in enumerate(cut)]
 
     for held in (1 << 22, 100):  # one batch; a batch every box or two
         sums = BoxSums(boxes, held_bytes=held)
         for _ in range(3):
-            now = values()
-            assert sums(iter(now)) == box_sums_many((v, b, s) for v, (b, s) in zip(now, boxes))
+            ts, now = values()
+            got = sums(iter(now))
+            for k, t in enumerate(ts):
+                for part in (got[5 * k:5 * k + 2], got[5 * k + 2:5 * k + 5]):
+                    s1, s2 = sum(a for a, _ in part), sum(b for _, b in part)
+                    assert from_sums(t.numel() * t.element_size(), s1, s2) == checksum_tensor(t)
         with pytest.raises(ValueError, match="planned as torch.float32"):
-            sums([v.double() for v in values()])
-        mixed = values()
-        mixed[3] = mixed[3].half()  # (a stack of it and float32 boxes is float32: each box is looked at)
+            sums([v.double() for v in values()[1]])
+        mixed = values()[1]
+        mixed[5] = mixed[5].half()  # (a stack of it and float32 boxes is float32: each box is looked at)
         with pytest.raises(ValueError, match="float16"):
             sums(mixed)
 
