@@ -256,7 +256,7 @@ class RankShards:
             kept = self._summed = _Summed(pieces, where, [self.piece_source(p) for p in pieces], {})
         planned = kept.by_dtype.get(dtype)
         if planned is None:  # which pieces are summed as they lie (no cast, no copy: most), and the sums' plan
-            ready = [_summed_as_is(v, e, dtype) for v, e in kept.sources]
+            ready = [_cast(v, e, dtype) is v for v, e in kept.sources]
             planned = kept.by_dtype[dtype] = ready, share_sums(pieces, [e.shape for e in self.entries])
         ready, sums = planned
         values = (v if as_is else _cast(v, e, dtype) for (v, e), as_is in zip(kept.sources, ready))
@@ -272,12 +272,6 @@ class _Summed(NamedTuple):
     where: tuple
     sources: list[tuple[torch.Tensor, torch.dtype]]
     by_dtype: dict[torch.dtype | None, tuple[list[bool], BoxSums]]
-
-
-def _summed_as_is(v: torch.Tensor, engine_dtype: torch.dtype, dtype: torch.dtype | None) -> bool:
-    """Whether _cast leaves `v` as it is."""
-    return v.dtype == engine_dtype and v.is_contiguous() and (dtype is None or v.dtype == dtype
-                                                              or not v.is_floating_point())
 
 
 def _cast(v: torch.Tensor, engine_dtype: torch.dtype, dtype: torch.dtype | None) -> torch.Tensor:

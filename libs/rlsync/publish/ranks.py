@@ -82,9 +82,9 @@ class Ranks:
         op, count, size = (int(x) for x in got[:_HEAD].view(np.int64))
         body = got[_HEAD:_HEAD + min(size, BROADCAST_FIRST - _HEAD)].tobytes()
         if size > len(body):
-            rest = np.frombuffer(payload[len(body):], dtype=np.uint8) if self.rank == 0 else \
-                np.zeros(size - len(body), dtype=np.uint8)
-            body += self._broadcast(torch.from_numpy(rest.copy())).tobytes()
+            rest = np.frombuffer(payload[len(body):], dtype=np.uint8).copy() if self.rank == 0 else \
+                np.empty(size - len(body), dtype=np.uint8)  # (a writable array: torch takes no read-only one)
+            body += self._broadcast(torch.from_numpy(rest)).tobytes()
         return op, count, body
 
     def _broadcast(self, t: torch.Tensor) -> np.ndarray:

@@ -205,15 +205,15 @@ class BoxSums:
 
     def __init__(self, boxes: Sequence[tuple[Box, tuple[int, ...]]], held_bytes: int = BATCH_BYTES):
         self.boxes, self.held_bytes = boxes, held_bytes
-        self._batches: list[tuple[int, list[_Group]]] | None = None  # per batch: how many boxes, its groups
-        self._buffers: list[dict[int, torch.Tensor]] = []  # per batch: its groups' stacks on the CPU (_group_sums)
+        # per batch: how many boxes, its groups, and where its groups are stacked on the CPU (_group_sums)
+        self._batches: list[tuple[int, list[_Group], dict[int, torch.Tensor]]] | None = None
 
     def __call__(self, values: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
         with torch.no_grad():  # (a trainer's values may be its parameters: no autograd for the stacks)
             if self._batches is None:
                 return self._plan(values)
             out, values = [], iter(values)
-            for (count, groups), buffers in zip(self._batches, self._buffers):
+            for count, groups, buffers in self._batches:
                 out += _group_sums(list(itertools.islice(values, count)), groups, buffers)
             return out
 
@@ -225,9 +225,8 @@ class BoxSums:
                 held += v.numel() * v.element_size()
             if batch and (v is None or held >= self.held_bytes):
                 groups = _alike(batch, self.boxes[start:start + len(batch)])
-                batches.append((len(batch), groups))
-                self._buffers.append({})
-                out += _group_sums(batch, groups, self._buffers[-1])
+                batches.append((len(batch), groups, {}))
+                out += _group_sums(batch, groups, batches[-1][2])
                 start, batch, held = k + 1, [], 0
         self._batches = batches
         return out
@@ -345,7 +344,6 @@ def _stacked_sums(stacked: torch.Tensor, box: tuple[tuple[int, int], ...], shape
     for r0, n, shift, at, first_words in chunks:
         # (every run of the chunk starting at this place in a word: no gather)
         part = rows[:, r0:r0 + n] if at is None else rows[:, r0 + torch.from_numpy(at).to(device)]
-        first = torch.from_numpy(first_words).to(device)  # each run's first word
         words = -(-(shift + width) // 8)
         if shift == 0 and width % 8 == 0 and part.data_ptr() % 8 == 0 and part.is_contiguous():
             padded = part
@@ -361,6 +359,7 @@ def _stacked_sums(stacked: torch.Tensor, box: tuple[tuple[int, int], ...], shape
                                         + np.einsum("pw,w->p", col_sums, np.arange(1, words + 1, dtype=np.int64)))
             continue
         row_sums, col_sums = w.sum(dim=2), w.sum(dim=1)
+        first = torch.from_numpy(first_words).to(device)  # each run's first word
         places = torch.arange(1, words + 1, device=device, dtype=torch.int64)
         sums[0] += row_sums.sum(dim=1)
         sums[1] += (row_sums * first).sum(dim=1) + (col_sums * places).sum(dim=1)
