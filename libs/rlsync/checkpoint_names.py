@@ -8,15 +8,27 @@ here, not restated per architecture. Only the conversions whose reverse is a vie
 MergeModulelist(dim=0) (expert e is `t[e]`), then optionally Concatenate(dim=1) (source k of n is
 the k-th of n equal row blocks of `t[e]`). A per-expert tensor is then a contiguous view of the
 fused one: nothing is copied, and a fused parameter is the consecutive run of its experts' tensors.
+
+Replicas that say so (WeightFormat.stacked_experts) take a fused parameter whole instead, *stacked*: [E, n*R, ...]
+viewed as [E, n, R, ...] (expert, source, its rows), the same bytes, so that what a tensor-parallel rank loads of
+every expert is one box (rank r's rows of each source of each expert) and an expert-parallel rank's experts are one
+run: one tensor per layer and projection where there were n*E (`stacked_specs` names its experts' tensors).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from rlsync.transfer.manifest import Spec
+
+Box = tuple[tuple[int, int], ...]  # (rlsync.transfer.routes.Box)
 
 _PLAIN = re.compile(r"^[A-Za-z0-9_.*]+$")  # a dotted name with `*` for the expert index, no other regex
 
@@ -56,6 +68,38 @@ class View:
         return t[self.expert].chunk(self.chunks, dim=0)[self.chunk]
 
 
+@dataclass(frozen=True)
+class Stacked:
+    """A fused experts parameter [E, n*R, ...] as [E, n, R, ...]: expert e's k-th source is `[e, k]`."""
+
+    chunks: int
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        return t.unflatten(1, (self.chunks, t.shape[1] // self.chunks))
+
+    def shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        return (shape[0], self.chunks, shape[1] // self.chunks, *shape[2:])
+
+    def box(self, box: Box | None, shape: Sequence[int]) -> Box | None:
+        """A box of the parameter (of `shape`) as a box of the stacked tensor; None for None. Raises ValueError
+        where its rows are no box there (they start or end inside a source's rows without staying in one)."""
+        if box is None:
+            return None
+        rows = shape[1] // self.chunks
+        (a, b) = box[1]
+        if a // rows == (b - 1) // rows:
+            k, rows_box = (a // rows, a // rows + 1), (a % rows, (b - 1) % rows + 1)
+        elif a % rows == 0 and b % rows == 0:
+            k, rows_box = (a // rows, b // rows), (0, rows)
+        else:
+            raise ValueError(f"rows {a}..{b} of {list(shape)} cut a source's {rows} rows: not a box of it stacked")
+        return (box[0], k, rows_box, *box[2:])
+
+    def local(self, t: torch.Tensor, box: Box) -> torch.Tensor:
+        """A rank's local values `t` of the parameter as its stacked box `box` (a view)."""
+        return t.unflatten(1, (box[1][1] - box[1][0], box[2][1] - box[2][0]))
+
+
 def expert_rules(model) -> tuple[Unfuse, ...]:
     """The rules transformers' conversion mapping has for `model` whose reverse is a view (see the module
     docstring); none for a model without one (a dense model, or one that is not a transformers model)."""
@@ -85,6 +129,21 @@ def expert_rules(model) -> tuple[Unfuse, ...]:
             continue  # not a view in reverse (a transpose, a split of q/k/v, a regex): left as it is
         rules.append(Unfuse(targets[0], tuple(sources), getattr(conv, "scope_prefix", None) or ""))
     return tuple(rules)
+
+
+@lru_cache(maxsize=8)
+def model_expert_rules(path: str) -> tuple[Unfuse, ...]:
+    """The rules of the transformers model at `path` (its config, built on the meta device: nothing allocated, no
+    weights read); () for a model transformers cannot build."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 - not a transformers model: its checkpoint's names are all there is
+        return ()
+    return expert_rules(model)
 
 
 def unfused(name: str, shape: tuple[int, ...], rules: Iterable[Unfuse]) \
@@ -126,16 +185,102 @@ def checkpoint_groups(specs: Mapping[str, tuple[torch.Size, torch.dtype]], rules
     return out, groups
 
 
-def has_fused_experts(path: str) -> bool:
-    """Whether the model at `path` keeps experts fused in memory (built on the meta device: nothing
-    allocated, no weights read); False for a model transformers cannot build."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def stacked_tensors(tensors: Mapping[str, torch.Tensor], rules: Iterable[Unfuse]) -> dict[str, torch.Tensor]:
+    """`tensors` (by parameter name) with each fused experts parameter stacked (a view: no copy)."""
+    rules = tuple(rules)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        parts = unfused(name, tuple(t.shape), rules)
+        out[name] = t if parts is None else Stacked(parts[-1][1].chunks).of(t.detach())
+    return out
 
-    try:
-        config = AutoConfig.from_pretrained(path)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-    except Exception:  # noqa: BLE001 - not a transformers model: the trainer says why when it loads it
-        return False
-    rules = expert_rules(model)
-    return any(unfused(n, tuple(p.shape), rules) for n, p in model.named_parameters())
+
+class Unstacked(NamedTuple):
+    """A manifest's tensors with each stacked one as its experts' tensors (stacked_specs)."""
+
+    specs: tuple[Spec, ...]  # the manifest's
+    flat: tuple[Spec, ...]  # every tensor a loader takes: a stacked one's experts' in its order ([e, k], e-major)
+    members: dict[int, range]  # a stacked tensor's index in `specs` -> its experts' indices in `flat`
+
+
+def stacked_specs(specs: Sequence[Spec], rules: Iterable[Unfuse]) -> Unstacked:
+    """Which tensors of `specs` are stacked fused experts parameters ([E, n, R, ...] named as the parameter a rule
+    fuses), and the checkpoint's tensors each stands for, each [R, ...] (its nbytes split evenly)."""
+    from rlsync.transfer.manifest import Spec
+
+    rules = tuple(rules)
+    flat: list[Spec] = []
+    members: dict[int, range] = {}
+    for i, s in enumerate(specs):
+        parts = unfused(s.name, (s.shape[0], s.shape[1] * s.shape[2], *s.shape[3:]), rules) \
+            if len(s.shape) >= 3 else None
+        if parts is None or parts[-1][1].chunks != s.shape[1]:
+            flat.append(s)
+            continue
+        nbytes = s.nbytes // len(parts)
+        members[i] = range(len(flat), len(flat) + len(parts))
+        flat.extend(Spec(n, s.dtype, rows, nbytes) for n, _, rows in parts)
+    return Unstacked(tuple(specs), tuple(flat) if members else tuple(specs), members)
+
+
+def unstacked_items(tensors: Mapping[str, torch.Tensor], stack: Unstacked) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of `tensors` (by the manifest's names) as loaders take them: a stacked tensor as its experts'
+    tensors, in order (views)."""
+    for i, s in enumerate(stack.specs):
+        t, members = tensors[s.name], stack.members.get(i)
+        if members is None:
+            yield s.name, t
+        else:
+            yield from ((stack.flat[j].name, t[divmod(m, s.shape[1])]) for m, j in enumerate(members))
+
+
+def stacked_boxes(stack: Unstacked, boxes: Sequence[Box | None]) -> list[Box | None]:
+    """Boxes of `stack.flat`'s tensors (None: none) as boxes of the manifest's: a stacked tensor's is the bounding
+    box of its experts' boxes at their [e, k], the same box of each where they cover alike (tensor or expert
+    parallel loaders)."""
+    out: list[Box | None] = []
+    at = 0  # (the flat index of the manifest's next tensor)
+    for i, s in enumerate(stack.specs):
+        members = stack.members.get(i)
+        if members is None:
+            out.append(boxes[at])
+            at += 1
+            continue
+        at = members.stop
+        held = [((m // s.shape[1], m % s.shape[1]), boxes[j]) for m, j in enumerate(members) if boxes[j] is not None]
+        if not held:
+            out.append(None)
+            continue
+        low = [min(c[d] for c, _ in held) for d in range(2)] + [min(b[d][0] for _, b in held)
+                                                               for d in range(len(s.shape) - 2)]
+        high = [max(c[d] for c, _ in held) + 1 for d in range(2)] + [max(b[d][1] for _, b in held)
+                                                                     for d in range(len(s.shape) - 2)]
+        out.append(tuple(zip(low, high)))
+    return out
+
+
+def stacked_views(stack: Unstacked, views: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """Views of `stack.flat`'s tensors (in the live weights, say) as views of the manifest's: a stacked tensor's
+    where its experts' views are one contiguous run in its order ([E, n, R, ...] over them); None where one is not."""
+    out = {}
+    for i, s in enumerate(stack.specs):
+        members = stack.members.get(i)
+        if members is None:
+            out[s.name] = views[s.name]
+            continue
+        parts = [views[stack.flat[j].name] for j in members]
+        first, step = parts[0], parts[0].numel() * parts[0].element_size()
+        if not all(p.is_contiguous() and p.dtype == first.dtype and p.untyped_storage().data_ptr()
+                   == first.untyped_storage().data_ptr() and p.data_ptr() == first.data_ptr() + m * step
+                   for m, p in enumerate(parts)):
+            return None
+        out[s.name] = first.as_strided(s.shape, _row_major(s.shape), first.storage_offset())
+    return out
+
+
+def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return tuple(reversed(strides))

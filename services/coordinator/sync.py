@@ -23,6 +23,7 @@ from rlsync.coordinator.registry import Member, Registry
 from rlsync.errors import FailedPrecondition, Unavailable
 from rlsync.quant.fp8_format import describe
 from rlsync.rollout.v1 import rollout_pb2
+from rlsync.transfer.v1 import transfer_pb2
 
 log = logging.getLogger(__name__)
 # A transfer's deadline, once a sync has measured the rate: MARGIN times what the largest update seen
@@ -373,10 +374,15 @@ def _record(mode: str, seconds: float, phases: dict[str, float], push) -> None:
 
 def weight_format(replicas: list[Member]):
     """The one format the replicas hold their weights in (None: the trainer's dtype); one update sends one
-    format, so a fleet that mixes them is refused, naming them."""
+    format, so a fleet that mixes them is refused, naming them. Fused experts go out stacked where every
+    replica takes them so (WeightFormat.stacked_experts), else per expert to all of them."""
     formats = {describe(r.weight_format): r.weight_format for r in replicas}
     if len(formats) > 1:
         raise FailedPrecondition("the replicas hold their weights in different formats ("
                                  + "; ".join(f"{r.name}: {describe(r.weight_format)}" for r in replicas)
                                  + "): one update publishes one format; serve one model per fleet")
-    return next(iter(formats.values()), None)
+    fmt = next(iter(formats.values()), None)
+    if fmt is not None and fmt.stacked_experts and not all(
+            r.weight_format is not None and r.weight_format.stacked_experts for r in replicas):
+        fmt = transfer_pb2.WeightFormat(fp8=fmt.fp8) if fmt.HasField("fp8") else None
+    return fmt

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from rlsync.checkpoint_names import stacked_specs
 from rlsync.common import metrics
 from rlsync.common.stamps import profiled
 from rlsync.common.timing import total
@@ -283,7 +284,8 @@ class RolloutCore:
                     raise InvalidArgument(f"this replica holds its weights as {describe(self.engine.weight_format)}, "
                                           f"the update is {describe(sent)}: offer it with the replica's "
                                           "RolloutInfo.weight_format (OfferWeightsRequest.format)")
-                check_against(specs, self.engine.expected_tensors())
+                rules = self.engine.stacked_rules  # (stacked experts checked as the checkpoint's tensors they are)
+                check_against(stacked_specs(specs, rules).flat if rules else specs, self.engine.expected_tensors())
                 self._checked = specs
             checked = time.perf_counter()
             answer = await self.engine.prepare_update(offer, self.replica_id, force_backend,

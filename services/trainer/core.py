@@ -102,14 +102,14 @@ class TrainerCore:
         self.step = 0
         self.lock = asyncio.Lock()
         if self.sharded:  # every rank sends its own shards; every rank serves what rank 0 queues
-            source = lambda: module_source(self.policy.model)[0]  # noqa: E731
+            source = lambda stacked: module_source(self.policy.model, stacked=stacked)[0]  # noqa: E731
             handlers = {TRAIN: lambda payload: self._train(*ranks.parse_train_payload(payload))}
             rank = Ranks()
             self.points = PublishPoints(rank, lambda: self.publisher.pass_source(rank.rank), handlers)
             run = at_publish_points(self.points)
         else:  # the parameters as they live in the flat store (CPU: in a shared arena a receiver maps)
-            def source() -> ResidentSource:
-                sent, frozen = self.policy.published()
+            def source(stacked: bool) -> ResidentSource:
+                sent, frozen = self.policy.published(stacked)
                 return ResidentSource(sent, arena=self.policy.arena, adapter=self.policy.adapter, frozen=frozen)
             run = in_thread(self.lock)
         self.publisher = PublisherCore(

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from rlsync.common.timing import Stopwatch
-from rlsync.checkpoint_names import checkpoint_tensors, expert_rules
+from rlsync.checkpoint_names import checkpoint_tensors, expert_rules, stacked_tensors
 from rlsync.flat import FlatStore, specs_of
 from rlsync.lora import split as lora_split
 from rlsync.models import load_trainable
@@ -85,7 +85,7 @@ class Policy:
         self.trainable = {n: p for n, p in self.params.items() if p.requires_grad}
         # (sent, frozen): the same Parameter objects for good (offload re-points their data, not them)
         self._published = lora_split(self.params) if lora is not None else (self.params, {})
-        # Fused experts go out per expert, under the checkpoint's names (what engines load), as views
+        # Fused experts go out as views: stacked, or per expert under the checkpoint's names (published)
         self.experts = expert_rules(self.model) if lora is None else ()
         self.specs = specs_of(self.params)
         self.trainable_specs = specs_of(self.trainable)
@@ -124,12 +124,15 @@ class Policy:
                 view.copy_(self.store.views[name])
         return self.reference.views
 
-    def published(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    def published(self, stacked: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(what a sync sends, what receivers already hold): every parameter and nothing, or under
         LoRA the adapter (peft's names) and its frozen base (the checkpoint's names). Fused experts
-        are views of the parameters' data as it is now: taken again after an onload moved it."""
+        are views of the parameters' data as it is now (taken again after an onload moved it): stacked
+        where the replicas take them so (`stacked`), else per expert under the checkpoint's names."""
         sent, frozen = self._published
-        return (checkpoint_tensors(sent, self.experts) if self.experts else sent), frozen
+        if not self.experts:
+            return sent, frozen
+        return (stacked_tensors if stacked else checkpoint_tensors)(sent, self.experts), frozen
 
     def numel(self) -> int:
         return sum(p.numel() for p in self.params.values())

@@ -15,6 +15,7 @@ from rlsync.models import ensure_tiny_moe
 from rlsync.publish import WeightPublisher
 
 # vLLM computes in float32 here so that its audit and its greedy output compare exactly.
+STACKED = {"vllm"}  # the engines that take fused experts stacked (WeightFormat.stacked_experts)
 ENGINE_EXTRA = {"vllm": {"dtype": "float32"}, "hf": {}, "sglang": {"dtype": "float32"}}
 
 
@@ -65,7 +66,10 @@ def test_five_trainer_steps_arrive_bit_for_bit_and_greedy_tokens_equal_transform
         sync = rl_step(client, seed=step)
         assert sync.version == step and sync.verified and sync.replicas == 1
     names = {t.name for t in replica.checksums().tensors}
-    assert "model.layers.1.mlp.experts.7.up_proj.weight" in names, "the engine is audited per expert"
+    stacked = replica.info().weight_format.stacked_experts  # (the fused experts went out whole: one tensor each)
+    assert stacked == (engine in STACKED), engine
+    assert ("model.layers.1.mlp.experts.gate_up_proj" if stacked else "model.layers.1.mlp.experts.7.up_proj.weight") \
+        in names, "the engine is audited under the names it was sent"
     # greedy tokens of the updated engine equal transformers' on the same weights (the trainer's checkpoint)
     got, want = greedy_against_transformers(replica, trainer.save_checkpoint(str(tmp_path / "ckpt")).path)
     assert got == want

@@ -130,7 +130,7 @@ def test_a_trainer_ends_broadcasts_sent_ahead_at_once_and_off_its_event_loop(mon
 
     async def main():
         lock = asyncio.Lock()
-        core = PublisherCore(lambda: None, in_thread(lock), bucket_bytes=1024)
+        core = PublisherCore(lambda _: None, in_thread(lock), bucket_bytes=1024)
         sender = WeightSender({"w": torch.zeros(4)})
         _, key, session = _cache_with()
         sender.cache["ahead"] = groups.Ahead("t1", key, session, [], [])

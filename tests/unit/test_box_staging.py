@@ -100,3 +100,52 @@ def test_expert_tensors_are_not_placed_unless_each_is_one_whole_box_of_its_dtype
     }
     for why, (s, b, c) in cases.items():
         assert placement(c, s, b) is None, why
+
+
+def _stacked_case(experts: int = 3, inter: int = 4, hidden: int = 5):
+    """_experts_case's tensors as a trainer stacks them: gate_up [E, 2, I, H] and down [E, 1, H, I], whose boxes are
+    rank 0's rows (columns) 0:I/2 of every expert's."""
+    from rlsync.checkpoint_names import Unstacked, stacked_boxes
+
+    flat, flat_boxes, copies = _experts_case(experts, inter, hidden)
+    # (the norm; then gate and up of each expert in turn, then each down: the stacked tensors' orders)
+    order = [0] + [1 + 3 * e + j for e in range(experts) for j in (0, 1)] + [1 + 3 * e + 2 for e in range(experts)]
+    flat, flat_boxes = [flat[i] for i in order], [flat_boxes[i] for i in order]
+    specs = (flat[0], Spec("gate_up", torch.float32, (experts, 2, inter, hidden), 8 * experts * inter * hidden),
+             Spec("down", torch.float32, (experts, 1, hidden, inter), 4 * experts * inter * hidden))
+    stack = Unstacked(specs, tuple(flat), {1: range(1, 1 + 2 * experts), 2: range(1 + 2 * experts, 1 + 3 * experts)})
+    return stack, flat_boxes, stacked_boxes(stack, flat_boxes), copies
+
+
+def test_a_stacked_box_is_staged_as_one_and_handed_to_the_loaders_as_its_experts_full_shape_tensors():
+    stack, flat_boxes, boxes, _ = _stacked_case()
+    assert boxes[1:] == [((0, 3), (0, 2), (0, 2), (0, 5)), ((0, 3), (0, 1), (0, 5), (0, 2))]
+    staging = BoxStaging(stack.specs, boxes, torch.device("cpu"), stack=stack)
+    for i, view in enumerate(staging.views.values()):
+        view.copy_(torch.randn(view.shape, generator=torch.Generator().manual_seed(i)))
+    full = dict(staging.full())
+    assert list(full) == [s.name for s in stack.flat]
+    for m, (s, box) in enumerate(zip(stack.flat[1:], flat_boxes[1:])):
+        stacked = "gate_up" if m < 6 else "down"
+        e, k = divmod(m, 2) if m < 6 else (m - 6, 0)
+        assert tuple(full[s.name].shape) == s.shape
+        assert torch.equal(full[s.name][tuple(slice(a, b) for a, b in box)], staging.views[stacked][e, k]), s.name
+    assert staging.nbytes() >= 4 * sum(v.numel() for v in staging.views.values())
+
+
+def test_a_stacked_box_lies_in_its_block_where_vllms_loaders_copy_its_experts():
+    from rlsync.rollout.engines.vllm_experts import stacked_placement
+
+    stack, flat_boxes, boxes, copies = _stacked_case()
+    placed = stacked_placement(stack, placement(copies, stack.flat, flat_boxes), boxes)
+    assert placed is not None and [name for name, _, _ in placed.at] == ["gate_up", "down"]
+    staging = BoxStaging(stack.specs, boxes, torch.device("cpu"), placed, stack)
+    gate_up, down = staging.views["gate_up"], staging.views["down"]
+    gate_up.copy_(torch.randn(gate_up.shape))
+    down.copy_(torch.randn(down.shape))
+    blocks = staging.blocks()
+    assert torch.equal(blocks[(1, "w13")], gate_up.reshape(3, 4, 5)) and torch.equal(blocks[(1, "w2")], down[:, 0])
+    assert staging.nbytes() == 4 * (gate_up.numel() + down.numel() + 5)  # (the blocks are the boxes, no more)
+    flat_placed = placement(copies, stack.flat, flat_boxes)
+    shuffled = flat_placed._replace(at=tuple((n, b, 0 if n == "2.gate" else s) for n, b, s in flat_placed.at))
+    assert stacked_placement(stack, shuffled, boxes) is None, "an expert not where its stacked box puts it"

@@ -76,3 +76,62 @@ def test_a_store_under_checkpoint_names_holds_each_fused_parameter_as_one_span()
     assert store.span(groups["m.norm.weight"], (H,)).data_ptr() == store.views["m.norm.weight"].data_ptr()
     with pytest.raises(ValueError, match="does not follow"):
         store.span(["m.mlp.experts.0.gate_proj.weight", "m.mlp.experts.1.gate_proj.weight"], (2, R, H))
+
+
+def test_replicas_that_take_them_stacked_get_one_tensor_of_the_same_bytes_and_name_its_experts_tensors_alike():
+    """The plan's stacked entry is [E, n, R, H] under the parameter's name; the receiver's stacked_specs names the
+    same per-expert tensors the per-expert plan sends, in the same order, and their bytes are the stacked bytes."""
+    from rlsync.checkpoint_names import Stacked, stacked_specs, stacked_tensors, unstacked_items
+    from rlsync.transfer.manifest import Spec
+
+    name = "m.mlp.experts.gate_up_proj"
+    (entry,) = WeightMap().plan([(name, (E, 2 * R, H), torch.float32)], [GATE_UP], stacked={name})
+    assert (entry.name, entry.shape, entry.view) == (name, (E, 2, R, H), Stacked(2))
+    per_expert = WeightMap().plan([(name, (E, 2 * R, H), torch.float32)], [GATE_UP])
+    norm = Spec("m.norm.weight", torch.float32, (H,), 4 * H)
+    stack = stacked_specs([norm, Spec(name, torch.float32, entry.shape, 4 * E * 2 * R * H)], [GATE_UP, DOWN])
+    assert stack.flat == (norm, *(Spec(e.name, torch.float32, e.shape, 4 * R * H) for e in per_expert))
+    assert stack.members == {1: range(1, 1 + 2 * E)}
+    gate_up = torch.randn(E, 2 * R, H)
+    sent = stacked_tensors({name: gate_up, "m.norm.weight": torch.ones(H)}, [GATE_UP])
+    assert sent[name].shape == (E, 2, R, H) and sent[name].data_ptr() == gate_up.data_ptr()
+    loaded = dict(unstacked_items({**sent}, stack))
+    want = checkpoint_tensors({"m.norm.weight": torch.ones(H), name: gate_up}, [GATE_UP])
+    assert list(loaded) == list(want) and all(torch.equal(loaded[n], want[n]) for n in want)
+    # a tensor of the parameter's name in another shape, or one no rule fuses, is the receiver's to refuse as it is
+    odd = [Spec(name, torch.float32, (E, 2 * R, H), 4 * E * 2 * R * H), Spec("x.w", torch.float32, (2, 3, 4), 96)]
+    assert stacked_specs(odd, [GATE_UP]).members == {}
+
+
+def test_a_box_of_the_parameter_is_a_box_of_it_stacked_where_its_rows_keep_to_a_source_or_take_whole_ones():
+    from rlsync.checkpoint_names import Stacked
+
+    view, shape = Stacked(2), (E, 2 * R, H)
+    assert view.box(((0, E), (0, 2 * R), (0, H)), shape) == ((0, E), (0, 2), (0, R), (0, H))
+    assert view.box(((1, 2), (R + 1, 2 * R), (2, 5)), shape) == ((1, 2), (1, 2), (1, R), (2, 5))
+    assert view.box(((0, 1), (R, 2 * R), (0, H)), shape) == ((0, 1), (1, 2), (0, R), (0, H))
+    assert view.box(None, shape) is None
+    with pytest.raises(ValueError, match="cut a source's 4 rows"):
+        view.box(((0, E), (1, R + 1), (0, H)), shape)
+
+
+def test_the_experts_boxes_join_into_one_box_of_the_stacked_tensor_and_their_views_into_one_view():
+    """Tensor parallel: every expert's rows r of each source -> one box; expert parallel: a run of whole experts ->
+    one box; their views, one run of a parameter in order -> one stacked view, else none."""
+    from rlsync.checkpoint_names import stacked_boxes, stacked_specs, stacked_views
+    from rlsync.transfer.manifest import Spec
+
+    name = "m.mlp.experts.gate_up_proj"
+    stack = stacked_specs([Spec(name, torch.float32, (E, 2, R, H), 4 * E * 2 * R * H),
+                           Spec("m.norm.weight", torch.float32, (H,), 4 * H)], [GATE_UP])
+    tp = [((R // 2, R), (0, H))] * (2 * E) + [((0, H),)]
+    assert stacked_boxes(stack, tp) == [((0, E), (0, 2), (R // 2, R), (0, H)), ((0, H),)]
+    ep = [((0, R), (0, H)) if m // 2 in (1, 2) else None for m in range(2 * E)] + [None]
+    assert stacked_boxes(stack, ep) == [((1, 3), (0, 2), (0, R), (0, H)), None]
+    w13 = torch.randn(E, 2 * R, H)
+    views = {s.name: w13[m // 2, (m % 2) * R:(m % 2 + 1) * R] for m, s in enumerate(stack.flat[:-1])}
+    views["m.norm.weight"] = torch.ones(H)
+    folded = stacked_views(stack, views)
+    assert folded[name].data_ptr() == w13.data_ptr() and torch.equal(folded[name], w13.view(E, 2, R, H))
+    swapped = {**views, stack.flat[0].name: views[stack.flat[1].name], stack.flat[1].name: views[stack.flat[0].name]}
+    assert stacked_views(stack, swapped) is None

@@ -11,6 +11,7 @@ from rlsync.publish.quantized import quantized
 from rlsync.quant.fp8_blocks import quantize_blocks
 from rlsync.quant.fp8_format import describe, fp8_format, parse_fp8, same_format
 from rlsync.transfer.source import ResidentSource
+from rlsync.transfer.v1 import transfer_pb2 as pb
 
 CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 LINEARS = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.gate.weight",
@@ -49,6 +50,19 @@ def test_a_fleet_of_two_formats_is_refused_naming_the_replicas():
     assert same_format(weight_format([a]), fmt) and weight_format([b]) is None
     with pytest.raises(FailedPrecondition, match="fp8-replica: fp8 e4m3.*bf16-replica: unquantized"):
         weight_format([a, b])
+
+
+def test_fused_experts_go_out_stacked_only_where_every_replica_takes_them_so():
+    from rlsync.coordinator.registry import Member
+    from rlsync.coordinator.sync import weight_format
+    from rlsync.quant.fp8_format import stacked
+
+    vllm, sglang, other = (Member(n, 1, "x", n, None) for n in ("vllm", "sglang", "vllm-2"))
+    vllm.weight_format = other.weight_format = pb.WeightFormat(stacked_experts=True)
+    assert stacked(weight_format([vllm, other]))
+    assert weight_format([vllm, sglang]) is None and weight_format([sglang, vllm]) is None
+    assert same_format(weight_format([vllm]), None), "stacking is a way of sending, not a format"
+    assert not stacked(pb.WeightFormat(stacked_experts=True, fp8=fp8_format(CONFIG, LINEARS).fp8))
 
 
 def test_the_stage_sends_each_listed_weight_as_fp8_then_its_scales_and_the_rest_as_is():

@@ -50,7 +50,7 @@ def test_the_buffer_holds_the_values_of_its_last_refresh(make):
 def test_only_resident_contiguous_cuda_weights_get_a_buffer_and_without_one_an_offer_is_pushed():
     tensors = flat()
     assert not PublishBuffer.fits(ResidentSource(tensors))  # on CPU, receivers map shared memory instead
-    core = PublisherCore(lambda: ResidentSource(tensors), in_thread(asyncio.Lock()), bucket_bytes=1 << 20,
+    core = PublisherCore(lambda _: ResidentSource(tensors), in_thread(asyncio.Lock()), bucket_bytes=1 << 20,
                          publish_buffer=True)
     try:
         offer, regions = asyncio.run(core.offer(1))
@@ -66,7 +66,7 @@ def test_an_offer_of_the_buffer_sends_what_was_offered_and_a_newer_offer_retires
     tensors = scattered()
     for t in tensors.values():
         t.normal_()
-    core = PublisherCore(lambda: ResidentSource(tensors), in_thread(asyncio.Lock()), bucket_bytes=1 << 10,
+    core = PublisherCore(lambda _: ResidentSource(tensors), in_thread(asyncio.Lock()), bucket_bytes=1 << 10,
                          publish_buffer=True)
 
     async def sync() -> None:

@@ -126,3 +126,33 @@ def test_a_sharded_fused_experts_parameter_is_published_per_expert_from_each_ran
     assert covered == {e.name: rows * hidden for e in entries}, "every element of every expert is held once"
     if dim == 0:
         assert not shards.layout.held[1][0] and shards.layout.held[1][-1], "whole experts per rank"
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_a_sharded_fused_experts_parameter_is_published_stacked_as_each_ranks_shard_stacked(dim):
+    """gate_up [E, 2I, H] under Shard(dim) over 2 ranks, stacked ([E, 2, I, H]): each rank holds one box of it, its
+    own shard (under Shard(1) of 2 ranks: the gate rows, the up rows), cut with no copy, and the boxes tile it."""
+    from rlsync.checkpoint_names import Stacked, Unfuse
+
+    experts, rows, hidden, world = 4, 3, 4, 2
+    full = torch.arange(experts * 2 * rows * hidden, dtype=torch.float32).reshape(experts, 2 * rows, hidden)
+    rule = Unfuse("mlp.experts.gate_up_proj", ("mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"))
+    want, held_elements = Stacked(2).of(full), 0
+    for rank in range(world):
+        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+        try:
+            mesh = init_device_mesh("cpu", (world,))
+            local = full.chunk(world, dim)[rank].clone()
+            param = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=full.shape,
+                                       stride=full.stride())
+            (entry,) = WeightMap().plan([("mlp.experts.gate_up_proj", tuple(full.shape), full.dtype)], [rule],
+                                        stacked={"mlp.experts.gate_up_proj"})
+            shards = RankShards({"mlp.experts.gate_up_proj": param}, [entry], rank, world)
+            (box,) = shards.layout.held[rank][0]
+            got = shards.piece(Piece(0, box))
+            assert torch.equal(got, want[tuple(slice(a, b) for a, b in box)]), (rank, box)
+            assert shards.piece_source(Piece(0, box))[0].data_ptr() == param.to_local().data_ptr(), "no copy"
+            held_elements += _volume(box)
+        finally:
+            dist.destroy_process_group()
+    assert held_elements == full.numel()

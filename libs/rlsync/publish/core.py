@@ -20,7 +20,7 @@ from rlsync.publish.buffer import PublishBuffer
 from rlsync.publish.ranks import AUDIT, DESCRIBE, MEMORY, OFFLOAD, ONLOAD, PASSES, ROUTED, PublishPoints, Ranks
 from rlsync.publish.quantized import QuantizedBuffer, quantized
 from rlsync.publish.source import ShardedModule
-from rlsync.quant.fp8_format import same_format
+from rlsync.quant.fp8_format import same_format, stacked
 from rlsync.transfer import Report, WeightSender, audit_entry
 from rlsync.transfer.checksum import from_sums
 from rlsync.transfer.dtypes import dtype_name, dtype_of
@@ -56,7 +56,10 @@ def at_publish_points(points: PublishPoints) -> Runner:
 
 
 class PublisherCore:
-    def __init__(self, source: Callable[[], Source], run: Runner, *, bucket_bytes: int, host: str = "127.0.0.1",
+    """`source(stacked)` makes what is sent: fused experts parameters stacked when `stacked` (the replicas take
+    them so: WeightFormat.stacked_experts), else per expert under the checkpoint's names."""
+
+    def __init__(self, source: Callable[[bool], Source], run: Runner, *, bucket_bytes: int, host: str = "127.0.0.1",
                  advertise: str | None = None, checksums: bool = False, transfer_timeout: float = 300.0,
                  offload: Callable[[], None] | None = None, onload: Callable[[], None] | None = None,
                  delta: bool = False, sharded: bool = False, publish_buffer: bool = False):
@@ -86,17 +89,20 @@ class PublisherCore:
 
     def use_format(self, fmt: tpb.WeightFormat | None) -> None:
         """The format the next offers publish in (the replicas' engine chose it): a new one makes a new
-        sender, whose source quantizes those tensors on the way out (rlsync.publish.quantized)."""
-        fmt = fmt if fmt is not None and fmt.HasField("fp8") else None
-        if not same_format(fmt, self.format):
+        sender, whose source quantizes those tensors on the way out (rlsync.publish.quantized), or sends
+        fused experts parameters stacked."""
+        fmt = fmt if fmt is not None and (fmt.HasField("fp8") or stacked(fmt)) else None
+        if not same_format(fmt, self.format) or stacked(fmt) != stacked(self.format):
             self.drop_sender()
             self.format = fmt
 
     def _sender_now(self) -> WeightSender | ShardedSender:
         if self._sender is None:
-            source = self.source()
-            if self.format is not None:  # a sharded model's ranks each quantize what they hold
+            source = self.source(stacked(self.format))
+            if self.format is not None and self.format.HasField("fp8"):  # (a sharded model's ranks: what they hold)
                 source = quantized(source, self.format)
+            elif self.format is not None and isinstance(source, ShardedModule):
+                source.format = self.format  # (its manifest says so: the other ranks send alike)
             if isinstance(source, ShardedModule):  # every rank sends its own shards
                 if self.delta:
                     raise InvalidArgument("delta updates need resident tensors: a sharded model's ranks each send "
@@ -137,7 +143,7 @@ class PublisherCore:
     def pass_source(self, rank: int) -> Source:
         """What a rank's passes walk (a streamed source's; a sharded model makes none): rank 0 the
         source its sender reads, the other ranks a source of their own."""
-        return self.source_kind() if rank == 0 else self.source()
+        return self.source_kind() if rank == 0 else self.source(stacked(self.format))
 
     def drop_sender(self) -> None:
         """Forgets the sender and its offers (the parameters' memory is about to move)."""

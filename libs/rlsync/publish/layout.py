@@ -6,7 +6,8 @@ mesh dimensions applied in order, as DTensor does); a plain tensor is held whole
 (one process, or a replicated module under DDP). A fused engine tensor (WeightMap.fuse) is its
 parts' boxes, each moved down dim 0 by the rows of the parts before it. An expert's tensor of a fused
 experts parameter (Entry.view) is what a rank's box of that parameter holds of the expert's rows: under
-FSDP2's Shard(0) a rank holds whole experts and nothing of the others.
+FSDP2's Shard(0) a rank holds whole experts and nothing of the others. A stacked one (Stacked) is the rank's box
+of the parameter, stacked.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from rlsync.errors import InvalidArgument
-from rlsync.checkpoint_names import View
+from rlsync.checkpoint_names import Stacked, View
 from rlsync.publish.mapping import Entry
 from rlsync.transfer import kept
 from rlsync.transfer.checksum import BoxSums, share_sums, tensor_sums
@@ -106,6 +107,11 @@ def _viewed_boxes(box_of: Callable[[int], Box | None], region: Box) -> Callable[
     return lambda rank: _in_view(box_of(rank), region)
 
 
+def _stacked_boxes(box_of: Callable[[int], Box | None], view: Stacked, shape: tuple[int, ...]
+                   ) -> Callable[[int], Box | None]:
+    return lambda rank: view.box(box_of(rank), shape)
+
+
 def _whole(box: Box, rank: int) -> Box:  # a plain tensor: every rank holds it whole
     return box
 
@@ -137,7 +143,8 @@ class RankShards:
         self.global_ranks = list(global_ranks) if global_ranks is not None else list(range(world))
         infos = [TensorInfo(e.name, tuple(e.shape), e.dtype.itemsize) for e in self.entries]
         self._meshes = Meshes()
-        self._cuts: dict[tuple[str, View], tuple[slice, ...]] = {}  # an expert view's slice of this rank's shard
+        # an expert view's slice of this rank's shard; a stacked parameter's box
+        self._cuts: dict[tuple[str, View | Stacked], tuple] = {}
         self._found: dict[tuple, tuple] = {}  # (tensor, box) -> (its part, its cut of the part, dtype): piece()
         # checksum_share()'s plan (_Summed); its views live as long as this object,
         # which goes with its source at an offload (PublisherCore.drop_sender), as the sender's exports do
@@ -170,6 +177,11 @@ class RankShards:
                     box_of = same[key]
                 else:
                     box_of = functools.partial(_whole, whole(t.shape))
+                if isinstance(entry.view, Stacked):  # a fused parameter stacked: (name, view) is the part
+                    key = (id(box_of), entry.view, tuple(t.shape))
+                    box_of = viewed.setdefault(key, _stacked_boxes(box_of, entry.view, tuple(t.shape)))
+                    parts.append(((part, entry.view), box_of, 0))
+                    continue
                 if entry.view is not None:  # one expert's rows of a fused parameter: (name, view) is the part
                     region = _region(entry.view, t.shape)
                     box_of = viewed.setdefault((id(box_of), region), _viewed_boxes(box_of, region))
@@ -227,9 +239,9 @@ class RankShards:
         return kept.where([t._local_tensor if isinstance(t, DTensor) else t
                            for t in (self.tensors[name] for name in self._held)])
 
-    def _local(self, part: str | tuple[str, View]) -> torch.Tensor:
+    def _local(self, part: str | tuple[str, View | Stacked]) -> torch.Tensor:
         """This rank's local values of a part: of a parameter, its local shard; of an expert's view, the rows
-        of that expert its shard holds (a view)."""
+        of that expert its shard holds; of a stacked parameter, its shard stacked (views)."""
         name, view = part if isinstance(part, tuple) else (part, None)
         t = self.tensors[name]
         # (its local tensor as where() reads it: to_local() runs an autograd function, ~25 us a piece on a CPU)
@@ -240,10 +252,13 @@ class RankShards:
         if cut is None:  # (where this rank's shard holds the view: the same at every update)
             held = dtensor_boxes(t, self._meshes)(self.global_ranks[self.rank]) if isinstance(t, DTensor) \
                 else whole(t.shape)
-            region = _region(view, t.shape)
-            self._cuts[part] = cut = tuple(slice(max(a, c) - a, min(b, d) - a)
-                                           for (a, b), (c, d) in zip(held, region))
-        return local[cut][0]
+            if isinstance(view, Stacked):
+                cut = view.box(held, tuple(t.shape))
+            else:
+                region = _region(view, t.shape)
+                cut = tuple(slice(max(a, c) - a, min(b, d) - a) for (a, b), (c, d) in zip(held, region))
+            self._cuts[part] = cut
+        return view.local(local, cut) if isinstance(view, Stacked) else local[cut][0]
 
     def checksum_share(self, dtype: torch.dtype | None = None) -> list[tuple[int, int]]:
         """This rank's share of each engine tensor's checksum sums (checksum.box_sums), cast to `dtype`

@@ -4,13 +4,13 @@ byte moves, naming the offending tensors."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
 import torch
 
-from rlsync.checkpoint_names import Unfuse, View, unfused
+from rlsync.checkpoint_names import Stacked, Unfuse, View, unfused
 from rlsync.errors import InvalidArgument
 
 # Name components that wrappers add and engines never expect (whole components, never substrings):
@@ -23,13 +23,14 @@ LEADING_WRAPPERS = WRAPPERS | {"module"}
 class Entry:
     """One tensor the engine receives: made from `parts` (trainer names; several are concatenated
     along dim 0), cast to `dtype`; or, with `view`, one expert's tensor of a fused experts parameter
-    (rlsync.checkpoint_names: a contiguous view of it, under the checkpoint's name)."""
+    (rlsync.checkpoint_names.View: a contiguous view of it, under the checkpoint's name), or the whole
+    parameter stacked (Stacked: [E, n, R, ...], under its own name)."""
 
     name: str
     parts: tuple[str, ...]
     shape: tuple[int, ...]
     dtype: torch.dtype
-    view: View | None = None
+    view: View | Stacked | None = None
 
 
 @dataclass
@@ -71,16 +72,20 @@ class WeightMap:
         return self.dtype if self.dtype is not None and dtype.is_floating_point else dtype
 
     def plan(self, tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
-             experts: Sequence[Unfuse] = ()) -> list[Entry]:
+             experts: Sequence[Unfuse] = (), stacked: Collection[str] = ()) -> list[Entry]:
         """(trainer name, global shape, dtype) of each parameter -> the engine's tensors, in order.
         `experts`: the model's fused experts parameters, published per expert under the checkpoint's
-        names (engines load those), applied after renaming."""
+        names (engines load those), applied after renaming; or, those named in `stacked` (trainer names),
+        whole and stacked, for replicas that take them so (WeightFormat.stacked_experts)."""
         named: dict[str, Entry] = {}
         for source, shape, dtype in tensors:
             name = self.engine_name(source)
             if name is None:
                 continue
             per_expert = unfused(name, tuple(shape), experts)
+            if per_expert is not None and source in stacked:
+                view = Stacked(per_expert[-1][1].chunks)
+                per_expert = [(name, view, view.shape(shape))]
             for n, view, s in per_expert or [(name, None, tuple(shape))]:
                 if n in named:
                     raise InvalidArgument(f"{source!r} and {named[n].parts[0]!r} both map to {n!r}: "

@@ -76,7 +76,7 @@ class WeightPublisher:
         self.model, self.weights = model, weights or WeightMap()
         self.ranks = Ranks(group)
         first, _ = module_source(model, self.weights, group)  # a name or dtype problem is refused now, on every rank
-        self.core = PublisherCore(lambda: module_source(self.model, self.weights, group)[0], None,
+        self.core = PublisherCore(lambda stacked: module_source(self.model, self.weights, group, stacked)[0], None,
                                   bucket_bytes=bucket_bytes, host=host, advertise=advertise_host(advertise),
                                   checksums=checksums, transfer_timeout=transfer_timeout,
                                   offload=offload, onload=onload, sharded=isinstance(first, ShardedModule),

@@ -80,10 +80,12 @@ class ShardedModule:
         self.shards.refresh(ranks)
 
 
-def module_source(model: nn.Module, weights: WeightMap | None = None, group=None) \
+def module_source(model: nn.Module, weights: WeightMap | None = None, group=None, stacked: bool = False) \
         -> tuple[ResidentSource | StreamedSource | ShardedModule, list[Entry]]:
     """The source to send `model` through (a sharded one, from every rank of `group`), and the plan
-    of each engine tensor."""
+    of each engine tensor. `stacked`: the replicas take fused experts parameters stacked (WeightFormat.
+    stacked_experts), which are then sent so, but for one a rank holds rows of that cut a source's rows (a
+    Shard(1) that no stacked box describes: per expert, as to other replicas)."""
     weights = weights or WeightMap()
     tensors = module_tensors(model)
     adapter = lora.adapter_of(model)
@@ -97,7 +99,8 @@ def module_source(model: nn.Module, weights: WeightMap | None = None, group=None
             raise InvalidArgument("a LoRA adapter is published under peft's names: of WeightMap, only dtype applies "
                                   "(drop rename, include, exclude, fuse and tied)")
     experts = () if adapter is not None else expert_rules(model)
-    entries = weights.plan([(n, tuple(t.shape), t.dtype) for n, t in tensors.items()], experts)
+    whole = [n for n, t in tensors.items() if stacked and not _cuts_rows(t)] if experts else []
+    entries = weights.plan([(n, tuple(t.shape), t.dtype) for n, t in tensors.items()], experts, whole)
     devices = {local_device(tensors[p]) for e in entries for p in e.parts}
     if len(devices) > 1:
         raise ValueError(f"the model's parameters live on several devices ({sorted(map(str, devices))}): "
@@ -124,6 +127,11 @@ def module_source(model: nn.Module, weights: WeightMap | None = None, group=None
     cast_only = all(len(e.parts) == 1 and e.view is None and tensors[e.parts[0]].is_contiguous() for e in entries)
     originals = [tensors[e.parts[0]] for e in entries] if cast_only else None
     return StreamedSource(specs, device, produce, adapter=adapter, frozen=frozen, originals=originals), entries
+
+
+def _cuts_rows(t: torch.Tensor) -> bool:
+    """Whether `t` is sharded along dim 1 (the dimension a stacked experts parameter splits)."""
+    return is_sharded(t) and any(getattr(p, "dim", None) == 1 for p in t.placements)
 
 
 def _viewed(t: torch.Tensor, e: Entry) -> torch.Tensor:

@@ -94,8 +94,14 @@ def describe(fmt: pb.WeightFormat | None) -> str:
 
 
 def same_format(a: pb.WeightFormat | None, b: pb.WeightFormat | None) -> bool:
-    a = a if a is not None and a.HasField("fp8") else None
-    b = b if b is not None and b.HasField("fp8") else None
+    """Whether the weights are quantized alike (stacked experts are a way of sending them, not a format)."""
+    a = a.fp8 if a is not None and a.HasField("fp8") else None
+    b = b.fp8 if b is not None and b.HasField("fp8") else None
     if a is None or b is None:
         return a is None and b is None
     return a.SerializeToString(deterministic=True) == b.SerializeToString(deterministic=True)
+
+
+def stacked(fmt: pb.WeightFormat | None) -> bool:
+    """Whether fused experts parameters go out stacked to replicas of `fmt` (never with fp8's per-expert list)."""
+    return fmt is not None and fmt.stacked_experts and not fmt.HasField("fp8")

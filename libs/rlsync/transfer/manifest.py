@@ -33,14 +33,14 @@ def build_manifest(tensors: Mapping[str, torch.Tensor], version: int, checksums:
 
 
 def to_proto(specs: Sequence[Spec], version: int, fmt: pb.WeightFormat | None = None) -> pb.Manifest:
-    """fmt: the format the sender quantized to (Manifest.format), if any."""
+    """fmt: the format the sender quantized to, or stacked experts in (Manifest.format), if any."""
     global _LAST_LIST
     last = _LAST_LIST
     if last[0] is not specs:  # (a sender offers its own tuple at every step: not even hashed again)
         last = _LAST_LIST = (specs if type(specs) is tuple else None), _tensor_list(tuple(specs))
     manifest = pb.Manifest.FromString(last[1])
     manifest.version = version
-    if fmt is not None and fmt.HasField("fp8"):
+    if fmt is not None and (fmt.HasField("fp8") or fmt.stacked_experts):
         manifest.format.CopyFrom(fmt)
     return manifest
 

@@ -81,6 +81,9 @@ class Engine(abc.ABC):
     #: How the engine holds quantized weights (rlsync.quant.fp8_format, from its model's quantization
     #: config), valid after start(); None: every tensor in the trainer's dtype.
     weight_format: Any = None
+    #: The rules of the fused experts parameters it takes stacked (rlsync.checkpoint_names: a stacked tensor is
+    #: its experts' checkpoint tensors), set after start() with WeightFormat.stacked_experts; (): none.
+    stacked_rules: tuple = ()
     #: The last commit's stages, in seconds, for its CommitUpdateResponse.stages (an engine that times them).
     commit_stages: Mapping[str, float] = MappingProxyType({})
 

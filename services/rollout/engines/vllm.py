@@ -20,6 +20,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
+from rlsync.checkpoint_names import model_expert_rules
 from rlsync.common.timing import Stopwatch
 from rlsync.errors import DeadlineExceeded, EngineDead, FailedPrecondition, InvalidArgument, ResourceExhausted
 from rlsync.rollout.engines.process import CRASH_DIR_ENV, crash_reports, own_log
@@ -112,6 +113,10 @@ class VLLMEngine(Engine):
         # an FP8 checkpoint's weights stay FP8 in vLLM (its Fp8LinearMethod): updates arrive so, reloaded through
         # vLLM's layerwise reload, which processes them as at the first load
         self.weight_format = checkpoint_format(self.model)
+        # a mixture of experts' fused parameters arrive stacked (one tensor per layer and projection): the workers
+        # hand their loaders each expert's tensors as views (the checkpoint's, per expert, are taken too)
+        if self.weight_format is None and (rules := model_expert_rules(self.model)):
+            self.stacked_rules, self.weight_format = rules, transfer_pb2.WeightFormat(stacked_experts=True)
         # Each worker counts every request's sampled tokens, so a commit says which ones the old weights made
         # and needs no pause; where one cannot count exactly, each commit pauses generation (vllm_versions)
         why = [w for w in await self.llm.collective_rpc("rlsync_count_tokens") if w]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import itertools
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -37,6 +38,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from rlsync.checkpoint_names import Unstacked
 from rlsync.rollout.engines.vllm_layout import recording_shadow, row_major_strides, shadow_param, shadowed
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.routes import Box
@@ -184,6 +186,32 @@ def placement(copies: Copies, specs: Sequence[Spec], boxes: Sequence[Box | None]
         if not ends or [a for a, _ in ends] != [0, *(b for _, b in ends[:-1])] or ends[-1][1] != math.prod(shape):
             return None
     return Placement(tuple(blocks), tuple(at))
+
+
+def stacked_placement(stack: Unstacked, placed: Placement | None, boxes: Sequence[Box | None]) -> Placement | None:
+    """`placed` (placement of `stack.flat`'s tensors) for the manifest's tensors, whose boxes are `boxes`: a stacked
+    one's box lies in one block, where its first expert's does, when its experts in it lie there one after another
+    in its order (as its box stages them: [e, k] row-major); else None."""
+    if placed is None or not stack.members:
+        return placed
+    at = {name: (block, start) for name, block, start in placed.at}
+    out = []
+    for i, s in enumerate(stack.specs):
+        members, box = stack.members.get(i), boxes[i]
+        if members is None:
+            if s.name in at:
+                out.append((s.name, *at[s.name]))
+            continue
+        if box is None:
+            continue
+        (e0, e1), (k0, k1) = box[:2]
+        inner = math.prod(b - a for a, b in box[2:])
+        runs = [at.get(stack.flat[members[e * s.shape[1] + k]].name)
+                for e, k in itertools.product(range(e0, e1), range(k0, k1))]
+        if any(r is None or r != (runs[0][0], runs[0][1] + m * inner) for m, r in enumerate(runs)):
+            return None
+        out.append((s.name, *runs[0]))
+    return Placement(placed.blocks, tuple(out))
 
 
 def _numel(box: tuple[slice, ...]) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 from collections.abc import Collection, Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
+from rlsync.checkpoint_names import Unstacked
 from rlsync.transfer.manifest import Spec
 from rlsync.transfer.routes import Box
 
@@ -176,34 +178,42 @@ class BoxStaging:
     `placed` (vllm_experts.placement): the expert layers' tensors are laid out in blocks, the parameters as vLLM's
     loaders would have filled them (`blocks`); the transfer loads them, and they are not handed to the loaders
     (`full`). A rlsync.flat.Store: its views stay where they are, so a worker keeps it to receive the next update
-    of the same tensors and boxes into (`fits`), and what the receiver laid out over it is kept in its `memo`."""
+    of the same tensors and boxes into (`fits`), and what the receiver laid out over it is kept in its `memo`.
+    `stack`: the stacked experts among `specs` (checkpoint_names.stacked_specs), whose box is staged as one and
+    handed to the loaders as its experts' tensors, each full-shape as above."""
 
     def __init__(self, specs: Sequence[Spec], boxes: Sequence[Box | None], device: torch.device,
-                 placed: Placement | None = None):
+                 placed: Placement | None = None, stack: Unstacked | None = None):
         # (shared by every staging of these tensors and boxes: read, never changed)
-        self.layout = _packing(tuple(specs), tuple(boxes), placed)
+        self.layout = _packing(tuple(specs), tuple(boxes), placed, _stacked_names(stack))
         self.specs, self.boxes, self.place, sizes, (self._blocks, self.in_blocks) = self.layout
         self.device = device
-        self._made_of = (specs, boxes, placed)  # (the same objects again at the next update: fits at once)
+        self.stack = stack
+        self._made_of = (specs, boxes, placed, stack)  # (the same objects again at the next update: fits at once)
         self.buffers = {dtype: torch.empty(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
         self.views = self._views()  # (each tensor's box, contiguous: where the transfer lands it)
         self.memo: dict = {}
 
     def fits(self, specs: Sequence[Spec], boxes: Sequence[Box | None], device: torch.device,
-             placed: Placement | None = None) -> bool:
+             placed: Placement | None = None, stack: Unstacked | None = None) -> bool:
         """Whether it is laid out as a new BoxStaging of these would be."""
         made = self._made_of
-        if made[0] is specs and made[1] is boxes and made[2] is placed:  # (a worker's cached specs, loads, placement)
+        if made[0] is specs and made[1] is boxes and made[2] is placed and made[3] is stack:  # (a worker's cached)
             return self.device == device
-        return self.device == device and self.layout is _packing(tuple(specs), tuple(boxes), placed)
+        if self.device != device or self.layout is not _packing(tuple(specs), tuple(boxes), placed,
+                                                                 _stacked_names(stack)):
+            return False
+        self.stack = stack  # (the same tensors: their experts' names alike)
+        return True
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
     @staticmethod
-    def nbytes_of(specs: Sequence[Spec], boxes: Sequence[Box | None], placed: Placement | None = None) -> int:
+    def nbytes_of(specs: Sequence[Spec], boxes: Sequence[Box | None], placed: Placement | None = None,
+                  stack: Unstacked | None = None) -> int:
         """The bytes a BoxStaging of these takes, before it is allocated."""
-        sizes = _packing(tuple(specs), tuple(boxes), placed)[3]
+        sizes = _packing(tuple(specs), tuple(boxes), placed, _stacked_names(stack))[3]
         return sum(n * dtype.itemsize for dtype, n in sizes.items())
 
     def _views(self) -> dict[str, torch.Tensor]:
@@ -215,13 +225,25 @@ class BoxStaging:
         return out
 
     def full(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, a full-shape view whose box holds the staged values), for the loaders: the tensors not in blocks."""
+        """(name, a full-shape view whose box holds the staged values), for the loaders: the tensors not in blocks
+        (a stacked tensor's experts, each its own, of those in its box)."""
+        members = {self.stack.specs[i].name: r for i, r in self.stack.members.items()} if self.stack else {}
         for s in self.specs:
             if s.name in self.in_blocks:
                 continue
             dtype, offset, strides = self.place[s.name]
-            before = sum(a * st for (a, _), st in zip(self.boxes[s.name], strides))
-            yield s.name, self.buffers[dtype].as_strided(s.shape, strides, offset - before)
+            box, names = self.boxes[s.name], members.get(s.name)
+            if names is None:
+                before = sum(a * st for (a, _), st in zip(box, strides))
+                yield s.name, self.buffers[dtype].as_strided(s.shape, strides, offset - before)
+                continue
+            (e0, e1), (k0, k1) = box[:2]
+            inner = math.prod(b - a for a, b in box[2:])
+            before = sum(a * st for (a, _), st in zip(box[2:], strides[2:]))
+            for e, k in itertools.product(range(e0, e1), range(k0, k1)):
+                at = offset + ((e - e0) * (k1 - k0) + k - k0) * inner - before
+                yield (self.stack.flat[names[e * s.shape[1] + k]].name,
+                       self.buffers[dtype].as_strided(s.shape[2:], strides[2:], at))
 
     def blocks(self) -> dict:
         """The blocks the expert layers' tensors were laid out in, by parameter (vllm_experts.Param): {} without."""
@@ -229,11 +251,16 @@ class BoxStaging:
                 for key, shape, dtype, offset in self._blocks}
 
 
+def _stacked_names(stack: Unstacked | None) -> frozenset[str]:
+    return frozenset(stack.specs[i].name for i in stack.members) if stack is not None else frozenset()
+
+
 @functools.lru_cache(maxsize=4)
-def _packing(specs: tuple[Spec, ...], boxes: tuple[Box | None, ...], placed: Placement | None):
+def _packing(specs: tuple[Spec, ...], boxes: tuple[Box | None, ...], placed: Placement | None,
+             stacked: frozenset[str] = frozenset()):
     """BoxStaging's layout of these boxes: the tensors it holds, their boxes by name, where each lies (name ->
     dtype, offset, box strides), each dtype's buffer's elements, and the blocks (parameter, shape, dtype, offset)
-    with the names of the tensors laid out in them."""
+    with the names of the tensors laid out in them. A `stacked` tensor's full views are its experts' ([e, k])."""
     in_blocks = frozenset(name for name, _, _ in placed.at) if placed is not None else frozenset()
     held = [s for s, b in zip(specs, boxes) if b is not None]
     by_name = {s.name: b for s, b in zip(specs, boxes) if b is not None}
@@ -245,8 +272,10 @@ def _packing(specs: tuple[Spec, ...], boxes: tuple[Box | None, ...], placed: Pla
             box = by_name[s.name]
             extent = [b - a for a, b in box]
             strides = row_major_strides(extent)
-            before = sum(a * st for (a, _), st in zip(box, strides))  # elements the full view reaches back
-            reach = sum((d - 1) * st for d, st in zip(s.shape, strides)) + 1 if s.shape else 1
+            lead = 2 if s.name in stacked else 0  # (a stacked one's full views: each expert's, from its own place)
+            before = sum(a * st for (a, _), st in zip(box[lead:], strides[lead:]))  # what a full view reaches back
+            reach = sum((d - 1) * st for d, st in zip(s.shape[lead:], strides[lead:])) + 1 if s.shape else 1
+            reach += math.prod(extent) - math.prod(extent[lead:])  # (the last expert's starts that much later)
             items.append((s.name, strides, before, reach, math.prod(extent)))
         items.sort(key=lambda it: it[2] - (it[3] - it[2] - it[4]))  # room before late, room after early
         start = filled = 0

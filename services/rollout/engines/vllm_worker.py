@@ -20,11 +20,14 @@ from typing import Any, NamedTuple
 
 import torch
 
+from rlsync.checkpoint_names import Unstacked, model_expert_rules, stacked_boxes, stacked_specs, stacked_views, \
+    unstacked_items
 from rlsync.flat import flat_like
 from rlsync.rollout.engines.process import prepare_engine_process
 from rlsync.errors import ResourceExhausted, Unmappable
 from rlsync.rollout.engines.vllm_direct import direct_views
-from rlsync.rollout.engines.vllm_experts import Copies, Placement, apart_copies, expert_layers, placement, reload
+from rlsync.rollout.engines.vllm_experts import Copies, Placement, apart_copies, expert_layers, placement, reload, \
+    stacked_placement
 from rlsync.rollout.engines.vllm_layout import BoxStaging, Loads, probe_loads
 from rlsync.rollout.engines.vllm_versions import TokenCounts
 from rlsync.rollout.staging import StagedUpdate, ensure_room
@@ -160,15 +163,28 @@ class RlsyncWorkerExtension:
                                local_facts(self._rlsync_device())).SerializeToString()
 
     def _rlsync_loads(self, specs) -> Loads:
-        """What this worker's loaders do with the tensors of `specs` (probe_loads): found once per tensor list."""
+        """What this worker's loaders do with the tensors of `specs` (probe_loads): found once per tensor list. A
+        stacked experts tensor's box is the bounding box of its experts' (checkpoint_names.stacked_boxes); the names
+        that load into the expert layers are its experts' (the loaders' names)."""
         cached = getattr(self, "_rlsync_layout", None)
         if cached is not None and cached[2] is specs:  # (from_proto's tuple for the same tensors)
             return cached[1]
         key = tuple((s.name, s.shape) for s in specs)
         if cached is None or cached[0] != key:
             model = self.model_runner.get_model()
-            cached = (key, probe_loads(model, specs, expert_layers(model)))
-        self._rlsync_layout = cached = (*cached[:2], specs)
+            stack = self._rlsync_stack(specs)
+            flat = probe_loads(model, stack.flat, expert_layers(model))
+            loads = Loads(stacked_boxes(stack, flat.boxes), flat.into_layers) if stack.members else flat
+            cached = (key, loads, None, stack, flat)
+        self._rlsync_layout = cached = (cached[0], cached[1], specs, *cached[3:])
+        return cached[1]
+
+    def _rlsync_stack(self, specs) -> Unstacked:
+        """Which of `specs` are stacked experts, and their experts' tensors (stacked_specs), found once per list."""
+        cached = getattr(self, "_rlsync_stacked", None)
+        if cached is None or cached[0] is not specs:
+            rules = model_expert_rules(self.model_config.model)
+            self._rlsync_stacked = cached = (specs, stacked_specs(specs, rules))
         return cached[1]
 
     def rlsync_hold(self, holder: str, handles: list[bytes], facts: bytes) -> dict:
@@ -257,10 +273,14 @@ class RlsyncWorkerExtension:
         key = tuple((s.name, s.shape) for s in specs)
         cached = getattr(self, "_rlsync_direct", None)
         if cached is None or cached[0] != key:
+            stack = self._rlsync_stack(specs)
             try:
-                views, why = direct_views(self.model_runner.get_model(), specs)
+                views, why = direct_views(self.model_runner.get_model(), stack.flat)
             except Exception as e:  # noqa: BLE001 - a loader that refuses meta probes: stage, as before
                 views, why = None, f"vLLM's loaders refused the probes ({e!r})"
+            if views is not None and stack.members:  # (a stacked tensor: where its experts' views are one run)
+                views = stacked_views(stack, views)
+                why = "a stacked experts tensor's experts do not lie in one run of a parameter, in its order"
             if views is None:
                 log.info("updates are staged, then loaded by vLLM's reload path: %s", why)
             self._rlsync_direct = cached = (key, views)
@@ -321,17 +341,18 @@ class RlsyncWorkerExtension:
         if o.HasField("routing"):  # into the last update's staging where it is laid out alike (its memory is held)
             loads = self._rlsync_loads(specs)
             placed = self._rlsync_placement(specs, loads)
-            staging = kept if kept is not None and kept.fits(specs, loads.boxes, device, placed) else None
+            stack = self._rlsync_stack(specs)
+            staging = kept if kept is not None and kept.fits(specs, loads.boxes, device, placed, stack) else None
         del kept  # (one laid out otherwise is freed before a new one is allocated)
         if staging is None:
             if o.HasField("routing") and not staging_bytes:  # (unsaid: what this worker's boxes take)
-                staging_bytes = BoxStaging.nbytes_of(specs, loads.boxes, placed)
+                staging_bytes = BoxStaging.nbytes_of(specs, loads.boxes, placed, stack)
             try:
                 ensure_room(staging_bytes, device, o.manifest.version)
             except ResourceExhausted as e:
                 return {"state": "failed", "code": "ResourceExhausted", "error": str(e), "refused": True}
         if o.HasField("routing"):
-            staging = staging or BoxStaging(specs, loads.boxes, device, placed)
+            staging = staging or BoxStaging(specs, loads.boxes, device, placed, stack)
             self._rlsync_update = StagedUpdate(o, ans, staging, self.rank, device, timeout, boxes=staging.boxes,
                                                hold=o.routing.holder)
             self._rlsync_update.staging = staging
@@ -341,13 +362,16 @@ class RlsyncWorkerExtension:
 
     def _rlsync_placement(self, specs, loads: Loads) -> Placement | None:
         """Where the staging lays out the expert layers' tensors so that the transfer loads them (placement), once
-        the copies vLLM's loaders amount to for these tensors were learnt (_rlsync_copies); else None."""
+        the copies vLLM's loaders amount to for these tensors were learnt (_rlsync_copies); else None. Found for
+        the loaders' tensors, then for stacked experts where each one's lies as its box stages it."""
         known, copies = getattr(self, "_rlsync_apart", (None, None))
         if known is not loads or copies is None:
             return None
         cached = getattr(self, "_rlsync_placed", None)
         if cached is None or cached[0] is not copies or cached[1] is not specs:
-            self._rlsync_placed = cached = (copies, specs, placement(copies, specs, loads.boxes))
+            _, _, _, stack, flat = self._rlsync_layout  # (the loaders' boxes of `loads`: _rlsync_loads)
+            placed = stacked_placement(stack, placement(copies, stack.flat, flat.boxes), loads.boxes)
+            self._rlsync_placed = cached = (copies, specs, placed)
         return cached[2]
 
     def rlsync_poll(self) -> dict:
@@ -431,10 +455,13 @@ class RlsyncWorkerExtension:
             return
         model = self.model_runner.get_model()
 
-        def handed():
-            return staging.full() if isinstance(staging, BoxStaging) else iter(staging.items())
+        specs = from_proto(update.receiver.offer.manifest)
 
-        loads = self._rlsync_loads(from_proto(update.receiver.offer.manifest)) if expert_layers(model) else None
+        def handed():  # (stacked experts as their experts' tensors: what the loaders take)
+            return staging.full() if isinstance(staging, BoxStaging) else \
+                unstacked_items(staging, self._rlsync_stack(specs))
+
+        loads = self._rlsync_loads(specs) if expert_layers(model) else None
         experts = loads.into_layers if loads is not None else None
         # (the experts loaded apart once a commit of the same tensors read them back equal to vLLM's processing)
         known, copies = getattr(self, "_rlsync_apart", (None, None))

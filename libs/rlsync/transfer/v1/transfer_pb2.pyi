@@ -47,10 +47,12 @@ class Manifest(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., version: _Optional[int] = ..., adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ..., format: _Optional[_Union[WeightFormat, _Mapping]] = ...) -> None: ...
 
 class WeightFormat(_message.Message):
-    __slots__ = ("fp8",)
+    __slots__ = ("fp8", "stacked_experts")
     FP8_FIELD_NUMBER: _ClassVar[int]
+    STACKED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     fp8: Fp8Blocks
-    def __init__(self, fp8: _Optional[_Union[Fp8Blocks, _Mapping]] = ...) -> None: ...
+    stacked_experts: bool
+    def __init__(self, fp8: _Optional[_Union[Fp8Blocks, _Mapping]] = ..., stacked_experts: _Optional[bool] = ...) -> None: ...
 
 class Fp8Blocks(_message.Message):
     __slots__ = ("fmt", "block", "scale_dtype", "pow2_scales", "weights")
