@@ -7,6 +7,7 @@ and goes live by re-pointing the parameters).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
@@ -21,6 +22,9 @@ class Store(Protocol):
 
     views: Mapping[str, torch.Tensor]
     memo: dict
+
+    def views_for(self, specs) -> Mapping[str, torch.Tensor]:
+        """Its views under the names of a manifest's `specs` (FlatStore.views_for)."""
 
 
 class FlatStore:
@@ -42,6 +46,7 @@ class FlatStore:
         # whole update in the one buffer without looking at any tensor (see whole_for)
         self.layout = tuple((name, dtype, tuple(shape)) for name, (shape, dtype) in specs.items())
         self._matched: tuple = ()  # the specs laid_out_as last found to match
+        self._named: tuple = ((), None)  # the specs views_for was last asked for, and its answer
         self._bytes: torch.Tensor | None = None  # the one buffer as bytes (whole_for), cut once
         # What receivers lay out over these views (rlsync.transfer.kept: a routed receiver's writer), kept for
         # the next update into them, and gone with the store.
@@ -49,13 +54,50 @@ class FlatStore:
 
     def laid_out_as(self, specs) -> bool:
         """Whether `specs` (a manifest's) list this store's tensors, in its order, with their dtypes
-        and shapes. The specs that matched last are kept: a manifest's cached specs, at every update,
-        then compare by identity (no per-tensor work)."""
+        and shapes, or tile them so under names of their own (views_for). The specs that matched last are
+        kept: a manifest's cached specs, at every update, then compare by identity (no per-tensor work)."""
         if specs is not self._matched and tuple(specs) != self._matched:
-            if layout(specs) != self.layout:
+            if layout(specs) != self.layout and self.views_for(specs) is self.views:
                 return False
             self._matched = tuple(specs)
         return True
+
+    def views_for(self, specs) -> Mapping[str, torch.Tensor]:
+        """This store's tensors under the names of `specs` (a manifest's) where those tile them in its order with
+        names of their own, each one or more consecutive tensors of its dtype and of their elements (a stacked
+        experts tensor over its experts' checkpoint tensors: rlsync.checkpoint_names); else its own views. Found
+        once per specs (a manifest's cached tuple: by identity)."""
+        if specs is self._named[0]:
+            return self._named[1]
+        out: dict[str, torch.Tensor] = {}
+        at, entries = 0, self.layout
+        for s in specs:
+            if at < len(entries) and entries[at][0] == s.name:
+                names = [s.name]
+                if entries[at][2] != tuple(s.shape):
+                    out = {}
+                    break
+            else:
+                names, numel, want = [], 0, math.prod(s.shape)
+                while numel < want and at + len(names) < len(entries) and entries[at + len(names)][1] == s.dtype:
+                    numel += math.prod(entries[at + len(names)][2])
+                    names.append(entries[at + len(names)][0])
+                if numel != want or len(names) < 2:
+                    out = {}
+                    break
+            if entries[at][1] != s.dtype:
+                out = {}
+                break
+            try:
+                out[s.name] = self.span(names, tuple(s.shape))
+            except (ValueError, RuntimeError):  # (not consecutive in its buffer, or one of another shape)
+                out = {}
+                break
+            at += len(names)
+        named = out if out and at == len(entries) and len(out) == len(specs) and set(out) != set(self.views) \
+            else self.views
+        self._named = (specs, named)
+        return named
 
     def whole_for(self, specs) -> torch.Tensor | None:
         """The one buffer as bytes, when `specs` (a manifest's) list this store's tensors in its

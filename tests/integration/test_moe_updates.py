@@ -15,7 +15,7 @@ from rlsync.models import ensure_tiny_moe
 from rlsync.publish import WeightPublisher
 
 # vLLM computes in float32 here so that its audit and its greedy output compare exactly.
-STACKED = {"vllm"}  # the engines that take fused experts stacked (WeightFormat.stacked_experts)
+STACKED = {"vllm", "hf"}  # the engines that take fused experts stacked (WeightFormat.stacked_experts)
 ENGINE_EXTRA = {"vllm": {"dtype": "float32"}, "hf": {}, "sglang": {"dtype": "float32"}}
 
 
@@ -132,10 +132,11 @@ def _tp2_share(moe_model) -> tuple[int, int]:
 
 def test_an_fsdp2_trainer_routes_each_tensor_parallel_worker_its_slice_of_every_expert(services, moe_model):
     """--nproc 2 (FSDP2: each trainer rank holds whole experts) into a vLLM replica of TP = 2 beside an hf
-    replica: each vLLM worker receives exactly its slice of every expert (and nothing more), five refits in
-    a row are verified (from the third on, into the staging the last one kept, its experts laid out where vLLM's
-    loaders put them), and the vLLM replica's greedy tokens equal the hf replica's (transformers') after them.
-    The staging kept between updates is the replica's spare memory, given back by a sleep."""
+    replica, the experts stacked (one tensor per layer and projection; a worker's box of it: every expert's rows
+    r): each vLLM worker receives exactly its slice of every expert (and nothing more), five refits in a row are
+    verified (from the third on, into the staging the last one kept, its experts laid out where vLLM's loaders put
+    them), and the vLLM replica's greedy tokens equal the hf replica's (transformers') after them. The staging kept
+    between updates is the replica's spare memory, given back by a sleep."""
     co = services.start("coordinator", ["--sync-mode", "async"], name="co-moe-tp2")
     on = ["--coordinator", co.address, "--model", str(moe_model)]
     services.start("trainer", [*on, "--nproc", "2", "--lr", "0.01"], name="trainer-moe-fsdp2")
@@ -153,6 +154,9 @@ def test_an_fsdp2_trainer_routes_each_tensor_parallel_worker_its_slice_of_every_
     received = list(info.received_bytes)
     assert received == [share, share], f"each worker receives its slice of every tensor: {received} vs {share}"
     assert info.memory.staging_bytes == 0 and info.memory.spare_bytes >= 2 * share, info.memory
+    for replica in (tp2, hf):
+        names = {t.name for t in replica.checksums().tensors}
+        assert "model.layers.1.mlp.experts.gate_up_proj" in names and not any(".experts.7." in n for n in names)
     prompt = hf.complete("the model reads", max_tokens=1)[0].prompt_token_ids
     greedy = [r.complete(prompt, max_tokens=12, temperature=0, ignore_eos=True)[0].token_ids for r in (tp2, hf)]
     assert greedy[0] == greedy[1], "vLLM TP = 2 computes what transformers does on the same weights"

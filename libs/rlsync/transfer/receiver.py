@@ -107,7 +107,7 @@ class Receiver:
             if base is None:
                 raise InvalidArgument("the answer offers deltas (base_version) but the Receiver was given no base")
             flat = isinstance(base, FlatStore)
-            self.base = base.views if flat else base
+            self.base = base.views_for(self.specs) if flat else base
             if not (flat and base.laid_out_as(self.specs)):
                 check_against(self.specs, {n: (tuple(t.shape), t.dtype) for n, t in self.base.items()})
         if device is None:

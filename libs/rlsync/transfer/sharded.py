@@ -865,7 +865,8 @@ class RoutedReceiver:
         key = ("staging", self.rank, _tensors(self.specs))
         found = self._memo.get(key)
         if found is None or found[0] is not self._boxes:  # (boxes, staging, token, its staging_layout once asked)
-            found = self._memo[key] = [self._boxes, _staging(self.specs, dest.views, self._boxes), object(), None]
+            staging = _staging(self.specs, dest.views_for(self.specs), self._boxes)  # (under the manifest's names)
+            found = self._memo[key] = [self._boxes, staging, object(), None]
         self._flat = found
         return found[1], found[2]
 

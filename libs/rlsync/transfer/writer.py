@@ -52,7 +52,7 @@ class DestWriter:
         self.table: batched.Table | None = None  # the one launch every tensor landed in place by, if one did
         self.memo: dict = {}  # what a receiver derives from these views (routed.Plans), kept with the writer
         flat = dest if isinstance(dest, FlatStore) else None
-        self.dest = flat.views if flat is not None else dest
+        self.dest = flat.views_for(specs) if flat is not None else dest  # (under the manifest's names)
         # All destinations back to back in one buffer (flat engine weights): one view of them all.
         self.whole = flat.whole_for(specs) if flat is not None else None
         if self.whole is not None:

@@ -25,7 +25,7 @@ import torch
 from rlsync.common.aio import resolve
 from rlsync.common.audit import LIVE
 from rlsync.common.timing import Stopwatch
-from rlsync.errors import EngineDead, FailedPrecondition, InvalidArgument
+from rlsync.errors import EngineDead, FailedPrecondition
 from rlsync.flat import FlatStore
 from rlsync.rollout.detokenize import IncrementalText
 from rlsync.rollout.engines.base import Engine
@@ -39,8 +39,9 @@ from rlsync.rollout.staging import AdoptedUpdate, StagedUpdate, ensure_room, fre
 from rlsync.transfer import answer
 from rlsync.transfer.handshake import local_facts, peer_gpu, same_gpu
 from rlsync.transfer.held import HELD
-from rlsync.transfer.manifest import check_against, from_proto
+from rlsync.transfer.manifest import from_proto
 from rlsync.transfer.sharded import learn
+from rlsync.transfer.v1.transfer_pb2 import WeightFormat
 from rlsync.transfer.streams import transfer_stream
 from rlsync.rollout.types import (Delta, FinishReason, GenerationRequest, MemoryUsage, PauseMode,
                                   WakeTag)
@@ -107,10 +108,12 @@ class HFEngine(Engine):
         self.max_model_len = self.args.max_model_len or config.max_position_embeddings
         self.weights = Weights.load(self.model, self.device, self.args.dtype)
         self.weight_format = self.weights.format
+        if self.weight_format is None and self.weights.experts:  # its experts, stacked: the runs its store holds
+            self.stacked_rules, self.weight_format = self.weights.experts, WeightFormat(stacked_experts=True)
         self.dtype = str(next(iter(self.weights.specs.values()))[1]).removeprefix("torch.")
         self.batch = Batch(self.weights.model, self.device)
         self.adapter = Adapter(self.weights.model, self.device, next(iter(self.weights.specs.values()))[1])
-        self._update: tuple[StagedUpdate, FlatStore] | None = None
+        self._update: tuple | None = None  # (the update, its staging, its adapter or None, its manifest's specs)
         self._layout: tuple[list | None, bool] = (None, False)  # the last manifest's specs: a delta base?
         # pulls queued at wake (rlsync.transfer.armed): touched between steps
         self._arming = Arming(self.device, self.args.arm)
@@ -509,7 +512,7 @@ class HFEngine(Engine):
         elif ans.copied and routed and not lora:  # a sharded trainer's: the next copies are made ahead (rearm)
             self._arming.learn_routed(offer, ans)
         ans.stages.update(clock.stages)  # (the hop back from the worker thread is left to the caller's)
-        self._update = (update, staging, offer.manifest.adapter if lora else None)
+        self._update = (update, staging, offer.manifest.adapter if lora else None, from_proto(offer.manifest))
         return ans
 
     async def hold_weights(self, holder: str, handles: list[bytes], facts) -> tuple[int, bytes, str]:
@@ -559,11 +562,7 @@ class HFEngine(Engine):
             return None
         specs = from_proto(offer.manifest)
         if specs != self._layout[0]:  # the same manifest as last time compares by identity (cached specs)
-            try:
-                check_against(specs, self.weights.specs)
-                self._layout = (specs, True)
-            except InvalidArgument:
-                self._layout = (specs, False)
+            self._layout = (specs, self.weights.store.laid_out_as(specs))  # (stacked experts too: the same bytes)
         return self.weights.store if self._layout[1] else None
 
     def _drop_launch(self, launched: tuple[FlatStore, AdoptedUpdate] | None) -> None:
@@ -586,7 +585,7 @@ class HFEngine(Engine):
         return time.perf_counter() - start
 
     async def commit_update(self, version: int, recompute_kv: bool = False) -> int:
-        _, staging, adapter = self._update
+        _, staging, adapter, specs = self._update
         self._update = None
 
         def swap() -> int:
@@ -597,7 +596,7 @@ class HFEngine(Engine):
                 self.adapter.apply(adapter, staging)
                 self.weights.version = version
             else:
-                self.weights.swap(staging, version)
+                self.weights.swap(staging, version, specs)
                 self.adapter.disable()
             return self._recompute(version) if recompute_kv else 0
 
@@ -616,7 +615,7 @@ class HFEngine(Engine):
     async def abort_update(self) -> None:
         if self._update is not None:
             # (its staging store stays referenced until the abort returns: a copy still writing it has ended)
-            (update, _staging, _), self._update = self._update, None
+            (update, _staging, _, _), self._update = self._update, None
             await asyncio.to_thread(update.abort)
         await self._call(self._stop_in_place)  # the backup refills the weights when they are next used
 

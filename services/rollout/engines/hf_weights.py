@@ -47,6 +47,7 @@ class Weights:
         self.not_ready: str | None = None
         self.version = 0
         self.format = None  # the engine's WeightFormat (hf_fp8), None when unquantized
+        self.sent = None  # the last update's manifest specs: audited under their names (FlatStore.views_for)
         self._place(self._pack(checkpoint_tensors(self.params, self.experts)))
 
     @classmethod
@@ -164,10 +165,12 @@ class Weights:
         if self.spare is not None and free < need:
             self.spare = None
 
-    def swap(self, store: FlatStore, version: int) -> None:
+    def swap(self, store: FlatStore, version: int, specs=None) -> None:
         """Makes a fully received update live: the parameters point at it (O(1); nothing to do when
         it was received in place); the old store becomes the spare. (The caller disarmed and
-        synchronized the device first: nothing reads the old store any more.)"""
+        synchronized the device first: nothing reads the old store any more.) `specs`: its manifest's, whose
+        names the weights are audited under from now on (stacked experts, say)."""
+        self.sent = specs
         if store is not self.store:
             retired = self.store
             self._place(store)
@@ -181,7 +184,9 @@ class Weights:
         from rlsync.transfer import audit
 
         self.ensure_restored()
-        return audit(self.store.views if self.store is not None else {n: p.data for n, p in self.params.items()})
+        if self.store is None:
+            return audit({n: p.data for n, p in self.params.items()})
+        return audit(self.store.views_for(self.sent) if self.sent is not None else self.store.views)
 
     def release(self) -> None:
         self.disarm()

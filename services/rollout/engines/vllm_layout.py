@@ -209,6 +209,10 @@ class BoxStaging:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
+    def views_for(self, specs) -> dict[str, torch.Tensor]:
+        """Its views (staged under the manifest's names already)."""
+        return self.views
+
     @staticmethod
     def nbytes_of(specs: Sequence[Spec], boxes: Sequence[Box | None], placed: Placement | None = None,
                   stack: Unstacked | None = None) -> int:
