@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from rlsync.transfer.routes import Box, row_major_strides
+
 if TYPE_CHECKING:
     from rlsync.transfer.manifest import Spec
 
-Box = tuple[tuple[int, int], ...]  # (rlsync.transfer.routes.Box)
 
 _PLAIN = re.compile(r"^[A-Za-z0-9_.*]+$")  # a dotted name with `*` for the expert index, no other regex
 
@@ -274,13 +275,6 @@ def stacked_views(stack: Unstacked, views: Mapping[str, torch.Tensor]) -> dict[s
                    == first.untyped_storage().data_ptr() and p.data_ptr() == first.data_ptr() + m * step
                    for m, p in enumerate(parts)):
             return None
-        out[s.name] = first.as_strided(s.shape, _row_major(s.shape), first.storage_offset())
+        out[s.name] = first.as_strided(s.shape, row_major_strides(s.shape), first.storage_offset())
     return out
 
-
-def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for d in reversed(shape):
-        strides.append(step)
-        step *= d
-    return tuple(reversed(strides))

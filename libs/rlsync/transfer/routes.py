@@ -44,6 +44,15 @@ def _whole(shape: tuple[int, ...]) -> Box:
     return tuple((0, int(d)) for d in shape)
 
 
+def row_major_strides(shape: Sequence[int]) -> list[int]:
+    """The elements each dimension steps over in a contiguous tensor of `shape`."""
+    out, step = [], 1
+    for d in reversed(shape):
+        out.append(step)
+        step *= d
+    return out[::-1]
+
+
 def volume(box: Box) -> int:
     return math.prod(stop - start for start, stop in box)
 

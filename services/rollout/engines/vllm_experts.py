@@ -39,9 +39,9 @@ import numpy as np
 import torch
 
 from rlsync.checkpoint_names import Unstacked
-from rlsync.rollout.engines.vllm_layout import recording_shadow, row_major_strides, shadow_param, shadowed
+from rlsync.rollout.engines.vllm_layout import recording_shadow, shadow_param, shadowed
 from rlsync.transfer.manifest import Spec
-from rlsync.transfer.routes import Box
+from rlsync.transfer.routes import Box, row_major_strides
 
 
 def _processes_layer(method) -> bool:

@@ -28,7 +28,7 @@ import torch
 
 from rlsync.checkpoint_names import Unstacked
 from rlsync.transfer.manifest import Spec
-from rlsync.transfer.routes import Box
+from rlsync.transfer.routes import Box, row_major_strides
 
 if TYPE_CHECKING:
     from rlsync.rollout.engines.vllm_experts import Placement
@@ -300,12 +300,3 @@ def _packing(specs: tuple[Spec, ...], boxes: tuple[Box | None, ...], placed: Pla
         _, _, dtype, offset = blocks[block]
         place[name] = (dtype, offset + start, row_major_strides([b - a for a, b in by_name[name]]))
     return held, by_name, place, sizes, (tuple(blocks), in_blocks)
-
-
-def row_major_strides(shape: Sequence[int]) -> list[int]:
-    """The elements each dimension steps over in a contiguous tensor of `shape`."""
-    out, step = [], 1
-    for d in reversed(shape):
-        out.append(step)
-        step *= d
-    return out[::-1]
