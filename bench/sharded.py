@@ -10,6 +10,7 @@ engine rank receives only the boxes it loads), for K trainer ranks (FSDP2 over g
     python bench/sharded.py --device cuda --gpus 2 --placement apart       # trainer on GPU 0, engine on 1: NCCL
     python bench/sharded.py --device cuda --gpus 2 --placement colocated   # rank r on GPU r % 2: both
     python bench/sharded.py --model tiny-moe --layouts tp,ep   # a real MoE (fused experts, per expert on the wire)
+    python bench/sharded.py --model tiny-moe --layouts tp,ep --stacked   # ... stacked on the wire (vLLM's, hf's)
     python bench/sharded.py --model tiny-moe --experts 28   # the tiny MoE as many bytes as the dense tiny (0.93 MB)
     python bench/sharded.py --model tiny-moe --experts 28 --against tiny --rounds 7 --trainer-ranks 2 --engine-ranks 2
                                         # ... and the dense tiny, case by case in turn: seconds per byte, MoE / dense
@@ -109,15 +110,25 @@ def rank0_source(model, weights: WeightMap) -> StreamedSource:
 
 
 EXPERT = re.compile(r"\.experts\.(\d+)\.")
+STACKED = re.compile(r"\.experts\.[a-z_]+$")  # (--stacked: an experts parameter [E, n, R, ...] under its name)
 
 
 def engine_boxes(specs, g: int, rank: int, ep: bool = False) -> list[list]:
     """What tensor-parallel rank `rank` of `g` loads: 2-D weights by rows, everything else whole; with `ep`,
-    an expert's tensors whole on the rank that owns the expert (rank r: the r-th g-th of the experts)."""
+    an expert's tensors whole on the rank that owns the expert (rank r: the r-th g-th of the experts). Of a
+    stacked experts tensor, the same: every expert's rows (its dim 2), or the rank's run of whole experts."""
     experts = 1 + max((int(m.group(1)) for s in specs if (m := EXPERT.search(s.name))), default=-1)
     out = []
     for s in specs:
         box = whole(s.shape)
+        if STACKED.search(s.name) and len(s.shape) == 4:
+            owned = [e for e in range(s.shape[0]) if e * g // s.shape[0] == rank]
+            if ep:
+                box = ((owned[0], owned[-1] + 1), *box[1:]) if owned else ((0, 0), *box[1:])
+            elif g > 1:
+                box = (*box[:2], chunks(s.shape[2], g)[rank], *box[3:])
+            out.append([box] if all(b > a for a, b in box) else [])
+            continue
         expert = EXPERT.search(s.name)
         if ep and expert:
             out.append([box] if int(expert.group(1)) * g // experts == rank else [])
@@ -179,7 +190,7 @@ def trainer(args, shapes, bucket, k: int, g: int, rank: int, store) -> dict:
     else:
         model = build_module(shapes, torch.float32, args.device)
     fully_shard(model, mesh=mesh)
-    module, _ = module_source(model, WeightMap(dtype=torch.bfloat16))
+    module, _ = module_source(model, WeightMap(dtype=torch.bfloat16), stacked=args.stacked)
     baseline = rank0_source(model, WeightMap(dtype=torch.bfloat16)) if args.device == "cpu" else None
     largest = max(s.nbytes for s in module.specs)
     out = {}
@@ -277,7 +288,7 @@ def engine(args, k: int, g: int, rank: int, store) -> dict:
         shard = sum(t.numel() * t.element_size() for t in getattr(staging, "views", staging).values())
         loads = sum(math.prod(e - a for a, e in b[0]) * s.dtype.itemsize for s, b in zip(specs, mine) if b)
         experts = sum(math.prod(e - a for a, e in b[0]) * s.dtype.itemsize for s, b in zip(specs, mine)
-                      if b and EXPERT.search(s.name))
+                      if b and (EXPERT.search(s.name) or STACKED.search(s.name)))
         out[path] = {"staging_bytes": shard, "received_bytes": report.nbytes, "shard_bytes": loads,
                      "expert_bytes": experts if path == "routed" else 0,
                      "receive_seconds": statistics.median(seconds), "channels": report.backends,
@@ -348,7 +359,7 @@ def run_case(args, k: int, g: int) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--preset", args.preset, "--bucket-mib", str(args.bucket_mib),
            "--model", args.model, "--layout", args.layout,
            "--repeats", str(args.repeats), "--device", args.device, "--gpus", str(args.gpus),
-           "--placement", args.placement, *(["--hold"] if args.hold else [])]
+           "--placement", args.placement, *(["--hold"] if args.hold else []), *(["--stacked"] if args.stacked else [])]
     procs = [subprocess.Popen(cmd, env={**env, "ROLE": role, "RANK": str(r)}, stdout=subprocess.PIPE, text=True)
              for role, n in (("trainer", k), ("engine", g)) for r in range(n)]
     outs = [p.communicate(timeout=1800)[0] for p in procs]
@@ -361,7 +372,7 @@ def run_case(args, k: int, g: int) -> dict:
         results.append(json.loads(line[len("RESULT "):]))
     trainers = [r for r in results if r["role"] == "trainer"]
     engines = [r for r in results if r["role"] == "engine"]
-    case = {"trainer_ranks": k, "engine_ranks": g, "layout": args.layout}
+    case = {"trainer_ranks": k, "engine_ranks": g, "layout": args.layout, "stacked": args.stacked}
     for path in paths(args):
         case[path] = {
             "seconds": round(trainers[0][path]["seconds"], 4),
@@ -464,6 +475,8 @@ def main() -> None:
     parser.add_argument("--layouts", default="tp", help="engine layouts to run, comma-separated: tp, ep (experts "
                         "whole on the rank that owns them)")
     parser.add_argument("--layout", default="tp", help=argparse.SUPPRESS)
+    parser.add_argument("--stacked", action="store_true", help="a mixture of experts' fused parameters sent stacked "
+                        "(one tensor per layer and projection, as to replicas that take them so), not per expert")
     parser.add_argument("--bucket-mib", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--trainer-ranks", default="1,2,4")
