@@ -21,9 +21,24 @@ from rlsync.transfer.v1 import transfer_pb2 as pb
 pytestmark = pytest.mark.usefixtures("keeps_environ")  # vLLM in this process (conftest)
 
 
+def _stacked_specs(model) -> list[Spec]:
+    """The tiny MoE's tensors as a trainer sends them to replicas that take its experts stacked."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlsync.checkpoint_names import expert_rules
+    from rlsync.publish.mapping import WeightMap
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+    params = [(n, tuple(p.shape), torch.float32) for n, p in meta.named_parameters()]
+    entries = WeightMap().plan(params, expert_rules(meta), stacked={n for n, _, _ in params})
+    return [Spec(e.name, e.dtype, e.shape, 4 * math.prod(e.shape)) for e in entries]
+
+
 @pytest.fixture(scope="module")
 def ep_layouts():
-    """(checkpoint specs, the routing Layout of a TP = 2, EP vLLM engine's two workers for them)."""
+    """(checkpoint specs, the routing Layout of a TP = 2, EP vLLM engine's two workers for them; the same of the
+    experts stacked)."""
     # (two workers: vLLM's multiprocess executor; the environment is put back for the tests after these)
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
@@ -37,10 +52,14 @@ def ep_layouts():
     specs = [Spec(n, torch.float32, tuple(shape), 4 * math.prod(shape))
              for n, (shape, _) in checkpoint_tensors(str(model)).items()]
     offer = pb.Offer(manifest=to_proto(specs, 1)).SerializeToString()
+    stacked = _stacked_specs(model)
+    stacked_offer = pb.Offer(manifest=to_proto(stacked, 1)).SerializeToString()
     llm = LLM(model=str(model), dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_num_seqs=4,
               tensor_parallel_size=2, enable_expert_parallel=True, worker_extension_cls=WORKER_EXTENSION)
     try:
         layouts = [pb.RankLayout.FromString(raw) for raw in llm.collective_rpc("rlsync_layout", args=(offer,))]
+        stacked_layouts = [pb.RankLayout.FromString(raw)
+                           for raw in llm.collective_rpc("rlsync_layout", args=(stacked_offer,))]
     finally:
         llm.llm_engine.engine_core.shutdown()
         for k, v in before.items():
@@ -48,7 +67,7 @@ def ep_layouts():
                 os.environ.pop(k)
             else:
                 os.environ[k] = v
-    return specs, layout_of(specs, layouts)
+    return specs, layout_of(specs, layouts), stacked, layout_of(stacked, stacked_layouts)
 
 
 def _bytes(specs, held, which) -> int:
@@ -57,7 +76,7 @@ def _bytes(specs, held, which) -> int:
 
 
 def test_each_expert_parallel_worker_loads_only_its_own_experts_whole(ep_layouts):
-    specs, layout = ep_layouts
+    specs, layout, _, _ = ep_layouts
     index = {s.name: i for i, s in enumerate(specs)}
     for rank, mine in ((0, range(4)), (1, range(4, 8))):
         held = layout.held[rank]
@@ -72,9 +91,27 @@ def test_each_expert_parallel_worker_loads_only_its_own_experts_whole(ep_layouts
     assert per_rank == [experts // 2] * 2, f"each rank's expert bytes are half the experts': {per_rank} of {experts}"
 
 
+def test_stacked_each_expert_parallel_worker_loads_one_box_its_run_of_experts(ep_layouts):
+    """The experts stacked ([E, n, R, H], one tensor per layer and projection): a worker's box of each is its
+    4 experts whole, one box, and its expert bytes are half the experts' as per expert."""
+    specs, layout, stacked, stacked_layout = ep_layouts
+    index = {s.name: i for i, s in enumerate(stacked)}
+    for rank in (0, 1):
+        for proj in ("gate_up_proj", "down_proj"):
+            i = index[f"model.layers.1.mlp.experts.{proj}"]
+            shape = stacked[i].shape
+            assert list(stacked_layout.held[rank][i]) == [((4 * rank, 4 * rank + 4), *((0, d) for d in shape[1:]))]
+    experts = _bytes(specs, [[tuple((0, d) for d in s.shape)] for s in specs], lambda n: ".mlp.experts." in n)
+    per_rank = [_bytes(stacked, stacked_layout.held[r], lambda n: ".mlp.experts." in n) for r in (0, 1)]
+    assert per_rank == [experts // 2] * 2 and len(stacked) == len(specs) - 2 * (3 * 8 - 2)
+    rest = [i for i, s in enumerate(specs) if ".mlp.experts." not in s.name]
+    assert [stacked_layout.held[r][index[specs[i].name]] for r in (0, 1) for i in rest] == \
+        [layout.held[r][i] for r in (0, 1) for i in rest], "the rest as without stacking"
+
+
 def test_under_expert_parallelism_the_rest_is_still_tensor_parallel(ep_layouts):
     """Attention and the vocabulary split by TP as without EP; the router and norms held whole by both."""
-    specs, layout = ep_layouts
+    specs, layout, _, _ = ep_layouts
     index = {s.name: i for i, s in enumerate(specs)}
     q = index["model.layers.0.self_attn.q_proj.weight"]
     rows = specs[q].shape[0]
