@@ -20,7 +20,6 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -132,19 +131,23 @@ def expert_rules(model) -> tuple[Unfuse, ...]:
     return tuple(rules)
 
 
-@lru_cache(maxsize=8)
+_RULES: dict[str, tuple[Unfuse, ...]] = {}  # (model_expert_rules': by path, for the process's life)
+
+
 def model_expert_rules(path: str) -> tuple[Unfuse, ...]:
     """The rules of the transformers model at `path` (its config, built on the meta device: nothing allocated, no
-    weights read); () for a model transformers cannot build."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    weights read); () for a model transformers cannot build, asked again next time (a replica's processes must not
+    disagree over a passing failure)."""
+    if path not in _RULES:
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-    try:
-        config = AutoConfig.from_pretrained(path)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-    except Exception:  # noqa: BLE001 - not a transformers model: its checkpoint's names are all there is
-        return ()
-    return expert_rules(model)
+        try:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        except Exception:  # noqa: BLE001 - not a transformers model: its checkpoint's names are all there is
+            return ()
+        _RULES[path] = expert_rules(model)
+    return _RULES[path]
 
 
 def unfused(name: str, shape: tuple[int, ...], rules: Iterable[Unfuse]) \

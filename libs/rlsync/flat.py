@@ -28,8 +28,13 @@ class Store(Protocol):
 
 
 class FlatStore:
+    """Tensors of `specs` packed per dtype. `spans`: other names for runs of them, each the names it stands for in
+    order (a fused experts parameter's: the checkpoint's tensors of its experts), which a manifest may use
+    (views_for)."""
+
     def __init__(self, specs: dict[str, tuple[torch.Size, torch.dtype]], device: torch.device | str = "cpu",
-                 pin: bool = False, allocate: Allocator | None = None):
+                 pin: bool = False, allocate: Allocator | None = None,
+                 spans: Mapping[str, tuple[str, ...]] | None = None):
         sizes: dict[torch.dtype, int] = {}
         offsets = {}
         for name, (shape, dtype) in specs.items():
@@ -40,6 +45,8 @@ class FlatStore:
                 return torch.empty(n, dtype=dtype, device=device, pin_memory=pin)
         self.buffers = {dtype: allocate(n, dtype) for dtype, n in sizes.items()}
         self._offsets = offsets
+        self._numel = sum(sizes.values())
+        self.spans = spans or {}
         self.views = {name: self.buffers[dtype][offsets[name]:offsets[name] + torch.Size(shape).numel()].view(shape)
                       for name, (shape, dtype) in specs.items()}
         # (name, dtype, shape) in buffer order: a receiver whose manifest lists exactly this lands the
@@ -54,50 +61,52 @@ class FlatStore:
 
     def laid_out_as(self, specs) -> bool:
         """Whether `specs` (a manifest's) list this store's tensors, in its order, with their dtypes
-        and shapes, or tile them so under names of their own (views_for). The specs that matched last are
-        kept: a manifest's cached specs, at every update, then compare by identity (no per-tensor work)."""
+        and shapes, under its names or names that stand for runs of them (`spans`): its buffers are the
+        manifest's bytes back to back. The specs that matched last are kept: a manifest's cached specs, at
+        every update, then compare by identity (no per-tensor work)."""
         if specs is not self._matched and tuple(specs) != self._matched:
-            if layout(specs) != self.layout and self.views_for(specs) is self.views:
+            if layout(specs) != self.layout and not self._tiled_by(specs):
                 return False
             self._matched = tuple(specs)
         return True
 
     def views_for(self, specs) -> Mapping[str, torch.Tensor]:
-        """This store's tensors under the names of `specs` (a manifest's) where those tile them in its order with
-        names of their own, each one or more consecutive tensors of its dtype and of their elements (a stacked
-        experts tensor over its experts' checkpoint tensors: rlsync.checkpoint_names); else its own views. Found
-        once per specs (a manifest's cached tuple: by identity)."""
+        """This store's tensors under the names of `specs` (a manifest's): its views, and for a name in `spans`
+        (a stacked experts parameter: rlsync.checkpoint_names) the run of the tensors it stands for, shaped as the
+        spec says (of any dtype: a receiver casts on arrival). Its own views where any spec names neither (a
+        receiver then says what is missing). Found once per specs (a manifest's cached tuple: by identity)."""
         if specs is self._named[0]:
             return self._named[1]
-        out: dict[str, torch.Tensor] = {}
-        at, entries = 0, self.layout
-        for s in specs:
-            if at < len(entries) and entries[at][0] == s.name:
-                names = [s.name]
-                if entries[at][2] != tuple(s.shape):
-                    out = {}
-                    break
-            else:
-                names, numel, want = [], 0, math.prod(s.shape)
-                while numel < want and at + len(names) < len(entries) and entries[at + len(names)][1] == s.dtype:
-                    numel += math.prod(entries[at + len(names)][2])
-                    names.append(entries[at + len(names)][0])
-                if numel != want or len(names) < 2:
-                    out = {}
-                    break
-            if entries[at][1] != s.dtype:
-                out = {}
-                break
+        out: dict[str, torch.Tensor] | None = {} if any(s.name not in self.views for s in specs) else None
+        for s in specs if out is not None else ():
             try:
-                out[s.name] = self.span(names, tuple(s.shape))
-            except (ValueError, RuntimeError):  # (not consecutive in its buffer, or one of another shape)
-                out = {}
+                out[s.name] = self.views[s.name] if s.name in self.views else self.span(self.spans[s.name], s.shape)
+            except (KeyError, ValueError, RuntimeError):  # (no such run, or not of the spec's elements)
+                out = None
                 break
-            at += len(names)
-        named = out if out and at == len(entries) and len(out) == len(specs) and set(out) != set(self.views) \
-            else self.views
+        named = out if out is not None else self.views
         self._named = (specs, named)
         return named
+
+    def holds(self, specs) -> bool:
+        """Whether `specs` name all of this store's tensors and nothing else, each with its shape and dtype, under
+        its names or spans' (views_for): what a delta is taken against, in any order."""
+        views = self.views_for(specs)
+        return len(views) == len(specs) and sum(math.prod(s.shape) for s in specs) == self._numel and all(
+            s.name in views and tuple(views[s.name].shape) == tuple(s.shape) and views[s.name].dtype == s.dtype
+            for s in specs)
+
+    def _tiled_by(self, specs) -> bool:
+        """holds(specs), and they lie back to back in its buffers in their order."""
+        if not self.holds(specs):
+            return False
+        views, ends = self.views_for(specs), {dtype: buf.data_ptr() for dtype, buf in self.buffers.items()}
+        for s in specs:
+            view = views[s.name]
+            if view.data_ptr() != ends[view.dtype]:
+                return False
+            ends[view.dtype] += view.numel() * view.element_size()
+        return True
 
     def whole_for(self, specs) -> torch.Tensor | None:
         """The one buffer as bytes, when `specs` (a manifest's) list this store's tensors in its

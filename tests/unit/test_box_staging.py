@@ -137,7 +137,7 @@ def test_a_stacked_box_lies_in_its_block_where_vllms_loaders_copy_its_experts():
     from rlsync.rollout.engines.vllm_experts import stacked_placement
 
     stack, flat_boxes, boxes, copies = _stacked_case()
-    placed = stacked_placement(stack, placement(copies, stack.flat, flat_boxes), boxes)
+    placed = stacked_placement(stack, placement(copies, stack.flat, flat_boxes), boxes, flat_boxes)
     assert placed is not None and [name for name, _, _ in placed.at] == ["gate_up", "down"]
     staging = BoxStaging(stack.specs, boxes, torch.device("cpu"), placed, stack)
     gate_up, down = staging.views["gate_up"], staging.views["down"]
@@ -148,4 +148,6 @@ def test_a_stacked_box_lies_in_its_block_where_vllms_loaders_copy_its_experts():
     assert staging.nbytes() == 4 * (gate_up.numel() + down.numel() + 5)  # (the blocks are the boxes, no more)
     flat_placed = placement(copies, stack.flat, flat_boxes)
     shuffled = flat_placed._replace(at=tuple((n, b, 0 if n == "2.gate" else s) for n, b, s in flat_placed.at))
-    assert stacked_placement(stack, shuffled, boxes) is None, "an expert not where its stacked box puts it"
+    assert stacked_placement(stack, shuffled, boxes, flat_boxes) is None, "an expert not where its stacked box puts it"
+    narrower = [((0, 1), (0, 5)) if s.name == "1.up" else b for s, b in zip(stack.flat, flat_boxes)]
+    assert stacked_placement(stack, flat_placed, boxes, narrower) is None, "an expert whose own box is another"

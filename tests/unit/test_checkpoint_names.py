@@ -138,22 +138,29 @@ def test_the_experts_boxes_join_into_one_box_of_the_stacked_tensor_and_their_vie
 
 
 def test_a_store_under_checkpoint_names_is_received_into_and_audited_under_a_stacked_manifests_names():
-    """FlatStore.views_for: a manifest whose stacked tensors tile the store's runs of their experts in order gets
-    the store's memory under its own names (one buffer: a one-copy receive), and one that does not tile it gets the
-    store's own views (a receiver then names what is missing)."""
+    """FlatStore.views_for: a manifest's stacked tensor is the run of its experts' tensors the store spans (one buffer:
+    a one-copy receive where the manifest lies as the store does); another dtype is cast on arrival, another order
+    is a delta base still, and a name the store neither holds nor spans gets its own views (a receiver then names
+    what is missing)."""
     from rlsync.transfer.manifest import Spec
 
     name = "m.mlp.experts.gate_up_proj"
     specs, groups = checkpoint_groups({name: (torch.Size([E, 2 * R, H]), torch.float32),
                                        "m.norm.weight": (torch.Size([H]), torch.float32)}, [GATE_UP])
-    store = FlatStore(specs)
+    store = FlatStore(specs, spans={n: g for n, g in groups.items() if len(g) > 1})
     stacked = (Spec(name, torch.float32, (E, 2, R, H), 4 * E * 2 * R * H), Spec("m.norm.weight", torch.float32, (H,),
                                                                                 4 * H))
     views = store.views_for(stacked)
-    assert list(views) == [name, "m.norm.weight"] and store.laid_out_as(stacked)
+    assert list(views) == [name, "m.norm.weight"] and store.laid_out_as(stacked) and store.holds(stacked)
     assert store.whole_for(stacked) is not None, "one buffer: the whole update lands in one copy"
     views[name].copy_(torch.arange(E * 2 * R * H, dtype=torch.float32).view(E, 2, R, H))
     assert torch.equal(store.views["m.mlp.experts.2.up_proj.weight"], views[name][2, 1])
-    # (the experts' shapes are the replica's check: rlsync.checkpoint_names.stacked_specs against its checkpoint)
-    for odd in [(stacked[1], stacked[0]), (stacked[0]._replace(dtype=torch.float16), stacked[1]), stacked[:1]]:
-        assert store.views_for(odd) is store.views and not store.laid_out_as(odd), odd
+    half = tuple(s._replace(dtype=torch.bfloat16, nbytes=s.nbytes // 2) for s in stacked)
+    assert store.views_for(half)[name].data_ptr() == views[name].data_ptr(), "cast on arrival into the same run"
+    assert not store.laid_out_as(half) and store.whole_for(half) is None and not store.holds(half)
+    backwards = stacked[::-1]
+    assert store.views_for(backwards)[name].data_ptr() == views[name].data_ptr()
+    assert store.holds(backwards) and not store.laid_out_as(backwards), "a delta base in any order; one copy: not"
+    for odd in [(stacked[0]._replace(name="m.mlp.experts.down_proj"), stacked[1]), stacked[:1]]:
+        assert not store.laid_out_as(odd) and not store.holds(odd), odd
+    assert store.views_for(stacked[:1])[name].shape == (E, 2, R, H), "a part of the store: its names found"

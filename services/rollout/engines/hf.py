@@ -562,7 +562,7 @@ class HFEngine(Engine):
             return None
         specs = from_proto(offer.manifest)
         if specs != self._layout[0]:  # the same manifest as last time compares by identity (cached specs)
-            self._layout = (specs, self.weights.store.laid_out_as(specs))  # (stacked experts too: the same bytes)
+            self._layout = (specs, self.weights.store.holds(specs))  # (stacked experts too: the same bytes)
         return self.weights.store if self._layout[1] else None
 
     def _drop_launch(self, launched: tuple[FlatStore, AdoptedUpdate] | None) -> None:

@@ -29,6 +29,8 @@ class Weights:
         self.experts = expert_rules(model)
         # {checkpoint name: (shape, dtype)}, and the checkpoint names each parameter spans
         self.specs, self.groups = checkpoint_groups(specs_of(self.params), self.experts)
+        # (a stacked manifest names each fused parameter: its run of checkpoint tensors in every store)
+        self._spans = {p: names for p, names in self.groups.items() if len(names) > 1}
         self.store: FlatStore | None = None
         self.backup: FlatStore | None = None  # Sleep(level=1) on an accelerator: the weights, in host memory
         # The store the last swap retired: the next staged update lands in it (double buffering: no
@@ -61,10 +63,14 @@ class Weights:
         return weights
 
     def _pack(self, tensors: dict[str, torch.Tensor]) -> FlatStore:
-        store = FlatStore(self.specs, self.device)
+        store = self.new_store(self.device)
         for name, view in store.views.items():
             view.copy_(tensors[name])
         return store
+
+    def new_store(self, device: torch.device, pin: bool = False) -> FlatStore:
+        """An empty store of the weights, laid out under the checkpoint's names (its spans: the fused parameters)."""
+        return FlatStore(self.specs, device, pin=pin, spans=self._spans)
 
     def _place(self, store: FlatStore | None) -> None:
         """Points every parameter at its view in `store` (or at an empty tensor when None)."""
@@ -92,7 +98,7 @@ class Weights:
         moved = 0
         if level == 1 and self.device.type != "cpu":
             if not self.pending_restore:  # else the backup still holds the weights
-                self._host = self._host or FlatStore(self.specs, torch.device("cpu"), pin=True)
+                self._host = self._host or self.new_store(torch.device("cpu"), pin=True)
                 self._host.copy_from(self.store)
                 torch.cuda.synchronize(self.device)
                 self.backup, moved = self._host, self.store.nbytes()
@@ -107,12 +113,12 @@ class Weights:
         if self.store is not None:
             return
         if self.backup is not None:
-            self._place(FlatStore(self.specs, self.device))
+            self._place(self.new_store(self.device))
             self.pending_restore = True
         elif self.from_checkpoint:
             self._place(self._pack(self._read_checkpoint()))
         else:
-            self._place(FlatStore(self.specs, self.device))
+            self._place(self.new_store(self.device))
             self.not_ready = ("weights were dropped by Sleep(level=2) after a weight update: push the "
                               "weights again (PrepareUpdate + CommitUpdate) before generating")
 
@@ -139,7 +145,7 @@ class Weights:
     def staging(self) -> FlatStore:
         """Where an update is received while these weights serve: the spare, else a new store."""
         spare = self.take_spare()
-        return spare if spare is not None else FlatStore(self.specs, self.device)
+        return spare if spare is not None else self.new_store(self.device)
 
     def take_spare(self) -> FlatStore | None:
         spare, self.spare = self.spare, None
@@ -154,8 +160,9 @@ class Weights:
         """What staging an update of `specs` (a manifest's) allocates: a store unless the spare is
         kept, and a buffer per tensor that arrives in another dtype (cast into it once complete)."""
         if self._cast[0] != specs:  # (the same manifest as last time: its specs compare by identity)
-            own = self.specs
-            self._cast = (specs, sum(s.nbytes for s in specs if s.name in own and own[s.name][1] != s.dtype))
+            store = self.store or self.spare or self.new_store(torch.device("meta"))
+            own = store.views_for(specs)
+            self._cast = (specs, sum(s.nbytes for s in specs if s.name in own and own[s.name].dtype != s.dtype))
         return self._cast[1] + (0 if self.spare is not None else self.device_bytes())
 
     def yield_spare(self, free: int, need: int) -> None:

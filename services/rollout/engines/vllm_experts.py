@@ -188,10 +188,12 @@ def placement(copies: Copies, specs: Sequence[Spec], boxes: Sequence[Box | None]
     return Placement(tuple(blocks), tuple(at))
 
 
-def stacked_placement(stack: Unstacked, placed: Placement | None, boxes: Sequence[Box | None]) -> Placement | None:
-    """`placed` (placement of `stack.flat`'s tensors) for the manifest's tensors, whose boxes are `boxes`: a stacked
-    one's box lies in one block, where its first expert's does, when its experts in it lie there one after another
-    in its order (as its box stages them: [e, k] row-major); else None."""
+def stacked_placement(stack: Unstacked, placed: Placement | None, boxes: Sequence[Box | None],
+                      flat_boxes: Sequence[Box | None]) -> Placement | None:
+    """`placed` (placement of `stack.flat`'s tensors, whose boxes are `flat_boxes`) for the manifest's tensors, whose
+    boxes are `boxes`: a stacked one's box lies in one block, where its first expert's does, when every expert in it
+    has that box of its own and they lie there one after another in its order (as its box stages them: [e, k]
+    row-major); else None."""
     if placed is None or not stack.members:
         return placed
     at = {name: (block, start) for name, block, start in placed.at}
@@ -206,9 +208,10 @@ def stacked_placement(stack: Unstacked, placed: Placement | None, boxes: Sequenc
             continue
         (e0, e1), (k0, k1) = box[:2]
         inner = math.prod(b - a for a, b in box[2:])
-        runs = [at.get(stack.flat[members[e * s.shape[1] + k]].name)
-                for e, k in itertools.product(range(e0, e1), range(k0, k1))]
-        if any(r is None or r != (runs[0][0], runs[0][1] + m * inner) for m, r in enumerate(runs)):
+        held = [members[e * s.shape[1] + k] for e, k in itertools.product(range(e0, e1), range(k0, k1))]
+        runs = [at.get(stack.flat[j].name) for j in held]
+        if any(flat_boxes[j] != box[2:] for j in held) or \
+                any(r is None or r != (runs[0][0], runs[0][1] + m * inner) for m, r in enumerate(runs)):
             return None
         out.append((s.name, *runs[0]))
     return Placement(placed.blocks, tuple(out))

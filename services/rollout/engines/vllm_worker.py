@@ -370,7 +370,7 @@ class RlsyncWorkerExtension:
         cached = getattr(self, "_rlsync_placed", None)
         if cached is None or cached[0] is not copies or cached[1] is not specs:
             _, _, _, stack, flat = self._rlsync_layout  # (the loaders' boxes of `loads`: _rlsync_loads)
-            placed = stacked_placement(stack, placement(copies, stack.flat, flat.boxes), loads.boxes)
+            placed = stacked_placement(stack, placement(copies, stack.flat, flat.boxes), loads.boxes, flat.boxes)
             self._rlsync_placed = cached = (copies, specs, placed)
         return cached[2]
 
