@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from rlsync.checkpoint_names import Unfuse
 from rlsync.publish.layout import RankShards
 from rlsync.publish.mapping import WeightMap
 from rlsync.transfer.routes import Piece
@@ -95,35 +96,39 @@ def _volume(box) -> int:
     return out
 
 
+EXPERTS, ROWS, HIDDEN, WORLD = 4, 3, 4, 2
+FUSED = torch.arange(EXPERTS * 2 * ROWS * HIDDEN, dtype=torch.float32).reshape(EXPERTS, 2 * ROWS, HIDDEN)
+GATE_UP = Unfuse("mlp.experts.gate_up_proj", ("mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"))
+
+
+def _fused_shards(dim: int):
+    """(rank, its DTensor of gate_up [E, 2I, H] under Shard(dim) over 2 ranks), each in a fake group of its own."""
+    for rank in range(WORLD):
+        dist.init_process_group("fake", rank=rank, world_size=WORLD, store=FakeStore())
+        try:
+            mesh = init_device_mesh("cpu", (WORLD,))
+            yield rank, DTensor.from_local(FUSED.chunk(WORLD, dim)[rank].clone(), mesh, [Shard(dim)], run_check=False,
+                                           shape=FUSED.shape, stride=FUSED.stride())
+        finally:
+            dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("dim", [0, 1, 2])  # FSDP2 cuts experts (dim 0); a cut of rows or columns splits each
 def test_a_sharded_fused_experts_parameter_is_published_per_expert_from_each_ranks_own_rows(dim):
     """gate_up [E, 2I, H] under Shard(dim) over 2 ranks: each rank's boxes of expert e's gate and up tensors
     are what its shard holds of them, cut with no collective, and every element is held by some rank."""
-    from rlsync.checkpoint_names import Unfuse
-
-    experts, rows, hidden, world = 4, 3, 4, 2
-    full = torch.arange(experts * 2 * rows * hidden, dtype=torch.float32).reshape(experts, 2 * rows, hidden)
-    rule = Unfuse("mlp.experts.gate_up_proj", ("mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"))
     covered: dict[str, int] = {}
-    for rank in range(world):
-        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
-        try:
-            mesh = init_device_mesh("cpu", (world,))
-            local = full.chunk(world, dim)[rank].clone()
-            param = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=full.shape,
-                                       stride=full.stride())
-            entries = WeightMap().plan([("mlp.experts.gate_up_proj", tuple(full.shape), full.dtype)], [rule])
-            assert [e.name for e in entries[:2]] == ["mlp.experts.0.gate_proj.weight", "mlp.experts.0.up_proj.weight"]
-            shards = RankShards({"mlp.experts.gate_up_proj": param}, entries, rank, world)
-            for index, (entry, held) in enumerate(zip(entries, shards.layout.held[rank])):
-                want = entry.view.of(full)
-                for box in held:
-                    got = shards.piece(Piece(index, box))
-                    assert torch.equal(got, want[tuple(slice(a, b) for a, b in box)]), (rank, entry.name, box)
-                    covered[entry.name] = covered.get(entry.name, 0) + _volume(box)
-        finally:
-            dist.destroy_process_group()
-    assert covered == {e.name: rows * hidden for e in entries}, "every element of every expert is held once"
+    entries = WeightMap().plan([("mlp.experts.gate_up_proj", tuple(FUSED.shape), FUSED.dtype)], [GATE_UP])
+    assert [e.name for e in entries[:2]] == ["mlp.experts.0.gate_proj.weight", "mlp.experts.0.up_proj.weight"]
+    for rank, param in _fused_shards(dim):
+        shards = RankShards({"mlp.experts.gate_up_proj": param}, entries, rank, WORLD)
+        for index, (entry, held) in enumerate(zip(entries, shards.layout.held[rank])):
+            want = entry.view.of(FUSED)
+            for box in held:
+                got = shards.piece(Piece(index, box))
+                assert torch.equal(got, want[tuple(slice(a, b) for a, b in box)]), (rank, entry.name, box)
+                covered[entry.name] = covered.get(entry.name, 0) + _volume(box)
+    assert covered == {e.name: ROWS * HIDDEN for e in entries}, "every element of every expert is held once"
     if dim == 0:
         assert not shards.layout.held[1][0] and shards.layout.held[1][-1], "whole experts per rank"
 
@@ -132,27 +137,16 @@ def test_a_sharded_fused_experts_parameter_is_published_per_expert_from_each_ran
 def test_a_sharded_fused_experts_parameter_is_published_stacked_as_each_ranks_shard_stacked(dim):
     """gate_up [E, 2I, H] under Shard(dim) over 2 ranks, stacked ([E, 2, I, H]): each rank holds one box of it, its
     own shard (under Shard(1) of 2 ranks: the gate rows, the up rows), cut with no copy, and the boxes tile it."""
-    from rlsync.checkpoint_names import Stacked, Unfuse
+    from rlsync.checkpoint_names import Stacked
 
-    experts, rows, hidden, world = 4, 3, 4, 2
-    full = torch.arange(experts * 2 * rows * hidden, dtype=torch.float32).reshape(experts, 2 * rows, hidden)
-    rule = Unfuse("mlp.experts.gate_up_proj", ("mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"))
-    want, held_elements = Stacked(2).of(full), 0
-    for rank in range(world):
-        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
-        try:
-            mesh = init_device_mesh("cpu", (world,))
-            local = full.chunk(world, dim)[rank].clone()
-            param = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=full.shape,
-                                       stride=full.stride())
-            (entry,) = WeightMap().plan([("mlp.experts.gate_up_proj", tuple(full.shape), full.dtype)], [rule],
-                                        stacked={"mlp.experts.gate_up_proj"})
-            shards = RankShards({"mlp.experts.gate_up_proj": param}, [entry], rank, world)
-            (box,) = shards.layout.held[rank][0]
-            got = shards.piece(Piece(0, box))
-            assert torch.equal(got, want[tuple(slice(a, b) for a, b in box)]), (rank, box)
-            assert shards.piece_source(Piece(0, box))[0].data_ptr() == param.to_local().data_ptr(), "no copy"
-            held_elements += _volume(box)
-        finally:
-            dist.destroy_process_group()
-    assert held_elements == full.numel()
+    (entry,) = WeightMap().plan([("mlp.experts.gate_up_proj", tuple(FUSED.shape), FUSED.dtype)], [GATE_UP],
+                                stacked={"mlp.experts.gate_up_proj"})
+    want, held_elements = Stacked(2).of(FUSED), 0
+    for rank, param in _fused_shards(dim):
+        shards = RankShards({"mlp.experts.gate_up_proj": param}, [entry], rank, WORLD)
+        (box,) = shards.layout.held[rank][0]
+        got = shards.piece(Piece(0, box))
+        assert torch.equal(got, want[tuple(slice(a, b) for a, b in box)]), (rank, box)
+        assert shards.piece_source(Piece(0, box))[0].data_ptr() == param.to_local().data_ptr(), "no copy"
+        held_elements += _volume(box)
+    assert held_elements == FUSED.numel()
