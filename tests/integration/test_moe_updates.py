@@ -15,7 +15,7 @@ from rlsync.models import ensure_tiny_moe
 from rlsync.publish import WeightPublisher
 
 # vLLM computes in float32 here so that its audit and its greedy output compare exactly.
-STACKED = {"vllm", "hf"}  # the engines that take fused experts stacked (WeightFormat.stacked_experts)
+STACKED = {"vllm", "hf", "sglang"}  # the engines that take fused experts stacked (WeightFormat.stacked_experts)
 ENGINE_EXTRA = {"vllm": {"dtype": "float32"}, "hf": {}, "sglang": {"dtype": "float32"}}
 
 
@@ -169,7 +169,8 @@ def test_an_fsdp2_trainer_routes_each_tensor_parallel_worker_its_slice_of_every_
 def test_an_fsdp2_trainer_refits_an_sglang_replica_bit_for_bit_and_its_greedy_tokens_equal_transformers(
         services, moe_model, engine):
     """--nproc 2 (FSDP2: each trainer rank holds whole experts) routes into an SGLang replica (TP = 1: SGLang's CPU
-    path refuses more) beside an hf replica: five refits in a row, each verified bit for bit, then SGLang's greedy
+    path refuses more) beside an hf replica, the experts stacked (its scheduler loads each one's experts' tensors):
+    five refits in a row, each verified bit for bit, then SGLang's greedy
     tokens equal the hf replica's (transformers') on the same weights, on a prompt SGLang served at every version
     before (its radix cache kept that prompt's KV from the old weights until each commit started a new cache salt).
     A sharded trainer writes no checkpoint (yet): the hf replica is the reference."""
@@ -191,7 +192,8 @@ def test_an_fsdp2_trainer_refits_an_sglang_replica_bit_for_bit_and_its_greedy_to
         assert len(sync.trainer_rank_bytes) == 2 and min(sync.trainer_rank_bytes) > 0, "both ranks send (routed)"
         syncs.append((round(sync.seconds, 3), {k: round(v, 3) for k, v in sync.phases.items()}))
     print(f"\n[moe-fsdp2-sglang] five syncs (seconds, phases): {syncs}")
-    assert "model.layers.1.mlp.experts.7.up_proj.weight" in {t.name for t in sglang.checksums().tensors}
+    audited = {t.name for t in sglang.checksums().tensors}  # (under the names sent: stacked, one per projection)
+    assert "model.layers.1.mlp.experts.gate_up_proj" in audited and not any(".experts.7." in n for n in audited)
     prompt = sglang.complete(GREEDY_PROMPT, max_tokens=1)[0].prompt_token_ids
     greedy = [r.complete(prompt, max_tokens=12, temperature=0, ignore_eos=True)[0].token_ids for r in (sglang, hf)]
     assert greedy[0] == greedy[1], "SGLang computes what transformers does on the trainer's weights"

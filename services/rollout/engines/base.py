@@ -82,7 +82,7 @@ class Engine(abc.ABC):
     #: config), valid after start(); None: every tensor in the trainer's dtype.
     weight_format: Any = None
     #: The rules of the fused experts parameters it takes stacked (rlsync.checkpoint_names: a stacked tensor is
-    #: its experts' checkpoint tensors), set after start() with WeightFormat.stacked_experts; (): none.
+    #: its experts' checkpoint tensors), set after start() with WeightFormat.stacked_experts (take_stacked); ().
     stacked_rules: tuple = ()
     #: The last commit's stages, in seconds, for its CommitUpdateResponse.stages (an engine that times them).
     commit_stages: Mapping[str, float] = MappingProxyType({})
@@ -90,6 +90,16 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], None]]:
         """Names and shapes of the checkpoint tensors the engine loads (dtype: any, it casts)."""
+
+    def take_stacked(self, rules) -> None:
+        """At start: the engine takes a mixture of experts' fused parameters stacked (WeightFormat.stacked_experts:
+        one tensor per layer and projection, which it hands its loaders as its experts' tensors), by `rules`
+        (rlsync.checkpoint_names), where it has any and holds its weights unquantized (an FP8 format lists them
+        per expert)."""
+        if rules and self.weight_format is None:
+            from rlsync.transfer.v1.transfer_pb2 import WeightFormat
+
+            self.stacked_rules, self.weight_format = tuple(rules), WeightFormat(stacked_experts=True)
 
     def max_lora_rank(self) -> int | None:
         """The largest LoRA adapter rank this engine applies (None: any); raises FailedPrecondition,

@@ -41,7 +41,6 @@ from rlsync.transfer.handshake import local_facts, peer_gpu, same_gpu
 from rlsync.transfer.held import HELD
 from rlsync.transfer.manifest import from_proto
 from rlsync.transfer.sharded import learn
-from rlsync.transfer.v1.transfer_pb2 import WeightFormat
 from rlsync.transfer.streams import transfer_stream
 from rlsync.rollout.types import (Delta, FinishReason, GenerationRequest, MemoryUsage, PauseMode,
                                   WakeTag)
@@ -108,8 +107,7 @@ class HFEngine(Engine):
         self.max_model_len = self.args.max_model_len or config.max_position_embeddings
         self.weights = Weights.load(self.model, self.device, self.args.dtype)
         self.weight_format = self.weights.format
-        if self.weight_format is None and self.weights.experts:  # its experts, stacked: the runs its store holds
-            self.stacked_rules, self.weight_format = self.weights.experts, WeightFormat(stacked_experts=True)
+        self.take_stacked(self.weights.experts)  # (a stacked tensor: the run of its experts' its store holds)
         self.dtype = str(next(iter(self.weights.specs.values()))[1]).removeprefix("torch.")
         self.batch = Batch(self.weights.model, self.device)
         self.adapter = Adapter(self.weights.model, self.device, next(iter(self.weights.specs.values()))[1])

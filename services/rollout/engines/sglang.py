@@ -33,17 +33,16 @@ from typing import Any
 import msgspec
 import torch
 
+from rlsync.checkpoint_names import model_expert_rules, stacked_specs
 from rlsync.errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument
-from rlsync.flat import FlatStore
 from rlsync.rollout.engines.base import Engine
 from rlsync.rollout.engines.checkpoint import ITEMSIZE, checkpoint_checksums, checkpoint_tensors
-from rlsync.rollout.engines.sglang_scheduler import LOADER, PREFIX, Reply, Request, Tensor
+from rlsync.rollout.engines.sglang_scheduler import LOADER, PREFIX, Reply, Request
+from rlsync.rollout.engines.sglang_staging import SharedStaging
 from rlsync.rollout.staging import StagedUpdate, ensure_room, pulled, raise_failure
 from rlsync.rollout.types import Delta, FinishReason, GenerationRequest, MemoryUsage, PauseMode, WakeTag
 from rlsync.transfer import answer
-from rlsync.transfer.dtypes import dtype_name
 from rlsync.transfer.manifest import from_proto
-from rlsync.transfer.memory import SharedArena
 
 if importlib.util.find_spec("sglang") is None:  # the registry says what to install
     raise ImportError("No module named 'sglang' in this environment")
@@ -112,6 +111,7 @@ class SGLangEngine(Engine):
         self.vocab_size = config.vocab_size
         self.dtype = str(getattr(getattr(manager, "model_config", None), "dtype", self.args.get("dtype", "auto")))
         self.dtype = self.dtype.removeprefix("torch.")
+        self.take_stacked(model_expert_rules(self.model))  # (its scheduler loads each stacked tensor's experts)
         await self._set_version(self.version)
 
     async def shutdown(self) -> None:
@@ -225,7 +225,7 @@ class SGLangEngine(Engine):
         specs = from_proto(offer.manifest)
         needed = sum(s.nbytes for s in specs)
         ensure_room(needed, self.device, offer.manifest.version)
-        staging = SharedStaging(specs)
+        staging = SharedStaging(specs, stacked_specs(specs, self.stacked_rules))
         ans = answer(offer, receiver_id, device=self.device, force=force_backend or None)
         self._update = StagedUpdate(offer, ans, staging.store, 0, self.device, timeout)
         self._update.staging = staging
@@ -261,7 +261,7 @@ class SGLangEngine(Engine):
         staging: SharedStaging = update.staging
         reply = os.path.join(self._replies.name, uuid.uuid4().hex)
         request = Request(reply=reply, pid=os.getpid(), fd=staging.fd, nbytes=staging.nbytes(),
-                          tensors=staging.tensors)
+                          tensors=staging.tensors, audited=staging.audited)
         named = [(PREFIX + msgspec.json.encode(request).decode(), torch.empty(0))]
         manager = self.engine.tokenizer_manager
         was_paused = self._paused
@@ -330,26 +330,3 @@ async def _ok(call, what: str) -> None:
     success, message = (result[0], result[1]) if isinstance(result, tuple) else (result.success, result.message)
     if not success:
         raise Aborted(f"sglang refused the weight update ({what}): {message}")
-
-
-class SharedStaging:
-    """Staging tensors in one memfd the scheduler process maps: the manifest's tensors, packed."""
-
-    def __init__(self, specs):
-        nbytes = sum(s.nbytes for s in specs) + SharedArena.ALIGN * (len(specs) + 1)
-        self.arena = SharedArena(chunk_bytes=max(nbytes, 1))
-        self.store = FlatStore({s.name: (torch.Size(s.shape), s.dtype) for s in specs},
-                               allocate=lambda n, dtype: self.arena.empty(n, dtype))
-        self.tensors = []
-        for s in specs:
-            view = self.store.views[s.name]
-            place = self.arena.locate(view) if view.numel() else (0, 0)
-            self.tensors.append(Tensor(s.name, dtype_name(s.dtype), list(s.shape), place[1]))
-        self.fd = self.arena.buffers[0].fd if self.arena.buffers else -1
-
-    def nbytes(self) -> int:
-        return self.arena.buffers[0].nbytes if self.arena.buffers else 0
-
-    def close(self) -> None:
-        self.arena.close()
-

@@ -31,7 +31,8 @@ class Request(msgspec.Struct):
     pid: int = 0  # the rollout process holding the staging memfd
     fd: int = -1
     nbytes: int = 0
-    tensors: list[Tensor] = []
+    tensors: list[Tensor] = []  # what the model loads (the checkpoint's names)
+    audited: list[Tensor] = []  # the same bytes under the names the trainer sent, where they differ (stacked experts)
 
 
 class Reply(msgspec.Struct):
@@ -40,14 +41,15 @@ class Reply(msgspec.Struct):
     applied: dict[str, tuple[str, list[int], str]] = {}  # name -> (dtype, shape, checksum) of what was loaded
 
 
-def request_tensors(request: Request) -> list[tuple[str, torch.Tensor]]:
-    """The staged tensors, mapped from the rollout process's memfd (no copy until load_weights)."""
+def request_tensors(request: Request, which: list[Tensor] | None = None) -> list[tuple[str, torch.Tensor]]:
+    """The staged tensors (`which`, else the request's), mapped from the rollout process's memfd (no copy until
+    load_weights)."""
     from rlsync.transfer.dtypes import dtype_of, itemsize
     from rlsync.transfer.memory import SharedBuffer
 
     raw = SharedBuffer.attach(os.open(f"/proc/{request.pid}/fd/{request.fd}", os.O_RDWR), request.nbytes).tensor
     out = []
-    for t in request.tensors:
+    for t in request.tensors if which is None else which:
         dtype = dtype_of(t.dtype)
         size = math.prod(t.shape) * itemsize(dtype)
         out.append((t.name, raw[t.offset:t.offset + size].view(dtype).view(t.shape)))
@@ -62,7 +64,7 @@ def load(model, named_tensors) -> None:
 
         tensors = request_tensors(request)
         model.load_weights(tensors)
-        applied = audit(dict(tensors))
+        applied = audit(dict(request_tensors(request, request.audited) if request.audited else tensors))
         reply = Reply(True, applied={n: (d, list(s), c) for n, (d, s, c) in applied.items()})
     except Exception as e:  # noqa: BLE001 - the rollout process raises it, with this message
         reply = Reply(False, error=f"{type(e).__name__}: {e}")

@@ -113,10 +113,7 @@ class VLLMEngine(Engine):
         # an FP8 checkpoint's weights stay FP8 in vLLM (its Fp8LinearMethod): updates arrive so, reloaded through
         # vLLM's layerwise reload, which processes them as at the first load
         self.weight_format = checkpoint_format(self.model)
-        # a mixture of experts' fused parameters arrive stacked (one tensor per layer and projection): the workers
-        # hand their loaders each expert's tensors as views (the checkpoint's, per expert, are taken too)
-        if self.weight_format is None and (rules := model_expert_rules(self.model)):
-            self.stacked_rules, self.weight_format = rules, transfer_pb2.WeightFormat(stacked_experts=True)
+        self.take_stacked(model_expert_rules(self.model))  # (the workers stage each stacked box as one)
         # Each worker counts every request's sampled tokens, so a commit says which ones the old weights made
         # and needs no pause; where one cannot count exactly, each commit pauses generation (vllm_versions)
         why = [w for w in await self.llm.collective_rpc("rlsync_count_tokens") if w]
