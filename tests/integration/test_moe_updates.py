@@ -76,9 +76,10 @@ def test_five_trainer_steps_arrive_bit_for_bit_and_greedy_tokens_equal_transform
 
 
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
-def test_a_users_loop_publishes_the_fused_experts_per_expert(services, moe_model, engine):
+def test_a_users_loop_publishes_the_fused_experts(services, moe_model, engine):
     """The issue's user loop: a plain transformers MoE published through the SDK (was refused by vLLM:
-    unknown tensor 'model.layers.0.mlp.experts.gate_up_proj')."""
+    unknown tensor 'model.layers.0.mlp.experts.gate_up_proj'); the replica takes them stacked, and the SDK
+    publisher sends them so."""
     client, replica, _ = _fleet(services, moe_model, engine, with_trainer=False)
     model = AutoModelForCausalLM.from_pretrained(moe_model, dtype=torch.float32)
     with WeightPublisher(model, client.address) as pub:
