@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import sys
 from pathlib import Path
@@ -48,7 +49,8 @@ class Fleet:
         self.client = CoordinatorClient(co.address)
 
     def _start(self, service: str, args: list[str], logs: Path, env: dict | None = None) -> ServiceProcess:
-        proc = ServiceProcess(service, args, env=env, log_path=str(logs / f"{self.name}-{service}.log"))
+        proc = ServiceProcess(service, args, env=env, log_path=str(logs / f"{self.name}-{service}.log"),
+                              parent_death_signal=signal.SIGTERM)  # (a bench killed takes its fleets with it)
         self.procs.append(proc)
         return proc
 
