@@ -120,7 +120,8 @@ GPU_WHEELS := msgspec nvidia-ml-py==13.615.71 prometheus_client==0.26.0 peft==0.
 CKPT_WHEELS := checkpoint-engine==0.4.2 pyzmq==27.3.0 loguru==0.7.3 fastapi==0.136.3 starlette==1.10.0 uvicorn==0.54.0 \
 	pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
 # vLLM for the GPU machine (requirements/gpu-vllm.txt, 290 MB): more than one call carries (64 MiB), so
-# `make gpu-parts` here cuts it into parts of 48 MiB in .gpu-parts/ (60 MiB and the tree, ~5 MiB, went over);
+# `make gpu-parts` here cuts it into parts of 40 MiB in .gpu-parts/ (60 MiB with the tree went over, and so did a last part
+# of 44 MiB with `wheels`, 16 MiB, and the tree, 6 MiB);
 # each device call carries one part (its path, .gpu-parts/vllm.tar.NN; the last, smallest, with `wheels` beside
 # it) and begins with `make gpu-land`,
 # which moves the part out of the working tree (a carried path is replaced at every call) into $(GPU_PARTS);
@@ -142,7 +143,7 @@ gpu-parts: $(STAMP)
 	    ls .cache/gpu-vllm | grep -i -m1 "^$$(echo $$n | sed 's/[-_.]/[-_.]/g')-$$v-"; done > .cache/gpu-parts.list
 	test $$(wc -l < .cache/gpu-parts.list) -eq $$(grep -c '==' $(GPU_VLLM)) || { echo "a pinned wheel is missing"; exit 1; }
 	tar -C .cache/gpu-vllm -cf .cache/gpu-vllm.tar $$(cat .cache/gpu-parts.list)
-	split -b 48M -d -a 2 .cache/gpu-vllm.tar .cache/gpu-parts/vllm.tar. && rm .cache/gpu-vllm.tar
+	split -b 40M -d -a 2 .cache/gpu-vllm.tar .cache/gpu-parts/vllm.tar. && rm .cache/gpu-vllm.tar
 	mv .cache/gpu-parts .gpu-parts && ls -l .gpu-parts
 
 # A base image for the Dockerfile made here from Debian's packages (no registry needed): debootstrap
