@@ -91,6 +91,7 @@ class SGLangEngine(Engine):
         self._salt = 0
         self._update: StagedUpdate | None = None
         self._applied: dict | None = None
+        self._stack: tuple = ((), None)  # a manifest's specs, its stacked experts (from_proto's tuple: by identity)
         self._replies = tempfile.TemporaryDirectory(prefix="rlsync-sglang-")
 
     async def start(self) -> None:
@@ -225,7 +226,9 @@ class SGLangEngine(Engine):
         specs = from_proto(offer.manifest)
         needed = sum(s.nbytes for s in specs)
         ensure_room(needed, self.device, offer.manifest.version)
-        staging = SharedStaging(specs, stacked_specs(specs, self.stacked_rules))
+        if self._stack[0] is not specs:  # (the same tensors again: no per-tensor work per update)
+            self._stack = (specs, stacked_specs(specs, self.stacked_rules))
+        staging = SharedStaging(specs, self._stack[1])
         ans = answer(offer, receiver_id, device=self.device, force=force_backend or None)
         self._update = StagedUpdate(offer, ans, staging.store, 0, self.device, timeout)
         self._update.staging = staging
