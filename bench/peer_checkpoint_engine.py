@@ -337,7 +337,7 @@ class RlsyncReceiver:
         offer = pb.Offer.FromString(payload)
         at["decoded"] = time.perf_counter()
         ans = answer(offer, "bench-receiver", device=DEVICE, force="cuda_ipc")
-        if self.armed is not None and ans.pull and self.armed.adopt(from_proto(offer.manifest), offer.mapped):
+        if self.armed is not None and ans.pull and self.armed.adopt(from_proto(offer.manifest), offer):
             ans.copied.append(self.bell.event_handle)  # started by the trainer's bell: the answer names its event
             at["answered"] = at["set_up"] = at["pulled"] = time.perf_counter()
             self.emit("ANSWER", ans.SerializeToString())

@@ -26,3 +26,16 @@ def test_a_sharded_trainers_rung_replicas_are_recorded_as_holders_with_no_bell()
     holders.routed([pb.Doorbell(address="a:1"), pb.Doorbell(address="b:1")])
     assert {a: held for a, (_, held) in holders.holding.items()} == {"a:1": ROUTED_HOLD, "b:1": ROUTED_HOLD}
     assert holders.bells_for(pb.Offer(routing=pb.Routing(store="h:1", holder="trainer"))) == {}
+
+
+def test_a_sharded_trainers_offer_rings_the_replicas_holding_exactly_the_memories_it_names():
+    """Replicas that hold a sharded trainer's storages since its onload (HoldWeightsRequest.routing) armed its next
+    copy at their wake for the ranks' memories that onload named: rung only for an offer naming the same."""
+    holders = Holders("trainer", "", Lines())
+    holders.holding = {a: (pb.Doorbell(address=a), (b"s0", b"s1")) for a in ("a:1", "b:1", "c:1")}
+    holders.bells = {"a:1": "bell-a", "b:1": "bell-b", "c:1": "bell-c"}
+    holders.memories = {"a:1": ("m0", "m1"), "b:1": ("m0", "m-before")}  # (c: held with no routing)
+    offer = pb.Offer(routing=pb.Routing(store="h:1", holder="trainer", memories=["m0", "m1"]))
+    assert holders.bells_for(offer) == {"a:1": "bell-a"}
+    offer.manifest.adapter.rank = 8
+    assert holders.bells_for(offer) == {}

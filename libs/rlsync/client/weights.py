@@ -89,7 +89,10 @@ async def ring_prepare(offer: Offer, doorbells: list[Doorbell], token: str, forc
     stamp("ring")
     start = time.perf_counter()
     ours = MappedTensors(waits=len(offer.mapped.ipc) > 0)  # the answers come back here: this waits for the copies
-    rung = [bells[d.address] for d in doorbells if bells and d.address in bells] if ours.waits else []
+    # (a sharded trainer's offer naming its ranks' memories: its ranks' weights were final on the GPU when they
+    # described them)
+    waits = ours.waits or len(offer.routing.memories) > 0
+    rung = [bells[d.address] for d in doorbells if bells and d.address in bells] if waits else []
     if rung:  # after the offer, so after the weights on this stream
         ours.bell = next(_BELL_VALUES) % (1 << 30) + 1
         for flag in rung:

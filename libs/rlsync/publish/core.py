@@ -239,6 +239,8 @@ class PublisherCore:
         except Exception as e:  # noqa: BLE001 - every rank fails alike (its own agreement); the send refreshes again
             log.warning("rank %d cannot bring what it sends up to date: %s", ranks.rank, e)
             return []
+        if self._source.format is not None:  # (alike on every rank) each rank's quantized values are final
+            ranks.agree(True)  # on its GPU before rank 0 rings: a replica's armed copy may start then
         return digests
 
     @staticmethod

@@ -37,6 +37,8 @@ class Holders:
         self.holding: dict[str, tuple[Doorbell, tuple[bytes, ...]]] = {}
         self.cannot_hold: set[str] = set()  # addresses of replicas that refused to, or let go (until the next release)
         self.bells: dict[str, torch.Tensor] = {}  # address -> that replica's bell, mapped (rlsync.transfer.armed)
+        # address -> the sharded trainer's memories (Routing.memories) a replica was asked to hold at the onload
+        self.memories: dict[str, tuple[str, ...]] = {}
         self.peer_gpus: dict[str, str] = {}  # address -> GPU of a replica found on another GPU (kept for good)
         self._letting_go: set[asyncio.Task] = set()
 
@@ -54,6 +56,8 @@ class Holders:
         if todo:
             held = self._record(regions, await ring_hold(self.holder, *regions, todo, self.token, self.lines,
                                                          routing=routing))
+            if routing is not None and routing.memories:
+                self.memories.update((address, tuple(routing.memories)) for address in held)
             self.cannot_hold.update(d.address for d in todo if d.address not in held)
         await self._settle_peers(peers)
 
@@ -73,6 +77,7 @@ class Holders:
         for d, response in held:
             self.holding[d.address] = d, tuple(regions[0].ipc)
             self.bells.pop(d.address, None)
+            self.memories.pop(d.address, None)
             if response.peer_gpu:
                 self.peer_gpus[d.address] = response.peer_gpu
             else:
@@ -100,16 +105,21 @@ class Holders:
         doorbells = [self.holding.pop(address)[0] for address in addresses]
         for address in addresses:
             self.bells.pop(address, None)
+            self.memories.pop(address, None)
         task = asyncio.ensure_future(ring_release(self.holder, doorbells, self.token, self.lines))
         self._letting_go.add(task)  # (the loop keeps only a weak reference to a task)
         task.add_done_callback(self._letting_go.discard)
 
     def bells_for(self, offer) -> dict[str, torch.Tensor]:
         """The bells to write for `offer`, by doorbell address: of the replicas that hold exactly the storages it
-        maps, and none for an adapter. A copy armed at a wake repeats a pull of the weights from those storages;
-        rung for any other offer, it would run for nothing into weights that may have no backup to refill them."""
+        maps (a sharded trainer's offer: exactly the ranks' memories it names, held since the onload), and none for
+        an adapter. A copy armed at a wake repeats a pull of the weights from those storages; rung for any other
+        offer, it would run for nothing into weights that may have no backup to refill them."""
         if offer.manifest.HasField("adapter"):
             return {}
+        if offer.routing.memories:
+            memories = tuple(offer.routing.memories)
+            return {a: b for a, b in self.bells.items() if self.memories.get(a) == memories}
         handles = tuple(offer.mapped.ipc)
         return {a: b for a, b in self.bells.items() if self.holding.get(a, (None, ()))[1] == handles}
 
@@ -123,5 +133,5 @@ class Holders:
     async def release(self) -> int:
         """Has every replica that holds the weights let go -> how many answered."""
         holding = [d for d, _ in self.holding.values()]
-        self.holding, self.bells, self.cannot_hold = {}, {}, set()
+        self.holding, self.bells, self.memories, self.cannot_hold = {}, {}, {}, set()
         return await ring_release(self.holder, holding, self.token, self.lines) if holding else 0

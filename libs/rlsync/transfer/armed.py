@@ -66,7 +66,8 @@ class Bell:
 class Armed:
     """A copy queued to start when the bell is written (the sender's value, `offer.mapped.bell`, from 1
     up): `launch()` queues it on the current stream (here the bell's), `nbytes` is what it moves. `key`
-    says which offer it copies (`key_of`)."""
+    says which offer it copies (`key_of`, `routed_key`). What `launch()` returns (what the copy reads) is kept
+    with it (`reads`)."""
 
     def __init__(self, bell: Bell, launch: Callable[[], object], nbytes: int, key: tuple,
                  cancel: Callable[[], object] | None = None):
@@ -76,19 +77,18 @@ class Armed:
         with torch.cuda.stream(bell.stream):
             driver.wait_value(bell.stream, bell.flag.data_ptr(), 1)
             bell.flag[1:].copy_(bell.flag[:1])  # what started it
-            launch()
+            self.reads = launch()
             bell.event.record(bell.stream)
         self.done = False
         self.adopted = False  # an update took it: its bytes are the update's
 
-    def adopt(self, specs, mapped) -> bool:
-        """Takes the copy for the offer of `specs` and `mapped` (its MappedTensors) when it is that
-        offer's: armed for its tensors, storages, locations and dtypes (`key_of`), and started by the
-        value the sender wrote for it (`mapped.bell`; 0: it wrote none) or not started yet. A bell written
-        with another value started the copy for an earlier offer, whose bytes may be older."""
-        rung = mapped.bell
-        if self.done or self.adopted or rung <= 0 or \
-                key_of(specs, mapped.ipc, mapped.region, mapped.offset, mapped.dtype) != self.key:
+    def adopt(self, specs, offer) -> bool:
+        """Takes the copy for `offer` (as rung: its PrepareUpdateRequest's), of `specs`, when it is that offer's:
+        armed for its tensors, storages, locations and dtypes (`offer_key`), and started by the value the sender
+        wrote for it (`offer.mapped.bell`; 0: it wrote none) or not started yet. A bell written with another value
+        started the copy for an earlier offer, whose bytes may be older."""
+        rung = offer.mapped.bell
+        if self.done or self.adopted or rung <= 0 or offer_key(specs, offer) != self.key:
             return False
         if self.bell.started_by() not in (0, rung):
             return False
@@ -122,6 +122,21 @@ def key_of(specs, ipc, region, offset, dtype=()) -> tuple:
     """What makes two pulls the same copy: the tensors, the storages, where each tensor lies in them and
     in which dtype (a pull that casts); as an offer's MappedTensors says them."""
     return tuple(specs), tuple(ipc), tuple(region), tuple(offset), tuple(dtype)
+
+
+def routed_key(specs, routing) -> tuple:
+    """What makes two of a sharded trainer's offers the same copy into one store (rlsync.transfer.relaunch): the
+    tensors, the trainer's layout, the holder its ranks' storages are held under and every rank's memory."""
+    return "routed", tuple(specs), routing.layout, routing.holder, tuple(routing.memories)
+
+
+def offer_key(specs, offer) -> tuple:
+    """The copy an offer of `specs` is: a sharded trainer's naming its ranks' memories (`routed_key`), else a pull
+    of the storages its MappedTensors map (`key_of`)."""
+    if offer.routing.memories:
+        return routed_key(specs, offer.routing)
+    mapped = offer.mapped
+    return key_of(specs, mapped.ipc, mapped.region, mapped.offset, mapped.dtype)
 
 
 @lru_cache(maxsize=64)  # mapped once per replica, for as long as it lives; gone ones age out

@@ -144,6 +144,12 @@ def launch(table: Table) -> None:
         run(rows, BLOCK=block)
 
 
+def loaded(table: Table) -> bool:
+    """Whether `table`'s kernel was launched on its device before: a launch then loads nothing (a module's load
+    may wait for the whole device, which a copy armed behind a bell never lets end: rlsync.transfer.armed)."""
+    return (table.cast, table.rows.device.index) in _LAUNCHERS
+
+
 class Launcher(NamedTuple):
     """A compiled table kernel as the driver launches it: its CUfunction, threads a block, dynamic shared memory,
     and its parameters after the table (Triton's scratch pointers, null where its kernel asks for no scratch)."""

@@ -75,7 +75,7 @@ def run_receive(args) -> int:
         if dest is None:
             dest = flat_destination(offer.manifest, args.device)
         try:
-            adopted = armed is not None and ans.pull and armed.adopt(from_proto(offer.manifest), offer.mapped)
+            adopted = armed is not None and ans.pull and armed.adopt(from_proto(offer.manifest), offer)
             if adopted:  # the sender started it on the GPU: wait for it as the sender does, on its event
                 ans.copied.append(bell.event_handle)
                 emit("ANSWER", encode(ans))

@@ -55,19 +55,27 @@ def remember(kept: dict, routing: pb.Routing, specs: Sequence[Spec], rank: int, 
     kept[_KEY] = Launch(_names(routing, rank), tuple(specs), launched["handles"], token, launched["tables"], nbytes)
 
 
-def relaunch(kept: dict, routing: pb.Routing, specs: Sequence[Spec], rank: int = 0,
-             held: HeldMappings = HELD) -> tuple[int, list[torch.Tensor]] | None:
-    """Queues on the current stream the copy `remember` kept with this staging, when the offer names the same
-    memories and manifest and the storages it reads are still held as they were -> (its bytes, the mappings it
-    reads: the caller keeps them until the copy is done, for a release meanwhile closes only what nobody keeps),
-    else None (nothing queued)."""
+def launchable(kept: dict, routing: pb.Routing, specs: Sequence[Spec], rank: int = 0,
+               held: HeldMappings = HELD) -> tuple[Launch, list[torch.Tensor]] | None:
+    """The copy `remember` kept with this staging and the mappings it reads, when the offer names the same
+    memories and manifest and the storages it reads are still held as they were, else None."""
     found: Launch | None = kept.get(_KEY)
     if found is None or found.names != _names(routing, rank) or found.specs != tuple(specs):
         return None
     both = held.mapped(found.handles)  # (the mappings taken with the memo: a release after the check keeps them)
     if both is None or both[1].get(_KEY) is not found.token:
         return None
-    mappings = both[0]
-    for table in found.tables:
+    return found, both[0]
+
+
+def relaunch(kept: dict, routing: pb.Routing, specs: Sequence[Spec], rank: int = 0,
+             held: HeldMappings = HELD) -> tuple[int, list[torch.Tensor]] | None:
+    """Queues on the current stream the copy `remember` kept with this staging (`launchable`) -> (its bytes, the
+    mappings it reads: the caller keeps them until the copy is done, for a release meanwhile closes only what
+    nobody keeps), else None (nothing queued)."""
+    found = launchable(kept, routing, specs, rank, held)
+    if found is None:
+        return None
+    for table in found[0].tables:
         batched.launch(table)
-    return found.nbytes, mappings
+    return found[0].nbytes, found[1]

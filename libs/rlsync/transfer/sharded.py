@@ -560,9 +560,12 @@ class ShardedSender:
     def describe(self) -> pb.RankDigest:
         """Every rank, as rank 0 makes an offer for replicas that hold the trainer's storages (Routing.memories):
         this rank's mapped memory by its digest, with the memory itself when the store does not hold it yet
-        (rank 0 puts it there: `described`). Empty when its storages cannot be mapped."""
+        (rank 0 puts it there: `described`). Empty when its storages cannot be mapped. Its weights are final on the
+        GPU when it returns: once rank 0 has every rank's digest, a replica's copy armed behind its bell may start
+        (rank 0 writes the bell before it rings: rlsync.transfer.armed), and no other rank's stream orders it."""
         if self.held is None or self.device.type != "cuda":
             return pb.RankDigest()
+        torch.cuda.current_stream(self.device).synchronize()
         summary, mapped, _ = self._exported(local_facts(self.device), True)
         out = pb.RankDigest(digest=summary.digest)
         if summary.digest and self._mapped != summary.digest:

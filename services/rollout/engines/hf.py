@@ -438,16 +438,17 @@ class HFEngine(Engine):
         def in_place() -> StagedUpdate | AdoptedUpdate | None:
             """Between two steps: a woken engine whose weights are not refilled yet receives right
             into them (the backup still holds the current version): the copy armed at its wake when
-            this offer started it, a sharded trainer's copy made ahead at the wake (launch_in_place), else a
-            pull or a receive."""
+            this offer started it (a sharded trainer's too: Arming.arm_routed), a sharded trainer's copy made
+            ahead at the wake (launch_in_place), else a pull or a receive."""
             if not self.weights.pending_restore:
                 return None
             self.weights.receiving_in_place = True
             try:
                 specs = from_proto(offer.manifest)
-                if ans.pull and (adopted := self._arming.adopt(self.weights, specs, offer.mapped,
-                                                               offer.manifest.version)) is not None:
+                if (ans.pull or routed and not force_backend) and (adopted := self._arming.adopt(
+                        self.weights, specs, offer, offer.manifest.version)) is not None:
                     clock.lap("adopt")
+                    ans.pull = True  # (a routed one: as a routed receiver sets it as it arms)
                     return adopted
                 self.weights.disarm()
                 if routed and not force_backend and (adopted := self._arming.launch_in_place(
@@ -540,9 +541,13 @@ class HFEngine(Engine):
         """(The engine thread.) The launch the next routed offer relaunches, made in the store it will land in: the
         woken weights, else the spare (Arming.rearm)."""
         weights = self.weights
-        if weights.armed is not None:  # a copy armed for a one-process trainer's pull: its next offer is that
+        if weights.armed is not None:  # a copy armed already: the next offer is its
             return self._arming.rearm(None, memories)
-        return self._arming.rearm(weights.store if weights.pending_restore else weights.spare, memories)
+        if not weights.pending_restore:
+            return self._arming.rearm(weights.spare, memories)
+        made = self._arming.rearm(weights.store, memories)
+        self._arming.arm_routed(weights)  # then queued behind the bell: the trainer's ring starts it
+        return made
 
     async def release_weights(self, holder: str) -> int:
         def release() -> int:

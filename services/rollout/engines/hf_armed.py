@@ -10,7 +10,9 @@ beside decoding on an H200, the checks included; 0.38–0.44 ms through torch; l
 and queueing it, 0.72 ms). A sharded trainer's repeat from storages held here is launched so too, into the
 spare store (`launch_routed`) or, colocated, into the woken weights it lands in (`launch_in_place`): the
 tables the store keeps (rlsync.transfer.relaunch), of the last armed pull into it or made ahead, at the wake or
-as the trainer's onload names new memories (`rearm`)."""
+as the trainer's onload names new memories (`rearm`). Colocated, those tables are queued at the wake behind the
+bell too (`arm_routed`), for the memories the trainer's onload named: its ring starts the copy, as a one-process
+trainer's does."""
 
 from __future__ import annotations
 
@@ -22,12 +24,13 @@ import torch
 from rlsync.common.stamps import stamp
 from rlsync.flat import FlatStore
 from rlsync.rollout.staging import AdoptedUpdate
-from rlsync.transfer import driver
-from rlsync.transfer.armed import Armed, Bell, key_of
+from rlsync.transfer import batched, driver
+from rlsync.transfer.armed import Armed, Bell, key_of, routed_key
 from rlsync.transfer.backends.slots import contiguous
 from rlsync.transfer.copied import copy_event
 from rlsync.transfer.held import HELD
-from rlsync.transfer.relaunch import relaunch
+from rlsync.transfer.manifest import from_proto
+from rlsync.transfer.relaunch import launchable, relaunch
 from rlsync.transfer.sharded import RoutedReceiver, known
 from rlsync.transfer.streams import resolved, transfer_stream
 from rlsync.transfer.v1 import transfer_pb2 as pb
@@ -83,12 +86,12 @@ class Arming:
         weights.armed = Armed(self.bell, lambda: dst.copy_(source, non_blocking=True), nbytes,
                               key_of(specs, handles, region, offset))
 
-    def adopt(self, weights, specs: list, mapped: pb.MappedTensors, version: int) -> AdoptedUpdate | None:
-        """The armed copy, when it is this offer's (rung with a bell value); else None."""
+    def adopt(self, weights, specs: list, offer: pb.Offer, version: int) -> AdoptedUpdate | None:
+        """The armed copy, when it is this offer's (rung with a bell value: Armed.adopt); else None."""
         armed = weights.armed
-        if armed is None or not armed.adopt(specs, mapped):  # (a cast: its dtypes differ)
+        if armed is None or not armed.adopt(specs, offer):  # (a cast: its dtypes differ)
             return None
-        return AdoptedUpdate(armed.nbytes, armed.bell.event_handle, armed.disarm, version)
+        return AdoptedUpdate(armed.nbytes, armed.bell.event_handle, armed.disarm, version, reads=armed.reads)
 
     def launch(self, weights, specs: list, mapped: pb.MappedTensors, version: int):
         """Between two decode steps or beside them: the last held pull again, into the spare store, when
@@ -139,6 +142,33 @@ class Arming:
             return None
         return self._queued(version, lambda stream: _relaunch(store, specs, routing, stream))
 
+    def arm_routed(self, weights) -> None:
+        """At a wake of the weights a sharded trainer's update will land in, once the launch of its copy is made in
+        them (`rearm`): queues that launch behind the bell, for the trainer to start as it rings the offer (its
+        ranks' weights are final once they described their memories: ShardedSender.describe). The prepare adopts
+        it when the offer names the same memories (`adopt`); else it is disarmed, and the backup refills."""
+        if not self.enabled or self.bell is None or self.routed is None or weights.armed is not None \
+                or not weights.pending_restore or weights.store is None:
+            return
+        offer, store = self._next_routed(), weights.store
+        specs = from_proto(offer.manifest)
+        found = launchable(store.memo, offer.routing, specs)
+        if found is None or not all(batched.loaded(t) for t in found[0].tables):
+            return
+        armed = Armed(self.bell, lambda: relaunch(store.memo, offer.routing, specs), found[0].nbytes,
+                      routed_key(specs, offer.routing))
+        weights.armed = armed
+        if armed.reads is None:  # (nothing queued after all: never adopted)
+            weights.disarm()
+
+    def _next_routed(self) -> pb.Offer:
+        """The last sharded offer copied as prepared, naming the memories the next one will (`memories`)."""
+        offer = pb.Offer()
+        offer.CopyFrom(self.routed[0])
+        del offer.routing.memories[:]
+        offer.routing.memories.extend(self.memories)
+        return offer
+
     def learn_routed(self, offer: pb.Offer, answer: pb.Answer) -> None:
         """A sharded trainer's offer this replica copied as it prepared (armed), and its answer: what the next
         ones will be like, for `rearm`."""
@@ -153,12 +183,8 @@ class Arming:
             self.memories = tuple(memories)
         if not self.enabled or self.routed is None or store is None or not known(self.memories):
             return False  # (nothing read here: on the engine's thread, arming reads only what is known)
-        template, answer = self.routed
-        offer, ans = pb.Offer(), pb.Answer()
-        offer.CopyFrom(template)
-        ans.CopyFrom(answer)
-        del offer.routing.memories[:]
-        offer.routing.memories.extend(self.memories)
+        offer, ans = self._next_routed(), pb.Answer()
+        ans.CopyFrom(self.routed[1])
         try:
             return RoutedReceiver(offer, ans, store, device=self.device, hold=offer.routing.holder,
                                   at_once=True).keep_ahead()
