@@ -82,15 +82,17 @@ class Armed:
         self.done = False
         self.adopted = False  # an update took it: its bytes are the update's
 
-    def adopt(self, specs, offer) -> bool:
+    def adopt(self, specs, offer, started: bool = False) -> bool:
         """Takes the copy for `offer` (as rung: its PrepareUpdateRequest's), of `specs`, when it is that offer's:
         armed for its tensors, storages, locations and dtypes (`offer_key`), and started by the value the sender
-        wrote for it (`offer.mapped.bell`; 0: it wrote none) or not started yet. A bell written with another value
-        started the copy for an earlier offer, whose bytes may be older."""
+        wrote for it (`offer.mapped.bell`; 0: it wrote none) or not started yet (`started`: only started, for a
+        copy armed with no order against the sender's write: armed after it, it would wait for good). A bell
+        written with another value started the copy for an earlier offer, whose bytes may be older."""
         rung = offer.mapped.bell
         if self.done or self.adopted or rung <= 0 or offer_key(specs, offer) != self.key:
             return False
-        if self.bell.started_by() not in (0, rung):
+        by = self.bell.started_by()
+        if by != rung and (started or by != 0):
             return False
         self.adopted = True
         return True

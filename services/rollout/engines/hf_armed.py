@@ -89,8 +89,10 @@ class Arming:
     def adopt(self, weights, specs: list, offer: pb.Offer, version: int) -> AdoptedUpdate | None:
         """The armed copy, when it is this offer's (rung with a bell value: Armed.adopt); else None."""
         armed = weights.armed
-        if armed is None or not armed.adopt(specs, offer):  # (a cast: its dtypes differ)
-            return None
+        # (a sharded trainer's copy is armed as the wake's rearm ends, which nothing waits for: one its bell has not
+        # started by the time its prepare comes may have been armed after the trainer wrote the bell)
+        if armed is None or not armed.adopt(specs, offer, started=bool(offer.routing.memories)):
+            return None  # (a cast: its dtypes differ)
         return AdoptedUpdate(armed.nbytes, armed.bell.event_handle, armed.disarm, version, reads=armed.reads)
 
     def launch(self, weights, specs: list, mapped: pb.MappedTensors, version: int):
