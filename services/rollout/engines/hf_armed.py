@@ -150,8 +150,8 @@ class Arming:
         ranks' weights are final once they described their memories: ShardedSender.describe). The prepare adopts
         it when the offer names the same memories (`adopt`); else it is disarmed, and the backup refills."""
         if not self.enabled or self.bell is None or self.routed is None or weights.armed is not None \
-                or not weights.pending_restore or weights.store is None:
-            return
+                or not weights.pending_restore or weights.receiving_in_place or weights.store is None:
+            return  # (an update receiving into them already: an onload's read-ahead may come meanwhile)
         offer, store = self._next_routed(), weights.store
         specs = from_proto(offer.manifest)
         found = launchable(store.memo, offer.routing, specs)
