@@ -309,10 +309,12 @@ class RolloutCore:
             raise InvalidArgument("HoldWeights needs the storages to map (mapped.ipc): ReleaseWeights lets go")
         mapped, bell, peer_gpu = await self.engine.hold_weights(holder, handles, facts)
         if routing is not None and routing.memories:
+            arms = False
             try:
-                await self.engine.read_ahead(routing)
+                arms = await self.engine.read_ahead(routing)
             except Exception as e:  # noqa: BLE001 - its offers read what they need then
                 log.warning("could not read the trainer's memories ahead of its offers: %s", e)
+            bell = bell if arms else b""  # (its offers start no copy armed here)
         return mapped, len(set(handles)), bell, peer_gpu
 
     async def release_weights(self, holder: str) -> int:

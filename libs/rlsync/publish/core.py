@@ -234,14 +234,17 @@ class PublisherCore:
             if ranks.rank != 0:
                 return []
             raise error or Unavailable(f"trainer rank {failed[0]} cannot send its shards: {failed[1]}")
+        refreshed = True
         try:
             self._source.refresh(ranks)  # (every rank, in step: a quantized model's scales are exchanged)
-        except Exception as e:  # noqa: BLE001 - every rank fails alike (its own agreement); the send refreshes again
+        except Exception as e:  # noqa: BLE001 - the send refreshes again
             log.warning("rank %d cannot bring what it sends up to date: %s", ranks.rank, e)
+            refreshed = False
+        # (alike on every rank) a quantized model's ranks agree that their values are final on their GPUs, as a
+        # replica's armed copy may start once rank 0 rings; one rank's refresh may fail after the exchange
+        if self._source.format is not None and ranks.agree(refreshed):
             return []
-        if self._source.format is not None:  # (alike on every rank) each rank's quantized values are final
-            ranks.agree(True)  # on its GPU before rank 0 rings: a replica's armed copy may start then
-        return digests
+        return digests if refreshed else []
 
     @staticmethod
     def _gather_memory(ranks: Ranks, sender: ShardedSender | None, error: Exception | None) -> list[tpb.RankDigest]:

@@ -74,26 +74,34 @@ class Armed:
         self.bell, self.key, self.nbytes, self.cancel = bell, key, nbytes, cancel
         bell.flag.zero_()
         torch.cuda.current_stream(bell.device).synchronize()  # zeroed, and the destination free, before the wait
-        with torch.cuda.stream(bell.stream):
-            driver.wait_value(bell.stream, bell.flag.data_ptr(), 1)
-            bell.flag[1:].copy_(bell.flag[:1])  # what started it
-            self.reads = launch()
-            bell.event.record(bell.stream)
+        try:
+            with torch.cuda.stream(bell.stream):
+                driver.wait_value(bell.stream, bell.flag.data_ptr(), 1)
+                bell.flag[1:].copy_(bell.flag[:1])  # what started it
+                self.reads = launch()
+                bell.event.record(bell.stream)
+        except BaseException:  # a wait queued stays: released from this process's stream, what is behind it runs out
+            bell.flag[:1].fill_(1)
+            bell.stream.synchronize()
+            raise
         self.done = False
         self.adopted = False  # an update took it: its bytes are the update's
 
-    def adopt(self, specs, offer, started: bool = False) -> bool:
+    def adopt(self, specs, offer, start: bool = False) -> bool:
         """Takes the copy for `offer` (as rung: its PrepareUpdateRequest's), of `specs`, when it is that offer's:
         armed for its tensors, storages, locations and dtypes (`offer_key`), and started by the value the sender
-        wrote for it (`offer.mapped.bell`; 0: it wrote none) or not started yet (`started`: only started, for a
-        copy armed with no order against the sender's write: armed after it, it would wait for good). A bell
-        written with another value started the copy for an earlier offer, whose bytes may be older."""
+        wrote for it (`offer.mapped.bell`; 0: it wrote none) or not started yet. A bell written with another value
+        started the copy for an earlier offer, whose bytes may be older. `start`: one not started yet is started
+        here, for a copy armed with no order against the sender's write (armed after it, it would wait for good)
+        from weights that were final before the sender rang (a sharded trainer's ranks, once they described them)."""
         rung = offer.mapped.bell
         if self.done or self.adopted or rung <= 0 or offer_key(specs, offer) != self.key:
             return False
         by = self.bell.started_by()
-        if by != rung and (started or by != 0):
+        if by not in (0, rung):
             return False
+        if by == 0 and start:
+            self.bell.flag[:1].fill_(rung)  # (on this process's stream: the armed one does not wait for it)
         self.adopted = True
         return True
 

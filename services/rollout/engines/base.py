@@ -133,10 +133,12 @@ class Engine(abc.ABC):
         raise FailedPrecondition(f"the {self.kind} engine receives updates outside the rollout process: it maps "
                                  "the trainer's memory at each update and holds nothing between them")
 
-    async def read_ahead(self, routing: Routing) -> None:
+    async def read_ahead(self, routing: Routing) -> bool:
         """A sharded trainer's memories by digest, named as it onloads (HoldWeightsRequest.routing): an engine
-        that copies the offers naming them at once (hf) reads them now; the others have nothing to read."""
-        return None
+        that copies the offers naming them at once (hf) reads them now; the others have nothing to read. -> whether
+        it arms the copy of an offer naming them at its wake, for the trainer's bell to start (else the trainer is
+        given no bell to write: one it armed for another trainer's pull must not start)."""
+        return False
 
     async def release_weights(self, holder: str) -> int:
         """Closes what hold_weights kept for `holder`; returns how many."""

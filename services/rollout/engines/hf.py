@@ -476,7 +476,9 @@ class HFEngine(Engine):
         if launched is not None:
             staging, update = launched
         elif update is None:
-            if self.weights.armed is not None:  # (an adapter, say) before anything here allocates or frees
+            # (an adapter, say) before anything here allocates or frees; woken weights may be armed by a rearm the
+            # engine thread has not run yet (Arming.arm_routed): disarmed after it
+            if self.weights.armed is not None or self.weights.pending_restore:
                 await self._call(self.weights.disarm)
             specs = from_proto(offer.manifest)
             if need := sum(s.nbytes for s in specs) if lora else self.weights.staging_bytes(specs):
@@ -529,13 +531,15 @@ class HFEngine(Engine):
 
         return await self._call(hold)
 
-    async def read_ahead(self, routing) -> None:
+    async def read_ahead(self, routing) -> bool:
         """Its routed receives copy an offer naming the ranks' memories at once (RoutedReceiver's at_once): what
         they would read first is read now, off the event loop; then what the copy into the store the next offer
-        lands in will launch is made, between two steps, not waited for (none while asleep: at the wake)."""
+        lands in will launch is made, between two steps, not waited for (none while asleep: at the wake, where it
+        is armed too: Arming.arm_routed)."""
         memories = tuple(routing.memories)
         await asyncio.to_thread(learn, routing)
         self._call(lambda: self._rearm(memories)).add_done_callback(_retrieved)
+        return self._arming.enabled
 
     def _rearm(self, memories=()) -> bool:
         """(The engine thread.) The launch the next routed offer relaunches, made in the store it will land in: the
@@ -629,5 +633,5 @@ class HFEngine(Engine):
 def _retrieved(future: asyncio.Future) -> None:
     """A call left to run on the engine thread unawaited: its failure retrieved (a dead engine's: its next call
     says so), for asyncio, which would warn of one nobody asked for."""
-    if not future.cancelled():
-        future.exception()
+    if not future.cancelled() and (e := future.exception()) is not None and not isinstance(e, EngineDead):
+        log.warning("work left to the engine thread failed: %s", e)

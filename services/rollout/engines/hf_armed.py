@@ -90,8 +90,9 @@ class Arming:
         """The armed copy, when it is this offer's (rung with a bell value: Armed.adopt); else None."""
         armed = weights.armed
         # (a sharded trainer's copy is armed as the wake's rearm ends, which nothing waits for: one its bell has not
-        # started by the time its prepare comes may have been armed after the trainer wrote the bell)
-        if armed is None or not armed.adopt(specs, offer, started=bool(offer.routing.memories)):
+        # started by the time its prepare comes may have been armed after the trainer wrote the bell, and is started
+        # here: the ranks' weights were final before the trainer rang)
+        if armed is None or not armed.adopt(specs, offer, start=bool(offer.routing.memories)):
             return None  # (a cast: its dtypes differ)
         return AdoptedUpdate(armed.nbytes, armed.bell.event_handle, armed.disarm, version, reads=armed.reads)
 
@@ -149,16 +150,21 @@ class Arming:
         them (`rearm`): queues that launch behind the bell, for the trainer to start as it rings the offer (its
         ranks' weights are final once they described their memories: ShardedSender.describe). The prepare adopts
         it when the offer names the same memories (`adopt`); else it is disarmed, and the backup refills."""
-        if not self.enabled or self.bell is None or self.routed is None or weights.armed is not None \
-                or not weights.pending_restore or weights.receiving_in_place or weights.store is None:
+        if not self.enabled or self.bell is None or self.held is None or self.routed is None \
+                or weights.armed is not None or not weights.pending_restore or weights.receiving_in_place \
+                or weights.store is None:
             return  # (an update receiving into them already: an onload's read-ahead may come meanwhile)
         offer, store = self._next_routed(), weights.store
         specs = from_proto(offer.manifest)
         found = launchable(store.memo, offer.routing, specs)
         if found is None or not all(batched.loaded(t) for t in found[0].tables):
             return
-        armed = Armed(self.bell, lambda: relaunch(store.memo, offer.routing, specs), found[0].nbytes,
-                      routed_key(specs, offer.routing))
+        try:
+            armed = Armed(self.bell, lambda: relaunch(store.memo, offer.routing, specs), found[0].nbytes,
+                          routed_key(specs, offer.routing))
+        except Exception as e:  # noqa: BLE001 - (it only saves time) the offer launches its copy as before
+            log.warning("could not arm a sharded trainer's next copy: %s", e)
+            return
         weights.armed = armed
         if armed.reads is None:  # (nothing queued after all: never adopted)
             weights.disarm()
