@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from publish import cast_limit  # noqa: E402
 from transfer import d2d_limit, nccl_limit  # noqa: E402
 
 from rlsync.client import (AsyncCoordinatorClient, CoordinatorClient, RolloutClient, TrainerClient,  # noqa: E402
@@ -449,10 +448,6 @@ def main() -> None:
         flags = ["--no-doorbell"] * args.no_doorbell + ["--no-hold-weights"] * args.no_hold
         result["colocated"] = colocated(model, args.cycles, root / "logs-colocated", result["limits"]["d2d_copy_GB/s"],
                                         lora + ranks, flags)
-        if args.trainer_nproc > 1:  # its FSDP2 ranks hold fp32 shards, published as bf16: the copy is a cast
-            cast = result["limits"]["cast_copy_GB/s"] = cast_limit(1 << 30, "cuda:0")  # (GB/s of bf16 written)
-            result["colocated"]["steady"]["transfer_vs_cast"] = round(
-                result["colocated"]["steady"]["transfer_GB/s"] / cast, 3)
     if args.only in (None, "disaggregated") and gpus >= 2:
         result["limits"]["nccl_broadcast_GB/s"] = round(nccl_limit(nbytes, 2), 1)
         result["disaggregated"] = disaggregated(model, args.cycles, root / "logs-disaggregated", gpus,
