@@ -12,6 +12,8 @@ import asyncio
 
 import pytest
 
+pytest.importorskip("vllm", reason="vLLM is not installed here (a GPU machine before its parts)")
+
 from conftest import VLLM_TEST_ARGS
 from rlsync.rollout.engines.vllm_versions import SwitchPoints
 
