@@ -74,8 +74,12 @@ def relaunch(kept: dict, routing: pb.Routing, specs: Sequence[Spec], rank: int =
     mappings it reads: the caller keeps them until the copy is done, for a release meanwhile closes only what
     nobody keeps), else None (nothing queued)."""
     found = launchable(kept, routing, specs, rank, held)
-    if found is None:
-        return None
-    for table in found[0].tables:
+    return None if found is None else queue(found)
+
+
+def queue(found: tuple[Launch, list[torch.Tensor]]) -> tuple[int, list[torch.Tensor]]:
+    """Queues on the current stream what `launchable` found -> (its bytes, the mappings it reads), as `relaunch`."""
+    launch, mappings = found
+    for table in launch.tables:
         batched.launch(table)
-    return found[0].nbytes, found[1]
+    return launch.nbytes, mappings

@@ -30,7 +30,7 @@ from rlsync.transfer.backends.slots import contiguous
 from rlsync.transfer.copied import copy_event
 from rlsync.transfer.held import HELD
 from rlsync.transfer.manifest import from_proto
-from rlsync.transfer.relaunch import launchable, relaunch
+from rlsync.transfer.relaunch import launchable, queue, relaunch
 from rlsync.transfer.sharded import RoutedReceiver, known
 from rlsync.transfer.streams import resolved, transfer_stream
 from rlsync.transfer.v1 import transfer_pb2 as pb
@@ -160,14 +160,9 @@ class Arming:
         if found is None or not all(batched.loaded(t) for t in found[0].tables):
             return
         try:
-            armed = Armed(self.bell, lambda: relaunch(store.memo, offer.routing, specs), found[0].nbytes,
-                          routed_key(specs, offer.routing))
+            weights.armed = Armed(self.bell, lambda: queue(found), found[0].nbytes, routed_key(specs, offer.routing))
         except Exception as e:  # noqa: BLE001 - (it only saves time) the offer launches its copy as before
             log.warning("could not arm a sharded trainer's next copy: %s", e)
-            return
-        weights.armed = armed
-        if armed.reads is None:  # (nothing queued after all: never adopted)
-            weights.disarm()
 
     def _next_routed(self) -> pb.Offer:
         """The last sharded offer copied as prepared, naming the memories the next one will (`memories`)."""
