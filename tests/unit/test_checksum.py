@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import interpreted
-from rlsync.transfer.checksum import audit, audit_entry, checksum_bytes, checksum_tensor, checksum_tensors
+from rlsync.transfer.checksum import KeptAudit, audit, audit_entry, checksum_bytes, checksum_tensor, checksum_tensors
 
 
 def test_same_bytes_same_checksum_any_alignment():
@@ -129,6 +129,47 @@ def test_many_tensors_at_once_equal_one_at_a_time():
     assert checksum_tensors(tensors) == [checksum_tensor(t) for t in tensors]
     named = {f"t{k}": t for k, t in enumerate(tensors)}
     assert audit(named) == {n: audit_entry(t) for n, t in named.items()}
+
+
+def test_a_kept_audit_reads_the_tensors_as_they_are_at_each_call():
+    """KeptAudit (a vLLM worker's audit of its live weights after each commit): laid out once, each call
+    reads the bytes as they are then, a non-contiguous view too; it fits only the same tensors where they were."""
+    g = torch.Generator().manual_seed(5)
+    weight, bias = torch.randn(64, 48, generator=g), torch.randn(48, generator=g)
+    named = {"w": weight, "w_t": weight.t(), "b": bias[8:40]}
+    kept = KeptAudit(named)
+    assert kept() == audit(named)
+    weight.add_(1.0)
+    bias[10] = 7.0
+    assert kept() == audit(named) == {n: audit_entry(t) for n, t in named.items()}
+    assert kept.fits(dict(named))
+    assert not kept.fits({**named, "b": bias[9:41]})  # moved
+    assert not kept.fits({**named, "b": bias[8:40].view(torch.int32)})  # another dtype
+    assert not kept.fits({"b": named["b"], "w": weight, "w_t": weight.t()})  # another order
+
+
+KEPT_RUN = r"""
+import json, sys, numpy as np, torch
+from rlsync.transfer import checksum
+checksum.CHUNK_WORDS = 100
+g = torch.Generator().manual_seed(int(sys.argv[1]))
+buf = torch.randint(-2 ** 62, 2 ** 62, (2_000,), dtype=torch.int64, generator=g)
+views = [buf[1:700], buf[700:701], buf[701:1999]]
+rows = np.array([(v.data_ptr(), v.numel(), k) for k, v in enumerate(views)], dtype=np.int64)
+summed = checksum._Summed(rows, torch.device("cpu"), 3)
+def sums():
+    return [f"{8 * v.numel():x}:{a & checksum._MASK:016x}:{b & checksum._MASK:016x}"
+            for v, (a, b) in zip(views, summed())]
+first = sums() == [checksum.checksum_tensor(v) for v in views]
+buf[5:900] += 3
+print(json.dumps({"exact": first and sums() == [checksum.checksum_tensor(v) for v in views]}))
+"""
+
+
+def test_the_checksum_kernels_kept_launch_sums_anew_at_each_call_under_tritons_interpreter():
+    """The checksum kernel's launch laid out once (checksum._Summed, what KeptSums keeps per device) sums the bytes
+    as they are at each call, its sums zeroed first (the kernel adds into them)."""
+    assert interpreted(KEPT_RUN, 0)["exact"]
 
 
 SUMS_RUN = r"""

@@ -31,9 +31,9 @@ from rlsync.rollout.engines.vllm_experts import Copies, Placement, apart_copies,
 from rlsync.rollout.engines.vllm_layout import BoxStaging, Loads, probe_loads
 from rlsync.rollout.engines.vllm_versions import TokenCounts
 from rlsync.rollout.staging import StagedUpdate, ensure_room
-from rlsync.transfer import answer, audit, from_proto
+from rlsync.transfer import answer, audit, batched, from_proto
 from rlsync.transfer.armed import Bell
-from rlsync.transfer.checksum import share_sums, tensor_sums
+from rlsync.transfer.checksum import KeptAudit, share_sums, tensor_sums
 from rlsync.transfer.dtypes import dtype_name
 from rlsync.transfer.handshake import NAMES, local_facts, same_gpu
 from rlsync.transfer.receiver import Receiver
@@ -75,18 +75,19 @@ _AUDIT_PROGRAMS = 16  # of the checksum kernel: an H200's 132 SMs less these sta
 
 class LiveAudit:
     """The audit of weights an update just made live, read back from them in a thread and on a stream of its
-    own, so the engine generates on meanwhile (one launch for all its tensors: rlsync.transfer.checksum). The
-    weights stay as they are until the next update or sleep, which wait for it first (`settle`)."""
+    own, so the engine generates on meanwhile (one launch for all its tensors, laid out once while they stay in
+    place: rlsync.transfer.checksum.KeptAudit). The weights stay as they are until the next update or sleep,
+    which wait for it first (`settle`)."""
 
-    def __init__(self, views: dict[str, torch.Tensor], device: torch.device):
+    def __init__(self, audit: KeptAudit, device: torch.device):
         # Its stream reads after the copies into them (and the step before them: the commit may come while a
         # step still runs on the GPU, which the engine's thread does not wait for here)
         written = torch.cuda.Event()
         written.record(torch.cuda.current_stream(device))
         self.future: concurrent.futures.Future[dict] = concurrent.futures.Future()
-        threading.Thread(target=self._run, args=(views, device, written), name="rlsync-audit", daemon=True).start()
+        threading.Thread(target=self._run, args=(audit, device, written), name="rlsync-audit", daemon=True).start()
 
-    def _run(self, views: dict[str, torch.Tensor], device: torch.device, written: torch.cuda.Event) -> None:
+    def _run(self, audit: KeptAudit, device: torch.device, written: torch.cuda.Event) -> None:
         from rlsync.rollout.engines.vllm_trace import mark
 
         began = time.perf_counter()
@@ -94,7 +95,7 @@ class LiveAudit:
             stream = torch.cuda.Stream(device)
             stream.wait_event(written)
             with torch.cuda.stream(stream):
-                self.future.set_result(audit(views, programs=_AUDIT_PROGRAMS))
+                self.future.set_result(audit())
         except BaseException as e:  # noqa: BLE001 - handed to whoever asks for the audit
             self.future.set_exception(e)
         mark("audit", began, time.perf_counter())  # (a bench's trace: beside the steps it runs with)
@@ -390,6 +391,9 @@ class RlsyncWorkerExtension:
         "ended": those of them finished (rank 0, where it counts: TokenCounts)}: in one answer, as each call
         waits for an engine step. `rung`: the update is the copy armed at the wake (rlsync_arm), which the
         replica adopted for an offer rung with that bell value."""
+        from rlsync.rollout.engines.vllm_trace import mark
+
+        began = time.perf_counter()
         counts = getattr(self, "_rlsync_tokens", None)
         tokens = ended = None
         if counts is not None and self.rank == 0:
@@ -399,7 +403,9 @@ class RlsyncWorkerExtension:
         self._rlsync_commit()
         if ended:
             counts.forget(ended)
-        return {"memory": self._rlsync_figures(), "tokens": tokens, "ended": ended}
+        out = {"memory": self._rlsync_figures(), "tokens": tokens, "ended": ended}
+        mark("worker_commit", began, time.perf_counter())  # (a bench's trace: between the steps around it)
+        return out
 
     def _rlsync_adopt(self, rung: int) -> None:
         """The armed copy as the update to commit, once it is known to be the one the trainer started for
@@ -443,15 +449,12 @@ class RlsyncWorkerExtension:
         # a direct pull from held storages: the next colocated wake may queue it again (rlsync_arm)
         self._rlsync_learnt = update.receiver if direct and update.receiver._held_pull else None
         if views is None and not isinstance(staging, BoxStaging):
-            views = self._rlsync_direct_views(from_proto(update.receiver.offer.manifest))
+            specs = from_proto(update.receiver.offer.manifest)
+            views = self._rlsync_direct_views(specs)
             if views is not None:
-                same = [(src, views[name]) for name, src in staging.items() if src.dtype == views[name].dtype]
-                copy_all((src.view(-1).view(torch.uint8), dst.view(-1).view(torch.uint8)) for src, dst in same)
-                for name, src in staging.items():
-                    if src.dtype != views[name].dtype:  # (a manifest in another dtype than the engine's: cast)
-                        views[name].copy_(src)
+                self._rlsync_copy_in(specs, staging, views)
         if views is not None:  # read back from the live weights, in the engine's dtype, while it generates on
-            self._rlsync_applied = LiveAudit(views, self._rlsync_device())
+            self._rlsync_applied = LiveAudit(self._rlsync_audit(views), self._rlsync_device())
             return
         model = self.model_runner.get_model()
 
@@ -479,6 +482,34 @@ class RlsyncWorkerExtension:
         else:
             self._rlsync_applied = audit(staging)
         refresh_tied(model)
+
+    def _rlsync_copy_in(self, specs, staging: dict[str, torch.Tensor], views: dict[str, torch.Tensor]) -> None:
+        """Queues the copy of the staging of `specs` into the live weights' `views` (a cast where a dtype differs)
+        on the engine's stream: the last commit's launch again (its table: batched.launch) where this staging lies
+        where that one did (flat_like lays the same tensors out alike, and the allocator mostly hands it the same
+        memory), else laid out anew (copy_all). Nothing of the staging is kept: its memory goes with the update."""
+        at = tuple(t.data_ptr() for t in staging.values())
+        kept = getattr(self, "_rlsync_copy", None)
+        if kept is not None and kept[0] is views and kept[1] is specs and kept[2] == at:
+            batched.launch(kept[3])
+            return
+        self._rlsync_copy = None
+        same = [(src, views[name]) for name, src in staging.items() if src.dtype == views[name].dtype]
+        table = copy_all((src.view(-1).view(torch.uint8), dst.view(-1).view(torch.uint8)) for src, dst in same)
+        cast = False
+        for name, src in staging.items():
+            if src.dtype != views[name].dtype:  # (a manifest in another dtype than the engine's: cast)
+                views[name].copy_(src)
+                cast = True
+        if table is not None and not cast:
+            self._rlsync_copy = (views, specs, at, table)
+
+    def _rlsync_audit(self, views: dict[str, torch.Tensor]) -> KeptAudit:
+        """The audit of the live weights' `views`, laid out once while they stay where they are (KeptAudit)."""
+        kept = getattr(self, "_rlsync_audits", None)
+        if kept is None or not kept.fits(views):
+            kept = self._rlsync_audits = KeptAudit(views, _AUDIT_PROGRAMS)
+        return kept
 
     @staticmethod
     def _rlsync_copies(model: torch.nn.Module, handed: list) -> Copies | None:
