@@ -138,7 +138,10 @@ class RlsyncWorkerExtension:
 
     def rlsync_memory(self) -> dict[str, Any]:
         model = self.model_runner.get_model()
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        counted = getattr(self, "_rlsync_weights_bytes", None)  # (the same model's: at every commit's answer)
+        if counted is None or counted[0] is not model:
+            counted = self._rlsync_weights_bytes = model, sum(p.numel() * p.element_size() for p in model.parameters())
+        weights = counted[1]
         kv = 0
         for cache in getattr(self.model_runner, "kv_caches", []) or []:
             tensors = cache if isinstance(cache, (list, tuple)) else [cache]
@@ -271,8 +274,10 @@ class RlsyncWorkerExtension:
         tensor list; None where the loaders or the weights' processing do not allow it (said once)."""
         if self._rlsync_device().type != "cuda":  # (vLLM processes its weights off the GPU: never direct)
             return None
-        key = tuple((s.name, s.shape) for s in specs)
         cached = getattr(self, "_rlsync_direct", None)
+        if cached is not None and cached[2] is specs:  # (from_proto's tuple for the same tensors: every commit's)
+            return cached[1]
+        key = tuple((s.name, s.shape) for s in specs)
         if cached is None or cached[0] != key:
             stack = self._rlsync_stack(specs)
             try:
@@ -284,7 +289,8 @@ class RlsyncWorkerExtension:
                 why = "a stacked experts tensor's experts do not lie in one run of a parameter, in its order"
             if views is None:
                 log.info("updates are staged, then loaded by vLLM's reload path: %s", why)
-            self._rlsync_direct = cached = (key, views)
+            cached = (key, views)
+        self._rlsync_direct = (*cached[:2], specs)
         return cached[1]
 
     def rlsync_begin(self, offer: bytes, answer_bytes: bytes, timeout: float, direct: bool = False,
