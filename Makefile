@@ -204,7 +204,8 @@ gpu-test:
 # A GPU benchmark, an older revision against this tree, on one machine, in turns (a figure that moved between two
 # machines is compared on one). Here: `make gpu-ab-parts AB_OLD=<rev>` packs that revision's code (0.4 MB) into
 # .gpu-parts/ab-old.tar.gz, to carry. There, after gpu-setup: `make gpu-ab [AB_ARGS=...] [AB_RUNS=2]` installs each tree
-# in turn and runs bench/gpu_cycle.py with AB_ARGS; each run's JSON and log under $$OUT (ab-old-1.json, ab-new-1.json, ...).
+# in turn and runs bench/gpu_cycle.py with AB_ARGS; each run's JSON and log under $$OUT (ab-old-1.json, ab-new-1.json, ...),
+# then prints each one's headline figures (bench/summary.py).
 AB_OLD ?= 6bb6b32
 AB_RUNS ?= 2
 AB_ARGS ?= --engine vllm --only updates --mode inflight --seconds 16 --rounds 4 --trace
@@ -220,6 +221,7 @@ gpu-ab:
 	        python3 bench/gpu_cycle.py $(AB_ARGS) > $${OUT:-$(CURDIR)/runs}/ab-$$side-$$i.json \
 	        2> $${OUT:-$(CURDIR)/runs}/ab-$$side-$$i.log) || echo "$$side run $$i failed: see ab-$$side-$$i.log"; \
 	done; done; python3 -m pip install -q --no-deps --no-build-isolation -e .
+	python3 bench/summary.py $${OUT:-$(CURDIR)/runs}/ab-*.json
 
 protos: $(STAMP)
 	$(BIN)/python -m rlsync.protogen
