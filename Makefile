@@ -205,8 +205,9 @@ gpu-test:
 # machines is compared on one). Here: `make gpu-ab-parts AB_OLD=<rev>` packs that revision's code (0.4 MB) into
 # .gpu-parts/ab-old.tar.gz, to carry. There, after gpu-setup: `make gpu-ab [AB_ARGS=...] [AB_RUNS=2]` installs each tree
 # in turn and runs bench/gpu_cycle.py with AB_ARGS; each run's JSON and log under $$OUT (ab-old-1.json, ab-new-1.json, ...),
-# then prints each one's headline figures (bench/summary.py).
-AB_OLD ?= 6bb6b32
+# with a traced run's trace beside it (ab-new-1.steps.jsonl: rollout.engines.vllm_trace), then prints each one's headline
+# figures (bench/summary.py).
+AB_OLD ?= f36e94f
 AB_RUNS ?= 2
 AB_ARGS ?= --engine vllm --only updates --mode inflight --seconds 16 --rounds 4 --trace
 gpu-ab-parts:
@@ -217,9 +218,11 @@ gpu-ab:
 	rm -rf /tmp/ab-old && mkdir -p /tmp/ab-old $${OUT:-runs} && tar -xzf .gpu-parts/ab-old.tar.gz -C /tmp/ab-old
 	for i in $$(seq $(AB_RUNS)); do for side in old new; do \
 	    tree=$$([ $$side = old ] && echo /tmp/ab-old || pwd); \
+	    rm -f /tmp/rlsync-gpu/logs-*/steps.jsonl; \
 	    python3 -m pip install -q --no-deps --no-build-isolation -e $$tree && (cd $$tree && PYTHONUNBUFFERED=1 \
 	        python3 bench/gpu_cycle.py $(AB_ARGS) > $${OUT:-$(CURDIR)/runs}/ab-$$side-$$i.json \
 	        2> $${OUT:-$(CURDIR)/runs}/ab-$$side-$$i.log) || echo "$$side run $$i failed: see ab-$$side-$$i.log"; \
+	    cat /tmp/rlsync-gpu/logs-*/steps.jsonl > $${OUT:-$(CURDIR)/runs}/ab-$$side-$$i.steps.jsonl 2>/dev/null || true; \
 	done; done; python3 -m pip install -q --no-deps --no-build-isolation -e .
 	python3 bench/summary.py $${OUT:-$(CURDIR)/runs}/ab-*.json
 
