@@ -202,7 +202,10 @@ class _Summed:
         table = np.stack([found[which, 0] + 8 * first, np.minimum(CHUNK_WORDS, found[which, 1] - first),
                           which, first], axis=1)
         self.device, self.chunks = device, len(table)
-        self.table = torch.from_numpy(table).to(device)
+        # (queued from pinned memory: the caller's stream may hold an engine's step, which a blocking upload
+        # would wait for; what reads the table runs after it on that stream, or waits for it there)
+        self.table = torch.from_numpy(table).pin_memory().to(device, non_blocking=True) if device.type == "cuda" \
+            else torch.from_numpy(table)
         self.sums = torch.zeros(2 * len(found), dtype=torch.int64, device=device)
         self.programs = min(len(table), programs or len(table))
 
