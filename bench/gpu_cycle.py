@@ -382,7 +382,7 @@ def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: floa
            "transfer_vs_limit": round(statistics.median(p["transfer_vs_limit"] for p in per_sync), 3),
            "aborted_and_resumed": status.resubmissions, "per_sync": per_sync}
     if events:
-        out["commit_trace"] = commit_trace(events)
+        out["update_trace"] = update_trace(events)
     if mode == "async":  # the pause window: everything between the abort and the resume
         windows_ms = [sum(s.phases.get(k, 0.0) for k in ("pause", "commit", "resume")) * 1e3 for s in syncs]
         out["pause_window_ms"] = round(statistics.median(windows_ms), 3)
@@ -391,24 +391,31 @@ def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: floa
     return out
 
 
-def commit_trace(events: list[tuple[str, float, float]]) -> dict:
-    """Where a commit's gap goes, from a vLLM replica's trace (medians, ms): an engine step (execute_model) alone
-    and the first after each commit; from the end of one step to the start of the next, without a commit between
-    them and across one; and the worker's commit itself (worker_commit), which runs there."""
+def update_trace(events: list[tuple[str, float, float]]) -> dict:
+    """Where an update's gaps go, from a vLLM replica's trace (medians, ms): an engine step (execute_model) alone and
+    the first after each commit; from the end of one step to the start of the next with no call of the update's
+    between them, and across each such call (worker_begin: the prepare's receive; worker_commit: the commit), with
+    the call's own time. Both calls run on the engine's thread, between two steps."""
     steps = [(a, b) for k, a, b in events if k == "execute_model"]
-    commits = [(a, b) for k, a, b in events if k == "worker_commit"]
+    between = [(s0[1], s1[0]) for s0, s1 in zip(steps, steps[1:])]
+    calls = {kind: [(a, b) for k, a, b in events if k == kind] for kind in ("worker_begin", "worker_commit")}
 
     def median_ms(values: list[float]) -> float | None:
         return round(statistics.median(values) * 1e3, 3) if values else None
 
-    between = [(s0[1], s1[0]) for s0, s1 in zip(steps, steps[1:])]
-    crossed = [any(e0 <= c0 and c1 <= s1 for c0, c1 in commits) for e0, s1 in between]
-    after = [min((s for s in steps if s[0] >= c1), default=None) for _, c1 in commits]
-    return {"commits": len(commits), "step_ms": median_ms([b - a for a, b in steps]),
-            "first_step_after_commit_ms": median_ms([b - a for a, b in filter(None, after)]),
-            "between_steps_ms": median_ms([s1 - e0 for (e0, s1), c in zip(between, crossed) if not c]),
-            "between_steps_across_commit_ms": median_ms([s1 - e0 for (e0, s1), c in zip(between, crossed) if c]),
-            "worker_commit_ms": median_ms([b - a for a, b in commits])}
+    def across(spans: list[tuple[float, float]]) -> list[bool]:
+        return [any(e0 <= c0 and c1 <= s1 for c0, c1 in spans) for e0, s1 in between]
+
+    alone = across([c for spans in calls.values() for c in spans])
+    after = [min((s for s in steps if s[0] >= c1), default=None) for _, c1 in calls["worker_commit"]]
+    out = {"step_ms": median_ms([b - a for a, b in steps]),
+           "first_step_after_commit_ms": median_ms([b - a for a, b in filter(None, after)]),
+           "between_steps_ms": median_ms([s1 - e0 for (e0, s1), c in zip(between, alone) if not c])}
+    for kind, spans in calls.items():
+        crossing = [s1 - e0 for (e0, s1), c in zip(between, across(spans)) if c]
+        out[kind] = {"calls": len(spans), "ms": median_ms([b - a for a, b in spans]),
+                     "between_steps_across_ms": median_ms(crossing)}
+    return out
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """The headline figures of bench/gpu_cycle.py results, one file a line (what `make gpu-ab` prints last, so that a
-device call's tail shows them): every number of each section, but not its per-sync or per-cycle lists.
+device call's tail shows them): every number of each section, at any depth, but not its per-sync or per-cycle lists.
 
     python bench/summary.py runs/ab-old-1.json runs/ab-new-1.json
 """
@@ -11,17 +11,20 @@ import sys
 
 
 def headline(result: dict) -> dict:
-    """{section.key: value} of every number or string in a section (a dict) and one level below it (steady,
-    commit_trace, ...), lists left out."""
+    """{section.key...: value} of every number or string in the result's sections (its dicts), at any depth, lists
+    (per sync, per cycle) left out."""
     out = {}
-    for section, figures in result.items():
-        if not isinstance(figures, dict) or section in ("limits", "engine_args"):
-            continue
+
+    def walk(figures: dict, at: str) -> None:
         for key, value in figures.items():
-            inner = value.items() if isinstance(value, dict) else [("", value)]
-            for sub, v in inner:
-                if isinstance(v, (int, float, str)) and not isinstance(v, bool):
-                    out[f"{section}.{key}{'.' + sub if sub else ''}"] = v
+            if isinstance(value, dict):
+                walk(value, f"{at}.{key}")
+            elif isinstance(value, (int, float, str)) and not isinstance(value, bool):
+                out[f"{at}.{key}"] = value
+
+    for section, figures in result.items():
+        if isinstance(figures, dict) and section not in ("limits", "engine_args"):
+            walk(figures, section)
     return out
 
 

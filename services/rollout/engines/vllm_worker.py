@@ -29,6 +29,7 @@ from rlsync.rollout.engines.vllm_direct import direct_views
 from rlsync.rollout.engines.vllm_experts import Copies, Placement, apart_copies, expert_layers, placement, reload, \
     stacked_placement
 from rlsync.rollout.engines.vllm_layout import BoxStaging, Loads, probe_loads
+from rlsync.rollout.engines.vllm_trace import mark, trace
 from rlsync.rollout.engines.vllm_versions import TokenCounts
 from rlsync.rollout.staging import StagedUpdate, ensure_room
 from rlsync.transfer import answer, audit, batched, from_proto
@@ -88,8 +89,6 @@ class LiveAudit:
         threading.Thread(target=self._run, args=(audit, device, written), name="rlsync-audit", daemon=True).start()
 
     def _run(self, audit: KeptAudit, device: torch.device, written: torch.cuda.Event) -> None:
-        from rlsync.rollout.engines.vllm_trace import mark
-
         began = time.perf_counter()
         try:
             stream = torch.cuda.Stream(device)
@@ -118,8 +117,6 @@ class RlsyncWorkerExtension:
 
     def rlsync_trace(self, path: str) -> None:
         """Times this worker's model steps into `path` (vllm_trace: for benches)."""
-        from rlsync.rollout.engines.vllm_trace import trace
-
         for method in ("execute_model", "sample_tokens"):
             if hasattr(self, method):
                 trace(self, method, method, path)
@@ -327,6 +324,7 @@ class RlsyncWorkerExtension:
                 state = self._rlsync_begin(o, ans, device, timeout, direct, staging_bytes)
         state = self._rlsync_final(state)  # (a pull that ended here: its final state, as rlsync_poll's, saves a poll)
         state["in_worker"] = time.perf_counter() - entered
+        mark("worker_begin", entered, entered + state["in_worker"])  # (a bench's trace: between the steps around it)
         if "stages" in state:  # (what this call took beyond the receive's own stages: parsing, answering)
             state["stages"] = {**state["stages"], "worker": max(state["in_worker"] - sum(state["stages"].values()), 0)}
         return state if answer_bytes else {**state, "answer": ans.SerializeToString()}
@@ -397,8 +395,6 @@ class RlsyncWorkerExtension:
         "ended": those of them finished (rank 0, where it counts: TokenCounts)}: in one answer, as each call
         waits for an engine step. `rung`: the update is the copy armed at the wake (rlsync_arm), which the
         replica adopted for an offer rung with that bell value."""
-        from rlsync.rollout.engines.vllm_trace import mark
-
         began = time.perf_counter()
         counts = getattr(self, "_rlsync_tokens", None)
         tokens = ended = None
