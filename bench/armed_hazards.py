@@ -5,7 +5,13 @@ operation an engine runs between two updates, timed with a copy armed and its be
 that ring); one that never ends within `--timeout` blocked the ringing thread too. Each operation
 runs in a process of its own. Prints one JSON object.
 
-    python bench/armed_hazards.py [--ring 1.0] [--timeout 8]
+Whether a kernel that waited had its module loaded before: under CUDA's lazy loading (the default) the first
+launch of a kernel loads it, and a load may wait for the whole device, which the armed copy never lets finish
+(rlsync.transfer.batched.loaded). `--warm` runs each operation once before the copy is armed (its kernels
+loaded, as an engine's decode kernels are after its first steps); `--eager-loading` starts each probe with
+CUDA_MODULE_LOADING=EAGER (every kernel loaded as the context starts).
+
+    python bench/armed_hazards.py [--ring 1.0] [--timeout 8] [--warm] [--eager-loading]
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ MB = 1 << 20
 
 def _ops() -> dict:
     x = torch.randn(64 * MB // 4, device=DEVICE)
+    a = torch.randn(2048, 2048, device=DEVICE, dtype=torch.bfloat16)
     return {
         "kernel_and_stream_sync": lambda: (x.mul_(1.0), torch.cuda.current_stream().synchronize()),
+        "matmul_and_softmax": lambda: ((a @ a).softmax(-1), torch.cuda.current_stream().synchronize()),
         "kernel_on_a_new_stream": lambda: _on(torch.cuda.Stream(DEVICE), lambda: x.mul_(1.0)),
         "item": lambda: x[0].item(),
         "cpu_pageable": lambda: x.cpu(),
@@ -47,11 +55,14 @@ def _on(stream: torch.cuda.Stream, fn) -> None:
     stream.synchronize()
 
 
-def probe(name: str, ring: float, by: str) -> None:
-    """The child: arms a copy, times `name`, while a thread writes the bell `ring` seconds later."""
+def probe(name: str, ring: float, by: str, warm: bool) -> None:
+    """The child: arms a copy, times `name`, while a thread writes the bell `ring` seconds later (`warm`: `name`
+    run once before, its kernels loaded)."""
     from rlsync.transfer.armed import Armed, Bell
 
     op = _ops()[name]
+    if warm:
+        op()
     torch.cuda.synchronize(DEVICE)
     bell = Bell(DEVICE)
     src, dst = torch.ones(256 * MB, dtype=torch.uint8, device=DEVICE), torch.zeros(256 * MB, dtype=torch.uint8,
@@ -85,15 +96,20 @@ def main() -> None:
     parser.add_argument("--by", choices=("kernel", "copy"), default="kernel",
                         help="how the other thread writes the bell: a fill kernel, or a copy from host memory")
     parser.add_argument("--only", action="append", help="this operation only (repeatable)")
+    parser.add_argument("--warm", action="store_true", help="each operation runs once before the copy is armed")
+    parser.add_argument("--eager-loading", action="store_true", help="each probe with CUDA_MODULE_LOADING=EAGER")
     args = parser.parse_args()
     if args.probe:
-        return probe(args.probe, args.ring, args.by)
+        return probe(args.probe, args.ring, args.by, args.warm)
+    env = {**os.environ, **({"CUDA_MODULE_LOADING": "EAGER"} if args.eager_loading else {})}
     out = {"gpu": torch.cuda.get_device_name(DEVICE), "ring_s": args.ring, "by": args.by, "torch": torch.__version__,
-           "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), "ops": {}}
+           "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+           "CUDA_MODULE_LOADING": env.get("CUDA_MODULE_LOADING"), "warm": args.warm, "ops": {}}
     for name in args.only or _ops():
         try:
-            run = subprocess.run([sys.executable, __file__, "--probe", name, "--ring", str(args.ring), "--by", args.by],
-                                 capture_output=True, text=True, timeout=args.timeout)
+            run = subprocess.run([sys.executable, __file__, "--probe", name, "--ring", str(args.ring), "--by", args.by,
+                                  *(["--warm"] if args.warm else [])],
+                                 capture_output=True, text=True, timeout=args.timeout, env=env)
             out["ops"][name] = json.loads(run.stdout) if run.returncode == 0 else {"error": run.stderr[-300:]}
         except subprocess.TimeoutExpired:
             out["ops"][name] = {"hung": True}
