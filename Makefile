@@ -222,7 +222,7 @@ gpu-ab:
 	    python3 -m pip install -q --no-deps --no-build-isolation -e $$tree && (cd $$tree && PYTHONUNBUFFERED=1 \
 	        python3 bench/gpu_cycle.py $(AB_ARGS) > $${OUT:-$(CURDIR)/runs}/ab-$$side-$$i.json \
 	        2> $${OUT:-$(CURDIR)/runs}/ab-$$side-$$i.log) || echo "$$side run $$i failed: see ab-$$side-$$i.log"; \
-	    cat /tmp/rlsync-gpu/logs-*/steps.jsonl > $${OUT:-$(CURDIR)/runs}/ab-$$side-$$i.steps.jsonl 2>/dev/null || true; \
+	    for t in /tmp/rlsync-gpu/logs-*/steps.jsonl; do [ -s $$t ] && cp $$t $${OUT:-$(CURDIR)/runs}/ab-$$side-$$i.steps.jsonl; done; \
 	done; done; python3 -m pip install -q --no-deps --no-build-isolation -e .
 	python3 bench/summary.py $${OUT:-$(CURDIR)/runs}/ab-*.json
 

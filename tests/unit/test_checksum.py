@@ -143,33 +143,40 @@ def test_a_kept_audit_reads_the_tensors_as_they_are_at_each_call():
     bias[10] = 7.0
     assert kept() == audit(named) == {n: audit_entry(t) for n, t in named.items()}
     assert kept.fits(dict(named))
+    replaced = dict(named)
+    replaced["b"] = torch.randn(32, generator=g)  # another tensor in place of one: the mapping changed in place
+    assert not kept.fits(replaced)
+    assert not kept.fits({**named, "w": weight.view(48, 64)})  # another shape, same place
     assert not kept.fits({**named, "b": bias[9:41]})  # moved
     assert not kept.fits({**named, "b": bias[8:40].view(torch.int32)})  # another dtype
     assert not kept.fits({"b": named["b"], "w": weight, "w_t": weight.t()})  # another order
 
 
 KEPT_RUN = r"""
-import json, sys, numpy as np, torch
-from rlsync.transfer import checksum
+import json, sys, torch
+from rlsync.transfer import batched, checksum
 checksum.CHUNK_WORDS = 100
+batched.available = lambda device: True  # (the CPU as the kernel's device, under the interpreter)
 g = torch.Generator().manual_seed(int(sys.argv[1]))
 buf = torch.randint(-2 ** 62, 2 ** 62, (2_000,), dtype=torch.int64, generator=g)
-views = [buf[1:700], buf[700:701], buf[701:1999]]
-rows = np.array([(v.data_ptr(), v.numel(), k) for k, v in enumerate(views)], dtype=np.int64)
-summed = checksum._Summed(rows, torch.device("cpu"), 3)
-def sums():
-    return [f"{8 * v.numel():x}:{a & checksum._MASK:016x}:{b & checksum._MASK:016x}"
-            for v, (a, b) in zip(views, summed())]
-first = sums() == [checksum.checksum_tensor(v) for v in views]
+grid = torch.randn(40, 24, generator=g)
+raw = buf.view(torch.uint8)
+tensors = [buf[1:700], buf[700:701], buf[701:1999], grid.t(), raw[3:1003], torch.empty(0)]  # a transposed view,
+# an unaligned one and an empty one are summed apart, anew at each call
+kept = checksum.KeptSums(tensors, 3)
+first = kept() == [checksum.checksum_tensor(t) for t in tensors]
 buf[5:900] += 3
-print(json.dumps({"exact": first and sums() == [checksum.checksum_tensor(v) for v in views]}))
+grid[2] = 0.5
+print(json.dumps({"exact": first and kept() == [checksum.checksum_tensor(t) for t in tensors],
+                  "in_kernel": sum(len(at) for _, at in kept.launches)}))
 """
 
 
-def test_the_checksum_kernels_kept_launch_sums_anew_at_each_call_under_tritons_interpreter():
-    """The checksum kernel's launch laid out once (checksum._Summed, what KeptSums keeps per device) sums the bytes
-    as they are at each call, its sums zeroed first (the kernel adds into them)."""
-    assert interpreted(KEPT_RUN, 0)["exact"]
+def test_kept_sums_read_the_tensors_anew_at_each_call_under_tritons_interpreter():
+    """KeptSums laid out once (the kernel's table for the aligned tensors; the rest apart) sums the bytes as they
+    are at each call, its sums zeroed first (the kernel adds into them)."""
+    got = interpreted(KEPT_RUN, 0)
+    assert got["exact"] and got["in_kernel"] == 3
 
 
 SUMS_RUN = r"""

@@ -118,12 +118,19 @@ class KeptAudit:
     def __init__(self, tensors: Mapping[str, torch.Tensor], programs: int | None = None, once: bool = False):
         self.names, self.rows = tuple(tensors), [_row(t) for t in tensors.values()]
         self.sums = KeptSums(list(tensors.values()), programs, once)
-        self.of = tensors  # (kept: what `fits` finds by identity)
+        self.tensors = list(tensors.values())  # (kept: what `fits` finds by identity)
 
     def fits(self, tensors: Mapping[str, torch.Tensor]) -> bool:
-        """Whether it audits exactly `tensors`: the mapping it was laid out for (a caller's kept views: a
-        commit's), else the same names, each where it was, in its shape and dtype."""
-        return tensors is self.of or tuple(tensors) == self.names and self.sums.fits(list(tensors.values()))
+        """Whether it audits exactly `tensors`: the same names, each the tensor it was laid out for (a caller's kept
+        views: a commit's) or one where that one was, in its shape and dtype (then kept as the one it audits)."""
+        if tuple(tensors) != self.names:
+            return False
+        if all(a is b for a, b in zip(tensors.values(), self.tensors)):
+            return True
+        if not self.sums.fits(list(tensors.values())):
+            return False
+        self.tensors = list(tensors.values())
+        return True
 
     def __call__(self) -> dict[str, tuple[str, tuple[int, ...], str]]:
         return {n: (*r, c) for n, r, c in zip(self.names, self.rows, self.sums())}

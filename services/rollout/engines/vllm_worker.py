@@ -450,13 +450,15 @@ class RlsyncWorkerExtension:
         views = staging if direct else None  # already in the live weights
         # a direct pull from held storages: the next colocated wake may queue it again (rlsync_arm)
         self._rlsync_learnt = update.receiver if direct and update.receiver._held_pull else None
-        if views is None and not isinstance(staging, BoxStaging):
+        staged = views is None and not isinstance(staging, BoxStaging)
+        if staged:
             specs = from_proto(update.receiver.offer.manifest)
             views = self._rlsync_direct_views(specs)
-            if views is not None:
-                self._rlsync_copy_in(specs, staging, views)
         if views is not None:  # read back from the live weights, in the engine's dtype, while it generates on
-            self._rlsync_applied = LiveAudit(self._rlsync_audit(views), self._rlsync_device())
+            live = self._rlsync_audit(views)  # (laid out before the copy: if it fails, the weights are as they were)
+            if staged:
+                self._rlsync_copy_in(specs, staging, views)
+            self._rlsync_applied = LiveAudit(live, self._rlsync_device())
             return
         model = self.model_runner.get_model()
 
