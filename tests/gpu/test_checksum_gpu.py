@@ -27,3 +27,25 @@ def test_one_launch_equals_one_tensor_at_a_time_and_the_cpu():
     flipped = gpu[2].clone()
     flipped[123_456] ^= 1 << 40
     assert checksum_tensors([flipped])[0] != got[2]
+
+
+def test_a_kept_audit_read_on_a_stream_of_its_own_sees_each_commits_bytes():
+    """KeptAudit as a vLLM worker uses it (LiveAudit): laid out on the engine's stream, read on a stream of its own
+    that waits for what was written before; at each call the bytes as they are then (its sums zeroed first)."""
+    from rlsync.transfer.checksum import KeptAudit
+
+    g = torch.Generator().manual_seed(7)
+    weights = {f"w{k}": torch.randn(512, 384, generator=g).to(torch.bfloat16).cuda() for k in range(6)}
+    weights["t"] = torch.randn(96, 64, generator=g).cuda().t()  # not contiguous: summed apart, anew each time
+    kept = KeptAudit(weights, programs=4)
+    side = torch.cuda.Stream()
+    for step in range(3):
+        for w in weights.values():
+            w.add_(1.0)  # a commit's copy, on the engine's stream
+        written = torch.cuda.Event()
+        written.record()
+        side.wait_event(written)
+        with torch.cuda.stream(side):
+            got = kept()
+        assert got == {n: audit_entry(t) for n, t in weights.items()}, step
+    assert kept.fits(weights) and not kept.fits({**weights, "w0": weights["w0"].clone()})
