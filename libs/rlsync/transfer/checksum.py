@@ -163,7 +163,7 @@ class KeptSums:
     kernel's table); else such a tensor is copied and summed apart at each call."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], programs: int | None = None, once: bool = False):
-        self.count, self.where = len(tensors), _where(tensors)
+        self.count, self.where = len(tensors), None if once else _where(tensors)  # (`fits`: a kept layout's)
         self.rest: list[tuple[int, torch.Tensor]] = []  # summed as Checksums takes them, at each call
         rows: dict[torch.device, list[tuple[int, int, int]]] = {}
         self.kept = []  # the byte views whose addresses the rows hold (a copy of a non-contiguous tensor, once)
@@ -175,7 +175,7 @@ class KeptSums:
                 self.kept.append(data)
             else:
                 self.rest.append((k, data if data is not None and once else t))
-        self.launches = [(_Summed(np.array(found, dtype=np.int64), device, programs), [(w, k) for _, w, k in found])
+        self.launches = [(_ChunkSums(np.array(found, dtype=np.int64), device, programs), [(w, k) for _, w, k in found])
                          for device, found in rows.items()]
 
     def fits(self, tensors: Sequence[torch.Tensor]) -> bool:
@@ -198,7 +198,7 @@ def _where(tensors: Sequence[torch.Tensor]) -> tuple:
     return tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors)
 
 
-class _Summed:
+class _ChunkSums:
     """The checksum kernel over rows [address, words, index] of one device: its chunk table there, made once;
     each call sums every row's chunks in one launch and reads them back once -> [s1, s2] of each row."""
 
@@ -231,11 +231,6 @@ class _Summed:
             self.sums.zero_()
             run(self.table, self.chunks, self.sums, BLOCK=SUM_BLOCK)
         return self.sums.view(-1, 2).tolist()
-
-
-def _summed(found: np.ndarray, device: torch.device, programs: int | None) -> list[list[int]]:
-    """[s1, s2] of each row [address, words, index] of `found`: its chunks in one launch, read back once."""
-    return _Summed(found, device, programs)()
 
 
 def box_sums(values: torch.Tensor, box: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> tuple[int, int]:

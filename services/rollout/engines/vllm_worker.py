@@ -80,21 +80,21 @@ class LiveAudit:
     place: rlsync.transfer.checksum.KeptAudit). The weights stay as they are until the next update or sleep,
     which wait for it first (`settle`)."""
 
-    def __init__(self, audit: KeptAudit, device: torch.device):
+    def __init__(self, kept: KeptAudit, device: torch.device):
         # Its stream reads after the copies into them (and the step before them: the commit may come while a
         # step still runs on the GPU, which the engine's thread does not wait for here)
         written = torch.cuda.Event()
         written.record(torch.cuda.current_stream(device))
         self.future: concurrent.futures.Future[dict] = concurrent.futures.Future()
-        threading.Thread(target=self._run, args=(audit, device, written), name="rlsync-audit", daemon=True).start()
+        threading.Thread(target=self._run, args=(kept, device, written), name="rlsync-audit", daemon=True).start()
 
-    def _run(self, audit: KeptAudit, device: torch.device, written: torch.cuda.Event) -> None:
+    def _run(self, kept: KeptAudit, device: torch.device, written: torch.cuda.Event) -> None:
         began = time.perf_counter()
         try:
             stream = torch.cuda.Stream(device)
             stream.wait_event(written)
             with torch.cuda.stream(stream):
-                self.future.set_result(audit())
+                self.future.set_result(kept())
         except BaseException as e:  # noqa: BLE001 - handed to whoever asks for the audit
             self.future.set_exception(e)
         mark("audit", began, time.perf_counter())  # (a bench's trace: beside the steps it runs with)
