@@ -11,7 +11,9 @@ launch of a kernel loads it, and a load may wait for the whole device, which the
 loaded, as an engine's decode kernels are after its first steps); `--eager-loading` starts each probe with
 CUDA_MODULE_LOADING=EAGER (every kernel loaded as the context starts).
 
-    python bench/armed_hazards.py [--ring 1.0] [--timeout 8] [--warm] [--eager-loading]
+    python bench/armed_hazards.py [--ring 1.0] [--timeout 8] [--warm] [--eager-loading] [--only OP]
+
+Each probe reports its start (ready_s, gpu_used_gib: what eager loading costs) apart from the operation.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import time
 
 import torch
 
+BORN = time.perf_counter()  # (a probe's start: torch imported; the CUDA context comes with its first operation)
 DEVICE = torch.device("cuda", 0)
 MB = 1 << 20
 
@@ -87,6 +90,9 @@ def probe(name: str, ring: float, by: str, warm: bool) -> None:
             else:  # a copy from host memory: the copy engine, not a kernel
                 bell.flag[:1].copy_(one, non_blocking=True)
 
+    free, total = torch.cuda.mem_get_info(DEVICE)
+    ready = {"ready_s": round(time.perf_counter() - BORN, 2), "gpu_used_gib": round((total - free) / 2**30, 2)}
+    print(json.dumps(ready), flush=True)  # (armed: the parent's --timeout counts from here)
     threading.Thread(target=ring_later, daemon=True).start()
     start = time.perf_counter()
     op()
@@ -95,10 +101,36 @@ def probe(name: str, ring: float, by: str, warm: bool) -> None:
     print(json.dumps({"seconds": round(seconds, 4), "waited": seconds > 0.8 * ring}))
 
 
+def run_probe(argv: list[str], env: dict, setup_timeout: float, timeout: float) -> dict:
+    """One probe's figures: its start (ready_s: with eager loading, every module of the process loaded; and the
+    GPU memory then), and the operation's. `hung`: not done `timeout` s after its copy was armed."""
+    child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(child.stdout), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + setup_timeout
+    while not lines and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if not lines:
+        child.kill()
+        return {"error": child.stderr.read()[-300:] if child.poll() is not None else "not armed in time"}
+    ready = json.loads(lines[0])
+    try:
+        child.wait(timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        return {**ready, "hung": True}
+    reader.join()
+    if child.returncode != 0:
+        return {**ready, "error": child.stderr.read()[-300:]}
+    return {**ready, **json.loads(lines[1])}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ring", type=float, default=1.0)
-    parser.add_argument("--timeout", type=float, default=8.0)
+    parser.add_argument("--timeout", type=float, default=8.0, help="seconds from the copy's arming to the op's end")
+    parser.add_argument("--setup-timeout", type=float, default=300.0, help="seconds for a probe to start and arm")
     parser.add_argument("--probe", help=argparse.SUPPRESS)
     parser.add_argument("--by", choices=("kernel", "copy"), default="kernel",
                         help="how the other thread writes the bell: a fill kernel, or a copy from host memory")
@@ -113,13 +145,9 @@ def main() -> None:
            "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
            "CUDA_MODULE_LOADING": env.get("CUDA_MODULE_LOADING"), "warm": args.warm, "ops": {}}
     for name in args.only or _ops():
-        try:
-            run = subprocess.run([sys.executable, __file__, "--probe", name, "--ring", str(args.ring), "--by", args.by,
-                                  *(["--warm"] if args.warm else [])],
-                                 capture_output=True, text=True, timeout=args.timeout, env=env)
-            out["ops"][name] = json.loads(run.stdout) if run.returncode == 0 else {"error": run.stderr[-300:]}
-        except subprocess.TimeoutExpired:
-            out["ops"][name] = {"hung": True}
+        out["ops"][name] = run_probe([sys.executable, __file__, "--probe", name, "--ring", str(args.ring), "--by",
+                                      args.by, *(["--warm"] if args.warm else [])], env, args.setup_timeout,
+                                     args.timeout)
         print(name, out["ops"][name], file=sys.stderr)
     print(json.dumps(out, indent=1))
 

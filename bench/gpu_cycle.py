@@ -376,6 +376,9 @@ def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: floa
            "longest_gap_vs_median": round(max(across, default=0.0) / median_gap, 2),
            # the engine's own spread, no update near: a step that admits new requests also prefills them
            "longest_gap_without_updates_vs_median": round(max(quiet_gaps) / median_gap, 2),
+           # the same against the gaps around each update (the batch drifts: a round whose steps all run slower
+           # raises every gap in it, an update's or not)
+           "longest_gap_vs_local_median": gap_vs_local_median(busy_gaps, windows),
            "transfer_ms": round(transfer_ms, 3),
            # the offer: with a publish buffer, the trainer's copy of its weights into it is here
            "offer_ms": round(statistics.median(s.phases["offer"] * 1e3 for s in syncs), 3),
@@ -389,6 +392,22 @@ def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: floa
         out["pause_window_max_ms"] = round(max(windows_ms), 3)
         out["pause_window_minus_transfer_ms"] = round(statistics.median(windows_ms) - transfer_ms, 3)
     return out
+
+
+def gap_vs_local_median(gaps: list[tuple[float, float, float]], windows: list[tuple[float, float]],
+                        around: float = 0.5) -> float | None:
+    """The largest, over the updates (windows: each sync's start and end), of the longest token gap (gap, from, to)
+    across the update against the median of the gaps that start within `around` s of it and cross no update."""
+    def crosses(t0: float, t1: float, w: tuple[float, float]) -> bool:
+        return t0 < w[1] and t1 > w[0]
+
+    ratios = []
+    for w in windows:
+        across = [g for g, t0, t1 in gaps if crosses(t0, t1, w)]
+        near = [g for g, t0, t1 in gaps if abs(t0 - w[0]) <= around and not any(crosses(t0, t1, v) for v in windows)]
+        if across and near:
+            ratios.append(max(across) / statistics.median(near))
+    return round(max(ratios), 2) if ratios else None
 
 
 def update_trace(events: list[tuple[str, float, float]]) -> dict:

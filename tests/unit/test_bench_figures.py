@@ -1,5 +1,6 @@
 """What the GPU benches sum up from their runs (pure arithmetic over what a run recorded): where a vLLM update's
-gaps go (bench/gpu_cycle.update_trace), and a result's headline figures (bench/summary.headline)."""
+gaps go (bench/gpu_cycle.update_trace), the longest gap across an update against those around it
+(gap_vs_local_median), and a result's headline figures (bench/summary.headline)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from gpu_cycle import update_trace  # noqa: E402
+from gpu_cycle import gap_vs_local_median, update_trace  # noqa: E402
 from summary import headline  # noqa: E402
 
 
@@ -43,3 +44,16 @@ def test_headline_keeps_every_figure_at_any_depth_and_leaves_lists_and_limits_ou
     assert headline(result) == {"updates_inflight.throughput_ratio": 0.9, "updates_inflight.update_trace.step_ms": 20.0,
                                 "updates_inflight.update_trace.worker_commit.ms": 5.0,
                                 "updates_inflight.update_trace.worker_commit.calls": 8}
+
+
+def test_an_updates_gap_is_weighed_against_the_gaps_around_it_not_the_whole_runs():
+    def stream(start: float, step: float, n: int) -> list[tuple[float, float, float]]:
+        return [(step, start + i * step, start + (i + 1) * step) for i in range(n)]
+
+    # one round at 10 ms a token with an update whose gap is 25 ms; a slower round (20 ms) whose update's is 30 ms
+    fast = stream(0.0, 0.010, 40) + [(0.025, 0.400, 0.425)] + stream(0.425, 0.010, 40)
+    slow = stream(5.0, 0.020, 20) + [(0.030, 5.400, 5.430)] + stream(5.430, 0.020, 20)
+    windows = [(0.405, 0.420), (5.405, 5.420)]
+    assert gap_vs_local_median(fast + slow, windows) == pytest.approx(2.5)  # 25 / 10, not 30 / a run-wide median
+    assert gap_vs_local_median(fast, [(2.0, 2.01)]) is None  # no gap across that update
+    assert gap_vs_local_median(fast + slow, windows, around=0.0) is None  # no gap starts at the update's own start
