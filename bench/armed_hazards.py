@@ -13,12 +13,16 @@ CUDA_MODULE_LOADING=EAGER (every kernel loaded as the context starts).
 
     python bench/armed_hazards.py [--ring 1.0] [--timeout 8] [--warm] [--eager-loading] [--only OP]
 
-Each probe reports its start (ready_s, gpu_used_gib: what eager loading costs) apart from the operation.
+Each probe reports its start (ready_s, gpu_used_gib: what eager loading costs) apart from the operation, and how
+long after the bell's write its copy (256 MiB) was done (ring_to_done_ms). `--by cpu` puts the bell in pinned host
+memory and writes it by a plain store of the CPU: the one write that no launch or load waiting in this process's
+driver can hold up (a way out for a replica whose engine launched what waits for the device).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import subprocess
@@ -67,28 +71,45 @@ def _on(stream: torch.cuda.Stream, fn) -> None:
 
 def probe(name: str, ring: float, by: str, warm: bool) -> None:
     """The child: arms a copy, times `name`, while a thread writes the bell `ring` seconds later (`warm`: `name`
-    run once before, its kernels loaded)."""
+    run once before, its kernels loaded); then how long after that write the copy was done (ring_to_done_ms).
+    `by` "cpu": the bell is a word of pinned host memory the GPU waits on, which the thread writes by a plain store
+    (no call into CUDA that a launch waiting in the driver could hold up); else rlsync's Bell, in device memory."""
+    from rlsync.transfer import driver
     from rlsync.transfer.armed import Armed, Bell
 
     op = _ops()[name]
     if warm and name in KERNELS:  # (an allocation warmed would come from a cache, not make the call it tests)
         op()
     torch.cuda.synchronize(DEVICE)
-    bell = Bell(DEVICE)
     src, dst = torch.ones(256 * MB, dtype=torch.uint8, device=DEVICE), torch.zeros(256 * MB, dtype=torch.uint8,
                                                                                    device=DEVICE)
-    armed = Armed(bell, lambda: dst.copy_(src, non_blocking=True), dst.numel(), ())
-    ringer = torch.cuda.Stream(DEVICE)
+    if by == "cpu":
+        flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # (mapped: one address for host and device)
+        stream, done = torch.cuda.Stream(DEVICE), torch.cuda.Event()
+        driver.wait_value(stream, flag.data_ptr(), 1)
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            done.record(stream)
+        word = ctypes.c_int32.from_address(flag.data_ptr())
+        write, disarm = (lambda: setattr(word, "value", 1)), stream.synchronize
+    else:
+        bell = Bell(DEVICE)
+        armed = Armed(bell, lambda: dst.copy_(src, non_blocking=True), dst.numel(), ())
+        ringer, done, disarm = torch.cuda.Stream(DEVICE), bell.event, armed.disarm
+        one = torch.ones(1, dtype=torch.int32, pin_memory=True)
 
-    one = torch.ones(1, dtype=torch.int32, pin_memory=True)
+        def write() -> None:
+            with torch.cuda.stream(ringer):
+                if by == "kernel":
+                    bell.flag[:1].fill_(1)
+                else:  # a copy from host memory: the copy engine, not a kernel
+                    bell.flag[:1].copy_(one, non_blocking=True)
+    rung = []
 
     def ring_later() -> None:
         time.sleep(ring)
-        with torch.cuda.stream(ringer):
-            if by == "kernel":
-                bell.flag[:1].fill_(1)
-            else:  # a copy from host memory: the copy engine, not a kernel
-                bell.flag[:1].copy_(one, non_blocking=True)
+        rung.append(time.perf_counter())
+        write()
 
     free, total = torch.cuda.mem_get_info(DEVICE)
     ready = {"ready_s": round(time.perf_counter() - BORN, 2), "gpu_used_gib": round((total - free) / 2**30, 2)}
@@ -97,8 +118,12 @@ def probe(name: str, ring: float, by: str, warm: bool) -> None:
     start = time.perf_counter()
     op()
     seconds = time.perf_counter() - start
-    armed.disarm()
-    print(json.dumps({"seconds": round(seconds, 4), "waited": seconds > 0.8 * ring}))
+    while not done.query():
+        pass
+    copied = time.perf_counter()
+    disarm()
+    print(json.dumps({"seconds": round(seconds, 4), "waited": seconds > 0.8 * ring,
+                      "ring_to_done_ms": round((copied - rung[0]) * 1e3, 3)}))
 
 
 def run_probe(argv: list[str], env: dict, setup_timeout: float, timeout: float) -> dict:
@@ -132,8 +157,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=8.0, help="seconds from the copy's arming to the op's end")
     parser.add_argument("--setup-timeout", type=float, default=300.0, help="seconds for a probe to start and arm")
     parser.add_argument("--probe", help=argparse.SUPPRESS)
-    parser.add_argument("--by", choices=("kernel", "copy"), default="kernel",
-                        help="how the other thread writes the bell: a fill kernel, or a copy from host memory")
+    parser.add_argument("--by", choices=("kernel", "copy", "cpu"), default="kernel",
+                        help="how the other thread writes the bell: a fill kernel, a copy from host memory, or (a bell "
+                             "in pinned host memory) a store by the CPU")
     parser.add_argument("--only", action="append", help="this operation only (repeatable)")
     parser.add_argument("--warm", action="store_true", help="each kernel operation runs once before the copy is armed")
     parser.add_argument("--eager-loading", action="store_true", help="each probe with CUDA_MODULE_LOADING=EAGER")
