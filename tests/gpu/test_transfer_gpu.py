@@ -212,17 +212,20 @@ def test_a_held_scattered_pull_copies_each_steps_new_values_from_the_plan_it_kee
     assert all(r["stages"]["map"] < results[0]["stages"]["map"] for r in results[1:]), "held: nothing mapped again"
 
 
-def test_an_armed_held_pull_is_started_by_the_senders_bell_and_lands_each_steps_bytes():
+@pytest.mark.parametrize("bell", ["device", "host"])
+def test_an_armed_held_pull_is_started_by_the_senders_bell_and_lands_each_steps_bytes(bell):
     """A receiver that holds a scattered sender's storages arms its last pull again behind its bell
     (Receiver.arm); the sender writes the bell on its stream after each step's values, then offers: the
     receiver adopts the copy already running (its answer names the copy's event) and every new byte
-    lands. An offer of other tensors finds the armed copy disarmed, and is pulled as usual."""
+    lands. An offer of other tensors finds the armed copy disarmed, and is pulled as usual. The bell in the
+    receiver's GPU memory (Bell), or in its pinned host memory (HostBell), which the sender maps from its memfd
+    and writes on its stream alike."""
     g = torch.Generator().manual_seed(2)
     tensors = {f"layer{i}": torch.randn(int(n), generator=g).to(torch.bfloat16).cuda()  # one allocation each
                for i, n in enumerate(torch.randint(8, 70000, (24,), generator=g) * 8)}
     with WeightSender(tensors, backends=["cuda_ipc"]) as sender:  # no checksums in the manifest: armable
-        peer = Peer("receive", "--loop", "--hold", "test", "--arm", "--report-checksums", "--backend", "cuda_ipc",
-                    "--device", "cuda:0")
+        peer = Peer("receive", "--loop", "--hold", "test", "--arm", bell, "--report-checksums", "--backend",
+                    "cuda_ipc", "--device", "cuda:0")
         try:
             flag = open_bell(bytes.fromhex(peer.line("BELL")), torch.device("cuda:0"))
             answers, results = [], []

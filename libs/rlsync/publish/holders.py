@@ -16,16 +16,20 @@ pull mapped, under the holder the rung offer names (Routing.holder), and are rec
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import defaultdict
 
 import torch
 
 from rlsync.client.weights import ring_hold, ring_release
+from rlsync.errors import Unmappable
 from rlsync.rpc.doorbell import Lines
 from rlsync.transfer.armed import open_bell
 from rlsync.transfer.copied import sender_device
 from rlsync.transfer.v1.transfer_pb2 import Doorbell, Routing
 
+
+log = logging.getLogger(__name__)
 
 ROUTED_HOLD = (b"routed",)  # what a replica holds of a sharded trainer: what each of its ranks pulled (no list here)
 
@@ -83,7 +87,10 @@ class Holders:
             else:
                 self.peer_gpus.pop(d.address, None)
             if response.bell:
-                self.bells[d.address] = open_bell(response.bell, device)
+                try:
+                    self.bells[d.address] = open_bell(response.bell, device)
+                except Unmappable as e:  # its offers then start their copy as they prepare
+                    log.warning("%s: no armed copy of %s's is started by its bell: %s", self.holder, d.name, e)
         return {d.address for d, _ in held}
 
     async def _settle_peers(self, peers: bool) -> None:

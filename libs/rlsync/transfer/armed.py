@@ -19,12 +19,15 @@ nothing, and one that was makes the weights unfit to serve. Disarm before anythi
 that waits for the whole device (a synchronize, a cudaFree): a copy waiting on its bell would make
 it wait forever.
 
-Arm only where the replica's process launches nothing else on the GPU until its update, as between
-a colocated wake and the update it woke for, never beside generation: measured on an H200
-(`bench/armed_hazards.py`), a kernel over 64 MiB launched behind the waiting copy, on the default or
-any new stream and with CUDA_DEVICE_MAX_CONNECTIONS=32, did not run until the bell was written from
-another process, nor did a bell written from this one after it; copies to the host, allocations and
-a one-element fill did run.
+What may run beside a copy waiting on a Bell (`bench/armed_hazards.py`, bench/results/armed-hazards-h100.json):
+kernels loaded before it was armed run (an engine's decode steps, once warm); copies to the host, allocations
+and stream synchronizes too. A launch that needs the whole device does not: a kernel's first launch (its module
+loaded then, under CUDA's lazy loading; eager loading does not cover a cuBLAS kernel picked for a batch not
+seen before), `empty_cache`, a device synchronize. It waits until the bell is written by another process, and
+holds the driver meanwhile, so that a write launched by this one hangs too. A Bell is therefore armed only
+where the replica launches nothing else until its update (between a colocated wake and the update it woke for).
+A `HostBell` (rlsync.transfer.host_bell) lies in pinned host memory, which any thread of the replica writes by a
+store of the CPU: what waited is then let go at once, and a copy armed behind one may wait beside generation.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ from functools import lru_cache
 import torch
 
 from rlsync.transfer import driver
-from rlsync.transfer.memory import export_cuda, open_cuda
+from rlsync.transfer.host_bell import open_host_words
+from rlsync.transfer.memory import export_cuda, import_cuda
+from rlsync.transfer.v1 import transfer_pb2 as pb
 
 
 class Bell:
@@ -47,12 +52,25 @@ class Bell:
     def __init__(self, device: torch.device):
         self.device = device
         self.flag = torch.zeros(2, dtype=torch.int32, device=device)
-        self.handle = export_cuda(self.flag).SerializeToString()
+        self.handle = pb.BellHandle(device=export_cuda(self.flag)).SerializeToString()
         self.stream = torch.cuda.Stream(device)
         self.event = torch.cuda.Event(interprocess=True)  # recorded after each armed copy
         self.event_handle = self.event.ipc_handle()
         self._reader = torch.cuda.Stream(device)  # reads the flag without waiting for the engine's work
         self._read = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+
+    def write(self, value: int) -> None:
+        """Starts what waits on the bell: a fill on this process's current stream (the armed one does not
+        wait for it)."""
+        self.flag[:1].fill_(value)
+
+    def reset(self) -> None:
+        self.flag.zero_()
+
+    def capture(self, stream: torch.cuda.Stream) -> None:
+        """Queues on `stream` the copy of the first word into the second (what started what follows)."""
+        with torch.cuda.stream(stream):
+            self.flag[1:].copy_(self.flag[:1])
 
     def started_by(self) -> int:
         """The bell value that started the armed copy; 0 while it waits. (A later write of the bell
@@ -72,16 +90,16 @@ class Armed:
     def __init__(self, bell: Bell, launch: Callable[[], object], nbytes: int, key: tuple,
                  cancel: Callable[[], object] | None = None):
         self.bell, self.key, self.nbytes, self.cancel = bell, key, nbytes, cancel
-        bell.flag.zero_()
+        bell.reset()
         torch.cuda.current_stream(bell.device).synchronize()  # zeroed, and the destination free, before the wait
         try:
             with torch.cuda.stream(bell.stream):
                 driver.wait_value(bell.stream, bell.flag.data_ptr(), 1)
-                bell.flag[1:].copy_(bell.flag[:1])  # what started it
+                bell.capture(bell.stream)  # what started it
                 self.reads = launch()
                 bell.event.record(bell.stream)
         except BaseException:  # a wait queued stays: released from this process's stream, what is behind it runs out
-            bell.flag[:1].fill_(1)
+            bell.write(1)
             bell.stream.synchronize()
             raise
         self.done = False
@@ -101,7 +119,7 @@ class Armed:
         if by not in (0, rung):
             return False
         if by == 0 and start:
-            self.bell.flag[:1].fill_(rung)  # (on this process's stream: the armed one does not wait for it)
+            self.bell.write(rung)
         self.adopted = True
         return True
 
@@ -123,7 +141,7 @@ class Armed:
         """Lets the copy run, if the sender has not, and waits for it. Idempotent."""
         if self.done:
             return
-        self.bell.flag[:1].fill_(1)  # on this process's stream: the armed one does not wait for it
+        self.bell.write(1)
         self.bell.stream.synchronize()
         self.done = True
 
@@ -151,8 +169,12 @@ def offer_key(specs, offer) -> tuple:
 
 @lru_cache(maxsize=64)  # mapped once per replica, for as long as it lives; gone ones age out
 def open_bell(handle: bytes, device: torch.device) -> torch.Tensor:
-    """The trainer's side: a replica's bell (HoldWeightsResponse.bell), mapped on `device`."""
-    return open_cuda(handle, device)
+    """The trainer's side: a replica's bell (HoldWeightsResponse.bell: a BellHandle), its two words mapped for
+    `device`'s streams to write (`ring_bell`)."""
+    bell = pb.BellHandle.FromString(handle)
+    if bell.HasField("host"):
+        return open_host_words(bell.host, device)
+    return import_cuda(bell.device, device)
 
 
 def ring_bell(flag: torch.Tensor, value: int) -> None:

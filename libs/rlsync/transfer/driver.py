@@ -21,6 +21,7 @@ import torch
 
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
 _WRITE_FENCED = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: what the stream wrote before is visible first
+_HOST_PORTABLE_MAPPED = 0x1 | 0x2  # CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP
 _P, _U64, _U32, _INT = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int
 
 
@@ -81,6 +82,12 @@ def copy(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> Non
     _queue_on(stream, "cuMemcpyDtoDAsync", (_U64, _U64, ctypes.c_size_t), dst.data_ptr(), src.data_ptr(), nbytes)
 
 
+def copy_at(dst: int, src: int, nbytes: int, stream: torch.cuda.Stream) -> None:
+    """Queues a copy of `nbytes` from address `src` to `dst` on `stream`, wherever the device maps them (its
+    memory, or host memory registered for it: cuMemcpyAsync, unified addressing)."""
+    _queue_on(stream, "cuMemcpyAsync", (_U64, _U64, ctypes.c_size_t), dst, src, nbytes)
+
+
 def record(event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
     """Records `event` (created on the stream's device: an interprocess one once its handle was
     taken) after what `stream` holds now."""
@@ -100,6 +107,22 @@ def write_value(stream: torch.cuda.Stream, address: int, value: int) -> None:
     wrote before is visible (cuStreamWriteValue32). On the legacy default stream the driver takes
     this thread's current context."""
     _call("cuStreamWriteValue32", _P, _U64, _U32, ctypes.c_uint)(stream.cuda_stream, address, value, _WRITE_FENCED)
+
+
+def register_host(address: int, nbytes: int, index: int) -> int:
+    """Page-locks `nbytes` of this process's memory at `address` (a page of it, mapped for every device:
+    cuMemHostRegister, portable and device-mapped) -> the address device `index` reads and writes it at."""
+    with _primary_current(index):
+        _call("cuMemHostRegister", _P, ctypes.c_size_t, ctypes.c_uint)(address, nbytes, _HOST_PORTABLE_MAPPED)
+        mapped = _U64()
+        _call("cuMemHostGetDevicePointer", ctypes.POINTER(_U64), _P, ctypes.c_uint)(ctypes.byref(mapped), address, 0)
+    return mapped.value
+
+
+def unregister_host(address: int, index: int) -> None:
+    """Undoes `register_host`."""
+    with _primary_current(index):
+        _call("cuMemHostUnregister", _P)(address)
 
 
 def param_sizes(function: int) -> list[int] | None:

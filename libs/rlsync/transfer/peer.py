@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from rlsync.flat import FlatStore
 from rlsync.transfer.armed import Bell
+from rlsync.transfer.host_bell import HostBell
 from rlsync.transfer.checksum import as_bytes, checksum_tensors
 from rlsync.transfer.manifest import from_proto
 from rlsync.transfer.memory import SharedArena
@@ -56,12 +57,12 @@ def emit(kind: str, payload: str) -> None:
 
 def run_receive(args) -> int:
     """Receives one offer per stdin line (--loop: until stdin closes) into the same destination.
-    --arm (with --hold): after each pull from held storages, the same pull is armed behind this
-    process's bell (its handle first, as a BELL line; an ARMED line after each RESULT once armed); an offer
-    rung with a bell value adopts it."""
+    --arm [host] (with --hold): after each pull from held storages, the same pull is armed behind this
+    process's bell (host: a HostBell; its handle first, as a BELL line; an ARMED line after each RESULT once
+    armed); an offer rung with a bell value adopts it."""
     dest = None
     status = 0
-    bell = Bell(torch.device(args.device)) if args.arm else None
+    bell = (HostBell if args.arm == "host" else Bell)(torch.device(args.device)) if args.arm else None
     if bell is not None:
         emit("BELL", bell.handle.hex())
     armed, last = None, None  # the copy armed for the next offer, and the receiver whose pull it repeats
@@ -154,8 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loop", action="store_true", help="receiver: one transfer per offer line until EOF")
     parser.add_argument("--hold", default="", help="receiver (cuda_ipc one-copy): keep the sender's storages mapped "
                                                    "from one transfer to the next under this holder name")
-    parser.add_argument("--arm", action="store_true", help="receiver (with --hold): arm each held pull again for "
-                                                           "the next offer, behind a bell (BELL line: its handle)")
+    parser.add_argument("--arm", nargs="?", const="device", choices=("device", "host"),
+                        help="receiver (with --hold): arm each held pull again for the next offer, behind a bell "
+                             "(BELL line: its handle) in GPU memory, or (host) in pinned host memory")
     parser.add_argument("--report-checksums", action="store_true", help="receiver: each RESULT gives the checksum "
                                                                         "of every tensor received")
     parser.add_argument("--staged", action="store_true", help="sender: no one-copy even when possible")

@@ -326,3 +326,23 @@ class CudaIpcHandle(_message.Message):
     event_handle: bytes
     event_sync_required: bool
     def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+
+class BellHandle(_message.Message):
+    __slots__ = ("device", "host")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    device: CudaIpcHandle
+    host: HostWords
+    def __init__(self, device: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., host: _Optional[_Union[HostWords, _Mapping]] = ...) -> None: ...
+
+class HostWords(_message.Message):
+    __slots__ = ("pid", "fd", "host_id", "nbytes")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    fd: int
+    host_id: str
+    nbytes: int
+    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., host_id: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...

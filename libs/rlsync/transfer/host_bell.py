@@ -1,0 +1,101 @@
+"""A bell in pinned host memory: one that any thread of the replica rings by a plain store.
+
+rlsync's Bell lies in the replica's GPU memory, and only a launch writes it. While a copy waits on it, a launch
+that needs the whole device (a kernel loaded at its first launch, under CUDA's lazy loading; a cuBLAS kernel
+picked for a batch not seen before; `empty_cache`) waits until the bell is written, and holds the driver so
+that no other thread of the process can launch the write: the process hangs until its trainer rings
+(bench/results/armed-hazards-h100.json). A `HostBell`'s words lie in a page of host memory (a memfd) that the
+GPU reads through its mapping. The GPU waits on them as on a Bell's and a trainer on the same host writes
+them on its stream as it writes a Bell (`ring_bell`, through `open_host_words`). A thread of the replica
+writes them by a store of the CPU (`write`), which no launch or load in the driver can hold up. So an armed
+copy can always be let go, and a replica may arm one beside generation: whatever its engine launches waits
+at most until that store. On an H100 a 256 MiB copy waiting on such a word was done 0.21 ms after the store.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from rlsync.errors import Unmappable
+from rlsync.transfer import driver
+from rlsync.transfer.handshake import host_id
+from rlsync.transfer.memory import SharedBuffer
+from rlsync.transfer.v1 import transfer_pb2 as pb
+
+PAGE = 4096  # what is registered: a whole page (the words are its first 8 bytes)
+
+
+class _Mapped:
+    """Registered host memory as the GPU sees it, for torch.as_tensor (its __cuda_array_interface__): two int32
+    words. Keeps the mapping alive (as the tensor keeps this) and unregisters it when it goes."""
+
+    def __init__(self, buffer: SharedBuffer, index: int):
+        self.buffer, self.index = buffer, index
+        self.host = buffer.tensor.data_ptr()
+        self.address = driver.register_host(self.host, PAGE, index)
+        self.__cuda_array_interface__ = {"shape": (2,), "typestr": "<i4", "data": (self.address, False),
+                                         "version": 3, "strides": None}
+
+    def __del__(self) -> None:
+        try:
+            driver.unregister_host(self.host, self.index)
+        except Exception:  # noqa: BLE001 - (at exit the driver may be gone before this)
+            pass
+
+
+def _words(buffer: SharedBuffer, device: torch.device) -> tuple[torch.Tensor, int]:
+    """The two words of `buffer` as a CUDA tensor on `device` (registered, mapped), and their host address."""
+    mapped = _Mapped(buffer, device.index if device.index is not None else torch.cuda.current_device())
+    return torch.as_tensor(mapped, device=device), mapped.host
+
+
+def host_words(pid: int, fd: int, nbytes: int = PAGE) -> pb.HostWords:
+    return pb.HostWords(pid=pid, fd=fd, host_id=host_id(), nbytes=nbytes)
+
+
+def open_host_words(words: pb.HostWords, device: torch.device) -> torch.Tensor:
+    """The trainer's side: a replica's host bell (HostWords), mapped for `device`'s streams to write."""
+    if words.host_id != host_id():
+        raise Unmappable(f"the replica's bell lies in the host memory of another host ({words.host_id}, this is "
+                         f"{host_id()}): only a trainer on its host rings it")
+    try:
+        fd = os.open(f"/proc/{words.pid}/fd/{words.fd}", os.O_RDWR)
+    except OSError as e:
+        raise Unmappable(f"cannot open the replica's bell (/proc/{words.pid}/fd/{words.fd}: {e.strerror}): the "
+                         "replica is gone, or runs in another process id namespace than this trainer") from e
+    return _words(SharedBuffer.attach(fd, words.nbytes or PAGE), device)[0]
+
+
+class HostBell:
+    """A replica's bell (as rlsync.transfer.armed.Bell: `flag`, its two words on the GPU; `stream`, `event`,
+    `handle`) in pinned host memory: `write` and `started_by` are a store and a load of the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._buffer = SharedBuffer(PAGE)
+        self.flag, host = _words(self._buffer, device)
+        self._word = (ctypes.c_int32 * 2).from_address(host)
+        self.handle = pb.BellHandle(host=host_words(os.getpid(), self._buffer.fd)).SerializeToString()
+        self.stream = torch.cuda.Stream(device)
+        self.event = torch.cuda.Event(interprocess=True)  # recorded after each armed copy
+        self.event_handle = self.event.ipc_handle()
+
+    def write(self, value: int) -> None:
+        """Starts what waits on the bell: a store of the CPU (nothing launched, nothing that waits)."""
+        self._word[0] = value
+
+    def reset(self) -> None:
+        self._word[0] = self._word[1] = 0
+
+    def capture(self, stream: torch.cuda.Stream) -> None:
+        """Queues on `stream` the copy of the first word into the second (what started what follows)."""
+        address = self.flag.data_ptr()
+        driver.copy_at(address + 4, address, 4, stream)
+
+    def started_by(self) -> int:
+        """The value that started the armed copy (its stream copies it from the first word as it starts), 0 while
+        it waits."""
+        return int(self._word[1])

@@ -1,0 +1,31 @@
+"""What a trainer does with a replica's bell in host memory that it cannot open (rlsync.transfer.host_bell): a
+precise refusal, before anything is mapped or registered (no GPU needed to get there)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from rlsync.errors import Unmappable
+from rlsync.transfer.armed import open_bell
+from rlsync.transfer.handshake import host_id
+from rlsync.transfer.v1 import transfer_pb2 as pb
+
+
+def _host_bell(**words) -> bytes:
+    return pb.BellHandle(host=pb.HostWords(**{"pid": os.getpid(), "fd": 0, "host_id": host_id(), **words}))\
+        .SerializeToString()
+
+
+def test_a_bell_in_another_hosts_memory_is_refused_naming_both_hosts():
+    with pytest.raises(Unmappable, match="another host \\(elsewhere, this is .*only a trainer on its host"):
+        open_bell(_host_bell(host_id="elsewhere"), torch.device("cuda", 0))
+
+
+def test_a_bell_whose_process_or_descriptor_is_gone_is_refused_naming_the_path():
+    r, w = os.pipe()
+    os.close(r), os.close(w)  # (a descriptor number no longer open here)
+    with pytest.raises(Unmappable, match=f"/proc/{os.getpid()}/fd/{r}: No such file.*another process id namespace"):
+        open_bell(_host_bell(fd=r), torch.device("cuda", 0))
