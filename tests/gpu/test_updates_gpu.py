@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -17,10 +18,10 @@ pytestmark = pytest.mark.gpu
 GPU_ENGINE = json.dumps({"device": "cuda", "dtype": "float32"})
 
 
-def _fleet(services, trainer_gpu: str, replica_gpu: str, checksums: bool = True, trainer_extra=()):
+def _fleet(services, trainer_gpu: str, replica_gpu: str, checksums: bool = True, trainer_extra=(), engine=GPU_ENGINE):
     tr = services.start("trainer", ["--device", "cuda", "--lr", "0.01", *trainer_extra] + ["--checksums"] * checksums,
                         env={"CUDA_VISIBLE_DEVICES": trainer_gpu}, name="gpu-trainer")
-    ro = services.start("rollout", ["--engine", "hf", "--engine-args", GPU_ENGINE],
+    ro = services.start("rollout", ["--engine", "hf", "--engine-args", engine],
                         env={"CUDA_VISIBLE_DEVICES": replica_gpu}, name="gpu-rollout")
     return TrainerClient(tr.address), RolloutClient(ro.address)
 
@@ -170,6 +171,42 @@ def test_a_trainer_with_a_publish_buffer_is_pulled_from_while_it_trains(services
     rollout.commit_update(offer.manifest.version)
     assert differences(offered, rollout.checksums()) == []
     assert trainer.offload().released == 1  # the buffer was held; the offload has it let go
+
+
+def test_a_replica_arming_while_it_generates_adopts_each_copy_the_trainers_bell_started(services):
+    """arm_while_generating: each commit queues the next pull into the spare weights behind a bell in host memory,
+    while streams go on generating; the trainer (with a publish buffer, held from the first update) writes that
+    bell with each offer, and the next prepare adopts the copy already running: every update lands whole (the
+    trainer's checksums), and generation never stops (each stream ends with all its tokens)."""
+    engine = json.dumps({**json.loads(GPU_ENGINE), "arm_while_generating": True})
+    trainer, rollout = _fleet(services, "0", "0", checksums=False, trainer_extra=["--publish-buffer"], engine=engine)
+    bell = rollout.info().doorbell
+    stop, ended = threading.Event(), []
+
+    def stream(seed: int) -> None:
+        while not stop.is_set():
+            done = rollout.complete("count:", max_tokens=64, ignore_eos=True, seed=seed)
+            ended.append(len(done[0].token_ids))
+
+    streams = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(4)]
+    for t in streams:
+        t.start()
+    adopted = []
+    try:
+        for seed in (6, 7, 9, 11):
+            done = rollout.complete("3+4=", max_tokens=8, logprobs=True, ignore_eos=True, n=4, seed=seed)
+            trainer.train([trajectory(c, reward=float(i), group_id="g") for i, c in enumerate(done)])
+            report = push_weights(trainer, [rollout], doorbells=[bell], hold=True)  # as inflight
+            assert report.backends == {"cuda_ipc": 1}
+            assert differences(trainer.checksums(), rollout.checksums()) == []
+            adopted.append("receiver_adopt" in report.profile)
+    finally:
+        stop.set()
+        for t in streams:
+            t.join(120)
+    assert adopted == [False, True, True, True], adopted  # the first pull teaches what to arm
+    assert ended and set(ended) == {64}
+    assert trainer.offload().released == 1
 
 
 def test_a_replica_arms_its_next_pull_at_wake_and_the_trainers_bell_starts_it(services, tmp_path):

@@ -23,7 +23,8 @@ async def _run(engine: HFEngine, request: GenerationRequest) -> dict[int, list[i
     return out
 
 
-def test_batched_greedy_equals_transformers_generate(tiny_model):
+@pytest.mark.parametrize("args", [{}, {"arm_while_generating": True}])  # (the latter: each step and command timed)
+def test_batched_greedy_equals_transformers_generate(tiny_model, args):
     model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
     expected = []
     for p in PROMPTS:
@@ -33,7 +34,7 @@ def test_batched_greedy_equals_transformers_generate(tiny_model):
 
     async def main():
         # max_num_seqs=3 < 4 prompts: sequences join and leave the batch while others decode.
-        engine = HFEngine(str(tiny_model), {"max_num_seqs": 3})
+        engine = HFEngine(str(tiny_model), {"max_num_seqs": 3, **args})
         await engine.start()
         try:
             sampling = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
@@ -74,11 +75,13 @@ def test_pause_keep_then_abort_ends_frozen_sequences(tiny_model):
 
 
 def test_unknown_engine_argument_is_refused(tiny_model):
-    with pytest.raises(InvalidArgument, match="unknown hf engine argument.*bogus.*valid: arm, device"):
+    with pytest.raises(InvalidArgument, match="unknown hf engine argument.*bogus.*valid: arm, arm_while_generating, d"):
         HFEngine(str(tiny_model), {"bogus": 1})
 
 
 @pytest.mark.parametrize("raw, why", [({"arm": "yes"}, "arm must be true or false"),
+                                      ({"arm_while_generating": 1}, "arm_while_generating must be true or false"),
+                                      ({"arm": False, "arm_while_generating": True}, "needs arm: true"),
                                       ({"switch_interval_ms": 0}, "switch_interval_ms must be > 0")])
 def test_a_bad_engine_argument_value_is_refused(tiny_model, raw, why):
     with pytest.raises(InvalidArgument, match=why):

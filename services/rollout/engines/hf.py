@@ -114,7 +114,7 @@ class HFEngine(Engine):
         self._update: tuple | None = None  # (the update, its staging, its adapter or None, its manifest's specs)
         self._layout: tuple[list | None, bool] = (None, False)  # the last manifest's specs: a delta base?
         # pulls queued at wake (rlsync.transfer.armed): touched between steps
-        self._arming = Arming(self.device, self.args.arm)
+        self._arming = Arming(self.device, self.args.arm, self.args.arm_while_generating)
         self._steps_unchecked = 0  # decode steps since the spare's room was last checked
         if self.device.type == "cuda":  # where a sleep makes room for a trainer (on CPU: nothing to hand over)
             local_facts(self.device)  # (and the GPUs it reads by P2P, from NVML: asked now, not at the first update)
@@ -187,14 +187,24 @@ class HFEngine(Engine):
                 commands = list(self._commands)
                 self._commands.clear()
                 stopping = self._stopping
+            watch = self._arming.watch  # (arm_while_generating: what this thread runs is timed, and a step or a
+            # command that runs far longer than a step usually does lets a copy armed beside it go)
             for command in commands:
+                if watch is not None:
+                    watch.began()
                 command()
+                if watch is not None:
+                    watch.ended(step=False)
             if stopping:
                 self._abort_all("engine shut down")
                 return
             try:
                 if self._has_work():
+                    if watch is not None:
+                        watch.began()
                     self._step()
+                    if watch is not None:
+                        watch.ended()
             except BaseException as e:  # noqa: BLE001 - a failed step kills the engine, loudly
                 log.exception("hf engine step failed; the engine is dead")
                 with self._cv:
@@ -407,15 +417,19 @@ class HFEngine(Engine):
         if not lora and self.device.type == "cuda" and not self.weights.pending_restore \
                 and self.weights.armed is None:
             specs, version = from_proto(offer.manifest), offer.manifest.version
-            if not routed:
-                launched = self._arming.launch(self.weights, specs, offer.mapped, version)
-            elif not force_backend:  # a sharded trainer's repeat from storages held here
+            # (arm_while_generating: the copy queued into the spare at the last commit, when the trainer's bell
+            # for this offer started it; else it runs out, and the spare is free for the launch)
+            launched, stage = self._arming.adopt_spare(self.weights, specs, offer, version), "adopt"
+            if launched is None and not routed:
+                launched, stage = self._arming.launch(self.weights, specs, offer.mapped, version), "launch"
+            elif launched is None and not force_backend:  # a sharded trainer's repeat from storages held here
                 try:
                     launched = self._arming.launch_routed(self.weights, specs, offer.routing, version)
+                    stage = "launch"
                 except Exception as e:  # noqa: BLE001 - (it only saves time) the offer is received as it would be
                     log.warning("could not launch version %d's copy at once: %s", version, e)
             if launched is not None:
-                clock.lap("launch")
+                clock.lap(stage)
         try:
             base = None if lora else self._delta_base(offer)
             ans = answer(offer, receiver_id, device=self.device, force=force_backend or None,
@@ -605,6 +619,7 @@ class HFEngine(Engine):
             else:
                 self.weights.swap(staging, version, specs)
                 self.adapter.disable()
+                self._arming.arm_spare(self.weights)  # (arm_while_generating: the next update's copy, queued)
             return self._recompute(version) if recompute_kv else 0
 
         # Between two decode steps: no step sees a mix (a recompute is a prefill: the engine thread's).

@@ -29,6 +29,10 @@ class HFEngineArgs:
     # On the trainer's GPU, holding its memory mapped: queue the next update's copy at a wake, for the
     # trainer to start on the GPU (rlsync.transfer.armed). False: each update's copy starts at its prepare.
     arm: bool = True
+    # Also while generating: as each update commits, queue the next one's copy into the spare weights, behind a
+    # bell in host memory (rlsync.transfer.host_bell); a step that runs far longer than the engine's steps do
+    # (a launch waiting for the whole device behind the copy) lets it go. Off until measured on a GPU.
+    arm_while_generating: bool = False
 
     @classmethod
     def parse(cls, raw: dict[str, Any]) -> HFEngineArgs:
@@ -41,8 +45,11 @@ class HFEngineArgs:
         if args.max_num_seqs < 1 or args.max_prefill_tokens < 1:
             raise InvalidArgument(f"max_num_seqs and max_prefill_tokens must be >= 1, got {args.max_num_seqs} and "
                                   f"{args.max_prefill_tokens}")
-        if not isinstance(args.arm, bool):
-            raise InvalidArgument(f"hf engine argument arm must be true or false, got {args.arm!r}")
+        for name in ("arm", "arm_while_generating"):
+            if not isinstance(getattr(args, name), bool):
+                raise InvalidArgument(f"hf engine argument {name} must be true or false, got {getattr(args, name)!r}")
+        if args.arm_while_generating and not args.arm:
+            raise InvalidArgument("hf engine argument arm_while_generating needs arm: true")
         if not args.switch_interval_ms > 0:
             raise InvalidArgument(f"hf engine argument switch_interval_ms must be > 0, got {args.switch_interval_ms}")
         if args.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -2,11 +2,14 @@
 pull it made from them, and its bell. A colocated replica's update is then a copy the trainer
 starts on the GPU: no thread of this process runs between the offer and the bytes in place.
 
-A replica that generates cannot queue a copy behind a bell (a decode kernel queued after it would
-wait for the trainer too), so it launches that same copy as soon as a prepare has checked the offer
-and found it the last pull's (`launch`), before laying out a receiver: the layout was checked when
-the pull was learnt, and two calls into the driver that keep the GIL start the copy (0.26–0.30 ms
-beside decoding on an H200, the checks included; 0.38–0.44 ms through torch; laying out a receiver
+A replica that generates queues no copy behind a Bell in its GPU memory (a launch that waits for the whole device,
+a kernel loaded at its first launch, would wait for the trainer too, and hang the process meanwhile). With
+arm_while_generating, its bell lies in host memory (HostBell) and each commit queues the next copy into the
+spare weights behind it (`arm_spare`), which the next offer adopts (`adopt_spare`); a step that runs far longer
+than usual lets it go (StepWatch: a store of the CPU into the bell). Otherwise it launches that same copy as soon
+as a prepare has checked the offer and found it the last pull's (`launch`), before laying out a receiver: the
+layout was checked when the pull was learnt, and two calls into the driver that keep the GIL start the copy
+(0.26–0.30 ms beside decoding on an H200, the checks included; 0.38–0.44 ms through torch; laying out a receiver
 and queueing it, 0.72 ms). A sharded trainer's repeat from storages held here is launched so too, into the
 spare store (`launch_routed`) or, colocated, into the woken weights it lands in (`launch_in_place`): the
 tables the store keeps (rlsync.transfer.relaunch), of the last armed pull into it or made ahead, at the wake or
@@ -17,7 +20,10 @@ trainer's does."""
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +35,7 @@ from rlsync.transfer.armed import Armed, Bell, key_of, routed_key
 from rlsync.transfer.backends.slots import contiguous
 from rlsync.transfer.copied import copy_event
 from rlsync.transfer.held import HELD
+from rlsync.transfer.host_bell import HostBell
 from rlsync.transfer.manifest import from_proto
 from rlsync.transfer.relaunch import launchable, queue, relaunch
 from rlsync.transfer.sharded import RoutedReceiver, known
@@ -39,10 +46,93 @@ from rlsync.transfer.v1 import transfer_pb2 as pb
 log = logging.getLogger(__name__)
 
 
+CANCELLED = (1 << 31) - 1  # what the replica writes into its bell to let a copy go: above any value a trainer
+# writes (below 1 << 30), so that no offer adopts a copy this write started
+
+
+class StepWatch:
+    """The engine's steps and commands, timed (its thread marks each: `began`, `ended`), and a thread that lets
+    the copy it guards go (a copy armed beside generation behind a HostBell: `guard`) when a step or command has
+    run longer than FACTOR times the usual step and at least FLOOR s. It waits for the whole device behind the
+    copy (a kernel loaded at its first launch, say), and goes on once the bell is written: here, by a store of
+    the CPU."""
+
+    FACTOR, FLOOR = 4.0, 0.02
+
+    def __init__(self):
+        self.since: float | None = None  # when the step now running began
+        self.usual = self.FLOOR  # a moving average of the steps' times
+        self.let_go = 0  # copies let go so far
+        self._lock = threading.Lock()
+        self._guarded: Armed | None = None
+        self._wake = threading.Event()
+        threading.Thread(target=self._run, name="rlsync-step-watch", daemon=True).start()
+
+    def began(self) -> None:
+        self.since = time.perf_counter()
+
+    def ended(self, step: bool = True) -> None:
+        """`step`: a step, whose time joins the usual one (else a command run between steps)."""
+        if step and self.since is not None:
+            self.usual += 0.1 * (time.perf_counter() - self.since - self.usual)
+        self.since = None
+
+    def patience(self) -> float:
+        return max(self.FLOOR, self.FACTOR * self.usual)
+
+    def guard(self, armed: Armed) -> None:
+        with self._lock:
+            self._guarded = armed
+        self._wake.set()
+
+    def take(self, armed: Armed) -> bool:
+        """Stops guarding `armed` -> whether it was still guarded (False: this watch let it go, or never had
+        it). Once this returns, the watch writes its bell no more."""
+        with self._lock:
+            ours = self._guarded is armed
+            if ours:
+                self._guarded = None
+        return ours
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            time.sleep(self.patience() / 2)
+            since = self.since
+            with self._lock:
+                armed = self._guarded
+                if armed is None:
+                    self._wake.clear()
+                    continue
+                if since is None or time.perf_counter() - since <= self.patience():
+                    continue
+                armed.bell.write(CANCELLED)
+                self._guarded = None
+                self._wake.clear()
+                self.let_go += 1
+            log.info("a step ran %.0f ms (usual: %.1f ms): the copy armed beside generation is let go, and the "
+                     "next update copies at its prepare", (time.perf_counter() - since) * 1e3, self.usual * 1e3)
+
+
+class ArmedSpare(NamedTuple):
+    """A copy armed beside generation into the spare weights (Arming.arm_spare), and the watch guarding it."""
+
+    armed: Armed
+    store: FlatStore
+    watch: StepWatch
+
+    def stop(self) -> None:
+        """Unguarded, then disarmed: its copy runs out, into the spare, which nothing reads before an update."""
+        self.watch.take(self.armed)
+        self.armed.disarm()
+
+
 class Arming:
-    def __init__(self, device: torch.device, enabled: bool = True):
+    def __init__(self, device: torch.device, enabled: bool = True, while_generating: bool = False):
         self.device, self.enabled = resolved(device), enabled  # (its index: one copy event per GPU)
-        self.bell: Bell | None = None
+        # (arm_while_generating: a bell in host memory, and the watch that may let its copy go)
+        self.watch = StepWatch() if enabled and while_generating else None
+        self.bell: Bell | HostBell | None = None
         self.held: tuple[str, tuple[bytes, ...]] | None = None  # the last hold: holder, storages in its order
         self.plan: tuple | None = None  # (specs, mapped locations, the one run they copy) of the last held pull
         self.routed: tuple[pb.Offer, pb.Answer] | None = None  # the last sharded offer copied as prepared, answered
@@ -52,7 +142,7 @@ class Arming:
         """Records a hold -> the bell's handle, for the holder to ring."""
         self.held = (holder, tuple(dict.fromkeys(handles)))
         if self.bell is None:
-            self.bell = Bell(self.device)
+            self.bell = (HostBell if self.watch is not None else Bell)(self.device)
         return self.bell.handle
 
     def release(self, holder: str) -> None:
@@ -72,19 +162,59 @@ class Arming:
     def arm(self, weights) -> None:
         """At a wake of the weights that an update will land in (the backup holds the served ones):
         queues the last held pull again, if the same storages are held and it fits the store."""
-        if self.plan is None or self.held is None or self.bell is None or weights.armed is not None:
+        if self.plan is None or self.held is None or self.bell is None or weights.armed is not None \
+                or weights.armed_spare is not None:  # (one copy behind the bell at a time)
             return
         if not weights.pending_restore or weights.store is None:
             return
+        weights.armed = self._armed_into(weights.store)
+
+    def _armed_into(self, store: FlatStore) -> Armed | None:
+        """The last held pull again, into `store`, queued behind the bell, if the same storages are held and it
+        fits the store; else None."""
         specs, region, offset, (index, start, nbytes) = self.plan
         handles = self.held[1]
         src = HELD.get(handles[index]) if index < len(handles) else None
-        dst = weights.store.whole_for(specs)
+        dst = store.whole_for(specs)
         if src is None or dst is None or dst.numel() != nbytes or src.numel() < start + nbytes:
-            return
+            return None
         source = src[start:start + nbytes]
-        weights.armed = Armed(self.bell, lambda: dst.copy_(source, non_blocking=True), nbytes,
-                              key_of(specs, handles, region, offset))
+        return Armed(self.bell, lambda: dst.copy_(source, non_blocking=True), nbytes,
+                     key_of(specs, handles, region, offset))
+
+    def arm_spare(self, weights) -> None:
+        """As an update commits, on the engine's thread (arm_while_generating): the last held pull again, into the
+        spare weights, behind the bell in host memory, guarded by the watch. The trainer's next bell starts it on
+        the GPU, before its ring arrives; the prepare adopts it (`adopt_spare`)."""
+        if self.watch is None or self.plan is None or self.held is None or not isinstance(self.bell, HostBell) \
+                or weights.armed is not None or weights.armed_spare is not None:
+            return
+        store = weights.take_spare()
+        armed = None
+        try:
+            armed = self._armed_into(store) if store is not None else None
+        except Exception as e:  # noqa: BLE001 - (it only saves time) the next update copies at its prepare
+            log.warning("could not arm the next update's copy beside generation: %s", e)
+        if armed is None:
+            weights.give_back_spare(store)
+            return
+        weights.armed_spare = ArmedSpare(armed, store, self.watch)
+        self.watch.guard(armed)
+
+    def adopt_spare(self, weights, specs: list, offer: pb.Offer, version: int):
+        """The copy armed into the spare when it is this offer's, not let go by the watch, and started by the
+        trainer's bell or not started yet (Armed.adopt) -> (the store, its AdoptedUpdate); else None, the copy
+        disarmed and the store the spare again."""
+        spare = weights.take_armed_spare()
+        if spare is None:
+            return None
+        if spare.watch.take(spare.armed) and spare.armed.adopt(specs, offer):
+            armed = spare.armed
+            return spare.store, AdoptedUpdate(armed.nbytes, armed.bell.event_handle, armed.disarm, version,
+                                              reads=armed.reads)
+        spare.stop()
+        weights.give_back_spare(spare.store)
+        return None
 
     def adopt(self, weights, specs: list, offer: pb.Offer, version: int) -> AdoptedUpdate | None:
         """The armed copy, when it is this offer's (rung with a bell value: Armed.adopt); else None."""

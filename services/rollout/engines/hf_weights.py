@@ -8,6 +8,8 @@ parameter is the consecutive run of its experts' tensors (rlsync.checkpoint_name
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from rlsync.checkpoint_names import checkpoint_groups, checkpoint_tensors, expert_rules
@@ -45,6 +47,10 @@ class Weights:
         # A pull queued into the woken store at wake, waiting for the trainer's bell
         # (rlsync.transfer.armed); kept until the update it went to commits or anything else runs.
         self.armed: Armed | None = None
+        # A pull queued into the spare while generating (Arming.arm_spare: hf_armed.ArmedSpare), which the next
+        # update adopts; taken under the lock (the prepare's thread, or the engine's dropping the spare).
+        self.armed_spare = None
+        self._spare_lock = threading.Lock()
         self.from_checkpoint = True  # False once a weight update has replaced the checkpoint's values
         self.not_ready: str | None = None
         self.version = 0
@@ -84,10 +90,23 @@ class Weights:
 
     def disarm(self) -> None:
         """Lets an armed copy run out (its bytes are overwritten before use unless an update took
-        them). First in whatever else touches the store or waits for the whole device."""
+        them), and one armed into the spare (it is the spare again). First in whatever else touches the store
+        or waits for the whole device."""
         if self.armed is not None:
             self.armed.disarm()
             self.armed = None
+        self._disarm_spare()
+
+    def _disarm_spare(self) -> None:
+        spare = self.take_armed_spare()
+        if spare is not None:
+            spare.stop()
+            self.give_back_spare(spare.store)
+
+    def take_armed_spare(self):
+        with self._spare_lock:
+            spare, self.armed_spare = self.armed_spare, None
+        return spare
 
     def sleep(self, level: int) -> int:
         """-> the bytes copied to host memory."""
@@ -169,7 +188,8 @@ class Weights:
         """Generation comes first: the spare is dropped when what the device can still allocate
         beside it (`free`) is less than what the batch may take next (`need`). The next update then
         allocates its staging, or is refused for room, as without a spare."""
-        if self.spare is not None and free < need:
+        if free < need and (self.spare is not None or self.armed_spare is not None):
+            self._disarm_spare()  # (its copy runs out first)
             self.spare = None
 
     def swap(self, store: FlatStore, version: int, specs=None) -> None:
