@@ -7,7 +7,9 @@ replica (its bell, and a copy of the trainer's weights into memory of its own, a
 
 Writers: "replica" (the replica writes its own bell: no other process in the way), "stream_write"
 (the trainer, with ring_bell: a stream memory operation on its stream), "kernel" (the trainer, with
-a fill kernel on its stream, as before 2026-11-24). The GPU idles `--idle` seconds before each
+a fill kernel on its stream, as before 2026-11-24); then, for a bell in the replica's pinned host memory
+(rlsync.transfer.host_bell), "host_stream_write" (the trainer, with ring_bell) and "host_cpu" (the replica, by a
+store of the CPU: how a replica lets a copy armed beside generation go). The GPU idles `--idle` seconds before each
 bell, as it does between a trainer's step and its offer. Times run from the writer's call to the
 replica seeing the copy's event done (time.perf_counter, one clock for both processes on Linux).
 Prints one JSON object.
@@ -27,13 +29,14 @@ from pathlib import Path
 import torch
 
 from rlsync.transfer.armed import Armed, Bell, open_bell, ring_bell
+from rlsync.transfer.host_bell import HostBell
 from rlsync.transfer.memory import export_cuda, open_cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from transfer import d2d_limit  # noqa: E402
 
 DEVICE = torch.device("cuda", 0)
-WRITERS = ("replica", "stream_write", "kernel")
+WRITERS = ("replica", "stream_write", "kernel", "host_stream_write", "host_cpu")
 
 
 def replica(src_handle: str, nbytes: int, repeats: int, idle: float) -> None:
@@ -41,9 +44,10 @@ def replica(src_handle: str, nbytes: int, repeats: int, idle: float) -> None:
     faulthandler.enable()
     src = open_cuda(bytes.fromhex(src_handle), DEVICE)[:nbytes]
     dst = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
-    bell = Bell(DEVICE)
-    print(json.dumps({"bell": bell.handle.hex()}), flush=True)
+    bells = {"device": Bell(DEVICE), "host": HostBell(DEVICE)}
+    print(json.dumps({"bell": bells["device"].handle.hex(), "host_bell": bells["host"].handle.hex()}), flush=True)
     for writer in WRITERS:
+        bell = bells["host" if writer.startswith("host") else "device"]
         for i in range(repeats + 1):  # the first warms up
             dst.zero_()  # so that the check below sees the last copy's bytes
             armed = Armed(bell, lambda: dst.copy_(src, non_blocking=True), dst.numel(), key=())
@@ -51,6 +55,9 @@ def replica(src_handle: str, nbytes: int, repeats: int, idle: float) -> None:
             if writer == "replica":
                 start = time.perf_counter()
                 ring_bell(bell.flag, i + 1)
+            elif writer == "host_cpu":
+                start = time.perf_counter()
+                bell.write(i + 1)
             else:
                 print(json.dumps({"ring": writer, "value": i + 1}), flush=True)
                 start = json.loads(sys.stdin.readline())["start"]
@@ -71,17 +78,18 @@ def trainer(nbytes: int, repeats: int, idle: float) -> dict:
                               "--bytes", str(nbytes), "--repeats", str(repeats), "--idle", str(idle)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     times: dict[str, list[float]] = {w: [] for w in WRITERS}
-    flag = None
+    flags = {}
     for line in child.stdout:
         msg = json.loads(line)
         if "bell" in msg:
-            flag = open_bell(bytes.fromhex(msg["bell"]), DEVICE)
+            flags = {"device": open_bell(bytes.fromhex(msg["bell"]), DEVICE),
+                     "host": open_bell(bytes.fromhex(msg["host_bell"]), DEVICE)}
         elif "ring" in msg:
             start = time.perf_counter()
-            if msg["ring"] == "stream_write":
-                ring_bell(flag, msg["value"])
+            if msg["ring"] == "kernel":
+                flags["device"].view(torch.int32)[:1].fill_(msg["value"])
             else:
-                flag.view(torch.int32)[:1].fill_(msg["value"])
+                ring_bell(flags["host" if msg["ring"].startswith("host") else "device"], msg["value"])
             child.stdin.write(json.dumps({"start": start}) + "\n")
             child.stdin.flush()
         elif "writer" in msg:
