@@ -38,7 +38,6 @@ from functools import lru_cache
 import torch
 
 from rlsync.transfer import driver
-from rlsync.transfer.host_bell import open_host_words
 from rlsync.transfer.memory import export_cuda, import_cuda
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
@@ -53,6 +52,10 @@ class Bell:
         self.device = device
         self.flag = torch.zeros(2, dtype=torch.int32, device=device)
         self.handle = pb.BellHandle(device=export_cuda(self.flag)).SerializeToString()
+        self._started = self.flag[1:]  # where the armed stream copies the value that started it
+        self._streams(device)
+
+    def _streams(self, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device)
         self.event = torch.cuda.Event(interprocess=True)  # recorded after each armed copy
         self.event_handle = self.event.ipc_handle()
@@ -68,15 +71,15 @@ class Bell:
         self.flag.zero_()
 
     def capture(self, stream: torch.cuda.Stream) -> None:
-        """Queues on `stream` the copy of the first word into the second (what started what follows)."""
+        """Queues on `stream` the copy of the value written into the word that says what started what follows."""
         with torch.cuda.stream(stream):
-            self.flag[1:].copy_(self.flag[:1])
+            self._started.copy_(self.flag[:1])
 
     def started_by(self) -> int:
         """The bell value that started the armed copy; 0 while it waits. (A later write of the bell
         does not change it: a copy started for an older offer stays told apart.)"""
         with torch.cuda.stream(self._reader):
-            self._read.copy_(self.flag[1:], non_blocking=True)
+            self._read.copy_(self._started, non_blocking=True)
         self._reader.synchronize()
         return int(self._read[0])
 
@@ -173,6 +176,8 @@ def open_bell(handle: bytes, device: torch.device) -> torch.Tensor:
     `device`'s streams to write (`ring_bell`)."""
     bell = pb.BellHandle.FromString(handle)
     if bell.HasField("host"):
+        from rlsync.transfer.host_bell import open_host_words  # (it builds on Bell)
+
         return open_host_words(bell.host, device)
     return import_cuda(bell.device, device)
 

@@ -4,12 +4,12 @@ rlsync's Bell lies in the replica's GPU memory, and only a launch writes it. Whi
 that needs the whole device (a kernel loaded at its first launch, under CUDA's lazy loading; a cuBLAS kernel
 picked for a batch not seen before; `empty_cache`) waits until the bell is written, and holds the driver so
 that no other thread of the process can launch the write: the process hangs until its trainer rings
-(bench/results/armed-hazards-h100.json). A `HostBell`'s words lie in a page of host memory (a memfd) that the
-GPU reads through its mapping. The GPU waits on them as on a Bell's and a trainer on the same host writes
-them on its stream as it writes a Bell (`ring_bell`, through `open_host_words`). A thread of the replica
-writes them by a store of the CPU (`write`), which no launch or load in the driver can hold up. So an armed
-copy can always be let go, and a replica may arm one beside generation: whatever its engine launches waits
-at most until that store. On an H100 a 256 MiB copy waiting on such a word was done 0.21 ms after the store.
+(bench/results/armed-hazards-h100.json). A `HostBell`'s word lies in a page of host memory (a memfd) that the
+GPU reads through its mapping. The GPU waits on it as on a Bell's and a trainer on the same host writes it on
+its stream as it writes a Bell (`ring_bell`, through `open_host_words`). A thread of the replica writes it by a
+store of the CPU (`write`), which no launch or load in the driver can hold up. So an armed copy can always be
+let go, and a replica may arm one beside generation: whatever its engine launches waits at most until that
+store. On an H100 a 256 MiB copy waiting on a word of pinned host memory was done 0.21 ms after the store.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 
 from rlsync.errors import Unmappable
 from rlsync.transfer import driver
+from rlsync.transfer.armed import Bell
 from rlsync.transfer.handshake import host_id
 from rlsync.transfer.memory import SharedBuffer
 from rlsync.transfer.v1 import transfer_pb2 as pb
@@ -69,33 +70,28 @@ def open_host_words(words: pb.HostWords, device: torch.device) -> torch.Tensor:
     return _words(SharedBuffer.attach(fd, words.nbytes or PAGE), device)[0]
 
 
-class HostBell:
-    """A replica's bell (as rlsync.transfer.armed.Bell: `flag`, its two words on the GPU; `stream`, `event`,
-    `handle`) in pinned host memory: `write` and `started_by` are a store and a load of the CPU."""
+class HostBell(Bell):
+    """A replica's bell (rlsync.transfer.armed.Bell) whose written word lies in pinned host memory: `flag`, the
+    GPU's view of it (what the armed stream waits on, and what a trainer maps: `open_host_words`); `write` is a
+    store of the CPU. The value that started the armed copy is copied from it into the replica's GPU memory in the
+    stream's order (a copy from pinned memory), and read back as a Bell's is (`started_by`)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self._buffer = SharedBuffer(PAGE)
-        self.flag, host = _words(self._buffer, device)
-        self._word = (ctypes.c_int32 * 2).from_address(host)
+        self.flag, self._host = _words(self._buffer, device)  # (its first word is the bell's)
+        self._word = ctypes.c_int32.from_address(self._host)
         self.handle = pb.BellHandle(host=host_words(os.getpid(), self._buffer.fd)).SerializeToString()
-        self.stream = torch.cuda.Stream(device)
-        self.event = torch.cuda.Event(interprocess=True)  # recorded after each armed copy
-        self.event_handle = self.event.ipc_handle()
+        self._started = torch.zeros(1, dtype=torch.int32, device=device)
+        self._streams(device)
 
     def write(self, value: int) -> None:
         """Starts what waits on the bell: a store of the CPU (nothing launched, nothing that waits)."""
-        self._word[0] = value
+        self._word.value = value
 
     def reset(self) -> None:
-        self._word[0] = self._word[1] = 0
+        self._word.value = 0
+        self._started.zero_()  # (on the current stream, which the caller synchronizes before it arms)
 
     def capture(self, stream: torch.cuda.Stream) -> None:
-        """Queues on `stream` the copy of the first word into the second (what started what follows)."""
-        address = self.flag.data_ptr()
-        driver.copy_at(address + 4, address, 4, stream)
-
-    def started_by(self) -> int:
-        """The value that started the armed copy (its stream copies it from the first word as it starts), 0 while
-        it waits."""
-        return int(self._word[1])
+        driver.copy_at(self._started.data_ptr(), self._host, 4, stream)  # (host to device: in the stream's order)
