@@ -31,8 +31,11 @@ ops = {"first matmul (cuBLAS loads its kernels)": lambda: a @ w,
 for value, (name, op) in enumerate(ops.items(), start=5):
     dst.zero_()
     armed = Armed(bell, lambda: dst.copy_(src, non_blocking=True), dst.numel(), ())
-    threading.Timer(0.3, bell.write, (value,)).start()  # the way out: from another thread, no call into CUDA
+    written = []
+    threading.Timer(0.3, lambda v=value: (bell.write(v), written.append(v))).start()  # from another thread: a store
     op()
+    if name == "empty_cache":  # (it waits for the whole device: held up until the write)
+        assert written, "empty_cache did not wait for the armed copy"
     torch.cuda.synchronize()
     assert bell.started_by() == value, (name, bell.started_by())
     armed.disarm()

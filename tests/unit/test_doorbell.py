@@ -188,3 +188,18 @@ def test_the_rings_length_prefix_is_protobufs_varint(n):
     from rlsync.client.weights import _varint
 
     assert _varint(n) == _VarintBytes(n)
+
+
+def test_only_a_replica_whose_bell_was_written_is_told_its_value():
+    """A ring's bell value goes to the replicas whose bell the trainer wrote; another (one whose bell it could not
+    open) gets the same request with none, so it never adopts a copy armed behind its own bell that nothing starts."""
+    from rlsync.client.weights import _requests
+
+    offer = tpb.Offer(transfer_id="t1", manifest=tpb.Manifest(version=4), mapped=tpb.MappedTensors(ipc=[b"h"]))
+    doorbells = [tpb.Doorbell(address=a) for a in ("a", "b")]
+    ours = tpb.MappedTensors(waits=True, bell=7)
+    got = {a: pb.PrepareUpdateRequest.FromString(r).offer.mapped for a, r in
+           _requests(offer, doorbells, {"a"}, ours, "", 0).items()}
+    assert (got["a"].bell, got["a"].waits) == (7, True) and (got["b"].bell, got["b"].waits) == (0, True)
+    every = _requests(offer, doorbells, {"a", "b"}, ours, "", 0)
+    assert every["a"] is every["b"]  # (one request's bytes when every bell was written)

@@ -72,3 +72,38 @@ def test_a_mixture_of_experts_is_stored_under_its_checkpoints_names_and_wakes_fr
     x = torch.tensor([[1, 2, 3]])
     with torch.no_grad():
         assert torch.equal(weights.model(x).logits, AutoModelForCausalLM.from_pretrained(path)(x).logits)
+
+
+class _Armed:
+    """A stand-in for a copy armed into the spare (hf_armed.ArmedSpare's armed): what stopping it calls."""
+
+    def __init__(self):
+        self.disarmed = 0
+
+    def disarm(self) -> None:
+        self.disarmed += 1
+
+
+def test_a_copy_armed_into_the_spare_runs_out_before_the_spare_goes_or_serves_again():
+    """arm_while_generating keeps the spare in a copy armed behind the bell (ArmedSpare): taken by one thread
+    only, counted as the spare's memory, and stopped (its copy run out) before anything else has the store: a
+    disarm (sleep, hold, release, commit), or the batch's need for room."""
+    from rlsync.rollout.engines.hf_armed import ArmedSpare, StepWatch
+
+    w, watch = _weights(), StepWatch()
+    w.swap(w.staging(), version=1)
+    spare = w.take_spare()
+    armed = _Armed()
+    w.armed_spare = ArmedSpare(armed, spare, watch)
+    watch.guard(armed)
+    assert w.spare is None and w.spare_bytes() == spare.nbytes(), "armed, it is still the spare's memory"
+    w.disarm()
+    assert armed.disarmed == 1 and w.armed_spare is None and w.spare is spare, "run out, then the spare again"
+    assert not watch.take(armed), "no longer guarded: the watch writes its bell no more"
+    w.armed_spare = ArmedSpare(armed, w.take_spare(), watch)
+    w.yield_spare(free=100, need=100)
+    assert w.armed_spare is not None and armed.disarmed == 1, "room enough beside it"
+    w.yield_spare(free=99, need=100)
+    assert armed.disarmed == 2 and w.armed_spare is None and w.spare is None and w.spare_bytes() == 0
+    w.armed_spare = ArmedSpare(armed, spare, watch)
+    assert w.take_armed_spare().store is spare and w.take_armed_spare() is None, "one taker"

@@ -3,6 +3,7 @@ precise refusal, before anything is mapped or registered (no GPU needed to get t
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import pytest
@@ -11,6 +12,8 @@ import torch
 from rlsync.errors import Unmappable
 from rlsync.transfer.armed import open_bell
 from rlsync.transfer.handshake import host_id
+from rlsync.transfer.host_bell import NONCE, PAGE
+from rlsync.transfer.memory import SharedBuffer
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 
@@ -29,3 +32,14 @@ def test_a_bell_whose_process_or_descriptor_is_gone_is_refused_naming_the_path()
     os.close(r), os.close(w)  # (a descriptor number no longer open here)
     with pytest.raises(Unmappable, match=f"/proc/{os.getpid()}/fd/{r}: No such file.*another process id namespace"):
         open_bell(_host_bell(fd=r), torch.device("cuda", 0))
+
+
+def test_a_descriptor_that_holds_another_page_than_the_bell_named_is_refused():
+    """The pid and descriptor number of a replica that restarted may name another page: the page's nonce tells."""
+    page = SharedBuffer(PAGE)
+    ctypes.c_uint64.from_address(page.tensor.data_ptr() + NONCE).value = 1234
+    try:
+        with pytest.raises(Unmappable, match=f"/proc/{os.getpid()}/fd/{page.fd} is not the replica's bell"):
+            open_bell(_host_bell(fd=page.fd, nonce=4321), torch.device("cuda", 0))
+    finally:
+        page.close()

@@ -13,7 +13,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -92,16 +92,16 @@ async def ring_prepare(offer: Offer, doorbells: list[Doorbell], token: str, forc
     # (a sharded trainer's offer naming its ranks' memories: its ranks' weights were final on the GPU when they
     # described them)
     waits = ours.waits or len(offer.routing.memories) > 0
-    rung = [bells[d.address] for d in doorbells if bells and d.address in bells] if waits else []
+    rung = {d.address: bells[d.address] for d in doorbells if bells and d.address in bells} if waits else {}
     if rung:  # after the offer, so after the weights on this stream
         ours.bell = next(_BELL_VALUES) % (1 << 30) + 1
-        for flag in rung:
+        for flag in rung.values():
             ring_bell(flag, ours.bell)
-    request = _prepare_request(offer, ours, force_backend, timeout)
+    requests = _requests(offer, doorbells, rung, ours, force_backend, timeout)
 
     async def prepare(d: Doorbell):
         who = f"replica {d.name}"
-        response = await ring(d.address, token, "PrepareUpdate", request,
+        response = await ring(d.address, token, "PrepareUpdate", requests[d.address],
                               rollout_pb2.PrepareUpdateResponse.FromString, (timeout or 300) + 30, who, lines)
         if response is not None and response.answer.copied:  # a pull answered once its copy was queued
             response.answer.stages["copied"] = await wait_copied(
@@ -112,6 +112,18 @@ async def ring_prepare(offer: Offer, doorbells: list[Doorbell], token: str, forc
     answers = await _ring_here(doorbells, prepare)
     seconds = time.perf_counter() - start if any(a is not None for a in answers) else 0.0
     return [Rung() if a is None else Rung(rung=True, answer=a.answer) for a in answers], seconds
+
+
+def _requests(offer: Offer, doorbells: list[Doorbell], rung: Collection[str], ours: MappedTensors, force_backend: str,
+              timeout: float) -> dict[str, bytes]:
+    """Each doorbell's PrepareUpdateRequest bytes, by address: the bell value `ours` carries only for the replicas
+    whose bell was written (`rung`); another (one whose bell this trainer could not open, say) would adopt a copy
+    armed behind its bell as one about to start, which nothing starts."""
+    request = _prepare_request(offer, ours, force_backend, timeout)
+    if not ours.bell or all(d.address in rung for d in doorbells):
+        return {d.address: request for d in doorbells}
+    unbelled = _prepare_request(offer, MappedTensors(waits=ours.waits), force_backend, timeout)
+    return {d.address: request if d.address in rung else unbelled for d in doorbells}
 
 
 def _prepare_request(offer: Offer, ours: MappedTensors, force_backend: str, timeout: float) -> bytes:

@@ -36,9 +36,10 @@ from collections.abc import Callable
 from functools import lru_cache
 
 import torch
+from google.protobuf.message import DecodeError
 
 from rlsync.transfer import driver
-from rlsync.transfer.memory import export_cuda, import_cuda
+from rlsync.transfer.memory import export_cuda, import_cuda, open_cuda
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 
@@ -174,12 +175,17 @@ def offer_key(specs, offer) -> tuple:
 def open_bell(handle: bytes, device: torch.device) -> torch.Tensor:
     """The trainer's side: a replica's bell (HoldWeightsResponse.bell: a BellHandle), its two words mapped for
     `device`'s streams to write (`ring_bell`)."""
-    bell = pb.BellHandle.FromString(handle)
+    try:
+        bell = pb.BellHandle.FromString(handle)
+    except DecodeError:  # (a replica from before BellHandle: its CudaIpcHandle alone)
+        return open_cuda(handle, device)
     if bell.HasField("host"):
         from rlsync.transfer.host_bell import open_host_words  # (it builds on Bell)
 
         return open_host_words(bell.host, device)
-    return import_cuda(bell.device, device)
+    if bell.HasField("device"):
+        return import_cuda(bell.device, device)
+    return open_cuda(handle, device)
 
 
 def ring_bell(flag: torch.Tensor, value: int) -> None:

@@ -41,7 +41,8 @@ class _Mapped:
                                          "version": 3, "strides": None}
 
     def __del__(self) -> None:
-        try:
+        try:  # (a write queued on a stream of this process may still reach it)
+            torch.cuda.synchronize(self.index)
             driver.unregister_host(self.host, self.index)
         except Exception:  # noqa: BLE001 - (at exit the driver may be gone before this)
             pass
@@ -53,8 +54,11 @@ def _words(buffer: SharedBuffer, device: torch.device) -> tuple[torch.Tensor, in
     return torch.as_tensor(mapped, device=device), mapped.host
 
 
-def host_words(pid: int, fd: int, nbytes: int = PAGE) -> pb.HostWords:
-    return pb.HostWords(pid=pid, fd=fd, host_id=host_id(), nbytes=nbytes)
+NONCE = 8  # where the page holds its nonce (HostWords.nonce), after the bell's two words
+
+
+def _nonce(buffer: SharedBuffer) -> ctypes.c_uint64:
+    return ctypes.c_uint64.from_address(buffer.tensor.data_ptr() + NONCE)
 
 
 def open_host_words(words: pb.HostWords, device: torch.device) -> torch.Tensor:
@@ -67,7 +71,12 @@ def open_host_words(words: pb.HostWords, device: torch.device) -> torch.Tensor:
     except OSError as e:
         raise Unmappable(f"cannot open the replica's bell (/proc/{words.pid}/fd/{words.fd}: {e.strerror}): the "
                          "replica is gone, or runs in another process id namespace than this trainer") from e
-    return _words(SharedBuffer.attach(fd, words.nbytes or PAGE), device)[0]
+    buffer = SharedBuffer.attach(fd, PAGE)
+    if _nonce(buffer).value != words.nonce:
+        buffer.close()
+        raise Unmappable(f"/proc/{words.pid}/fd/{words.fd} is not the replica's bell (another process, or another "
+                         "descriptor, has that number now): the replica is gone")
+    return _words(buffer, device)[0]
 
 
 class HostBell(Bell):
@@ -79,9 +88,12 @@ class HostBell(Bell):
     def __init__(self, device: torch.device):
         self.device = device
         self._buffer = SharedBuffer(PAGE)
+        nonce = _nonce(self._buffer)
+        nonce.value = int.from_bytes(os.urandom(8), "little")
         self.flag, self._host = _words(self._buffer, device)  # (its first word is the bell's)
         self._word = ctypes.c_int32.from_address(self._host)
-        self.handle = pb.BellHandle(host=host_words(os.getpid(), self._buffer.fd)).SerializeToString()
+        self.handle = pb.BellHandle(host=pb.HostWords(pid=os.getpid(), fd=self._buffer.fd, host_id=host_id(),
+                                                      nbytes=PAGE, nonce=nonce.value)).SerializeToString()
         self._started = torch.zeros(1, dtype=torch.int32, device=device)
         self._streams(device)
 

@@ -218,7 +218,8 @@ class HFEngine(Engine):
         that seats a prompt's forked completions) and every SPARE_CHECK_STEPS steps (a device query
         is not free)."""
         self._steps_unchecked += 1
-        if self.weights.spare is None or not (joining or self._steps_unchecked >= SPARE_CHECK_STEPS):
+        if self.weights.spare is None and self.weights.armed_spare is None \
+                or not (joining or self._steps_unchecked >= SPARE_CHECK_STEPS):
             return
         self._steps_unchecked = 0
         self.weights.yield_spare(free_bytes(self.device), 2 * self.batch.kv_bytes_next() + SPARE_HEADROOM)
@@ -392,9 +393,8 @@ class HFEngine(Engine):
             reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
             staging = self._update[1] if self._update is not None else None
             staging_bytes = staging.nbytes() if staging is not None and staging is not self.weights.store else 0
-            spare = self.weights.spare
             return MemoryUsage(str(self.device), self.weights.device_bytes(), self.batch.kv_bytes(), reserved,
-                               staging_bytes, spare.nbytes() if spare is not None else 0)
+                               staging_bytes, self.weights.spare_bytes())
 
         return await self._call(read)
 
@@ -411,6 +411,8 @@ class HFEngine(Engine):
                                      "them)")
         clock = Stopwatch()
         lora = offer.manifest.HasField("adapter")  # an adapter for the resident base: it never lands in place
+        if lora:  # (its staging and receive run on this side, beside a copy armed into the spare: let it go first)
+            self.weights.disarm_spare()
         # The last pull again, into the spare store, before anything else: its copy runs while the
         # answer is made. Not beside a woken engine's pending refill or an armed copy (those go first).
         launched, routed = None, offer.HasField("routing")
@@ -616,11 +618,12 @@ class HFEngine(Engine):
             if adapter is not None:
                 self.adapter.apply(adapter, staging)
                 self.weights.version = version
-            else:
-                self.weights.swap(staging, version, specs)
-                self.adapter.disable()
-                self._arming.arm_spare(self.weights)  # (arm_while_generating: the next update's copy, queued)
-            return self._recompute(version) if recompute_kv else 0
+                return self._recompute(version) if recompute_kv else 0
+            self.weights.swap(staging, version, specs)
+            self.adapter.disable()
+            recomputed = self._recompute(version) if recompute_kv else 0
+            self._arming.arm_spare(self.weights)  # (arm_while_generating: the next update's copy, queued)
+            return recomputed
 
         # Between two decode steps: no step sees a mix (a recompute is a prefill: the engine thread's).
         recomputed = await (self._call if recompute_kv else self._soon)(swap)

@@ -95,9 +95,10 @@ class Weights:
         if self.armed is not None:
             self.armed.disarm()
             self.armed = None
-        self._disarm_spare()
+        self.disarm_spare()
 
-    def _disarm_spare(self) -> None:
+    def disarm_spare(self) -> None:
+        """A copy armed into the spare runs out (nothing waits behind it after this); the store is the spare again."""
         spare = self.take_armed_spare()
         if spare is not None:
             spare.stop()
@@ -166,6 +167,11 @@ class Weights:
         spare = self.take_spare()
         return spare if spare is not None else self.new_store(self.device)
 
+    def spare_bytes(self) -> int:
+        """The spare's bytes on the device, armed or not."""
+        spare = self.spare if self.spare is not None else getattr(self.armed_spare, "store", None)
+        return spare.nbytes() if spare is not None else 0
+
     def take_spare(self) -> FlatStore | None:
         spare, self.spare = self.spare, None
         return spare
@@ -189,7 +195,7 @@ class Weights:
         beside it (`free`) is less than what the batch may take next (`need`). The next update then
         allocates its staging, or is refused for room, as without a spare."""
         if free < need and (self.spare is not None or self.armed_spare is not None):
-            self._disarm_spare()  # (its copy runs out first)
+            self.disarm_spare()  # (its copy runs out first)
             self.spare = None
 
     def swap(self, store: FlatStore, version: int, specs=None) -> None:
