@@ -117,10 +117,15 @@ def test_a_member_that_keeps_its_gil_stays_while_it_computes_and_leaves_when_it_
         wait_for(lambda: children(member.pid) not in ([], beacon), "the member starts another beacon")
         time.sleep(LEASE)
         if members(client) != before:  # the new beacon's start took longer than a lease (a loaded host, as CI's start
-            # was once): nothing was heard meanwhile, so the lease dropped it, and the new beacon registers it again
-            assert "silent" not in dropped and "trainer silent: 1" in drops(co), (drops(co), dropped)
+            # was once): nothing was heard meanwhile, so the lease dropped it, and the new beacon registers it again;
+            # or the new beacon registered before it went on as the member (its first heartbeat failed on a loaded
+            # host, or the page it reads the member by was torn by the kill: fresh1 of stop 83), and the coordinator
+            # replaced the old entry with the new one
+            now = drops(co)
+            why = "silent" if "trainer silent: 1" in now else "replaced" if "trainer replaced: 1" in now else None
+            assert "silent" not in dropped and why is not None, (now, dropped)
             wait_for(lambda: trainers(client) == ["gil"], "it registers again")
-            print("\n[busy] its beacon's replacement started later than a lease: dropped silent, registered again")
+            print(f"\n[busy] its beacon's replacement registered anew ({why}), and the member stays")
         else:
             assert drops(co) == dropped, "the same member, never dropped"
 
