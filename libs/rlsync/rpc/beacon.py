@@ -128,10 +128,11 @@ class Beacon:
                 if self.member_id and state not in "Tt" and not self._beat(cpu):
                     continue  # the coordinator does not know it (restarted, or dropped it): register again
             except grpc.RpcError as e:  # the coordinator may be down or not up yet: keep trying
+                # (as the member it was: a call that failed on a loaded host would otherwise register it anew, which
+                # replaces its entry; a coordinator that no longer knows it says so at the next heartbeat)
                 if not warned:
                     log.warning("coordinator at %s unreachable (%s); retrying", self.coordinator, e.code().name)
                     warned = True
-                self._forget()
             self.stopped.wait(interval)
         while True:  # the leaving thread ends the process (os._exit) once the coordinator has heard it
             time.sleep(3600)
