@@ -118,9 +118,8 @@ def test_a_member_that_keeps_its_gil_stays_while_it_computes_and_leaves_when_it_
         time.sleep(LEASE)
         if members(client) != before:  # the new beacon's start took longer than a lease (a loaded host, as CI's start
             # was once): nothing was heard meanwhile, so the lease dropped it, and the new beacon registers it again;
-            # or the new beacon registered before it went on as the member (its first heartbeat failed on a loaded
-            # host, or the page it reads the member by was torn by the kill: fresh1 of stop 83), and the coordinator
-            # replaced the old entry with the new one
+            # or the new beacon registered anew and the coordinator replaced the old entry (fresh1 of stop 83, when a
+            # failed heartbeat made a beacon register again; now only a page torn by the kill could)
             now = drops(co)
             why = "silent" if "trainer silent: 1" in now else "replaced" if "trainer replaced: 1" in now else None
             assert "silent" not in dropped and why is not None, (now, dropped)
