@@ -60,3 +60,15 @@ def test_only_steps_set_the_usual_time_and_the_patience_has_a_floor():
     time.sleep(0.05)
     watch.ended()
     assert watch.usual > StepWatch.FLOOR and watch.patience() == pytest.approx(StepWatch.FACTOR * watch.usual)
+
+
+def test_what_ran_before_the_copy_was_armed_is_not_held_against_it():
+    """The commit that arms the copy is a command of the engine's thread, timed as such: only what runs after the
+    watch began to guard counts."""
+    watch, armed = StepWatch(), _armed()
+    watch.began()
+    time.sleep(3 * watch.patience())  # a long commit (a KV recompute, say) ...
+    watch.guard(armed)  # ... that arms the copy at its end
+    watch.ended(step=False)
+    time.sleep(watch.patience())
+    assert armed.writes == [] and watch.take(armed)

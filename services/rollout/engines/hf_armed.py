@@ -65,6 +65,7 @@ class StepWatch:
         self.let_go = 0  # copies let go so far
         self._lock = threading.Lock()
         self._guarded: Armed | None = None
+        self._from = 0.0  # when the watch began to guard it
         self._wake = threading.Event()
         threading.Thread(target=self._run, name="rlsync-step-watch", daemon=True).start()
 
@@ -81,8 +82,9 @@ class StepWatch:
         return max(self.FLOOR, self.FACTOR * self.usual)
 
     def guard(self, armed: Armed) -> None:
+        """Guards `armed` from now on (what ran before, the commit that armed it, say, is not held against it)."""
         with self._lock:
-            self._guarded = armed
+            self._guarded, self._from = armed, time.perf_counter()
         self._wake.set()
 
     def take(self, armed: Armed) -> bool:
@@ -104,7 +106,7 @@ class StepWatch:
                 if armed is None:
                     self._wake.clear()
                     continue
-                if since is None or time.perf_counter() - since <= self.patience():
+                if since is None or time.perf_counter() - max(since, self._from) <= self.patience():
                     continue
                 armed.bell.write(CANCELLED)
                 self._guarded = None
