@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import torch
+from prometheus_client import REGISTRY
 
 from rlsync.rollout.engines.hf_weights import Weights
 from rlsync.transfer.manifest import Spec
@@ -97,8 +98,10 @@ def test_a_copy_armed_into_the_spare_runs_out_before_the_spare_goes_or_serves_ag
     w.armed_spare = ArmedSpare(armed, spare, watch)
     watch.guard(armed)
     assert w.spare is None and w.spare_bytes() == spare.nbytes(), "armed, it is still the spare's memory"
+    stopped = REGISTRY.get_sample_value("rlsync_replica_armed_copies_total", {"outcome": "stopped"}) or 0
     w.disarm()
     assert armed.disarmed == 1 and w.armed_spare is None and w.spare is spare, "run out, then the spare again"
+    assert REGISTRY.get_sample_value("rlsync_replica_armed_copies_total", {"outcome": "stopped"}) == stopped + 1
     assert not watch.take(armed), "no longer guarded: the watch writes its bell no more"
     w.armed_spare = ArmedSpare(armed, w.take_spare(), watch)
     w.yield_spare(free=100, need=100)

@@ -9,6 +9,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from prometheus_client import REGISTRY
 
 from rlsync.rollout.engines.hf_armed import CANCELLED, StepWatch
 
@@ -27,9 +28,11 @@ def _until(condition, seconds: float = 30.0) -> None:
 
 def test_a_step_that_runs_far_longer_than_usual_lets_the_guarded_copy_go_once():
     watch, armed = StepWatch(), _armed()
+    counted = REGISTRY.get_sample_value("rlsync_replica_armed_copies_total", {"outcome": "let_go"}) or 0
     watch.guard(armed)
     watch.began()  # ... and never ends: a launch waiting behind the copy
     _until(lambda: watch.let_go)
+    assert REGISTRY.get_sample_value("rlsync_replica_armed_copies_total", {"outcome": "let_go"}) == counted + 1
     assert armed.writes == [CANCELLED] and CANCELLED >= 1 << 30  # (a trainer's bell values stay below 1 << 30)
     assert watch.let_go == 1
     assert not watch.take(armed), "let go: an offer must not adopt it"

@@ -56,6 +56,9 @@ REPLICA_REQUESTS = Counter("rlsync_replica_requests", "Generate requests this re
 REPLICA_ABORTED = Counter("rlsync_replica_completions_aborted", "completions ended by an abort (Abort, a pause "
                           "with abort, sleep, shutdown)")
 REPLICA_TOKENS = Counter("rlsync_replica_tokens", "tokens generated")
+REPLICA_ARMED = Counter("rlsync_replica_armed_copies", "copies armed beside generation (hf arm_while_generating), "
+                        "by what became of them: adopted by the next offer, let_go (a step ran far longer than usual), "
+                        "stopped (another offer, a sleep, a hold or release, the batch's need for room)", ["outcome"])
 
 # -- the trainer ------------------------------------------------------------------------------------
 TRAIN_STEPS = Counter("rlsync_train_steps", "training steps taken")

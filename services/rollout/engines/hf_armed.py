@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from rlsync.common import metrics
 from rlsync.common.stamps import stamp
 from rlsync.flat import FlatStore
 from rlsync.rollout.staging import AdoptedUpdate
@@ -111,6 +112,7 @@ class StepWatch:
                 armed.bell.write(CANCELLED)
                 self._guarded = None
                 self._wake.clear()
+                metrics.REPLICA_ARMED.labels("let_go").inc()
                 self.let_go += 1
             log.info("a step ran %.0f ms (usual: %.1f ms): the copy armed beside generation is let go, and the "
                      "next update copies at its prepare", (time.perf_counter() - since) * 1e3, self.usual * 1e3)
@@ -125,7 +127,8 @@ class ArmedSpare(NamedTuple):
 
     def stop(self) -> None:
         """Unguarded, then disarmed: its copy runs out, into the spare, which nothing reads before an update."""
-        self.watch.take(self.armed)
+        if self.watch.take(self.armed):  # (else the watch let it go, and counted it)
+            metrics.REPLICA_ARMED.labels("stopped").inc()
         self.armed.disarm()
 
 
@@ -210,11 +213,15 @@ class Arming:
         spare = weights.take_armed_spare()
         if spare is None:
             return None
-        if spare.watch.take(spare.armed) and spare.armed.adopt(specs, offer):
-            armed = spare.armed
+        armed = spare.armed
+        guarded = spare.watch.take(armed)  # (from here on the watch writes its bell no more)
+        if guarded and armed.adopt(specs, offer):
+            metrics.REPLICA_ARMED.labels("adopted").inc()
             return spare.store, AdoptedUpdate(armed.nbytes, armed.bell.event_handle, armed.disarm, version,
                                               reads=armed.reads)
-        spare.stop()
+        if guarded:  # (another offer's, or started by an older one)
+            metrics.REPLICA_ARMED.labels("stopped").inc()
+        armed.disarm()
         weights.give_back_spare(spare.store)
         return None
 
