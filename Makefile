@@ -10,7 +10,7 @@ LOCK_VENV ?= .lock-venv
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-sglang venv venv-sglang lock protos protos-check lint wheels gpu-parts gpu-land base-image image-wheels gpu-setup gpu-test gpu-ab-parts gpu-ab clean
+.PHONY: demo test test-sglang venv venv-sglang lock protos protos-check lint wheels gpu-parts gpu-land base-image image-wheels gpu-setup gpu-test gpu-ab-parts gpu-ab gpu-args-ab clean
 
 venv: $(STAMP)
 
@@ -224,6 +224,20 @@ gpu-ab:
 	        2> $${OUT:-$(CURDIR)/runs}/ab-$$side-$$i.log) || echo "$$side run $$i failed: see ab-$$side-$$i.log"; \
 	    for t in /tmp/rlsync-gpu/logs-*/steps.jsonl; do [ -s $$t ] && cp $$t $${OUT:-$(CURDIR)/runs}/ab-$$side-$$i.steps.jsonl; done; \
 	done; done; python3 -m pip install -q --no-deps --no-build-isolation -e .
+	python3 bench/summary.py $${OUT:-$(CURDIR)/runs}/ab-*.json
+
+# The same tree with and without more arguments (AB_WITH: an engine argument, say), in turns on one machine, each
+# run's JSON and log under $$OUT (ab-without-1.json, ab-with-1.json, ...), then their headline figures. E.g. the hf
+# engine arming beside generation, single-process in flight:
+#   make gpu-args-ab AB_ARGS="--preset qwen3-1.7b --only updates --mode inflight --seconds 16 --rounds 4 --publish-buffer"
+AB_WITH ?= -E arm_while_generating=true
+gpu-args-ab:
+	mkdir -p $${OUT:-runs}
+	for i in $$(seq $(AB_RUNS)); do for side in without with; do \
+	    extra=$$([ $$side = with ] && echo "$(AB_WITH)"); \
+	    PYTHONUNBUFFERED=1 python3 bench/gpu_cycle.py $(AB_ARGS) $$extra > $${OUT:-$(CURDIR)/runs}/ab-$$side-$$i.json \
+	        2> $${OUT:-$(CURDIR)/runs}/ab-$$side-$$i.log || echo "$$side run $$i failed: see ab-$$side-$$i.log"; \
+	done; done
 	python3 bench/summary.py $${OUT:-$(CURDIR)/runs}/ab-*.json
 
 protos: $(STAMP)
