@@ -383,6 +383,9 @@ def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: floa
            # the offer: with a publish buffer, the trainer's copy of its weights into it is here
            "offer_ms": round(statistics.median(s.phases["offer"] * 1e3 for s in syncs), 3),
            "transfer_vs_limit": round(statistics.median(p["transfer_vs_limit"] for p in per_sync), 3),
+           # how each sync's copy began on the replica: adopted (armed beforehand and started by the trainer's bell:
+           # the hf engine's arm_while_generating), launched as its prepare began, or neither (a receiver laid out)
+           "copies": copies_by_start(per_sync),
            "aborted_and_resumed": status.resubmissions, "per_sync": per_sync}
     if events:
         out["update_trace"] = update_trace(events)
@@ -391,6 +394,16 @@ def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: floa
         out["pause_window_ms"] = round(statistics.median(windows_ms), 3)
         out["pause_window_max_ms"] = round(max(windows_ms), 3)
         out["pause_window_minus_transfer_ms"] = round(statistics.median(windows_ms) - transfer_ms, 3)
+    return out
+
+
+def copies_by_start(per_sync: list[dict]) -> dict[str, int]:
+    """How many syncs' copies were adopted, launched, or neither, by the replica's stages in their profiles (of
+    one replica: the first that names either)."""
+    out = {"adopted": 0, "launched": 0, "other": 0}
+    for sync in per_sync:
+        stages = sync.get("transfer_profile_ms", {})
+        out["adopted" if "receiver_adopt" in stages else "launched" if "receiver_launch" in stages else "other"] += 1
     return out
 
 

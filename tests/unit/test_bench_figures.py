@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from gpu_cycle import gap_vs_local_median, update_trace  # noqa: E402
+from gpu_cycle import copies_by_start, gap_vs_local_median, update_trace  # noqa: E402
 from summary import headline  # noqa: E402
 
 
@@ -57,3 +57,10 @@ def test_an_updates_gap_is_weighed_against_the_gaps_around_it_not_the_whole_runs
     assert gap_vs_local_median(fast + slow, windows) == pytest.approx(2.5)  # 25 / 10, not 30 / a run-wide median
     assert gap_vs_local_median(fast, [(2.0, 2.01)]) is None  # no gap across that update
     assert gap_vs_local_median(fast + slow, windows, around=0.0) is None  # no gap starts at the update's own start
+
+
+def test_each_syncs_copy_is_counted_by_how_it_began_on_the_replica():
+    per_sync = [{"transfer_profile_ms": {"receiver_adopt": 0.01, "receiver_copied": 2.0}},
+                {"transfer_profile_ms": {"receiver_launch": 0.3}}, {"transfer_profile_ms": {"receiver_setup": 0.7}},
+                {}]
+    assert copies_by_start(per_sync) == {"adopted": 1, "launched": 1, "other": 2}
