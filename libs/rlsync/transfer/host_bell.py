@@ -51,7 +51,9 @@ class _Mapped:
 def _words(buffer: SharedBuffer, device: torch.device) -> tuple[torch.Tensor, int]:
     """The two words of `buffer` as a CUDA tensor on `device` (registered, mapped), and their host address."""
     mapped = _Mapped(buffer, device.index if device.index is not None else torch.cuda.current_device())
-    return torch.as_tensor(mapped, device=device), mapped.host
+    words = torch.as_tensor(mapped, device=device)
+    words.rlsync_mapping = mapped  # (kept with the tensor, whatever torch keeps of what it was made from)
+    return words, mapped.host
 
 
 NONCE = 8  # where the page holds its nonce (HostWords.nonce), after the bell's two words
