@@ -31,16 +31,20 @@ PAGE = 4096  # what is registered: a whole page (the words are its first 8 bytes
 
 class _Mapped:
     """Registered host memory as the GPU sees it, for torch.as_tensor (its __cuda_array_interface__): two int32
-    words. Keeps the mapping alive (as the tensor keeps this) and unregisters it when it goes."""
+    words. Keeps the mapping alive (as the tensor keeps this); `opened` (a trainer's view of a replica's bell):
+    unregisters it when it goes, once the device has done what it queued (a replica's own lives as long as the
+    process: a copy may wait on it until its exit, which a synchronize here would wait for)."""
 
-    def __init__(self, buffer: SharedBuffer, index: int):
-        self.buffer, self.index = buffer, index
+    def __init__(self, buffer: SharedBuffer, index: int, opened: bool):
+        self.buffer, self.index, self.opened = buffer, index, opened
         self.host = buffer.tensor.data_ptr()
         self.address = driver.register_host(self.host, PAGE, index)
         self.__cuda_array_interface__ = {"shape": (2,), "typestr": "<i4", "data": (self.address, False),
                                          "version": 3, "strides": None}
 
     def __del__(self) -> None:
+        if not self.opened:
+            return
         try:  # (a write queued on a stream of this process may still reach it)
             torch.cuda.synchronize(self.index)
             driver.unregister_host(self.host, self.index)
@@ -48,9 +52,9 @@ class _Mapped:
             pass
 
 
-def _words(buffer: SharedBuffer, device: torch.device) -> tuple[torch.Tensor, int]:
+def _words(buffer: SharedBuffer, device: torch.device, opened: bool = False) -> tuple[torch.Tensor, int]:
     """The two words of `buffer` as a CUDA tensor on `device` (registered, mapped), and their host address."""
-    mapped = _Mapped(buffer, device.index if device.index is not None else torch.cuda.current_device())
+    mapped = _Mapped(buffer, device.index if device.index is not None else torch.cuda.current_device(), opened)
     words = torch.as_tensor(mapped, device=device)
     words.rlsync_mapping = mapped  # (kept with the tensor, whatever torch keeps of what it was made from)
     return words, mapped.host
@@ -78,7 +82,7 @@ def open_host_words(words: pb.HostWords, device: torch.device) -> torch.Tensor:
         buffer.close()
         raise Unmappable(f"/proc/{words.pid}/fd/{words.fd} is not the replica's bell (another process, or another "
                          "descriptor, has that number now): the replica is gone")
-    return _words(buffer, device)[0]
+    return _words(buffer, device, opened=True)[0]
 
 
 class HostBell(Bell):
