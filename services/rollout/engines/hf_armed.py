@@ -146,8 +146,13 @@ class Arming:
     def hold(self, holder: str, handles: list[bytes]) -> bytes:
         """Records a hold -> the bell's handle, for the holder to ring."""
         self.held = (holder, tuple(dict.fromkeys(handles)))
+        if self.bell is None and self.watch is not None:
+            try:
+                self.bell = HostBell(self.device)
+            except Exception as e:  # noqa: BLE001 - (it only saves time) a bell in GPU memory arms at wakes alone
+                log.warning("no bell in host memory (%s): this replica arms no copy while it generates", e)
         if self.bell is None:
-            self.bell = (HostBell if self.watch is not None else Bell)(self.device)
+            self.bell = Bell(self.device)
         return self.bell.handle
 
     def release(self, holder: str) -> None:
