@@ -414,10 +414,11 @@ def gap_vs_local_median(gaps: list[tuple[float, float, float]], windows: list[tu
     def crosses(t0: float, t1: float, w: tuple[float, float]) -> bool:
         return t0 < w[1] and t1 > w[0]
 
+    clear = [(g, t0) for g, t0, t1 in gaps if not any(crosses(t0, t1, v) for v in windows)]  # (found once)
     ratios = []
     for w in windows:
         across = [g for g, t0, t1 in gaps if crosses(t0, t1, w)]
-        near = [g for g, t0, t1 in gaps if abs(t0 - w[0]) <= around and not any(crosses(t0, t1, v) for v in windows)]
+        near = [g for g, t0 in clear if abs(t0 - w[0]) <= around]
         if across and near:
             ratios.append(max(across) / statistics.median(near))
     return round(max(ratios), 2) if ratios else None

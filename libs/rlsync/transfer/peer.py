@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 
 from rlsync.flat import FlatStore
 from rlsync.transfer.armed import Bell
-from rlsync.transfer.host_bell import HostBell
 from rlsync.transfer.checksum import as_bytes, checksum_tensors
+from rlsync.transfer.host_bell import HostBell
 from rlsync.transfer.manifest import from_proto
 from rlsync.transfer.memory import SharedArena
 from rlsync.transfer.receiver import answer as make_answer
