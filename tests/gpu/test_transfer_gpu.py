@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -228,7 +229,7 @@ def test_an_armed_held_pull_is_started_by_the_senders_bell_and_lands_each_steps_
                     "cuda_ipc", "--device", "cuda:0")
         try:
             flag = open_bell(bytes.fromhex(peer.line("BELL")), torch.device("cuda:0"))
-            answers, results = [], []
+            answers, results, armed = [], [], []
             for step in range(4):
                 for t in tensors.values():
                     t.add_(1)  # in place: the storages stay where the receiver holds them
@@ -242,9 +243,14 @@ def test_an_armed_held_pull_is_started_by_the_senders_bell_and_lands_each_steps_
                 results.append(peer.result(60))
                 expected = {n: checksum_tensor(t) for n, t in tensors.items()}
                 assert results[-1]["ok"] and results[-1]["checksums"] == expected, (step, results[-1])
+                armed.append(json.loads(peer.line("ARMED")))  # (a bell written before the peer armed: reset)
         finally:
             peer.proc.stdin.close()
-            peer.proc.wait(30)
+            try:
+                peer.proc.wait(30)
+            finally:
+                peer.kill()
+    assert armed == [True, True, False, True]  # (the offer with checksums is not armable)
     assert [r["adopted"] for r in results] == [False, True, False, False]
     assert [bool(a.copied) for a in answers] == [False, True, False, False]
 

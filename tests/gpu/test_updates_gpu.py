@@ -179,7 +179,9 @@ def test_a_replica_arming_while_it_generates_adopts_each_copy_the_trainers_bell_
     while streams go on generating; the trainer (with a publish buffer, held from the first update) writes that
     bell with each offer, and the next prepare adopts the copy already running: every update lands whole (the
     trainer's checksums), and generation never stops (each stream ends with all its tokens)."""
-    engine = json.dumps({**json.loads(GPU_ENGINE), "arm_while_generating": True})
+    # (patience of 2 s: the trainer's steps on the same GPU slow the replica's beside them, which with the usual
+    # patience could let every copy go; a first launch behind a copy still waits for it, 2 s at most)
+    engine = json.dumps({**json.loads(GPU_ENGINE), "arm_while_generating": True, "arm_patience_ms": 2000})
     trainer, rollout = _fleet(services, "0", "0", checksums=False, trainer_extra=["--publish-buffer"], engine=engine)
     bell = rollout.info().doorbell
     stop, ended = threading.Event(), []

@@ -75,13 +75,15 @@ def test_pause_keep_then_abort_ends_frozen_sequences(tiny_model):
 
 
 def test_unknown_engine_argument_is_refused(tiny_model):
-    with pytest.raises(InvalidArgument, match="unknown hf engine argument.*bogus.*valid: arm, arm_while_generating, d"):
+    with pytest.raises(InvalidArgument, match="unknown hf engine argument.*bogus.*valid: arm, arm_patience_ms, arm_w"):
         HFEngine(str(tiny_model), {"bogus": 1})
 
 
 @pytest.mark.parametrize("raw, why", [({"arm": "yes"}, "arm must be true or false"),
                                       ({"arm_while_generating": 1}, "arm_while_generating must be true or false"),
                                       ({"arm": False, "arm_while_generating": True}, "needs arm: true"),
+                                      ({"arm_patience_ms": 0}, "arm_patience_ms must be > 0, got 0"),
+                                      ({"arm_patience_ms": "1"}, "arm_patience_ms must be > 0, got '1'"),
                                       ({"switch_interval_ms": 0}, "switch_interval_ms must be > 0")])
 def test_a_bad_engine_argument_value_is_refused(tiny_model, raw, why):
     with pytest.raises(InvalidArgument, match=why):

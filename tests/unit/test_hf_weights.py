@@ -110,3 +110,58 @@ def test_a_copy_armed_into_the_spare_runs_out_before_the_spare_goes_or_serves_ag
     assert armed.disarmed == 2 and w.armed_spare is None and w.spare is None and w.spare_bytes() == 0
     w.armed_spare = ArmedSpare(armed, spare, watch)
     assert w.take_armed_spare().store is spare and w.take_armed_spare() is None, "one taker"
+
+
+class _Bell:
+    """A stand-in for a HostBell: the word the trainer's ring writes, as the CPU reads it."""
+
+    event_handle = b"event"
+
+    def __init__(self, word: int):
+        self.word = word
+
+    def rung(self, value: int, within: float) -> bool:
+        return self.word == value
+
+
+class _Adoptable(_Armed):
+    """An armed copy that is the offer's (Armed.adopt would take it), behind `bell`."""
+
+    nbytes, reads = 12, None
+
+    def __init__(self, bell: _Bell):
+        super().__init__()
+        self.bell, self.adopted = bell, False
+
+    def adopt(self, specs, offer) -> bool:
+        self.adopted = True
+        return True
+
+
+def test_a_copy_armed_beside_generation_is_adopted_only_once_the_trainers_bell_reached_it():
+    """Adopted, a copy is guarded no more: one the trainer's bell had not started yet would hold up a launch that
+    waits for the whole device until the trainer's write lands (or for good, were the trainer gone). So a prepare
+    takes only a copy whose bell holds its offer's value; another is disarmed (it runs out into the spare) and the
+    update copies as it prepares."""
+    from rlsync.rollout.engines.hf_armed import Arming, ArmedSpare, StepWatch
+    from rlsync.transfer.v1 import transfer_pb2 as pb
+
+    w, watch, arming = _weights(), StepWatch(), Arming(torch.device("cpu"))
+    w.swap(w.staging(), version=1)
+    spare = w.take_spare()
+    offer = pb.Offer()
+    offer.mapped.bell = 7
+    for word, taken in ((0, False), (6, False), (7, True)):  # not rung yet; an older offer's value; this offer's
+        armed = _Adoptable(_Bell(word))
+        watch.guard(armed)
+        w.armed_spare = ArmedSpare(armed, spare, watch)
+        stopped = REGISTRY.get_sample_value("rlsync_replica_armed_copies_total", {"outcome": "stopped"}) or 0
+        got = arming.adopt_spare(w, [], offer, version=2)
+        assert (got is not None) == taken and armed.adopted == taken, word
+        assert w.armed_spare is None and not watch.take(armed), "taken from the watch either way"
+        if taken:
+            assert got[0] is spare and got[1].report.nbytes == 12 and armed.disarmed == 0
+        else:
+            assert armed.disarmed == 1 and w.take_spare() is spare, "run out, and the spare again"
+            assert REGISTRY.get_sample_value("rlsync_replica_armed_copies_total",
+                                             {"outcome": "stopped"}) == stopped + 1

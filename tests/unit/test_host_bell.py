@@ -43,3 +43,23 @@ def test_a_descriptor_that_holds_another_page_than_the_bell_named_is_refused():
             open_bell(_host_bell(fd=page.fd, nonce=4321), torch.device("cuda", 0))
     finally:
         page.close()
+
+
+@pytest.mark.parametrize("kind", ["pipe", "short file"])
+def test_a_descriptor_that_is_no_bell_page_is_refused_before_it_is_mapped(kind, tmp_path):
+    """A number reused by a pipe or a file shorter than the bell's page: refused as not the bell (mapping a pipe
+    fails, and reading the nonce past a short file's end would kill the trainer)."""
+    if kind == "pipe":
+        fd, other = os.pipe()
+    else:
+        (tmp_path / "short").write_bytes(b"\0" * 8)
+        fd, other = os.open(tmp_path / "short", os.O_RDWR), None
+    try:
+        before = sorted(os.listdir("/proc/self/fd"))
+        with pytest.raises(Unmappable, match=f"/proc/{os.getpid()}/fd/{fd} is not the replica's bell"):
+            open_bell(_host_bell(fd=fd, nonce=1), torch.device("cuda", 0))
+        assert sorted(os.listdir("/proc/self/fd")) == before, "the descriptor it opened is closed"
+    finally:
+        os.close(fd)
+        if other is not None:
+            os.close(other)

@@ -41,8 +41,7 @@ def test_a_step_that_runs_far_longer_than_usual_lets_the_guarded_copy_go_once():
 
 
 def test_an_idle_engine_or_a_copy_taken_back_is_never_let_go():
-    watch, idle, taken = StepWatch(), _armed(), _armed()
-    watch.FLOOR, watch.usual = 0.001, 0.001
+    watch, idle, taken = StepWatch(floor=0.001), _armed(), _armed()
     watch.guard(idle)  # no step running: nothing can wait behind it here
     time.sleep(0.1)
     assert idle.writes == [] and watch.take(idle)
@@ -54,15 +53,16 @@ def test_an_idle_engine_or_a_copy_taken_back_is_never_let_go():
 
 
 def test_only_steps_set_the_usual_time_and_the_patience_has_a_floor():
-    watch = StepWatch()
+    watch = StepWatch(floor=0.02)  # (the hf engine's arm_patience_ms)
     watch.began()
     time.sleep(0.05)
     watch.ended(step=False)  # a command (a sleep, a hold): not a step's time
-    assert watch.usual == pytest.approx(StepWatch.FLOOR)
+    assert watch.usual == pytest.approx(0.02)
     watch.began()
     time.sleep(0.05)
     watch.ended()
-    assert watch.usual > StepWatch.FLOOR and watch.patience() == pytest.approx(StepWatch.FACTOR * watch.usual)
+    assert watch.usual > 0.02 and watch.patience() == pytest.approx(StepWatch.FACTOR * watch.usual)
+    assert watch.patience() >= 0.02 and StepWatch(floor=2.0).patience() >= 2.0
 
 
 def test_what_ran_before_the_copy_was_armed_is_not_held_against_it():

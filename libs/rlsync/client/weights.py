@@ -74,14 +74,16 @@ _BELL_VALUES = itertools.count()  # one per ring that writes bells: a copy start
 
 async def ring_prepare(offer: Offer, doorbells: list[Doorbell], token: str, force_backend: str = "",
                        timeout: float = 0, lines: Lines | None = None,
-                       bells: Mapping[str, torch.Tensor] | None = None) -> tuple[list, float]:
+                       bells: Mapping[str, torch.Tensor] | None = None, final: torch.cuda.Event | None = None
+                       ) -> tuple[list, float]:
     """The trainer's side of OfferWeightsRequest.ring: a PrepareUpdate of `offer` at every doorbell
     on this host, all at once. -> (a Rung per doorbell, seconds until the last answered). A doorbell
     on another host or nobody answers at is left unrung, for the caller's PrepareUpdate. The first
     refusal is raised, with the replica's status and name (what others prepared stays prepared:
     the caller aborts them, as after a failed PrepareUpdate). `bells`: the mapped bells of replicas
     that hold the offer's memory, by doorbell address: each is written first, which starts the copy
-    that replica armed (rlsync.transfer.armed)."""
+    that replica armed (rlsync.transfer.armed), once the GPU has passed `final` (recorded as the offer was made,
+    after its weights: the publisher's `final`; None: after what the current stream holds now)."""
     from rlsync.trainer.v1.trainer_pb2 import Rung
     from rlsync.transfer.armed import ring_bell
     from rlsync.transfer.copied import sender_device, wait_copied
@@ -96,7 +98,7 @@ async def ring_prepare(offer: Offer, doorbells: list[Doorbell], token: str, forc
     if rung:  # after the offer, so after the weights on this stream
         ours.bell = next(_BELL_VALUES) % (1 << 30) + 1
         for flag in rung.values():
-            ring_bell(flag, ours.bell)
+            ring_bell(flag, ours.bell, final)
     requests = _requests(offer, doorbells, rung, ours, force_backend, timeout)
 
     async def prepare(d: Doorbell):

@@ -78,6 +78,7 @@ class PublisherCore:
         self._sender: WeightSender | ShardedSender | None = None
         self._source: Source | None = None  # what the sender sends (and audits read)
         self._offers: dict[str, tuple[tpb.Offer, WeightSender | ShardedSender]] = {}  # id -> offer, its sender
+        self._final: dict[str, torch.cuda.Event] = {}  # id -> recorded as a GPU offer was made (`final`)
         self._started: dict[str, tuple[asyncio.Task, list[bytes]]] = {}  # id -> a send begun early, its answers
         self._running: set[asyncio.Task] = set()
         self.ranks: Ranks | None = None  # a sharded trainer's ranks: each sends its own shards
@@ -311,10 +312,20 @@ class PublisherCore:
 
     def _remember(self, offer: tpb.Offer, sender: WeightSender | ShardedSender) -> None:
         self._offers[offer.transfer_id] = offer, sender
+        if sender.device.type == "cuda" and (offer.mapped.ipc or offer.routing.memories):  # rung by a bell (`final`)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(sender.device))
+            self._final[offer.transfer_id] = event
         if offer.mapped.ipc:  # receivers pull it from here, with no PublishWeights
             self.published = offer.manifest.version
         while len(self._offers) > 8:
             self._offers.pop(next(iter(self._offers)))
+        self._final = {k: v for k, v in self._final.items() if k in self._offers}
+
+    def final(self, transfer_id: str) -> torch.cuda.Event | None:
+        """An event recorded on the GPU as the offer `transfer_id` was made, after its weights: once it has passed,
+        they are final there, whatever the trainer queued since (a bell is written after it: ring_bell)."""
+        return self._final.get(transfer_id)
 
     def publish_now(self, transfer_id: str, answers: list[tpb.Answer], timeout: float = 0) -> None:
         """Starts publish() at once, for a caller that will ask for its result (publish() with the

@@ -22,7 +22,6 @@ from collections import defaultdict
 import torch
 
 from rlsync.client.weights import ring_hold, ring_release
-from rlsync.errors import Unmappable
 from rlsync.rpc.doorbell import Lines
 from rlsync.transfer.armed import open_bell
 from rlsync.transfer.copied import sender_device
@@ -89,7 +88,8 @@ class Holders:
             if response.bell:
                 try:
                     self.bells[d.address] = open_bell(response.bell, device)
-                except Unmappable as e:  # its offers then start their copy as they prepare
+                except Exception as e:  # noqa: BLE001 - (Unmappable, or the driver's refusal) its offers then
+                    # start their copy as they prepare
                     log.warning("%s: no armed copy of %s's is started by its bell: %s", self.holder, d.name, e)
         return {d.address for d, _ in held}
 

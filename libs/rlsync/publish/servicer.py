@@ -88,7 +88,8 @@ class PublisherServicer(trainer_pb2_grpc.TrainerServiceServicer):
                     offer.peer_readers.extend(self.holders.peer_readers(regions))
             rung_offer = self._rung_offer(offer, ring) if request.hold and ring else offer
             rang = asyncio.ensure_future(ring_prepare(rung_offer, ring, self.token, request.force_backend,
-                                                      request.timeout, self.lines, self.holders.bells_for(rung_offer)))
+                                                      request.timeout, self.lines, self.holders.bells_for(rung_offer),
+                                                      self.publisher.final(offer.transfer_id)))
             if request.publish and ring:
                 # A trainer that sends as soon as the replicas it rang answered starts broadcasting while they
                 # prepare, on the group of their last update: those that post their receives as they prepare

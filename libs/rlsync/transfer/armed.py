@@ -6,7 +6,7 @@ before knows, when its weights wake, what the next pull will copy: the same byte
 storage into the same place in its weights. So it queues that copy at once (`Armed`), on a stream
 of its own, behind a wait on a 4-byte word of its memory (its `Bell`, `cuStreamWaitValue32`), with an
 event after it. The trainer maps the bell at its onload (HoldWeightsResponse.bell) and writes it on
-its stream once its weights are final, just before it rings the replica (`ring_bell`): the GPU
+a stream of its own once its weights are final, just before it rings the replica (`ring_bell`): the GPU
 starts the copy there, while the ring's PrepareUpdate is on its way. The prepare adopts the copy
 when the offer is the one it was armed for (`Armed.adopt`) and answers with the event, which
 the trainer waits on as for any pull answered early (rlsync.transfer.copied).
@@ -75,6 +75,12 @@ class Bell:
         """Queues on `stream` the copy of the value written into the word that says what started what follows."""
         with torch.cuda.stream(stream):
             self._started.copy_(self.flag[:1])
+
+    def rung(self, value: int, within: float) -> bool:
+        """Whether the bell holds `value` (written by a trainer), waiting up to `within` s for it. A bell in GPU
+        memory cannot say without a copy from it, which would wait behind what the bell holds up: True (it is
+        armed only where nothing else runs until its update)."""
+        return True
 
     def started_by(self) -> int:
         """The bell value that started the armed copy; 0 while it waits. (A later write of the bell
@@ -188,14 +194,25 @@ def open_bell(handle: bytes, device: torch.device) -> torch.Tensor:
     return open_cuda(handle, device)
 
 
-def ring_bell(flag: torch.Tensor, value: int) -> None:
-    """The trainer's side: writes `value` into a replica's mapped bell on the current stream, after
-    everything queued there (its weights, final), fenced so that they are visible first.
+@lru_cache(maxsize=None)
+def ring_stream(index: int) -> torch.cuda.Stream:
+    """The trainer's stream that writes bells on GPU `index` (`ring_bell`): it waits for the weights of the offer it
+    rings and for nothing else, such as training queued since on the trainer's stream."""
+    return torch.cuda.Stream(torch.device("cuda", index))
+
+
+def ring_bell(flag: torch.Tensor, value: int, after: torch.cuda.Event | None = None) -> None:
+    """The trainer's side: writes `value` into a replica's mapped bell once the weights it offers are final on the
+    GPU: after `after` (an event recorded as the offer was made: the publisher's `final`), else after everything
+    queued on the current stream now. On `ring_stream`, fenced so that they are visible first.
 
     A stream write, not a kernel: with a kernel of the trainer's context in between, the replica's
     copy ends 0.27 ms later on an H100 (the GPU switching contexts; with the stream write, as soon
     as when the replica writes its own bell)."""
-    # (On a stream torch created the driver takes the stream's context; on the legacy default
-    # stream, this thread's, current since it mapped the bell.)
+    stream = ring_stream(flag.device.index)
     with torch.cuda.device(flag.device):
-        driver.write_value(torch.cuda.current_stream(), flag.data_ptr(), value)
+        if after is not None:
+            stream.wait_event(after)
+        else:
+            stream.wait_stream(torch.cuda.current_stream())
+        driver.write_value(stream, flag.data_ptr(), value)

@@ -99,14 +99,17 @@ def record(event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
 def wait_value(stream: torch.cuda.Stream, address: int, value: int) -> None:
     """Queues on `stream` a wait until the 4-byte word at `address` is >= `value`
     (cuStreamWaitValue32)."""
-    _call("cuStreamWaitValue32", _P, _U64, _U32, ctypes.c_uint)(stream.cuda_stream, address, value, _WAIT_GEQ)
+    with _primary_current(stream.device.index):  # (the legacy default stream is the current context's)
+        _call("cuStreamWaitValue32", _P, _U64, _U32, ctypes.c_uint)(stream.cuda_stream, address, value, _WAIT_GEQ)
 
 
 def write_value(stream: torch.cuda.Stream, address: int, value: int) -> None:
     """Queues on `stream` a write of `value` into the 4-byte word at `address`, after what the stream
-    wrote before is visible (cuStreamWriteValue32). On the legacy default stream the driver takes
-    this thread's current context."""
-    _call("cuStreamWriteValue32", _P, _U64, _U32, ctypes.c_uint)(stream.cuda_stream, address, value, _WRITE_FENCED)
+    wrote before is visible (cuStreamWriteValue32), in the primary context of the stream's device (a thread that
+    only mapped host memory has none current: the legacy default stream needs one)."""
+    with _primary_current(stream.device.index):
+        _call("cuStreamWriteValue32", _P, _U64, _U32, ctypes.c_uint)(stream.cuda_stream, address, value,
+                                                                     _WRITE_FENCED)
 
 
 def register_host(address: int, nbytes: int, index: int) -> int:

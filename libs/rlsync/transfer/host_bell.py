@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import ctypes
 import os
+import stat
+import time
 
 import torch
 
 from rlsync.errors import Unmappable
 from rlsync.transfer import driver
-from rlsync.transfer.armed import Bell
+from rlsync.transfer.armed import Bell, ring_stream
 from rlsync.transfer.handshake import host_id
 from rlsync.transfer.memory import SharedBuffer
 from rlsync.transfer.v1 import transfer_pb2 as pb
@@ -45,8 +47,8 @@ class _Mapped:
     def __del__(self) -> None:
         if not self.opened:
             return
-        try:  # (a write queued on a stream of this process may still reach it)
-            torch.cuda.synchronize(self.index)
+        try:  # (a write the trainer queued may still reach it: its writes are on the ring stream alone)
+            ring_stream(self.index).synchronize()
             driver.unregister_host(self.host, self.index)
         except Exception:  # noqa: BLE001 - (at exit the driver may be gone before this)
             pass
@@ -56,6 +58,8 @@ def _words(buffer: SharedBuffer, device: torch.device, opened: bool = False) -> 
     """The two words of `buffer` as a CUDA tensor on `device` (registered, mapped), and their host address."""
     mapped = _Mapped(buffer, device.index if device.index is not None else torch.cuda.current_device(), opened)
     words = torch.as_tensor(mapped, device=device)
+    if words.data_ptr() != mapped.address:  # (torch copies what it takes for another device's memory)
+        raise Unmappable(f"{device} does not see the bell's page where the driver mapped it: torch copied it")
     words.rlsync_mapping = mapped  # (kept with the tensor, whatever torch keeps of what it was made from)
     return words, mapped.host
 
@@ -72,17 +76,33 @@ def open_host_words(words: pb.HostWords, device: torch.device) -> torch.Tensor:
     if words.host_id != host_id():
         raise Unmappable(f"the replica's bell lies in the host memory of another host ({words.host_id}, this is "
                          f"{host_id()}): only a trainer on its host rings it")
+    path = f"/proc/{words.pid}/fd/{words.fd}"
     try:
-        fd = os.open(f"/proc/{words.pid}/fd/{words.fd}", os.O_RDWR)
+        fd = os.open(path, os.O_RDWR)
     except OSError as e:
-        raise Unmappable(f"cannot open the replica's bell (/proc/{words.pid}/fd/{words.fd}: {e.strerror}): the "
-                         "replica is gone, or runs in another process id namespace than this trainer") from e
-    buffer = SharedBuffer.attach(fd, PAGE)
-    if _nonce(buffer).value != words.nonce:
+        raise Unmappable(f"cannot open the replica's bell ({path}: {e.strerror}): the replica is gone, or runs in "
+                         "another process id namespace than this trainer") from e
+    gone = Unmappable(f"{path} is not the replica's bell (another process, or another descriptor, has that number "
+                      "now): the replica is gone")
+    found = os.fstat(fd)
+    if not stat.S_ISREG(found.st_mode) or found.st_size < PAGE:  # (a pipe, a socket, a shorter file)
+        os.close(fd)
+        raise gone
+    try:
+        buffer = SharedBuffer.attach(fd, PAGE)  # (it closes fd once mapped)
+    except OSError as e:
+        os.close(fd)
+        raise Unmappable(f"cannot map the replica's bell ({path}): {e}") from e
+    try:
+        if _nonce(buffer).value != words.nonce:
+            raise gone
+        return _words(buffer, device, opened=True)[0]
+    except Unmappable:
         buffer.close()
-        raise Unmappable(f"/proc/{words.pid}/fd/{words.fd} is not the replica's bell (another process, or another "
-                         "descriptor, has that number now): the replica is gone")
-    return _words(buffer, device, opened=True)[0]
+        raise
+    except Exception as e:  # noqa: BLE001 - the driver refused the page: the hold goes on without the bell
+        buffer.close()
+        raise Unmappable(f"cannot map the replica's bell ({path}) for {device}: {e}") from e
 
 
 class HostBell(Bell):
@@ -106,6 +126,15 @@ class HostBell(Bell):
     def write(self, value: int) -> None:
         """Starts what waits on the bell: a store of the CPU (nothing launched, nothing that waits)."""
         self._word.value = value
+
+    def rung(self, value: int, within: float) -> bool:
+        """Read by the CPU, which nothing on the GPU holds up."""
+        until = time.perf_counter() + within
+        while self._word.value != value:
+            if time.perf_counter() > until:
+                return False
+            time.sleep(0)
+        return True
 
     def reset(self) -> None:
         self._word.value = 0

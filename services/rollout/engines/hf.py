@@ -114,7 +114,8 @@ class HFEngine(Engine):
         self._update: tuple | None = None  # (the update, its staging, its adapter or None, its manifest's specs)
         self._layout: tuple[list | None, bool] = (None, False)  # the last manifest's specs: a delta base?
         # pulls queued at wake (rlsync.transfer.armed): touched between steps
-        self._arming = Arming(self.device, self.args.arm, self.args.arm_while_generating)
+        self._arming = Arming(self.device, self.args.arm, self.args.arm_while_generating,
+                              self.args.arm_patience_ms / 1e3)
         self._steps_unchecked = 0  # decode steps since the spare's room was last checked
         if self.device.type == "cuda":  # where a sleep makes room for a trainer (on CPU: nothing to hand over)
             local_facts(self.device)  # (and the GPUs it reads by P2P, from NVML: asked now, not at the first update)

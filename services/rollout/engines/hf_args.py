@@ -33,6 +33,9 @@ class HFEngineArgs:
     # bell in host memory (rlsync.transfer.host_bell); a step that runs far longer than the engine's steps do
     # (a launch waiting for the whole device behind the copy) lets it go. Off until measured on a GPU.
     arm_while_generating: bool = False
+    # How long a step or command may run beside a copy armed while generating before it is let go: this, or four
+    # times the usual step if longer. What waits that long behind the copy (a first launch) goes on once it is.
+    arm_patience_ms: float = 20.0
 
     @classmethod
     def parse(cls, raw: dict[str, Any]) -> HFEngineArgs:
@@ -50,6 +53,8 @@ class HFEngineArgs:
                 raise InvalidArgument(f"hf engine argument {name} must be true or false, got {getattr(args, name)!r}")
         if args.arm_while_generating and not args.arm:
             raise InvalidArgument("hf engine argument arm_while_generating needs arm: true")
+        if not (isinstance(args.arm_patience_ms, (int, float)) and args.arm_patience_ms > 0):
+            raise InvalidArgument(f"hf engine argument arm_patience_ms must be > 0, got {args.arm_patience_ms!r}")
         if not args.switch_interval_ms > 0:
             raise InvalidArgument(f"hf engine argument switch_interval_ms must be > 0, got {args.switch_interval_ms}")
         if args.dtype not in ("auto", "float32", "bfloat16", "float16"):

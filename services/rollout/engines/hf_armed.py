@@ -48,21 +48,26 @@ log = logging.getLogger(__name__)
 
 
 CANCELLED = (1 << 31) - 1  # what the replica writes into its bell to let a copy go: above any value a trainer
-# writes (below 1 << 30), so that no offer adopts a copy this write started
+# writes (1 to 1 << 30), so that no offer adopts a copy this write started
+
+
+RING_WAIT = 0.001  # how long a prepare waits for the trainer's bell to reach a copy armed beside generation: it is
+# written before the ring is sent, so it has almost always landed; one that has not is disarmed, the copy launched
 
 
 class StepWatch:
     """The engine's steps and commands, timed (its thread marks each: `began`, `ended`), and a thread that lets
     the copy it guards go (a copy armed beside generation behind a HostBell: `guard`) when a step or command has
-    run longer than FACTOR times the usual step and at least FLOOR s. It waits for the whole device behind the
-    copy (a kernel loaded at its first launch, say), and goes on once the bell is written: here, by a store of
-    the CPU."""
+    run longer than FACTOR times the usual step and at least `floor` s (arm_patience_ms). It waits for the whole
+    device behind the copy (a kernel loaded at its first launch, say), and goes on once the bell is written: here,
+    by a store of the CPU."""
 
-    FACTOR, FLOOR = 4.0, 0.02
+    FACTOR = 4.0
 
-    def __init__(self):
+    def __init__(self, floor: float = 0.02):
+        self.floor = floor
         self.since: float | None = None  # when the step now running began
-        self.usual = self.FLOOR  # a moving average of the steps' times
+        self.usual = floor  # a moving average of the steps' times
         self.let_go = 0  # copies let go so far
         self._lock = threading.Lock()
         self._guarded: Armed | None = None
@@ -80,7 +85,7 @@ class StepWatch:
         self.since = None
 
     def patience(self) -> float:
-        return max(self.FLOOR, self.FACTOR * self.usual)
+        return max(self.floor, self.FACTOR * self.usual)
 
     def guard(self, armed: Armed) -> None:
         """Guards `armed` from now on (what ran before, the commit that armed it, say, is not held against it)."""
@@ -133,10 +138,11 @@ class ArmedSpare(NamedTuple):
 
 
 class Arming:
-    def __init__(self, device: torch.device, enabled: bool = True, while_generating: bool = False):
+    def __init__(self, device: torch.device, enabled: bool = True, while_generating: bool = False,
+                 patience: float = 0.02):
         self.device, self.enabled = resolved(device), enabled  # (its index: one copy event per GPU)
-        # (arm_while_generating: a bell in host memory, and the watch that may let its copy go)
-        self.watch = StepWatch() if enabled and while_generating else None
+        # (arm_while_generating: a bell in host memory, and the watch that may let its copy go after `patience` s)
+        self.watch = StepWatch(patience) if enabled and while_generating else None
         self.bell: Bell | HostBell | None = None
         self.held: tuple[str, tuple[bytes, ...]] | None = None  # the last hold: holder, storages in its order
         self.plan: tuple | None = None  # (specs, mapped locations, the one run they copy) of the last held pull
@@ -208,8 +214,8 @@ class Arming:
         if armed is None:
             weights.give_back_spare(store)
             return
+        self.watch.guard(armed)  # (before anything can take it: the watch lets go only what it guards)
         weights.armed_spare = ArmedSpare(armed, store, self.watch)
-        self.watch.guard(armed)
 
     def adopt_spare(self, weights, specs: list, offer: pb.Offer, version: int):
         """The copy armed into the spare when it is this offer's, not let go by the watch, and started by the
@@ -220,7 +226,9 @@ class Arming:
             return None
         armed = spare.armed
         guarded = spare.watch.take(armed)  # (from here on the watch writes its bell no more)
-        if guarded and armed.adopt(specs, offer):
+        # Only a copy the trainer's bell has reached: one adopted before, which nothing lets go any more, would
+        # hold up what waits for the whole device on the engine's thread until the trainer's write lands.
+        if guarded and armed.bell.rung(offer.mapped.bell, RING_WAIT) and armed.adopt(specs, offer):
             metrics.REPLICA_ARMED.labels("adopted").inc()
             return spare.store, AdoptedUpdate(armed.nbytes, armed.bell.event_handle, armed.disarm, version,
                                               reads=armed.reads)
