@@ -38,6 +38,8 @@ class Evidence:
         one, or the member reports none (every heartbeat of such a member counts, as it always did), or
         its CPU time grew as `computing` says work does (kind "cpu")."""
         moved = counter == 0 or counter != self.counter
+        if cpu and cpu < self.cpu_at_progress:  # a new beacon: the time its member waited for a CPU counts from its
+            self.cpu_at_progress = cpu  # start (rlsync.common.progress.Watched), so from here on, from this report
         worked = cpu - self.cpu_at_progress if cpu and self.cpu_at_progress else 0.0
         busy = computing(worked, now - self.progress_at)
         self.heartbeat_at, self.counter, self.cpu = now, counter, cpu

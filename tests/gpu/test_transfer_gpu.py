@@ -233,7 +233,7 @@ def test_an_armed_held_pull_is_started_by_the_senders_bell_and_lands_each_steps_
             for step in range(4):
                 for t in tensors.values():
                     t.add_(1)  # in place: the storages stay where the receiver holds them
-                ring_bell(flag, step + 1)  # after the step's values, on the same stream
+                ring_bell(flag, step + 1)  # after the step's values (its stream waits for this thread's)
                 offer = sender.offer(version=step, pull=True)
                 offer.mapped.bell, offer.mapped.waits = step + 1, True
                 if step == 2:  # another offer: a version whose manifest carries checksums

@@ -84,6 +84,8 @@ def test_unknown_engine_argument_is_refused(tiny_model):
                                       ({"arm": False, "arm_while_generating": True}, "needs arm: true"),
                                       ({"arm_patience_ms": 0}, "arm_patience_ms must be > 0, got 0"),
                                       ({"arm_patience_ms": "1"}, "arm_patience_ms must be > 0, got '1'"),
+                                      ({"arm_patience_ms": True}, "arm_patience_ms must be > 0, got True"),
+                                      ({"arm_patience_ms": float("inf")}, "arm_patience_ms must be > 0, got inf"),
                                       ({"switch_interval_ms": 0}, "switch_interval_ms must be > 0")])
 def test_a_bad_engine_argument_value_is_refused(tiny_model, raw, why):
     with pytest.raises(InvalidArgument, match=why):

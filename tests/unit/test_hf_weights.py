@@ -113,15 +113,16 @@ def test_a_copy_armed_into_the_spare_runs_out_before_the_spare_goes_or_serves_ag
 
 
 class _Bell:
-    """A stand-in for a HostBell: the word the trainer's ring writes, as the CPU reads it."""
+    """A stand-in for a HostBell: the word the trainer's ring writes, as the CPU reads it (None: a bell in GPU
+    memory, which the CPU cannot read)."""
 
     event_handle = b"event"
 
-    def __init__(self, word: int):
+    def __init__(self, word: int | None):
         self.word = word
 
-    def rung(self, value: int, within: float) -> bool:
-        return self.word == value
+    def holds(self) -> int | None:
+        return self.word
 
 
 class _Adoptable(_Armed):
@@ -138,12 +139,20 @@ class _Adoptable(_Armed):
         return True
 
 
+def _counted(outcome: str) -> float:
+    return REGISTRY.get_sample_value("rlsync_replica_armed_copies_total", {"outcome": outcome}) or 0
+
+
 def test_a_copy_armed_beside_generation_is_adopted_only_once_the_trainers_bell_reached_it():
     """Adopted, a copy is guarded no more: one the trainer's bell had not started yet would hold up a launch that
     waits for the whole device until the trainer's write lands (or for good, were the trainer gone). So a prepare
-    takes only a copy whose bell holds its offer's value; another is disarmed (it runs out into the spare) and the
-    update copies as it prepares."""
-    from rlsync.rollout.engines.hf_armed import Arming, ArmedSpare, StepWatch
+    waits a little (RING_WAIT, the watch guarding meanwhile) for the bell to hold its offer's value, and takes the
+    copy only then; another is disarmed (it runs out into the spare, counted `late`) and the update copies as it
+    prepares."""
+    import asyncio
+    import threading
+
+    from rlsync.rollout.engines.hf_armed import CANCELLED, RING_WAIT, Arming, ArmedSpare, StepWatch
     from rlsync.transfer.v1 import transfer_pb2 as pb
 
     w, watch, arming = _weights(), StepWatch(), Arming(torch.device("cpu"))
@@ -151,17 +160,23 @@ def test_a_copy_armed_beside_generation_is_adopted_only_once_the_trainers_bell_r
     spare = w.take_spare()
     offer = pb.Offer()
     offer.mapped.bell = 7
-    for word, taken in ((0, False), (6, False), (7, True)):  # not rung yet; an older offer's value; this offer's
-        armed = _Adoptable(_Bell(word))
+    # not written; an older offer's value; let go; this offer's; written 5 ms into the wait; a bell in GPU memory
+    for word, late, taken in ((0, None, False), (6, None, False), (CANCELLED, None, False), (7, None, True),
+                              (0, 7, True), (None, None, True)):
+        bell = _Bell(word)
+        armed = _Adoptable(bell)
         watch.guard(armed)
         w.armed_spare = ArmedSpare(armed, spare, watch)
-        stopped = REGISTRY.get_sample_value("rlsync_replica_armed_copies_total", {"outcome": "stopped"}) or 0
-        got = arming.adopt_spare(w, [], offer, version=2)
+        before = _counted("late")
+        if late is not None:
+            threading.Timer(0.005, setattr, (bell, "word", late)).start()
+        got = asyncio.run(arming.adopt_spare(w, [], offer, version=2))
         assert (got is not None) == taken and armed.adopted == taken, word
         assert w.armed_spare is None and not watch.take(armed), "taken from the watch either way"
         if taken:
             assert got[0] is spare and got[1].report.nbytes == 12 and armed.disarmed == 0
+            spare = w.take_spare() or spare
         else:
             assert armed.disarmed == 1 and w.take_spare() is spare, "run out, and the spare again"
-            assert REGISTRY.get_sample_value("rlsync_replica_armed_copies_total",
-                                             {"outcome": "stopped"}) == stopped + 1
+            assert _counted("late") == before + 1, word
+    assert RING_WAIT <= 0.05, "a prepare waits little for a bell"

@@ -54,12 +54,24 @@ def test_a_descriptor_that_is_no_bell_page_is_refused_before_it_is_mapped(kind, 
     else:
         (tmp_path / "short").write_bytes(b"\0" * 8)
         fd, other = os.open(tmp_path / "short", os.O_RDWR), None
+    target = os.readlink(f"/proc/self/fd/{fd}")  # (pipe:[inode], or the file's path)
+
+    def open_to_it() -> int:  # (other threads of the suite may open and close descriptors meanwhile)
+        return sum(1 for n in os.listdir("/proc/self/fd") if _link(n) == target)
+
     try:
-        before = sorted(os.listdir("/proc/self/fd"))
+        before = open_to_it()
         with pytest.raises(Unmappable, match=f"/proc/{os.getpid()}/fd/{fd} is not the replica's bell"):
             open_bell(_host_bell(fd=fd, nonce=1), torch.device("cuda", 0))
-        assert sorted(os.listdir("/proc/self/fd")) == before, "the descriptor it opened is closed"
+        assert open_to_it() == before, "the descriptor it opened is closed"
     finally:
         os.close(fd)
         if other is not None:
             os.close(other)
+
+
+def _link(n: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{n}")
+    except OSError:
+        return ""

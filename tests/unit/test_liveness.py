@@ -73,6 +73,18 @@ def test_a_trickle_of_cpu_is_not_progress_and_other_evidence_moves_the_baseline(
     assert not e.heartbeat(4.0, 8, cpu=6.02) and judge(e, 4.2, LEASE).action == "drop"
 
 
+def test_a_member_whose_beacon_started_again_is_kept_by_its_cpu_time_from_the_new_beacons_first_report():
+    """A beacon's CPU time counts the time its member waited for a CPU since that beacon started (Watched): one
+    started again reports less than the last did. Its reports are then the baseline, and CPU time that grows
+    from there keeps a member that computes."""
+    e = Evidence(progress_at=0.0, heartbeat_at=0.0, counter=7)
+    assert e.heartbeat(0.3, 8, cpu=20.0)  # the old beacon: 12 s run, 8 s waited for a CPU
+    assert not e.heartbeat(0.6, 8, cpu=12.1)  # the new one: 12.1 s run, nothing waited yet
+    for t in (1.0, 2.0, 3.0, 4.0):
+        assert e.heartbeat(t, 8, cpu=12.1 + 0.5 * (t - 0.6)), t  # half a core: it computes
+        assert judge(e, t, LEASE) == ALIVE
+
+
 def test_a_member_that_reports_no_counter_is_kept_by_its_heartbeats_as_before():
     e = Evidence(progress_at=0.0, heartbeat_at=0.0)
     assert all(e.heartbeat(t, 0) for t in (1.0, 2.0, 3.0))

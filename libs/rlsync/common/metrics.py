@@ -58,7 +58,8 @@ REPLICA_ABORTED = Counter("rlsync_replica_completions_aborted", "completions end
 REPLICA_TOKENS = Counter("rlsync_replica_tokens", "tokens generated")
 REPLICA_ARMED = Counter("rlsync_replica_armed_copies", "copies armed beside generation (hf arm_while_generating), "
                         "by what became of them: adopted by the next offer, let_go (a step ran far longer than usual), "
-                        "stopped (another offer, a sleep, a hold or release, the batch's need for room)", ["outcome"])
+                        "late (the trainer's bell had not reached it when its offer came), stopped (another offer, "
+                        "a sleep, a hold or release, the batch's need for room)", ["outcome"])
 
 # -- the trainer ------------------------------------------------------------------------------------
 TRAIN_STEPS = Counter("rlsync_train_steps", "training steps taken")

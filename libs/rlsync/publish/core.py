@@ -156,6 +156,7 @@ class PublisherCore:
             self._sender.close()
             self._sender = None
             self._offers.clear()
+            self._final.clear()
         self._source = None  # (a quantized stage's FP8 buffers and scales go with it: the GPU is the engine's now)
 
     def _passes(self, per_send: int) -> int:

@@ -67,16 +67,25 @@ class Registrar:
             stdin=subprocess.PIPE, pass_fds=(progress, self._shared.fd), env={**os.environ, TOKEN_ENV: self.token})
 
     async def _tick(self) -> None:
+        respawn: asyncio.Future | None = None
         while True:
             await asyncio.sleep(TICK)
             PROGRESS.advance()
-            if (self._beacon is not None and (code := self._beacon.poll()) is not None
+            if (respawn is None and self._beacon is not None and (code := self._beacon.poll()) is not None
                     and time.monotonic() - self._spawned > _RESPAWN_SECONDS):
                 log.warning("the heartbeat process exited unasked (status %s): starting another", code)
+                # Off the event loop: the start waits for the child's exec, seconds on a loaded host, and the
+                # loop's turns meanwhile are this member's progress. It goes on as the same member (the id is in
+                # the shared page). (A leave meanwhile cancels this task: the new beacon, its stdin closed as it
+                # is dropped, deregisters and exits.)
+                self._spawned = time.monotonic()
+                respawn = asyncio.ensure_future(asyncio.to_thread(self._spawn))
+            if respawn is not None and respawn.done():
                 try:
-                    self._beacon = self._spawn()  # it goes on as the same member (the id is in the shared page)
+                    self._beacon = respawn.result()
                 except OSError:
                     log.exception("could not start another heartbeat process; trying again in %.0fs", _RESPAWN_SECONDS)
+                respawn = None
 
     async def leave(self, reason: str = "") -> None:
         """Leaves the fleet until `start()` again. With a reason (this member cannot serve what it is

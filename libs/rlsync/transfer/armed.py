@@ -40,6 +40,7 @@ from google.protobuf.message import DecodeError
 
 from rlsync.transfer import driver
 from rlsync.transfer.memory import export_cuda, import_cuda, open_cuda
+from rlsync.transfer.streams import own_stream
 from rlsync.transfer.v1 import transfer_pb2 as pb
 
 
@@ -57,10 +58,10 @@ class Bell:
         self._streams(device)
 
     def _streams(self, device: torch.device) -> None:
-        self.stream = torch.cuda.Stream(device)
+        self.stream = own_stream(device)  # (no other work may queue behind its wait)
         self.event = torch.cuda.Event(interprocess=True)  # recorded after each armed copy
         self.event_handle = self.event.ipc_handle()
-        self._reader = torch.cuda.Stream(device)  # reads the flag without waiting for the engine's work
+        self._reader = own_stream(device)  # reads the flag without waiting for the engine's work
         self._read = torch.zeros(1, dtype=torch.int32, pin_memory=True)
 
     def write(self, value: int) -> None:
@@ -76,11 +77,10 @@ class Bell:
         with torch.cuda.stream(stream):
             self._started.copy_(self.flag[:1])
 
-    def rung(self, value: int, within: float) -> bool:
-        """Whether the bell holds `value` (written by a trainer), waiting up to `within` s for it. A bell in GPU
-        memory cannot say without a copy from it, which would wait behind what the bell holds up: True (it is
-        armed only where nothing else runs until its update)."""
-        return True
+    def holds(self) -> int | None:
+        """The value written into the bell, as the CPU reads it now; None for a bell in GPU memory (a copy from it
+        would wait behind what the bell holds up)."""
+        return None
 
     def started_by(self) -> int:
         """The bell value that started the armed copy; 0 while it waits. (A later write of the bell
@@ -196,9 +196,9 @@ def open_bell(handle: bytes, device: torch.device) -> torch.Tensor:
 
 @lru_cache(maxsize=None)
 def ring_stream(index: int) -> torch.cuda.Stream:
-    """The trainer's stream that writes bells on GPU `index` (`ring_bell`): it waits for the weights of the offer it
-    rings and for nothing else, such as training queued since on the trainer's stream."""
-    return torch.cuda.Stream(torch.device("cuda", index))
+    """The trainer's stream that writes bells on GPU `index` (`ring_bell`), its own: it waits for the weights of the
+    offer it rings and for nothing else, such as training queued since on the trainer's stream."""
+    return own_stream(torch.device("cuda", index))
 
 
 def ring_bell(flag: torch.Tensor, value: int, after: torch.cuda.Event | None = None) -> None:

@@ -22,6 +22,7 @@ import torch
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
 _WRITE_FENCED = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: what the stream wrote before is visible first
 _HOST_PORTABLE_MAPPED = 0x1 | 0x2  # CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP
+_NON_BLOCKING = 0x1  # CU_STREAM_NON_BLOCKING: no implicit order with the legacy default stream
 _P, _U64, _U32, _INT = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int
 
 
@@ -67,6 +68,16 @@ def _queue_on(stream: torch.cuda.Stream, name: str, argtypes: tuple, *args) -> N
     """Calls `name` (it queues work on `stream`, passed last) in the primary context of the stream's device."""
     with _primary_current(stream.device.index):
         _call(name, *argtypes, _P)(*args, stream.cuda_stream)
+
+
+def new_stream(index: int) -> int:
+    """A stream created for the caller alone on device `index` (non-blocking, in its primary context) -> its CUstream.
+    torch's `Stream()` hands out the streams of a pool of 32 in turn: every 32nd taker, NCCL's groups among them,
+    gets the same one, and its work would queue behind a wait on it (a bell's)."""
+    stream = _P()
+    with _primary_current(index):
+        _call("cuStreamCreate", ctypes.POINTER(_P), ctypes.c_uint)(ctypes.byref(stream), _NON_BLOCKING)
+    return stream.value
 
 
 def copy(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:

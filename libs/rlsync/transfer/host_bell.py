@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import os
 import stat
-import time
 
 import torch
 
@@ -38,18 +37,27 @@ class _Mapped:
     process: a copy may wait on it until its exit, which a synchronize here would wait for)."""
 
     def __init__(self, buffer: SharedBuffer, index: int, opened: bool):
-        self.buffer, self.index, self.opened = buffer, index, opened
+        self.buffer, self.index, self.opened = buffer, index, False
         self.host = buffer.tensor.data_ptr()
         self.address = driver.register_host(self.host, PAGE, index)
+        self.opened = opened  # (registered: from here on it is unregistered when it goes)
         self.__cuda_array_interface__ = {"shape": (2,), "typestr": "<i4", "data": (self.address, False),
                                          "version": 3, "strides": None}
+
+    def close(self) -> None:
+        """Unregisters the page now (before its mapping goes: another mapping at its address could not be
+        registered), once the trainer's writes queued to it are done (they are on the ring stream alone)."""
+        if self.address is None:
+            return
+        ring_stream(self.index).synchronize()
+        driver.unregister_host(self.host, self.index)
+        self.address = None
 
     def __del__(self) -> None:
         if not self.opened:
             return
-        try:  # (a write the trainer queued may still reach it: its writes are on the ring stream alone)
-            ring_stream(self.index).synchronize()
-            driver.unregister_host(self.host, self.index)
+        try:
+            self.close()
         except Exception:  # noqa: BLE001 - (at exit the driver may be gone before this)
             pass
 
@@ -57,9 +65,13 @@ class _Mapped:
 def _words(buffer: SharedBuffer, device: torch.device, opened: bool = False) -> tuple[torch.Tensor, int]:
     """The two words of `buffer` as a CUDA tensor on `device` (registered, mapped), and their host address."""
     mapped = _Mapped(buffer, device.index if device.index is not None else torch.cuda.current_device(), opened)
-    words = torch.as_tensor(mapped, device=device)
-    if words.data_ptr() != mapped.address:  # (torch copies what it takes for another device's memory)
-        raise Unmappable(f"{device} does not see the bell's page where the driver mapped it: torch copied it")
+    try:
+        words = torch.as_tensor(mapped, device=device)
+        if words.data_ptr() != mapped.address:  # (torch copies what it takes for another device's memory)
+            raise Unmappable(f"{device} does not see the bell's page where the driver mapped it: torch copied it")
+    except BaseException:
+        mapped.close()
+        raise
     words.rlsync_mapping = mapped  # (kept with the tensor, whatever torch keeps of what it was made from)
     return words, mapped.host
 
@@ -89,9 +101,8 @@ def open_host_words(words: pb.HostWords, device: torch.device) -> torch.Tensor:
         os.close(fd)
         raise gone
     try:
-        buffer = SharedBuffer.attach(fd, PAGE)  # (it closes fd once mapped)
-    except OSError as e:
-        os.close(fd)
+        buffer = SharedBuffer.attach(fd, PAGE)  # (it closes fd, mapped or not)
+    except (OSError, ValueError) as e:
         raise Unmappable(f"cannot map the replica's bell ({path}): {e}") from e
     try:
         if _nonce(buffer).value != words.nonce:
@@ -127,14 +138,9 @@ class HostBell(Bell):
         """Starts what waits on the bell: a store of the CPU (nothing launched, nothing that waits)."""
         self._word.value = value
 
-    def rung(self, value: int, within: float) -> bool:
+    def holds(self) -> int:
         """Read by the CPU, which nothing on the GPU holds up."""
-        until = time.perf_counter() + within
-        while self._word.value != value:
-            if time.perf_counter() > until:
-                return False
-            time.sleep(0)
-        return True
+        return self._word.value
 
     def reset(self) -> None:
         self._word.value = 0

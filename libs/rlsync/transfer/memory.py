@@ -21,10 +21,12 @@ class SharedBuffer:
         if own:
             fd = os.memfd_create("rlsync", os.MFD_CLOEXEC)
             os.ftruncate(fd, max(nbytes, 1))
-        self._map = mmap.mmap(fd, max(nbytes, 1))
-        self.fd = fd if own else None  # a mapping outlives its descriptor: attached ones close theirs now
-        if not own:
-            os.close(fd)
+        try:
+            self._map = mmap.mmap(fd, max(nbytes, 1))
+        finally:
+            if not own:  # a mapping outlives its descriptor: an attached one closes its own now, mapped or not
+                os.close(fd)
+        self.fd = fd if own else None
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)[:nbytes]
 
     @classmethod

@@ -20,6 +20,8 @@ from functools import cache
 
 import torch
 
+from rlsync.transfer import driver
+
 Handed = tuple[torch.cuda.Event, torch.cuda.Stream] | None
 
 
@@ -39,6 +41,13 @@ def transfer_stream(device: torch.device) -> torch.cuda.Stream:
 @cache
 def _stream(index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(index, priority=-1)
+
+
+def own_stream(device: torch.device) -> torch.cuda.ExternalStream:
+    """A stream of this caller's alone on `device` (rlsync.transfer.driver.new_stream: none of torch's pool, whose
+    streams other takers share), for work queued behind a wait that may last (a bell's), and what writes it."""
+    index = resolved(device).index
+    return torch.cuda.ExternalStream(driver.new_stream(index), device=torch.device("cuda", index))
 
 
 def handed_over(device: torch.device) -> Handed:

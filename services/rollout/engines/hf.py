@@ -422,7 +422,7 @@ class HFEngine(Engine):
             specs, version = from_proto(offer.manifest), offer.manifest.version
             # (arm_while_generating: the copy queued into the spare at the last commit, when the trainer's bell
             # for this offer started it; else it runs out, and the spare is free for the launch)
-            launched, stage = self._arming.adopt_spare(self.weights, specs, offer, version), "adopt"
+            launched, stage = await self._arming.adopt_spare(self.weights, specs, offer, version), "adopt"
             if launched is None and not routed:
                 launched, stage = self._arming.launch(self.weights, specs, offer.mapped, version), "launch"
             elif launched is None and not force_backend:  # a sharded trainer's repeat from storages held here

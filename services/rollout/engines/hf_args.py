@@ -5,6 +5,7 @@ in one line."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -53,7 +54,8 @@ class HFEngineArgs:
                 raise InvalidArgument(f"hf engine argument {name} must be true or false, got {getattr(args, name)!r}")
         if args.arm_while_generating and not args.arm:
             raise InvalidArgument("hf engine argument arm_while_generating needs arm: true")
-        if not (isinstance(args.arm_patience_ms, (int, float)) and args.arm_patience_ms > 0):
+        patience = args.arm_patience_ms
+        if isinstance(patience, bool) or not (isinstance(patience, (int, float)) and 0 < patience < math.inf):
             raise InvalidArgument(f"hf engine argument arm_patience_ms must be > 0, got {args.arm_patience_ms!r}")
         if not args.switch_interval_ms > 0:
             raise InvalidArgument(f"hf engine argument switch_interval_ms must be > 0, got {args.switch_interval_ms}")

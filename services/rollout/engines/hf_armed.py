@@ -19,6 +19,7 @@ trainer's does."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -51,8 +52,11 @@ CANCELLED = (1 << 31) - 1  # what the replica writes into its bell to let a copy
 # writes (1 to 1 << 30), so that no offer adopts a copy this write started
 
 
-RING_WAIT = 0.001  # how long a prepare waits for the trainer's bell to reach a copy armed beside generation: it is
-# written before the ring is sent, so it has almost always landed; one that has not is disarmed, the copy launched
+# How long a prepare waits for the trainer's bell to reach a copy armed beside generation (the watch guards it
+# meanwhile), polling every RING_POLL s: the trainer queues its write before it sends the ring, but with the GPU
+# shared between the two processes the write may wait for its turn there. One not reached by then is disarmed
+# (counted as `late`), and the prepare launches its copy.
+RING_WAIT, RING_POLL = 0.02, 0.0002
 
 
 class StepWatch:
@@ -67,7 +71,7 @@ class StepWatch:
     def __init__(self, floor: float = 0.02):
         self.floor = floor
         self.since: float | None = None  # when the step now running began
-        self.usual = floor  # a moving average of the steps' times
+        self.usual = 0.02  # a moving average of the steps' times (from a guess, until steps are timed)
         self.let_go = 0  # copies let go so far
         self._lock = threading.Lock()
         self._guarded: Armed | None = None
@@ -121,6 +125,17 @@ class StepWatch:
                 self.let_go += 1
             log.info("a step ran %.0f ms (usual: %.1f ms): the copy armed beside generation is let go, and the "
                      "next update copies at its prepare", (time.perf_counter() - since) * 1e3, self.usual * 1e3)
+
+
+async def _reached(bell: Bell, value: int) -> bool:
+    """Whether `bell` holds `value`, within RING_WAIT (a bell the CPU cannot read: True; one the watch let go: False
+    at once)."""
+    until = time.perf_counter() + RING_WAIT
+    while (now := bell.holds()) is not None and now != value:
+        if now == CANCELLED or time.perf_counter() > until:
+            return False
+        await asyncio.sleep(RING_POLL)
+    return True
 
 
 class ArmedSpare(NamedTuple):
@@ -217,23 +232,24 @@ class Arming:
         self.watch.guard(armed)  # (before anything can take it: the watch lets go only what it guards)
         weights.armed_spare = ArmedSpare(armed, store, self.watch)
 
-    def adopt_spare(self, weights, specs: list, offer: pb.Offer, version: int):
-        """The copy armed into the spare when it is this offer's, not let go by the watch, and started by the
-        trainer's bell or not started yet (Armed.adopt) -> (the store, its AdoptedUpdate); else None, the copy
-        disarmed and the store the spare again."""
+    async def adopt_spare(self, weights, specs: list, offer: pb.Offer, version: int):
+        """The copy armed into the spare when it is this offer's, not let go by the watch, and started by this
+        offer's bell value, which the bell holds (Armed.adopt) -> (the store, its AdoptedUpdate); else None, the copy
+        disarmed and the store the spare again. Only a copy the trainer's bell has reached: once adopted, nothing
+        lets it go any more, and one not started yet would hold up what waits for the whole device on the engine's
+        thread until the trainer's write lands (for good, were the trainer gone)."""
         spare = weights.take_armed_spare()
         if spare is None:
             return None
         armed = spare.armed
+        reached = await _reached(armed.bell, offer.mapped.bell)  # (guarded meanwhile)
         guarded = spare.watch.take(armed)  # (from here on the watch writes its bell no more)
-        # Only a copy the trainer's bell has reached: one adopted before, which nothing lets go any more, would
-        # hold up what waits for the whole device on the engine's thread until the trainer's write lands.
-        if guarded and armed.bell.rung(offer.mapped.bell, RING_WAIT) and armed.adopt(specs, offer):
+        if guarded and reached and armed.adopt(specs, offer):
             metrics.REPLICA_ARMED.labels("adopted").inc()
             return spare.store, AdoptedUpdate(armed.nbytes, armed.bell.event_handle, armed.disarm, version,
                                               reads=armed.reads)
-        if guarded:  # (another offer's, or started by an older one)
-            metrics.REPLICA_ARMED.labels("stopped").inc()
+        if guarded:  # (not reached in time; another offer's, or started by an older one)
+            metrics.REPLICA_ARMED.labels("stopped" if reached else "late").inc()
         armed.disarm()
         weights.give_back_spare(spare.store)
         return None
