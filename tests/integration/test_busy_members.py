@@ -164,7 +164,15 @@ def drops(co) -> str:
 
 
 def children(pid: int) -> list[int]:
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    """Its child processes, whichever of its threads started each (a beacon started again: a worker thread)."""
+    return sorted(int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in _read(t / "children").split())
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:  # (a thread that just ended)
+        return ""
 
 
 def members(client: CoordinatorClient) -> list[str]:
