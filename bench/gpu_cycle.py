@@ -62,7 +62,7 @@ def start(logs: Path, mode: str, model: str, trainer_gpu: str, replica_gpus: lis
                                             "cuda", "--dtype", "bfloat16", "--lr", "1e-5", *trainer_args],
                                 env={"CUDA_VISIBLE_DEVICES": trainer_gpu}, log_path=logs / "trainer.log")]
     fleet += [ServiceProcess("rollout", ["--port", "0", "--coordinator", address, "--engine", ENGINE, "--model", model,
-                                         "--engine-args", engine, "--replica-id", f"r{i}"],
+                                         "--engine-args", engine, "--replica-id", f"r{i}", "--metrics-port", "0"],
                              env={"CUDA_VISIBLE_DEVICES": gpu, **(replica_env or {})}, log_path=logs / f"r{i}.log")
               for i, gpu in enumerate(replica_gpus)]
     for p in fleet[1:]:
@@ -327,6 +327,7 @@ def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: floa
     try:
         syncs, windows, quiet, busy = asyncio.run(run())
         status = CoordinatorClient(address).status()
+        armed = armed_copies(fleet[2:])
     finally:
         for p in reversed(fleet):
             p.stop()
@@ -386,6 +387,9 @@ def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: floa
            # how each sync's copy began on the replica: adopted (armed beforehand and started by the trainer's bell:
            # the hf engine's arm_while_generating), launched as its prepare began, or neither (a receiver laid out)
            "copies": copies_by_start(per_sync),
+           # what became of the copies the replicas armed beside generation (hf arm_while_generating): adopted,
+           # late (the trainer's bell had not reached one when its offer came), let_go, stopped
+           **({"armed_copies": armed} if armed else {}),
            "aborted_and_resumed": status.resubmissions, "per_sync": per_sync}
     if events:
         out["update_trace"] = update_trace(events)
@@ -394,6 +398,23 @@ def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: floa
         out["pause_window_ms"] = round(statistics.median(windows_ms), 3)
         out["pause_window_max_ms"] = round(max(windows_ms), 3)
         out["pause_window_minus_transfer_ms"] = round(statistics.median(windows_ms) - transfer_ms, 3)
+    return out
+
+
+def armed_copies(replicas: list[ServiceProcess]) -> dict[str, int]:
+    """rlsync_replica_armed_copies_total by outcome, summed over the replicas' /metrics ({}: none armed)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, int] = {}
+    for p in replicas:
+        text = urllib.request.urlopen(f"http://{p.http_address('metrics')}/metrics", timeout=10).read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "rlsync_replica_armed_copies_total":
+                    outcome = sample.labels["outcome"]
+                    out[outcome] = out.get(outcome, 0) + int(sample.value)
     return out
 
 

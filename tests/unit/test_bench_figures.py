@@ -1,6 +1,7 @@
 """What the GPU benches sum up from their runs (pure arithmetic over what a run recorded): where a vLLM update's
 gaps go (bench/gpu_cycle.update_trace), the longest gap across an update against those around it
-(gap_vs_local_median), and a result's headline figures (bench/summary.headline)."""
+(gap_vs_local_median), what became of the copies replicas armed (armed_copies, from their /metrics), and a result's
+headline figures (bench/summary.headline)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from gpu_cycle import copies_by_start, gap_vs_local_median, update_trace  # noqa: E402
+from gpu_cycle import armed_copies, copies_by_start, gap_vs_local_median, update_trace  # noqa: E402
 from summary import headline  # noqa: E402
 
 
@@ -64,3 +65,33 @@ def test_each_syncs_copy_is_counted_by_how_it_began_on_the_replica():
                 {"transfer_profile_ms": {"receiver_launch": 0.3}}, {"transfer_profile_ms": {"receiver_setup": 0.7}},
                 {}]
     assert copies_by_start(per_sync) == {"adopted": 1, "launched": 1, "other": 2}
+
+
+class _Endpoint:
+    """A replica as the bench knows it (a ServiceProcess): where its /metrics listen."""
+
+    def __init__(self, address: str):
+        self.address = address
+
+    def http_address(self, event: str) -> str:
+        assert event == "metrics"
+        return self.address
+
+
+def test_armed_copies_are_summed_by_outcome_over_the_replicas_metrics():
+    from prometheus_client import CollectorRegistry, Counter, start_http_server
+
+    endpoints = []
+    for adopted, late in ((3, 1), (2, 0)):
+        registry = CollectorRegistry()
+        armed = Counter("rlsync_replica_armed_copies", "(as rlsync.common.metrics)", ["outcome"], registry=registry)
+        armed.labels("adopted").inc(adopted)
+        armed.labels("late").inc(late)
+        server, _ = start_http_server(0, addr="127.0.0.1", registry=registry)
+        endpoints.append((server, _Endpoint(f"127.0.0.1:{server.server_port}")))
+    try:
+        assert armed_copies([e for _, e in endpoints]) == {"adopted": 5, "late": 1}
+        assert armed_copies([]) == {}
+    finally:
+        for server, _ in endpoints:
+            server.shutdown()
