@@ -11,10 +11,12 @@ stuck, and the coordinator does not count it."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 
 from rlsync.common.progress import PROGRESS
@@ -67,7 +69,7 @@ class Registrar:
             stdin=subprocess.PIPE, pass_fds=(progress, self._shared.fd), env={**os.environ, TOKEN_ENV: self.token})
 
     async def _tick(self) -> None:
-        respawn: asyncio.Future | None = None
+        respawn: concurrent.futures.Future | None = None
         while True:
             await asyncio.sleep(TICK)
             PROGRESS.advance()
@@ -76,14 +78,16 @@ class Registrar:
                 log.warning("the heartbeat process exited unasked (status %s): starting another", code)
                 # Off the event loop: the start waits for the child's exec, seconds on a loaded host, and the
                 # loop's turns meanwhile are this member's progress. It goes on as the same member (the id is in
-                # the shared page). (A leave meanwhile cancels this task: the new beacon, its stdin closed as it
+                # the shared page). (A leave meanwhile cancels this ticker: the new beacon, its stdin closed as it
                 # is dropped, deregisters and exits.)
                 self._spawned = time.monotonic()
-                respawn = asyncio.ensure_future(asyncio.to_thread(self._spawn))
+                respawn = concurrent.futures.Future()  # (a thread of its own: the loop's executor may be busy)
+                threading.Thread(target=_into, args=(respawn, self._spawn), name="rlsync-beacon-start",
+                                 daemon=True).start()
             if respawn is not None and respawn.done():
                 try:
                     self._beacon = respawn.result()
-                except OSError:
+                except Exception:  # noqa: BLE001 - the ticker goes on: its turns are the member's progress
                     log.exception("could not start another heartbeat process; trying again in %.0fs", _RESPAWN_SECONDS)
                 respawn = None
 
@@ -101,6 +105,13 @@ class Registrar:
     async def stop(self) -> None:
         """Leaves the fleet for good; safe to call twice."""
         await self.leave()
+
+
+def _into(future: concurrent.futures.Future, fn) -> None:
+    try:
+        future.set_result(fn())
+    except BaseException as e:  # noqa: BLE001 - handed to whoever reads the future
+        future.set_exception(e)
 
 
 def _dismiss(beacon: subprocess.Popen, reason: str) -> None:
