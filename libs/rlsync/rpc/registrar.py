@@ -70,6 +70,7 @@ class Registrar:
 
     async def _tick(self) -> None:
         respawn: concurrent.futures.Future | None = None
+        dead: subprocess.Popen | None = None  # the beacon the one starting replaces
         while True:
             await asyncio.sleep(TICK)
             PROGRESS.advance()
@@ -78,17 +79,23 @@ class Registrar:
                 log.warning("the heartbeat process exited unasked (status %s): starting another", code)
                 # Off the event loop: the start waits for the child's exec, seconds on a loaded host, and the
                 # loop's turns meanwhile are this member's progress. It goes on as the same member (the id is in
-                # the shared page). (A leave meanwhile cancels this ticker: the new beacon, its stdin closed as it
-                # is dropped, deregisters and exits.)
-                self._spawned = time.monotonic()
+                # the shared page). (A leave meanwhile has it dismissed once started; one that cancels this ticker
+                # first drops it, and the new beacon, its stdin closed, deregisters and exits.)
+                self._spawned, dead = time.monotonic(), self._beacon
                 respawn = concurrent.futures.Future()  # (a thread of its own: the loop's executor may be busy)
                 threading.Thread(target=_into, args=(respawn, self._spawn), name="rlsync-beacon-start",
                                  daemon=True).start()
             if respawn is not None and respawn.done():
                 try:
-                    self._beacon = respawn.result()
+                    beacon = respawn.result()
                 except Exception:  # noqa: BLE001 - the ticker goes on: its turns are the member's progress
                     log.exception("could not start another heartbeat process; trying again in %.0fs", _RESPAWN_SECONDS)
+                else:
+                    if self._beacon is dead:
+                        self._beacon = beacon
+                    else:  # a leave (or a leave and a start) came meanwhile: this one goes too
+                        threading.Thread(target=_dismiss, args=(beacon, ""), name="rlsync-beacon-dismiss",
+                                         daemon=True).start()
                 respawn = None
 
     async def leave(self, reason: str = "") -> None:
