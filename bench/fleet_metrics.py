@@ -1,5 +1,5 @@
-"""The coordinator's liveness figures, read from its Prometheus endpoint (--metrics-port): members
-suspected, cleared and dropped (by role and reason) and gateway resubmissions (by reason)."""
+"""The coordinator's liveness figures, read from its Prometheus endpoint (--metrics-port): members suspected,
+cleared and dropped (by role and reason) and gateway resubmissions (by reason); `samples` reads any process's."""
 
 from __future__ import annotations
 
@@ -11,15 +11,19 @@ SERIES = {"rlsync_members_suspected_total": "suspected", "rlsync_members_cleared
           "rlsync_members_dropped_total": "dropped", "rlsync_gateway_resubmissions_total": "resubmitted"}
 
 
+def samples(metrics_address: str) -> list:
+    """Every sample a process's Prometheus endpoint (--metrics-port) serves now."""
+    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=30).read().decode()
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
 def liveness(metrics_address: str) -> dict[str, dict[str, float]]:
     """{"suspected": {"rollout/silent": 1.0, ...}, "cleared": ..., "dropped": ..., "resubmitted": {"aborted": ..}}"""
-    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=30).read().decode()
     out: dict[str, dict[str, float]] = {name: {} for name in SERIES.values()}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name in SERIES and s.value:
-                key = "/".join(s.labels[k] for k in ("role", "reason", "evidence") if k in s.labels)
-                out[SERIES[s.name]][key] = s.value
+    for s in samples(metrics_address):
+        if s.name in SERIES and s.value:
+            key = "/".join(s.labels[k] for k in ("role", "reason", "evidence") if k in s.labels)
+            out[SERIES[s.name]][key] = s.value
     return out
 
 

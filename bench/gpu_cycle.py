@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fleet_metrics import samples  # noqa: E402
 from transfer import d2d_limit, nccl_limit  # noqa: E402
 
 from rlsync.client import (AsyncCoordinatorClient, CoordinatorClient, RolloutClient, TrainerClient,  # noqa: E402
@@ -403,18 +404,11 @@ def under_updates(model: str, logs: Path, mode: str, limit: float, seconds: floa
 
 def armed_copies(replicas: list[ServiceProcess]) -> dict[str, int]:
     """rlsync_replica_armed_copies_total by outcome, summed over the replicas' /metrics ({}: none armed)."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
     out: dict[str, int] = {}
     for p in replicas:
-        text = urllib.request.urlopen(f"http://{p.http_address('metrics')}/metrics", timeout=10).read().decode()
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "rlsync_replica_armed_copies_total":
-                    outcome = sample.labels["outcome"]
-                    out[outcome] = out.get(outcome, 0) + int(sample.value)
+        for s in samples(p.http_address("metrics")):
+            if s.name == "rlsync_replica_armed_copies_total":
+                out[s.labels["outcome"]] = out.get(s.labels["outcome"], 0) + int(s.value)
     return out
 
 
