@@ -16,7 +16,6 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 import time
 
 from rlsync.common.progress import PROGRESS
@@ -36,6 +35,9 @@ class Registrar:
         self._ticker: asyncio.Task | None = None
         self._since = time.monotonic()  # when it started: silent since then until the coordinator answers
         self._spawned = 0.0  # when its beacon last started
+        # starts a beacon again, and dismisses one started after the member left (off the event loop; a thread of
+        # its own, as the loop's executor may be busy)
+        self._starter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlsync-beacon-start")
 
     @property
     def member_id(self) -> str:
@@ -82,9 +84,7 @@ class Registrar:
                 # the shared page). (A leave meanwhile has it dismissed once started; one that cancels this ticker
                 # first drops it, and the new beacon, its stdin closed, deregisters and exits.)
                 self._spawned, dead = time.monotonic(), self._beacon
-                respawn = concurrent.futures.Future()  # (a thread of its own: the loop's executor may be busy)
-                threading.Thread(target=_into, args=(respawn, self._spawn), name="rlsync-beacon-start",
-                                 daemon=True).start()
+                respawn = self._starter.submit(self._spawn)
             if respawn is not None and respawn.done():
                 try:
                     beacon = respawn.result()
@@ -94,8 +94,7 @@ class Registrar:
                     if self._beacon is dead:
                         self._beacon = beacon
                     else:  # a leave (or a leave and a start) came meanwhile: this one goes too
-                        threading.Thread(target=_dismiss, args=(beacon, ""), name="rlsync-beacon-dismiss",
-                                         daemon=True).start()
+                        self._starter.submit(_dismiss, beacon, "")
                 respawn = None
 
     async def leave(self, reason: str = "") -> None:
@@ -112,13 +111,6 @@ class Registrar:
     async def stop(self) -> None:
         """Leaves the fleet for good; safe to call twice."""
         await self.leave()
-
-
-def _into(future: concurrent.futures.Future, fn) -> None:
-    try:
-        future.set_result(fn())
-    except BaseException as e:  # noqa: BLE001 - handed to whoever reads the future
-        future.set_exception(e)
 
 
 def _dismiss(beacon: subprocess.Popen, reason: str) -> None:
