@@ -130,7 +130,7 @@ class HostBell(Bell):
         self.flag, self._host = _words(self._buffer, device)  # (its first word is the bell's)
         self._word = ctypes.c_int32.from_address(self._host)
         self.handle = pb.BellHandle(host=pb.HostWords(pid=os.getpid(), fd=self._buffer.fd, host_id=host_id(),
-                                                      nbytes=PAGE, nonce=nonce.value)).SerializeToString()
+                                                      nonce=nonce.value)).SerializeToString()
         self._started = torch.zeros(1, dtype=torch.int32, device=device)
         self._streams(device)
 

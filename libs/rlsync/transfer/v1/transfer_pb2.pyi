@@ -336,15 +336,13 @@ class BellHandle(_message.Message):
     def __init__(self, device: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., host: _Optional[_Union[HostWords, _Mapping]] = ...) -> None: ...
 
 class HostWords(_message.Message):
-    __slots__ = ("pid", "fd", "host_id", "nbytes", "nonce")
+    __slots__ = ("pid", "fd", "host_id", "nonce")
     PID_FIELD_NUMBER: _ClassVar[int]
     FD_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
-    NBYTES_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     pid: int
     fd: int
     host_id: str
-    nbytes: int
     nonce: int
-    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., host_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., nonce: _Optional[int] = ...) -> None: ...
+    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., host_id: _Optional[str] = ..., nonce: _Optional[int] = ...) -> None: ...
